@@ -1,0 +1,219 @@
+//! Command-line definitions. Parsing only: validation that needs the file
+//! system happens in `daemon::config`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// Default location of everything `ringblk serve` creates on its own.
+pub const DEFAULT_DIR: &str = "/tmp/ringblk";
+pub const DEFAULT_SOCKET: &str = "/tmp/ringblk/vhost.sock";
+pub const DEFAULT_IMAGE: &str = "/tmp/ringblk/disk.img";
+
+#[derive(Debug, Parser)]
+#[command(name = "ringblk", version, about = "A vhost-user-blk backend built on io_uring")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve an image file or block device as a vhost-user-blk device.
+    Serve(ServeArgs),
+    /// Print the counters of a running daemon (started with --metrics).
+    Stats(crate::metrics::StatsArgs),
+    /// Load generator for any vhost-user-blk socket, and a side-by-side
+    /// comparison with qemu-storage-daemon and the host's own io_uring.
+    Bench(crate::bench::BenchArgs),
+}
+
+/// How the used ring is published and the guest notified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum NotifyMode {
+    /// Publish used->idx and decide on a notification once per completion pass.
+    Batched,
+    /// Publish and notify after every request (the naive baseline).
+    PerRequest,
+}
+
+/// Whether finished requests are signalled before or after new submissions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SignalMode {
+    /// Reap and signal completions before parsing new avail entries.
+    Early,
+    /// Submit new requests first, then reap and signal.
+    Late,
+}
+
+/// What executes requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum EngineKind {
+    /// io_uring against the image.
+    Uring,
+    /// Complete at once without touching the image (reads return zeroes):
+    /// the ceiling of the virtqueue and notification path.
+    Null,
+}
+
+#[derive(Clone, Debug, Args)]
+pub struct ServeArgs {
+    /// vhost-user socket to listen on. A stale socket file is replaced; one
+    /// held by a live daemon is an error.
+    #[arg(long, default_value = DEFAULT_SOCKET)]
+    pub socket: PathBuf,
+
+    /// Permissions of the socket file, in octal.
+    #[arg(long, default_value = "600", value_parser = parse_octal)]
+    pub socket_mode: u32,
+
+    /// Raw image file or block device to export. Without --image, the default
+    /// image is created (sparse, --size) if it does not exist.
+    #[arg(long)]
+    pub image: Option<PathBuf>,
+
+    /// Size of the default image when it has to be created (e.g. 1G, 512M).
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    pub size: u64,
+
+    /// Export read-only: writes, discards and write-zeroes fail.
+    #[arg(long)]
+    pub readonly: bool,
+
+    /// Open the image with O_DIRECT (bypass the host page cache).
+    #[arg(long)]
+    pub direct: bool,
+
+    /// Number of virtqueues, each served by its own worker thread.
+    #[arg(long, default_value_t = 1)]
+    pub queues: u16,
+
+    /// Maximum size of each virtqueue (a power of two, up to 32768).
+    #[arg(long, default_value_t = 256)]
+    pub queue_size: u16,
+
+    /// Serial number reported by GET_ID (at most 20 bytes). Defaults to one
+    /// derived from the image's device and inode numbers.
+    #[arg(long)]
+    pub serial: Option<String>,
+
+    /// Logical block size reported to the guest.
+    #[arg(long, default_value_t = 512, value_parser = parse_block_size)]
+    pub block_size: u32,
+
+    /// Report a write-through cache (WCE=0) and make every write durable
+    /// before it is acknowledged (O_DSYNC).
+    #[arg(long)]
+    pub writethrough: bool,
+
+    /// I/O engine.
+    #[arg(long, value_enum, default_value_t = EngineKind::Uring)]
+    pub engine: EngineKind,
+
+    /// Serve Prometheus metrics on this address: HOST:PORT for TCP, or a
+    /// path for a Unix socket.
+    #[arg(long)]
+    pub metrics: Option<String>,
+
+    /// Guest notification strategy.
+    #[arg(long, value_enum, default_value_t = NotifyMode::Batched)]
+    pub notify: NotifyMode,
+
+    /// Signal finished requests before (early) or after (late) submitting new ones.
+    #[arg(long, value_enum, default_value_t = SignalMode::Early)]
+    pub signal: SignalMode,
+
+    /// Busy-poll the avail ring and the completion queue for up to this many
+    /// microseconds after the last work before sleeping (0: never poll).
+    /// Adaptive: the window grows while polling finds work and shrinks when
+    /// it does not.
+    #[arg(long, default_value_t = 0)]
+    pub poll_us: u64,
+
+    /// Use a kernel submission-queue polling thread (IORING_SETUP_SQPOLL).
+    #[arg(long)]
+    pub sqpoll: bool,
+
+    /// Poll for completions (IORING_SETUP_IOPOLL); needs --direct and a
+    /// device with poll queues.
+    #[arg(long)]
+    pub iopoll: bool,
+
+    /// Register guest memory with io_uring and issue single-segment requests
+    /// as READ_FIXED/WRITE_FIXED.
+    #[arg(long)]
+    pub fixed_buffers: bool,
+
+    /// Pin queue worker N to CPU list[N % len] (comma-separated CPU numbers).
+    #[arg(long, value_delimiter = ',')]
+    pub cpus: Vec<usize>,
+}
+
+fn parse_octal(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s, 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("'{s}' is not an octal file mode like 600"))
+}
+
+fn parse_block_size(s: &str) -> Result<u32, String> {
+    match s {
+        "512" => Ok(512),
+        "4096" => Ok(4096),
+        _ => Err(format!("block size must be 512 or 4096, not '{s}'")),
+    }
+}
+
+/// Parses a byte size with an optional binary suffix: 4096, 64K, 512M, 1G, 2T.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, shift) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(format!("'{s}': unknown size suffix '{c}' (use K, M, G or T)")),
+            };
+            (&t[..i], shift)
+        }
+        _ => (t, 0),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size like 4096, 64K, 512M or 1G"))?;
+    n.checked_mul(1u64 << shift)
+        .filter(|v| *v > 0)
+        .ok_or_else(|| format!("'{s}' is not a usable size"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64K"), Ok(64 << 10));
+        assert_eq!(parse_size("1g"), Ok(1 << 30));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("1X").is_err());
+        assert!(parse_size("99999999999T").is_err());
+        assert!(parse_size("").is_err());
+    }
+
+    #[test]
+    fn modes() {
+        assert_eq!(parse_octal("600"), Ok(0o600));
+        assert!(parse_octal("800").is_err());
+        assert_eq!(parse_block_size("4096"), Ok(4096));
+        assert!(parse_block_size("1024").is_err());
+    }
+
+    #[test]
+    fn cli_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,18 @@
+//! ringblk: a vhost-user-blk backend that does its I/O with io_uring.
+//!
+//! Layers, bottom to top:
+//! - [`virtio`]: the split ring as we drive it (shadowed indices, batched
+//!   used-ring publication, notification decisions) and the typed, validated
+//!   block [`virtio::Request`];
+//! - [`io`]: the image and the I/O engines (io_uring, null);
+//! - [`vhost`]: the glue to `vhost-user-backend`: one worker per queue;
+//! - [`daemon`]: configuration, the socket, signals, the serve loop;
+//! - [`metrics`] and [`bench`]: what we measure and how.
+
+pub mod bench;
+pub mod cli;
+pub mod daemon;
+pub mod io;
+pub mod metrics;
+pub mod vhost;
+pub mod virtio;

@@ -1,0 +1,18 @@
+//! Observability: per-queue counters and their Prometheus exposition.
+
+mod counters;
+
+pub use counters::{QueueMetrics, QueueSnapshot, REQUEST_TYPES, RequestType};
+
+/// `ringblk stats` arguments. (Filled in with the exposition work.)
+#[derive(Clone, Debug, clap::Args)]
+pub struct StatsArgs {
+    /// Address the daemon's --metrics listens on.
+    #[arg(long)]
+    pub metrics: String,
+}
+
+/// Prints the counters of a running daemon.
+pub fn stats(_args: &StatsArgs) -> Result<(), String> {
+    Err("stats: not implemented yet".into())
+}

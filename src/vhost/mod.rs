@@ -1,0 +1,1 @@
+//! vhost layer.
