@@ -1,1 +1,12 @@
-//! io layer.
+//! The I/O layer: the image and the engines that execute requests on it.
+//!
+//! The engine only sees validated [`crate::virtio::Request`]s and plain
+//! iovecs; it knows nothing of rings or guests.
+
+mod bounce;
+mod image;
+mod uring;
+
+pub use bounce::AlignedBuf;
+pub use image::{Image, ImageError, ImageOptions};
+pub use uring::{EngineError, Uring, UringOptions, op};

@@ -1,1 +1,22 @@
-//! virtio layer.
+//! The virtio layer: how we read and write the split ring, and the typed
+//! block request parsed from a descriptor chain.
+//!
+//! Nothing here does I/O on the image. Everything a guest controls is
+//! validated here, before the `io` layer sees it.
+
+pub mod config;
+mod error;
+pub mod request;
+pub mod ring;
+
+pub use error::RequestError;
+pub use request::{DeviceLimits, DiscardRange, Request, RequestKind};
+
+use vm_memory::GuestMemoryMmap;
+
+/// Guest memory as the daemon maps it (no dirty-page bitmap: no migration).
+pub type GuestMem = GuestMemoryMmap<()>;
+
+/// Virtio-blk sectors are always 512 bytes, whatever the block size.
+pub const SECTOR_SHIFT: u32 = 9;
+pub const SECTOR_SIZE: u64 = 1 << SECTOR_SHIFT;

@@ -1,0 +1,426 @@
+//! A virtio-blk request, parsed from a descriptor chain and validated
+//! against the device before any I/O (virtio 1.2, 5.2.6).
+//!
+//! The chain is walked once. Its data buffers are translated to host
+//! addresses here, so a descriptor outside guest memory (or across a hole
+//! between two regions) is refused before the I/O layer sees it.
+
+use std::ops::Deref;
+
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID,
+    VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
+    VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
+};
+use virtio_queue::DescriptorChain;
+use virtio_queue::desc::split::Descriptor;
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryBackend};
+
+use super::{GuestMem, RequestError, SECTOR_SHIFT};
+
+/// Size of `struct virtio_blk_outhdr`: type (le32), reserved (le32), sector (le64).
+const HEADER_LEN: u32 = 16;
+/// Size of `struct virtio_blk_discard_write_zeroes`.
+const RANGE_LEN: u32 = 16;
+
+/// What the device advertises, and so what every request is checked against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceLimits {
+    /// Capacity in 512-byte sectors.
+    pub capacity_sectors: u64,
+    /// Logical block size in bytes (512 or 4096).
+    pub block_size: u32,
+    pub readonly: bool,
+    /// Maximum data segments per read or write.
+    pub seg_max: u32,
+    pub max_discard_sectors: u32,
+    pub max_discard_seg: u32,
+    pub max_write_zeroes_sectors: u32,
+    pub max_write_zeroes_seg: u32,
+}
+
+impl Default for DeviceLimits {
+    fn default() -> Self {
+        DeviceLimits {
+            capacity_sectors: 0,
+            block_size: 512,
+            readonly: false,
+            seg_max: 254,
+            // 2 GiB per range, a multiple of any block size we offer.
+            max_discard_sectors: 1 << 22,
+            max_discard_seg: 1,
+            max_write_zeroes_sectors: 1 << 22,
+            max_write_zeroes_seg: 1,
+        }
+    }
+}
+
+/// One discard or write-zeroes range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DiscardRange {
+    pub sector: u64,
+    pub num_sectors: u32,
+    /// Write-zeroes only: the device may deallocate the range.
+    pub unmap: bool,
+}
+
+impl DiscardRange {
+    pub fn offset(&self) -> u64 {
+        self.sector << SECTOR_SHIFT
+    }
+    pub fn len(&self) -> u64 {
+        u64::from(self.num_sectors) << SECTOR_SHIFT
+    }
+}
+
+/// The operation a request asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestKind {
+    Read { sector: u64 },
+    Write { sector: u64 },
+    Flush,
+    GetId,
+    Discard(DiscardRange),
+    WriteZeroes(DiscardRange),
+}
+
+/// Data buffers as host iovecs, pointing into guest memory.
+///
+/// Raw pointers make `iovec` neither `Send` nor `Sync`; this wrapper is.
+#[derive(Debug, Default)]
+pub struct HostBuffers(pub Vec<libc::iovec>);
+
+// SAFETY: the pointers are plain addresses into guest memory mappings; the
+// request that owns them also keeps the mapping alive (see `io`). Moving the
+// vector to another thread does not change what it points to.
+unsafe impl Send for HostBuffers {}
+
+/// A validated request, ready for the I/O layer.
+#[derive(Debug)]
+pub struct Request {
+    /// Head descriptor index: what goes back in the used element.
+    pub head: u16,
+    pub kind: RequestKind,
+    /// Data buffers (device-writable for reads and GET_ID, device-readable
+    /// for writes; empty for the other kinds).
+    pub data: HostBuffers,
+    /// Total bytes in `data`.
+    pub data_len: u32,
+    /// Where the status byte goes.
+    pub status: GuestAddress,
+}
+
+/// A request refused before any I/O. `status` is `None` when the chain has
+/// no usable status byte: it is then returned with used length 0.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Rejected {
+    pub head: u16,
+    pub status: Option<GuestAddress>,
+    pub error: RequestError,
+}
+
+/// One device-readable or device-writable buffer of the chain.
+#[derive(Clone, Copy, Debug)]
+struct Buf {
+    addr: GuestAddress,
+    len: u32,
+}
+
+impl Request {
+    /// Parses and validates the chain. `queue_size` bounds the chain length.
+    pub fn parse<M>(
+        chain: DescriptorChain<M>,
+        mem: &GuestMem,
+        limits: &DeviceLimits,
+        queue_size: u16,
+    ) -> Result<Request, Rejected>
+    where
+        M: Deref,
+        M::Target: GuestMemory,
+    {
+        let head = chain.head_index();
+        let (readable, mut writable) = split_chain(chain, queue_size);
+        let reject = |status, error| Rejected {
+            head,
+            status,
+            error,
+        };
+
+        // The status byte is the last byte of the last descriptor, which
+        // must be device-writable.
+        let (mut writable, last_ok) = match writable.as_mut() {
+            Ok(w) => (std::mem::take(w), true),
+            Err(w) => (std::mem::take(w), false),
+        };
+        let status = match writable.last_mut() {
+            Some(last) if last.len > 0 => {
+                last.len -= 1;
+                last.addr.checked_add(u64::from(last.len))
+            }
+            _ => None,
+        };
+        let Some(status) = status else {
+            return Err(reject(None, RequestError::IllFormedChain));
+        };
+        let readable = match (readable, last_ok) {
+            (Ok(r), true) => r,
+            _ => return Err(reject(Some(status), RequestError::IllFormedChain)),
+        };
+        let reject = |error| Err(reject(Some(status), error));
+
+        // The header: the first 16 device-readable bytes.
+        let mut header = [0u8; HEADER_LEN as usize];
+        let out = match read_prefix(mem, &readable, &mut header) {
+            Ok(Some(rest)) => rest,
+            Ok(None) => return reject(RequestError::ShortHeader),
+            Err(e) => return reject(e),
+        };
+        writable.retain(|b| b.len > 0);
+        let req_type = u32::from_le_bytes(header[0..4].try_into().unwrap_or_default());
+        let sector = u64::from_le_bytes(header[8..16].try_into().unwrap_or_default());
+
+        let (kind, data) = match req_type {
+            VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT => {
+                let write = req_type == VIRTIO_BLK_T_OUT;
+                let (data, other) = if write {
+                    (&out, &writable)
+                } else {
+                    (&writable, &out)
+                };
+                if !other.is_empty() {
+                    return reject(RequestError::WrongDirection);
+                }
+                if write && limits.readonly {
+                    return reject(RequestError::ReadOnly);
+                }
+                if data.len() > limits.seg_max as usize {
+                    return reject(RequestError::TooManySegments);
+                }
+                let len = total_len(data);
+                if len % limits.block_size != 0 {
+                    return reject(RequestError::BadLength);
+                }
+                if let Err(e) = check_range(limits, sector, len >> SECTOR_SHIFT) {
+                    return reject(e);
+                }
+                let kind = if write {
+                    RequestKind::Write { sector }
+                } else {
+                    RequestKind::Read { sector }
+                };
+                (kind, data.as_slice())
+            }
+            VIRTIO_BLK_T_FLUSH => (RequestKind::Flush, &[][..]),
+            VIRTIO_BLK_T_GET_ID => {
+                if !out.is_empty() {
+                    return reject(RequestError::WrongDirection);
+                }
+                (RequestKind::GetId, writable.as_slice())
+            }
+            VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
+                let zeroes = req_type == VIRTIO_BLK_T_WRITE_ZEROES;
+                if !writable.is_empty() {
+                    return reject(RequestError::WrongDirection);
+                }
+                if limits.readonly {
+                    return reject(RequestError::ReadOnly);
+                }
+                let range = match parse_range(mem, &out, limits, zeroes) {
+                    Ok(r) => r,
+                    Err(e) => return reject(e),
+                };
+                let kind = if zeroes {
+                    RequestKind::WriteZeroes(range)
+                } else {
+                    RequestKind::Discard(range)
+                };
+                (kind, &[][..])
+            }
+            other => return reject(RequestError::UnsupportedType(other)),
+        };
+
+        let data_len = total_len(data);
+        let iovecs = match translate(mem, data) {
+            Ok(v) => v,
+            Err(e) => return reject(e),
+        };
+        Ok(Request {
+            head,
+            kind,
+            data: HostBuffers(iovecs),
+            data_len,
+            status,
+        })
+    }
+
+    /// Bytes the device writes into the guest's buffers on success, not
+    /// counting the status byte.
+    pub fn written_len(&self) -> u32 {
+        match self.kind {
+            RequestKind::Read { .. } => self.data_len,
+            RequestKind::GetId => self.data_len.min(VIRTIO_BLK_ID_BYTES),
+            _ => 0,
+        }
+    }
+
+    /// Byte offset in the image of a read or write.
+    pub fn offset(&self) -> u64 {
+        match self.kind {
+            RequestKind::Read { sector } | RequestKind::Write { sector } => sector << SECTOR_SHIFT,
+            RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => r.offset(),
+            RequestKind::Flush | RequestKind::GetId => 0,
+        }
+    }
+}
+
+type Bufs = Vec<Buf>;
+
+/// Walks the chain once, splitting device-readable from device-writable
+/// buffers. `Err` marks a part the chain broke in: a loop, an index out of
+/// the table, a bad indirect table, more descriptors than the queue size,
+/// or a readable descriptor after a writable one.
+fn split_chain<M>(
+    chain: DescriptorChain<M>,
+    queue_size: u16,
+) -> (Result<Bufs, Bufs>, Result<Bufs, Bufs>)
+where
+    M: Deref,
+    M::Target: GuestMemory,
+{
+    let mut readable = Vec::new();
+    let mut writable = Vec::with_capacity(2);
+    let mut ordered = true;
+    let mut last: Option<Descriptor> = None;
+    let mut count = 0usize;
+    // The chain iterator ends early, silently, on loops and bad tables; the
+    // `take` bounds how long a guest can keep us walking.
+    for desc in chain.take(usize::from(queue_size) + 1) {
+        count += 1;
+        let buf = Buf {
+            addr: desc.addr(),
+            len: desc.len(),
+        };
+        if desc.is_write_only() {
+            writable.push(buf);
+        } else {
+            ordered &= writable.is_empty();
+            readable.push(buf);
+        }
+        last = Some(desc);
+    }
+    let complete = matches!(last, Some(d) if !d.has_next()) && count <= usize::from(queue_size);
+    let readable = if ordered && complete {
+        Ok(readable)
+    } else {
+        Err(readable)
+    };
+    let writable = if complete {
+        Ok(writable)
+    } else {
+        Err(writable)
+    };
+    (readable, writable)
+}
+
+fn total_len(bufs: &[Buf]) -> u32 {
+    // The chain iterator stops before 2^32 bytes in total, so this fits.
+    bufs.iter().fold(0u32, |a, b| a.saturating_add(b.len))
+}
+
+/// Reads `dst.len()` bytes from the front of `bufs` and returns the buffers
+/// that remain after them, or `None` if `bufs` hold fewer bytes.
+fn read_prefix(mem: &GuestMem, bufs: &[Buf], dst: &mut [u8]) -> Result<Option<Bufs>, RequestError> {
+    let mut done = 0usize;
+    let mut rest = Vec::new();
+    for b in bufs {
+        let take = (dst.len() - done).min(b.len as usize);
+        if take > 0 {
+            mem.read_slice(&mut dst[done..done + take], b.addr)
+                .map_err(|_| RequestError::BadAddress)?;
+            done += take;
+        }
+        if (take as u32) < b.len {
+            let addr = b
+                .addr
+                .checked_add(take as u64)
+                .ok_or(RequestError::BadAddress)?;
+            rest.push(Buf {
+                addr,
+                len: b.len - take as u32,
+            });
+        }
+    }
+    Ok((done == dst.len()).then_some(rest))
+}
+
+/// Checks `sector .. sector + sectors` against the capacity and alignment.
+fn check_range(limits: &DeviceLimits, sector: u64, sectors: u32) -> Result<(), RequestError> {
+    let align = u64::from(limits.block_size >> SECTOR_SHIFT);
+    if sector % align != 0 || u64::from(sectors) % align != 0 {
+        return Err(RequestError::Misaligned);
+    }
+    match sector.checked_add(u64::from(sectors)) {
+        Some(end) if end <= limits.capacity_sectors => Ok(()),
+        _ => Err(RequestError::OutOfRange),
+    }
+}
+
+/// Reads and validates the discard/write-zeroes range(s). We advertise one
+/// range per request (max_*_seg = 1), like QEMU.
+fn parse_range(
+    mem: &GuestMem,
+    out: &[Buf],
+    limits: &DeviceLimits,
+    zeroes: bool,
+) -> Result<DiscardRange, RequestError> {
+    let (max_seg, max_sectors) = if zeroes {
+        (limits.max_write_zeroes_seg, limits.max_write_zeroes_sectors)
+    } else {
+        (limits.max_discard_seg, limits.max_discard_sectors)
+    };
+    let len = total_len(out);
+    if len == 0 || len % RANGE_LEN != 0 {
+        return Err(RequestError::BadLength);
+    }
+    if len / RANGE_LEN > max_seg || max_seg != 1 {
+        return Err(RequestError::TooManySegments);
+    }
+    let mut raw = [0u8; RANGE_LEN as usize];
+    read_prefix(mem, out, &mut raw)?.ok_or(RequestError::BadLength)?;
+    let sector = u64::from_le_bytes(raw[0..8].try_into().unwrap_or_default());
+    let num_sectors = u32::from_le_bytes(raw[8..12].try_into().unwrap_or_default());
+    let flags = u32::from_le_bytes(raw[12..16].try_into().unwrap_or_default());
+    let allowed = if zeroes {
+        VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP
+    } else {
+        0
+    };
+    if flags & !allowed != 0 {
+        return Err(RequestError::UnsupportedFlags);
+    }
+    if num_sectors > max_sectors {
+        return Err(RequestError::RangeTooLong);
+    }
+    check_range(limits, sector, num_sectors)?;
+    Ok(DiscardRange {
+        sector,
+        num_sectors,
+        unmap: flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0,
+    })
+}
+
+/// Translates guest buffers to host iovecs, one per contiguous piece of a
+/// memory region. Fails on any byte outside guest memory.
+fn translate(mem: &GuestMem, bufs: &[Buf]) -> Result<Vec<libc::iovec>, RequestError> {
+    let mut iovecs = Vec::with_capacity(bufs.len());
+    for b in bufs {
+        for slice in GuestMemoryBackend::get_slices(mem, b.addr, b.len as usize) {
+            let slice = slice.map_err(|_| RequestError::BadAddress)?;
+            iovecs.push(libc::iovec {
+                iov_base: slice.ptr_guard_mut().as_ptr().cast(),
+                iov_len: slice.len(),
+            });
+        }
+    }
+    Ok(iovecs)
+}
