@@ -1,8 +1,11 @@
-//! Observability: per-queue counters and their Prometheus exposition.
+//! Observability: per-queue counters, their Prometheus exposition, and
+//! rate-limited logging for guest-triggered events.
 
 mod counters;
+pub mod ratelimit;
 
 pub use counters::{QueueMetrics, QueueSnapshot, REQUEST_TYPES, RequestType};
+pub use ratelimit::RateLimiter;
 
 /// `ringblk stats` arguments. (Filled in with the exposition work.)
 #[derive(Clone, Debug, clap::Args)]
