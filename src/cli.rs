@@ -11,7 +11,11 @@ pub const DEFAULT_SOCKET: &str = "/tmp/ringblk/vhost.sock";
 pub const DEFAULT_IMAGE: &str = "/tmp/ringblk/disk.img";
 
 #[derive(Debug, Parser)]
-#[command(name = "ringblk", version, about = "A vhost-user-blk backend built on io_uring")]
+#[command(
+    name = "ringblk",
+    version,
+    about = "A vhost-user-blk backend built on io_uring"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -174,7 +178,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
                 'M' => 20,
                 'G' => 30,
                 'T' => 40,
-                _ => return Err(format!("'{s}': unknown size suffix '{c}' (use K, M, G or T)")),
+                _ => {
+                    return Err(format!(
+                        "'{s}': unknown size suffix '{c}' (use K, M, G or T)"
+                    ));
+                }
             };
             (&t[..i], shift)
         }

@@ -1,8 +1,187 @@
-//! The daemon: configuration, socket, signals and the serve loop.
+//! The daemon: configuration, the socket, signals and the serve loop.
+//!
+//! One vhost-user connection at a time. Each connection gets a fresh
+//! backend (rings, workers, io_urings); the counters live across them. When
+//! the front-end goes away the daemon waits for the next one, so a VM
+//! reboot or a QEMU restart needs no daemon restart.
+
+mod config;
+mod socket;
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use vhost_user_backend::VhostUserDaemon;
+use vm_memory::GuestMemoryAtomic;
+use vmm_sys_util::epoll::EventSet;
 
 use crate::cli::ServeArgs;
+use crate::io::{EngineError, ImageError};
+use crate::metrics::QueueMetrics;
+use crate::vhost::{BlkBackend, QueueWorker, WorkerConfig};
+use crate::virtio::config::{config_space, device_features};
+use crate::virtio::{GuestMem, SECTOR_SHIFT};
 
-/// Runs `ringblk serve`.
-pub fn serve(_args: ServeArgs) -> Result<(), String> {
-    Err("serve: not implemented yet".into())
+pub use config::Config;
+
+/// Why the daemon cannot start or go on. Messages are one line.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("{0}")]
+    Config(String),
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    #[error("socket {0}")]
+    Socket(String),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("vhost-user: {0}")]
+    Vhost(String),
+    #[error("signals: {0}")]
+    Signals(std::io::Error),
+}
+
+/// The backend serving the current connection, for the signal handler.
+type Current = Arc<Mutex<Option<Arc<BlkBackend>>>>;
+
+/// Runs `ringblk serve` until SIGINT/SIGTERM.
+pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
+    let cfg = Config::from_args(args)?;
+    let mut listener = socket::bind(&cfg.args.socket, cfg.args.socket_mode)?;
+    let num_queues = usize::from(cfg.args.queues);
+    let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
+    let worker_cfg = Arc::new(cfg.worker);
+    let current: Current = Arc::default();
+    spawn_signal_handler(
+        &cfg.args,
+        &cfg.image.file,
+        worker_cfg.clone(),
+        current.clone(),
+    )?;
+    announce(&cfg.args, &cfg.image, cfg.image_created, &worker_cfg);
+
+    let features = device_features(cfg.args.readonly);
+    let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
+    loop {
+        let workers = (0..num_queues)
+            .map(|i| {
+                let cpu =
+                    (!cfg.args.cpus.is_empty()).then(|| cfg.args.cpus[i % cfg.args.cpus.len()]);
+                QueueWorker::new(
+                    worker_cfg.clone(),
+                    metrics[i].clone(),
+                    cfg.image.file.as_raw_fd(),
+                    cpu,
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        // The guest may have turned the write cache off; a new connection
+        // starts from what we advertise.
+        worker_cfg
+            .writeback
+            .store(!cfg.args.writethrough, Ordering::Relaxed);
+        let backend = Arc::new(BlkBackend::new(
+            worker_cfg.clone(),
+            workers,
+            space,
+            features,
+        ));
+        let mut daemon = VhostUserDaemon::new(
+            "ringblk".into(),
+            backend.clone(),
+            GuestMemoryAtomic::new(GuestMem::new()),
+        )
+        .map_err(|e| DaemonError::Vhost(e.to_string()))?;
+        for (i, h) in daemon.get_epoll_handlers().iter().enumerate() {
+            if let Some(fd) = backend.worker(i).completion_fd() {
+                h.register_listener(fd, EventSet::IN, backend.completion_event_id())
+                    .map_err(|e| {
+                        DaemonError::Vhost(format!("registering completion eventfd: {e}"))
+                    })?;
+            }
+        }
+        *current.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend.clone());
+        daemon
+            .start(&mut listener)
+            .map_err(|e| DaemonError::Vhost(e.to_string()))?;
+        log::info!("front-end connected");
+        match daemon.wait() {
+            Ok(())
+            | Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected,
+            )) => {
+                log::info!("front-end disconnected; waiting for the next one")
+            }
+            Err(e) => log::warn!("connection ended: {e}; waiting for the next one"),
+        }
+        backend.drain_all();
+        for h in daemon.get_epoll_handlers() {
+            h.send_exit_event();
+        }
+        *current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+}
+
+/// SIGINT/SIGTERM: stop taking requests, finish what is in flight, make it
+/// durable, remove the socket, exit 0.
+fn spawn_signal_handler(
+    args: &ServeArgs,
+    image: &std::fs::File,
+    cfg: Arc<WorkerConfig>,
+    current: Current,
+) -> Result<(), DaemonError> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).map_err(DaemonError::Signals)?;
+    let socket = args.socket.clone();
+    let image = image.try_clone().map_err(DaemonError::Signals)?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                log::info!("signal {sig}: finishing in-flight requests");
+                cfg.stopping.store(true, Ordering::Relaxed);
+                if let Some(b) = current.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                    b.drain_all();
+                }
+                if let Err(e) = image.sync_data() {
+                    log::error!("fdatasync of the image failed: {e}");
+                }
+                let _ = std::fs::remove_file(&socket);
+                log::info!("stopped");
+                std::process::exit(0);
+            }
+        })
+        .map_err(DaemonError::Signals)?;
+    Ok(())
+}
+
+/// Tells the user what is being served and how to connect.
+fn announce(args: &ServeArgs, image: &crate::io::Image, created: bool, cfg: &WorkerConfig) {
+    if created {
+        log::info!(
+            "created sparse image {} ({} bytes)",
+            image.path.display(),
+            image.size
+        );
+    }
+    log::info!(
+        "serving {} ({} sectors{}{}) on {} with {} queue(s) of {}, serial {}",
+        image.path.display(),
+        image.size >> SECTOR_SHIFT,
+        if args.readonly { ", read-only" } else { "" },
+        if args.direct { ", O_DIRECT" } else { "" },
+        args.socket.display(),
+        args.queues,
+        args.queue_size,
+        String::from_utf8_lossy(&cfg.serial).trim_end_matches('\0'),
+    );
+    println!(
+        "Connect QEMU with:\n  qemu-system-x86_64 -m 1G -object memory-backend-memfd,id=mem,size=1G,share=on \
+         -numa node,memdev=mem -chardev socket,id=rb0,path={} \
+         -device vhost-user-blk-pci,chardev=rb0,num-queues={} ...",
+        args.socket.display(),
+        args.queues
+    );
 }

@@ -109,6 +109,17 @@ impl Uring {
         self.queued + self.in_flight < self.capacity
     }
 
+    /// SQ entries: the most requests in flight at once.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// Whether the CQ holds completions not yet reaped (a cheap load of
+    /// the CQ tail; used while busy-polling).
+    pub fn has_completions(&mut self) -> bool {
+        !self.ring.completion().is_empty()
+    }
+
     /// Requests submitted or queued and not yet completed.
     pub fn outstanding(&self) -> u32 {
         self.queued + self.in_flight

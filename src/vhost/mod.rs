@@ -1,1 +1,9 @@
-//! vhost layer.
+//! The vhost-user layer: our device behind `vhost-user-backend`, one
+//! worker thread and one io_uring per queue.
+
+mod backend;
+mod poll;
+mod worker;
+
+pub use backend::BlkBackend;
+pub use worker::{QueueWorker, Vring, WorkerConfig};

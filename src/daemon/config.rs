@@ -1,0 +1,114 @@
+//! Turns command-line arguments into a validated device configuration.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+
+use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
+
+use crate::cli::{DEFAULT_IMAGE, EngineKind, ServeArgs};
+use crate::io::{Image, ImageOptions};
+use crate::vhost::WorkerConfig;
+use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
+
+use super::DaemonError;
+
+/// vhost-user-backend maps queues to threads with a 64-bit mask.
+pub const MAX_QUEUES: u16 = 64;
+pub const MAX_QUEUE_SIZE: u16 = 32768;
+
+/// Everything `serve` needs, checked.
+pub struct Config {
+    pub args: ServeArgs,
+    pub image: Image,
+    pub image_created: bool,
+    pub worker: WorkerConfig,
+}
+
+impl Config {
+    pub fn from_args(args: ServeArgs) -> Result<Config, DaemonError> {
+        if args.queues == 0 || args.queues > MAX_QUEUES {
+            return Err(DaemonError::Config(format!(
+                "--queues must be between 1 and {MAX_QUEUES}, not {}",
+                args.queues
+            )));
+        }
+        if args.queue_size < 2
+            || args.queue_size > MAX_QUEUE_SIZE
+            || !args.queue_size.is_power_of_two()
+        {
+            return Err(DaemonError::Config(format!(
+                "--queue-size must be a power of two between 2 and {MAX_QUEUE_SIZE}, not {}",
+                args.queue_size
+            )));
+        }
+        if let Some(s) = &args.serial {
+            if s.len() > VIRTIO_BLK_ID_BYTES as usize {
+                return Err(DaemonError::Config(format!(
+                    "--serial is at most 20 bytes, '{s}' has {}",
+                    s.len()
+                )));
+            }
+        }
+        if args.iopoll && !args.direct {
+            return Err(DaemonError::Config("--iopoll needs --direct".into()));
+        }
+        let (path, created) = match &args.image {
+            Some(p) => (p.clone(), false),
+            None => {
+                let p = PathBuf::from(DEFAULT_IMAGE);
+                let created = Image::create_if_missing(&p, args.size)?;
+                (p, created)
+            }
+        };
+        let image = Image::open(
+            &path,
+            ImageOptions {
+                readonly: args.readonly,
+                direct: args.direct,
+                block_size: args.block_size,
+            },
+        )?;
+        let limits = DeviceLimits {
+            capacity_sectors: image.size >> SECTOR_SHIFT,
+            block_size: args.block_size,
+            readonly: args.readonly,
+            // Two descriptors of a chain are header and status.
+            seg_max: u32::from(args.queue_size - 2).clamp(1, 1024),
+            ..DeviceLimits::default()
+        };
+        let serial_str = args
+            .serial
+            .clone()
+            .unwrap_or_else(|| image.default_serial());
+        let mut serial = [0u8; VIRTIO_BLK_ID_BYTES as usize];
+        serial[..serial_str.len()].copy_from_slice(serial_str.as_bytes());
+        let worker = WorkerConfig {
+            limits,
+            serial,
+            engine: args.engine,
+            notify: args.notify,
+            signal: args.signal,
+            poll_us: args.poll_us,
+            sqpoll: args.sqpoll,
+            iopoll: args.iopoll,
+            direct: args.direct && args.engine == EngineKind::Uring,
+            dio_align: 512,
+            is_block_device: image.is_block_device,
+            queue_size: args.queue_size,
+            writeback: AtomicBool::new(!args.writethrough),
+            stopping: AtomicBool::new(false),
+        };
+        Ok(Config {
+            args,
+            image,
+            image_created: created,
+            worker,
+        })
+    }
+
+    pub fn serial(&self) -> String {
+        String::from_utf8_lossy(&self.worker.serial)
+            .trim_end_matches('\0')
+            .to_string()
+    }
+}

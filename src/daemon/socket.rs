@@ -1,0 +1,61 @@
+//! The vhost-user listening socket.
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use vhost::vhost_user::Listener;
+
+use super::DaemonError;
+
+/// Binds `path`, replacing a stale socket file but never one a live daemon
+/// still accepts on, and sets the file's mode.
+pub fn bind(path: &Path, mode: u32) -> Result<Listener, DaemonError> {
+    let err = |what: String| DaemonError::Socket(format!("{}: {what}", path.display()));
+    match fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => match UnixStream::connect(path) {
+            Ok(_) => return Err(err("in use by a running daemon".into())),
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                log::info!("replacing stale socket {}", path.display());
+            }
+            Err(e) => return Err(err(format!("cannot check the existing socket: {e}"))),
+        },
+        Ok(_) => return Err(err("exists and is not a socket".into())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(e.to_string())),
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        fs::create_dir_all(dir).map_err(|e| err(format!("cannot create its directory: {e}")))?;
+    }
+    let listener = Listener::new(path, true).map_err(|e| err(format!("cannot listen: {e}")))?;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+        .map_err(|e| err(format!("cannot set mode: {e}")))?;
+    Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn live_socket_is_refused_stale_one_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("s.sock");
+        let l = bind(&p, 0o600).unwrap();
+        assert_eq!(
+            fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        let e = bind(&p, 0o600).unwrap_err().to_string();
+        assert!(e.contains("in use"), "{e}");
+        // A listener that goes away without unlinking leaves a stale file.
+        std::mem::forget(l);
+        let raw = std::os::unix::net::UnixListener::bind(dir.path().join("t.sock")).unwrap();
+        drop(raw);
+        assert!(bind(&dir.path().join("t.sock"), 0o600).is_ok());
+        fs::write(dir.path().join("f"), b"x").unwrap();
+        assert!(bind(&dir.path().join("f"), 0o600).is_err());
+    }
+}

@@ -1,0 +1,174 @@
+//! The `VhostUserBackend` implementation: the device as vhost-user-backend
+//! sees it. The protocol, memory table and vring setup stay in the crate;
+//! we supply features, config space, and one worker per queue.
+
+use std::io;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::{VhostUserBackend, VringT};
+use vm_memory::GuestMemoryAtomic;
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    EventConsumer, EventFlag, EventNotifier, new_event_consumer_and_notifier,
+};
+
+use crate::virtio::GuestMem;
+use crate::virtio::config::{CONFIG_LEN, read_config};
+
+use super::worker::{QueueWorker, Vring, WorkerConfig};
+
+/// Offset of `wce` in the config space.
+const WCE_OFFSET: u32 = 32;
+
+pub struct BlkBackend {
+    cfg: Arc<WorkerConfig>,
+    /// One per queue; each is locked only by its own worker thread, except
+    /// by the protocol thread when the ring is stopped or reset.
+    workers: Vec<Mutex<QueueWorker>>,
+    config: Mutex<[u8; CONFIG_LEN]>,
+    features: u64,
+}
+
+impl BlkBackend {
+    pub fn new(
+        cfg: Arc<WorkerConfig>,
+        workers: Vec<QueueWorker>,
+        config: [u8; CONFIG_LEN],
+        features: u64,
+    ) -> BlkBackend {
+        BlkBackend {
+            cfg,
+            workers: workers.into_iter().map(Mutex::new).collect(),
+            config: Mutex::new(config),
+            features,
+        }
+    }
+
+    /// Event id of queue `i`'s completion eventfd in its thread's epoll:
+    /// ids up to num_queues are the crate's (kicks and its exit event).
+    pub fn completion_event_id(&self) -> u64 {
+        self.workers.len() as u64 + 1
+    }
+
+    pub fn worker(&self, i: usize) -> MutexGuard<'_, QueueWorker> {
+        // A poisoned lock means a worker panicked mid-pass; its state is
+        // still the best we have, and the daemon must keep serving.
+        self.workers[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Completes everything in flight on every queue.
+    pub fn drain_all(&self) {
+        for i in 0..self.workers.len() {
+            self.worker(i).drain();
+        }
+    }
+}
+
+impl VhostUserBackend for BlkBackend {
+    type Bitmap = ();
+    type Vring = Vring;
+
+    fn num_queues(&self) -> usize {
+        self.workers.len()
+    }
+
+    fn max_queue_size(&self) -> usize {
+        usize::from(self.cfg.queue_size)
+    }
+
+    fn features(&self) -> u64 {
+        self.features | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+    }
+
+    fn set_event_idx(&self, _enabled: bool) {
+        // The crate sets it on each Queue; the worker reads it from there.
+    }
+
+    fn reset_device(&self) {
+        self.drain_all();
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        read_config(
+            &*self.config.lock().unwrap_or_else(|p| p.into_inner()),
+            offset,
+            size,
+        )
+    }
+
+    fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
+        // Only `wce` is writable (VIRTIO_BLK_F_CONFIG_WCE).
+        if offset != WCE_OFFSET || buf.len() != 1 {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        let wce = buf[0] != 0;
+        self.cfg.writeback.store(wce, Ordering::Relaxed);
+        self.config.lock().unwrap_or_else(|p| p.into_inner())[WCE_OFFSET as usize] = u8::from(wce);
+        log::info!(
+            "guest set the write cache to {}",
+            if wce { "write-back" } else { "write-through" }
+        );
+        Ok(())
+    }
+
+    fn update_memory(&self, mem: GuestMemoryAtomic<GuestMem>) -> io::Result<()> {
+        for i in 0..self.workers.len() {
+            self.worker(i).set_memory(mem.clone());
+        }
+        Ok(())
+    }
+
+    fn queues_per_thread(&self) -> Vec<u64> {
+        // One thread per queue: queues share no lock and no ring.
+        (0..self.workers.len()).map(|i| 1u64 << i).collect()
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+    }
+
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        // GET_VRING_BASE: everything we took off the ring must be on the
+        // used ring before the front-end reads our next_avail.
+        if let Some(w) = self.workers.get(queue_index as usize) {
+            w.lock().unwrap_or_else(|p| p.into_inner()).drain();
+        }
+        Ok(())
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[Vring],
+        thread_id: usize,
+    ) -> io::Result<()> {
+        if evset != EventSet::IN {
+            return Err(io::Error::other(format!(
+                "unexpected epoll event {evset:?}"
+            )));
+        }
+        let Some(vring) = vrings.first() else {
+            return Ok(());
+        };
+        // With one queue per thread the crate numbers our kick event 0.
+        let kick = device_event == 0;
+        if !kick && u64::from(device_event) != self.completion_event_id() {
+            return Ok(());
+        }
+        if kick && !vring.get_ref().is_enabled() {
+            return Ok(());
+        }
+        self.worker(thread_id).handle_event(vring, kick);
+        Ok(())
+    }
+}
