@@ -151,6 +151,20 @@ pub struct ServeArgs {
     /// Pin queue worker N to CPU list[N % len] (comma-separated CPU numbers).
     #[arg(long, value_delimiter = ',')]
     pub cpus: Vec<usize>,
+
+    /// Seccomp filter on the daemon's threads after start-up: `enforce`
+    /// kills the process on a syscall outside the allow-list, `log` only
+    /// logs it (to the kernel audit log), `off` installs none.
+    #[arg(long, value_enum, default_value_t = SeccompMode::Enforce)]
+    pub seccomp: SeccompMode,
+}
+
+/// What the seccomp filter does with a syscall it does not allow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SeccompMode {
+    Enforce,
+    Log,
+    Off,
 }
 
 fn parse_octal(s: &str) -> Result<u32, String> {

@@ -213,7 +213,8 @@ impl QueueWorker {
                 }
                 return Ok(());
             }
-            if popped > 0 {
+            if popped > 0 && self.shadow.more_avail() {
+                // Work known to be there: no need to read avail->idx to know.
                 continue;
             }
             if self.poll_for_work(&state, &mem)? {
