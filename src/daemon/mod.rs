@@ -6,12 +6,17 @@
 //! reboot or a QEMU restart needs no daemon restart.
 
 mod config;
+mod seccomp;
 mod socket;
 
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
+use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
@@ -19,7 +24,7 @@ use vmm_sys_util::epoll::EventSet;
 use crate::cli::ServeArgs;
 use crate::io::{EngineError, ImageError};
 use crate::metrics::QueueMetrics;
-use crate::vhost::{BlkBackend, QueueWorker, WorkerConfig};
+use crate::vhost::{BlkBackend, QueueWorker, WorkerConfig, proxy};
 use crate::virtio::config::{config_space, device_features};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
 
@@ -40,6 +45,8 @@ pub enum DaemonError {
     Vhost(String),
     #[error("signals: {0}")]
     Signals(std::io::Error),
+    #[error("seccomp: {0}")]
+    Seccomp(String),
 }
 
 /// The backend serving the current connection, for the signal handler.
@@ -48,7 +55,7 @@ type Current = Arc<Mutex<Option<Arc<BlkBackend>>>>;
 /// Runs `ringblk serve` until SIGINT/SIGTERM.
 pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     let cfg = Config::from_args(args)?;
-    let mut listener = socket::bind(&cfg.args.socket, cfg.args.socket_mode)?;
+    let listener = socket::bind(&cfg.args.socket, cfg.args.socket_mode)?;
     let num_queues = usize::from(cfg.args.queues);
     let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
     let worker_cfg = Arc::new(cfg.worker);
@@ -60,10 +67,13 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         current.clone(),
     )?;
     announce(&cfg.args, &cfg.image, cfg.image_created, &worker_cfg);
+    seccomp::install(cfg.args.seccomp)?;
 
     let features = device_features(cfg.args.readonly);
     let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
-    loop {
+    let inner = InnerSockets::new()?;
+    for conn in 0u64.. {
+        let front = accept(&listener)?;
         let workers = (0..num_queues)
             .map(|i| {
                 let cpu =
@@ -102,9 +112,15 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             }
         }
         *current.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend.clone());
+        // vhost-user-backend accepts its own connection; give it one end of
+        // a private socket and relay the front-end's messages to it.
+        let (mut inner_listener, back) = inner.pair(conn)?;
         daemon
-            .start(&mut listener)
+            .start(&mut inner_listener)
             .map_err(|e| DaemonError::Vhost(e.to_string()))?;
+        drop(inner_listener);
+        let relay = proxy::relay(front, back, backend.clone())
+            .map_err(|e| DaemonError::Vhost(format!("relay: {e}")))?;
         log::info!("front-end connected");
         match daemon.wait() {
             Ok(())
@@ -119,7 +135,59 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         for h in daemon.get_epoll_handlers() {
             h.send_exit_event();
         }
+        for t in relay {
+            let _ = t.join();
+        }
         *current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+    Ok(())
+}
+
+fn accept(listener: &UnixListener) -> Result<UnixStream, DaemonError> {
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => return Ok(s),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => continue,
+            Err(e) => return Err(DaemonError::Socket(format!("accept: {e}"))),
+        }
+    }
+}
+
+/// A private directory (mode 0700) for the socket between the relay and
+/// vhost-user-backend: only this user can connect to it.
+struct InnerSockets {
+    dir: PathBuf,
+}
+
+impl InnerSockets {
+    fn new() -> Result<InnerSockets, DaemonError> {
+        let dir = Self::dir();
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| DaemonError::Socket(format!("{}: {e}", dir.display())))?;
+        Ok(InnerSockets { dir })
+    }
+
+    fn dir() -> PathBuf {
+        std::env::temp_dir().join(format!("ringblk-{}", std::process::id()))
+    }
+
+    /// A listener for the crate and the stream connected to it.
+    fn pair(&self, n: u64) -> Result<(Listener, UnixStream), DaemonError> {
+        let path = self.dir.join(format!("{n}.sock"));
+        let err = |e: String| DaemonError::Socket(format!("{}: {e}", path.display()));
+        let l = Listener::new(&path, true).map_err(|e| err(e.to_string()))?;
+        let s = UnixStream::connect(&path).map_err(|e| err(e.to_string()))?;
+        Ok((l, s))
+    }
+}
+
+impl Drop for InnerSockets {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -149,6 +217,7 @@ fn spawn_signal_handler(
                     log::error!("fdatasync of the image failed: {e}");
                 }
                 let _ = std::fs::remove_file(&socket);
+                let _ = std::fs::remove_dir_all(InnerSockets::dir());
                 log::info!("stopped");
                 std::process::exit(0);
             }

@@ -3,16 +3,14 @@
 use std::fs;
 use std::io;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::os::unix::net::UnixStream;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
-
-use vhost::vhost_user::Listener;
 
 use super::DaemonError;
 
 /// Binds `path`, replacing a stale socket file but never one a live daemon
 /// still accepts on, and sets the file's mode.
-pub fn bind(path: &Path, mode: u32) -> Result<Listener, DaemonError> {
+pub fn bind(path: &Path, mode: u32) -> Result<UnixListener, DaemonError> {
     let err = |what: String| DaemonError::Socket(format!("{}: {what}", path.display()));
     match fs::symlink_metadata(path) {
         Ok(meta) if meta.file_type().is_socket() => match UnixStream::connect(path) {
@@ -29,7 +27,10 @@ pub fn bind(path: &Path, mode: u32) -> Result<Listener, DaemonError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         fs::create_dir_all(dir).map_err(|e| err(format!("cannot create its directory: {e}")))?;
     }
-    let listener = Listener::new(path, true).map_err(|e| err(format!("cannot listen: {e}")))?;
+    if fs::symlink_metadata(path).is_ok() {
+        fs::remove_file(path).map_err(|e| err(format!("cannot remove the stale socket: {e}")))?;
+    }
+    let listener = UnixListener::bind(path).map_err(|e| err(format!("cannot listen: {e}")))?;
     fs::set_permissions(path, fs::Permissions::from_mode(mode))
         .map_err(|e| err(format!("cannot set mode: {e}")))?;
     Ok(listener)
@@ -48,7 +49,7 @@ mod tests {
             fs::metadata(&p).unwrap().permissions().mode() & 0o777,
             0o600
         );
-        let e = bind(&p, 0o600).unwrap_err().to_string();
+        let e = bind(&p, 0o600).err().unwrap().to_string();
         assert!(e.contains("in use"), "{e}");
         // A listener that goes away without unlinking leaves a stale file.
         std::mem::forget(l);

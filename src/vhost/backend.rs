@@ -17,6 +17,8 @@ use vmm_sys_util::event::{
 use crate::virtio::GuestMem;
 use crate::virtio::config::{CONFIG_LEN, read_config};
 
+use super::inflight::{InflightQueue, InflightRegion};
+use super::proxy::InflightHost;
 use super::worker::{QueueWorker, Vring, WorkerConfig};
 
 /// Offset of `wce` in the config space.
@@ -66,6 +68,19 @@ impl BlkBackend {
     }
 }
 
+impl InflightHost for BlkBackend {
+    fn limits(&self) -> (u16, u16) {
+        (self.workers.len() as u16, self.cfg.queue_size)
+    }
+
+    fn set_inflight(&self, region: Arc<InflightRegion>) {
+        for i in 0..self.workers.len() {
+            let q = InflightQueue::new(region.clone(), i as u16);
+            self.worker(i).set_inflight(q);
+        }
+    }
+}
+
 impl VhostUserBackend for BlkBackend {
     type Bitmap = ();
     type Vring = Vring;
@@ -87,6 +102,7 @@ impl VhostUserBackend for BlkBackend {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
     }
 
     fn set_event_idx(&self, _enabled: bool) {

@@ -2,7 +2,10 @@
 //! worker thread and one io_uring per queue.
 
 mod backend;
+pub mod inflight;
 mod poll;
+pub mod proxy;
+mod resubmit;
 mod worker;
 
 pub use backend::BlkBackend;

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use slab::Slab;
 use vhost_user_backend::{VringMutex, VringState, VringT};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddressSpace, GuestMemoryAtomic};
 
 use crate::cli::{EngineKind, NotifyMode, SignalMode};
@@ -33,7 +33,9 @@ use crate::virtio::ring::{RingError, RingShadow};
 use crate::virtio::{DeviceLimits, GuestMem, Request, RequestKind};
 use crate::warn_limited;
 
+use super::inflight::InflightQueue;
 use super::poll::AdaptivePoll;
+use super::resubmit::replay_queue;
 
 pub type Vring = VringMutex<GuestMemoryAtomic<GuestMem>>;
 
@@ -92,7 +94,7 @@ pub struct QueueWorker {
     cfg: Arc<WorkerConfig>,
     metrics: Arc<QueueMetrics>,
     engine: Option<Uring>,
-    inflight: Slab<InFlight>,
+    running: Slab<InFlight>,
     shadow: RingShadow,
     /// The shadow matches the ring (reset after the ring was stopped).
     started: bool,
@@ -106,6 +108,10 @@ pub struct QueueWorker {
     log_limit: RateLimiter,
     /// CPU to pin the worker thread to, on its first event.
     pin: Option<usize>,
+    /// The inflight log, when the front-end negotiated one.
+    journal: Option<InflightQueue>,
+    /// Heads added to the used ring since the last publish (for the log).
+    unpublished_heads: Vec<u16>,
 }
 
 impl QueueWorker {
@@ -134,7 +140,7 @@ impl QueueWorker {
             cfg,
             metrics,
             engine,
-            inflight: Slab::with_capacity(entries as usize),
+            running: Slab::with_capacity(entries as usize),
             shadow: RingShadow::default(),
             started: false,
             mem: None,
@@ -144,6 +150,8 @@ impl QueueWorker {
             deferred: None,
             log_limit: RateLimiter::new(10, Duration::from_secs(5)),
             pin,
+            journal: None,
+            unpublished_heads: Vec::new(),
         })
     }
 
@@ -154,6 +162,13 @@ impl QueueWorker {
 
     pub fn set_memory(&mut self, mem: GuestMemoryAtomic<GuestMem>) {
         self.mem = Some(mem);
+    }
+
+    /// Installs the inflight log (SET_INFLIGHT_FD); recovery runs when the
+    /// ring starts.
+    pub fn set_inflight(&mut self, log: Option<InflightQueue>) {
+        self.journal = log;
+        self.started = false;
     }
 
     /// Called for a kick (`kick` = true) or a completion event.
@@ -187,6 +202,7 @@ impl QueueWorker {
         if !self.started {
             self.shadow.reset(state.get_queue());
             self.started = true;
+            self.recover(&mut state, &mem)?;
         }
         let cfg = self.cfg.clone();
         let stopping = || cfg.stopping.load(Ordering::Relaxed);
@@ -238,6 +254,59 @@ impl QueueWorker {
             self.poll.sleeping();
             return Ok(());
         }
+    }
+
+    /// After a back-end restart: repairs the inflight log, resumes the
+    /// avail ring after everything the previous process took, and
+    /// resubmits what it had not completed, oldest first.
+    fn recover(
+        &mut self,
+        state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
+        mem: &Arc<GuestMem>,
+    ) -> Result<(), RingError> {
+        let Some(log) = self.journal.as_mut() else {
+            return Ok(());
+        };
+        let queue = state.get_queue_mut();
+        // Reading used->idx back is fine here: once per ring start.
+        let used = queue.used_idx(&**mem, Ordering::Acquire)?.0;
+        let rec = log.recover(used);
+        if rec.resubmit.is_empty() {
+            return Ok(());
+        }
+        queue.set_next_avail(used.wrapping_add(rec.resubmit.len() as u16));
+        log::info!(
+            "queue: resubmitting {} request(s) left in flight by the previous back-end",
+            rec.resubmit.len()
+        );
+        let Some((mut replay, ext)) = replay_queue(queue, mem, &rec.resubmit) else {
+            warn_limited!(
+                self.log_limit,
+                "cannot rebuild in-flight requests for resubmission"
+            );
+            return Ok(());
+        };
+        let limits = self.cfg.limits;
+        let size = queue.size();
+        let parsed: Vec<_> = replay
+            .iter(&*ext)?
+            .map(|c| Request::parse(c, &ext, &limits, size))
+            .collect();
+        for p in parsed {
+            let queue = state.get_queue_mut();
+            match p {
+                Ok(req) => {
+                    if let Some(req) = self.start_one(queue, &ext, req)? {
+                        self.deferred = Some(req);
+                    }
+                }
+                Err(rej) => self.reject(queue, &ext, rej)?,
+            }
+        }
+        if let Some(e) = self.engine.as_mut() {
+            let _ = e.submit();
+        }
+        self.publish(state, mem)
     }
 
     /// Busy-polls the avail ring and the CQ for the adaptive window.
@@ -404,9 +473,9 @@ impl QueueWorker {
             inf.bounce = Some((buf, iov));
             QueueMetrics::add(&self.metrics.bounced, 1);
         }
-        let key = self.inflight.vacant_key() as u64;
+        let key = self.running.vacant_key() as u64;
         let entry = self.sqe(&inf, key);
-        self.inflight.insert(inf);
+        self.running.insert(inf);
         // SAFETY: the entry points at the request's iovec array (a Vec's heap
         // buffer), or the bounce iovec (a Box), and through them at guest
         // memory kept mapped by `InFlight::mem`, or at the AlignedBuf. All
@@ -417,7 +486,7 @@ impl QueueWorker {
             .as_mut()
             .is_some_and(|e| unsafe { e.push(&entry) });
         if !pushed {
-            let inf = self.inflight.remove(key as usize);
+            let inf = self.running.remove(key as usize);
             return Started::Busy(inf.req);
         }
         Started::Submitted
@@ -493,7 +562,7 @@ impl QueueWorker {
         ud: u64,
         res: i32,
     ) -> Result<(), RingError> {
-        let Some(mut inf) = self.inflight.try_remove(ud as usize) else {
+        let Some(mut inf) = self.running.try_remove(ud as usize) else {
             warn_limited!(self.log_limit, "completion for unknown request {ud}");
             return Ok(());
         };
@@ -509,16 +578,16 @@ impl QueueWorker {
             RequestKind::WriteZeroes(r) if r.unmap && !inf.retried && is_unsupported(res) => {
                 // The file system or device cannot deallocate: zero instead.
                 inf.retried = true;
-                let key = self.inflight.vacant_key() as u64;
+                let key = self.running.vacant_key() as u64;
                 let entry = self.sqe(&inf, key);
-                self.inflight.insert(inf);
+                self.running.insert(inf);
                 if let Some(e) = self.engine.as_mut() {
                     // SAFETY: fallocate carries no pointers.
                     if unsafe { e.push(&entry) } {
                         return Ok(());
                     }
                 }
-                inf = self.inflight.remove(key as usize);
+                inf = self.running.remove(key as usize);
                 VIRTIO_BLK_S_IOERR
             }
             // Discard is a hint: a device that cannot do it has done it.
@@ -547,7 +616,7 @@ impl QueueWorker {
         self.count_done(&inf.req, status);
         let _ = inf.mem.write_obj(status, inf.req.status);
         let len = used_len(&inf.req, status);
-        self.shadow.add_used(queue, mem, inf.req.head, len)
+        self.add_used(queue, mem, inf.req.head, len)
     }
 
     /// Answers a refused request: status byte if there is one, used length
@@ -585,16 +654,41 @@ impl QueueWorker {
             rej.head,
             rej.error
         );
-        self.shadow.add_used(queue, mem, rej.head, len)
+        self.add_used(queue, mem, rej.head, len)
+    }
+
+    /// Writes a used element (not yet visible to the driver).
+    fn add_used(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMem,
+        head: u16,
+        len: u32,
+    ) -> Result<(), RingError> {
+        self.shadow.add_used(queue, mem, head, len)?;
+        if self.journal.is_some() {
+            self.unpublished_heads.push(head);
+        }
+        Ok(())
     }
 
     /// Publishes pending used elements and notifies the guest if it asked.
+    /// With an inflight log, the batch is linked before used->idx moves and
+    /// cleared after, so a crash at any point leaves a repairable log.
     fn publish(
         &mut self,
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
         mem: &GuestMem,
     ) -> Result<(), RingError> {
-        if self.shadow.publish(state.get_queue(), mem)? == 0 {
+        if let Some(log) = &self.journal {
+            log.before_publish(&self.unpublished_heads);
+        }
+        let n = self.shadow.publish(state.get_queue(), mem)?;
+        if let Some(log) = &self.journal {
+            log.after_publish(&self.unpublished_heads, state.get_queue().next_used());
+            self.unpublished_heads.clear();
+        }
+        if n == 0 {
             return Ok(());
         }
         if self.shadow.needs_notification(state.get_queue(), mem)? {
