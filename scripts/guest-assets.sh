@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# Builds (once) what the guest tests boot: a Debian kernel and an initramfs
+# with busybox, fio, blkdiscard, the virtio modules and tests/guest/init.sh.
+#
+#   scripts/guest-assets.sh            build if missing or stale, print paths
+#   RINGBLK_GUEST_DIR=DIR ...          cache somewhere else (default target/guest)
+#
+# Installs the Debian packages it needs when they are missing (root, or sudo).
+# Prints `kernel=PATH` and `initrd=PATH` as its last two lines.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+dir=${RINGBLK_GUEST_DIR:-$repo/target/guest}
+init_script=$repo/tests/guest/init.sh
+# Loaded in this order; dependencies are resolved with modinfo as well.
+modules=(virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk)
+
+log() { echo "guest-assets: $*" >&2; }
+die() {
+    log "error: $*"
+    exit 1
+}
+
+as_root() {
+    if [ "$(id -u)" = 0 ]; then
+        "$@"
+    elif command -v sudo >/dev/null; then
+        sudo -n "$@"
+    else
+        die "need root (or sudo) to run: $*"
+    fi
+}
+
+apt_updated=
+apt_update_once() {
+    if [ -z "$apt_updated" ]; then
+        log "apt-get update"
+        as_root apt-get update -qq -o DPkg::Lock::Timeout=300 >&2
+        apt_updated=1
+    fi
+}
+
+# Installs the packages not yet installed; updates the lists only if needed.
+ensure_packages() {
+    local missing=() p
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    log "installing ${missing[*]}"
+    local install=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends
+        -o DPkg::Lock::Timeout=300)
+    if ! as_root "${install[@]}" "${missing[@]}" >&2; then
+        apt_update_once
+        as_root "${install[@]}" "${missing[@]}" >&2
+    fi
+}
+
+# One build at a time (cargo may run this from several test binaries).
+mkdir -p "$dir"
+exec 9>"$dir/.lock"
+flock -w 600 9 || die "timed out waiting for $dir/.lock"
+
+ensure_packages qemu-system-x86 qemu-system-common fio busybox-static cpio kmod \
+    util-linux xz-utils zstd gzip libc-bin
+
+# ---- Which kernel ----
+kernel_pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ { print $2; exit }' || true)
+if [ -z "$kernel_pkg" ]; then
+    apt_update_once
+    kernel_pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ { print $2; exit }' || true)
+fi
+if [ -z "$kernel_pkg" ]; then
+    # Offline with a cache: use what is there.
+    kernel_pkg=$(cat "$dir/kernel.pkg" 2>/dev/null || true)
+    [ -n "$kernel_pkg" ] || die "cannot find the package linux-image-amd64 depends on"
+    log "apt knows no linux-image-amd64; using the cached $kernel_pkg"
+fi
+
+stamp_of() {
+    {
+        echo "$kernel_pkg"
+        cat "$init_script" "${BASH_SOURCE[0]}" | sha256sum
+        dpkg-query -W fio busybox-static util-linux libaio1 2>/dev/null
+    } | sha256sum | cut -d' ' -f1
+}
+stamp=$(stamp_of)
+kernel=$dir/vmlinuz
+initrd=$dir/initramfs.cpio.gz
+if [ -f "$kernel" ] && [ -f "$initrd" ] && [ "$(cat "$dir/stamp" 2>/dev/null)" = "$stamp" ]; then
+    echo "kernel=$kernel"
+    echo "initrd=$initrd"
+    exit 0
+fi
+
+# ---- Kernel package: download and unpack ----
+kdir=$dir/kernel/$kernel_pkg
+if [ ! -d "$kdir/boot" ]; then
+    log "downloading $kernel_pkg"
+    rm -rf "$dir/kernel" "$dir/deb"
+    mkdir -p "$dir/deb" "$kdir"
+    # apt-get download runs as _apt if it can: give it a directory it may write.
+    chmod 0777 "$dir/deb" 2>/dev/null || true
+    (cd "$dir/deb" && apt-get download -q "$kernel_pkg" >&2) || {
+        apt_update_once
+        (cd "$dir/deb" && apt-get download -q "$kernel_pkg" >&2)
+    }
+    dpkg -x "$dir"/deb/"$kernel_pkg"_*.deb "$kdir"
+    rm -rf "$dir/deb"
+fi
+echo "$kernel_pkg" >"$dir/kernel.pkg"
+vmlinuz=
+for f in "$kdir"/boot/vmlinuz-*; do
+    [ -f "$f" ] && vmlinuz=$f && break
+done
+[ -n "$vmlinuz" ] || die "no boot/vmlinuz-* in $kernel_pkg"
+kver=${vmlinuz##*/vmlinuz-}
+moddir=
+for d in "$kdir/lib/modules/$kver" "$kdir/usr/lib/modules/$kver"; do
+    [ -d "$d" ] && moddir=$d && break
+done
+[ -n "$moddir" ] || die "no modules for $kver in $kernel_pkg"
+
+# ---- Initramfs tree ----
+root=$dir/root
+rm -rf "$root"
+mkdir -p "$root"/{usr/bin,usr/sbin,usr/lib,usr/lib64,dev,proc,sys,tmp}
+ln -s usr/bin "$root/bin"
+ln -s usr/sbin "$root/sbin"
+ln -s usr/lib "$root/lib"
+ln -s usr/lib64 "$root/lib64"
+mkdir -p "$root/lib/modules"
+
+# busybox-static, with a link per applet.
+bb=$(dpkg -L busybox-static | grep -E '/bin/busybox$' | head -n 1)
+[ -x "$bb" ] || die "busybox-static has no /bin/busybox"
+cp "$bb" "$root/usr/bin/busybox"
+for applet in $("$bb" --list); do
+    [ -e "$root/usr/bin/$applet" ] || ln -s busybox "$root/usr/bin/$applet"
+done
+
+# A dynamically linked program and every library it needs, at the same paths.
+copy_with_libs() {
+    local prog=$1 dest=$2 lib
+    cp -L "$prog" "$root$dest"
+    for lib in $(ldd "$prog" | awk '/=> \// { print $3 } /^[ \t]*\/[^ ]*ld-linux/ { print $1 }'); do
+        [ -e "$root$lib" ] && continue
+        mkdir -p "$root$(dirname "$lib")"
+        cp -L "$lib" "$root$lib"
+    done
+}
+copy_with_libs "$(command -v fio)" /usr/bin/fio
+copy_with_libs /usr/sbin/blkdiscard /usr/sbin/blkdiscard
+# fio links libaio; make sure it is there even if a build dlopens it.
+if [ ! -e "$root/lib/x86_64-linux-gnu/libaio.so.1" ]; then
+    aio=$(ldconfig -p | awk '/libaio\.so\.1 .*x86-64/ { print $NF; exit }')
+    [ -n "$aio" ] || die "libaio.so.1 not found"
+    mkdir -p "$root/lib/x86_64-linux-gnu"
+    cp -L "$aio" "$root/lib/x86_64-linux-gnu/libaio.so.1"
+fi
+
+# Modules: each wanted one after its dependencies, decompressed for insmod.
+declare -A queued=()
+order=()
+queue_module() {
+    local name=$1 file dep
+    [ -n "${queued[$name]:-}" ] && return 0
+    queued[$name]=1
+    file=$(find "$moddir/kernel" -name "$name.ko" -o -name "$name.ko.xz" -o -name "$name.ko.zst" -o -name "$name.ko.gz" | head -n 1)
+    if [ -z "$file" ]; then
+        grep -qE "/$name\.ko" "$moddir/modules.builtin" 2>/dev/null || log "note: no module $name (assuming built in)"
+        return 0
+    fi
+    for dep in $(modinfo -F depends "$file" | tr ',' ' '); do
+        queue_module "$dep"
+    done
+    case "$file" in
+        *.ko.xz) xz -dc "$file" >"$root/lib/modules/$name.ko" ;;
+        *.ko.zst) zstd -qdc "$file" >"$root/lib/modules/$name.ko" ;;
+        *.ko.gz) gzip -dc "$file" >"$root/lib/modules/$name.ko" ;;
+        *) cp "$file" "$root/lib/modules/$name.ko" ;;
+    esac
+    order+=("$name.ko")
+}
+for m in "${modules[@]}"; do
+    queue_module "$m"
+done
+printf '%s\n' "${order[@]}" >"$root/lib/modules/load.order"
+
+install -m 0755 "$init_script" "$root/init"
+
+# ---- Pack ----
+log "packing $(du -sh "$root" | cut -f1) into the initramfs"
+(cd "$root" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) | gzip -1 >"$initrd.tmp"
+mv "$initrd.tmp" "$initrd"
+cp "$vmlinuz" "$kernel"
+echo "$stamp" >"$dir/stamp"
+log "kernel $kver, modules: ${order[*]}"
+echo "kernel=$kernel"
+echo "initrd=$initrd"

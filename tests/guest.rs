@@ -1,0 +1,578 @@
+//! End-to-end tests: a real Linux guest under QEMU (TCG) uses a disk served
+//! by `ringblk serve` over vhost-user.
+//!
+//! The guest is a Debian kernel and an initramfs built by
+//! `scripts/guest-assets.sh`; its `/init` (`tests/guest/init.sh`) runs the
+//! checks and prints `RINGBLK-PASS <name>` / `RINGBLK-FAIL <name> <detail>`
+//! and `RINGBLK-DONE` on the serial console, then powers off. The host side
+//! checks the image file afterwards.
+//!
+//! Environment:
+//! - `RINGBLK_GUEST_BACKEND=qsd`: serve the disk with qemu-storage-daemon
+//!   instead (to check the harness itself; daemon flags are then ignored);
+//! - `RINGBLK_GUEST_TIMEOUT`: seconds a guest may run (default 180);
+//! - `RINGBLK_GUEST_DIR`: where the kernel and initramfs are cached;
+//! - `RINGBLK_GUEST_VERBOSE=1`: the guest shows every step's output, and the
+//!   console is printed even when the test passes (see it with `--nocapture`).
+//!
+//! The tests skip (and pass) only when QEMU cannot be run here at all.
+
+use std::fs::{self, File};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::thread;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const MIB: u64 = 1 << 20;
+/// Size of the exported image.
+const IMAGE_SIZE: u64 = 64 * MIB;
+/// Where the guest writes its pattern (see the layout in `init.sh`).
+const GUEST_PATTERN_AT: u64 = 56 * MIB;
+/// Where the host writes the pattern the guest must read.
+const HOST_PATTERN_AT: u64 = 60 * MIB;
+/// Length of either pattern.
+const PATTERN_LEN: usize = MIB as usize;
+/// Serial number given to ringblk (at most 20 bytes, no spaces).
+const SERIAL: &str = "ringblk-e2e-0001";
+/// What qemu-storage-daemon answers to GET_ID.
+const QSD_SERIAL: &str = "vhost_user_blk";
+const QEMU: &str = "qemu-system-x86_64";
+const QSD: &str = "qemu-storage-daemon";
+
+/// Checks every read-write boot must pass (names printed by `init.sh`).
+const RW_CHECKS: &[&str] = &[
+    "device",
+    "size",
+    "serial",
+    "queues",
+    "ro-flag",
+    "host-pattern",
+    "fio-verify",
+    "fio-2jobs",
+    "queues-used",
+    "discard",
+    "zeroout",
+    "guest-pattern",
+];
+/// Checks every read-only boot must pass.
+const RO_CHECKS: &[&str] = &[
+    "device",
+    "size",
+    "serial",
+    "queues",
+    "ro-flag",
+    "host-pattern",
+    "ro-write",
+    "ro-read",
+];
+
+/// One guest boot against one daemon configuration.
+struct Scenario {
+    readonly: bool,
+    queues: u16,
+    vcpus: u16,
+    /// Pass `--queues` to the daemon (otherwise its default, 1, is expected).
+    queues_flag: bool,
+    /// Extra `ringblk serve` arguments.
+    extra: &'static [&'static str],
+}
+
+impl Scenario {
+    fn rw(extra: &'static [&'static str]) -> Self {
+        Scenario {
+            readonly: false,
+            queues: 2,
+            vcpus: 2,
+            queues_flag: true,
+            extra,
+        }
+    }
+}
+
+#[test]
+fn rw_two_queues() {
+    run(Scenario::rw(&[]));
+}
+
+#[test]
+fn rw_two_queues_poll() {
+    run(Scenario::rw(&["--poll-us", "50"]));
+}
+
+#[test]
+fn rw_two_queues_signal_late() {
+    run(Scenario::rw(&["--signal", "late"]));
+}
+
+#[test]
+fn rw_one_queue_defaults() {
+    run(Scenario {
+        readonly: false,
+        queues: 1,
+        vcpus: 1,
+        queues_flag: false,
+        extra: &[],
+    });
+}
+
+#[test]
+fn readonly() {
+    run(Scenario {
+        readonly: true,
+        queues: 2,
+        vcpus: 2,
+        queues_flag: true,
+        extra: &[],
+    });
+}
+
+// ---------------------------------------------------------------------------
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Ringblk,
+    Qsd,
+}
+
+fn backend() -> Backend {
+    match std::env::var("RINGBLK_GUEST_BACKEND").as_deref() {
+        Ok("qsd") => Backend::Qsd,
+        Ok("ringblk") | Ok("") | Err(_) => Backend::Ringblk,
+        Ok(other) => panic!("RINGBLK_GUEST_BACKEND={other}: expected ringblk or qsd"),
+    }
+}
+
+fn guest_timeout() -> Duration {
+    let secs = std::env::var("RINGBLK_GUEST_TIMEOUT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(180);
+    Duration::from_secs(secs)
+}
+
+/// The kernel and initramfs the guest boots.
+struct Assets {
+    kernel: PathBuf,
+    initrd: PathBuf,
+}
+
+/// Why the guest tests cannot run here; `None` if they can.
+fn qemu_unusable(program: &str) -> Option<String> {
+    match Command::new(program)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+    {
+        Ok(out) if out.status.success() => None,
+        Ok(out) => Some(format!(
+            "`{program} --version` failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Err(e) => Some(format!("cannot run {program}: {e}")),
+    }
+}
+
+/// Builds (or finds) the guest assets once per test binary. `Err` means the
+/// tests must be skipped; a broken build on a machine that can run QEMU panics.
+fn assets() -> &'static Result<Assets, String> {
+    static ASSETS: OnceLock<Result<Assets, String>> = OnceLock::new();
+    ASSETS.get_or_init(|| {
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let script = manifest.join("scripts/guest-assets.sh");
+        let mut cmd = Command::new("bash");
+        cmd.arg(&script).stdin(Stdio::null());
+        if std::env::var_os("RINGBLK_GUEST_DIR").is_none() {
+            // target/tmp -> target/guest, wherever the target directory is.
+            let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+            let dir = tmp.parent().unwrap_or(tmp).join("guest");
+            cmd.env("RINGBLK_GUEST_DIR", dir);
+        }
+        let started = Instant::now();
+        let out = cmd.output();
+        let out = match out {
+            Ok(out) => out,
+            Err(e) => {
+                return Err(qemu_unusable(QEMU)
+                    .map(|why| format!("{why}; and bash cannot run {}: {e}", script.display()))
+                    .unwrap_or_else(|| panic!("cannot run {}: {e}", script.display())));
+            }
+        };
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() {
+            // No QEMU and no way to install it: skip. Anything else is a bug.
+            if let Some(why) = qemu_unusable(QEMU) {
+                return Err(format!("{why} (guest-assets.sh: {})", stderr.trim()));
+            }
+            panic!(
+                "{} failed ({}):\n{stdout}\n{stderr}",
+                script.display(),
+                out.status
+            );
+        }
+        if let Some(why) = qemu_unusable(QEMU) {
+            return Err(why);
+        }
+        let find = |key: &str| {
+            stdout
+                .lines()
+                .filter_map(|l| l.strip_prefix(key))
+                .next_back()
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    panic!("guest-assets.sh printed no {key}PATH:\n{stdout}\n{stderr}")
+                })
+        };
+        let assets = Assets {
+            kernel: find("kernel="),
+            initrd: find("initrd="),
+        };
+        eprintln!(
+            "guest assets ready in {:.1?}: {} {}",
+            started.elapsed(),
+            assets.kernel.display(),
+            assets.initrd.display()
+        );
+        Ok(assets)
+    })
+}
+
+/// A child process that is killed and reaped when dropped.
+struct Guard {
+    child: Child,
+    name: &'static str,
+}
+
+impl Guard {
+    fn spawn(name: &'static str, cmd: &mut Command) -> Guard {
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name} ({:?}): {e}", cmd.get_program()));
+        Guard { child, name }
+    }
+
+    /// Waits up to `limit` for the process to exit on its own.
+    fn wait_for(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => return Some(status),
+                Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(50)),
+                Ok(None) => return None,
+                Err(e) => panic!("waiting for {}: {e}", self.name),
+            }
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// Guests run one at a time: each keeps both cores busy under TCG.
+static ONE_GUEST: Mutex<()> = Mutex::new(());
+
+/// 1 MiB of 32-byte records `rbpat NONCE %016d\n`, as `init.sh` makes it.
+fn pattern(nonce: &str) -> Vec<u8> {
+    assert_eq!(nonce.len(), 8);
+    let mut out = Vec::with_capacity(PATTERN_LEN);
+    for k in 0..PATTERN_LEN / 32 {
+        writeln!(out, "rbpat {nonce} {k:016}").expect("writing to a Vec");
+    }
+    assert_eq!(out.len(), PATTERN_LEN);
+    out
+}
+
+fn read_at(path: &Path, offset: u64, len: usize) -> Vec<u8> {
+    let mut f = File::open(path).expect("open image");
+    f.seek(SeekFrom::Start(offset)).expect("seek image");
+    let mut buf = vec![0; len];
+    f.read_exact(&mut buf).expect("read image");
+    buf
+}
+
+fn read_log(path: &Path) -> String {
+    fs::read(path)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_else(|e| format!("<cannot read {}: {e}>", path.display()))
+}
+
+/// What the guest printed.
+#[derive(Default)]
+struct Verdict {
+    passed: Vec<String>,
+    failed: Vec<String>,
+    done: bool,
+}
+
+fn parse_console(console: &str) -> Verdict {
+    let mut v = Verdict::default();
+    for line in console.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix("RINGBLK-PASS ") {
+            v.passed.push(name.trim().to_string());
+        } else if let Some(rest) = line.strip_prefix("RINGBLK-FAIL ") {
+            v.failed.push(rest.trim().to_string());
+        } else if line == "RINGBLK-DONE" {
+            v.done = true;
+        }
+    }
+    v
+}
+
+fn run(sc: Scenario) {
+    let assets = match assets() {
+        Ok(a) => a,
+        Err(why) => {
+            eprintln!("SKIPPED: this machine cannot run the QEMU guest tests: {why}");
+            return;
+        }
+    };
+    let backend = backend();
+    if backend == Backend::Qsd {
+        if let Some(why) = qemu_unusable(QSD) {
+            panic!("RINGBLK_GUEST_BACKEND=qsd but {why}");
+        }
+    }
+    let _one = ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner());
+
+    let tmp = tempfile::Builder::new()
+        .prefix("ringblk-guest-")
+        .tempdir()
+        .expect("temporary directory");
+    let dir = tmp.path();
+    let socket = dir.join("vhost.sock");
+    let image = dir.join("disk.img");
+    let console_path = dir.join("console.log");
+    let daemon_log = dir.join("daemon.log");
+    let qemu_log = dir.join("qemu.log");
+
+    let nonce = format!("{:08x}", {
+        let t = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        (t.as_nanos() as u32) ^ std::process::id().rotate_left(16)
+    });
+    let host_pattern = pattern(&nonce);
+    {
+        let mut f = File::create(&image).expect("create image");
+        f.set_len(IMAGE_SIZE).expect("size image");
+        f.seek(SeekFrom::Start(HOST_PATTERN_AT))
+            .expect("seek image");
+        f.write_all(&host_pattern).expect("write host pattern");
+        f.sync_all().expect("sync image");
+    }
+
+    // ---- The backend ----
+    let (mut daemon_cmd, serial) = match backend {
+        Backend::Ringblk => {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_ringblk"));
+            c.arg("serve")
+                .arg("--socket")
+                .arg(&socket)
+                .arg("--image")
+                .arg(&image);
+            if sc.readonly {
+                c.arg("--readonly");
+            }
+            if sc.queues_flag {
+                c.arg("--queues").arg(sc.queues.to_string());
+            }
+            c.arg("--serial").arg(SERIAL).args(sc.extra);
+            (c, SERIAL)
+        }
+        Backend::Qsd => {
+            if !sc.extra.is_empty() {
+                eprintln!("note: qemu-storage-daemon ignores {:?}", sc.extra);
+            }
+            let mut c = Command::new(QSD);
+            let ro = if sc.readonly { "on" } else { "off" };
+            c.arg("--blockdev").arg(format!(
+                "driver=file,node-name=f,filename={},discard=unmap,read-only={ro}",
+                image.display()
+            ));
+            c.arg("--export").arg(format!(
+                "type=vhost-user-blk,id=e,node-name=f,addr.type=unix,addr.path={},writable={},num-queues={}",
+                socket.display(),
+                if sc.readonly { "off" } else { "on" },
+                sc.queues
+            ));
+            (c, QSD_SERIAL)
+        }
+    };
+    let log_file = File::create(&daemon_log).expect("daemon log");
+    daemon_cmd
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone().expect("daemon log"))
+        .stderr(log_file);
+    eprintln!("starting {:?}", daemon_cmd);
+    let mut daemon = Guard::spawn("daemon", &mut daemon_cmd);
+
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if fs::metadata(&socket).is_ok_and(|m| m.file_type().is_socket()) {
+            break;
+        }
+        if let Ok(Some(status)) = daemon.child.try_wait() {
+            panic!(
+                "the daemon exited ({status}) before creating {}:\n{}",
+                socket.display(),
+                read_log(&daemon_log)
+            );
+        }
+        if Instant::now() > deadline {
+            panic!(
+                "the daemon created no socket at {} within 15 s:\n{}",
+                socket.display(),
+                read_log(&daemon_log)
+            );
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+
+    // ---- The guest ----
+    let mode = if sc.readonly { "ro" } else { "rw" };
+    let verbose = std::env::var("RINGBLK_GUEST_VERBOSE").is_ok_and(|v| v == "1");
+    let append = format!(
+        "console=ttyS0 quiet panic=-1 ringblk.test={mode} ringblk.sectors={} \
+         ringblk.serial={serial} ringblk.queues={} ringblk.nonce={nonce} ringblk.verbose={}",
+        IMAGE_SIZE / 512,
+        sc.queues,
+        u8::from(verbose)
+    );
+    let qemu_out = File::create(&qemu_log).expect("qemu log");
+    let mut qemu_cmd = Command::new(QEMU);
+    qemu_cmd
+        .args(["-accel", "tcg", "-m", "512M", "-smp"])
+        .arg(sc.vcpus.to_string())
+        .args([
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-monitor",
+            "none",
+        ])
+        .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
+        .args(["-numa", "node,memdev=mem"])
+        .arg("-chardev")
+        .arg(format!("socket,id=c0,path={}", socket.display()))
+        .arg("-device")
+        .arg(format!(
+            "vhost-user-blk-pci,chardev=c0,num-queues={}",
+            sc.queues
+        ))
+        .arg("-kernel")
+        .arg(&assets.kernel)
+        .arg("-initrd")
+        .arg(&assets.initrd)
+        .arg("-append")
+        .arg(&append)
+        .arg("-serial")
+        .arg(format!("file:{}", console_path.display()))
+        .arg("-no-reboot")
+        .stdin(Stdio::null())
+        .stdout(qemu_out.try_clone().expect("qemu log"))
+        .stderr(qemu_out);
+    eprintln!("starting {:?}", qemu_cmd);
+    let started = Instant::now();
+    let mut qemu = Guard::spawn("qemu", &mut qemu_cmd);
+    let timeout = guest_timeout();
+    let qemu_status = qemu.wait_for(timeout);
+    let elapsed = started.elapsed();
+    drop(qemu);
+
+    // The frontend is gone: give the daemon a moment to exit on its own.
+    let daemon_status = daemon.wait_for(Duration::from_secs(1));
+    drop(daemon);
+
+    let console = read_log(&console_path);
+    let verdict = parse_console(&console);
+    let mut problems = Vec::new();
+    match qemu_status {
+        None => problems.push(format!("QEMU did not finish within {timeout:?} (killed)")),
+        Some(s) if !s.success() => problems.push(format!("QEMU exited with {s}")),
+        Some(_) => {}
+    }
+    if !verdict.done {
+        problems.push("the guest never printed RINGBLK-DONE".to_string());
+    }
+    for f in &verdict.failed {
+        problems.push(format!("guest check failed: {f}"));
+    }
+    let expected = if sc.readonly { RO_CHECKS } else { RW_CHECKS };
+    for name in expected {
+        let failed = verdict
+            .failed
+            .iter()
+            .any(|f| f.split(' ').next() == Some(name));
+        if !failed && !verdict.passed.iter().any(|p| p == name) {
+            problems.push(format!("guest check missing: {name}"));
+        }
+    }
+    if let Some(status) = daemon_status {
+        if status.signal().is_some() || status.code() == Some(101) {
+            problems.push(format!("the daemon died: {status}"));
+        }
+    }
+
+    // ---- The image, as the host sees it ----
+    let len = fs::metadata(&image).map(|m| m.len()).unwrap_or(0);
+    if len != IMAGE_SIZE {
+        problems.push(format!("the image is {len} bytes, expected {IMAGE_SIZE}"));
+    } else if sc.readonly {
+        let mut want = vec![0u8; IMAGE_SIZE as usize];
+        want[HOST_PATTERN_AT as usize..HOST_PATTERN_AT as usize + PATTERN_LEN]
+            .copy_from_slice(&host_pattern);
+        let got = read_at(&image, 0, IMAGE_SIZE as usize);
+        if let Some(at) = got.iter().zip(&want).position(|(a, b)| a != b) {
+            problems.push(format!("a read-only image changed, first at byte {at}"));
+        }
+    } else if verdict.passed.iter().any(|p| p == "guest-pattern") {
+        let got = read_at(&image, GUEST_PATTERN_AT, PATTERN_LEN);
+        if let Some(at) = got.iter().zip(&host_pattern).position(|(a, b)| a != b) {
+            problems.push(format!(
+                "host: the guest's pattern is not in the image at {GUEST_PATTERN_AT}: \
+                 first difference at +{at}: {:?}",
+                String::from_utf8_lossy(&got[at - at % 32..at - at % 32 + 32])
+            ));
+        }
+    }
+
+    let which = match backend {
+        Backend::Ringblk => format!("ringblk serve {}", sc.extra.join(" ")),
+        Backend::Qsd => "qemu-storage-daemon".to_string(),
+    };
+    eprintln!(
+        "guest ({mode}, {} queue(s), {} vCPU(s), {which}) ran {:.1?}: {} passed, {} failed",
+        sc.queues,
+        sc.vcpus,
+        elapsed,
+        verdict.passed.len(),
+        verdict.failed.len()
+    );
+    if verbose {
+        eprintln!("==== guest console ====\n{console}");
+    }
+    if !problems.is_empty() {
+        panic!(
+            "{} problem(s) with {which}:\n  {}\n\
+             ==== guest console ====\n{console}\n\
+             ==== daemon output (exit: {daemon_status:?}) ====\n{}\n\
+             ==== qemu output ====\n{}",
+            problems.len(),
+            problems.join("\n  "),
+            read_log(&daemon_log),
+            read_log(&qemu_log)
+        );
+    }
+}

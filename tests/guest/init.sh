@@ -1,0 +1,240 @@
+#!/bin/sh
+# /init of the ringblk test guest (busybox sh, PID 1).
+#
+# Reads its parameters from the kernel command line:
+#   ringblk.test=rw|ro      which checks to run
+#   ringblk.sectors=N       expected capacity in 512-byte sectors
+#   ringblk.serial=S        expected serial (/sys/block/vda/serial)
+#   ringblk.queues=N        expected number of hardware queues
+#   ringblk.nonce=HEX8      8 hex digits that mark this run's pattern
+#   ringblk.fio_mb=N        size of the single-job fio region (default 32)
+#   ringblk.step_timeout=S  timeout of each step in seconds (default 60)
+#   ringblk.verbose=1       show every step's output, not only failed ones
+#
+# Prints one line per check, `RINGBLK-PASS <name>` or
+# `RINGBLK-FAIL <name> <detail>`, then `RINGBLK-DONE`, and powers off.
+#
+# Disk layout (MiB offsets; the host test relies on it):
+#   [0, fio_mb)                single-job fio write+verify
+#   [fio_mb, fio_mb+16)        two fio jobs, 8 MiB each
+#   48 .. 52                   discard, then write-zeroes and read back
+#   56 .. 57                   pattern written by the guest (host checks it)
+#   60 .. 61                   pattern written by the host (guest checks it)
+
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+
+mount -t devtmpfs devtmpfs /dev 2>/dev/null
+exec </dev/console >/dev/console 2>&1
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mkdir -p /tmp
+mount -t tmpfs tmpfs /tmp
+
+TEST=rw
+SECTORS=
+SERIAL=
+QUEUES=
+NONCE=00000000
+FIO_MB=32
+STEP_TIMEOUT=60
+VERBOSE=0
+# shellcheck disable=SC2013 # the command line is words
+for word in $(cat /proc/cmdline); do
+    case "$word" in
+        ringblk.test=*) TEST=${word#*=} ;;
+        ringblk.sectors=*) SECTORS=${word#*=} ;;
+        ringblk.serial=*) SERIAL=${word#*=} ;;
+        ringblk.queues=*) QUEUES=${word#*=} ;;
+        ringblk.nonce=*) NONCE=${word#*=} ;;
+        ringblk.fio_mb=*) FIO_MB=${word#*=} ;;
+        ringblk.step_timeout=*) STEP_TIMEOUT=${word#*=} ;;
+        ringblk.verbose=*) VERBOSE=${word#*=} ;;
+    esac
+done
+
+DEV=/dev/vda
+SYS=/sys/block/vda
+MIB=1048576
+# util-linux, not the busybox applet (which has no -z and wins in PATH lookups).
+BLKDISCARD=/usr/sbin/blkdiscard
+
+pass() { echo "RINGBLK-PASS $1"; }
+fail() {
+    name=$1
+    shift
+    echo "RINGBLK-FAIL $name $*"
+}
+# Runs a command with the step timeout, its output going to /tmp/$1.log.
+step() {
+    name=$1
+    shift
+    timeout -s KILL "$STEP_TIMEOUT" "$@" >"/tmp/$name.log" 2>&1
+    rc=$?
+    [ "$VERBOSE" = 1 ] && show_log "$name"
+    return $rc
+}
+# Shows the end of a step's log, indented, after a failure.
+show_log() {
+    echo "---- $1 log (tail) ----"
+    tail -n 25 "/tmp/$1.log" | sed 's/^/    /'
+    echo "---- end of $1 log ----"
+}
+finish() {
+    echo "RINGBLK-DONE"
+    sync
+    poweroff -f
+    sleep 5
+    echo o >/proc/sysrq-trigger
+}
+
+# The pattern: 1 MiB of 32-byte records "rbpat NONCE%016d\n" numbered from 0.
+make_pattern() {
+    awk -v n="$NONCE" 'BEGIN { for (k = 0; k < 32768; k++) printf "rbpat %s %016d\n", n, k }' >"$1"
+}
+
+echo "ringblk guest: test=$TEST sectors=$SECTORS serial=$SERIAL queues=$QUEUES nonce=$NONCE"
+
+# Modules, in dependency order (built-ins have no file and are skipped).
+if [ -f /lib/modules/load.order ]; then
+    while read -r ko; do
+        [ -n "$ko" ] || continue
+        if ! timeout -s KILL 30 insmod "/lib/modules/$ko" 2>/tmp/insmod.log; then
+            grep -q 'File exists' /tmp/insmod.log || echo "insmod $ko: $(cat /tmp/insmod.log)"
+        fi
+    done </lib/modules/load.order
+fi
+
+i=0
+while [ ! -b "$DEV" ] && [ "$i" -lt 100 ]; do
+    sleep 0.1
+    i=$((i + 1))
+done
+if [ ! -b "$DEV" ]; then
+    fail device "no $DEV after 10 s"
+    ls /sys/block
+    dmesg | tail -n 20
+    finish
+fi
+pass device
+
+# ---- Identity and geometry ----
+got=$(cat "$SYS/size")
+if [ "$got" = "$SECTORS" ]; then pass size; else fail size "expected $SECTORS sectors, got $got"; fi
+
+got=$(cat "$SYS/serial" 2>/dev/null)
+if [ "$got" = "$SERIAL" ]; then pass serial; else fail serial "expected '$SERIAL', got '$got'"; fi
+
+# shellcheck disable=SC2012 # the entries are numbers
+got=$(ls "$SYS/mq" | wc -l)
+if [ "$got" = "$QUEUES" ]; then pass queues; else fail queues "expected $QUEUES hardware queues, got $got"; fi
+
+got=$(cat "$SYS/ro")
+if [ "$TEST" = ro ]; then want=1; else want=0; fi
+if [ "$got" = "$want" ]; then pass ro-flag; else fail ro-flag "expected ro=$want, got $got"; fi
+
+# ---- The host's pattern at 60 MiB reads back intact ----
+make_pattern /tmp/pattern
+if step host-pattern dd if="$DEV" of=/tmp/host-pattern bs=64k skip=960 count=16 iflag=direct &&
+    cmp /tmp/pattern /tmp/host-pattern >>/tmp/host-pattern.log 2>&1; then
+    pass host-pattern
+else
+    fail host-pattern "the 1 MiB at 60 MiB does not hold the host's pattern"
+    show_log host-pattern
+    hexdump -C /tmp/host-pattern 2>/dev/null | head -n 4
+fi
+
+if [ "$TEST" = ro ]; then
+    # ---- Read-only: a direct write must fail, a read must work ----
+    if step ro-write dd if=/tmp/pattern of="$DEV" bs=4k count=1 seek=14336 oflag=direct conv=notrunc; then
+        fail ro-write "a direct write to a read-only disk succeeded"
+        show_log ro-write
+    else
+        pass ro-write
+    fi
+    if step ro-read dd if="$DEV" of=/dev/null bs=64k count=256 iflag=direct; then
+        pass ro-read
+    else
+        fail ro-read "reading 16 MiB failed"
+        show_log ro-read
+    fi
+    finish
+fi
+
+# ---- fio: one job, mixed block sizes, write then verify ----
+if step fio-verify fio --name=verify --filename="$DEV" --ioengine=libaio --direct=1 \
+    --iodepth=16 --rw=randwrite --bssplit=4k/50:16k/30:64k/20 \
+    --offset=0 --size="${FIO_MB}M" --verify=crc32c --verify_fatal=1 \
+    --verify_state_save=0 --exitall_on_error=1; then
+    pass fio-verify
+else
+    fail fio-verify "exit status $?"
+    show_log fio-verify
+fi
+
+# ---- fio: two jobs, each on its own 8 MiB range (and CPU, hence queue) ----
+cpus=
+[ "$(nproc)" -ge 2 ] && cpus="--cpus_allowed=0-1 --cpus_allowed_policy=split"
+# shellcheck disable=SC2086 # $cpus is two words or none
+if step fio-2jobs fio --name=twojobs --filename="$DEV" --ioengine=libaio --direct=1 \
+    --iodepth=8 --rw=randwrite --bssplit=4k/60:32k/40 --numjobs=2 $cpus \
+    --offset="${FIO_MB}M" --offset_increment=8M --size=8M \
+    --verify=crc32c --verify_fatal=1 --verify_state_save=0 --exitall_on_error=1 \
+    --group_reporting; then
+    pass fio-2jobs
+else
+    fail fio-2jobs "exit status $?"
+    show_log fio-2jobs
+fi
+
+# ---- Every request queue completed requests: interrupts per virtqueue ----
+# Lines of /proc/interrupts like "25: 120 3 PCI-MSIX-0000:00:02.0 1-edge virtio0-req.1".
+awk '/virtio[0-9]+-req\.[0-9]+/ {
+        n = 0
+        for (i = 2; i <= NF && $i ~ /^[0-9]+$/; i++) n += $i
+        print $NF, n
+    }' /proc/interrupts >/tmp/queue-irqs
+[ "$VERBOSE" = 1 ] && sed 's/^/    interrupts: /' /tmp/queue-irqs
+used=$(awk '$2 > 0' /tmp/queue-irqs | wc -l)
+if [ "$used" = "$QUEUES" ]; then
+    pass queues-used
+else
+    fail queues-used "expected interrupts on $QUEUES request queues, got: $(tr '\n' ' ' </tmp/queue-irqs)"
+fi
+
+# ---- Discard, then write-zeroes and read back zeroes (48..52 MiB) ----
+step discard-fill dd if=/tmp/pattern of="$DEV" bs=64k seek=768 count=16 oflag=direct conv=notrunc
+discard_max=$(cat "$SYS/queue/discard_max_bytes")
+if [ "$discard_max" = 0 ]; then
+    fail discard "the disk does not offer discard (discard_max_bytes=0)"
+elif step discard "$BLKDISCARD" -f -o $((48 * MIB)) -l $((4 * MIB)) "$DEV"; then
+    pass discard
+else
+    fail discard "blkdiscard failed"
+    show_log discard
+fi
+dd if=/dev/zero of=/tmp/zeroes bs=64k count=64 2>/dev/null
+if step zeroout "$BLKDISCARD" -f -z -o $((48 * MIB)) -l $((4 * MIB)) "$DEV" &&
+    step zeroout-read dd if="$DEV" of=/tmp/zeroout bs=64k skip=768 count=64 iflag=direct &&
+    cmp /tmp/zeroes /tmp/zeroout >/tmp/zeroout-cmp.log 2>&1; then
+    pass zeroout
+else
+    fail zeroout "blkdiscard -z of 4 MiB at 48 MiB failed or did not read back as zeroes"
+    show_log zeroout
+    show_log zeroout-read
+    cat /tmp/zeroout-cmp.log 2>/dev/null
+fi
+
+# ---- The guest's pattern at 56 MiB, flushed, read back (the host checks it too) ----
+if step guest-pattern dd if=/tmp/pattern of="$DEV" bs=64k seek=896 count=16 oflag=direct conv=notrunc,fsync &&
+    step guest-pattern-sync sync &&
+    step guest-pattern-read dd if="$DEV" of=/tmp/guest-pattern bs=64k skip=896 count=16 iflag=direct &&
+    cmp /tmp/pattern /tmp/guest-pattern >/tmp/guest-pattern-cmp.log 2>&1; then
+    pass guest-pattern
+else
+    fail guest-pattern "writing, flushing or reading back 1 MiB at 56 MiB failed"
+    show_log guest-pattern
+    show_log guest-pattern-read
+    cat /tmp/guest-pattern-cmp.log 2>/dev/null
+fi
+
+finish
