@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The whole suite, as CI runs it, on a fresh Debian machine or a used one:
+# installs what is missing (Debian packages, the guest's kernel and
+# initramfs), then formatting, lints, and every test, the QEMU guest ones
+# included.
+#
+#   scripts/test.sh
+#   RINGBLK_GUEST_BACKEND=qsd scripts/test.sh   # guests against qemu-storage-daemon
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+section() { printf '\n==== %s ====\n' "$*"; }
+started=$SECONDS
+
+section "toolchain"
+for tool in cargo rustfmt cargo-clippy; do
+    command -v "$tool" >/dev/null || {
+        echo "test.sh: $tool is missing (rustup component add rustfmt clippy)" >&2
+        exit 1
+    }
+done
+cargo --version
+rustc --version
+
+# The guest tests build these too; doing it first installs the Debian packages
+# (QEMU, fio, busybox-static, ...) and shows the cost apart. A failure here is
+# not fatal: the guest tests skip when QEMU cannot run at all, and fail loudly
+# otherwise.
+section "guest assets"
+if ! scripts/guest-assets.sh; then
+    echo "test.sh: warning: guest-assets.sh failed; the guest tests will tell why" >&2
+fi
+
+section "cargo fmt"
+cargo fmt --all -- --check
+
+section "cargo clippy"
+cargo clippy --locked --all-targets -- -D warnings
+
+section "cargo test"
+RUST_BACKTRACE=${RUST_BACKTRACE:-1} cargo test --locked
+
+section "done in $((SECONDS - started)) s"
