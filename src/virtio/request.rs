@@ -71,6 +71,10 @@ impl DiscardRange {
     pub fn len(&self) -> u64 {
         u64::from(self.num_sectors) << SECTOR_SHIFT
     }
+    /// A range of no sectors (valid: the device has nothing to do).
+    pub fn is_empty(&self) -> bool {
+        self.num_sectors == 0
+    }
 }
 
 /// The operation a request asks for.
