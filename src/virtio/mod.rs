@@ -8,6 +8,8 @@ pub mod config;
 mod error;
 pub mod request;
 pub mod ring;
+#[cfg(test)]
+mod testing;
 
 pub use error::RequestError;
 pub use request::{DeviceLimits, DiscardRange, Request, RequestKind};

@@ -428,3 +428,8 @@ fn translate(mem: &GuestMem, bufs: &[Buf]) -> Result<Vec<libc::iovec>, RequestEr
     }
     Ok(iovecs)
 }
+
+#[cfg(test)]
+mod chain_tests;
+#[cfg(test)]
+mod tests;

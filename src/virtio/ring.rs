@@ -241,3 +241,8 @@ impl RingShadow {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod counting_tests;
+#[cfg(test)]
+mod tests;

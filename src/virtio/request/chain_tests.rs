@@ -1,0 +1,232 @@
+//! The malformed-chain catalogue: every way a guest can break a descriptor
+//! chain, and what `Request::parse` answers. Whether the guest gets a
+//! status byte (`Rejected::status`) matters as much as the error: with
+//! `None`, the used element carries length 0 and nothing is written.
+
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_T_IN};
+use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_queue::desc::split::Descriptor;
+use vm_memory::GuestAddress;
+
+use super::*;
+use crate::virtio::testing::*;
+
+const NEXT: u16 = VRING_DESC_F_NEXT as u16;
+const WRITE: u16 = VRING_DESC_F_WRITE as u16;
+const INDIRECT: u16 = VRING_DESC_F_INDIRECT as u16;
+
+fn ill_formed(res: Result<Request, Rejected>, status: Option<u64>) {
+    let rej = res.expect_err("chain should be refused");
+    assert_eq!(rej.error, RequestError::IllFormedChain);
+    assert_eq!(rej.status, status.map(GuestAddress));
+    assert_eq!(rej.error.status(), VIRTIO_BLK_S_IOERR as u8);
+}
+
+fn setup(mem: &GuestMem) -> Driver<'_> {
+    let d = Driver::new(mem, 16);
+    d.header(VIRTIO_BLK_T_IN, 0);
+    d
+}
+
+#[test]
+fn status_descriptor_readable() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    ill_formed(d.parse_chain(&limits(), &[r(HDR, 16), r(STATUS, 1)]), None);
+    // Writable data first, then a readable "status": the status byte would
+    // land in the data buffer, and the chain is out of order anyway.
+    let res = d.parse_chain(&limits(), &[r(HDR, 16), w(DATA, 512), r(STATUS, 1)]);
+    ill_formed(res, Some(DATA + 511));
+}
+
+#[test]
+fn status_descriptor_empty() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    ill_formed(d.parse_chain(&limits(), &[r(HDR, 16), w(STATUS, 0)]), None);
+    ill_formed(
+        d.parse_chain(&limits(), &[r(HDR, 16), w(DATA, 512), w(STATUS, 0)]),
+        None,
+    );
+}
+
+#[test]
+fn readable_after_writable() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    let res = d.parse_chain(
+        &limits(),
+        &[r(HDR, 16), w(DATA, 512), r(DATA + 0x1000, 512), status()],
+    );
+    ill_formed(res, Some(STATUS));
+    let res = d.parse_chain(&limits(), &[w(DATA, 512), r(HDR, 16), status()]);
+    ill_formed(res, Some(STATUS));
+}
+
+#[test]
+fn next_pointing_back_is_a_loop() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    // 0 -> 1 -> 2 -> 0 -> ...
+    d.post_raw(
+        0,
+        &[
+            (0, Descriptor::new(HDR, 16, NEXT, 1)),
+            (1, Descriptor::new(DATA, 512, WRITE | NEXT, 2)),
+            (2, Descriptor::new(STATUS, 1, WRITE | NEXT, 0)),
+        ],
+    );
+    ill_formed(d.parse(&limits()), Some(STATUS));
+    // A descriptor pointing at itself, readable only: no status byte.
+    d.post_raw(5, &[(5, Descriptor::new(HDR, 16, NEXT, 5))]);
+    ill_formed(d.parse(&limits()), None);
+}
+
+#[test]
+fn next_outside_the_table() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    d.post_raw(
+        0,
+        &[
+            (0, Descriptor::new(HDR, 16, NEXT, 1)),
+            (1, Descriptor::new(STATUS, 1, WRITE | NEXT, 16)),
+        ],
+    );
+    ill_formed(d.parse(&limits()), Some(STATUS));
+}
+
+#[test]
+fn head_outside_the_table() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    d.post_head(200);
+    let rej = d.parse(&limits()).unwrap_err();
+    assert_eq!(rej.head, 200);
+    ill_formed(Err(rej), None);
+}
+
+#[test]
+fn chain_using_the_whole_table_is_fine() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    let mut descs = vec![r(HDR, 16)];
+    descs.extend((0..14).map(|i| w(DATA + i * 0x1000, 512)));
+    descs.push(status());
+    let l = DeviceLimits {
+        seg_max: 16,
+        ..limits()
+    };
+    let req = d.parse_chain(&l, &descs).unwrap();
+    assert_eq!(req.data.0.len(), 14);
+}
+
+#[test]
+fn chain_of_more_than_two_gigabytes_is_refused() {
+    // virtio-queue stops at 2^32 bytes in total; the chain looks cut short.
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    let res = d.parse_chain(
+        &limits(),
+        &[r(HDR, 16), w(DATA, 0x1000), w(DATA, 0xffff_f000), status()],
+    );
+    ill_formed(res, Some(DATA + 0xfff));
+}
+
+#[test]
+fn indirect_table_is_followed() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    let table = [r(HDR, 16), w(DATA, 4096), w(DATA + 0x2000, 1024), status()];
+    d.write_table(TABLE, &table);
+    let req = d.parse_chain(&limits(), &[indirect(TABLE, 4)]).unwrap();
+    assert_eq!(req.kind, RequestKind::Read { sector: 0 });
+    assert_eq!(req.data_len, 5120);
+    assert_iovecs(&mem, &req, &[(DATA, 4096), (DATA + 0x2000, 1024)]);
+    assert_eq!(req.status, GuestAddress(STATUS));
+    // The indirect descriptor's WRITE flag is ignored (virtio 1.2, 2.7.5.3.2).
+    let mut desc = indirect(TABLE, 4);
+    desc.flags |= WRITE;
+    assert!(d.parse_chain(&limits(), &[desc]).is_ok());
+}
+
+#[test]
+fn indirect_table_nested() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    d.write_table(TABLE + 0x100, &[w(DATA, 512), status()]);
+    d.write_table(TABLE, &[r(HDR, 16), indirect(TABLE + 0x100, 2)]);
+    ill_formed(d.parse_chain(&limits(), &[indirect(TABLE, 2)]), None);
+}
+
+#[test]
+fn indirect_table_bad_size() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    d.write_table(TABLE, &[r(HDR, 16), w(DATA, 512), status()]);
+    for len in [0, 8, 40, 47] {
+        let desc = D {
+            addr: TABLE,
+            len,
+            flags: INDIRECT,
+        };
+        ill_formed(d.parse_chain(&limits(), &[desc]), None);
+    }
+    // A table shorter than its chain: the last entry points out of it.
+    ill_formed(
+        d.parse_chain(&limits(), &[indirect(TABLE, 2)]),
+        Some(DATA + 511),
+    );
+}
+
+#[test]
+fn indirect_table_outside_guest_memory() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    ill_formed(
+        d.parse_chain(&limits(), &[indirect(A_END + 0x1000, 3)]),
+        None,
+    );
+    ill_formed(d.parse_chain(&limits(), &[indirect(A_END - 16, 3)]), None);
+}
+
+#[test]
+fn indirect_chain_longer_than_the_queue() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    let l = DeviceLimits {
+        seg_max: 64,
+        ..limits()
+    };
+    let chain = |n: u64| {
+        let mut v = vec![r(HDR, 16)];
+        v.extend((0..n).map(|i| w(DATA + i * 0x1000, 512)));
+        v.push(status());
+        v
+    };
+    // 16 descriptors in all fit a queue of 16.
+    d.write_table(TABLE, &chain(14));
+    assert!(d.parse_chain(&l, &[indirect(TABLE, 16)]).is_ok());
+    // 17 do not.
+    d.write_table(TABLE, &chain(15));
+    ill_formed(d.parse_chain(&l, &[indirect(TABLE, 17)]), Some(STATUS));
+}
+
+#[test]
+fn indirect_loop() {
+    let mem = guest_memory();
+    let mut d = setup(&mem);
+    for (i, desc) in [
+        Descriptor::new(HDR, 16, NEXT, 1),
+        Descriptor::new(STATUS, 1, WRITE | NEXT, 0),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        vm_memory::Bytes::write_obj(&mem, desc, GuestAddress(TABLE + 16 * i as u64)).unwrap();
+    }
+    ill_formed(
+        d.parse_chain(&limits(), &[indirect(TABLE, 2)]),
+        Some(STATUS),
+    );
+}
