@@ -166,6 +166,11 @@ impl Request {
         let Some(status) = status else {
             return Err(reject(None, RequestError::IllFormedChain));
         };
+        // A status byte we cannot write means the guest never learns how
+        // the request ended: refuse it before any I/O, not after.
+        if !mem.address_in_range(status) {
+            return Err(reject(None, RequestError::BadAddress));
+        }
         let readable = match (readable, last_ok) {
             (Ok(r), true) => r,
             _ => return Err(reject(Some(status), RequestError::IllFormedChain)),

@@ -3,7 +3,7 @@
 //! status byte (`Rejected::status`) matters as much as the error: with
 //! `None`, the used element carries length 0 and nothing is written.
 
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_T_IN};
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
 use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::split::Descriptor;
 use vm_memory::GuestAddress;
@@ -48,6 +48,24 @@ fn status_descriptor_empty() {
         d.parse_chain(&limits(), &[r(HDR, 16), w(DATA, 512), w(STATUS, 0)]),
         None,
     );
+}
+
+#[test]
+fn status_byte_outside_guest_memory() {
+    // Nothing can report this request's status: refuse it before any I/O
+    // rather than run a write the guest can never see complete.
+    let mem = guest_memory();
+    let mut d = Driver::new(&mem, 16);
+    d.header(VIRTIO_BLK_T_OUT, 0);
+    for status in [w(C_END, 1), w(A_END + 0x100, 1), w(A_END - 4, 8)] {
+        let res = d.parse_chain(&limits(), &[r(HDR, 16), r(DATA, 512), status]);
+        let rej = res.expect_err("status outside memory");
+        assert_eq!(
+            (rej.status, rej.error),
+            (None, RequestError::BadAddress),
+            "{status:?}"
+        );
+    }
 }
 
 #[test]
