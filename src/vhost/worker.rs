@@ -271,6 +271,7 @@ impl QueueWorker {
         // Reading used->idx back is fine here: once per ring start.
         let used = queue.used_idx(&**mem, Ordering::Acquire)?.0;
         let rec = log.recover(used);
+        log::debug!("queue start: used->idx {used}, {} request(s) to resubmit", rec.resubmit.len());
         if rec.resubmit.is_empty() {
             return Ok(());
         }
