@@ -6,7 +6,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Request types as counted, in the order of [`QueueMetrics::requests`].
 pub const REQUEST_TYPES: [&str; 7] = [
@@ -109,7 +109,7 @@ impl QueueMetrics {
 }
 
 /// A point-in-time copy of [`QueueMetrics`].
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QueueSnapshot {
     pub requests: [u64; 7],
     pub read_bytes: u64,

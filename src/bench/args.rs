@@ -1,0 +1,278 @@
+//! `ringblk bench` arguments. The workload flags take comma-separated lists
+//! so that `--compare` can be narrowed (`--iodepth 1,16`); a single run
+//! takes one value each.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+use crate::cli::parse_size;
+
+/// Access pattern.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RwMode {
+    Randread,
+    Randwrite,
+    Read,
+    Write,
+    /// Random mix of reads and writes, `--mix` percent reads.
+    Randrw,
+}
+
+impl RwMode {
+    /// The same pattern's name for fio's `--rw` (and for humans).
+    pub fn name(self) -> &'static str {
+        match self {
+            RwMode::Randread => "randread",
+            RwMode::Randwrite => "randwrite",
+            RwMode::Read => "read",
+            RwMode::Write => "write",
+            RwMode::Randrw => "randrw",
+        }
+    }
+
+    pub fn is_random(self) -> bool {
+        matches!(self, RwMode::Randread | RwMode::Randwrite | RwMode::Randrw)
+    }
+
+    /// Percentage of requests that are reads.
+    pub fn read_percent(self, mix: u8) -> u8 {
+        match self {
+            RwMode::Randread | RwMode::Read => 100,
+            RwMode::Randwrite | RwMode::Write => 0,
+            RwMode::Randrw => mix,
+        }
+    }
+}
+
+/// `on`/`off` for list-valued switches such as `--direct on,off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+impl OnOff {
+    pub fn on(self) -> bool {
+        self == OnOff::On
+    }
+}
+
+/// Backends `--compare` knows how to start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum)]
+pub enum BackendName {
+    /// `ringblk serve` (this binary, or --ringblk-bin).
+    Ringblk,
+    /// qemu-storage-daemon's vhost-user-blk export.
+    Qsd,
+    /// fio with io_uring directly on the image: no virtio in between.
+    Host,
+}
+
+/// `ringblk bench` arguments.
+#[derive(Clone, Debug, Args)]
+pub struct BenchArgs {
+    /// vhost-user-blk socket to drive (any backend). Not with --compare,
+    /// which starts its own backends.
+    #[arg(long, required_unless_present = "compare", conflicts_with = "compare")]
+    pub socket: Option<PathBuf>,
+
+    /// Access pattern(s). Default: randread (single run), randread,randwrite
+    /// (--compare).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub rw: Vec<RwMode>,
+
+    /// Percentage of reads for --rw randrw.
+    #[arg(long, default_value_t = 70, value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub mix: u8,
+
+    /// Block size of every request.
+    #[arg(long, default_value = "4K", value_parser = parse_size)]
+    pub bs: u64,
+
+    /// Requests kept in flight per queue. Default: 1 (single run),
+    /// 1,16,64 (--compare).
+    #[arg(long, value_delimiter = ',')]
+    pub iodepth: Vec<u32>,
+
+    /// Virtqueues, each driven by its own client thread. Default: 1
+    /// (single run), 1,2 (--compare).
+    #[arg(long, value_delimiter = ',')]
+    pub queues: Vec<u16>,
+
+    /// Measured time (e.g. 10s, 500ms). Default: 10s (single run), 3s
+    /// (--compare), 1s (--quick).
+    #[arg(long, value_parser = parse_duration)]
+    pub runtime: Option<Duration>,
+
+    /// Warm-up before measuring; I/O runs but is not counted. Default: 2s
+    /// (single run), 500ms (--compare), 200ms (--quick).
+    #[arg(long, value_parser = parse_duration)]
+    pub ramp: Option<Duration>,
+
+    /// Poll for completions (libblkio poll queues) instead of sleeping on
+    /// the completion eventfd: removes the client's wake-up cost, burns its CPU.
+    #[arg(long)]
+    pub poll: bool,
+
+    /// Virtqueue size the client asks for. libblkio puts 3 descriptors per
+    /// request on the ring, so the default, max(256, 3 x iodepth rounded up
+    /// to a power of two), keeps the iodepth from being capped.
+    #[arg(long)]
+    pub queue_size: Option<u32>,
+
+    /// Use only the first SIZE bytes of the device (default: all of it).
+    #[arg(long, value_parser = parse_size)]
+    pub size: Option<u64>,
+
+    /// CPU the client threads are pinned to.
+    #[arg(long, default_value_t = 1)]
+    pub client_cpu: usize,
+
+    /// CPU --compare pins each backend process to (taskset).
+    #[arg(long, default_value_t = 0)]
+    pub backend_cpu: usize,
+
+    /// Pin nothing. On 2 vCPUs placement decides QD1 latency (same CPU
+    /// about 7 us, different CPUs about 40 us), so the default pins.
+    #[arg(long)]
+    pub no_pin: bool,
+
+    /// Backend process whose CPU time (/proc/PID/stat, all threads incl.
+    /// io_uring workers) is reported per million I/Os.
+    #[arg(long, conflicts_with = "compare")]
+    pub pid: Option<u32>,
+
+    /// ringblk --metrics address: report the daemon's counters per I/O.
+    #[arg(long, conflicts_with = "compare")]
+    pub metrics: Option<String>,
+
+    /// Write the result as JSON to this file ("-": standard output).
+    #[arg(long, conflicts_with = "compare")]
+    pub json: Option<PathBuf>,
+
+    /// How long to retry connecting while the backend starts up.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub connect_timeout: Duration,
+
+    /// Start ringblk, qemu-storage-daemon and fio one after the other on the
+    /// same image and compare them over a matrix of workloads.
+    #[arg(long)]
+    pub compare: bool,
+
+    /// Boxed: the comparison's options would make `cli::Command` lopsided.
+    #[command(flatten)]
+    pub cmp: Box<CompareArgs>,
+}
+
+/// Options only `--compare` uses.
+#[derive(Clone, Debug, Args)]
+pub struct CompareArgs {
+    /// CI-sized matrix (randread, iodepth 1 and 16, one queue, cached, 1 s
+    /// per run): well under a minute.
+    #[arg(long, requires = "compare")]
+    pub quick: bool,
+
+    /// Image to serve. Default: a file filled with data is created in the
+    /// output directory (unwritten or sparse extents read as zeroes without
+    /// touching the disk) and removed afterwards.
+    #[arg(long, requires = "compare")]
+    pub image: Option<PathBuf>,
+
+    /// Size of the created image. Default: 1G (64M with --quick).
+    #[arg(long, requires = "compare", value_parser = parse_size)]
+    pub image_size: Option<u64>,
+
+    /// O_DIRECT setting(s) of the backends. Default: on,off (off with --quick).
+    #[arg(long, value_enum, value_delimiter = ',', requires = "compare")]
+    pub direct: Vec<OnOff>,
+
+    /// Which backends to run, in this order per configuration (variants run
+    /// right after ringblk).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "ringblk,qsd,host"
+    )]
+    pub backends: Vec<BackendName>,
+
+    /// Extra argument for every `ringblk serve` (repeatable), e.g.
+    /// --ringblk-arg=--notify=per-request.
+    #[arg(long, allow_hyphen_values = true, value_name = "ARG")]
+    pub ringblk_arg: Vec<String>,
+
+    /// An extra ringblk backend NAME started with extra serve arguments
+    /// (split on whitespace), e.g. --variant 'late:--signal late'. Repeatable.
+    #[arg(long, allow_hyphen_values = true, value_name = "NAME:ARGS")]
+    pub variant: Vec<String>,
+
+    /// Extra argument for fio (repeatable), e.g. --fio-arg=--fixedbufs.
+    #[arg(long, allow_hyphen_values = true, value_name = "ARG")]
+    pub fio_arg: Vec<String>,
+
+    /// Directory for results.json, results.md, plot.svg and backend logs.
+    /// Default: bench-results/<date-time>.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+
+    /// ringblk binary to serve with. Default: this executable.
+    #[arg(long)]
+    pub ringblk_bin: Option<PathBuf>,
+
+    #[arg(long, default_value = "qemu-storage-daemon")]
+    pub qsd_bin: PathBuf,
+
+    #[arg(long, default_value = "fio")]
+    pub fio_bin: PathBuf,
+}
+
+/// Parses 10, 10s, 1.5s, 500ms or 2m.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (t, 1.0)
+    };
+    num.trim()
+        .parse::<f64>()
+        .ok()
+        .and_then(|v| Duration::try_from_secs_f64(v * scale).ok())
+        .ok_or_else(|| format!("'{s}' is not a duration like 10s, 500ms or 2m"))
+}
+
+/// The client's default virtqueue size for `iodepth` (see `--queue-size`).
+pub fn default_queue_size(iodepth: u32) -> u32 {
+    (iodepth.saturating_mul(3)).next_power_of_two().max(256)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("10"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("-1s").is_err());
+        assert!(parse_duration("fast").is_err());
+    }
+
+    #[test]
+    fn queue_size_fits_three_descriptors_per_request() {
+        assert_eq!(default_queue_size(1), 256);
+        assert_eq!(default_queue_size(64), 256);
+        assert_eq!(default_queue_size(128), 512);
+    }
+}

@@ -1,0 +1,309 @@
+//! The backends `--compare` starts, and one run against each.
+//!
+//! A vhost-user backend is started fresh for every configuration (queues
+//! and O_DIRECT are start-up options anyway), pinned with taskset, and
+//! driven by `ringblk bench` in a child process: a client stuck in a dead
+//! backend is then killed after a timeout instead of hanging the
+//! comparison, and its pinning cannot leak into the orchestrator.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::args::{RwMode, default_queue_size};
+use super::fio::FioJob;
+use super::proc::{self, Guard};
+use super::report::RunResult;
+
+/// One point of the matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Config {
+    pub rw: RwMode,
+    pub iodepth: u32,
+    pub queues: u16,
+    pub direct: bool,
+}
+
+impl Config {
+    /// Short name for file names and progress lines.
+    pub fn tag(&self) -> String {
+        format!(
+            "{}-qd{}-q{}-{}",
+            self.rw.name(),
+            self.iodepth,
+            self.queues,
+            if self.direct { "direct" } else { "cached" }
+        )
+    }
+}
+
+/// What a backend is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// `ringblk serve` with these extra arguments (after --ringblk-arg).
+    Ringblk(Vec<String>),
+    Qsd,
+    Host,
+}
+
+/// A named backend of the comparison.
+#[derive(Clone, Debug)]
+pub struct Backend {
+    pub name: String,
+    pub kind: Kind,
+}
+
+/// Everything that stays the same over one comparison.
+pub struct Env {
+    pub image: PathBuf,
+    /// Sockets live here.
+    pub run_dir: PathBuf,
+    pub logs: PathBuf,
+    pub self_exe: PathBuf,
+    pub ringblk_bin: PathBuf,
+    pub qsd_bin: PathBuf,
+    pub fio_bin: PathBuf,
+    pub ringblk_args: Vec<String>,
+    pub fio_args: Vec<String>,
+    pub bs: u64,
+    pub mix: u8,
+    pub runtime: Duration,
+    pub ramp: Duration,
+    pub poll: bool,
+    pub connect_timeout: Duration,
+    pub backend_cpu: Option<usize>,
+    pub client_cpu: Option<usize>,
+}
+
+impl Env {
+    /// Longest a client (or fio) may take before it is declared hung.
+    fn run_timeout(&self) -> Duration {
+        self.ramp + self.runtime + self.connect_timeout + Duration::from_secs(20)
+    }
+}
+
+/// A successful run, with anything odd that happened around it.
+pub struct Run {
+    pub result: RunResult,
+    pub note: Option<String>,
+}
+
+impl Backend {
+    /// Runs `cfg` against this backend, starting and stopping it.
+    pub fn run(&self, env: &Env, cfg: &Config) -> Result<Run, String> {
+        let log = env.logs.join(format!("{}-{}.log", cfg.tag(), self.name));
+        match &self.kind {
+            Kind::Host => {
+                let json = env.run_dir.join("fio.json");
+                let job = FioJob {
+                    fio: &env.fio_bin,
+                    image: &env.image,
+                    rw: cfg.rw,
+                    mix: env.mix,
+                    bs: env.bs,
+                    iodepth: cfg.iodepth,
+                    jobs: cfg.queues,
+                    direct: cfg.direct,
+                    runtime: env.runtime,
+                    ramp: env.ramp,
+                    // fio is client and backend at once: it goes where the
+                    // other backends' clients go.
+                    cpu: env.client_cpu,
+                    extra: &env.fio_args,
+                    json_out: &json,
+                    log: &log,
+                };
+                Ok(Run {
+                    result: job.run(env.run_timeout())?,
+                    note: None,
+                })
+            }
+            Kind::Ringblk(_) | Kind::Qsd => self.run_vhost(env, cfg, &log),
+        }
+    }
+
+    fn run_vhost(&self, env: &Env, cfg: &Config, log: &Path) -> Result<Run, String> {
+        let sock = env.run_dir.join(format!("{}.sock", self.name));
+        let metrics = env.run_dir.join(format!("{}.metrics", self.name));
+        let _ = std::fs::remove_file(&sock);
+        let _ = std::fs::remove_file(&metrics);
+        let qsize = default_queue_size(cfg.iodepth);
+        let mut cmd = pinned(env.backend_cpu, self.bin(env));
+        match &self.kind {
+            Kind::Ringblk(extra) => {
+                cmd.arg("serve")
+                    .arg("--socket")
+                    .arg(&sock)
+                    .arg("--image")
+                    .arg(&env.image);
+                cmd.args([
+                    "--queues",
+                    &cfg.queues.to_string(),
+                    "--queue-size",
+                    &qsize.to_string(),
+                ]);
+                cmd.arg("--metrics").arg(&metrics);
+                if cfg.direct {
+                    cmd.arg("--direct");
+                }
+                cmd.args(&env.ringblk_args).args(extra);
+            }
+            Kind::Qsd => {
+                let direct = if cfg.direct { "on" } else { "off" };
+                cmd.arg("--blockdev").arg(format!(
+                    "driver=file,node-name=f,filename={},cache.direct={direct},aio=io_uring",
+                    env.image.display()
+                ));
+                cmd.arg("--export").arg(format!(
+                    "type=vhost-user-blk,id=e,node-name=f,addr.type=unix,addr.path={},writable=on,num-queues={}",
+                    sock.display(),
+                    cfg.queues
+                ));
+            }
+            Kind::Host => unreachable!("fio is not a vhost-user backend"),
+        }
+        let mut backend = Guard(spawn_logged(&mut cmd, log)?);
+        let pid = backend.0.id();
+        wait_for_socket(&sock, &mut backend, env.connect_timeout, log)?;
+
+        let client_log = log.with_extension("client.log");
+        let json = env.run_dir.join(format!("{}.json", self.name));
+        let _ = std::fs::remove_file(&json);
+        let mut client = Command::new(&env.self_exe);
+        client.arg("bench").arg("--socket").arg(&sock);
+        client.args([
+            "--rw",
+            cfg.rw.name(),
+            "--mix",
+            &env.mix.to_string(),
+            "--bs",
+            &env.bs.to_string(),
+        ]);
+        client.args([
+            "--iodepth",
+            &cfg.iodepth.to_string(),
+            "--queues",
+            &cfg.queues.to_string(),
+        ]);
+        client.arg(format!("--runtime={}ms", env.runtime.as_millis()));
+        client.arg(format!("--ramp={}ms", env.ramp.as_millis()));
+        client.arg(format!(
+            "--connect-timeout={}ms",
+            env.connect_timeout.as_millis()
+        ));
+        client.args([
+            "--queue-size",
+            &qsize.to_string(),
+            "--pid",
+            &pid.to_string(),
+        ]);
+        client.arg("--json").arg(&json);
+        match env.client_cpu {
+            Some(cpu) => client.args(["--client-cpu", &cpu.to_string()]),
+            None => client.arg("--no-pin"),
+        };
+        if env.poll {
+            client.arg("--poll");
+        }
+        if matches!(self.kind, Kind::Ringblk(_)) {
+            client.arg("--metrics").arg(&metrics);
+        }
+        let mut client = Guard(spawn_logged(&mut client, &client_log)?);
+        let status =
+            proc::wait_timeout(&mut client.0, env.run_timeout()).map_err(|e| e.to_string())?;
+        let died = backend.0.try_wait().ok().flatten();
+        let Some(status) = status else {
+            return Err(format!(
+                "client did not finish in {:?}; backend log: {}",
+                env.run_timeout(),
+                proc::tail(log, 3)
+            ));
+        };
+        if !status.success() {
+            let why = proc::tail(&client_log, 3);
+            return Err(match died {
+                Some(s) => format!(
+                    "backend exited ({s}) during the run: {} / client: {why}",
+                    proc::tail(log, 3)
+                ),
+                None => format!("client failed: {why}"),
+            });
+        }
+        let text = std::fs::read_to_string(&json)
+            .map_err(|e| format!("client result {}: {e}", json.display()))?;
+        let result: RunResult =
+            serde_json::from_str(&text).map_err(|e| format!("client result: {e}"))?;
+        let (status, killed) = backend
+            .stop(Duration::from_secs(5))
+            .map_err(|e| e.to_string())?;
+        let note = if killed {
+            Some("backend ignored SIGTERM for 5 s and was killed".to_string())
+        } else if died.is_some() {
+            Some(format!("backend exited on its own ({status})"))
+        } else {
+            None
+        };
+        Ok(Run { result, note })
+    }
+
+    fn bin<'a>(&self, env: &'a Env) -> &'a Path {
+        match self.kind {
+            Kind::Ringblk(_) => &env.ringblk_bin,
+            Kind::Qsd => &env.qsd_bin,
+            Kind::Host => &env.fio_bin,
+        }
+    }
+}
+
+/// `bin`, under `taskset -c CPU` when pinning.
+fn pinned(cpu: Option<usize>, bin: &Path) -> Command {
+    match cpu {
+        Some(cpu) => {
+            let mut c = Command::new("taskset");
+            c.arg("-c").arg(cpu.to_string()).arg(bin);
+            c
+        }
+        None => Command::new(bin),
+    }
+}
+
+fn spawn_logged(cmd: &mut Command, log: &Path) -> Result<std::process::Child, String> {
+    let out = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let err = out.try_clone().map_err(|e| e.to_string())?;
+    cmd.stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+        .map_err(|e| format!("starting {:?}: {e}", cmd.get_program()))
+}
+
+/// Waits until the backend has created its socket; the client then retries
+/// connecting while it is not yet listening. Fails early if the backend
+/// exits, with the end of its log as the reason.
+fn wait_for_socket(
+    sock: &Path,
+    backend: &mut Guard,
+    timeout: Duration,
+    log: &Path,
+) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    while !sock.exists() {
+        if let Ok(Some(status)) = backend.0.try_wait() {
+            return Err(format!(
+                "backend exited at start-up ({status}): {}",
+                proc::tail(log, 3)
+            ));
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "no socket {} after {timeout:?}: {}",
+                sock.display(),
+                proc::tail(log, 3)
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}

@@ -1,0 +1,470 @@
+//! `ringblk bench --compare`: one command, one image, the same client
+//! settings; for every configuration of the matrix, each backend in turn
+//! (ringblk, its variants, qemu-storage-daemon, fio on the host), so that
+//! drift of the machine (write IOPS vary 2x between runs here) hits all
+//! backends of a configuration alike and the ratios stay meaningful.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+
+use super::BenchError;
+use super::args::{BackendName, BenchArgs, OnOff, RwMode};
+use super::backends::{Backend, Config, Env, Kind};
+use super::{plot, tables};
+
+/// Everything a comparison produced: `results.json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CompareDoc {
+    pub meta: Meta,
+    pub records: Vec<Record>,
+}
+
+/// How the comparison was run.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Meta {
+    pub ringblk_version: String,
+    pub kernel: String,
+    pub cpus: usize,
+    pub image: String,
+    pub image_bytes: u64,
+    pub bs: u64,
+    pub mix: u8,
+    pub runtime_s: f64,
+    pub ramp_s: f64,
+    pub poll_client: bool,
+    /// CPU the backends were pinned to (None: not pinned).
+    pub backend_cpu: Option<usize>,
+    /// CPU the clients (and fio) were pinned to.
+    pub client_cpu: Option<usize>,
+    /// Backend names in run order, with the extra serve arguments of
+    /// ringblk variants.
+    pub backends: Vec<(String, Vec<String>)>,
+    pub ringblk_args: Vec<String>,
+    pub fio_args: Vec<String>,
+    pub started_unix: u64,
+    pub wall_s: f64,
+}
+
+/// One backend on one configuration.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Record {
+    pub config: Config,
+    pub backend: String,
+    pub result: Option<super::RunResult>,
+    /// Why there is no result.
+    pub error: Option<String>,
+    /// Something odd that did not prevent a result.
+    pub note: Option<String>,
+}
+
+pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
+    let started = Instant::now();
+    let io = |what: String| move |source| BenchError::Io { what, source };
+    let quick = args.cmp.quick;
+    let configs = matrix(args);
+    let backends = backends(args)?;
+    let out = args
+        .cmp
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("bench-results").join(timestamp()));
+    let logs = out.join("logs");
+    std::fs::create_dir_all(&logs).map_err(io(format!("creating {}", logs.display())))?;
+    // Sockets go to a short private directory: sun_path holds 108 bytes.
+    let run_dir = RunDir::create().map_err(io("creating a temporary directory".into()))?;
+    let self_exe = std::env::current_exe().map_err(io("finding this executable".into()))?;
+
+    let (image, made) = match &args.cmp.image {
+        Some(p) => (p.clone(), false),
+        None => {
+            let size = args
+                .cmp
+                .image_size
+                .unwrap_or(if quick { 64 << 20 } else { 1 << 30 });
+            let p = out.join("bench.img");
+            eprintln!("creating {} ({} MiB of data)...", p.display(), size >> 20);
+            make_image(&p, size).map_err(io(format!("creating {}", p.display())))?;
+            (p, true)
+        }
+    };
+    let image = std::fs::canonicalize(&image).map_err(io(format!("image {}", image.display())))?;
+    let image_bytes = std::fs::metadata(&image).map(|m| m.len()).unwrap_or(0);
+
+    let pin = !args.no_pin;
+    let env = Env {
+        image: image.clone(),
+        run_dir: run_dir.0.clone(),
+        logs,
+        ringblk_bin: args
+            .cmp
+            .ringblk_bin
+            .clone()
+            .unwrap_or_else(|| self_exe.clone()),
+        self_exe,
+        qsd_bin: args.cmp.qsd_bin.clone(),
+        fio_bin: args.cmp.fio_bin.clone(),
+        ringblk_args: args.cmp.ringblk_arg.clone(),
+        fio_args: args.cmp.fio_arg.clone(),
+        bs: args.bs,
+        mix: args.mix,
+        runtime: args.runtime.unwrap_or(if quick {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_secs(3)
+        }),
+        ramp: args.ramp.unwrap_or(if quick {
+            Duration::from_millis(200)
+        } else {
+            Duration::from_millis(500)
+        }),
+        poll: args.poll,
+        connect_timeout: args.connect_timeout,
+        backend_cpu: pin.then_some(args.backend_cpu),
+        client_cpu: pin.then_some(args.client_cpu),
+    };
+
+    let total = configs.len() * backends.len();
+    let per_run = env.runtime + env.ramp + Duration::from_millis(400);
+    eprintln!(
+        "{} configurations x {} backends = {total} runs, about {:.0} s; backends on CPU {}, clients on CPU {}",
+        configs.len(),
+        backends.len(),
+        per_run.as_secs_f64() * total as f64,
+        env.backend_cpu.map_or("any".into(), |c| c.to_string()),
+        env.client_cpu.map_or("any".into(), |c| c.to_string()),
+    );
+    let bar = ProgressBar::new(total as u64).with_style(
+        ProgressStyle::with_template("[{pos:>3}/{len}] {elapsed:>4} eta {eta:>4} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut records = Vec::with_capacity(total);
+    for cfg in &configs {
+        for b in &backends {
+            bar.set_message(format!("{} {}", cfg.tag(), b.name));
+            let rec = match b.run(&env, cfg) {
+                Ok(run) => Record {
+                    config: *cfg,
+                    backend: b.name.clone(),
+                    result: Some(run.result),
+                    error: None,
+                    note: run.note,
+                },
+                Err(e) => Record {
+                    config: *cfg,
+                    backend: b.name.clone(),
+                    result: None,
+                    error: Some(e),
+                    note: None,
+                },
+            };
+            bar.println(tables::one_line(&rec));
+            records.push(rec);
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    if made {
+        let _ = std::fs::remove_file(&image);
+    }
+
+    let doc = CompareDoc {
+        meta: Meta {
+            ringblk_version: env!("CARGO_PKG_VERSION").into(),
+            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .unwrap_or_default()
+                .trim()
+                .into(),
+            cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            image: image.display().to_string(),
+            image_bytes,
+            bs: env.bs,
+            mix: env.mix,
+            runtime_s: env.runtime.as_secs_f64(),
+            ramp_s: env.ramp.as_secs_f64(),
+            poll_client: env.poll,
+            backend_cpu: env.backend_cpu,
+            client_cpu: env.client_cpu,
+            backends: backends
+                .iter()
+                .map(|b| {
+                    (
+                        b.name.clone(),
+                        if let Kind::Ringblk(a) = &b.kind {
+                            a.clone()
+                        } else {
+                            vec![]
+                        },
+                    )
+                })
+                .collect(),
+            ringblk_args: env.ringblk_args.clone(),
+            fio_args: env.fio_args.clone(),
+            started_unix: SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+                - started.elapsed().as_secs(),
+            wall_s: started.elapsed().as_secs_f64(),
+        },
+        records,
+    };
+    let json = serde_json::to_string_pretty(&doc).map_err(|e| BenchError::Usage(e.to_string()))?;
+    let json_path = out.join("results.json");
+    std::fs::write(&json_path, json).map_err(io(format!("writing {}", json_path.display())))?;
+    let md = tables::markdown(&doc);
+    let md_path = out.join("results.md");
+    std::fs::write(&md_path, &md).map_err(io(format!("writing {}", md_path.display())))?;
+    let svg = out.join("plot.svg");
+    if let Err(e) = plot::draw(&doc, &svg) {
+        eprintln!("plot: {e}");
+    }
+    let mut stdout = std::io::stdout().lock();
+    let _ = writeln!(stdout, "{md}");
+    let _ = writeln!(
+        stdout,
+        "wrote {}, {} and {} ({:.0} s)",
+        json_path.display(),
+        md_path.display(),
+        svg.display(),
+        doc.meta.wall_s
+    );
+    let failed = doc.records.iter().filter(|r| r.result.is_none()).count();
+    if failed > 0 {
+        return Err(BenchError::Usage(format!(
+            "{failed} of {total} runs failed (see the table and {}/logs)",
+            out.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The configurations to run, in order: the defaults (or --quick's), each
+/// list narrowed by the corresponding flag.
+fn matrix(args: &BenchArgs) -> Vec<Config> {
+    let quick = args.cmp.quick;
+    let rws = pick(
+        &args.rw,
+        quick,
+        &[RwMode::Randread, RwMode::Randwrite],
+        &[RwMode::Randread],
+    );
+    let depths = pick(&args.iodepth, quick, &[1, 16, 64], &[1, 16]);
+    let queues = pick(&args.queues, quick, &[1, 2], &[1]);
+    let directs = pick(
+        &args.cmp.direct,
+        quick,
+        &[OnOff::On, OnOff::Off],
+        &[OnOff::Off],
+    );
+    let mut out = Vec::new();
+    for &direct in &directs {
+        for &queues in &queues {
+            for &rw in &rws {
+                for &iodepth in &depths {
+                    out.push(Config {
+                        rw,
+                        iodepth,
+                        queues,
+                        direct: direct.on(),
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `given` if the user narrowed the list, else the default for the mode.
+fn pick<T: Clone>(given: &[T], quick: bool, full: &[T], small: &[T]) -> Vec<T> {
+    if !given.is_empty() {
+        given.to_vec()
+    } else if quick {
+        small.to_vec()
+    } else {
+        full.to_vec()
+    }
+}
+
+/// Backends in run order: ringblk, then its variants, then the others as
+/// listed in --backends.
+fn backends(args: &BenchArgs) -> Result<Vec<Backend>, BenchError> {
+    let mut out = Vec::new();
+    let mut seen = Vec::new();
+    for which in &args.cmp.backends {
+        if seen.contains(which) {
+            continue;
+        }
+        seen.push(*which);
+        let (name, kind) = match which {
+            BackendName::Ringblk => ("ringblk", Kind::Ringblk(vec![])),
+            BackendName::Qsd => ("qsd", Kind::Qsd),
+            BackendName::Host => ("host", Kind::Host),
+        };
+        out.push(Backend {
+            name: name.into(),
+            kind: kind.clone(),
+        });
+        if kind == Kind::Ringblk(vec![]) {
+            for v in &args.cmp.variant {
+                out.push(parse_variant(v)?);
+            }
+        }
+    }
+    if !args.cmp.backends.contains(&BackendName::Ringblk) {
+        for v in &args.cmp.variant {
+            out.insert(0, parse_variant(v)?);
+        }
+    }
+    let mut names: Vec<&str> = out.iter().map(|b| b.name.as_str()).collect();
+    names.sort_unstable();
+    if names.windows(2).any(|w| w[0] == w[1]) {
+        return Err(BenchError::Usage(
+            "backend and variant names must be unique".into(),
+        ));
+    }
+    Ok(out)
+}
+
+/// `NAME:ARGS` with ARGS split on whitespace.
+fn parse_variant(v: &str) -> Result<Backend, BenchError> {
+    let (name, rest) = v.split_once(':').unwrap_or((v, ""));
+    let name = name.trim();
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.+=".contains(c))
+    {
+        return Err(BenchError::Usage(format!(
+            "--variant '{v}': want NAME:ARGS with a plain NAME"
+        )));
+    }
+    Ok(Backend {
+        name: name.into(),
+        kind: Kind::Ringblk(rest.split_whitespace().map(String::from).collect()),
+    })
+}
+
+/// Writes `size` bytes of non-zero data and syncs: reads of holes or
+/// unwritten extents would not touch the disk at all. Leaves the data in
+/// the page cache, which the cached runs want.
+fn make_image(path: &Path, size: u64) -> std::io::Result<()> {
+    let mut f = std::fs::File::create(path)?;
+    let mut block = vec![0u8; 1 << 20];
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut left = size;
+    while left > 0 {
+        for chunk in block.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+        }
+        let n = left.min(block.len() as u64) as usize;
+        f.write_all(&block[..n])?;
+        left -= n as u64;
+    }
+    f.sync_all()
+}
+
+/// A private directory for sockets and client results, removed on drop.
+struct RunDir(PathBuf);
+
+impl RunDir {
+    fn create() -> std::io::Result<RunDir> {
+        use std::os::unix::fs::DirBuilderExt;
+        let p = std::env::temp_dir().join(format!("ringblk-bench-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::DirBuilder::new().mode(0o700).create(&p)?;
+        Ok(RunDir(p))
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// UTC date-time for the default output directory, e.g. 20250101-120000.
+fn timestamp() -> String {
+    let secs = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86400, secs % 86400);
+    // Civil-from-days (Howard Hinnant's algorithm), for dates after 1970.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn args(extra: &[&str]) -> BenchArgs {
+        #[derive(Parser)]
+        struct T {
+            #[command(flatten)]
+            b: BenchArgs,
+        }
+        let mut v = vec!["t", "--compare"];
+        v.extend_from_slice(extra);
+        T::parse_from(v).b
+    }
+
+    #[test]
+    fn default_and_quick_matrix() {
+        assert_eq!(matrix(&args(&[])).len(), 24);
+        let q = matrix(&args(&["--quick"]));
+        assert_eq!(q.len(), 2);
+        assert!(
+            q.iter()
+                .all(|c| !c.direct && c.queues == 1 && c.rw == RwMode::Randread)
+        );
+        assert_eq!(
+            matrix(&args(&["--iodepth", "1", "--direct", "on"])).len(),
+            4
+        );
+    }
+
+    #[test]
+    fn variants_follow_ringblk() {
+        let b = backends(&args(&[
+            "--variant",
+            "late:--signal late",
+            "--variant=pr:--notify per-request",
+        ]))
+        .expect("valid");
+        let names: Vec<_> = b.iter().map(|b| b.name.as_str()).collect();
+        assert_eq!(names, ["ringblk", "late", "pr", "qsd", "host"]);
+        assert_eq!(
+            b[1].kind,
+            Kind::Ringblk(vec!["--signal".into(), "late".into()])
+        );
+        assert!(backends(&args(&["--variant", "qsd:--x"])).is_err());
+        assert!(backends(&args(&["--variant", "bad name:--x"])).is_err());
+    }
+
+    #[test]
+    fn timestamp_shape() {
+        let t = timestamp();
+        assert_eq!(t.len(), 15);
+        assert!(t.starts_with("20"));
+    }
+}

@@ -1,0 +1,177 @@
+//! `ringblk stats`: the counters of a running daemon as a table, one column
+//! per queue, plus the ratios that tell how well the data path batches.
+
+use std::fmt::Write;
+use std::time::Duration;
+
+use super::counters::{QueueSnapshot, REQUEST_TYPES};
+use super::prometheus::{COUNTERS, ERROR_STATUSES};
+use super::{MetricsError, client};
+
+/// `ringblk stats` arguments.
+#[derive(Clone, Debug, clap::Args)]
+pub struct StatsArgs {
+    /// Address the daemon's --metrics listens on (a path for a Unix socket,
+    /// else HOST:PORT).
+    #[arg(long)]
+    pub metrics: String,
+
+    /// Print the raw JSON snapshot instead of a table.
+    #[arg(long, conflicts_with = "prometheus")]
+    pub json: bool,
+
+    /// Print the raw Prometheus exposition instead of a table.
+    #[arg(long)]
+    pub prometheus: bool,
+
+    /// Print what happened in each interval of this many seconds instead of
+    /// the totals since the daemon started.
+    #[arg(long, value_name = "SECS")]
+    pub interval: Option<f64>,
+
+    /// With --interval: stop after this many intervals (default: until
+    /// interrupted).
+    #[arg(long, requires = "interval")]
+    pub count: Option<u64>,
+}
+
+/// Prints the counters of a running daemon.
+pub fn stats(args: &StatsArgs) -> Result<(), String> {
+    run(args).map_err(|e| e.to_string())
+}
+
+fn run(args: &StatsArgs) -> Result<(), MetricsError> {
+    if args.prometheus {
+        print!("{}", client::get(&args.metrics, "/metrics")?);
+        return Ok(());
+    }
+    let mut prev = client::fetch(&args.metrics)?;
+    let Some(secs) = args.interval else {
+        if args.json {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&prev)
+                    .map_err(|e| MetricsError::Protocol(e.to_string()))?
+            );
+        } else {
+            print!(
+                "{}",
+                render(&prev.queues, &format!("since start ({})", args.metrics))
+            );
+        }
+        return Ok(());
+    };
+    let interval = Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            MetricsError::Protocol(format!(
+                "--interval {secs}: not a positive number of seconds"
+            ))
+        })?;
+    let mut n = 0;
+    while args.count.is_none_or(|c| n < c) {
+        std::thread::sleep(interval);
+        let now = client::fetch(&args.metrics)?;
+        let delta: Vec<QueueSnapshot> = now
+            .queues
+            .iter()
+            .zip(&prev.queues)
+            .map(|(a, b)| a.since(b))
+            .collect();
+        if args.json {
+            println!(
+                "{}",
+                serde_json::to_string(&delta).map_err(|e| MetricsError::Protocol(e.to_string()))?
+            );
+        } else {
+            println!("{}", render(&delta, &format!("last {secs} s")));
+        }
+        prev = now;
+        n += 1;
+    }
+    Ok(())
+}
+
+/// Formats `queues` as a table with a total column and a ratios section.
+pub fn render(queues: &[QueueSnapshot], title: &str) -> String {
+    let total = QueueSnapshot::sum(queues);
+    let cols: Vec<&QueueSnapshot> = queues.iter().chain(std::iter::once(&total)).collect();
+    let mut out = String::new();
+    let _ = writeln!(out, "{} queue(s), {title}", queues.len());
+    let mut header = format!("{:<26}", "counter");
+    for q in 0..queues.len() {
+        let _ = write!(header, "{:>14}", format!("q{q}"));
+    }
+    let _ = writeln!(out, "{header}{:>14}", "total");
+    let mut row = |name: &str, get: &dyn Fn(&QueueSnapshot) -> String| {
+        let _ = write!(out, "{name:<26}");
+        for c in &cols {
+            let _ = write!(out, "{:>14}", get(c));
+        }
+        out.push('\n');
+    };
+    for (t, name) in REQUEST_TYPES.iter().enumerate() {
+        // Reads and writes always; the rare types only when they occurred.
+        if t < 2 || total.requests[t] != 0 {
+            row(&format!("requests {name}"), &|s| s.requests[t].to_string());
+        }
+    }
+    for (status, get) in ERROR_STATUSES {
+        row(&format!("errors {status}"), &|s| get(s).to_string());
+    }
+    for c in &COUNTERS {
+        match c.name {
+            "read_bytes" | "write_bytes" => row(&c.name.replace("_bytes", " MiB"), &|s| {
+                format!("{:.1}", (c.get)(s) as f64 / 1048576.0)
+            }),
+            _ => row(&c.name.replace('_', " "), &|s| (c.get)(s).to_string()),
+        }
+    }
+    out.push('\n');
+    let fmt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
+    let ratios: Vec<_> = cols.iter().map(|s| s.ratios(s.total_requests())).collect();
+    let mut derived = |name: &str, get: &dyn Fn(&super::Ratios) -> Option<f64>| {
+        let _ = write!(out, "{name:<26}");
+        for r in &ratios {
+            let _ = write!(out, "{:>14}", fmt(get(r)));
+        }
+        out.push('\n');
+    };
+    derived("kicks/IO", &|r| r.kicks_per_io);
+    derived("notifications/IO", &|r| r.notifications_per_io);
+    derived("submits/IO", &|r| r.submits_per_io);
+    derived("SQEs/submit", &|r| r.sqes_per_submit);
+    derived("CQEs/pass", &|r| r.cqes_per_pass);
+    derived("poll hits/iteration", &|r| r.poll_hit_rate);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_has_every_queue_and_ratio() {
+        let mut q = QueueSnapshot {
+            kicks: 5,
+            notifications: 10,
+            submit_calls: 2,
+            submitted_sqes: 10,
+            ..Default::default()
+        };
+        q.requests[0] = 10;
+        let t = render(&[q.clone(), q], "test");
+        assert!(t.contains("q0") && t.contains("q1") && t.contains("total"));
+        let kicks = t
+            .lines()
+            .find(|l| l.starts_with("kicks/IO"))
+            .expect("kicks/IO row");
+        assert!(kicks.contains("0.500"), "{kicks}");
+        assert!(
+            t.lines()
+                .any(|l| l.starts_with("SQEs/submit") && l.contains("5.000"))
+        );
+        assert!(!t.contains("requests flush"), "zero rare types are hidden");
+    }
+}
