@@ -91,6 +91,7 @@ impl Config {
             poll_us: args.poll_us,
             sqpoll: args.sqpoll,
             iopoll: args.iopoll,
+            fixed_buffers: args.fixed_buffers,
             direct: args.direct && args.engine == EngineKind::Uring,
             dio_align: 512,
             is_block_device: image.is_block_device,

@@ -23,6 +23,10 @@ const ALLOWED_OPS: [u8; 6] = [
     opcode::Fallocate::CODE,
 ];
 
+/// Register opcodes from linux/io_uring.h (the crate keeps its bindings private).
+const IORING_REGISTER_BUFFERS: u8 = 0;
+const IORING_UNREGISTER_BUFFERS: u8 = 1;
+
 /// The image, as fixed file 0.
 const IMAGE: types::Fixed = types::Fixed(0);
 
@@ -118,6 +122,22 @@ impl Uring {
     /// the CQ tail; used while busy-polling).
     pub fn has_completions(&mut self) -> bool {
         !self.ring.completion().is_empty()
+    }
+
+    /// Registers `bufs` as the ring's fixed buffers, replacing any set
+    /// before. Requests in flight keep the old registration alive.
+    ///
+    /// # Safety
+    /// The memory each iovec describes must stay mapped while registered:
+    /// until the next call or `unregister_buffers`.
+    pub unsafe fn register_buffers(&mut self, bufs: &[libc::iovec]) -> io::Result<()> {
+        let sub = self.ring.submitter();
+        let _ = sub.unregister_buffers();
+        if bufs.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the caller keeps the memory mapped while it is registered.
+        unsafe { sub.register_buffers(bufs) }
     }
 
     /// Requests submitted or queued and not yet completed.
@@ -230,6 +250,10 @@ fn build(
     res.push(Restriction::sqe_flags_required(
         squeue::Flags::FIXED_FILE.bits(),
     ));
+    // Fixed buffers follow guest memory, which the front-end may change
+    // while the ring runs.
+    res.push(Restriction::register_op(IORING_REGISTER_BUFFERS));
+    res.push(Restriction::register_op(IORING_UNREGISTER_BUFFERS));
     sub.register_restrictions(&mut res)
         .map_err(|e| EngineError::Register("restrictions", e))?;
     sub.register_enable_rings()
@@ -258,6 +282,36 @@ pub mod op {
         user_data: u64,
     ) -> squeue::Entry {
         opcode::Writev::new(IMAGE, iov, n)
+            .offset(offset)
+            .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
+            .build()
+            .user_data(user_data)
+    }
+
+    /// Read into registered buffer `index` (one contiguous segment).
+    pub fn read_fixed(
+        buf: *mut u8,
+        len: u32,
+        offset: u64,
+        index: u16,
+        user_data: u64,
+    ) -> squeue::Entry {
+        opcode::ReadFixed::new(IMAGE, buf, len, index)
+            .offset(offset)
+            .build()
+            .user_data(user_data)
+    }
+
+    /// Write from registered buffer `index` (one contiguous segment).
+    pub fn write_fixed(
+        buf: *const u8,
+        len: u32,
+        offset: u64,
+        index: u16,
+        dsync: bool,
+        user_data: u64,
+    ) -> squeue::Entry {
+        opcode::WriteFixed::new(IMAGE, buf, len, index)
             .offset(offset)
             .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
             .build()
