@@ -23,6 +23,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -79,6 +80,8 @@ struct Scenario {
     queues_flag: bool,
     /// Extra `ringblk serve` arguments.
     extra: &'static [&'static str],
+    /// Guests booted one after the other against the same daemon.
+    boots: u32,
 }
 
 impl Scenario {
@@ -89,6 +92,7 @@ impl Scenario {
             vcpus: 2,
             queues_flag: true,
             extra,
+            boots: 1,
         }
     }
 }
@@ -116,6 +120,17 @@ fn rw_one_queue_defaults() {
         vcpus: 1,
         queues_flag: false,
         extra: &[],
+        boots: 1,
+    });
+}
+
+/// Two guests, one after the other, against one daemon: it must take the
+/// second front-end (a VM reboot or a QEMU restart) without a restart.
+#[test]
+fn rw_reconnect() {
+    run(Scenario {
+        boots: 2,
+        ..Scenario::rw(&[])
     });
 }
 
@@ -127,6 +142,7 @@ fn readonly() {
         vcpus: 2,
         queues_flag: true,
         extra: &[],
+        boots: 1,
     });
 }
 
@@ -329,6 +345,26 @@ fn parse_console(console: &str) -> Verdict {
     v
 }
 
+/// A fresh 8-hex-digit marker for one boot's patterns.
+fn new_nonce() -> String {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    let n = (t.as_nanos() as u32)
+        ^ std::process::id().rotate_left(16)
+        ^ COUNTER.fetch_add(1, Ordering::Relaxed).rotate_left(8);
+    format!("{n:08x}")
+}
+
+/// The files of one scenario's run.
+struct Paths {
+    socket: PathBuf,
+    image: PathBuf,
+    daemon_log: PathBuf,
+    dir: PathBuf,
+}
+
 fn run(sc: Scenario) {
     let assets = match assets() {
         Ok(a) => a,
@@ -349,38 +385,96 @@ fn run(sc: Scenario) {
         .prefix("ringblk-guest-")
         .tempdir()
         .expect("temporary directory");
-    let dir = tmp.path();
-    let socket = dir.join("vhost.sock");
-    let image = dir.join("disk.img");
-    let console_path = dir.join("console.log");
-    let daemon_log = dir.join("daemon.log");
-    let qemu_log = dir.join("qemu.log");
+    let paths = Paths {
+        socket: tmp.path().join("vhost.sock"),
+        image: tmp.path().join("disk.img"),
+        daemon_log: tmp.path().join("daemon.log"),
+        dir: tmp.path().to_path_buf(),
+    };
+    File::create(&paths.image)
+        .and_then(|f| f.set_len(IMAGE_SIZE))
+        .expect("create the image");
 
-    let nonce = format!("{:08x}", {
-        let t = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
-        (t.as_nanos() as u32) ^ std::process::id().rotate_left(16)
-    });
-    let host_pattern = pattern(&nonce);
-    {
-        let mut f = File::create(&image).expect("create image");
-        f.set_len(IMAGE_SIZE).expect("size image");
-        f.seek(SeekFrom::Start(HOST_PATTERN_AT))
-            .expect("seek image");
-        f.write_all(&host_pattern).expect("write host pattern");
-        f.sync_all().expect("sync image");
+    let (mut daemon_cmd, serial) = daemon_command(&sc, backend, &paths);
+    let log_file = File::create(&paths.daemon_log).expect("daemon log");
+    daemon_cmd
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone().expect("daemon log"))
+        .stderr(log_file);
+    eprintln!("starting {daemon_cmd:?}");
+    let mut daemon = Guard::spawn("daemon", &mut daemon_cmd);
+    wait_for_socket(&mut daemon, &paths);
+
+    let which = match backend {
+        Backend::Ringblk => format!("ringblk serve {}", sc.extra.join(" ")),
+        Backend::Qsd => "qemu-storage-daemon".to_string(),
+    };
+    let mut problems = Vec::new();
+    let mut consoles = String::new();
+    for n in 1..=sc.boots {
+        let report = boot(&sc, assets, &paths, serial, n);
+        eprintln!(
+            "guest boot {n}/{} ({}, {} queue(s), {} vCPU(s), {which}) ran {:.1?}: {} passed, {} failed",
+            sc.boots,
+            if sc.readonly { "ro" } else { "rw" },
+            sc.queues,
+            sc.vcpus,
+            report.elapsed,
+            report.passed,
+            report.failed
+        );
+        if verbose() {
+            eprintln!("==== guest console, boot {n} ====\n{}", report.console);
+        }
+        let failed = !report.problems.is_empty();
+        problems.extend(
+            report
+                .problems
+                .into_iter()
+                .map(|p| format!("boot {n}: {p}")),
+        );
+        consoles.push_str(&format!(
+            "==== guest console, boot {n} ====\n{}\n==== qemu output, boot {n} ====\n{}\n",
+            report.console, report.qemu_output
+        ));
+        if failed {
+            break;
+        }
+        if let Ok(Some(status)) = daemon.child.try_wait() {
+            problems.push(format!("the daemon exited after boot {n}: {status}"));
+            break;
+        }
     }
 
-    // ---- The backend ----
-    let (mut daemon_cmd, serial) = match backend {
+    // The front-end is gone: give the daemon a moment in case it exits.
+    let daemon_status = daemon.wait_for(Duration::from_secs(1));
+    drop(daemon);
+    if let Some(status) = daemon_status {
+        if status.signal().is_some() || status.code() == Some(101) {
+            problems.push(format!("the daemon died: {status}"));
+        }
+    }
+    if !problems.is_empty() {
+        panic!(
+            "{} problem(s) with {which}:\n  {}\n{consoles}\
+             ==== daemon output (exit: {daemon_status:?}) ====\n{}",
+            problems.len(),
+            problems.join("\n  "),
+            read_log(&paths.daemon_log),
+        );
+    }
+}
+
+/// The backend's command line, and the serial the guest should see.
+fn daemon_command(sc: &Scenario, backend: Backend, paths: &Paths) -> (Command, &'static str) {
+    match backend {
         Backend::Ringblk => {
             let mut c = Command::new(env!("CARGO_BIN_EXE_ringblk"));
             c.arg("serve")
                 .arg("--socket")
-                .arg(&socket)
+                .arg(&paths.socket)
                 .arg("--image")
-                .arg(&image);
+                .arg(&paths.image);
             if sc.readonly {
                 c.arg("--readonly");
             }
@@ -398,106 +492,141 @@ fn run(sc: Scenario) {
             let ro = if sc.readonly { "on" } else { "off" };
             c.arg("--blockdev").arg(format!(
                 "driver=file,node-name=f,filename={},discard=unmap,read-only={ro}",
-                image.display()
+                paths.image.display()
             ));
             c.arg("--export").arg(format!(
                 "type=vhost-user-blk,id=e,node-name=f,addr.type=unix,addr.path={},writable={},num-queues={}",
-                socket.display(),
+                paths.socket.display(),
                 if sc.readonly { "off" } else { "on" },
                 sc.queues
             ));
             (c, QSD_SERIAL)
         }
-    };
-    let log_file = File::create(&daemon_log).expect("daemon log");
-    daemon_cmd
-        .stdin(Stdio::null())
-        .stdout(log_file.try_clone().expect("daemon log"))
-        .stderr(log_file);
-    eprintln!("starting {:?}", daemon_cmd);
-    let mut daemon = Guard::spawn("daemon", &mut daemon_cmd);
+    }
+}
 
+fn wait_for_socket(daemon: &mut Guard, paths: &Paths) {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        if fs::metadata(&socket).is_ok_and(|m| m.file_type().is_socket()) {
-            break;
+        if fs::metadata(&paths.socket).is_ok_and(|m| m.file_type().is_socket()) {
+            return;
         }
         if let Ok(Some(status)) = daemon.child.try_wait() {
             panic!(
                 "the daemon exited ({status}) before creating {}:\n{}",
-                socket.display(),
-                read_log(&daemon_log)
+                paths.socket.display(),
+                read_log(&paths.daemon_log)
             );
         }
         if Instant::now() > deadline {
             panic!(
                 "the daemon created no socket at {} within 15 s:\n{}",
-                socket.display(),
-                read_log(&daemon_log)
+                paths.socket.display(),
+                read_log(&paths.daemon_log)
             );
         }
         thread::sleep(Duration::from_millis(20));
     }
+}
 
-    // ---- The guest ----
+fn verbose() -> bool {
+    std::env::var("RINGBLK_GUEST_VERBOSE").is_ok_and(|v| v == "1")
+}
+
+/// What one boot showed.
+struct BootReport {
+    problems: Vec<String>,
+    console: String,
+    qemu_output: String,
+    elapsed: Duration,
+    passed: usize,
+    failed: usize,
+}
+
+/// Boots the guest once against the running daemon and checks the image
+/// afterwards. Boot `n` > 1 tests that the daemon takes a new front-end.
+fn boot(sc: &Scenario, assets: &Assets, paths: &Paths, serial: &str, n: u32) -> BootReport {
+    let console_path = paths.dir.join(format!("console-{n}.log"));
+    let qemu_log = paths.dir.join(format!("qemu-{n}.log"));
+    let mut problems = Vec::new();
+
+    // A fresh host pattern, so that each boot must read what is there now.
+    let nonce = new_nonce();
+    let host_pattern = pattern(&nonce);
+    {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .open(&paths.image)
+            .expect("open the image");
+        f.seek(SeekFrom::Start(HOST_PATTERN_AT))
+            .expect("seek image");
+        f.write_all(&host_pattern).expect("write host pattern");
+        f.sync_all().expect("sync image");
+    }
+    let before = read_at(&paths.image, 0, IMAGE_SIZE as usize);
+
     let mode = if sc.readonly { "ro" } else { "rw" };
-    let verbose = std::env::var("RINGBLK_GUEST_VERBOSE").is_ok_and(|v| v == "1");
     let append = format!(
         "console=ttyS0 quiet panic=-1 ringblk.test={mode} ringblk.sectors={} \
          ringblk.serial={serial} ringblk.queues={} ringblk.nonce={nonce} ringblk.verbose={}",
         IMAGE_SIZE / 512,
         sc.queues,
-        u8::from(verbose)
+        u8::from(verbose())
     );
-    let qemu_out = File::create(&qemu_log).expect("qemu log");
-    let mut qemu_cmd = Command::new(QEMU);
-    qemu_cmd
-        .args(["-accel", "tcg", "-m", "512M", "-smp"])
-        .arg(sc.vcpus.to_string())
-        .args([
-            "-nodefaults",
-            "-no-user-config",
-            "-display",
-            "none",
-            "-monitor",
-            "none",
-        ])
-        .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
-        .args(["-numa", "node,memdev=mem"])
-        .arg("-chardev")
-        .arg(format!("socket,id=c0,path={}", socket.display()))
-        .arg("-device")
-        .arg(format!(
-            "vhost-user-blk-pci,chardev=c0,num-queues={}",
-            sc.queues
-        ))
-        .arg("-kernel")
-        .arg(&assets.kernel)
-        .arg("-initrd")
-        .arg(&assets.initrd)
-        .arg("-append")
-        .arg(&append)
-        .arg("-serial")
-        .arg(format!("file:{}", console_path.display()))
-        .arg("-no-reboot")
-        .stdin(Stdio::null())
-        .stdout(qemu_out.try_clone().expect("qemu log"))
-        .stderr(qemu_out);
-    eprintln!("starting {:?}", qemu_cmd);
-    let started = Instant::now();
-    let mut qemu = Guard::spawn("qemu", &mut qemu_cmd);
     let timeout = guest_timeout();
-    let qemu_status = qemu.wait_for(timeout);
+    let started = Instant::now();
+    // After a disconnect the daemon may need a moment before it accepts
+    // again: retry while QEMU fails to connect, for up to 5 s.
+    let qemu_status = loop {
+        let qemu_out = File::create(&qemu_log).expect("qemu log");
+        let mut qemu_cmd = Command::new(QEMU);
+        qemu_cmd
+            .args(["-accel", "tcg", "-m", "512M", "-smp"])
+            .arg(sc.vcpus.to_string())
+            .args([
+                "-nodefaults",
+                "-no-user-config",
+                "-display",
+                "none",
+                "-monitor",
+                "none",
+            ])
+            .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
+            .args(["-numa", "node,memdev=mem"])
+            .arg("-chardev")
+            .arg(format!("socket,id=c0,path={}", paths.socket.display()))
+            .arg("-device")
+            .arg(format!(
+                "vhost-user-blk-pci,chardev=c0,num-queues={}",
+                sc.queues
+            ))
+            .arg("-kernel")
+            .arg(&assets.kernel)
+            .arg("-initrd")
+            .arg(&assets.initrd)
+            .arg("-append")
+            .arg(&append)
+            .arg("-serial")
+            .arg(format!("file:{}", console_path.display()))
+            .arg("-no-reboot")
+            .stdin(Stdio::null())
+            .stdout(qemu_out.try_clone().expect("qemu log"))
+            .stderr(qemu_out);
+        eprintln!("starting {qemu_cmd:?}");
+        let mut qemu = Guard::spawn("qemu", &mut qemu_cmd);
+        let status = qemu.wait_for(timeout);
+        let refused = status.is_some_and(|s| !s.success())
+            && read_log(&qemu_log).contains("Connection refused");
+        if refused && n > 1 && started.elapsed() < Duration::from_secs(5) {
+            thread::sleep(Duration::from_millis(200));
+            continue;
+        }
+        break status;
+    };
     let elapsed = started.elapsed();
-    drop(qemu);
-
-    // The frontend is gone: give the daemon a moment to exit on its own.
-    let daemon_status = daemon.wait_for(Duration::from_secs(1));
-    drop(daemon);
 
     let console = read_log(&console_path);
     let verdict = parse_console(&console);
-    let mut problems = Vec::new();
     match qemu_status {
         None => problems.push(format!("QEMU did not finish within {timeout:?} (killed)")),
         Some(s) if !s.success() => problems.push(format!("QEMU exited with {s}")),
@@ -519,60 +648,36 @@ fn run(sc: Scenario) {
             problems.push(format!("guest check missing: {name}"));
         }
     }
-    if let Some(status) = daemon_status {
-        if status.signal().is_some() || status.code() == Some(101) {
-            problems.push(format!("the daemon died: {status}"));
-        }
-    }
 
     // ---- The image, as the host sees it ----
-    let len = fs::metadata(&image).map(|m| m.len()).unwrap_or(0);
+    let len = fs::metadata(&paths.image).map(|m| m.len()).unwrap_or(0);
     if len != IMAGE_SIZE {
         problems.push(format!("the image is {len} bytes, expected {IMAGE_SIZE}"));
     } else if sc.readonly {
-        let mut want = vec![0u8; IMAGE_SIZE as usize];
-        want[HOST_PATTERN_AT as usize..HOST_PATTERN_AT as usize + PATTERN_LEN]
-            .copy_from_slice(&host_pattern);
-        let got = read_at(&image, 0, IMAGE_SIZE as usize);
-        if let Some(at) = got.iter().zip(&want).position(|(a, b)| a != b) {
-            problems.push(format!("a read-only image changed, first at byte {at}"));
+        let after = read_at(&paths.image, 0, IMAGE_SIZE as usize);
+        if let Some(at) = after.iter().zip(&before).position(|(a, b)| a != b) {
+            problems.push(format!(
+                "host: a read-only image changed, first at byte {at}"
+            ));
         }
     } else if verdict.passed.iter().any(|p| p == "guest-pattern") {
-        let got = read_at(&image, GUEST_PATTERN_AT, PATTERN_LEN);
+        let got = read_at(&paths.image, GUEST_PATTERN_AT, PATTERN_LEN);
         if let Some(at) = got.iter().zip(&host_pattern).position(|(a, b)| a != b) {
+            let record = at - at % 32;
             problems.push(format!(
                 "host: the guest's pattern is not in the image at {GUEST_PATTERN_AT}: \
                  first difference at +{at}: {:?}",
-                String::from_utf8_lossy(&got[at - at % 32..at - at % 32 + 32])
+                String::from_utf8_lossy(&got[record..record + 32])
             ));
         }
     }
 
-    let which = match backend {
-        Backend::Ringblk => format!("ringblk serve {}", sc.extra.join(" ")),
-        Backend::Qsd => "qemu-storage-daemon".to_string(),
-    };
-    eprintln!(
-        "guest ({mode}, {} queue(s), {} vCPU(s), {which}) ran {:.1?}: {} passed, {} failed",
-        sc.queues,
-        sc.vcpus,
+    BootReport {
+        problems,
+        console,
+        qemu_output: read_log(&qemu_log),
         elapsed,
-        verdict.passed.len(),
-        verdict.failed.len()
-    );
-    if verbose {
-        eprintln!("==== guest console ====\n{console}");
-    }
-    if !problems.is_empty() {
-        panic!(
-            "{} problem(s) with {which}:\n  {}\n\
-             ==== guest console ====\n{console}\n\
-             ==== daemon output (exit: {daemon_status:?}) ====\n{}\n\
-             ==== qemu output ====\n{}",
-            problems.len(),
-            problems.join("\n  "),
-            read_log(&daemon_log),
-            read_log(&qemu_log)
-        );
+        passed: verdict.passed.len(),
+        failed: verdict.failed.len(),
     }
 }
