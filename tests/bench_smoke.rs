@@ -1,0 +1,197 @@
+//! Smoke test of `ringblk bench` and `ringblk stats` against a started
+//! daemon: about a second of I/O per case. It checks that the tools work and
+//! agree with the daemon's counters, never how fast anything is.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Daemon, DaemonOptions, MIB, test_dir};
+use ringblk::bench::RunResult;
+use ringblk::metrics::QueueSnapshot;
+
+/// Longest a bench or stats process may take before the test fails.
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Runs `ringblk ARGS`, killing it after [`TIMEOUT`].
+fn ringblk(args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ringblk"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting ringblk");
+    let deadline = Instant::now() + TIMEOUT;
+    while child.try_wait().expect("polling ringblk").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("ringblk {args:?} did not finish within {TIMEOUT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+        .wait_with_output()
+        .expect("collecting ringblk's output")
+}
+
+fn start_daemon() -> Daemon {
+    Daemon::start_in(
+        test_dir(),
+        DaemonOptions {
+            size: 64 * MIB,
+            metrics: true,
+            args: &["--queues", "2", "--queue-size", "256"],
+            ..DaemonOptions::default()
+        },
+    )
+}
+
+fn counters(metrics: &Path) -> QueueSnapshot {
+    let doc = ringblk::metrics::fetch(metrics.to_str().expect("UTF-8 path"))
+        .expect("the daemon serves /metrics.json");
+    QueueSnapshot::sum(&doc.queues)
+}
+
+/// One bench run measuring for `runtime`; returns its parsed JSON result.
+fn bench(d: &Daemon, runtime: &str, extra: &[&str]) -> RunResult {
+    let metrics = d.metrics.as_ref().expect("started with --metrics");
+    let json = d.dir.path().join("result.json");
+    let pid = d.pid().to_string();
+    let mut args = vec![
+        "bench",
+        "--socket",
+        d.socket.to_str().expect("UTF-8 path"),
+        "--metrics",
+        metrics.to_str().expect("UTF-8 path"),
+        "--pid",
+        &pid,
+        "--runtime",
+        runtime,
+        "--ramp",
+        "200ms",
+        // Test machines may have one CPU, and pinning is about speed.
+        "--no-pin",
+        "--json",
+        json.to_str().expect("UTF-8 path"),
+    ];
+    args.extend_from_slice(extra);
+    let out = ringblk(&args);
+    assert!(
+        out.status.success(),
+        "ringblk bench failed: {}\ndaemon log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        d.log()
+    );
+    let text = std::fs::read_to_string(&json).expect("bench wrote its JSON result");
+    serde_json::from_str(&text).expect("the result parses")
+}
+
+#[test]
+fn bench_reads_and_writes_and_agrees_with_the_counters() {
+    let mut d = start_daemon();
+    let metrics = d.metrics.clone().expect("started with --metrics");
+    let before = counters(&metrics);
+
+    let r = bench(
+        &d,
+        "1s",
+        &["--rw", "randread", "--iodepth", "4", "--queues", "2"],
+    );
+    assert!(r.iops > 0.0 && r.ios > 0, "no I/O measured: {r:?}");
+    assert_eq!(r.errors, 0, "{:?}", r.first_error);
+    assert!(r.lat_us.p50 > 0.0 && r.lat_us.p50 <= r.lat_us.p99 && r.lat_us.p99 <= r.lat_us.max);
+    assert!(r.total_ios >= r.ios);
+    assert!(
+        r.backend_cpu_s.is_some(),
+        "the daemon's CPU time was sampled"
+    );
+    let ratios = r.ratios.expect("counters were sampled around the window");
+    assert!(ratios.kicks_per_io.is_some() && ratios.notifications_per_io.is_some());
+
+    let w = bench(
+        &d,
+        "1s",
+        &["--rw", "randrw", "--mix", "50", "--iodepth", "8"],
+    );
+    assert!(w.reads > 0 && w.writes > 0, "{w:?}");
+    assert_eq!(w.errors, 0, "{:?}", w.first_error);
+
+    // Everything the client saw complete, the daemon counted.
+    let done = counters(&metrics).since(&before);
+    let client_total = r.total_ios + w.total_ios;
+    assert!(
+        done.data_requests() >= client_total,
+        "daemon counted {} reads+writes, clients completed {client_total}",
+        done.data_requests()
+    );
+    assert!(done.completions >= client_total, "{done:?}");
+    assert!(done.kicks > 0 && done.notifications > 0, "{done:?}");
+    assert!(done.submitted_sqes >= done.submit_calls, "{done:?}");
+    assert_eq!(done.total_errors(), 0, "{done:?}");
+    d.assert_running();
+}
+
+#[test]
+fn stats_prints_table_json_and_prometheus() {
+    let d = start_daemon();
+    let metrics = d.metrics.as_ref().expect("started with --metrics");
+    let m = metrics.to_str().expect("UTF-8 path");
+    bench(&d, "300ms", &[]);
+
+    let table = ringblk(&["stats", "--metrics", m]);
+    assert!(
+        table.status.success(),
+        "{}",
+        String::from_utf8_lossy(&table.stderr)
+    );
+    let table = String::from_utf8_lossy(&table.stdout);
+    for needle in [
+        "q0",
+        "q1",
+        "total",
+        "requests read",
+        "kicks/IO",
+        "SQEs/submit",
+    ] {
+        assert!(table.contains(needle), "no '{needle}' in:\n{table}");
+    }
+
+    let json = ringblk(&["stats", "--metrics", m, "--json"]);
+    let doc: ringblk::metrics::MetricsDoc =
+        serde_json::from_slice(&json.stdout).expect("stats --json parses");
+    assert_eq!(doc.queues.len(), 2);
+
+    let prom = ringblk(&["stats", "--metrics", m, "--prometheus"]);
+    let prom = String::from_utf8_lossy(&prom.stdout);
+    assert!(
+        prom.contains("# TYPE ringblk_requests_total counter"),
+        "{prom}"
+    );
+    assert!(
+        prom.contains("ringblk_requests_total{queue=\"1\",type=\"read\"}"),
+        "{prom}"
+    );
+}
+
+#[test]
+fn bench_reports_a_missing_backend_instead_of_hanging() {
+    let dir = test_dir();
+    let sock = dir.path().join("nobody.sock");
+    let started = Instant::now();
+    let out = ringblk(&[
+        "bench",
+        "--socket",
+        sock.to_str().expect("UTF-8 path"),
+        "--connect-timeout",
+        "300ms",
+        "--runtime",
+        "1s",
+    ]);
+    assert!(!out.status.success());
+    assert!(started.elapsed() < Duration::from_secs(20));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("connect"), "{err}");
+}
