@@ -106,7 +106,7 @@ pub struct ServeArgs {
     pub block_size: u32,
 
     /// Report a write-through cache (WCE=0) and make every write durable
-    /// before it is acknowledged (O_DSYNC).
+    /// before it is acknowledged (each write carries RWF_DSYNC).
     #[arg(long)]
     pub writethrough: bool,
 
