@@ -154,8 +154,13 @@ pub fn relay(
                         break;
                     }
                 };
-                log::debug!("front-end request {} ({} bytes, {} fds)", msg.request, msg.payload.len(), msg.fds.len());
-            let r = match msg.request {
+                log::debug!(
+                    "front-end request {} ({} bytes, {} fds)",
+                    msg.request,
+                    msg.payload.len(),
+                    msg.fds.len()
+                );
+                let r = match msg.request {
                     GET_INFLIGHT_FD => get_inflight(&msg, &*host, &fw),
                     SET_INFLIGHT_FD => set_inflight(msg, &*host, &fw),
                     _ => msg.send(&back_w),
@@ -246,7 +251,11 @@ fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -
     };
     let ok = match result {
         Ok(region) => {
-            log::info!("inflight region installed ({} queue(s) of {})", region.num_queues, region.queue_size);
+            log::info!(
+                "inflight region installed ({} queue(s) of {})",
+                region.num_queues,
+                region.queue_size
+            );
             host.set_inflight(Arc::new(region));
             true
         }
