@@ -58,6 +58,14 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     let listener = socket::bind(&cfg.args.socket, cfg.args.socket_mode)?;
     let num_queues = usize::from(cfg.args.queues);
     let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
+    // Bound before the seccomp filter: binding probes for a stale socket.
+    let _endpoint = match &cfg.args.metrics {
+        Some(addr) => Some(
+            crate::metrics::spawn_endpoint(addr, metrics.clone())
+                .map_err(|e| DaemonError::Config(format!("--metrics: {e}")))?,
+        ),
+        None => None,
+    };
     let worker_cfg = Arc::new(cfg.worker);
     let current: Current = Arc::default();
     spawn_signal_handler(
@@ -67,11 +75,11 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         current.clone(),
     )?;
     announce(&cfg.args, &cfg.image, cfg.image_created, &worker_cfg);
-    seccomp::install(cfg.args.seccomp)?;
 
     let features = device_features(cfg.args.readonly);
     let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
     let inner = InnerSockets::new()?;
+    seccomp::install(cfg.args.seccomp)?;
     for conn in 0u64.. {
         let front = accept(&listener)?;
         let workers = (0..num_queues)
