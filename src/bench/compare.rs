@@ -6,6 +6,8 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -47,6 +49,10 @@ pub struct Meta {
     pub fio_args: Vec<String>,
     pub started_unix: u64,
     pub wall_s: f64,
+    /// /proc/loadavg before and after: anything else running on a 2-CPU
+    /// machine shows here and in the numbers.
+    pub loadavg_before: String,
+    pub loadavg_after: String,
 }
 
 /// One backend on one configuration.
@@ -63,6 +69,17 @@ pub struct Record {
 
 pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     let started = Instant::now();
+    let loadavg_before = loadavg();
+    if loadavg_before
+        .split_whitespace()
+        .next()
+        .and_then(|l| l.parse::<f64>().ok())
+        .is_some_and(|l| l > 0.5)
+    {
+        eprintln!(
+            "warning: load average {loadavg_before}: something else is running, numbers will be noisy"
+        );
+    }
     let io = |what: String| move |source| BenchError::Io { what, source };
     let quick = args.cmp.quick;
     let configs = matrix(args);
@@ -141,9 +158,20 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
         ProgressStyle::with_template("[{pos:>3}/{len}] {elapsed:>4} eta {eta:>4} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    // Ctrl-C: the children (same process group) get it too and the run in
+    // progress fails; then stop, clean up and report what was measured.
+    let interrupted = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, interrupted.clone())
+            .map_err(io("installing a signal handler".into()))?;
+    }
     let mut records = Vec::with_capacity(total);
-    for cfg in &configs {
+    'matrix: for cfg in &configs {
         for b in &backends {
+            if interrupted.load(Ordering::Relaxed) {
+                eprintln!("interrupted: reporting the {} runs done", records.len());
+                break 'matrix;
+            }
             bar.set_message(format!("{} {}", cfg.tag(), b.name));
             let rec = match b.run(&env, cfg) {
                 Ok(run) => Record {
@@ -161,7 +189,12 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
                     note: None,
                 },
             };
-            bar.println(tables::one_line(&rec));
+            // A hidden bar (not a terminal) drops println: print directly.
+            if bar.is_hidden() {
+                eprintln!("{}", tables::one_line(&rec));
+            } else {
+                bar.println(tables::one_line(&rec));
+            }
             records.push(rec);
             bar.inc(1);
         }
@@ -208,6 +241,8 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
                 .map_or(0, |d| d.as_secs())
                 - started.elapsed().as_secs(),
             wall_s: started.elapsed().as_secs_f64(),
+            loadavg_before,
+            loadavg_after: loadavg(),
         },
         records,
     };
@@ -232,6 +267,12 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
         doc.meta.wall_s
     );
     let failed = doc.records.iter().filter(|r| r.result.is_none()).count();
+    if interrupted.load(Ordering::Relaxed) {
+        return Err(BenchError::Usage(format!(
+            "interrupted after {} of {total} runs",
+            doc.records.len()
+        )));
+    }
     if failed > 0 {
         return Err(BenchError::Usage(format!(
             "{failed} of {total} runs failed (see the table and {}/logs)",
@@ -367,6 +408,12 @@ fn make_image(path: &Path, size: u64) -> std::io::Result<()> {
         left -= n as u64;
     }
     f.sync_all()
+}
+
+/// The three load averages of /proc/loadavg.
+fn loadavg() -> String {
+    let s = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
 }
 
 /// A private directory for sockets and client results, removed on drop.

@@ -39,7 +39,7 @@ pub fn markdown(doc: &CompareDoc) -> String {
     };
     let _ = writeln!(
         o,
-        "Kernel {}, {} CPUs, image {} MiB, bs {}, {:.1} s measured after {:.1} s ramp per run, {pin}{}; {:.0} s in all.\n",
+        "Kernel {}, {} CPUs, image {} MiB, bs {}, {:.1} s measured after {:.1} s ramp per run, {pin}{}; {:.0} s in all; load average {} before, {} after.\n",
         m.kernel,
         m.cpus,
         m.image_bytes >> 20,
@@ -51,7 +51,9 @@ pub fn markdown(doc: &CompareDoc) -> String {
         } else {
             ""
         },
-        m.wall_s
+        m.wall_s,
+        m.loadavg_before,
+        m.loadavg_after,
     );
     if !m.ringblk_args.is_empty() {
         let _ = writeln!(
