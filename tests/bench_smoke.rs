@@ -195,3 +195,70 @@ fn bench_reports_a_missing_backend_instead_of_hanging() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("connect"), "{err}");
 }
+
+/// Whether `bin --version` runs.
+fn installed(bin: &str) -> bool {
+    Command::new(bin)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// `--compare --quick` end to end (about 10 s): every backend that is
+/// installed (CI installs qemu-storage-daemon and fio), all outputs written.
+#[test]
+fn compare_quick_runs_every_backend_and_writes_its_outputs() {
+    let mut backends = vec!["ringblk"];
+    for (name, bin) in [("qsd", "qemu-storage-daemon"), ("host", "fio")] {
+        if installed(bin) {
+            backends.push(name);
+        } else {
+            eprintln!("note: {bin} is not installed; --compare runs without {name}");
+        }
+    }
+    let dir = test_dir();
+    let out = dir.path().join("cmp");
+    let list = backends.join(",");
+    let o = ringblk(&[
+        "bench",
+        "--compare",
+        "--quick",
+        "--no-pin",
+        "--image-size",
+        "16M",
+        "--backends",
+        &list,
+        "--out",
+        out.to_str().expect("UTF-8 path"),
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "bench --compare failed:\n{stderr}");
+
+    let json = std::fs::read_to_string(out.join("results.json")).expect("results.json");
+    let doc: serde_json::Value = serde_json::from_str(&json).expect("results.json parses");
+    let records = doc["records"].as_array().expect("records");
+    assert_eq!(records.len(), 2 * backends.len(), "{stderr}");
+    for r in records {
+        let result = &r["result"];
+        assert!(result["iops"].as_f64().is_some_and(|v| v > 0.0), "{r}");
+        assert_eq!(result["errors"].as_u64(), Some(0), "{r}");
+    }
+    let ringblk_run = records
+        .iter()
+        .find(|r| r["backend"] == "ringblk")
+        .expect("a ringblk record");
+    assert!(
+        ringblk_run["result"]["ratios"]["kicks_per_io"].is_number(),
+        "{ringblk_run}"
+    );
+    let svg = std::fs::read_to_string(out.join("plot.svg")).expect("plot.svg");
+    assert!(svg.starts_with("<svg"));
+    let md = std::fs::read_to_string(out.join("results.md")).expect("results.md");
+    assert!(md.contains("| workload |"), "{md}");
+    assert!(
+        !out.join("bench.img").exists(),
+        "the image it made is removed"
+    );
+}
