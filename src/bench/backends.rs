@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::BenchError;
 use super::args::{RwMode, default_queue_size};
 use super::fio::FioJob;
 use super::proc::{self, Guard};
@@ -92,7 +93,7 @@ pub struct Run {
 
 impl Backend {
     /// Runs `cfg` against this backend, starting and stopping it.
-    pub fn run(&self, env: &Env, cfg: &Config) -> Result<Run, String> {
+    pub fn run(&self, env: &Env, cfg: &Config) -> Result<Run, BenchError> {
         let log = env.logs.join(format!("{}-{}.log", cfg.tag(), self.name));
         match &self.kind {
             Kind::Host => {
@@ -124,7 +125,7 @@ impl Backend {
         }
     }
 
-    fn run_vhost(&self, env: &Env, cfg: &Config, log: &Path) -> Result<Run, String> {
+    fn run_vhost(&self, env: &Env, cfg: &Config, log: &Path) -> Result<Run, BenchError> {
         let sock = env.run_dir.join(format!("{}.sock", self.name));
         let metrics = env.run_dir.join(format!("{}.metrics", self.name));
         let _ = std::fs::remove_file(&sock);
@@ -211,33 +212,40 @@ impl Backend {
             client.arg("--metrics").arg(&metrics);
         }
         let mut client = Guard(spawn_logged(&mut client, &client_log)?);
-        let status =
-            proc::wait_timeout(&mut client.0, env.run_timeout()).map_err(|e| e.to_string())?;
+        let status = proc::wait_timeout(&mut client.0, env.run_timeout())
+            .map_err(BenchError::io("waiting for the client"))?;
         let died = backend.0.try_wait().ok().flatten();
         let Some(status) = status else {
-            return Err(format!(
-                "client did not finish in {:?}; backend log: {}",
-                env.run_timeout(),
-                proc::tail(log, 3)
-            ));
+            return Err(BenchError::Timeout {
+                who: "client",
+                timeout: env.run_timeout(),
+                log: proc::tail(log, 3),
+            });
         };
         if !status.success() {
-            let why = proc::tail(&client_log, 3);
+            let client = proc::tail(&client_log, 3);
             return Err(match died {
-                Some(s) => format!(
-                    "backend exited ({s}) during the run: {} / client: {why}",
-                    proc::tail(log, 3)
-                ),
-                None => format!("client failed: {why}"),
+                Some(status) => BenchError::BackendDied {
+                    status,
+                    log: proc::tail(log, 3),
+                    client,
+                },
+                None => BenchError::Failed {
+                    who: "client",
+                    status,
+                    log: client,
+                },
             });
         }
         let text = std::fs::read_to_string(&json)
-            .map_err(|e| format!("client result {}: {e}", json.display()))?;
-        let result: RunResult =
-            serde_json::from_str(&text).map_err(|e| format!("client result: {e}"))?;
+            .map_err(BenchError::io(format!("reading {}", json.display())))?;
+        let result: RunResult = serde_json::from_str(&text).map_err(|e| BenchError::Parse {
+            who: "client",
+            msg: e.to_string(),
+        })?;
         let (status, killed) = backend
             .stop(Duration::from_secs(5))
-            .map_err(|e| e.to_string())?;
+            .map_err(BenchError::io("stopping the backend"))?;
         let note = if killed {
             Some("backend ignored SIGTERM for 5 s and was killed".to_string())
         } else if died.is_some() {
@@ -269,14 +277,21 @@ fn pinned(cpu: Option<usize>, bin: &Path) -> Command {
     }
 }
 
-fn spawn_logged(cmd: &mut Command, log: &Path) -> Result<std::process::Child, String> {
-    let out = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
-    let err = out.try_clone().map_err(|e| e.to_string())?;
+/// Starts `cmd` with standard output and error going to the file `log`.
+pub fn spawn_logged(cmd: &mut Command, log: &Path) -> Result<std::process::Child, BenchError> {
+    let out = std::fs::File::create(log)
+        .map_err(BenchError::io(format!("creating {}", log.display())))?;
+    let err = out
+        .try_clone()
+        .map_err(BenchError::io("duplicating the log fd"))?;
     cmd.stdin(Stdio::null())
         .stdout(out)
         .stderr(err)
         .spawn()
-        .map_err(|e| format!("starting {:?}: {e}", cmd.get_program()))
+        .map_err(|source| BenchError::Spawn {
+            program: cmd.get_program().to_string_lossy().into_owned(),
+            source,
+        })
 }
 
 /// Waits until the backend has created its socket; the client then retries
@@ -287,21 +302,21 @@ fn wait_for_socket(
     backend: &mut Guard,
     timeout: Duration,
     log: &Path,
-) -> Result<(), String> {
+) -> Result<(), BenchError> {
     let deadline = Instant::now() + timeout;
     while !sock.exists() {
         if let Ok(Some(status)) = backend.0.try_wait() {
-            return Err(format!(
-                "backend exited at start-up ({status}): {}",
-                proc::tail(log, 3)
-            ));
+            return Err(BenchError::StartupExit {
+                status,
+                log: proc::tail(log, 3),
+            });
         }
         if Instant::now() > deadline {
-            return Err(format!(
-                "no socket {} after {timeout:?}: {}",
-                sock.display(),
-                proc::tail(log, 3)
-            ));
+            return Err(BenchError::NoSocket {
+                socket: sock.to_path_buf(),
+                timeout,
+                log: proc::tail(log, 3),
+            });
         }
         std::thread::sleep(Duration::from_millis(20));
     }

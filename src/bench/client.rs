@@ -21,7 +21,7 @@ use super::proc;
 const DRIVER: &str = "virtio-blk-vhost-user";
 
 /// A wait longer than this for any completion means the backend is stuck.
-const STALL_TIMEOUT: Duration = Duration::from_secs(5);
+pub const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Errors of the load generator.
 #[derive(Debug, thiserror::Error)]

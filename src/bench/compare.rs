@@ -185,7 +185,7 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
                     config: *cfg,
                     backend: b.name.clone(),
                     result: None,
-                    error: Some(e),
+                    error: Some(e.to_string()),
                     note: None,
                 },
             };

@@ -6,13 +6,15 @@
 //! while it runs, over a window inside its measured phase.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
+use super::BenchError;
 use super::args::RwMode;
-use super::proc;
+use super::backends::spawn_logged;
+use super::proc::{self, Guard};
 use super::report::{Latency, RunResult};
 
 /// How fio is to be run.
@@ -76,20 +78,11 @@ impl FioJob<'_> {
 
     /// Runs fio to the end (killing it after `timeout`) and converts its
     /// report.
-    pub fn run(&self, timeout: Duration) -> Result<RunResult, String> {
-        let log =
-            std::fs::File::create(self.log).map_err(|e| format!("{}: {e}", self.log.display()))?;
-        let log2 = log.try_clone().map_err(|e| e.to_string())?;
+    pub fn run(&self, timeout: Duration) -> Result<RunResult, BenchError> {
         let _ = std::fs::remove_file(self.json_out);
         let start = Instant::now();
-        let mut child = self
-            .command()
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2)
-            .spawn()
-            .map_err(|e| format!("starting {}: {e}", self.fio.display()))?;
-        let pid = child.id();
+        let mut child = Guard(spawn_logged(&mut self.command(), self.log)?);
+        let pid = child.0.id();
         // The CPU window: from just after the ramp (plus fio's start-up)
         // to the planned end of the measured phase.
         let (from, to) = (
@@ -98,15 +91,20 @@ impl FioJob<'_> {
         );
         let mut samples: Vec<(Instant, f64)> = Vec::new();
         let status = loop {
-            match child.try_wait() {
-                Ok(Some(s)) => break s,
-                Ok(None) => {}
-                Err(e) => return Err(format!("waiting for fio: {e}")),
+            if let Some(s) = child
+                .0
+                .try_wait()
+                .map_err(BenchError::io("waiting for fio"))?
+            {
+                break s;
             }
             let now = Instant::now();
             if now - start > timeout {
-                let _ = proc::stop(&mut child, Duration::from_secs(2));
-                return Err(format!("fio did not finish in {timeout:?}"));
+                return Err(BenchError::Timeout {
+                    who: "fio",
+                    timeout,
+                    log: proc::tail(self.log, 3),
+                });
             }
             if now >= from && now <= to {
                 if let Ok(cpu) = proc::cpu_seconds(pid) {
@@ -116,13 +114,16 @@ impl FioJob<'_> {
             std::thread::sleep(Duration::from_millis(50));
         };
         if !status.success() {
-            return Err(format!(
-                "fio failed ({status}): {}",
-                proc::tail(self.log, 5)
-            ));
+            return Err(BenchError::Failed {
+                who: "fio",
+                status,
+                log: proc::tail(self.log, 5),
+            });
         }
-        let text =
-            std::fs::read_to_string(self.json_out).map_err(|e| format!("fio output: {e}"))?;
+        let text = std::fs::read_to_string(self.json_out).map_err(BenchError::io(format!(
+            "reading {}",
+            self.json_out.display()
+        )))?;
         let cpu_rate = match (samples.first(), samples.last()) {
             (Some(a), Some(b)) if b.0 > a.0 => Some((b.1 - a.1) / (b.0 - a.0).as_secs_f64()),
             _ => None,
@@ -162,14 +163,18 @@ struct Lat {
 
 /// fio's JSON (`--group_reporting`, so one job) as a [`RunResult`].
 /// `cpu_rate` is fio's CPU seconds per second in the measured phase.
-fn convert(text: &str, job: &FioJob<'_>, cpu_rate: Option<f64>) -> Result<RunResult, String> {
+fn convert(text: &str, job: &FioJob<'_>, cpu_rate: Option<f64>) -> Result<RunResult, BenchError> {
+    let parse = |msg: &str| BenchError::Parse {
+        who: "fio",
+        msg: msg.to_string(),
+    };
     // fio may print warnings before the JSON document in the same file.
     let json = text
         .find('{')
         .map(|i| &text[i..])
-        .ok_or("fio wrote no JSON")?;
-    let report: Report = serde_json::from_str(json).map_err(|e| format!("fio JSON: {e}"))?;
-    let j = report.jobs.first().ok_or("fio reported no job")?;
+        .ok_or_else(|| parse("no JSON"))?;
+    let report: Report = serde_json::from_str(json).map_err(|e| parse(&e.to_string()))?;
+    let j = report.jobs.first().ok_or_else(|| parse("no job"))?;
     // Latency of the direction that did most of the I/O.
     let main = if j.write.total_ios > j.read.total_ios {
         &j.write

@@ -21,6 +21,10 @@ mod report;
 mod single;
 mod tables;
 
+use std::path::PathBuf;
+use std::process::ExitStatus;
+use std::time::Duration;
+
 pub use args::{BackendName, BenchArgs, CompareArgs, OnOff, RwMode};
 pub use client::ClientError;
 pub use report::{Latency, RunResult};
@@ -40,6 +44,58 @@ pub enum BenchError {
         what: String,
         source: std::io::Error,
     },
+    /// A backend, the client or fio could not be started (not installed?).
+    #[error("starting {program}: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    /// The backend exited before its socket appeared.
+    #[error("backend exited at start-up ({status}): {log}")]
+    StartupExit { status: ExitStatus, log: String },
+    /// The backend's socket did not appear in time.
+    #[error("no socket {} after {timeout:?}: {log}", socket.display())]
+    NoSocket {
+        socket: PathBuf,
+        timeout: Duration,
+        log: String,
+    },
+    /// The client or fio ran past its deadline and was killed.
+    #[error("{who} did not finish in {timeout:?}; backend log: {log}")]
+    Timeout {
+        who: &'static str,
+        timeout: Duration,
+        log: String,
+    },
+    /// The client or fio exited with an error.
+    #[error("{who} failed ({status}): {log}")]
+    Failed {
+        who: &'static str,
+        status: ExitStatus,
+        log: String,
+    },
+    /// The backend died while the client ran.
+    #[error("backend exited ({status}) during the run: {log}; client: {client}")]
+    BackendDied {
+        status: ExitStatus,
+        log: String,
+        client: String,
+    },
+    /// plotters could not draw the SVG (its errors are generic over the
+    /// backend, hence the text).
+    #[error("plot {}: {msg}", path.display())]
+    Plot { path: PathBuf, msg: String },
+    /// A result (the client's JSON, fio's JSON) that cannot be read.
+    #[error("{who} result: {msg}")]
+    Parse { who: &'static str, msg: String },
+}
+
+impl BenchError {
+    /// Wraps an I/O error with what was being done.
+    pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BenchError {
+        let what = what.into();
+        move |source| BenchError::Io { what, source }
+    }
 }
 
 /// Runs `ringblk bench`.

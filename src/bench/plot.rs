@@ -6,6 +6,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
+use super::BenchError;
 use super::backends::Config;
 use super::compare::CompareDoc;
 use super::tables::by_config;
@@ -74,7 +75,7 @@ impl Group {
 type Line = (String, Vec<(f64, f64)>);
 
 /// Draws `doc` into an SVG file at `path`.
-pub fn draw(doc: &CompareDoc, path: &Path) -> Result<(), String> {
+pub fn draw(doc: &CompareDoc, path: &Path) -> Result<(), BenchError> {
     let backends: Vec<&str> = doc.meta.backends.iter().map(|(n, _)| n.as_str()).collect();
     let mut groups: Vec<Group> = Vec::new();
     for (cfg, _) in by_config(doc) {
@@ -84,7 +85,10 @@ pub fn draw(doc: &CompareDoc, path: &Path) -> Result<(), String> {
         }
     }
     if groups.is_empty() {
-        return Err("nothing to plot".into());
+        return Err(BenchError::Plot {
+            path: path.to_path_buf(),
+            msg: "nothing to plot".into(),
+        });
     }
     let depths: Vec<f64> = doc
         .records
@@ -97,7 +101,10 @@ pub fn draw(doc: &CompareDoc, path: &Path) -> Result<(), String> {
     let x_range = (lo - 0.3)..(hi.max(lo + 1.0) + 0.3);
 
     let root = SVGBackend::new(path, (1100, 300 * groups.len() as u32)).into_drawing_area();
-    let e = |e: DrawingAreaErrorKind<_>| format!("drawing {}: {e:?}", path.display());
+    let e = |e: DrawingAreaErrorKind<_>| BenchError::Plot {
+        path: path.to_path_buf(),
+        msg: format!("{e:?}"),
+    };
     root.fill(&WHITE).map_err(e)?;
     let cells = root.split_evenly((groups.len(), 2));
     for (gi, g) in groups.iter().enumerate() {

@@ -77,6 +77,35 @@ fn to_json(r: &RunResult) -> Result<String, BenchError> {
         .map_err(|e| BenchError::Usage(format!("serializing the result: {e}")))
 }
 
+/// Ends the process if the run takes longer than any healthy run can.
+/// Disarmed when dropped.
+struct Watchdog(Option<std::sync::mpsc::Sender<()>>);
+
+impl Watchdog {
+    fn start(limit: Duration, socket: &str) -> Watchdog {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let socket = socket.to_string();
+        let spawned = std::thread::Builder::new()
+            .name("watchdog".into())
+            .spawn(move || {
+                if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
+                    eprintln!("ringblk bench: {socket} made no progress for {limit:?}; giving up");
+                    std::process::exit(3);
+                }
+            });
+        // Without a watchdog thread the run still works, just unguarded.
+        Watchdog(spawned.ok().map(|_| tx))
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
 /// Values sampled at one edge of the window.
 #[derive(Default)]
 struct Sample {
@@ -110,6 +139,12 @@ pub fn measure(
     probes: &Probes,
     connect_timeout: Duration,
 ) -> Result<RunResult, BenchError> {
+    // libblkio's vhost-user handshake has no timeout: a backend that
+    // accepts and never answers would hang us. The per-request stall
+    // timeout covers the I/O; this covers everything else.
+    let limit =
+        connect_timeout + w.ramp + w.runtime + 2 * client::STALL_TIMEOUT + Duration::from_secs(10);
+    let _watchdog = Watchdog::start(limit, socket);
     let blkio = client::connect(socket, connect_timeout)?;
     let total = w.ramp + w.runtime;
     // Hidden automatically when standard error is not a terminal (as in the
