@@ -6,12 +6,15 @@
 //!
 //! The allow-list was found empirically: `strace -f` of the daemon from the
 //! end of start-up through two QEMU guest runs (fio write+verify, discard,
-//! write-zeroes, reconnect), SIGTERM shutdown, and `--direct`, `--poll-us`,
-//! `--cpus`, `--sqpoll`, `--iopoll`, `--writethrough`, `--engine null`,
-//! `--readonly`. A few entries no trace showed are kept on purpose; each
-//! says why. Arguments are checked where that is cheap and meaningful: no
-//! executable mappings, affinity of the calling thread only, only the
-//! `fcntl`/`prctl`/`ioctl` commands in use, Unix socket pairs only.
+//! write-zeroes, reconnect through the inflight relay), metrics scrapes
+//! over TCP and a Unix socket, SIGTERM shutdown, and `--direct`,
+//! `--poll-us`, `--cpus`, `--writethrough`, `--iopoll`, `--fixed-buffers`,
+//! `--engine null`, `--readonly`; then each of those again under
+//! `--seccomp enforce`. A few entries no trace showed are kept on purpose;
+//! each says why. Arguments are checked where that is cheap and
+//! meaningful: no executable mappings, affinity of the calling thread
+//! only, only the `fcntl`/`prctl`/`ioctl` commands in use, Unix sockets
+//! only, `openat` of directories only.
 //!
 //! What the filter cannot see: io_uring operations. They are constrained by
 //! the rings themselves (created disabled, restricted to six opcodes on the
@@ -156,7 +159,6 @@ fn allowed() -> Vec<(i64, Rules)> {
                     F_GETFD as u64,
                     F_SETFD as u64,
                     F_GETFL as u64,
-                    F_SETFL as u64,
                     F_DUPFD_CLOEXEC as u64,
                     // Sealing the inflight memfd, checking a received one.
                     F_ADD_SEALS as u64,
@@ -164,15 +166,14 @@ fn allowed() -> Vec<(i64, Rules)> {
                 ],
             ),
         ),
-        // std's set_nonblocking / set_cloexec on sockets.
-        (SYS_ioctl, arg_in(1, &[FIONBIO, FIOCLEX])),
+        // set_nonblocking on the metrics endpoint's connections.
+        (SYS_ioctl, arg_in(1, &[FIONBIO])),
         // The relay in front of vhost-user-backend: a private Unix socket
         // per connection between the relay and the crate.
         (SYS_socket, arg_in(0, &[AF_UNIX as u64])),
         (SYS_bind, any()),
         (SYS_listen, any()),
         (SYS_connect, any()),
-        (SYS_socketpair, arg_in(0, &[AF_UNIX as u64])),
         // Guest memory, the vrings and io_uring's rings; thread stacks; malloc.
         (SYS_mmap, no_exec()),
         (SYS_mprotect, no_exec()),
@@ -217,7 +218,8 @@ fn allowed() -> Vec<(i64, Rules)> {
         // Instant::now() falls back to the syscall when the clock source
         // has no vDSO support (common in VMs).
         (SYS_clock_gettime, any()),
-        // Signals: the signal-hook self-pipe, and returning from handlers.
+        // The signal-hook self-pipe and the metrics endpoint's connections;
+        // returning from signal handlers.
         (SYS_recvfrom, any()),
         (SYS_sendto, any()),
         (SYS_rt_sigreturn, any()),
