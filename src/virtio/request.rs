@@ -131,7 +131,13 @@ struct Buf {
 }
 
 impl Request {
-    /// Parses and validates the chain. `queue_size` bounds the chain length.
+    /// Parses and validates the chain.
+    ///
+    /// A chain may hold at most `max(queue_size, seg_max + 2)` descriptors.
+    /// Direct chains cannot exceed the queue size anyway; an indirect table
+    /// may (Linux's virtio_ring allows it), and the front-end's queue size
+    /// (QEMU's default is 128) is often below the seg_max we advertise, so
+    /// a bound of the queue size alone would refuse legitimate large I/O.
     pub fn parse<M>(
         chain: DescriptorChain<M>,
         mem: &GuestMem,
@@ -143,7 +149,8 @@ impl Request {
         M::Target: GuestMemory,
     {
         let head = chain.head_index();
-        let (readable, mut writable) = split_chain(chain, queue_size);
+        let max_descs = usize::from(queue_size).max(limits.seg_max as usize + 2);
+        let (readable, mut writable) = split_chain(chain, max_descs);
         let reject = |status, error| Rejected {
             head,
             status,
@@ -290,7 +297,7 @@ type Bufs = Vec<Buf>;
 /// or a readable descriptor after a writable one.
 fn split_chain<M>(
     chain: DescriptorChain<M>,
-    queue_size: u16,
+    max_descs: usize,
 ) -> (Result<Bufs, Bufs>, Result<Bufs, Bufs>)
 where
     M: Deref,
@@ -303,7 +310,7 @@ where
     let mut count = 0usize;
     // The chain iterator ends early, silently, on loops and bad tables; the
     // `take` bounds how long a guest can keep us walking.
-    for desc in chain.take(usize::from(queue_size) + 1) {
+    for desc in chain.take(max_descs + 1) {
         count += 1;
         let buf = Buf {
             addr: desc.addr(),
@@ -317,7 +324,7 @@ where
         }
         last = Some(desc);
     }
-    let complete = matches!(last, Some(d) if !d.has_next()) && count <= usize::from(queue_size);
+    let complete = matches!(last, Some(d) if !d.has_next()) && count <= max_descs;
     let readable = if ordered && complete {
         Ok(readable)
     } else {
