@@ -1071,6 +1071,23 @@ fn every_switch_combination_verifies() {
     }
 }
 
+/// A file on a disk without poll queues: IOPOLL would fail every request
+/// with EOPNOTSUPP, so the daemon must notice and serve without it.
+#[test]
+fn iopoll_falls_back_where_the_device_cannot_poll() {
+    let d = Daemon::start(32 * MIB, &["--direct", "--iopoll"]);
+    basic(&d, 180);
+    let mut c = connect(&d);
+    let (q, _) = c.q0();
+    ok(flush(q), "flush");
+    ok(discard(q, 4 * MIB, MIB), "discard");
+    let log = d.log();
+    assert!(
+        log.contains("without IOPOLL"),
+        "no fallback notice in:\n{log}"
+    );
+}
+
 #[test]
 fn sqpoll_and_fixed_buffers() {
     let d = Daemon::start(32 * MIB, &["--sqpoll", "--fixed-buffers"]);

@@ -90,7 +90,16 @@ impl Config {
             signal: args.signal,
             poll_us: args.poll_us,
             sqpoll: args.sqpoll,
-            iopoll: args.iopoll,
+            iopoll: args.iopoll
+                && {
+                    let ok = image.supports_polled_io();
+                    if !ok {
+                        log::warn!(
+                            "--iopoll: the image's block device has no poll queues (queue/io_poll is not 1); continuing without IOPOLL"
+                        );
+                    }
+                    ok
+                },
             fixed_buffers: args.fixed_buffers,
             direct: args.direct && args.engine == EngineKind::Uring,
             dio_align: 512,

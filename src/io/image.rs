@@ -53,6 +53,9 @@ pub struct Image {
     pub is_block_device: bool,
     /// Device and inode numbers: a stable identity for the default serial.
     pub dev_ino: (u64, u64),
+    /// The block device the I/O lands on: the image itself, or the one
+    /// holding its file system.
+    pub io_dev: u64,
 }
 
 impl Image {
@@ -102,6 +105,11 @@ impl Image {
             size,
             is_block_device,
             dev_ino: (meta.dev(), meta.ino()),
+            io_dev: if is_block_device {
+                meta.rdev()
+            } else {
+                meta.dev()
+            },
         })
     }
 
@@ -121,6 +129,23 @@ impl Image {
             .map_err(|e| io_err("create", path, e))?;
         f.set_len(size).map_err(|e| io_err("size", path, e))?;
         Ok(true)
+    }
+
+    /// Whether the block device under the image completes polled I/O
+    /// (`queue/io_poll`, true only with poll queues). An IOPOLL ring on a
+    /// device without them sets up fine, then fails each request that
+    /// reaches the disk with EOPNOTSUPP, so this is checked up front.
+    pub fn supports_polled_io(&self) -> bool {
+        let (major, minor) = (libc::major(self.io_dev), libc::minor(self.io_dev));
+        let dev = format!("/sys/dev/block/{major}:{minor}");
+        // A partition's queue attributes are its disk's, one level up.
+        [
+            format!("{dev}/queue/io_poll"),
+            format!("{dev}/../queue/io_poll"),
+        ]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok())
+        .is_some_and(|v| v.trim() == "1")
     }
 
     /// A serial derived from the image's identity: the same file gives the

@@ -85,7 +85,7 @@ impl Uring {
                 Err(e) => return Err(e),
             }
         };
-        Ok(Uring {
+        let u = Uring {
             ring,
             eventfd,
             queued: 0,
@@ -93,7 +93,8 @@ impl Uring {
             capacity: opts.entries,
             sqpoll,
             iopoll,
-        })
+        };
+        Ok(u)
     }
 
     /// The eventfd the kernel signals when it posts a completion.

@@ -112,6 +112,8 @@ pub struct QueueWorker {
     log_limit: RateLimiter,
     /// CPU to pin the worker thread to, on its first event.
     pin: Option<usize>,
+    /// The image, for the operations an IOPOLL ring cannot do.
+    image_fd: i32,
     /// The inflight log, when the front-end negotiated one.
     journal: Option<InflightQueue>,
     /// Heads added to the used ring since the last publish (for the log).
@@ -161,6 +163,7 @@ impl QueueWorker {
             deferred: None,
             log_limit: RateLimiter::new(10, Duration::from_secs(5)),
             pin,
+            image_fd,
             journal: None,
             unpublished_heads: Vec::new(),
             fixed: Vec::new(),
@@ -515,6 +518,17 @@ impl QueueWorker {
                 return Started::Done(req, VIRTIO_BLK_S_OK as u8);
             }
         }
+        if self.engine.as_ref().is_some_and(|e| e.iopoll)
+            && matches!(
+                kind,
+                RequestKind::Flush | RequestKind::Discard(_) | RequestKind::WriteZeroes(_)
+            )
+        {
+            // An IOPOLL ring only takes reads and writes.
+            let status = self.run_sync(kind);
+            self.count_done(&req, status);
+            return Started::Done(req, status);
+        }
         if req.data_len == 0 && matches!(kind, RequestKind::Read { .. } | RequestKind::Write { .. })
         {
             self.count_done(&req, VIRTIO_BLK_S_OK as u8);
@@ -561,6 +575,39 @@ impl QueueWorker {
             return Started::Busy(inf.req);
         }
         Started::Submitted
+    }
+
+    /// Runs a flush, discard or write-zeroes synchronously (IOPOLL rings
+    /// cannot): rare operations, worth a blocking syscall on this queue.
+    fn run_sync(&mut self, kind: RequestKind) -> u8 {
+        // SAFETY: plain syscalls on the image fd, which outlives the worker.
+        let ret = unsafe {
+            match kind {
+                RequestKind::Flush => libc::fdatasync(self.image_fd),
+                RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => {
+                    let mode = if matches!(kind, RequestKind::Discard(_)) || r.unmap {
+                        libc::FALLOC_FL_PUNCH_HOLE
+                    } else {
+                        libc::FALLOC_FL_ZERO_RANGE
+                    };
+                    libc::fallocate(
+                        self.image_fd,
+                        mode | libc::FALLOC_FL_KEEP_SIZE,
+                        r.offset() as i64,
+                        r.len() as i64,
+                    )
+                }
+                _ => 0,
+            }
+        };
+        let err = std::io::Error::last_os_error();
+        let unsupported = ret != 0 && is_unsupported(-err.raw_os_error().unwrap_or(0));
+        if ret == 0 || (unsupported && matches!(kind, RequestKind::Discard(_))) {
+            VIRTIO_BLK_S_OK as u8
+        } else {
+            warn_limited!(self.log_limit, "{kind:?} failed: {err}");
+            VIRTIO_BLK_S_IOERR as u8
+        }
     }
 
     fn sqe(&self, inf: &InFlight, key: u64) -> io_uring::squeue::Entry {
