@@ -79,19 +79,19 @@ struct Scenario {
     /// Pass `--queues` to the daemon (otherwise its default, 1, is expected).
     queues_flag: bool,
     /// Extra `ringblk serve` arguments.
-    extra: &'static [&'static str],
+    extra: Vec<String>,
     /// Guests booted one after the other against the same daemon.
     boots: u32,
 }
 
 impl Scenario {
-    fn rw(extra: &'static [&'static str]) -> Self {
+    fn rw(extra: &[&str]) -> Self {
         Scenario {
             readonly: false,
             queues: 2,
             vcpus: 2,
             queues_flag: true,
-            extra,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
             boots: 1,
         }
     }
@@ -119,7 +119,7 @@ fn rw_one_queue_defaults() {
         queues: 1,
         vcpus: 1,
         queues_flag: false,
-        extra: &[],
+        extra: Vec::new(),
         boots: 1,
     });
 }
@@ -135,13 +135,36 @@ fn rw_reconnect() {
 }
 
 #[test]
+fn rw_two_queues_fixed_buffers() {
+    run(Scenario::rw(&["--fixed-buffers"]));
+}
+
+#[test]
+fn rw_two_queues_direct() {
+    run(Scenario::rw(&["--direct"]));
+}
+
+/// Any daemon flags, for trying them by hand:
+/// `RINGBLK_GUEST_EXTRA="--sqpoll --notify per-request" cargo test --test guest rw_extra_from_env`.
+/// Without the variable there is nothing to run.
+#[test]
+fn rw_extra_from_env() {
+    let Ok(extra) = std::env::var("RINGBLK_GUEST_EXTRA") else {
+        eprintln!("RINGBLK_GUEST_EXTRA is not set: nothing to try");
+        return;
+    };
+    let extra: Vec<&str> = extra.split_whitespace().collect();
+    run(Scenario::rw(&extra));
+}
+
+#[test]
 fn readonly() {
     run(Scenario {
         readonly: true,
         queues: 2,
         vcpus: 2,
         queues_flag: true,
-        extra: &[],
+        extra: Vec::new(),
         boots: 1,
     });
 }
@@ -323,6 +346,71 @@ fn read_log(path: &Path) -> String {
         .unwrap_or_else(|e| format!("<cannot read {}: {e}>", path.display()))
 }
 
+/// The `-device` argument; a daemon `--queue-size` is QEMU's `queue-size`
+/// too (QEMU's default of 128 is refused by a daemon with smaller queues).
+fn qemu_device(sc: &Scenario) -> String {
+    let mut dev = format!("vhost-user-blk-pci,chardev=c0,num-queues={}", sc.queues);
+    let mut size = None;
+    for (i, arg) in sc.extra.iter().enumerate() {
+        if arg == "--queue-size" {
+            size = sc.extra.get(i + 1).map(String::as_str);
+        } else if let Some(value) = arg.strip_prefix("--queue-size=") {
+            size = Some(value);
+        }
+    }
+    if let Some(size) = size {
+        dev.push_str(&format!(",queue-size={size}"));
+    }
+    dev
+}
+
+/// Where each thread of a process is, for a hang report: state, kernel
+/// wait channel and stack from /proc, and the user stacks if gdb is there.
+fn threads_of(pid: u32) -> String {
+    let mut out = String::new();
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+        return format!("<no /proc/{pid}/task>\n");
+    };
+    let mut tasks: Vec<PathBuf> = tasks.flatten().map(|t| t.path()).collect();
+    tasks.sort();
+    for task in tasks {
+        let read = |name: &str| fs::read_to_string(task.join(name)).unwrap_or_default();
+        let status = read("status");
+        let state = status
+            .lines()
+            .find_map(|l| l.strip_prefix("State:"))
+            .unwrap_or("?")
+            .trim();
+        let tid = task.file_name().unwrap_or_default().to_string_lossy();
+        out.push_str(&format!(
+            "  {tid} {:<16} {state:<14} wchan={}\n",
+            read("comm").trim(),
+            read("wchan").trim()
+        ));
+        for line in read("stack").lines().take(12) {
+            out.push_str(&format!("      {line}\n"));
+        }
+    }
+    let gdb = Command::new("timeout")
+        .args(["30", "gdb", "-p", &pid.to_string(), "-batch", "-nx"])
+        .args(["-ex", "thread apply all bt 25"])
+        .stdin(Stdio::null())
+        .output();
+    if let Ok(o) = gdb {
+        if o.status.success() {
+            let text = String::from_utf8_lossy(&o.stdout);
+            out.push_str("  user stacks (gdb):\n");
+            for line in text
+                .lines()
+                .filter(|l| l.starts_with('#') || l.starts_with("Thread"))
+            {
+                out.push_str(&format!("    {line}\n"));
+            }
+        }
+    }
+    out
+}
+
 /// What the guest printed.
 #[derive(Default)]
 struct Verdict {
@@ -412,7 +500,7 @@ fn run(sc: Scenario) {
     let mut problems = Vec::new();
     let mut consoles = String::new();
     for n in 1..=sc.boots {
-        let report = boot(&sc, assets, &paths, serial, n);
+        let report = boot(&sc, assets, &paths, serial, n, daemon.child.id());
         eprintln!(
             "guest boot {n}/{} ({}, {} queue(s), {} vCPU(s), {which}) ran {:.1?}: {} passed, {} failed",
             sc.boots,
@@ -481,7 +569,7 @@ fn daemon_command(sc: &Scenario, backend: Backend, paths: &Paths) -> (Command, &
             if sc.queues_flag {
                 c.arg("--queues").arg(sc.queues.to_string());
             }
-            c.arg("--serial").arg(SERIAL).args(sc.extra);
+            c.arg("--serial").arg(SERIAL).args(&sc.extra);
             (c, SERIAL)
         }
         Backend::Qsd => {
@@ -545,7 +633,14 @@ struct BootReport {
 
 /// Boots the guest once against the running daemon and checks the image
 /// afterwards. Boot `n` > 1 tests that the daemon takes a new front-end.
-fn boot(sc: &Scenario, assets: &Assets, paths: &Paths, serial: &str, n: u32) -> BootReport {
+fn boot(
+    sc: &Scenario,
+    assets: &Assets,
+    paths: &Paths,
+    serial: &str,
+    n: u32,
+    daemon_pid: u32,
+) -> BootReport {
     let console_path = paths.dir.join(format!("console-{n}.log"));
     let qemu_log = paths.dir.join(format!("qemu-{n}.log"));
     let mut problems = Vec::new();
@@ -577,6 +672,7 @@ fn boot(sc: &Scenario, assets: &Assets, paths: &Paths, serial: &str, n: u32) -> 
     let started = Instant::now();
     // After a disconnect the daemon may need a moment before it accepts
     // again: retry while QEMU fails to connect, for up to 5 s.
+    let mut hang_report = String::new();
     let qemu_status = loop {
         let qemu_out = File::create(&qemu_log).expect("qemu log");
         let mut qemu_cmd = Command::new(QEMU);
@@ -596,10 +692,7 @@ fn boot(sc: &Scenario, assets: &Assets, paths: &Paths, serial: &str, n: u32) -> 
             .arg("-chardev")
             .arg(format!("socket,id=c0,path={}", paths.socket.display()))
             .arg("-device")
-            .arg(format!(
-                "vhost-user-blk-pci,chardev=c0,num-queues={}",
-                sc.queues
-            ))
+            .arg(qemu_device(sc))
             .arg("-kernel")
             .arg(&assets.kernel)
             .arg("-initrd")
@@ -615,6 +708,14 @@ fn boot(sc: &Scenario, assets: &Assets, paths: &Paths, serial: &str, n: u32) -> 
         eprintln!("starting {qemu_cmd:?}");
         let mut qemu = Guard::spawn("qemu", &mut qemu_cmd);
         let status = qemu.wait_for(timeout);
+        if status.is_none() {
+            hang_report = format!(
+                "==== where the daemon's threads are (pid {daemon_pid}) ====\n{}\
+                 ==== where QEMU's threads are ====\n{}",
+                threads_of(daemon_pid),
+                threads_of(qemu.child.id())
+            );
+        }
         let refused = status.is_some_and(|s| !s.success())
             && read_log(&qemu_log).contains("Connection refused");
         if refused && n > 1 && started.elapsed() < Duration::from_secs(5) {
@@ -675,7 +776,7 @@ fn boot(sc: &Scenario, assets: &Assets, paths: &Paths, serial: &str, n: u32) -> 
     BootReport {
         problems,
         console,
-        qemu_output: read_log(&qemu_log),
+        qemu_output: read_log(&qemu_log) + &hang_report,
         elapsed,
         passed: verdict.passed.len(),
         failed: verdict.failed.len(),

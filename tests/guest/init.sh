@@ -64,14 +64,51 @@ fail() {
     shift
     echo "RINGBLK-FAIL $name $*"
 }
-# Runs a command with the step timeout, its output going to /tmp/$1.log.
+# Runs a step: `step NAME CMD ARGS...`, output to /tmp/NAME.log, killed after
+# the step timeout. A command stuck in the kernel (an I/O that never
+# completes) survives SIGKILL: then the run ends here with the evidence.
 step() {
-    name=$1
-    shift
-    timeout -s KILL "$STEP_TIMEOUT" "$@" >"/tmp/$name.log" 2>&1
+    step_t "$STEP_TIMEOUT" "$@"
+}
+step_t() {
+    limit=$1
+    name=$2
+    shift 2
+    timeout -s KILL "$limit" "$@" >"/tmp/$name.log" 2>&1 &
+    pid=$!
+    ticks=0
+    while alive "$pid"; do
+        if [ "$ticks" -ge $(((limit + 5) * 20)) ]; then
+            stuck "$name" "$pid"
+        fi
+        sleep 0.05
+        ticks=$((ticks + 1))
+    done
+    wait "$pid"
     rc=$?
     [ "$VERBOSE" = 1 ] && show_log "$name"
     return $rc
+}
+# Whether a child still runs (a zombie does not).
+alive() {
+    state=$(grep -s '^State:' "/proc/$1/status")
+    case "$state" in
+        "" | *Z*) return 1 ;;
+        *) return 0 ;;
+    esac
+}
+# Reports a step that SIGKILL could not end, with where it sleeps, and stops.
+stuck() {
+    fail "$1" "still running ${limit}s+5s after it started, unkillable: blocked in the kernel (I/O never completed?)"
+    show_log "$1"
+    for task in /proc/"$2"/task/*; do
+        echo "---- $1 task ${task##*/}: $(grep '^State:' "$task/status") wchan=$(cat "$task/wchan" 2>/dev/null)"
+        sed 's/^/    /' "$task/stack" 2>/dev/null
+    done
+    echo w >/proc/sysrq-trigger
+    echo "---- dmesg (tail) ----"
+    dmesg | tail -n 60 | sed 's/^/    /'
+    power_off
 }
 # Shows the end of a step's log, indented, after a failure.
 show_log() {
@@ -79,9 +116,13 @@ show_log() {
     tail -n 25 "/tmp/$1.log" | sed 's/^/    /'
     echo "---- end of $1 log ----"
 }
+# Flushes (with a timeout), reports the end and powers off.
 finish() {
+    step_t 20 final-sync sync || fail final-sync "sync failed"
+    power_off
+}
+power_off() {
     echo "RINGBLK-DONE"
-    sync
     poweroff -f
     sleep 5
     echo o >/proc/sysrq-trigger
@@ -94,14 +135,20 @@ make_pattern() {
 
 echo "ringblk guest: test=$TEST sectors=$SECTORS serial=$SERIAL queues=$QUEUES nonce=$NONCE"
 
+# Report hung tasks on the console early (the kernel's default is 120 s).
+echo 15 >/proc/sys/kernel/hung_task_timeout_secs 2>/dev/null
+
 # Modules, in dependency order (built-ins have no file and are skipped).
+# virtio_blk's probe reads the partition table: a device that never
+# completes a request hangs it, which step_t reports.
 if [ -f /lib/modules/load.order ]; then
-    while read -r ko; do
-        [ -n "$ko" ] || continue
-        if ! timeout -s KILL 30 insmod "/lib/modules/$ko" 2>/tmp/insmod.log; then
-            grep -q 'File exists' /tmp/insmod.log || echo "insmod $ko: $(cat /tmp/insmod.log)"
-        fi
-    done </lib/modules/load.order
+    # shellcheck disable=SC2016 # expanded by the inner shell
+    step_t 30 modules sh -c '
+        while read -r ko; do
+            [ -n "$ko" ] || continue
+            insmod "/lib/modules/$ko" 2>/tmp/insmod.err ||
+                grep -q "File exists" /tmp/insmod.err || echo "insmod $ko: $(cat /tmp/insmod.err)"
+        done </lib/modules/load.order' || show_log modules
 fi
 
 i=0
@@ -110,7 +157,7 @@ while [ ! -b "$DEV" ] && [ "$i" -lt 100 ]; do
     i=$((i + 1))
 done
 if [ ! -b "$DEV" ]; then
-    fail device "no $DEV after 10 s"
+    fail device "no $DEV after the modules loaded and 10 s more"
     ls /sys/block
     dmesg | tail -n 20
     finish
