@@ -68,19 +68,20 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     };
     let worker_cfg = Arc::new(cfg.worker);
     let current: Current = Arc::default();
+    let mut inner = InnerSocket::new()?;
     spawn_signal_handler(
         &cfg.args,
         &cfg.image.file,
         worker_cfg.clone(),
         current.clone(),
+        inner.paths.clone(),
     )?;
     announce(&cfg.args, &cfg.image, cfg.image_created, &worker_cfg);
 
     let features = device_features(cfg.args.readonly);
     let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
-    let inner = InnerSockets::new()?;
     seccomp::install(cfg.args.seccomp)?;
-    for conn in 0u64.. {
+    loop {
         let front = accept(&listener)?;
         let workers = (0..num_queues)
             .map(|i| {
@@ -122,11 +123,10 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         *current.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend.clone());
         // vhost-user-backend accepts its own connection; give it one end of
         // a private socket and relay the front-end's messages to it.
-        let (mut inner_listener, back) = inner.pair(conn)?;
+        let back = inner.connect()?;
         daemon
-            .start(&mut inner_listener)
+            .start(&mut inner.listener)
             .map_err(|e| DaemonError::Vhost(e.to_string()))?;
-        drop(inner_listener);
         let relay = proxy::relay(front, back, backend.clone())
             .map_err(|e| DaemonError::Vhost(format!("relay: {e}")))?;
         log::info!("front-end connected");
@@ -148,7 +148,6 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         }
         *current.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
-    Ok(())
 }
 
 fn accept(listener: &UnixListener) -> Result<UnixStream, DaemonError> {
@@ -162,40 +161,58 @@ fn accept(listener: &UnixListener) -> Result<UnixStream, DaemonError> {
     }
 }
 
-/// A private directory (mode 0700) for the socket between the relay and
-/// vhost-user-backend: only this user can connect to it.
-struct InnerSockets {
-    dir: PathBuf,
+/// The socket between the relay and vhost-user-backend, in a private
+/// directory (mode 0700) so only this user can connect to it. Bound once,
+/// before the seccomp filter; each connection accepts on it again.
+struct InnerSocket {
+    paths: InnerPaths,
+    listener: Listener,
 }
 
-impl InnerSockets {
-    fn new() -> Result<InnerSockets, DaemonError> {
-        let dir = Self::dir();
+/// Where the inner socket lives, for clean-up on exit.
+#[derive(Clone)]
+struct InnerPaths {
+    dir: PathBuf,
+    sock: PathBuf,
+}
+
+impl InnerPaths {
+    /// Removes the socket and its directory: two syscalls the seccomp
+    /// filter allows (unlink, rmdir), no directory walk.
+    fn remove(&self) {
+        let _ = std::fs::remove_file(&self.sock);
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+impl InnerSocket {
+    fn new() -> Result<InnerSocket, DaemonError> {
+        let dir = std::env::temp_dir().join(format!("ringblk-{}", std::process::id()));
+        let err = |e: std::io::Error| DaemonError::Socket(format!("{}: {e}", dir.display()));
+        // Left behind by a crashed daemon that had our pid.
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::DirBuilder::new()
             .mode(0o700)
             .create(&dir)
-            .map_err(|e| DaemonError::Socket(format!("{}: {e}", dir.display())))?;
-        Ok(InnerSockets { dir })
+            .map_err(err)?;
+        let sock = dir.join("backend.sock");
+        let listener = Listener::from(UnixListener::bind(&sock).map_err(err)?);
+        Ok(InnerSocket {
+            paths: InnerPaths { dir, sock },
+            listener,
+        })
     }
 
-    fn dir() -> PathBuf {
-        std::env::temp_dir().join(format!("ringblk-{}", std::process::id()))
-    }
-
-    /// A listener for the crate and the stream connected to it.
-    fn pair(&self, n: u64) -> Result<(Listener, UnixStream), DaemonError> {
-        let path = self.dir.join(format!("{n}.sock"));
-        let err = |e: String| DaemonError::Socket(format!("{}: {e}", path.display()));
-        let l = Listener::new(&path, true).map_err(|e| err(e.to_string()))?;
-        let s = UnixStream::connect(&path).map_err(|e| err(e.to_string()))?;
-        Ok((l, s))
+    /// The stream the relay writes to; the crate accepts its other end.
+    fn connect(&self) -> Result<UnixStream, DaemonError> {
+        UnixStream::connect(&self.paths.sock)
+            .map_err(|e| DaemonError::Socket(format!("{}: {e}", self.paths.sock.display())))
     }
 }
 
-impl Drop for InnerSockets {
+impl Drop for InnerSocket {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
+        self.paths.remove();
     }
 }
 
@@ -206,6 +223,7 @@ fn spawn_signal_handler(
     image: &std::fs::File,
     cfg: Arc<WorkerConfig>,
     current: Current,
+    inner: InnerPaths,
 ) -> Result<(), DaemonError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals =
@@ -225,7 +243,7 @@ fn spawn_signal_handler(
                     log::error!("fdatasync of the image failed: {e}");
                 }
                 let _ = std::fs::remove_file(&socket);
-                let _ = std::fs::remove_dir_all(InnerSockets::dir());
+                inner.remove();
                 log::info!("stopped");
                 std::process::exit(0);
             }

@@ -130,16 +130,6 @@ fn arg_without(arg: u8, mask: u64) -> Rules {
     )?])?])
 }
 
-/// Argument `arg` (32 bits) with all the bits of `bits` set.
-fn arg_with(arg: u8, bits: u64) -> Rules {
-    Ok(vec![SeccompRule::new(vec![SeccompCondition::new(
-        arg,
-        Len::Dword,
-        Op::MaskedEq(bits),
-        bits,
-    )?])?])
-}
-
 /// The allow-list: syscall number and the argument rules (empty: any).
 fn allowed() -> Vec<(i64, Rules)> {
     use libc::*;
@@ -168,11 +158,9 @@ fn allowed() -> Vec<(i64, Rules)> {
         ),
         // set_nonblocking on the metrics endpoint's connections.
         (SYS_ioctl, arg_in(1, &[FIONBIO])),
-        // The relay in front of vhost-user-backend: a private Unix socket
-        // per connection between the relay and the crate.
+        // The relay in front of vhost-user-backend connects to the crate's
+        // private socket (bound before the filter) once per connection.
         (SYS_socket, arg_in(0, &[AF_UNIX as u64])),
-        (SYS_bind, any()),
-        (SYS_listen, any()),
         (SYS_connect, any()),
         // Guest memory, the vrings and io_uring's rings; thread stacks; malloc.
         (SYS_mmap, no_exec()),
@@ -223,18 +211,13 @@ fn allowed() -> Vec<(i64, Rules)> {
         (SYS_recvfrom, any()),
         (SYS_sendto, any()),
         (SYS_rt_sigreturn, any()),
-        // Shutdown: make the image durable, remove the socket.
+        // Shutdown: make the image durable, remove the sockets and the
+        // relay's private directory.
         (SYS_fdatasync, any()),
         (SYS_unlink, any()),
-        // Removing the relay's private socket directory (remove_dir_all).
-        (SYS_openat, arg_with(2, O_DIRECTORY as u64)),
-        (SYS_getdents64, any()),
-        (SYS_unlinkat, any()),
-        (SYS_newfstatat, any()),
+        (SYS_rmdir, any()),
         // File::metadata of a received or created memfd.
         (SYS_statx, any()),
-        // The private directory's name is per process.
-        (SYS_getpid, any()),
     ]
 }
 
