@@ -228,7 +228,15 @@ fn spawn_signal_handler(
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).map_err(DaemonError::Signals)?;
-    let socket = args.socket.clone();
+    // process::exit skips destructors: remove what they would have.
+    let mut files = vec![args.socket.clone()];
+    if let Some(crate::metrics::MetricsAddr::Unix(p)) = args
+        .metrics
+        .as_deref()
+        .map(crate::metrics::MetricsAddr::parse)
+    {
+        files.push(p);
+    }
     let image = image.try_clone().map_err(DaemonError::Signals)?;
     std::thread::Builder::new()
         .name("signals".into())
@@ -242,7 +250,9 @@ fn spawn_signal_handler(
                 if let Err(e) = image.sync_data() {
                     log::error!("fdatasync of the image failed: {e}");
                 }
-                let _ = std::fs::remove_file(&socket);
+                for f in &files {
+                    let _ = std::fs::remove_file(f);
+                }
                 inner.remove();
                 log::info!("stopped");
                 std::process::exit(0);
