@@ -140,6 +140,11 @@ fn rw_two_queues_fixed_buffers() {
 }
 
 #[test]
+fn rw_two_queues_sqpoll() {
+    run(Scenario::rw(&["--sqpoll"]));
+}
+
+#[test]
 fn rw_two_queues_direct() {
     run(Scenario::rw(&["--direct"]));
 }

@@ -105,7 +105,7 @@ stuck() {
         echo "---- $1 task ${task##*/}: $(grep '^State:' "$task/status") wchan=$(cat "$task/wchan" 2>/dev/null)"
         sed 's/^/    /' "$task/stack" 2>/dev/null
     done
-    echo w >/proc/sysrq-trigger
+    echo w >/proc/sysrq-trigger 2>/dev/null
     echo "---- dmesg (tail) ----"
     dmesg | tail -n 60 | sed 's/^/    /'
     power_off
