@@ -227,7 +227,9 @@ fn indirect_chain_longer_than_the_queue_within_seg_max() {
     };
     // 66 descriptors on a queue of 16: header, 64 segments, status.
     d.write_table(TABLE, &chain(64));
-    let req = d.parse_chain(&l, &[indirect(TABLE, 66)]).expect("a valid request");
+    let req = d
+        .parse_chain(&l, &[indirect(TABLE, 66)])
+        .expect("a valid request");
     assert_eq!(req.data_len, 64 * 512);
 }
 
