@@ -6,6 +6,8 @@
 
 pub mod config;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod request;
 pub mod ring;
 #[cfg(test)]
