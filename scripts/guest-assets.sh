@@ -42,9 +42,10 @@ apt_update_once() {
 
 # Installs the packages not yet installed; updates the lists only if needed.
 ensure_packages() {
-    local missing=() p
+    local missing=() p installed
+    installed=$(dpkg-query -W -f='${Package} ${Status}\n' "$@" 2>/dev/null | awk '/install ok installed/ { print $1 }' || true)
     for p in "$@"; do
-        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+        grep -qx "$p" <<<"$installed" || missing+=("$p")
     done
     [ ${#missing[@]} -eq 0 ] && return 0
     log "installing ${missing[*]}"
@@ -81,7 +82,7 @@ stamp_of() {
     {
         echo "$kernel_pkg"
         cat "$init_script" "${BASH_SOURCE[0]}" | sha256sum
-        dpkg-query -W fio busybox-static util-linux libaio1 2>/dev/null
+        dpkg-query -W fio busybox-static util-linux libaio1 2>/dev/null || true
     } | sha256sum | cut -d' ' -f1
 }
 stamp=$(stamp_of)
@@ -93,21 +94,24 @@ if [ -f "$kernel" ] && [ -f "$initrd" ] && [ "$(cat "$dir/stamp" 2>/dev/null)" =
     exit 0
 fi
 
-# ---- Kernel package: download and unpack ----
-kdir=$dir/kernel/$kernel_pkg
-if [ ! -d "$kdir/boot" ]; then
+# ---- Kernel package: download (kept) and unpack (for this build only) ----
+deb=$dir/deb/$kernel_pkg.deb
+if [ ! -f "$deb" ]; then
     log "downloading $kernel_pkg"
-    rm -rf "$dir/kernel" "$dir/deb"
-    mkdir -p "$dir/deb" "$kdir"
+    rm -rf "$dir/deb"
+    mkdir -p "$dir/deb"
     # apt-get download runs as _apt if it can: give it a directory it may write.
     chmod 0777 "$dir/deb" 2>/dev/null || true
     (cd "$dir/deb" && apt-get download -q "$kernel_pkg" >&2) || {
         apt_update_once
         (cd "$dir/deb" && apt-get download -q "$kernel_pkg" >&2)
     }
-    dpkg -x "$dir"/deb/"$kernel_pkg"_*.deb "$kdir"
-    rm -rf "$dir/deb"
+    mv "$dir"/deb/"$kernel_pkg"_*.deb "$deb"
 fi
+kdir=$dir/kernel
+rm -rf "$kdir"
+trap 'rm -rf "$kdir"' EXIT
+dpkg -x "$deb" "$kdir"
 echo "$kernel_pkg" >"$dir/kernel.pkg"
 vmlinuz=
 for f in "$kdir"/boot/vmlinuz-*; do
