@@ -215,6 +215,12 @@ pub struct CompareArgs {
     #[arg(long, allow_hyphen_values = true, value_name = "ARG")]
     pub fio_arg: Vec<String>,
 
+    /// Run every backend this many times per configuration (back to back,
+    /// interleaved) and report the run with the median IOPS: on a busy or
+    /// jittery machine one run per point is a coin toss.
+    #[arg(long, default_value_t = 1, requires = "compare")]
+    pub repeat: u32,
+
     /// Directory for results.json, results.md, plot.svg and backend logs.
     /// Default: bench-results/<date-time>.
     #[arg(long)]

@@ -38,6 +38,8 @@ pub struct Meta {
     pub runtime_s: f64,
     pub ramp_s: f64,
     pub poll_client: bool,
+    /// Runs of each backend per configuration (--repeat).
+    pub repeat: u32,
     /// CPU the backends were pinned to (None: not pinned).
     pub backend_cpu: Option<usize>,
     /// CPU the clients (and fio) were pinned to.
@@ -60,6 +62,9 @@ pub struct Meta {
 pub struct Record {
     pub config: Config,
     pub backend: String,
+    /// Repetition (0-based) with --repeat.
+    #[serde(default)]
+    pub rep: u32,
     pub result: Option<super::RunResult>,
     /// Why there is no result.
     pub error: Option<String>,
@@ -144,7 +149,8 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
         client_cpu: pin.then_some(args.client_cpu),
     };
 
-    let total = configs.len() * backends.len();
+    let repeat = args.cmp.repeat.max(1);
+    let total = configs.len() * backends.len() * repeat as usize;
     let per_run = env.runtime + env.ramp + Duration::from_millis(400);
     eprintln!(
         "{} configurations x {} backends = {total} runs, about {:.0} s; backends on CPU {}, clients on CPU {}",
@@ -167,7 +173,7 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     }
     let mut records = Vec::with_capacity(total);
     'matrix: for cfg in &configs {
-        for b in &backends {
+        for (rep, b) in (0..repeat).flat_map(|r| backends.iter().map(move |b| (r, b))) {
             if interrupted.load(Ordering::Relaxed) {
                 eprintln!("interrupted: reporting the {} runs done", records.len());
                 break 'matrix;
@@ -177,6 +183,7 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
                 Ok(run) => Record {
                     config: *cfg,
                     backend: b.name.clone(),
+                    rep,
                     result: Some(run.result),
                     error: None,
                     note: run.note,
@@ -184,6 +191,7 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
                 Err(e) => Record {
                     config: *cfg,
                     backend: b.name.clone(),
+                    rep,
                     result: None,
                     error: Some(e.to_string()),
                     note: None,
@@ -219,6 +227,7 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
             runtime_s: env.runtime.as_secs_f64(),
             ramp_s: env.ramp.as_secs_f64(),
             poll_client: env.poll,
+            repeat,
             backend_cpu: env.backend_cpu,
             client_cpu: env.client_cpu,
             backends: backends

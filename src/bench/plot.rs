@@ -77,9 +77,10 @@ type Line = (String, Vec<(f64, f64)>);
 /// Draws `doc` into an SVG file at `path`.
 pub fn draw(doc: &CompareDoc, path: &Path) -> Result<(), BenchError> {
     let backends: Vec<&str> = doc.meta.backends.iter().map(|(n, _)| n.as_str()).collect();
+    let picks = by_config(doc);
     let mut groups: Vec<Group> = Vec::new();
-    for (cfg, _) in by_config(doc) {
-        let g = Group::of(&cfg);
+    for (cfg, _) in &picks {
+        let g = Group::of(cfg);
         if !groups.contains(&g) {
             groups.push(g);
         }
@@ -112,9 +113,10 @@ pub fn draw(doc: &CompareDoc, path: &Path) -> Result<(), BenchError> {
             backends
                 .iter()
                 .map(|&b| {
-                    let mut pts: Vec<(f64, f64)> = doc
-                        .records
+                    let mut pts: Vec<(f64, f64)> = picks
                         .iter()
+                        .flat_map(|(_, p)| p)
+                        .map(|p| p.rec)
                         .filter(|r| r.backend == b && Group::of(&r.config) == *g)
                         .filter_map(|r| {
                             r.result
@@ -226,4 +228,29 @@ fn chart<DB: DrawingBackend>(
             .draw()?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draws_an_svg_with_every_backend() {
+        let d = crate::bench::tables::tests::doc(
+            1,
+            &[
+                ("ringblk", Some(200.0)),
+                ("qsd", None),
+                ("host", Some(400.0)),
+            ],
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("plot.svg");
+        draw(&d, &path).expect("draws");
+        let svg = std::fs::read_to_string(&path).expect("written");
+        assert!(svg.starts_with("<svg"));
+        for needle in ["ringblk", "qsd", "host", "kIOPS", "p99 latency"] {
+            assert!(svg.contains(needle), "no {needle} in the SVG");
+        }
+    }
 }

@@ -70,22 +70,42 @@ pub fn markdown(doc: &CompareDoc) -> String {
         o,
         "### Summary\n\nRatios are X/qsd and X/host for ringblk and its variants: above 1 is better for IOPS, below 1 is better for p99 latency and CPU per I/O.\n"
     );
+    let picks = by_config(doc);
+    let repeated = picks.iter().flat_map(|(_, p)| p).any(|p| p.runs > 1);
+    if repeated {
+        let _ = writeln!(
+            o,
+            "Each figure is from the run with the median IOPS of {} repetitions; IOPS spread is (max - min) / median over them.\n",
+            doc.meta.repeat
+        );
+    }
     let _ = writeln!(
         o,
-        "| workload | qd | queues | O_DIRECT | backend | IOPS | IOPS/qsd | IOPS/host | p99 us | p99/qsd | p99/host | CPU-s/M-IO | CPU/qsd |"
+        "| workload | qd | queues | O_DIRECT | backend | IOPS | IOPS/qsd | IOPS/host | p99 us | p99/qsd | p99/host | CPU-s/M-IO | CPU/qsd |{}",
+        if repeated { " IOPS spread |" } else { "" }
     );
-    let _ = writeln!(o, "|---|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|");
-    for (cfg, recs) in by_config(doc) {
+    let _ = writeln!(
+        o,
+        "|---|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|{}",
+        if repeated { "--:|" } else { "" }
+    );
+    for (cfg, recs) in &picks {
         let reference = |name: &str| {
             recs.iter()
-                .find(|r| r.backend == name)
-                .and_then(|r| r.result.as_ref())
+                .find(|p| p.rec.backend == name)
+                .and_then(|p| p.rec.result.as_ref())
         };
         let [qsd, host] = REFERENCES.map(reference);
-        for r in &recs {
-            let head = config_cells(&cfg, &r.backend);
+        for p in recs {
+            let r = p.rec;
+            let head = config_cells(cfg, &r.backend);
+            let spread = match (repeated, p.spread) {
+                (false, _) => String::new(),
+                (true, Some(s)) => format!(" {}% |", (s * 100.0).round()),
+                (true, None) => " - |".into(),
+            };
             let Some(x) = &r.result else {
-                let _ = writeln!(o, "{head} FAILED | | | | | | | |");
+                let _ = writeln!(o, "{head} FAILED | | | | | | | |{spread}");
                 continue;
             };
             let is_ref = REFERENCES.contains(&r.backend.as_str());
@@ -101,7 +121,7 @@ pub fn markdown(doc: &CompareDoc) -> String {
             let cpu = |r: &RunResult| r.backend_cpu_per_mio.filter(|v| *v > 0.0);
             let _ = writeln!(
                 o,
-                "{head} {:.0} | {} | {} | {} | {} | {} | {} | {} |",
+                "{head} {:.0} | {} | {} | {} | {} | {} | {} | {} |{spread}",
                 x.iops,
                 ratio(iops, qsd),
                 ratio(iops, host),
@@ -126,7 +146,7 @@ pub fn markdown(doc: &CompareDoc) -> String {
         o,
         "|---|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
     );
-    for r in &doc.records {
+    for r in picks.iter().flat_map(|(_, p)| p).map(|p| p.rec) {
         let head = config_cells(&r.config, &r.backend);
         let Some(x) = &r.result else {
             let _ = writeln!(
@@ -184,14 +204,151 @@ fn config_cells(c: &Config, backend: &str) -> String {
     )
 }
 
-/// Records grouped by configuration, in run order.
-pub fn by_config(doc: &CompareDoc) -> Vec<(Config, Vec<&Record>)> {
-    let mut out: Vec<(Config, Vec<&Record>)> = Vec::new();
+/// A backend's result for one configuration: with `--repeat`, the run with
+/// the median IOPS (a real run, so its latency and counters belong
+/// together), and how far apart the repetitions were.
+pub struct Pick<'a> {
+    pub rec: &'a Record,
+    /// Runs of this backend on this configuration.
+    pub runs: usize,
+    /// (max - min) / median of the IOPS of the successful runs.
+    pub spread: Option<f64>,
+}
+
+/// A backend's name and its runs on one configuration.
+type Runs<'a> = (&'a str, Vec<&'a Record>);
+
+/// One [`Pick`] per backend, grouped by configuration, in run order.
+pub fn by_config(doc: &CompareDoc) -> Vec<(Config, Vec<Pick<'_>>)> {
+    let mut groups: Vec<(Config, Vec<Runs<'_>>)> = Vec::new();
     for r in &doc.records {
-        match out.iter_mut().find(|(c, _)| *c == r.config) {
+        let i = match groups.iter().position(|(c, _)| *c == r.config) {
+            Some(i) => i,
+            None => {
+                groups.push((r.config, Vec::new()));
+                groups.len() - 1
+            }
+        };
+        let backends = &mut groups[i].1;
+        match backends.iter_mut().find(|(b, _)| *b == r.backend) {
             Some((_, v)) => v.push(r),
-            None => out.push((r.config, vec![r])),
+            None => backends.push((r.backend.as_str(), vec![r])),
         }
     }
-    out
+    groups
+        .into_iter()
+        .map(|(c, backends)| (c, backends.into_iter().map(|(_, v)| pick(&v)).collect()))
+        .collect()
+}
+
+fn pick<'a>(runs: &[&'a Record]) -> Pick<'a> {
+    let mut ok: Vec<(&Record, f64)> = runs
+        .iter()
+        .filter_map(|r| r.result.as_ref().map(|x| (*r, x.iops)))
+        .collect();
+    ok.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let Some(&(rec, median)) = ok.get(ok.len() / 2) else {
+        return Pick {
+            rec: runs[0],
+            runs: runs.len(),
+            spread: None,
+        };
+    };
+    let spread = (ok.len() > 1 && median > 0.0).then(|| (ok[ok.len() - 1].1 - ok[0].1) / median);
+    Pick {
+        rec,
+        runs: runs.len(),
+        spread,
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A comparison of `runs` (backend, IOPS or None for a failure) on
+    /// one configuration.
+    pub(crate) fn doc(repeat: u32, runs: &[(&str, Option<f64>)]) -> CompareDoc {
+        let config = json!({"rw": "randread", "iodepth": 16, "queues": 1, "direct": false});
+        let records: Vec<_> = runs
+            .iter()
+            .map(|(b, iops)| {
+                let result = iops.map(|v| {
+                    json!({"rw": "randread", "bs": 4096, "iodepth": 16, "queues": 1,
+                    "poll": false, "runtime_s": 1.0, "ios": v as u64, "reads": v as u64,
+                    "writes": 0, "iops": v, "mib_s": 1.0,
+                    "lat_us": {"mean": 1.0, "p50": 1.0, "p99": 100.0 / v, "p999": 1.0, "max": 1.0},
+                    "errors": 0, "total_ios": v as u64, "total_errors": 0, "device_bytes": 1})
+                });
+                json!({"config": config, "backend": b, "result": result,
+                "error": if iops.is_none() { json!("boom") } else { json!(null) }})
+            })
+            .collect();
+        serde_json::from_value(json!({
+            "meta": {"ringblk_version": "0", "kernel": "k", "cpus": 2, "image": "i",
+            "image_bytes": 1, "bs": 4096, "mix": 70, "runtime_s": 1.0, "ramp_s": 0.0,
+            "poll_client": false, "repeat": repeat, "backends": [["ringblk", []], ["qsd", []], ["host", []]],
+            "ringblk_args": [], "fio_args": [], "started_unix": 0, "wall_s": 1.0,
+            "loadavg_before": "0", "loadavg_after": "0"},
+            "records": records,
+        }))
+        .expect("a valid CompareDoc")
+    }
+
+    #[test]
+    fn ratios_against_qsd_and_host() {
+        let d = doc(
+            1,
+            &[
+                ("ringblk", Some(200.0)),
+                ("qsd", Some(100.0)),
+                ("host", Some(400.0)),
+            ],
+        );
+        let md = markdown(&d);
+        let row = md
+            .lines()
+            .find(|l| l.contains("| ringblk | 200 |"))
+            .expect("summary row");
+        // IOPS/qsd 2, IOPS/host 0.5, p99 (0.5 us) / qsd (1 us) 0.5.
+        assert!(row.contains("| 2.00 | 0.50 | 0.50 |"), "{row}");
+        assert!(!md.contains("IOPS spread"));
+    }
+
+    #[test]
+    fn repeats_pick_the_median_run_and_report_the_spread() {
+        let runs = [
+            ("ringblk", Some(100.0)),
+            ("qsd", Some(50.0)),
+            ("ringblk", Some(300.0)),
+            ("qsd", None),
+            ("ringblk", Some(200.0)),
+            ("qsd", Some(60.0)),
+        ];
+        let d = doc(3, &runs);
+        let picks = by_config(&d);
+        assert_eq!(picks.len(), 1);
+        let ringblk = &picks[0].1[0];
+        assert_eq!(ringblk.runs, 3);
+        assert_eq!(ringblk.rec.result.as_ref().map(|r| r.iops), Some(200.0));
+        assert_eq!(ringblk.spread, Some(1.0));
+        let qsd = &picks[0].1[1];
+        assert_eq!(
+            qsd.rec.result.as_ref().map(|r| r.iops),
+            Some(60.0),
+            "failures are skipped"
+        );
+        let md = markdown(&d);
+        assert!(md.contains("IOPS spread"), "{md}");
+        assert!(md.contains("| 100% |"), "{md}");
+    }
+
+    #[test]
+    fn failures_are_shown() {
+        let d = doc(1, &[("ringblk", None), ("qsd", Some(1.0))]);
+        let md = markdown(&d);
+        assert!(md.contains("| ringblk | FAILED |"), "{md}");
+        assert!(md.contains("FAILED: boom"), "{md}");
+    }
 }
