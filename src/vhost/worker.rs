@@ -795,6 +795,17 @@ impl QueueWorker {
         head: u16,
         len: u32,
     ) -> Result<(), RingError> {
+        if head >= queue.size() {
+            // Only a broken or hostile driver puts such a head on the avail
+            // ring; its "chain" was empty. A used element naming it would
+            // only confuse the driver further (virtio-queue refuses it too).
+            warn_limited!(
+                self.log_limit,
+                "avail ring named descriptor {head} of {}",
+                queue.size()
+            );
+            return Ok(());
+        }
         self.shadow.add_used(queue, mem, head, len)?;
         if self.journal.is_some() {
             self.unpublished_heads.push(head);
