@@ -13,7 +13,9 @@
 //! - `RINGBLK_GUEST_TIMEOUT`: seconds a guest may run (default 180);
 //! - `RINGBLK_GUEST_DIR`: where the kernel and initramfs are cached;
 //! - `RINGBLK_GUEST_VERBOSE=1`: the guest shows every step's output, and the
-//!   console is printed even when the test passes (see it with `--nocapture`).
+//!   console is printed even when the test passes (see it with `--nocapture`);
+//! - `RINGBLK_GUEST_EXTRA="--flag value ..."`: `rw_extra_from_env` boots the
+//!   read-write guest with these daemon flags (otherwise it does nothing).
 //!
 //! The tests skip (and pass) only when QEMU cannot be run here at all.
 
