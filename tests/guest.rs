@@ -59,6 +59,7 @@ const RW_CHECKS: &[&str] = &[
     "queues-used",
     "discard",
     "zeroout",
+    "large-io",
     "guest-pattern",
 ];
 /// Checks every read-only boot must pass.
@@ -84,6 +85,16 @@ struct Scenario {
     extra: Vec<String>,
     /// Guests booted one after the other against the same daemon.
     boots: u32,
+    /// Kill and restart the daemon while the guest does I/O.
+    restart: Option<Restart>,
+}
+
+/// How the daemon is restarted under a running guest (QEMU reconnects).
+#[derive(Clone, Copy)]
+struct Restart {
+    /// SIGKILL: a crash; SIGTERM: an upgrade.
+    signal: i32,
+    times: u32,
 }
 
 impl Scenario {
@@ -95,6 +106,7 @@ impl Scenario {
             queues_flag: true,
             extra: extra.iter().map(|s| s.to_string()).collect(),
             boots: 1,
+            restart: None,
         }
     }
 }
@@ -123,6 +135,7 @@ fn rw_one_queue_defaults() {
         queues_flag: false,
         extra: Vec::new(),
         boots: 1,
+        restart: None,
     });
 }
 
@@ -132,6 +145,32 @@ fn rw_one_queue_defaults() {
 fn rw_reconnect() {
     run(Scenario {
         boots: 2,
+        ..Scenario::rw(&[])
+    });
+}
+
+/// The daemon crashes (SIGKILL) three times while the guest's fio
+/// write+verify runs, and is restarted each time; QEMU reconnects, the
+/// inflight log brings back what was in flight, and fio sees no error.
+#[test]
+fn rw_survives_daemon_kills() {
+    run(Scenario {
+        restart: Some(Restart {
+            signal: libc::SIGKILL,
+            times: 3,
+        }),
+        ..Scenario::rw(&[])
+    });
+}
+
+/// The same with SIGTERM: an upgrade. The old daemon drains and exits 0.
+#[test]
+fn rw_survives_daemon_upgrades() {
+    run(Scenario {
+        restart: Some(Restart {
+            signal: libc::SIGTERM,
+            times: 3,
+        }),
         ..Scenario::rw(&[])
     });
 }
@@ -173,6 +212,7 @@ fn readonly() {
         queues_flag: true,
         extra: Vec::new(),
         boots: 1,
+        restart: None,
     });
 }
 
@@ -499,6 +539,7 @@ fn run(sc: Scenario) {
     eprintln!("starting {daemon_cmd:?}");
     let mut daemon = Guard::spawn("daemon", &mut daemon_cmd);
     wait_for_socket(&mut daemon, &paths);
+    let daemon = Mutex::new(daemon);
 
     let which = match backend {
         Backend::Ringblk => format!("ringblk serve {}", sc.extra.join(" ")),
@@ -507,7 +548,28 @@ fn run(sc: Scenario) {
     let mut problems = Vec::new();
     let mut consoles = String::new();
     for n in 1..=sc.boots {
-        let report = boot(&sc, assets, &paths, serial, n, daemon.child.id());
+        let pid = daemon.lock().unwrap_or_else(|e| e.into_inner()).child.id();
+        let (report, restarts) = thread::scope(|s| {
+            let restarter = sc.restart.map(|r| {
+                let (sc, paths, daemon) = (&sc, &paths, &daemon);
+                s.spawn(move || restart_daemon(r, sc, backend, paths, daemon, n))
+            });
+            let report = boot(&sc, assets, &paths, serial, n, pid);
+            (
+                report,
+                restarter.map(|t| t.join().expect("restarter thread")),
+            )
+        });
+        let mut report = report;
+        if let (Some(r), Some(done)) = (sc.restart, restarts) {
+            eprintln!("the daemon was restarted {done} time(s) under the guest");
+            if done < r.times {
+                report.problems.push(format!(
+                    "only {done} of {} daemon restarts happened before the guest finished",
+                    r.times
+                ));
+            }
+        }
         eprintln!(
             "guest boot {n}/{} ({}, {} queue(s), {} vCPU(s), {which}) ran {:.1?}: {} passed, {} failed",
             sc.boots,
@@ -535,13 +597,19 @@ fn run(sc: Scenario) {
         if failed {
             break;
         }
-        if let Ok(Some(status)) = daemon.child.try_wait() {
+        let exited = daemon
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .child
+            .try_wait();
+        if let Ok(Some(status)) = exited {
             problems.push(format!("the daemon exited after boot {n}: {status}"));
             break;
         }
     }
 
     // The front-end is gone: give the daemon a moment in case it exits.
+    let mut daemon = daemon.into_inner().unwrap_or_else(|e| e.into_inner());
     let daemon_status = daemon.wait_for(Duration::from_secs(1));
     drop(daemon);
     if let Some(status) = daemon_status {
@@ -558,6 +626,58 @@ fn run(sc: Scenario) {
             read_log(&paths.daemon_log),
         );
     }
+}
+
+/// Once the guest's I/O checks have begun (the host pattern was read),
+/// stops the daemon with `r.signal` every 2.5 s and starts a new one on the
+/// same socket and image, `r.times` times or until the guest is done.
+/// Returns how many restarts happened.
+fn restart_daemon(
+    r: Restart,
+    sc: &Scenario,
+    backend: Backend,
+    paths: &Paths,
+    daemon: &Mutex<Guard>,
+    boot: u32,
+) -> u32 {
+    let console = paths.dir.join(format!("console-{boot}.log"));
+    let deadline = Instant::now() + guest_timeout();
+    let guest_says = |what: &str| read_log(&console).contains(what);
+    while !guest_says("RINGBLK-PASS host-pattern") {
+        if guest_says("RINGBLK-DONE") || Instant::now() > deadline {
+            return 0;
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+    for done in 0..r.times {
+        // Long enough for QEMU (which retries once a second) to reconnect
+        // and the guest to do I/O against each new daemon.
+        thread::sleep(Duration::from_millis(2500));
+        if guest_says("RINGBLK-DONE") {
+            return done;
+        }
+        let mut d = daemon.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: kill(2) on our own child's pid, which is not yet reaped.
+        unsafe { libc::kill(d.child.id() as i32, r.signal) };
+        let status = d.wait_for(Duration::from_secs(20));
+        if r.signal == libc::SIGTERM && !status.is_some_and(|s| s.success()) {
+            panic!(
+                "the daemon did not exit 0 on SIGTERM: {status:?}\n{}",
+                read_log(&paths.daemon_log)
+            );
+        }
+        let (mut cmd, _) = daemon_command(sc, backend, paths);
+        let log = fs::OpenOptions::new()
+            .append(true)
+            .open(&paths.daemon_log)
+            .expect("daemon log");
+        cmd.stdin(Stdio::null())
+            .stdout(log.try_clone().expect("daemon log"))
+            .stderr(log);
+        *d = Guard::spawn("daemon", &mut cmd);
+        wait_for_socket(&mut d, paths);
+    }
+    r.times
 }
 
 /// The backend's command line, and the serial the guest should see.
@@ -670,10 +790,13 @@ fn boot(
     let mode = if sc.readonly { "ro" } else { "rw" };
     let append = format!(
         "console=ttyS0 quiet panic=-1 ringblk.test={mode} ringblk.sectors={} \
-         ringblk.serial={serial} ringblk.queues={} ringblk.nonce={nonce} ringblk.verbose={}",
+         ringblk.serial={serial} ringblk.queues={} ringblk.nonce={nonce} ringblk.verbose={} \
+         ringblk.fio_loops={}",
         IMAGE_SIZE / 512,
         sc.queues,
-        u8::from(verbose())
+        u8::from(verbose()),
+        // Restarts need I/O long enough to land in: several passes.
+        if sc.restart.is_some() { 6 } else { 1 }
     );
     let timeout = guest_timeout();
     let started = Instant::now();
@@ -697,7 +820,15 @@ fn boot(
             .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
             .args(["-numa", "node,memdev=mem"])
             .arg("-chardev")
-            .arg(format!("socket,id=c0,path={}", paths.socket.display()))
+            .arg(format!(
+                "socket,id=c0,path={}{}",
+                paths.socket.display(),
+                if sc.restart.is_some() {
+                    ",reconnect=1"
+                } else {
+                    ""
+                }
+            ))
             .arg("-device")
             .arg(qemu_device(sc))
             .arg("-kernel")

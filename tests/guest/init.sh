@@ -8,6 +8,7 @@
 #   ringblk.queues=N        expected number of hardware queues
 #   ringblk.nonce=HEX8      8 hex digits that mark this run's pattern
 #   ringblk.fio_mb=N        size of the single-job fio region (default 32)
+#   ringblk.fio_loops=N     write+verify passes of that job (default 1)
 #   ringblk.step_timeout=S  timeout of each step in seconds (default 60)
 #   ringblk.verbose=1       show every step's output, not only failed ones
 #
@@ -18,6 +19,7 @@
 #   [0, fio_mb)                single-job fio write+verify
 #   [fio_mb, fio_mb+16)        two fio jobs, 8 MiB each
 #   48 .. 52                   discard, then write-zeroes and read back
+#   52 .. 56                   large direct I/O (4 MiB requests, max segments)
 #   56 .. 57                   pattern written by the guest (host checks it)
 #   60 .. 61                   pattern written by the host (guest checks it)
 
@@ -36,6 +38,7 @@ SERIAL=
 QUEUES=
 NONCE=00000000
 FIO_MB=32
+FIO_LOOPS=1
 STEP_TIMEOUT=60
 VERBOSE=0
 # shellcheck disable=SC2013 # the command line is words
@@ -47,6 +50,7 @@ for word in $(cat /proc/cmdline); do
         ringblk.queues=*) QUEUES=${word#*=} ;;
         ringblk.nonce=*) NONCE=${word#*=} ;;
         ringblk.fio_mb=*) FIO_MB=${word#*=} ;;
+        ringblk.fio_loops=*) FIO_LOOPS=${word#*=} ;;
         ringblk.step_timeout=*) STEP_TIMEOUT=${word#*=} ;;
         ringblk.verbose=*) VERBOSE=${word#*=} ;;
     esac
@@ -210,7 +214,7 @@ fi
 # ---- fio: one job, mixed block sizes, write then verify ----
 if step fio-verify fio --name=verify --filename="$DEV" --ioengine=libaio --direct=1 \
     --iodepth=16 --rw=randwrite --bssplit=4k/50:16k/30:64k/20 \
-    --offset=0 --size="${FIO_MB}M" --verify=crc32c --verify_fatal=1 \
+    --offset=0 --size="${FIO_MB}M" --loops="$FIO_LOOPS" --verify=crc32c --verify_fatal=1 \
     --verify_state_save=0 --exitall_on_error=1; then
     pass fio-verify
 else
@@ -269,6 +273,21 @@ else
     show_log zeroout
     show_log zeroout-read
     cat /tmp/zeroout-cmp.log 2>/dev/null
+fi
+
+# ---- Large direct I/O: 4 MiB requests split at seg_max segments ----
+# Each request carries seg_max page-sized segments in one indirect table,
+# more descriptors than QEMU's queue (128) holds.
+if step large-io dd if=/dev/urandom of=/tmp/large bs=1M count=4 &&
+    step large-io-write dd if=/tmp/large of="$DEV" bs=4M seek=13 count=1 oflag=direct conv=notrunc &&
+    step large-io-read dd if="$DEV" of=/tmp/large-back bs=4M skip=13 count=1 iflag=direct &&
+    cmp /tmp/large /tmp/large-back >/tmp/large-cmp.log 2>&1; then
+    pass large-io
+else
+    fail large-io "4 MiB direct write/read at 52 MiB failed or did not read back"
+    show_log large-io-write
+    show_log large-io-read
+    cat /tmp/large-cmp.log 2>/dev/null
 fi
 
 # ---- The guest's pattern at 56 MiB, flushed, read back (the host checks it too) ----
