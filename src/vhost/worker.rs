@@ -444,9 +444,15 @@ impl QueueWorker {
         let mut parsed = Vec::with_capacity(limit.min(64));
         let queue_size = state.get_queue().size();
         let limits = self.cfg.limits;
+        let journal = &mut self.journal;
         let popped = self
             .shadow
             .pop(state.get_queue_mut(), mem.as_ref(), limit, |chain| {
+                // Logged before anything is done with it: from here until
+                // its used element is published, a crash must resubmit it.
+                if let Some(log) = journal.as_mut() {
+                    log.mark(chain.head_index());
+                }
                 parsed.push(Request::parse(chain, mem, &limits, queue_size));
             })?;
         for p in parsed {
