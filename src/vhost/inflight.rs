@@ -157,6 +157,16 @@ impl InflightRegion {
     }
 }
 
+#[cfg(test)]
+impl InflightRegion {
+    /// The pop counter logged for `head` of queue `q` (0: never logged).
+    pub fn logged_counter(&self, q: u16, head: u16) -> u64 {
+        let d =
+            queue_region_size(self.queue_size) * usize::from(q) + HEADER + DESC * usize::from(head);
+        u64::from_le(self.load(d + 8))
+    }
+}
+
 impl Drop for InflightRegion {
     fn drop(&mut self) {
         // SAFETY: we mapped exactly this range and unmap it once.

@@ -498,8 +498,7 @@ impl QueueWorker {
             Started::Busy(req) => Ok(Some(req)),
             Started::Done(req, status) => {
                 let _ = mem.write_obj(status, req.status);
-                self.shadow
-                    .add_used(queue, &**mem, req.head, used_len(&req, status))?;
+                self.add_used(queue, mem, req.head, used_len(&req, status))?;
                 Ok(None)
             }
         }
@@ -897,9 +896,7 @@ impl QueueWorker {
         if let Some(req) = self.deferred.take() {
             // Popped but never started: give it back as failed rather than lose it.
             let _ = mem.write_obj(VIRTIO_BLK_S_IOERR as u8, req.status);
-            let _ = self
-                .shadow
-                .add_used(state.get_queue_mut(), &*mem, req.head, 1);
+            let _ = self.add_used(state.get_queue_mut(), &mem, req.head, 1);
             let _ = self.publish(&mut state, &mem);
         }
         self.started = false;
@@ -995,3 +992,7 @@ fn scatter(bufs: &HostBuffers, src: &[u8]) {
         off += v.iov_len;
     }
 }
+
+#[cfg(test)]
+#[path = "worker_tests.rs"]
+mod tests;

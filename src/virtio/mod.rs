@@ -11,7 +11,7 @@ pub mod fuzzing;
 pub mod request;
 pub mod ring;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 
 pub use error::RequestError;
 pub use request::{DeviceLimits, DiscardRange, Request, RequestKind};
