@@ -24,7 +24,7 @@ use vmm_sys_util::epoll::EventSet;
 use crate::cli::ServeArgs;
 use crate::io::{EngineError, ImageError};
 use crate::metrics::QueueMetrics;
-use crate::vhost::{BlkBackend, QueueWorker, WorkerConfig, proxy};
+use crate::vhost::{BlkBackend, ExitEvents, QueueWorker, WorkerConfig, proxy};
 use crate::virtio::config::{config_space, device_features};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
 
@@ -69,6 +69,11 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     let worker_cfg = Arc::new(cfg.worker);
     let current: Current = Arc::default();
     let mut inner = InnerSocket::new()?;
+    // One queue thread per queue (`BlkBackend::queues_per_thread`).
+    let exit_events = Arc::new(
+        ExitEvents::new(num_queues)
+            .map_err(|e| DaemonError::Vhost(format!("exit eventfds: {e}")))?,
+    );
     spawn_signal_handler(
         &cfg.args,
         &cfg.image.file,
@@ -105,6 +110,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             workers,
             space,
             features,
+            exit_events.clone(),
         ));
         let mut daemon = VhostUserDaemon::new(
             "ringblk".into(),

@@ -3,6 +3,7 @@
 //! we supply features, config space, and one worker per queue.
 
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -24,6 +25,42 @@ use super::worker::{QueueWorker, Vring, WorkerConfig};
 /// Offset of `wce` in the config space.
 const WCE_OFFSET: u32 = 32;
 
+/// The queue threads' exit events, one per thread, made once for the
+/// daemon's life and handed to every connection.
+///
+/// vhost-user-backend 0.24 asks for an exit event per queue thread per
+/// connection, registers its consumer in the thread's epoll with
+/// `into_raw_fd()` and never closes it (`VringEpollHandler::new`). A fresh
+/// eventfd each time leaks one fd per queue per connection, until a daemon
+/// that front-ends reconnect to often enough (a hostile one in seconds)
+/// cannot create the next connection's eventfds and io_urings, and exits.
+/// Handing over the same consumer fd every time leaks nothing.
+pub struct ExitEvents(Vec<(EventConsumer, EventNotifier)>);
+
+impl ExitEvents {
+    pub fn new(threads: usize) -> io::Result<ExitEvents> {
+        (0..threads)
+            .map(|_| new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC))
+            .collect::<io::Result<Vec<_>>>()
+            .map(ExitEvents)
+    }
+
+    /// Thread `i`'s exit event, cleared of a previous connection's exit
+    /// request.
+    fn get(&self, i: usize) -> Option<(EventConsumer, EventNotifier)> {
+        let (consumer, notifier) = self.0.get(i)?;
+        // Nonblocking: fails with EAGAIN when nothing is pending.
+        let _ = consumer.consume();
+        let notifier = notifier.try_clone().ok()?;
+        // SAFETY: the fd stays open as long as `self`, which the daemon
+        // keeps for its whole life. The crate's only use of this consumer
+        // is `into_raw_fd()` to register it in an epoll; it never closes
+        // it, so `self` remains the one owner that closes the fd.
+        let consumer = unsafe { EventConsumer::from_raw_fd(consumer.as_raw_fd()) };
+        Some((consumer, notifier))
+    }
+}
+
 pub struct BlkBackend {
     cfg: Arc<WorkerConfig>,
     /// One per queue; each is locked only by its own worker thread, except
@@ -31,6 +68,7 @@ pub struct BlkBackend {
     workers: Vec<Mutex<QueueWorker>>,
     config: Mutex<[u8; CONFIG_LEN]>,
     features: u64,
+    exit_events: Arc<ExitEvents>,
 }
 
 impl BlkBackend {
@@ -39,12 +77,14 @@ impl BlkBackend {
         workers: Vec<QueueWorker>,
         config: [u8; CONFIG_LEN],
         features: u64,
+        exit_events: Arc<ExitEvents>,
     ) -> BlkBackend {
         BlkBackend {
             cfg,
             workers: workers.into_iter().map(Mutex::new).collect(),
             config: Mutex::new(config),
             features,
+            exit_events,
         }
     }
 
@@ -148,8 +188,8 @@ impl VhostUserBackend for BlkBackend {
         (0..self.workers.len()).map(|i| 1u64 << i).collect()
     }
 
-    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+    fn exit_event(&self, thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        self.exit_events.get(thread_index)
     }
 
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {

@@ -8,5 +8,5 @@ pub mod proxy;
 mod resubmit;
 mod worker;
 
-pub use backend::BlkBackend;
+pub use backend::{BlkBackend, ExitEvents};
 pub use worker::{QueueWorker, Vring, WorkerConfig};
