@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringT};
-use vm_memory::GuestMemoryAtomic;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     EventConsumer, EventFlag, EventNotifier, new_event_consumer_and_notifier,
@@ -121,6 +121,42 @@ impl InflightHost for BlkBackend {
     }
 }
 
+/// Refuses guest memory the daemon cannot touch: a region that runs past
+/// the end of its file (a memfd smaller than the region the front-end
+/// announces, or an mmap_offset past its end). mmap(2) maps it anyway, and
+/// the first access to a page past the end raises SIGBUS, which kills the
+/// daemon. Only regular files (memfd, tmpfs, hugetlbfs) have a size to
+/// check; a device (/dev/dax) is taken as it is.
+///
+/// A front-end can still shrink an unsealed file after this check, which
+/// crashes the daemon serving it; QEMU's memfd backend seals its memory.
+fn check_backing(mem: &GuestMem) -> io::Result<()> {
+    for region in mem.iter() {
+        let Some(fo) = region.file_offset() else {
+            continue;
+        };
+        let meta = fo.file().metadata()?;
+        if !meta.file_type().is_file() {
+            continue;
+        }
+        let end = fo.start().checked_add(region.len());
+        if end.is_none_or(|end| end > meta.len()) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "guest memory at {:#x} ({} bytes at file offset {}) runs past \
+                     the end of its {}-byte file",
+                    region.start_addr().0,
+                    region.len(),
+                    fo.start(),
+                    meta.len()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl VhostUserBackend for BlkBackend {
     type Bitmap = ();
     type Vring = Vring;
@@ -177,6 +213,10 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn update_memory(&self, mem: GuestMemoryAtomic<GuestMem>) -> io::Result<()> {
+        if let Err(e) = check_backing(&mem.memory()) {
+            log::warn!("memory table refused: {e}");
+            return Err(e);
+        }
         for i in 0..self.workers.len() {
             self.worker(i).set_memory(mem.clone());
         }
@@ -226,5 +266,39 @@ impl VhostUserBackend for BlkBackend {
         }
         self.worker(thread_id).handle_event(vring, kick);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+
+    use vm_memory::{FileOffset, GuestAddress, GuestRegionMmap, MmapRegion};
+
+    use super::*;
+
+    fn file_of(len: u64) -> File {
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(len).unwrap();
+        f
+    }
+
+    /// Guest memory of one region: `size` bytes of `file` from `offset`.
+    fn mem(file: File, offset: u64, size: usize) -> GuestMem {
+        let region = MmapRegion::from_file(FileOffset::new(file, offset), size).unwrap();
+        GuestMem::from_regions(vec![GuestRegionMmap::new(region, GuestAddress(0)).unwrap()])
+            .unwrap()
+    }
+
+    #[test]
+    fn memory_must_lie_within_its_file() {
+        assert!(check_backing(&mem(file_of(1 << 20), 0, 1 << 20)).is_ok());
+        assert!(check_backing(&mem(file_of(2 << 20), 1 << 20, 1 << 20)).is_ok());
+        // mmap(2) accepts both; touching their last page would SIGBUS.
+        let e = check_backing(&mem(file_of(4096), 0, 1 << 20)).unwrap_err();
+        assert!(e.to_string().contains("past the end"), "{e}");
+        assert!(check_backing(&mem(file_of(1 << 20), 1 << 20, 4096)).is_err());
+        // Anonymous memory has no file to check.
+        assert!(check_backing(&GuestMem::from_ranges(&[(GuestAddress(0), 4096)]).unwrap()).is_ok());
     }
 }
