@@ -1,7 +1,9 @@
 //! A relay between the front-end's connection and vhost-user-backend's,
 //! which answers the two messages the crate does not implement:
-//! GET_INFLIGHT_FD and SET_INFLIGHT_FD. Everything else, fds included,
-//! passes through untouched, so the rest of the protocol stays the crate's.
+//! GET_INFLIGHT_FD and SET_INFLIGHT_FD, and refuses the SET_VRING_NUM the
+//! crate would acknowledge without applying. Everything else, fds
+//! included, passes through untouched, so the rest of the protocol stays
+//! the crate's.
 //!
 //! Only control messages cross it; the data path is shared memory and
 //! eventfds, so the relay costs nothing per I/O.
@@ -23,6 +25,7 @@ const HDR: usize = 12;
 const MAX_PAYLOAD: usize = 64 * 1024;
 /// vhost-user allows at most 8 fds per message.
 const MAX_FDS: usize = 8;
+const SET_VRING_NUM: u32 = 8;
 const GET_INFLIGHT_FD: u32 = 31;
 const SET_INFLIGHT_FD: u32 = 32;
 const FLAG_VERSION: u32 = 0x1;
@@ -163,6 +166,12 @@ pub fn relay(
                 let r = match msg.request {
                     GET_INFLIGHT_FD => get_inflight(&msg, &*host, &fw),
                     SET_INFLIGHT_FD => set_inflight(msg, &*host, &fw),
+                    SET_VRING_NUM if !vring_num_ok(&msg.payload) => {
+                        // The crate answers an error with a disconnect too.
+                        log::warn!("SET_VRING_NUM refused: not a power of two; disconnecting");
+                        let _ = refuse(&msg, &fw);
+                        break;
+                    }
                     _ => msg.send(&back_w),
                 };
                 if let Err(e) = r {
@@ -184,6 +193,27 @@ pub fn relay(
             shut2();
         })?;
     Ok(vec![to_back, from_back])
+}
+
+/// A split virtqueue's size is a power of two. vhost-user-backend checks
+/// only 0 and the maximum, and `Queue::set_size` ignores any other bad
+/// size with a log line: the front-end would get a success and a device
+/// still using the previous size (for a ring laid out for the new one,
+/// used elements written past the end of the front-end's used ring).
+/// Malformed payloads are left to the crate, which refuses them.
+fn vring_num_ok(p: &[u8]) -> bool {
+    match p {
+        [_, _, _, _, a, b, c, d] => u32::from_le_bytes([*a, *b, *c, *d]).is_power_of_two(),
+        _ => true,
+    }
+}
+
+/// Answers `msg` with an error status if it asked for a reply.
+fn refuse(msg: &Msg, to: &Mutex<UnixStream>) -> io::Result<()> {
+    if msg.flags & FLAG_NEED_REPLY == 0 {
+        return Ok(());
+    }
+    reply(to, msg.request, &1u64.to_le_bytes(), &[])
 }
 
 fn inflight_args(p: &[u8]) -> Option<(u64, u64, u16, u16)> {
@@ -268,4 +298,72 @@ fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -
         reply(to, SET_INFLIGHT_FD, &u64::from(!ok).to_le_bytes(), &[])?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::time::Duration;
+
+    use super::*;
+
+    struct NoDevice;
+
+    impl InflightHost for NoDevice {
+        fn limits(&self) -> (u16, u16) {
+            (1, 256)
+        }
+        fn set_inflight(&self, _region: Arc<InflightRegion>) {}
+    }
+
+    /// A relay between two socket pairs: (front-end's end, back-end's end).
+    fn relayed() -> (UnixStream, UnixStream, Vec<JoinHandle<()>>) {
+        let (front, relay_front) = UnixStream::pair().unwrap();
+        let (relay_back, back) = UnixStream::pair().unwrap();
+        for s in [&front, &back] {
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        }
+        let threads = relay(relay_front, relay_back, Arc::new(NoDevice)).unwrap();
+        (front, back, threads)
+    }
+
+    fn vring_num(num: u32) -> Vec<u8> {
+        let mut m = Msg::encode_header(SET_VRING_NUM, FLAG_VERSION | FLAG_NEED_REPLY, 8).to_vec();
+        m.extend_from_slice(&0u32.to_le_bytes());
+        m.extend_from_slice(&num.to_le_bytes());
+        m
+    }
+
+    #[test]
+    fn set_vring_num_must_be_a_power_of_two() {
+        let (mut front, mut back, threads) = relayed();
+        // A valid size passes through untouched.
+        front.write_all(&vring_num(128)).unwrap();
+        let mut got = [0u8; 20];
+        back.read_exact(&mut got).unwrap();
+        assert_eq!(got.to_vec(), vring_num(128));
+        // Another is refused here, not forwarded, and the connection ends.
+        front.write_all(&vring_num(100)).unwrap();
+        let mut reply = [0u8; 20];
+        front.read_exact(&mut reply).unwrap();
+        assert_eq!(
+            u32::from_le_bytes(reply[0..4].try_into().unwrap()),
+            SET_VRING_NUM
+        );
+        assert_ne!(
+            u32::from_le_bytes(reply[4..8].try_into().unwrap()) & FLAG_REPLY,
+            0
+        );
+        assert_eq!(u64::from_le_bytes(reply[12..20].try_into().unwrap()), 1);
+        let mut rest = Vec::new();
+        assert_eq!(
+            back.read_to_end(&mut rest).unwrap(),
+            0,
+            "forwarded: {rest:?}"
+        );
+        assert_eq!(front.read_to_end(&mut rest).unwrap(), 0);
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
 }
