@@ -14,5 +14,6 @@ pub mod cli;
 pub mod daemon;
 pub mod io;
 pub mod metrics;
+pub mod unix_socket;
 pub mod vhost;
 pub mod virtio;

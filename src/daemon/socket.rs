@@ -2,8 +2,8 @@
 
 use std::fs;
 use std::io;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
 use std::path::Path;
 
 use super::DaemonError;
@@ -12,23 +12,12 @@ use super::DaemonError;
 /// still accepts on, and sets the file's mode.
 pub fn bind(path: &Path, mode: u32) -> Result<UnixListener, DaemonError> {
     let err = |what: String| DaemonError::Socket(format!("{}: {what}", path.display()));
-    match fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => match UnixStream::connect(path) {
-            Ok(_) => return Err(err("in use by a running daemon".into())),
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                log::info!("replacing stale socket {}", path.display());
-            }
-            Err(e) => return Err(err(format!("cannot check the existing socket: {e}"))),
-        },
-        Ok(_) => return Err(err("exists and is not a socket".into())),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(err(e.to_string())),
-    }
+    crate::unix_socket::remove_stale(path).map_err(|e| match e.kind() {
+        io::ErrorKind::AddrInUse => err("in use by a running daemon".into()),
+        _ => err(e.to_string()),
+    })?;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         fs::create_dir_all(dir).map_err(|e| err(format!("cannot create its directory: {e}")))?;
-    }
-    if fs::symlink_metadata(path).is_ok() {
-        fs::remove_file(path).map_err(|e| err(format!("cannot remove the stale socket: {e}")))?;
     }
     let listener = UnixListener::bind(path).map_err(|e| err(format!("cannot listen: {e}")))?;
     fs::set_permissions(path, fs::Permissions::from_mode(mode))

@@ -15,8 +15,7 @@
 use std::io::{self, Read, Write};
 use std::net::TcpListener;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::Path;
+use std::os::unix::net::UnixListener;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
@@ -89,7 +88,7 @@ pub fn spawn_endpoint(
     };
     let (listener, bound) = match &parsed {
         MetricsAddr::Unix(path) => {
-            remove_stale_socket(path).map_err(bind_err)?;
+            crate::unix_socket::remove_stale(path).map_err(bind_err)?;
             (
                 Listener::Unix(UnixListener::bind(path).map_err(bind_err)?),
                 parsed.clone(),
@@ -156,30 +155,6 @@ impl Drop for Endpoint {
     fn drop(&mut self) {
         self.stop_thread();
     }
-}
-
-/// Removes a socket file nobody listens on. Anything that is not a socket
-/// is left alone (and bind then fails): a typo must not delete a file.
-fn remove_stale_socket(path: &Path) -> io::Result<()> {
-    use std::os::unix::fs::FileTypeExt;
-    match std::fs::symlink_metadata(path) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-        Ok(m) if !m.file_type().is_socket() => {
-            return Err(io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                "exists and is not a socket",
-            ));
-        }
-        Ok(_) => {}
-    }
-    if UnixStream::connect(path).is_ok() {
-        return Err(io::Error::new(
-            io::ErrorKind::AddrInUse,
-            "another process is listening on it",
-        ));
-    }
-    std::fs::remove_file(path)
 }
 
 fn serve(listener: Listener, poller: &Poller, queues: &[Arc<QueueMetrics>], stop: &AtomicBool) {
