@@ -211,6 +211,12 @@ fn allowed() -> Vec<(i64, Rules)> {
         (SYS_recvfrom, any()),
         (SYS_sendto, any()),
         (SYS_rt_sigreturn, any()),
+        // Rust's SIGSEGV/SIGBUS handler (stack-overflow detection) resets
+        // the signal to its default and returns, so that a real fault kills
+        // the process with the right signal instead of tripping the filter
+        // (which would report it as a bad syscall). Only for those two
+        // signals: the SIGSYS handler itself stays in place.
+        (SYS_rt_sigaction, arg_in(0, &[SIGSEGV as u64, SIGBUS as u64])),
         // Shutdown: make the image durable, remove the sockets and the
         // relay's private directory.
         (SYS_fdatasync, any()),
