@@ -78,7 +78,11 @@ pub enum BackendName {
 pub struct BenchArgs {
     /// vhost-user-blk socket to drive (any backend). Not with --compare,
     /// which starts its own backends.
-    #[arg(long, required_unless_present = "compare", conflicts_with = "compare")]
+    #[arg(
+        long,
+        required_unless_present_any = ["compare", "report"],
+        conflicts_with_all = ["compare", "report"]
+    )]
     pub socket: Option<PathBuf>,
 
     /// Access pattern(s). Default: randread (single run), randread,randwrite
@@ -161,8 +165,13 @@ pub struct BenchArgs {
 
     /// Start ringblk, qemu-storage-daemon and fio one after the other on the
     /// same image and compare them over a matrix of workloads.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "report")]
     pub compare: bool,
+
+    /// Write the tables and the plot of a finished --compare again from its
+    /// results.json (into --out, default: next to the JSON); runs nothing.
+    #[arg(long, value_name = "RESULTS_JSON")]
+    pub report: Option<PathBuf>,
 
     /// Boxed: the comparison's options would make `cli::Command` lopsided.
     #[command(flatten)]

@@ -153,9 +153,14 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     let total = configs.len() * backends.len() * repeat as usize;
     let per_run = env.runtime + env.ramp + Duration::from_millis(400);
     eprintln!(
-        "{} configurations x {} backends = {total} runs, about {:.0} s; backends on CPU {}, clients on CPU {}",
+        "{} configurations x {} backends{} = {total} runs, about {:.0} s; backends on CPU {}, clients on CPU {}",
         configs.len(),
         backends.len(),
+        if repeat > 1 {
+            format!(" x {repeat} repeats")
+        } else {
+            String::new()
+        },
         per_run.as_secs_f64() * total as f64,
         env.backend_cpu.map_or("any".into(), |c| c.to_string()),
         env.client_cpu.map_or("any".into(), |c| c.to_string()),
@@ -258,17 +263,9 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     let json = serde_json::to_string_pretty(&doc).map_err(|e| BenchError::Usage(e.to_string()))?;
     let json_path = out.join("results.json");
     std::fs::write(&json_path, json).map_err(io(format!("writing {}", json_path.display())))?;
-    let md = tables::markdown(&doc);
-    let md_path = out.join("results.md");
-    std::fs::write(&md_path, &md).map_err(io(format!("writing {}", md_path.display())))?;
-    let svg = out.join("plot.svg");
-    if let Err(e) = plot::draw(&doc, &svg) {
-        eprintln!("plot: {e}");
-    }
-    let mut stdout = std::io::stdout().lock();
-    let _ = writeln!(stdout, "{md}");
+    let (md_path, svg) = write_reports(&doc, &out)?;
     let _ = writeln!(
-        stdout,
+        std::io::stdout().lock(),
         "wrote {}, {} and {} ({:.0} s)",
         json_path.display(),
         md_path.display(),
@@ -288,6 +285,41 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
             out.display()
         )));
     }
+    Ok(())
+}
+
+/// Writes results.md and plot.svg for `doc` into `out` and prints the
+/// tables. A plot that cannot be drawn is reported, not fatal.
+fn write_reports(doc: &CompareDoc, out: &Path) -> Result<(PathBuf, PathBuf), BenchError> {
+    let md = tables::markdown(doc);
+    let md_path = out.join("results.md");
+    std::fs::write(&md_path, &md)
+        .map_err(BenchError::io(format!("writing {}", md_path.display())))?;
+    let svg = out.join("plot.svg");
+    if let Err(e) = plot::draw(doc, &svg) {
+        eprintln!("{e}");
+    }
+    let _ = writeln!(std::io::stdout().lock(), "{md}");
+    Ok((md_path, svg))
+}
+
+/// `--report results.json`: the tables and the plot again from a finished
+/// comparison (after a change to the report code, or to put a run's
+/// outputs elsewhere), without running anything.
+pub fn report(json: &Path, out: Option<&Path>) -> Result<(), BenchError> {
+    let text = std::fs::read_to_string(json)
+        .map_err(BenchError::io(format!("reading {}", json.display())))?;
+    let doc: CompareDoc = serde_json::from_str(&text).map_err(|e| BenchError::Parse {
+        who: "comparison",
+        msg: e.to_string(),
+    })?;
+    let out = out.map_or_else(
+        || json.parent().unwrap_or(Path::new(".")).to_path_buf(),
+        Path::to_path_buf,
+    );
+    std::fs::create_dir_all(&out).map_err(BenchError::io(format!("creating {}", out.display())))?;
+    let (md, svg) = write_reports(&doc, &out)?;
+    eprintln!("wrote {} and {}", md.display(), svg.display());
     Ok(())
 }
 

@@ -100,7 +100,9 @@ impl BenchError {
 
 /// Runs `ringblk bench`.
 pub fn run(args: &BenchArgs) -> Result<(), String> {
-    let r = if args.compare {
+    let r = if let Some(json) = &args.report {
+        compare::report(json, args.cmp.out.as_deref())
+    } else if args.compare {
         compare::run(args)
     } else {
         single::run(args)

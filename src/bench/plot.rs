@@ -189,7 +189,7 @@ fn chart<DB: DrawingBackend>(
         .y_label_area_size(56)
         .build_cartesian_2d(x_range.clone(), y_range)?;
     c.configure_mesh()
-        .light_line_style(WHITE)
+        .max_light_lines(0)
         .x_desc("iodepth")
         .y_desc(y_desc)
         .x_labels(((x_range.end - x_range.start).ceil() as usize).max(2))
