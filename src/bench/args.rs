@@ -239,9 +239,11 @@ pub struct CompareArgs {
     #[arg(long)]
     pub ringblk_bin: Option<PathBuf>,
 
+    /// qemu-storage-daemon binary (the qsd backend).
     #[arg(long, default_value = "qemu-storage-daemon")]
     pub qsd_bin: PathBuf,
 
+    /// fio binary (the host baseline).
     #[arg(long, default_value = "fio")]
     pub fio_bin: PathBuf,
 }
