@@ -216,7 +216,10 @@ fn allowed() -> Vec<(i64, Rules)> {
         // the process with the right signal instead of tripping the filter
         // (which would report it as a bad syscall). Only for those two
         // signals: the SIGSYS handler itself stays in place.
-        (SYS_rt_sigaction, arg_in(0, &[SIGSEGV as u64, SIGBUS as u64])),
+        (
+            SYS_rt_sigaction,
+            arg_in(0, &[SIGSEGV as u64, SIGBUS as u64]),
+        ),
         // Shutdown: make the image durable, remove the sockets and the
         // relay's private directory.
         (SYS_fdatasync, any()),
