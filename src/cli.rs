@@ -134,6 +134,13 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 0)]
     pub poll_us: u64,
 
+    /// Most requests taken off the avail ring per io_uring submit (0: all
+    /// that are there). Small batches let the guest see the first
+    /// completions, and submit more, while the rest are still being
+    /// executed: with early signalling the queue becomes a pipeline.
+    #[arg(long, default_value_t = 4)]
+    pub max_batch: usize,
+
     /// Use a kernel submission-queue polling thread (IORING_SETUP_SQPOLL).
     #[arg(long)]
     pub sqpoll: bool,

@@ -1056,9 +1056,18 @@ fn every_switch_combination_verifies() {
     let mut seed = 200;
     for notify in ["batched", "per-request"] {
         for signal in ["early", "late"] {
-            for poll in ["0", "30"] {
+            for (poll, batch) in [("0", "4"), ("30", "1"), ("0", "0"), ("30", "0")] {
                 for fixed in [false, true] {
-                    let mut args = vec!["--notify", notify, "--signal", signal, "--poll-us", poll];
+                    let mut args = vec![
+                        "--notify",
+                        notify,
+                        "--signal",
+                        signal,
+                        "--poll-us",
+                        poll,
+                        "--max-batch",
+                        batch,
+                    ];
                     if fixed {
                         args.extend(["--direct", "--fixed-buffers"]);
                     }

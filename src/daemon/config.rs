@@ -101,6 +101,7 @@ impl Config {
                     ok
                 },
             fixed_buffers: args.fixed_buffers,
+            max_batch: args.max_batch,
             direct: args.direct && args.engine == EngineKind::Uring,
             dio_align: 512,
             is_block_device: image.is_block_device,

@@ -55,6 +55,8 @@ pub struct WorkerConfig {
     pub iopoll: bool,
     /// Register guest memory with io_uring (READ_FIXED/WRITE_FIXED).
     pub fixed_buffers: bool,
+    /// Most requests taken off the avail ring per submit (0: all there are).
+    pub max_batch: usize,
     /// O_DIRECT: guest buffers must be aligned to `dio_align` or bounced.
     pub direct: bool,
     pub dio_align: usize,
@@ -303,6 +305,15 @@ impl QueueWorker {
                 // Work known to be there: no need to read avail->idx to know.
                 continue;
             }
+            if self.engine.as_mut().is_some_and(|e| e.has_completions()) {
+                // Requests that completed inside the submit call (page-cache
+                // hits) are signalled now, not after a trip through epoll
+                // for the eventfd they also rang.
+                if let Some(e) = &self.engine {
+                    e.clear_eventfd();
+                }
+                self.complete(&mut state, &mem)?;
+            }
             if self.poll_for_work(&state, &mem)? {
                 continue;
             }
@@ -440,6 +451,10 @@ impl QueueWorker {
             Some(e) if !e.has_room() => return Ok((0, true)),
             Some(e) => (e.capacity() - e.outstanding()) as usize,
             None => usize::from(self.cfg.queue_size),
+        };
+        let limit = match self.cfg.max_batch {
+            0 => limit,
+            n => limit.min(n),
         };
         let mut parsed = Vec::with_capacity(limit.min(64));
         let queue_size = state.get_queue().size();
