@@ -248,10 +248,11 @@ impl VhostUserBackend for BlkBackend {
         vrings: &[Vring],
         thread_id: usize,
     ) -> io::Result<()> {
-        if evset != EventSet::IN {
-            return Err(io::Error::other(format!(
-                "unexpected epoll event {evset:?}"
-            )));
+        // An error here would end the queue's thread (the crate stops its
+        // epoll loop); eventfds only ever report IN, so anything else is
+        // ignored rather than fatal.
+        if !evset.contains(EventSet::IN) {
+            return Ok(());
         }
         let Some(vring) = vrings.first() else {
             return Ok(());
