@@ -680,8 +680,12 @@ fn restart_daemon(
             return done;
         }
         let mut d = daemon.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: kill(2) on our own child's pid, which is not yet reaped.
-        unsafe { libc::kill(d.child.id() as i32, r.signal) };
+        if r.signal == libc::SIGKILL {
+            kill_with_requests_in_flight(d.child.id() as i32, &paths.socket);
+        } else {
+            // SAFETY: kill(2) on our own child's pid, which is not yet reaped.
+            unsafe { libc::kill(d.child.id() as i32, r.signal) };
+        }
         let status = d.wait_for(Duration::from_secs(20));
         if r.signal == libc::SIGTERM && !status.is_some_and(|s| s.success()) {
             panic!(
@@ -701,6 +705,65 @@ fn restart_daemon(
         wait_for_socket(&mut d, paths);
     }
     r.times
+}
+
+/// SIGKILLs the daemon at a moment when its inflight log shows requests
+/// taken off the ring and not completed, so the restart must resubmit
+/// them: the daemon is stopped (SIGSTOP), the log read through QEMU's
+/// descriptor of it, and the daemon killed if the log is not empty, else
+/// let go (SIGCONT) and tried again. After 2 s it is killed regardless.
+fn kill_with_requests_in_flight(pid: i32, socket: &Path) {
+    let log = inflight_log_of_qemu_using(socket);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while let Some(path) = log.as_ref().filter(|_| Instant::now() < deadline) {
+        // SAFETY: signals to our own child; waitpid with WUNTRACED reports
+        // it stopped without reaping it.
+        let stopped = unsafe {
+            libc::kill(pid, libc::SIGSTOP);
+            let mut status = 0;
+            libc::waitpid(pid, &mut status, libc::WUNTRACED) == pid && libc::WIFSTOPPED(status)
+        };
+        if stopped && fs::read(path).is_ok_and(|bytes| logged_in_flight(&bytes)) {
+            break;
+        }
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        thread::sleep(Duration::from_millis(3));
+    }
+    // SAFETY: as above. SIGKILL also ends a stopped process.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+}
+
+/// Whether a split-ring inflight region (vhost-user spec layout, QEMU's
+/// 128-entry queues) has a descriptor marked in flight.
+fn logged_in_flight(region: &[u8]) -> bool {
+    const QUEUE_SIZE: usize = 128;
+    let per_queue = (16 + 16 * QUEUE_SIZE).div_ceil(64) * 64;
+    region
+        .chunks(per_queue)
+        .any(|q| (0..QUEUE_SIZE).any(|h| q.get(16 + 16 * h).is_some_and(|b| *b == 1)))
+}
+
+/// `/proc/PID/fd/N` of the inflight memfd held by the QEMU using `socket`.
+fn inflight_log_of_qemu_using(socket: &Path) -> Option<PathBuf> {
+    let want = socket.to_string_lossy().into_owned();
+    fs::read_dir("/proc").ok()?.flatten().find_map(|p| {
+        let cmdline = fs::read(p.path().join("cmdline")).ok()?;
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if !cmdline.starts_with("qemu-system") || !cmdline.contains(&want) {
+            return None;
+        }
+        fs::read_dir(p.path().join("fd"))
+            .ok()?
+            .flatten()
+            .find_map(|fd| {
+                let target = fs::read_link(fd.path()).ok()?;
+                target
+                    .to_string_lossy()
+                    .contains("ringblk-inflight")
+                    .then(|| fd.path())
+            })
+    })
 }
 
 /// The backend's command line, and the serial the guest should see.
