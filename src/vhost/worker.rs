@@ -4,8 +4,9 @@
 //! A pass (`run`) goes, per iteration:
 //! 1. with `--signal early`, reap completions and publish + signal them
 //!    before anything else (cloud-hypervisor PR 7532);
-//! 2. with kicks suppressed, pop as many chains as the engine has room for,
-//!    parse and start them, and submit them with one io_uring_enter;
+//! 2. with kicks suppressed, pop up to `--max-batch` chains (as many as the
+//!    engine has room for), parse and start them, and submit them with one
+//!    io_uring_enter; while more are known to be there, go back to 1;
 //! 3. publish what completed inline (errors, GET_ID) and, with
 //!    `--signal late`, what the ring completed meanwhile;
 //! 4. when the ring is empty: busy-poll for `--poll-us`, else re-enable
@@ -14,6 +15,13 @@
 //! Publishing writes all used elements, stores used->idx once (release),
 //! decides once whether the guest wants an interrupt and writes the call
 //! eventfd at most once (`--notify batched`).
+//!
+//! Why signalling early is safe: each used element is written before the
+//! release store of used->idx that publishes it, and the driver reads
+//! used->idx with acquire before it reads the elements, so it never sees an
+//! index ahead of its elements, whenever the store happens. Signalling
+//! more often than strictly needed only costs the guest an interrupt, which
+//! the spec allows (drivers must tolerate spurious notifications).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
