@@ -116,10 +116,4 @@ impl Config {
             worker,
         })
     }
-
-    pub fn serial(&self) -> String {
-        String::from_utf8_lossy(&self.worker.serial)
-            .trim_end_matches('\0')
-            .to_string()
-    }
 }
