@@ -7,15 +7,15 @@
 //! disk is far larger than the space behind it (a thin-provisioned pool
 //! running dry). Needs root for the mount; skipped otherwise.
 
-mod support;
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use support::{
-    Client, Daemon, KIB, MIB, Spawn, assert_pattern, metric, pattern, scrape, sparse_image,
-    test_dir,
+use common::{
+    Client, Daemon, DaemonOptions, KIB, MIB, assert_pattern, is_root, metric, pattern,
+    sparse_image, test_dir,
 };
 
 /// A tmpfs mounted for the test, unmounted when dropped.
@@ -66,7 +66,7 @@ fn enospc_fails_the_request_and_the_daemon_goes_on() {
     let dir = test_dir();
     let mnt = dir.path().join("small");
     std::fs::create_dir(&mnt).expect("mount point");
-    if !support::is_root() {
+    if !is_root() {
         eprintln!("skipped: mounting a tmpfs needs root");
         return;
     }
@@ -77,17 +77,14 @@ fn enospc_fails_the_request_and_the_daemon_goes_on() {
             return;
         }
     };
-    let image = mnt.join("disk.img");
-    sparse_image(&image, 64 * MIB);
+    let image = sparse_image(&mnt, "disk.img", 64 * MIB);
     // Declared after the mount guard: killed before the unmount.
-    let metrics = dir.path().join("metrics.sock");
-    let metrics_arg = metrics.to_str().expect("UTF-8 path");
-    let mut d = Daemon::start(
+    let mut d = Daemon::start_in(
         dir.path(),
-        &image,
-        Spawn {
-            args: &["--metrics", metrics_arg],
-            ..Spawn::default()
+        DaemonOptions {
+            image: Some(image),
+            metrics: true,
+            ..DaemonOptions::default()
         },
     );
     let mut c = Client::connect(&d.socket, ALLOCATED);
@@ -111,13 +108,13 @@ fn enospc_fails_the_request_and_the_daemon_goes_on() {
         "only {failed} of {OVERFLOW_WRITES} writes beyond the tmpfs failed"
     );
     d.assert_running();
-    let ioerr = || {
+    let ioerr = |d: &Daemon| {
         metric(
-            &scrape(&metrics),
+            &d.scrape_metrics(),
             "ringblk_errors_total{queue=\"0\",status=\"ioerr\"}",
         )
     };
-    assert_eq!(ioerr(), failed, "counted I/O errors");
+    assert_eq!(ioerr(&d), failed, "counted I/O errors");
 
     // Everything else still works: reads, and writes to allocated space.
     assert_pattern("allocated data", 1, 0, &c.read(0, ALLOCATED));
@@ -160,7 +157,7 @@ fn enospc_fails_the_request_and_the_daemon_goes_on() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(ioerr(), failed + 1, "counted I/O errors");
+    assert_eq!(ioerr(&d), failed + 1, "counted I/O errors");
     drop(c);
     d.assert_running();
 }

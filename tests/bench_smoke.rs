@@ -38,15 +38,12 @@ fn ringblk(args: &[&str]) -> Output {
 }
 
 fn start_daemon() -> Daemon {
-    Daemon::start_in(
-        test_dir(),
-        DaemonOptions {
-            size: 64 * MIB,
-            metrics: true,
-            args: &["--queues", "2", "--queue-size", "256"],
-            ..DaemonOptions::default()
-        },
-    )
+    Daemon::start_with(DaemonOptions {
+        size: 64 * MIB,
+        metrics: true,
+        args: &["--queues", "2", "--queue-size", "256"],
+        ..DaemonOptions::default()
+    })
 }
 
 fn counters(metrics: &Path) -> QueueSnapshot {
@@ -58,7 +55,7 @@ fn counters(metrics: &Path) -> QueueSnapshot {
 /// One bench run measuring for `runtime`; returns its parsed JSON result.
 fn bench(d: &Daemon, runtime: &str, extra: &[&str]) -> RunResult {
     let metrics = d.metrics.as_ref().expect("started with --metrics");
-    let json = d.dir.path().join("result.json");
+    let json = d.dir.join("result.json");
     let pid = d.pid().to_string();
     let mut args = vec![
         "bench",

@@ -14,12 +14,13 @@
 //! fdatasync/RWF_DSYNC the daemon issues, which only a power cut (or a
 //! fault-injecting block device) could test.
 
-mod support;
+mod common;
 
-use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use support::{Client, Daemon, MIB, Op, Spawn, assert_pattern, pattern, sparse_image, test_dir};
+use common::{
+    Client, Daemon, DaemonOptions, MIB, Op, assert_pattern, pattern, sparse_image, test_dir,
+};
 
 const IMAGE_SIZE: u64 = 64 * MIB;
 const CHUNK: usize = 128 * 1024;
@@ -31,14 +32,13 @@ const BATCH: usize = 16;
 /// image file holds all of it.
 fn write_kill_verify(extra_args: &[&str], flush: bool) {
     let dir = test_dir();
-    let image = dir.path().join("disk.img");
-    sparse_image(&image, IMAGE_SIZE);
-    let mut d = Daemon::start(
+    let image = sparse_image(dir.path(), "disk.img", IMAGE_SIZE);
+    let mut d = Daemon::start_in(
         dir.path(),
-        &image,
-        Spawn {
+        DaemonOptions {
+            image: Some(image),
             args: extra_args,
-            ..Spawn::default()
+            ..DaemonOptions::default()
         },
     );
     let seed = 0xd0_0000 + u64::from(flush);
@@ -62,9 +62,7 @@ fn write_kill_verify(extra_args: &[&str], flush: bool) {
     assert_eq!(st.code(), None, "the daemon was not killed: {st}");
     drop(c);
 
-    let f = std::fs::File::open(&image).expect("opening the image");
-    let mut got = vec![0u8; BATCH * CHUNK];
-    f.read_exact_at(&mut got, base).expect("reading the image");
+    let got = d.read_image(base, BATCH * CHUNK);
     assert_pattern("image after SIGKILL", seed, base, &got);
 }
 

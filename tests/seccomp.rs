@@ -5,19 +5,19 @@
 //! What kills the daemon on a syscall outside the list is tested in
 //! `daemon::seccomp`'s unit tests (a forked child calls one).
 
-mod support;
+mod common;
 
 use std::time::Duration;
 
-use support::{
-    Client, Daemon, MIB, Op, Spawn, assert_pattern, metric, pattern, scrape, sparse_image, test_dir,
+use common::{
+    Client, Daemon, DaemonOptions, MIB, Op, assert_pattern, metric, pattern, sparse_image, test_dir,
 };
 
 const IMAGE_SIZE: u64 = 64 * MIB;
 const CHUNK: usize = 256 * 1024;
 
 /// `Seccomp:` of /proc/PID/status: 0 none, 2 filter.
-fn seccomp_mode(d: &Daemon, tid: Option<i32>) -> String {
+fn seccomp_mode(d: &Daemon, tid: Option<u32>) -> String {
     d.proc_status(tid, "Seccomp")
         .expect("the kernel reports Seccomp in /proc/PID/status")
 }
@@ -25,23 +25,14 @@ fn seccomp_mode(d: &Daemon, tid: Option<i32>) -> String {
 #[test]
 fn enforce_filters_every_thread_and_serves_io() {
     let dir = test_dir();
-    let image = dir.path().join("disk.img");
-    sparse_image(&image, IMAGE_SIZE);
-    let metrics = dir.path().join("metrics.sock");
-    let metrics_arg = metrics.to_str().expect("UTF-8 path");
-    let mut d = Daemon::start(
+    let image = sparse_image(dir.path(), "disk.img", IMAGE_SIZE);
+    let mut d = Daemon::start_in(
         dir.path(),
-        &image,
-        Spawn {
-            args: &[
-                "--seccomp",
-                "enforce",
-                "--queues",
-                "2",
-                "--metrics",
-                metrics_arg,
-            ],
-            ..Spawn::default()
+        DaemonOptions {
+            image: Some(image),
+            args: &["--seccomp", "enforce", "--queues", "2"],
+            metrics: true,
+            ..DaemonOptions::default()
         },
     );
     d.wait_for_log("seccomp filter installed");
@@ -91,7 +82,7 @@ fn enforce_filters_every_thread_and_serves_io() {
     d.assert_running();
     // The metrics endpoint's thread works under the filter too.
     let writes = metric(
-        &scrape(&metrics),
+        &d.scrape_metrics(),
         "ringblk_requests_total{queue=\"0\",type=\"write\"}",
     );
     assert_eq!(writes, 16, "writes counted");
@@ -121,14 +112,13 @@ fn enforce_filters_every_thread_and_serves_io() {
 fn modes_log_and_off() {
     for (mode, want) in [("log", "2"), ("off", "0")] {
         let dir = test_dir();
-        let image = dir.path().join("disk.img");
-        sparse_image(&image, 8 * MIB);
-        let mut d = Daemon::start(
+        let image = sparse_image(dir.path(), "disk.img", 8 * MIB);
+        let mut d = Daemon::start_in(
             dir.path(),
-            &image,
-            Spawn {
+            DaemonOptions {
+                image: Some(image),
                 args: &["--seccomp", mode],
-                ..Spawn::default()
+                ..DaemonOptions::default()
             },
         );
         d.wait_for_log("seccomp filter");

@@ -3,19 +3,21 @@
 //! it serves I/O, under its default seccomp filter. Needs root to switch
 //! users (with setpriv from util-linux); skipped otherwise.
 
-mod support;
+mod common;
 
 use std::os::unix::fs::{MetadataExt, chown};
 use std::process::Command;
 use std::time::Duration;
 
-use support::{Client, Daemon, MIB, Spawn, assert_pattern, pattern, sparse_image, test_dir};
+use common::{
+    Client, Daemon, DaemonOptions, MIB, assert_pattern, is_root, pattern, sparse_image, test_dir,
+};
 
 const NOBODY: u32 = 65534;
 
 #[test]
 fn serves_io_as_nobody() {
-    if !support::is_root() {
+    if !is_root() {
         eprintln!("skipped: switching to an unprivileged user needs root");
         return;
     }
@@ -24,19 +26,18 @@ fn serves_io_as_nobody() {
         return;
     }
     let dir = test_dir();
-    let image = dir.path().join("disk.img");
-    sparse_image(&image, 32 * MIB);
+    let image = sparse_image(dir.path(), "disk.img", 32 * MIB);
     for p in [dir.path(), image.as_path()] {
         chown(p, Some(NOBODY), Some(NOBODY)).expect("chown to nobody");
     }
     let uid = format!("--reuid={NOBODY}");
     let gid = format!("--regid={NOBODY}");
-    let mut d = Daemon::start(
+    let mut d = Daemon::start_in(
         dir.path(),
-        &image,
-        Spawn {
+        DaemonOptions {
+            image: Some(image),
             wrapper: &["setpriv", &uid, &gid, "--clear-groups", "--"],
-            ..Spawn::default()
+            ..DaemonOptions::default()
         },
     );
     d.wait_for_log("seccomp filter");

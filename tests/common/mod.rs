@@ -1,30 +1,42 @@
 //! Shared fixtures for the socket-level integration tests: a `ringblk serve`
-//! process on a private socket and sparse image, killed when dropped.
+//! process on a private socket and image, killed when dropped, and a small
+//! synchronous vhost-user-blk client on libblkio.
 //!
 //! Everything lives in a temporary directory under Cargo's
 //! `CARGO_TARGET_TMPDIR` (inside `target/`), not `/tmp`: `/tmp` may be a
 //! tmpfs, which has no O_DIRECT, and the `--direct` tests need a real file
 //! system.
+//!
+//! Everything has a deadline: a daemon that does not come up, a request
+//! that does not complete, or a test that hangs on the daemon fails instead
+//! of hanging.
 
 #![allow(dead_code)] // Each test binary uses its own subset.
 
 use std::fs::{self, File};
 use std::io::{Read, Write};
+use std::mem::MaybeUninit;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use tempfile::TempDir;
 
 pub const KIB: u64 = 1 << 10;
 pub const MIB: u64 = 1 << 20;
 
-/// How long a daemon may take to accept its first connection.
+/// How long a daemon may take to accept its first connection, or to log
+/// what [`Daemon::wait_for_log`] waits for.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Any single request or batch of [`Client`], flushes included, and a
+/// metrics scrape.
+const IO_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How long one test may use a daemon before the watchdog kills it. A
 /// vhost-user front-end blocks on the socket without a timeout; killing the
@@ -45,9 +57,55 @@ pub fn test_dir() -> TempDir {
 /// Creates a sparse image of `size` bytes at `dir/name`.
 pub fn sparse_image(dir: &Path, name: &str, size: u64) -> PathBuf {
     let path = dir.join(name);
-    let f = File::create(&path).expect("creating the image");
-    f.set_len(size).expect("sizing the image");
+    File::create(&path)
+        .and_then(|f| f.set_len(size))
+        .unwrap_or_else(|e| panic!("creating {}: {e}", path.display()));
     path
+}
+
+/// Whether the test runs as root (the tmpfs and setpriv tests need it).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no arguments and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The bytes of the test pattern at absolute offset `off`: every 8-byte
+/// word holds its own offset xor `seed`, so misplaced data is caught.
+pub fn pattern(seed: u64, off: u64, len: usize) -> Vec<u8> {
+    assert!(off % 8 == 0 && len % 8 == 0);
+    (0..len as u64 / 8)
+        .flat_map(|i| ((off + i * 8) ^ seed).to_le_bytes())
+        .collect()
+}
+
+/// Panics with the first differing offset unless `got` is the pattern.
+pub fn assert_pattern(what: &str, seed: u64, off: u64, got: &[u8]) {
+    let want = pattern(seed, off, got.len());
+    if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: byte at offset {} is {:#04x}, expected {:#04x}",
+            off + i as u64,
+            got[i],
+            want[i]
+        );
+    }
+}
+
+/// Sum of the samples whose name and labels start with `prefix`, e.g.
+/// `ringblk_bounced_total{` or
+/// `ringblk_requests_total{queue="0",type="write"}`, in a Prometheus text
+/// exposition. Panics if no sample matches.
+pub fn metric(exposition: &str, prefix: &str) -> u64 {
+    let values: Vec<u64> = exposition
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .collect();
+    assert!(
+        !values.is_empty(),
+        "no {prefix:?} sample in the metrics:\n{exposition}"
+    );
+    values.iter().sum()
 }
 
 /// Output of the daemon, collected by background threads.
@@ -68,33 +126,20 @@ fn collect(mut from: impl Read + Send + 'static, log: Log) -> JoinHandle<()> {
     })
 }
 
-/// A running `ringblk serve`. Dropping it kills the process; if the test is
-/// panicking, the daemon's output is printed so the failure can be read
-/// next to the daemon's side of the story.
-pub struct Daemon {
-    child: Child,
-    pub socket: PathBuf,
-    pub image: PathBuf,
-    /// `--metrics` socket, when the test asked for one.
-    pub metrics: Option<PathBuf>,
-    log: Log,
-    readers: Vec<JoinHandle<()>>,
-    watchdog: Option<(Sender<()>, JoinHandle<()>)>,
-    // Last: removed after the process is gone.
-    pub dir: TempDir,
-}
-
 /// What to start.
 pub struct DaemonOptions<'a> {
     /// Size of the sparse image created for the daemon (ignored when
     /// `image` is given).
     pub size: u64,
-    /// An existing image in `dir` to serve instead.
+    /// An existing image to serve instead.
     pub image: Option<PathBuf>,
     /// Extra `serve` arguments.
     pub args: &'a [&'a str],
     /// Pass `--metrics DIR/metrics.sock`.
     pub metrics: bool,
+    /// A command (and its arguments) to run the daemon through, e.g.
+    /// `["setpriv", "--reuid=65534", ...]`.
+    pub wrapper: &'a [&'a str],
 }
 
 impl Default for DaemonOptions<'_> {
@@ -104,27 +149,59 @@ impl Default for DaemonOptions<'_> {
             image: None,
             args: &[],
             metrics: false,
+            wrapper: &[],
         }
     }
 }
 
+/// A running `ringblk serve`. Dropping it kills the process and fails the
+/// test if the daemon exited on its own or panicked; if the test is
+/// panicking, the daemon's output is printed so the failure can be read
+/// next to the daemon's side of the story.
+pub struct Daemon {
+    child: Child,
+    pub socket: PathBuf,
+    pub image: PathBuf,
+    /// `--metrics` socket, when the test asked for one.
+    pub metrics: Option<PathBuf>,
+    /// The directory holding the socket.
+    pub dir: PathBuf,
+    log: Log,
+    readers: Vec<JoinHandle<()>>,
+    watchdog: Option<(Sender<()>, JoinHandle<()>)>,
+    status: Option<ExitStatus>,
+    /// Set by [`Daemon::signal_and_wait`]: the exit was the test's doing.
+    stopped: bool,
+    // Last: removed after the process is gone. None when the test owns
+    // the directory.
+    _own_dir: Option<TempDir>,
+}
+
 impl Daemon {
-    /// Starts a daemon on a fresh sparse image of `size` bytes with `args`
-    /// added to `serve --socket S --image I`.
+    /// Starts a daemon in a fresh directory, on a sparse image of `size`
+    /// bytes, with `args` added to `serve --socket S --image I`.
     pub fn start(size: u64, args: &[&str]) -> Daemon {
-        Daemon::start_in(
-            test_dir(),
-            DaemonOptions {
-                size,
-                args,
-                ..DaemonOptions::default()
-            },
-        )
+        Daemon::start_with(DaemonOptions {
+            size,
+            args,
+            ..DaemonOptions::default()
+        })
     }
 
-    /// Starts a daemon in `dir` (which may already hold the image).
-    pub fn start_in(dir: TempDir, opts: DaemonOptions<'_>) -> Daemon {
-        let socket = dir.path().join("vhost.sock");
+    /// Starts a daemon in a fresh directory.
+    pub fn start_with(opts: DaemonOptions<'_>) -> Daemon {
+        let dir = test_dir();
+        let path = dir.path().to_path_buf();
+        Daemon::launch(path, opts, Some(dir))
+    }
+
+    /// Starts a daemon in `dir`, which the test keeps (and removes) itself.
+    pub fn start_in(dir: &Path, opts: DaemonOptions<'_>) -> Daemon {
+        Daemon::launch(dir.to_path_buf(), opts, None)
+    }
+
+    fn launch(dir: PathBuf, opts: DaemonOptions<'_>, own_dir: Option<TempDir>) -> Daemon {
+        let socket = dir.join("vhost.sock");
         assert!(
             socket.as_os_str().len() <= SUN_PATH_MAX,
             "socket path {} is too long for a Unix socket; use a shorter CARGO_TARGET_DIR",
@@ -132,10 +209,18 @@ impl Daemon {
         );
         let image = opts
             .image
-            .unwrap_or_else(|| sparse_image(dir.path(), "disk.img", opts.size));
-        let metrics = opts.metrics.then(|| dir.path().join("metrics.sock"));
+            .unwrap_or_else(|| sparse_image(&dir, "disk.img", opts.size));
+        let metrics = opts.metrics.then(|| dir.join("metrics.sock"));
 
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ringblk"));
+        let ringblk = env!("CARGO_BIN_EXE_ringblk");
+        let mut cmd = match opts.wrapper.split_first() {
+            Some((program, pre)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(pre).arg(ringblk);
+                cmd
+            }
+            None => Command::new(ringblk),
+        };
         cmd.arg("serve")
             .arg("--socket")
             .arg(&socket)
@@ -156,7 +241,7 @@ impl Daemon {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .expect("spawning ringblk serve");
+            .unwrap_or_else(|e| panic!("spawning ringblk serve ({cmd:?}): {e}"));
         let log = Log::default();
         let readers = vec![
             collect(child.stdout.take().expect("piped stdout"), log.clone()),
@@ -168,10 +253,13 @@ impl Daemon {
             socket,
             image,
             metrics,
+            dir,
             log,
             readers,
             watchdog,
-            dir,
+            status: None,
+            stopped: false,
+            _own_dir: own_dir,
         };
         daemon.wait_until_accepting();
         daemon
@@ -183,7 +271,7 @@ impl Daemon {
     fn wait_until_accepting(&mut self) {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            if let Some(status) = self.child.try_wait().expect("polling the daemon") {
+            if let Some(status) = self.try_wait() {
                 self.join_readers();
                 panic!(
                     "ringblk serve exited with {status} before accepting; its output:\n{}",
@@ -203,6 +291,21 @@ impl Daemon {
         }
     }
 
+    /// Waits until the daemon's output contains `needle` (the socket
+    /// accepts before start-up has finished).
+    pub fn wait_for_log(&mut self, needle: &str) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        while !self.log().contains(needle) {
+            self.assert_running();
+            assert!(
+                Instant::now() < deadline,
+                "no {needle:?} in the daemon's output within {START_TIMEOUT:?}:\n{}",
+                self.log()
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// The daemon's process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -213,15 +316,72 @@ impl Daemon {
         String::from_utf8_lossy(&self.log.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
     }
 
+    /// The exit status, once the process has ended (and been reaped).
+    fn try_wait(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait().expect("polling the daemon");
+        }
+        self.status
+    }
+
     /// Panics (with the daemon's output) unless the process is still running.
     pub fn assert_running(&mut self) {
-        if let Some(status) = self.child.try_wait().expect("polling the daemon") {
+        if let Some(status) = self.try_wait() {
             self.join_readers();
             panic!(
                 "ringblk serve exited with {status}; its output:\n{}",
                 self.log()
             );
         }
+    }
+
+    /// Sends `sig` and waits (up to `timeout`) for the process to end.
+    pub fn signal_and_wait(&mut self, sig: i32, timeout: Duration) -> ExitStatus {
+        self.stopped = true;
+        self.stop_watchdog();
+        if self.try_wait().is_none() {
+            let pid = libc::pid_t::try_from(self.pid()).expect("pid fits pid_t");
+            // SAFETY: kill(2) takes no pointers; the child has not been
+            // reaped yet, so the pid cannot have been reused.
+            unsafe { libc::kill(pid, sig) };
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.try_wait() {
+                self.join_readers();
+                return status;
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "ringblk serve did not exit within {timeout:?} of signal {sig}; its output:\n{}",
+                    self.log()
+                );
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The value of the `Name:\tvalue` line of /proc/PID/status (or of a
+    /// thread's, with `tid`).
+    pub fn proc_status(&self, tid: Option<u32>, name: &str) -> Option<String> {
+        let path = match tid {
+            Some(t) => format!("/proc/{}/task/{t}/status", self.pid()),
+            None => format!("/proc/{}/status", self.pid()),
+        };
+        let text = fs::read_to_string(path).ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(|v| v.trim().to_string())
+    }
+
+    /// Thread ids of the daemon.
+    pub fn threads(&self) -> Vec<u32> {
+        fs::read_dir(format!("/proc/{}/task", self.pid()))
+            .map(|d| {
+                d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Reads `len` bytes of the image file at `offset`, from the host side.
@@ -234,22 +394,28 @@ impl Daemon {
         buf
     }
 
-    /// Fetches the metrics exposition (`GET /metrics` over the `--metrics`
-    /// Unix socket). `None` when the daemon does not serve metrics (yet).
-    pub fn scrape_metrics(&self) -> Option<String> {
-        let path = self.metrics.as_ref()?;
-        let mut s = UnixStream::connect(path).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        // A server that writes the exposition without reading a request
-        // may close first; its answer is still readable.
-        let _ = s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n");
+    /// `GET /metrics` over the `--metrics` Unix socket: the exposition body.
+    /// Panics unless the daemon was started with `metrics` and answers 200.
+    pub fn scrape_metrics(&self) -> String {
+        let path = self.metrics.as_ref().expect("started with metrics");
+        let mut s = UnixStream::connect(path)
+            .unwrap_or_else(|e| panic!("connecting to {}: {e}", path.display()));
+        s.set_read_timeout(Some(IO_TIMEOUT)).expect("timeout");
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")
+            .expect("request");
         let mut out = String::new();
-        s.read_to_string(&mut out).ok()?;
-        let body = match out.split_once("\r\n\r\n") {
-            Some((_head, body)) if out.starts_with("HTTP/") => body.to_string(),
-            _ => out,
-        };
-        Some(body)
+        s.read_to_string(&mut out).expect("response");
+        assert!(out.starts_with("HTTP/1.0 200"), "metrics response: {out}");
+        out.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default()
+    }
+
+    fn stop_watchdog(&mut self) {
+        if let Some((tx, h)) = self.watchdog.take() {
+            let _ = tx.send(());
+            let _ = h.join();
+        }
     }
 
     fn join_readers(&mut self) {
@@ -257,27 +423,6 @@ impl Daemon {
             let _ = r.join();
         }
     }
-}
-
-/// Sums every sample of the metric families whose name contains `needle`
-/// in a Prometheus text exposition (`name{labels} value` lines).
-pub fn metric_sum(exposition: &str, needle: &str) -> Option<f64> {
-    let mut found = None;
-    for line in exposition.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
-        if !line[..name_end].contains(needle) {
-            continue;
-        }
-        let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
-        if let Some(v) = value {
-            *found.get_or_insert(0.0) += v;
-        }
-    }
-    found
 }
 
 /// Kills `pid` with SIGKILL unless told to stop within `WATCHDOG`.
@@ -290,8 +435,9 @@ fn spawn_watchdog(pid: u32, log: Log) -> (Sender<()>, JoinHandle<()>) {
                 .extend_from_slice(b"\n[test watchdog: killed the daemon after the timeout]\n");
             let pid = libc::pid_t::try_from(pid).expect("pid fits pid_t");
             // SAFETY: kill() takes no pointers. `pid` is our child, which
-            // Drop reaps only after stopping this thread, so the pid cannot
-            // have been reused.
+            // is reaped deliberately (signal_and_wait, Drop) only after
+            // stopping this thread; found dead by a poll, it fails the test
+            // at once and Drop stops this thread.
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
     });
@@ -300,19 +446,19 @@ fn spawn_watchdog(pid: u32, log: Log) -> (Sender<()>, JoinHandle<()>) {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        if let Some((tx, h)) = self.watchdog.take() {
-            let _ = tx.send(());
-            let _ = h.join();
-        }
+        self.stop_watchdog();
         // The daemon never exits on its own while a test uses it (a seccomp
         // kill, a crash or an error exit would show up here).
-        let exited = self.child.try_wait().ok().flatten();
+        let exited = match self.status {
+            Some(status) => Some(status),
+            None => self.child.try_wait().ok().flatten(),
+        };
         let _ = self.child.kill();
         let _ = self.child.wait();
         self.join_readers();
         let log = self.log();
         if !thread::panicking() {
-            if let Some(status) = exited {
+            if let Some(status) = exited.filter(|_| !self.stopped) {
                 panic!("ringblk serve exited during the test ({status}); its output:\n{log}");
             }
             if log.contains("panicked at") {
@@ -327,5 +473,179 @@ impl Drop for Daemon {
         }
         // Leave nothing behind even if the daemon's own cleanup did not run.
         let _ = fs::remove_file(&self.socket);
+    }
+}
+
+/// The value of a libblkio call, or a panic naming the step.
+fn ok<T>(what: &str, r: blkio::Result<T>) -> T {
+    r.unwrap_or_else(|e| panic!("libblkio {what}: {e}"))
+}
+
+/// A vhost-user-blk front-end with one queue and one buffer, issuing one
+/// request at a time (or a batch, with [`Client::batch`]).
+pub struct Client {
+    // Field order is drop order: the queue before the instance. The
+    // region is unmapped and freed by libblkio when both are gone.
+    queue: Blkioq,
+    blkio: Blkio,
+    region: MemoryRegion,
+    pub capacity: u64,
+}
+
+/// One request of a batch.
+#[derive(Clone, Copy, Debug)]
+pub enum Op {
+    /// Write `len` bytes of the buffer at `buf_off` to `offset`.
+    Write {
+        offset: u64,
+        buf_off: usize,
+        len: usize,
+    },
+    Read {
+        offset: u64,
+        buf_off: usize,
+        len: usize,
+    },
+    Flush,
+    Discard {
+        offset: u64,
+        len: u64,
+    },
+    WriteZeroes {
+        offset: u64,
+        len: u64,
+    },
+}
+
+impl Client {
+    /// Connects to `socket` with a buffer of `buf_len` bytes.
+    pub fn connect(socket: &Path, buf_len: usize) -> Client {
+        let mut blkio = ok("new", Blkio::new("virtio-blk-vhost-user"));
+        let path = socket.to_str().expect("UTF-8 socket path");
+        ok("path", blkio.set_str("path", path));
+        ok("connect", blkio.connect());
+        ok("num-queues", blkio.set_i32("num-queues", 1));
+        let capacity = ok("capacity", blkio.get_u64("capacity"));
+        let mut started = ok("start", blkio.start());
+        let queue = started.queues.pop().expect("one queue");
+        let align = ok(
+            "mem-region-alignment",
+            blkio.get_u64("mem-region-alignment"),
+        )
+        .max(1) as usize;
+        let len = buf_len.div_ceil(align) * align;
+        let region = ok("alloc", blkio.alloc_mem_region(len));
+        ok("map", blkio.map_mem_region(&region));
+        Client {
+            queue,
+            blkio,
+            region,
+            capacity,
+        }
+    }
+
+    /// The shared buffer.
+    pub fn buf(&mut self) -> &mut [u8] {
+        // SAFETY: libblkio mapped `region.len` writable bytes at
+        // `region.addr`; no request is in flight outside `batch`, which
+        // takes `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.region.addr as *mut u8, self.region.len) }
+    }
+
+    /// Submits `ops` together and waits for all of them. Returns each
+    /// request's result (0 or a negative errno), in order.
+    pub fn batch(&mut self, ops: &[Op]) -> Vec<i32> {
+        let base = self.region.addr;
+        let cap = self.region.len;
+        for (i, op) in ops.iter().enumerate() {
+            let f = ReqFlags::empty();
+            match *op {
+                Op::Write {
+                    offset,
+                    buf_off,
+                    len,
+                } => {
+                    assert!(buf_off + len <= cap);
+                    self.queue
+                        .write(offset, (base + buf_off) as *const u8, len, i, f)
+                }
+                Op::Read {
+                    offset,
+                    buf_off,
+                    len,
+                } => {
+                    assert!(buf_off + len <= cap);
+                    self.queue
+                        .read(offset, (base + buf_off) as *mut u8, len, i, f)
+                }
+                Op::Flush => self.queue.flush(i, f),
+                Op::Discard { offset, len } => self.queue.discard(offset, len, i, f),
+                Op::WriteZeroes { offset, len } => self.queue.write_zeroes(offset, len, i, f),
+            }
+        }
+        let mut results = vec![None; ops.len()];
+        let mut done = 0;
+        let deadline = Instant::now() + IO_TIMEOUT;
+        let mut completions: Vec<MaybeUninit<Completion>> =
+            (0..ops.len()).map(|_| MaybeUninit::uninit()).collect();
+        while done < ops.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(
+                !left.is_zero(),
+                "{} of {} requests did not complete within {IO_TIMEOUT:?}",
+                ops.len() - done,
+                ops.len()
+            );
+            let mut timeout = left;
+            let n = self
+                .queue
+                .do_io(&mut completions, 1, Some(&mut timeout), None)
+                .unwrap_or_else(|e| panic!("libblkio do_io: {e}"));
+            for c in &completions[..n] {
+                // SAFETY: do_io initialized the first n completions.
+                let c = unsafe { c.assume_init_read() };
+                assert!(results[c.user_data].is_none(), "completed twice");
+                results[c.user_data] = Some(c.ret);
+                done += 1;
+            }
+        }
+        results.into_iter().map(|r| r.unwrap_or(i32::MIN)).collect()
+    }
+
+    fn one(&mut self, op: Op) -> i32 {
+        self.batch(&[op])[0]
+    }
+
+    /// Writes `data` at `offset` (through the start of the buffer).
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> i32 {
+        self.buf()[..data.len()].copy_from_slice(data);
+        self.one(Op::Write {
+            offset,
+            buf_off: 0,
+            len: data.len(),
+        })
+    }
+
+    /// Reads `len` bytes at `offset`; panics on an error completion.
+    pub fn read(&mut self, offset: u64, len: usize) -> Vec<u8> {
+        let ret = self.one(Op::Read {
+            offset,
+            buf_off: 0,
+            len,
+        });
+        assert_eq!(ret, 0, "read of {len} bytes at {offset} failed");
+        self.buf()[..len].to_vec()
+    }
+
+    pub fn flush(&mut self) -> i32 {
+        self.one(Op::Flush)
+    }
+
+    pub fn discard(&mut self, offset: u64, len: u64) -> i32 {
+        self.one(Op::Discard { offset, len })
+    }
+
+    pub fn write_zeroes(&mut self, offset: u64, len: u64) -> i32 {
+        self.one(Op::WriteZeroes { offset, len })
     }
 }
