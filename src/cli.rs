@@ -129,9 +129,11 @@ pub struct ServeArgs {
 
     /// Busy-poll the avail ring and the completion queue for up to this many
     /// microseconds after the last work before sleeping (0: never poll).
-    /// Adaptive: the window grows while polling finds work and shrinks when
-    /// it does not.
-    #[arg(long, default_value_t = 0)]
+    /// Adaptive, like QEMU's iothread poll-max-ns (whose default, 32 us,
+    /// this follows): the window grows while short sleeps show polling
+    /// would have caught the next event, and shrinks to nothing on an idle
+    /// queue, so an idle daemon does not spin.
+    #[arg(long, default_value_t = 32)]
     pub poll_us: u64,
 
     /// Most requests taken off the avail ring per io_uring submit (0: all
