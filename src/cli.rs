@@ -60,7 +60,10 @@ pub enum EngineKind {
     Null,
 }
 
+/// A later occurrence of an option overrides an earlier one, so wrappers
+/// (e.g. `bench --compare --ringblk-arg` plus a `--variant`) can append.
 #[derive(Clone, Debug, Args)]
+#[command(args_override_self = true)]
 pub struct ServeArgs {
     /// vhost-user socket to listen on. A stale socket file is replaced; one
     /// held by a live daemon is an error.
@@ -240,6 +243,16 @@ mod tests {
         assert!(parse_octal("800").is_err());
         assert_eq!(parse_block_size("4096"), Ok(4096));
         assert!(parse_block_size("1024").is_err());
+    }
+
+    #[test]
+    fn later_serve_options_override_earlier_ones() {
+        let cli =
+            Cli::try_parse_from(["ringblk", "serve", "--poll-us=0", "--poll-us", "50"]).unwrap();
+        match cli.command {
+            Command::Serve(a) => assert_eq!(a.poll_us, 50),
+            other => panic!("parsed as {other:?}"),
+        }
     }
 
     #[test]
