@@ -612,19 +612,12 @@ impl QueueWorker {
         let ret = unsafe {
             match kind {
                 RequestKind::Flush => libc::fdatasync(self.image_fd),
-                RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => {
-                    let mode = if matches!(kind, RequestKind::Discard(_)) || r.unmap {
-                        libc::FALLOC_FL_PUNCH_HOLE
-                    } else {
-                        libc::FALLOC_FL_ZERO_RANGE
-                    };
-                    libc::fallocate(
-                        self.image_fd,
-                        mode | libc::FALLOC_FL_KEEP_SIZE,
-                        r.offset() as i64,
-                        r.len() as i64,
-                    )
-                }
+                RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => libc::fallocate(
+                    self.image_fd,
+                    self.fallocate_mode(kind, false),
+                    r.offset() as i64,
+                    r.len() as i64,
+                ),
                 _ => 0,
             }
         };
@@ -663,25 +656,32 @@ impl QueueWorker {
             RequestKind::Read { .. } => op::readv(iov, n, req.offset(), key),
             RequestKind::Write { .. } => op::writev(iov, n, req.offset(), dsync, key),
             RequestKind::Flush | RequestKind::GetId => op::flush(key),
-            RequestKind::Discard(r) => {
-                let mut mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-                if self.cfg.is_block_device {
-                    // On a block device this is BLKDISCARD.
-                    mode |= FALLOC_FL_NO_HIDE_STALE;
-                }
-                op::fallocate(r.offset(), r.len(), mode, key)
-            }
-            RequestKind::WriteZeroes(r) => {
-                // ZERO_RANGE is BLKZEROOUT on a block device; PUNCH_HOLE
-                // deallocates (BLKZEROOUT with unmap). Both keep the size.
-                let mode = if r.unmap && !inf.retried {
-                    libc::FALLOC_FL_PUNCH_HOLE
-                } else {
-                    libc::FALLOC_FL_ZERO_RANGE
-                };
-                op::fallocate(r.offset(), r.len(), mode | libc::FALLOC_FL_KEEP_SIZE, key)
-            }
+            RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => op::fallocate(
+                r.offset(),
+                r.len(),
+                self.fallocate_mode(req.kind, inf.retried),
+                key,
+            ),
         }
+    }
+
+    /// The fallocate(2) mode of a discard or write-zeroes, for the io_uring
+    /// path and the synchronous one alike. Every mode keeps the size.
+    /// - discard: punch a hole; on a block device with NO_HIDE_STALE, which
+    ///   the kernel turns into BLKDISCARD;
+    /// - write-zeroes: ZERO_RANGE (BLKZEROOUT on a block device), or with
+    ///   UNMAP a punched hole (BLKZEROOUT with unmap), unless `zero_fallback`
+    ///   says deallocating was already refused.
+    fn fallocate_mode(&self, kind: RequestKind, zero_fallback: bool) -> i32 {
+        let mode = match kind {
+            RequestKind::Discard(_) if self.cfg.is_block_device => {
+                libc::FALLOC_FL_PUNCH_HOLE | FALLOC_FL_NO_HIDE_STALE
+            }
+            RequestKind::Discard(_) => libc::FALLOC_FL_PUNCH_HOLE,
+            RequestKind::WriteZeroes(r) if r.unmap && !zero_fallback => libc::FALLOC_FL_PUNCH_HOLE,
+            _ => libc::FALLOC_FL_ZERO_RANGE,
+        };
+        mode | libc::FALLOC_FL_KEEP_SIZE
     }
 
     /// Reaps completions, finishes their requests, and publishes.
