@@ -783,6 +783,8 @@ fn daemon_command(sc: &Scenario, backend: Backend, paths: &Paths) -> (Command, &
                 c.arg("--queues").arg(sc.queues.to_string());
             }
             c.arg("--serial").arg(SERIAL).args(&sc.extra);
+            // Killed daemons leave their private directory in the test's.
+            c.env("TMPDIR", &paths.dir);
             (c, SERIAL)
         }
         Backend::Qsd => {

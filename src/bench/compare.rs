@@ -97,7 +97,7 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     let logs = out.join("logs");
     std::fs::create_dir_all(&logs).map_err(io(format!("creating {}", logs.display())))?;
     // Sockets go to a short private directory: sun_path holds 108 bytes.
-    let run_dir = RunDir::create().map_err(io("creating a temporary directory".into()))?;
+    let run_dir = run_dir().map_err(io("creating a temporary directory".into()))?;
     let self_exe = std::env::current_exe().map_err(io("finding this executable".into()))?;
 
     let (image, made) = match &args.cmp.image {
@@ -119,7 +119,7 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     let pin = !args.no_pin;
     let env = Env {
         image: image.clone(),
-        run_dir: run_dir.0.clone(),
+        run_dir: run_dir.path().to_path_buf(),
         logs,
         ringblk_bin: args
             .cmp
@@ -457,23 +457,14 @@ fn loadavg() -> String {
     s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
 }
 
-/// A private directory for sockets and client results, removed on drop.
-struct RunDir(PathBuf);
-
-impl RunDir {
-    fn create() -> std::io::Result<RunDir> {
-        use std::os::unix::fs::DirBuilderExt;
-        let p = std::env::temp_dir().join(format!("ringblk-bench-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::DirBuilder::new().mode(0o700).create(&p)?;
-        Ok(RunDir(p))
-    }
-}
-
-impl Drop for RunDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A private directory (mkdtemp, mode 0700) for sockets and client
+/// results, removed on drop.
+fn run_dir() -> std::io::Result<tempfile::TempDir> {
+    use std::os::unix::fs::PermissionsExt;
+    tempfile::Builder::new()
+        .prefix("ringblk-bench-")
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir()
 }
 
 /// UTC date-time for the default output directory, e.g. 20250101-120000.

@@ -10,7 +10,7 @@ mod seccomp;
 mod socket;
 
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -193,14 +193,21 @@ impl InnerPaths {
 
 impl InnerSocket {
     fn new() -> Result<InnerSocket, DaemonError> {
-        let dir = std::env::temp_dir().join(format!("ringblk-{}", std::process::id()));
+        // A fresh name each time (mkdtemp), not one derived from our pid: a
+        // daemon killed with SIGKILL leaves its directory behind, and a
+        // later daemon with the same pid but another user could neither
+        // remove nor reuse it.
+        let tmp = std::env::temp_dir();
+        let dir = tempfile::Builder::new()
+            .prefix("ringblk-")
+            .permissions(std::fs::Permissions::from_mode(0o700))
+            .tempdir_in(&tmp)
+            .map_err(|e| {
+                DaemonError::Socket(format!("private directory in {}: {e}", tmp.display()))
+            })?
+            // Removed by InnerPaths::remove, which also runs on signals.
+            .keep();
         let err = |e: std::io::Error| DaemonError::Socket(format!("{}: {e}", dir.display()));
-        // Left behind by a crashed daemon that had our pid.
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&dir)
-            .map_err(err)?;
         let sock = dir.join("backend.sock");
         let listener = Listener::from(UnixListener::bind(&sock).map_err(err)?);
         Ok(InnerSocket {
@@ -295,4 +302,28 @@ fn announce(args: &ServeArgs, image: &crate::io::Image, created: bool, cfg: &Wor
         args.socket.display(),
         args.queues
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two inner sockets of one process (one pid) must not share, or
+    /// remove, each other's directory: the name is not derived from the
+    /// pid, which a later daemon of another user may get again.
+    #[test]
+    fn inner_sockets_get_private_directories_of_their_own() {
+        let a = InnerSocket::new().expect("first inner socket");
+        let b = InnerSocket::new().expect("second inner socket");
+        assert_ne!(a.paths.dir, b.paths.dir);
+        for s in [&a, &b] {
+            let meta = std::fs::metadata(&s.paths.dir).expect("directory exists");
+            assert_eq!(meta.permissions().mode() & 0o777, 0o700);
+            s.connect().expect("connects");
+        }
+        let dir = a.paths.dir.clone();
+        drop(a);
+        assert!(!dir.exists(), "{} removed on drop", dir.display());
+        b.connect().expect("the other one still connects");
+    }
 }

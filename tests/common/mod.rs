@@ -230,6 +230,9 @@ impl Daemon {
         if let Some(m) = &metrics {
             cmd.arg("--metrics").arg(m);
         }
+        // The daemon's private inner-socket directory goes here, so one
+        // killed with SIGKILL leaves nothing in /tmp.
+        cmd.env("TMPDIR", &dir);
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env(
                 "RUST_LOG",
