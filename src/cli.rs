@@ -160,6 +160,12 @@ pub struct ServeArgs {
     #[arg(long)]
     pub fixed_buffers: bool,
 
+    /// Discard on a block device with a blocking BLKDISCARD ioctl, as on
+    /// kernels before 6.12, instead of io_uring's discard command. For
+    /// testing that fallback.
+    #[arg(long, hide = true)]
+    pub no_uring_cmd: bool,
+
     /// Pin queue worker N to CPU list[N % len] (comma-separated CPU numbers).
     #[arg(long, value_delimiter = ',')]
     pub cpus: Vec<usize>,

@@ -101,6 +101,7 @@ impl Config {
                     ok
                 },
             fixed_buffers: args.fixed_buffers,
+            uring_cmd: !args.no_uring_cmd,
             max_batch: args.max_batch,
             direct: args.direct && args.engine == EngineKind::Uring,
             dio_align: 512,

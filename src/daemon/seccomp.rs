@@ -156,8 +156,12 @@ fn allowed() -> Vec<(i64, Rules)> {
                 ],
             ),
         ),
-        // set_nonblocking on the metrics endpoint's connections.
-        (SYS_ioctl, arg_in(1, &[FIONBIO])),
+        // set_nonblocking on the metrics endpoint's connections; discard of a
+        // block device whose kernel cannot do it through io_uring.
+        (
+            SYS_ioctl,
+            arg_in(1, &[FIONBIO, crate::io::BLKDISCARD() as u64]),
+        ),
         // The relay in front of vhost-user-backend connects to the crate's
         // private socket (bound before the filter) once per connection.
         (SYS_socket, arg_in(0, &[AF_UNIX as u64])),

@@ -8,5 +8,5 @@ mod image;
 mod uring;
 
 pub use bounce::AlignedBuf;
-pub use image::{Image, ImageError, ImageOptions};
+pub use image::{BLKDISCARD, Image, ImageError, ImageOptions, discard_block_device};
 pub use uring::{EngineError, Uring, UringOptions, op};

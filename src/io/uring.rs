@@ -23,6 +23,10 @@ const ALLOWED_OPS: [u8; 6] = [
     opcode::Fallocate::CODE,
 ];
 
+/// linux/fs.h: `_IO(0x12, 0)`, discard of the byte range in `sqe->addr`
+/// (start) and `sqe->addr3` (length) on a block device (Linux 6.12).
+const BLOCK_URING_CMD_DISCARD: u32 = 0x12 << 8;
+
 /// Register opcodes from linux/io_uring.h (the crate keeps its bindings private).
 const IORING_REGISTER_BUFFERS: u8 = 0;
 const IORING_UNREGISTER_BUFFERS: u8 = 1;
@@ -47,6 +51,9 @@ pub struct UringOptions {
     pub entries: u32,
     pub sqpoll: bool,
     pub iopoll: bool,
+    /// Allow IORING_OP_URING_CMD on the image (block-device discard), if
+    /// the kernel knows the opcode.
+    pub uring_cmd: bool,
 }
 
 /// One io_uring with its registered file and completion eventfd.
@@ -61,6 +68,10 @@ pub struct Uring {
     /// What the ring really got (a requested mode may have been refused).
     pub sqpoll: bool,
     pub iopoll: bool,
+    /// The ring may carry IORING_OP_URING_CMD (block-device discard). Off
+    /// when the kernel predates it: restricting to an opcode the kernel
+    /// does not know would fail the whole ring.
+    pub uring_cmd: bool,
 }
 
 impl Uring {
@@ -70,8 +81,8 @@ impl Uring {
         let eventfd = EventFd::new(EFD_NONBLOCK).map_err(EngineError::EventFd)?;
         let mut sqpoll = opts.sqpoll;
         let mut iopoll = opts.iopoll;
-        let ring = loop {
-            match build(fd, eventfd.as_raw_fd(), opts.entries, sqpoll, iopoll) {
+        let (ring, uring_cmd) = loop {
+            match build(fd, eventfd.as_raw_fd(), opts, sqpoll, iopoll) {
                 Ok(r) => break r,
                 Err(EngineError::Setup(e)) if sqpoll || iopoll => {
                     log::warn!(
@@ -93,6 +104,7 @@ impl Uring {
             capacity: opts.entries,
             sqpoll,
             iopoll,
+            uring_cmd,
         };
         Ok(u)
     }
@@ -228,10 +240,11 @@ impl Uring {
 fn build(
     fd: RawFd,
     eventfd: RawFd,
-    entries: u32,
+    opts: UringOptions,
     sqpoll: bool,
     iopoll: bool,
-) -> Result<IoUring, EngineError> {
+) -> Result<(IoUring, bool), EngineError> {
+    let entries = opts.entries;
     let mut b = IoUring::builder();
     b.setup_r_disabled().setup_cqsize(entries * 2);
     if sqpoll {
@@ -246,8 +259,15 @@ fn build(
         .map_err(|e| EngineError::Register("file", e))?;
     sub.register_eventfd(eventfd)
         .map_err(|e| EngineError::Register("eventfd", e))?;
+    let mut probe = io_uring::Probe::new();
+    let uring_cmd = opts.uring_cmd
+        && sub.register_probe(&mut probe).is_ok()
+        && probe.is_supported(opcode::UringCmd16::CODE)
+        // An IOPOLL ring would need the device to poll commands too.
+        && !iopoll;
     let mut res: Vec<Restriction> = ALLOWED_OPS
         .iter()
+        .chain(uring_cmd.then_some(&opcode::UringCmd16::CODE))
         .map(|op| Restriction::sqe_op(*op))
         .collect();
     res.push(Restriction::sqe_flags_required(
@@ -261,7 +281,7 @@ fn build(
         .map_err(|e| EngineError::Register("restrictions", e))?;
     sub.register_enable_rings()
         .map_err(|e| EngineError::Register("enable", e))?;
-    Ok(ring)
+    Ok((ring, uring_cmd))
 }
 
 /// SQE builders for the operations a request maps to. The entries carry
@@ -329,12 +349,24 @@ pub mod op {
             .user_data(user_data)
     }
 
-    /// fallocate(2) with `mode`; on block devices the kernel maps the modes
-    /// we use to BLKDISCARD/BLKZEROOUT (see `worker`).
+    /// fallocate(2) with `mode`; on block devices the kernel maps the
+    /// zeroing modes we use to BLKZEROOUT (see `worker`).
     pub fn fallocate(offset: u64, len: u64, mode: i32, user_data: u64) -> squeue::Entry {
         opcode::Fallocate::new(IMAGE, len)
             .offset(offset)
             .mode(mode)
+            .build()
+            .user_data(user_data)
+    }
+
+    /// BLKDISCARD of a block device, asynchronously (Linux 6.12+; older
+    /// kernels answer -EOPNOTSUPP). Needs [`Uring::uring_cmd`].
+    pub fn discard_block(offset: u64, len: u64, user_data: u64) -> squeue::Entry {
+        let mut cmd = [0u8; 16];
+        cmd[..8].copy_from_slice(&len.to_ne_bytes()); // sqe->addr3
+        opcode::UringCmd16::new(IMAGE, BLOCK_URING_CMD_DISCARD)
+            .addr(Some(offset))
+            .cmd(cmd)
             .build()
             .user_data(user_data)
     }

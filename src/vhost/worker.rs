@@ -63,6 +63,9 @@ pub struct WorkerConfig {
     pub iopoll: bool,
     /// Register guest memory with io_uring (READ_FIXED/WRITE_FIXED).
     pub fixed_buffers: bool,
+    /// Block-device discard through io_uring (BLOCK_URING_CMD_DISCARD) when
+    /// the kernel has it; otherwise, or when off, a BLKDISCARD ioctl.
+    pub uring_cmd: bool,
     /// Most requests taken off the avail ring per submit (0: all there are).
     pub max_batch: usize,
     /// O_DIRECT: guest buffers must be aligned to `dio_align` or bounced.
@@ -132,6 +135,10 @@ pub struct QueueWorker {
     /// that keeps it valid while registered.
     fixed: Vec<(usize, usize)>,
     fixed_mem: Option<Arc<GuestMem>>,
+    /// Block-device discard goes through io_uring (BLOCK_URING_CMD_DISCARD);
+    /// false when the image is a file, the ring cannot carry the command,
+    /// or the kernel refused it once: then it is a BLKDISCARD ioctl.
+    async_discard: bool,
 }
 
 /// io_uring refuses fixed buffers over 1 GiB; larger regions are split.
@@ -154,11 +161,13 @@ impl QueueWorker {
                     entries,
                     sqpoll: cfg.sqpoll,
                     iopoll: cfg.iopoll && cfg.direct,
+                    uring_cmd: cfg.uring_cmd && cfg.is_block_device,
                 },
             )?),
             EngineKind::Null => None,
         };
         let poll = AdaptivePoll::new(Duration::from_micros(cfg.poll_us));
+        let async_discard = engine.as_ref().is_some_and(|e| e.uring_cmd);
         Ok(QueueWorker {
             cfg,
             metrics,
@@ -178,6 +187,7 @@ impl QueueWorker {
             unpublished_heads: Vec::new(),
             fixed: Vec::new(),
             fixed_mem: None,
+            async_discard,
         })
     }
 
@@ -546,13 +556,14 @@ impl QueueWorker {
                 return Started::Done(req, VIRTIO_BLK_S_OK as u8);
             }
         }
-        if self.engine.as_ref().is_some_and(|e| e.iopoll)
-            && matches!(
-                kind,
-                RequestKind::Flush | RequestKind::Discard(_) | RequestKind::WriteZeroes(_)
-            )
-        {
+        let iopoll = self.engine.as_ref().is_some_and(|e| e.iopoll);
+        let sync = match kind {
             // An IOPOLL ring only takes reads and writes.
+            RequestKind::Flush | RequestKind::WriteZeroes(_) => iopoll,
+            RequestKind::Discard(_) => iopoll || (self.cfg.is_block_device && !self.async_discard),
+            _ => false,
+        };
+        if sync {
             let status = self.run_sync(kind);
             self.count_done(&req, status);
             return Started::Done(req, status);
@@ -606,28 +617,43 @@ impl QueueWorker {
     }
 
     /// Runs a flush, discard or write-zeroes synchronously (IOPOLL rings
-    /// cannot): rare operations, worth a blocking syscall on this queue.
+    /// cannot, nor can kernels before 6.12 discard a block device through
+    /// io_uring): rare operations, worth a blocking syscall on this queue.
     fn run_sync(&mut self, kind: RequestKind) -> u8 {
-        // SAFETY: plain syscalls on the image fd, which outlives the worker.
-        let ret = unsafe {
-            match kind {
-                RequestKind::Flush => libc::fdatasync(self.image_fd),
-                RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => libc::fallocate(
+        let syscall = |ret: i32| match ret {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        };
+        let result = match kind {
+            RequestKind::Discard(r) if self.cfg.is_block_device => {
+                crate::io::discard_block_device(&self.image_fd, r.offset(), r.len())
+            }
+            // SAFETY: plain syscalls on the image fd, which outlives the worker.
+            RequestKind::Flush => syscall(unsafe { libc::fdatasync(self.image_fd) }),
+            // SAFETY: as above; fallocate carries no pointers.
+            RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => syscall(unsafe {
+                libc::fallocate(
                     self.image_fd,
                     self.fallocate_mode(kind, false),
                     r.offset() as i64,
                     r.len() as i64,
-                ),
-                _ => 0,
-            }
+                )
+            }),
+            _ => Ok(()),
         };
-        let err = std::io::Error::last_os_error();
-        let unsupported = ret != 0 && is_unsupported(-err.raw_os_error().unwrap_or(0));
-        if ret == 0 || (unsupported && matches!(kind, RequestKind::Discard(_))) {
-            VIRTIO_BLK_S_OK as u8
-        } else {
-            warn_limited!(self.log_limit, "{kind:?} failed: {err}");
-            VIRTIO_BLK_S_IOERR as u8
+        match result {
+            Ok(()) => VIRTIO_BLK_S_OK as u8,
+            // Discard is a hint: a device that cannot do it has done it.
+            Err(e)
+                if matches!(kind, RequestKind::Discard(_))
+                    && is_unsupported(-e.raw_os_error().unwrap_or(0)) =>
+            {
+                VIRTIO_BLK_S_OK as u8
+            }
+            Err(e) => {
+                warn_limited!(self.log_limit, "{kind:?} failed: {e}");
+                VIRTIO_BLK_S_IOERR as u8
+            }
         }
     }
 
@@ -656,6 +682,9 @@ impl QueueWorker {
             RequestKind::Read { .. } => op::readv(iov, n, req.offset(), key),
             RequestKind::Write { .. } => op::writev(iov, n, req.offset(), dsync, key),
             RequestKind::Flush | RequestKind::GetId => op::flush(key),
+            RequestKind::Discard(r) if self.async_discard => {
+                op::discard_block(r.offset(), r.len(), key)
+            }
             RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => op::fallocate(
                 r.offset(),
                 r.len(),
@@ -667,16 +696,13 @@ impl QueueWorker {
 
     /// The fallocate(2) mode of a discard or write-zeroes, for the io_uring
     /// path and the synchronous one alike. Every mode keeps the size.
-    /// - discard: punch a hole; on a block device with NO_HIDE_STALE, which
-    ///   the kernel turns into BLKDISCARD;
+    /// - discard: punch a hole (files only: on block devices the kernel
+    ///   zeroes for this mode, so discard is BLKDISCARD, see `run_sync`);
     /// - write-zeroes: ZERO_RANGE (BLKZEROOUT on a block device), or with
     ///   UNMAP a punched hole (BLKZEROOUT with unmap), unless `zero_fallback`
     ///   says deallocating was already refused.
     fn fallocate_mode(&self, kind: RequestKind, zero_fallback: bool) -> i32 {
         let mode = match kind {
-            RequestKind::Discard(_) if self.cfg.is_block_device => {
-                libc::FALLOC_FL_PUNCH_HOLE | FALLOC_FL_NO_HIDE_STALE
-            }
             RequestKind::Discard(_) => libc::FALLOC_FL_PUNCH_HOLE,
             RequestKind::WriteZeroes(r) if r.unmap && !zero_fallback => libc::FALLOC_FL_PUNCH_HOLE,
             _ => libc::FALLOC_FL_ZERO_RANGE,
@@ -747,6 +773,12 @@ impl QueueWorker {
                 }
                 inf = self.running.remove(key as usize);
                 VIRTIO_BLK_S_IOERR
+            }
+            RequestKind::Discard(_) if self.async_discard && res == -libc::EOPNOTSUPP => {
+                // A kernel before 6.12: no discard command on block devices.
+                log::info!("io_uring cannot discard on this block device; using BLKDISCARD");
+                self.async_discard = false;
+                self.run_sync(inf.req.kind).into()
             }
             // Discard is a hint: a device that cannot do it has done it.
             RequestKind::Discard(_) if is_unsupported(res) => VIRTIO_BLK_S_OK,
@@ -941,9 +973,6 @@ fn pin_current_thread(cpu: usize) {
         );
     }
 }
-
-/// From linux/falloc.h; not in the libc crate.
-const FALLOC_FL_NO_HIDE_STALE: i32 = 0x04;
 
 fn used_len(req: &Request, status: u8) -> u32 {
     if u32::from(status) == VIRTIO_BLK_S_OK {

@@ -63,6 +63,7 @@ fn rig(mem: &GuestMem) -> Rig<'_> {
         sqpoll: false,
         iopoll: false,
         fixed_buffers: false,
+        uring_cmd: true,
         max_batch: 0,
         direct: false,
         dio_align: 512,

@@ -1,0 +1,160 @@
+//! A host block device as the image: a loop device over a sparse file, so
+//! that what the daemon does to the device shows in the file behind it.
+//! Discard must really discard (the loop driver punches a hole in its
+//! file), through io_uring's discard command and through the BLKDISCARD
+//! ioctl that kernels before 6.12 need, under the seccomp filter. Needs root
+//! and losetup; skipped otherwise.
+
+mod common;
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use common::{
+    Client, Daemon, DaemonOptions, MIB, assert_pattern, is_root, pattern, sparse_image, test_dir,
+};
+
+const SIZE: u64 = 32 * MIB;
+const CHUNK: usize = MIB as usize;
+
+/// losetup --find races with itself across threads.
+static LOSETUP: Mutex<()> = Mutex::new(());
+
+/// A loop device, detached on drop.
+struct LoopDevice(PathBuf);
+
+impl LoopDevice {
+    fn attach(file: &Path) -> Result<LoopDevice, String> {
+        let _guard = LOSETUP.lock().unwrap_or_else(|p| p.into_inner());
+        let out = Command::new("losetup")
+            .arg("--find")
+            .arg("--show")
+            .arg(file)
+            .output()
+            .map_err(|e| format!("losetup: {e}"))?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
+        }
+        Ok(LoopDevice(PathBuf::from(
+            String::from_utf8_lossy(&out.stdout).trim(),
+        )))
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
+    }
+}
+
+/// Allocated 512-byte blocks of the loop device's backing file.
+fn blocks(file: &Path) -> u64 {
+    let f = File::open(file).expect("opening the backing file");
+    f.sync_all().expect("fsync of the backing file");
+    f.metadata().expect("stat").blocks()
+}
+
+fn read_file(file: &Path, off: u64, len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    File::open(file)
+        .and_then(|f| f.read_exact_at(&mut buf, off))
+        .expect("reading the backing file");
+    buf
+}
+
+fn zeroes(got: &[u8], what: &str) {
+    if let Some(i) = got.iter().position(|b| *b != 0) {
+        panic!("{what}: byte {i} is {:#04x}, not zero", got[i]);
+    }
+}
+
+/// Serves a loop device with `args`; writes, discards and zeroes through a
+/// blkio client, and checks each on the loop device's backing file.
+fn serve_loop_device(args: &[&str]) {
+    if !is_root() {
+        eprintln!("skipped: loop devices need root");
+        return;
+    }
+    let dir = test_dir();
+    let backing = sparse_image(dir.path(), "backing.img", SIZE);
+    let dev = match LoopDevice::attach(&backing) {
+        Ok(d) => d,
+        Err(why) => {
+            eprintln!("skipped: no loop device: {why}");
+            return;
+        }
+    };
+    let mut d = Daemon::start_in(
+        dir.path(),
+        DaemonOptions {
+            image: Some(dev.0.clone()),
+            args,
+            ..DaemonOptions::default()
+        },
+    );
+    d.wait_for_log("seccomp filter");
+    let mut c = Client::connect(&d.socket, CHUNK);
+    assert_eq!(c.capacity, SIZE, "capacity from BLKGETSIZE64");
+
+    let (a, b, z) = (4 * MIB, 8 * MIB, 12 * MIB);
+    for (seed, off) in [(1, a), (2, b), (3, z), (4, SIZE - MIB)] {
+        assert_eq!(
+            c.write(off, &pattern(seed, off, CHUNK)),
+            0,
+            "write at {off}"
+        );
+    }
+    assert_eq!(c.flush(), 0, "flush");
+    assert_pattern("read back", 4, SIZE - MIB, &c.read(SIZE - MIB, CHUNK));
+    assert_pattern("backing file", 1, a, &read_file(&backing, a, CHUNK));
+    let written = blocks(&backing);
+    assert!(written >= 4 * MIB / 512, "{written} blocks after 4 MiB");
+
+    // Discard: the loop driver punches a hole in its file. A discard that
+    // is acknowledged but not done (the fallocate mode a block device
+    // turns into zeroing, or refuses) leaves the blocks allocated.
+    assert_eq!(c.discard(a, MIB), 0, "discard");
+    zeroes(&c.read(a, CHUNK), "read after discard");
+    let discarded = blocks(&backing);
+    assert!(
+        discarded + MIB / 512 <= written,
+        "discard of 1 MiB freed too little of the backing file: {written} -> {discarded} blocks"
+    );
+
+    // Write-zeroes that may unmap, then plain zero-range through BLKZEROOUT
+    // semantics: zeroes either way, on the device and in its file.
+    assert_eq!(c.write_zeroes(b, MIB), 0, "write-zeroes");
+    zeroes(&c.read(b, CHUNK), "read after write-zeroes");
+    zeroes(
+        &read_file(&backing, b, CHUNK),
+        "backing file after write-zeroes",
+    );
+    assert_pattern("untouched neighbour", 3, z, &c.read(z, CHUNK));
+
+    // Past the end of the device: an error, and the daemon goes on.
+    assert_ne!(c.discard(SIZE, MIB), 0, "discard past the end");
+    assert_eq!(c.flush(), 0, "flush after the error");
+    drop(c);
+    d.assert_running();
+    let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(20));
+    assert_eq!(st.code(), Some(0), "exit after SIGTERM: {st}\n{}", d.log());
+}
+
+#[test]
+fn block_device_discard_through_io_uring() {
+    serve_loop_device(&[]);
+}
+
+#[test]
+fn block_device_discard_through_the_ioctl() {
+    serve_loop_device(&["--no-uring-cmd"]);
+}
+
+#[test]
+fn block_device_with_direct_io() {
+    serve_loop_device(&["--direct"]);
+}
