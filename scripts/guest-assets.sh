@@ -63,7 +63,7 @@ exec 9>"$dir/.lock"
 flock -w 600 9 || die "timed out waiting for $dir/.lock"
 
 ensure_packages qemu-system-x86 qemu-system-common fio busybox-static cpio kmod \
-    util-linux xz-utils zstd gzip libc-bin
+    util-linux mount xz-utils zstd gzip libc-bin
 
 # ---- Which kernel ----
 kernel_pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ { print $2; exit }' || true)

@@ -23,7 +23,7 @@ cargo --version
 rustc --version
 
 # The guest tests build these too; doing it first installs the Debian packages
-# (QEMU, fio, busybox-static, ...) and shows the cost apart. A failure here is
+# (QEMU, fio, busybox-static, losetup, ...) and shows the cost apart. A failure here is
 # not fatal: the guest tests skip when QEMU cannot run at all, and fail loudly
 # otherwise.
 section "guest assets"
