@@ -104,9 +104,11 @@ pub struct ServeArgs {
     #[arg(long)]
     pub serial: Option<String>,
 
-    /// Logical block size reported to the guest.
-    #[arg(long, default_value_t = 512, value_parser = parse_block_size)]
-    pub block_size: u32,
+    /// Logical block size reported to the guest [default: a block device's
+    /// own logical block size; for --direct on a file, what its file system
+    /// needs; else 512].
+    #[arg(long, value_parser = parse_block_size)]
+    pub block_size: Option<u32>,
 
     /// Report a write-through cache (WCE=0) and make every write durable
     /// before it is acknowledged (each write carries RWF_DSYNC).

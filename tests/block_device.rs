@@ -28,11 +28,12 @@ static LOSETUP: Mutex<()> = Mutex::new(());
 struct LoopDevice(PathBuf);
 
 impl LoopDevice {
-    fn attach(file: &Path) -> Result<LoopDevice, String> {
+    fn attach(file: &Path, sector_size: u32) -> Result<LoopDevice, String> {
         let _guard = LOSETUP.lock().unwrap_or_else(|p| p.into_inner());
         let out = Command::new("losetup")
             .arg("--find")
             .arg("--show")
+            .arg(format!("--sector-size={sector_size}"))
             .arg(file)
             .output()
             .map_err(|e| format!("losetup: {e}"))?;
@@ -72,21 +73,29 @@ fn zeroes(got: &[u8], what: &str) {
     }
 }
 
-/// Serves a loop device with `args`; writes, discards and zeroes through a
-/// blkio client, and checks each on the loop device's backing file.
-fn serve_loop_device(args: &[&str]) {
+/// A loop device with `sector_size`-byte logical blocks over a sparse
+/// file in a fresh directory; None (the test skips) without root or losetup.
+fn loop_device(sector_size: u32) -> Option<(tempfile::TempDir, PathBuf, LoopDevice)> {
     if !is_root() {
         eprintln!("skipped: loop devices need root");
-        return;
+        return None;
     }
     let dir = test_dir();
     let backing = sparse_image(dir.path(), "backing.img", SIZE);
-    let dev = match LoopDevice::attach(&backing) {
-        Ok(d) => d,
+    match LoopDevice::attach(&backing, sector_size) {
+        Ok(dev) => Some((dir, backing, dev)),
         Err(why) => {
             eprintln!("skipped: no loop device: {why}");
-            return;
+            None
         }
+    }
+}
+
+/// Serves a loop device with `args`; writes, discards and zeroes through a
+/// blkio client, and checks each on the loop device's backing file.
+fn serve_loop_device(sector_size: u32, args: &[&str]) {
+    let Some((dir, backing, dev)) = loop_device(sector_size) else {
+        return;
     };
     let mut d = Daemon::start_in(
         dir.path(),
@@ -99,6 +108,10 @@ fn serve_loop_device(args: &[&str]) {
     d.wait_for_log("seccomp filter");
     let mut c = Client::connect(&d.socket, CHUNK);
     assert_eq!(c.capacity, SIZE, "capacity from BLKGETSIZE64");
+    assert_eq!(
+        c.request_alignment, sector_size as i32,
+        "blk_size: the device's logical block size"
+    );
 
     let (a, b, z) = (4 * MIB, 8 * MIB, 12 * MIB);
     for (seed, off) in [(1, a), (2, b), (3, z), (4, SIZE - MIB)] {
@@ -146,15 +159,47 @@ fn serve_loop_device(args: &[&str]) {
 
 #[test]
 fn block_device_discard_through_io_uring() {
-    serve_loop_device(&[]);
+    serve_loop_device(512, &[]);
 }
 
 #[test]
 fn block_device_discard_through_the_ioctl() {
-    serve_loop_device(&["--no-uring-cmd"]);
+    serve_loop_device(512, &["--no-uring-cmd"]);
 }
 
 #[test]
 fn block_device_with_direct_io() {
-    serve_loop_device(&["--direct"]);
+    serve_loop_device(512, &["--direct"]);
+}
+
+/// A 4Kn device: the guest is told 4096-byte blocks, so its I/O meets
+/// O_DIRECT's alignment on the device.
+#[test]
+fn block_device_with_4k_sectors() {
+    serve_loop_device(4096, &["--direct"]);
+}
+
+/// Asking for smaller blocks than O_DIRECT can do on the device is a
+/// one-line error at start-up, not an IOERR on every guest request.
+#[test]
+fn block_size_below_the_device_sector_is_refused_with_direct() {
+    let Some((dir, _backing, dev)) = loop_device(4096) else {
+        return;
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_ringblk"))
+        .arg("serve")
+        .arg("--socket")
+        .arg(dir.path().join("vhost.sock"))
+        .arg("--image")
+        .arg(&dev.0)
+        .args(["--direct", "--block-size", "512"])
+        .output()
+        .expect("running ringblk");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("--block-size 512 is smaller than the 4096-byte blocks"),
+        "{err}"
+    );
 }

@@ -70,7 +70,7 @@ impl Config {
         )?;
         let limits = DeviceLimits {
             capacity_sectors: image.size >> SECTOR_SHIFT,
-            block_size: args.block_size,
+            block_size: image.block_size,
             readonly: args.readonly,
             // Two descriptors of a chain are header and status.
             seg_max: u32::from(args.queue_size - 2).clamp(1, 1024),
@@ -104,7 +104,7 @@ impl Config {
             uring_cmd: !args.no_uring_cmd,
             max_batch: args.max_batch,
             direct: args.direct && args.engine == EngineKind::Uring,
-            dio_align: 512,
+            dio_align: image.dio_align as usize,
             is_block_device: image.is_block_device,
             queue_size: args.queue_size,
             writeback: AtomicBool::new(!args.writethrough),

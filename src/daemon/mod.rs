@@ -285,9 +285,10 @@ fn announce(args: &ServeArgs, image: &crate::io::Image, created: bool, cfg: &Wor
         );
     }
     log::info!(
-        "serving {} ({} sectors{}{}) on {} with {} queue(s) of {}, serial {}",
+        "serving {} ({} sectors, {}-byte blocks{}{}) on {} with {} queue(s) of {}, serial {}",
         image.path.display(),
         image.size >> SECTOR_SHIFT,
+        image.block_size,
         if args.readonly { ", read-only" } else { "" },
         if args.direct { ", O_DIRECT" } else { "" },
         args.socket.display(),

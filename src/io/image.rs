@@ -2,6 +2,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -9,6 +10,8 @@ use vmm_sys_util::ioctl::{ioctl_with_mut_ref, ioctl_with_ref};
 use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr};
 
 ioctl_ior_nr!(BLKGETSIZE64, 0x12, 114, u64);
+// Writes an int, the logical block size; `_IO` all the same.
+ioctl_io_nr!(BLKSSZGET, 0x12, 104);
 // The kernel reads a [start, len] pair of u64s; `_IO` all the same.
 ioctl_io_nr!(BLKDISCARD, 0x12, 119);
 
@@ -42,6 +45,14 @@ pub enum ImageError {
     NotAFileOrDevice(PathBuf),
     #[error("image {path} is empty")]
     Empty { path: PathBuf },
+    #[error(
+        "--block-size {block_size} is smaller than the {dio_align}-byte blocks that O_DIRECT needs on image {path}"
+    )]
+    BlockSizeTooSmall {
+        path: PathBuf,
+        block_size: u32,
+        dio_align: u32,
+    },
     #[error("image {path} has {size} bytes, not a multiple of the {block_size}-byte block size")]
     NotMultiple {
         path: PathBuf,
@@ -61,7 +72,9 @@ pub enum ImageError {
 pub struct ImageOptions {
     pub readonly: bool,
     pub direct: bool,
-    pub block_size: u32,
+    /// The guest's logical block size; None: the image's own (see
+    /// [`Image::block_size`]).
+    pub block_size: Option<u32>,
 }
 
 /// An open image.
@@ -72,6 +85,14 @@ pub struct Image {
     /// Size in bytes.
     pub size: u64,
     pub is_block_device: bool,
+    /// The logical block size to report: the one asked for, else a block
+    /// device's own logical block size (a 4Kn disk is 4096), else for an
+    /// O_DIRECT file what its file system needs, else 512.
+    pub block_size: u32,
+    /// What O_DIRECT needs of offsets, lengths and buffers here: the
+    /// device's logical block size, or the file's STATX_DIOALIGN (at least
+    /// 512). Misaligned guest buffers are bounced.
+    pub dio_align: u32,
     /// Device and inode numbers: a stable identity for the default serial.
     pub dev_ino: (u64, u64),
     /// The block device the I/O lands on: the image itself, or the one
@@ -113,11 +134,27 @@ impl Image {
                 path: path.to_owned(),
             });
         }
-        if size % u64::from(opts.block_size) != 0 {
+        let dio_align = dio_alignment(&file, is_block_device)
+            .map_err(|e| io_err("get the block size of", path, e))?;
+        let block_size = opts
+            .block_size
+            .unwrap_or(if is_block_device || opts.direct {
+                dio_align.clamp(512, 4096)
+            } else {
+                512
+            });
+        if opts.direct && block_size < dio_align {
+            return Err(ImageError::BlockSizeTooSmall {
+                path: path.to_owned(),
+                block_size,
+                dio_align,
+            });
+        }
+        if size % u64::from(block_size) != 0 {
             return Err(ImageError::NotMultiple {
                 path: path.to_owned(),
                 size,
-                block_size: opts.block_size,
+                block_size,
             });
         }
         Ok(Image {
@@ -125,6 +162,8 @@ impl Image {
             path: path.to_owned(),
             size,
             is_block_device,
+            block_size,
+            dio_align,
             dev_ino: (meta.dev(), meta.ino()),
             io_dev: if is_block_device {
                 meta.rdev()
@@ -179,6 +218,44 @@ impl Image {
     }
 }
 
+/// See [`Image::dio_align`]: BLKSSZGET on a block device; STATX_DIOALIGN
+/// (Linux 6.1+, file systems that report it) on a file; else 512.
+fn dio_alignment(file: &File, is_block_device: bool) -> io::Result<u32> {
+    if is_block_device {
+        let mut n: libc::c_int = 0;
+        // SAFETY: BLKSSZGET writes one int through the pointer, which points
+        // to a live local; the fd is open.
+        if unsafe { ioctl_with_mut_ref(file, BLKSSZGET(), &mut n) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        return Ok(u32::try_from(n).unwrap_or(0).max(512));
+    }
+    let mut stx = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    // SAFETY: statx writes one struct statx through the pointer, which
+    // points to a local of that type; the empty path with AT_EMPTY_PATH
+    // names the open fd itself.
+    let ret = unsafe {
+        libc::statx(
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            stx.as_mut_ptr(),
+        )
+    };
+    if ret != 0 {
+        return Ok(512);
+    }
+    // SAFETY: all-zero bytes are a valid statx, and the kernel filled it.
+    let stx = unsafe { stx.assume_init() };
+    let known = stx.stx_mask & libc::STATX_DIOALIGN != 0;
+    Ok(if known {
+        stx.stx_dio_offset_align.max(stx.stx_dio_mem_align).max(512)
+    } else {
+        512
+    })
+}
+
 fn io_err(what: &'static str, path: &Path, source: io::Error) -> ImageError {
     ImageError::Io {
         what,
@@ -193,7 +270,7 @@ mod tests {
 
     fn opts() -> ImageOptions {
         ImageOptions {
-            block_size: 512,
+            block_size: Some(512),
             ..ImageOptions::default()
         }
     }

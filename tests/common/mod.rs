@@ -493,6 +493,8 @@ pub struct Client {
     blkio: Blkio,
     region: MemoryRegion,
     pub capacity: u64,
+    /// The device's blk_size, as libblkio reports it.
+    pub request_alignment: i32,
 }
 
 /// One request of a batch.
@@ -529,6 +531,7 @@ impl Client {
         ok("connect", blkio.connect());
         ok("num-queues", blkio.set_i32("num-queues", 1));
         let capacity = ok("capacity", blkio.get_u64("capacity"));
+        let request_alignment = ok("request-alignment", blkio.get_i32("request-alignment"));
         let mut started = ok("start", blkio.start());
         let queue = started.queues.pop().expect("one queue");
         let align = ok(
@@ -544,6 +547,7 @@ impl Client {
             blkio,
             region,
             capacity,
+            request_alignment,
         }
     }
 
