@@ -85,8 +85,11 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
 
     let features = device_features(cfg.args.readonly);
     let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
+    // Before the filter: installing it calls rt_sigaction.
+    crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
     seccomp::install(cfg.args.seccomp)?;
     loop {
+        let replaced = crate::vhost::sigbus::replaced_pages();
         let front = accept(&listener)?;
         let workers = (0..num_queues)
             .map(|i| {
@@ -146,6 +149,12 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             Err(e) => log::warn!("connection ended: {e}; waiting for the next one"),
         }
         backend.drain_all();
+        let replaced = crate::vhost::sigbus::replaced_pages() - replaced;
+        if replaced > 0 {
+            log::warn!(
+                "the front-end shrank its memory under its own guest: {replaced} page(s) past the end of their file were replaced with zero pages"
+            );
+        }
         for h in daemon.get_epoll_handlers() {
             h.send_exit_event();
         }

@@ -217,6 +217,7 @@ impl VhostUserBackend for BlkBackend {
             log::warn!("memory table refused: {e}");
             return Err(e);
         }
+        super::sigbus::watch(&mem.memory());
         for i in 0..self.workers.len() {
             self.worker(i).set_memory(mem.clone());
         }

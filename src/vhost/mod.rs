@@ -6,6 +6,7 @@ pub mod inflight;
 mod poll;
 pub mod proxy;
 mod resubmit;
+pub mod sigbus;
 mod worker;
 
 pub use backend::{BlkBackend, ExitEvents};
