@@ -17,14 +17,13 @@ mod common;
 
 use std::fs::File;
 use std::mem::MaybeUninit;
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use blkio::{Blkio, Blkioq, Completion, Errno, MemoryRegion, ReqFlags, iovec};
 
-use common::{Daemon, DaemonOptions, KIB, MIB, metric, sparse_image, test_dir};
+use common::{Daemon, DaemonOptions, KIB, MIB, allocated_blocks, metric, sparse_image, test_dir};
 
 /// How long any batch of requests may take to complete.
 const IO_TIMEOUT: Duration = Duration::from_secs(30);
@@ -269,12 +268,6 @@ fn standard_cases(capacity: u64) -> Vec<(usize, u64)> {
         (4 * KIB as usize, 16 * MIB + 3 * SECTOR),
         (512, capacity - SECTOR),
     ]
-}
-
-fn st_blocks(path: &Path) -> u64 {
-    let f = File::open(path).expect("opening the image");
-    f.sync_all().expect("fsync of the image");
-    f.metadata().expect("stat of the image").blocks()
 }
 
 /// Where the next data at or after `off` starts in the file (SEEK_DATA),
@@ -530,7 +523,7 @@ fn discard_and_write_zeroes_read_back_zeroes() {
         fill(&mut mem[..len], 10 + i as u64, off);
         ok(write(q, off, &mem[..len]), "write");
     }
-    let before = st_blocks(&d.image);
+    let before = allocated_blocks(&d.image);
     assert!(
         before >= 3 * MIB / 512,
         "{before} blocks after writing 3 MiB"
@@ -541,7 +534,7 @@ fn discard_and_write_zeroes_read_back_zeroes() {
     ok(discard(q, a, MIB), "discard");
     ok(read(q, a, &mut mem[..len]), "read after discard");
     zeroes(&mem[..len], "read after discard");
-    let after_discard = st_blocks(&d.image);
+    let after_discard = allocated_blocks(&d.image);
     assert!(
         after_discard + MIB / 512 <= before,
         "discard of 1 MiB freed too little: {before} -> {after_discard} blocks"
@@ -561,7 +554,7 @@ fn discard_and_write_zeroes_read_back_zeroes() {
         "read after write-zeroes (unmap)",
     );
     zeroes(&mem[..len], "read after write-zeroes (unmap)");
-    let after_unmap = st_blocks(&d.image);
+    let after_unmap = allocated_blocks(&d.image);
     assert!(
         after_unmap + MIB / 512 <= after_discard,
         "write-zeroes with unmap did not deallocate: {after_discard} -> {after_unmap} blocks"
@@ -577,7 +570,7 @@ fn discard_and_write_zeroes_read_back_zeroes() {
         "read after write-zeroes (no unmap)",
     );
     zeroes(&mem[..len], "read after write-zeroes (no unmap)");
-    let after_keep = st_blocks(&d.image);
+    let after_keep = allocated_blocks(&d.image);
     assert!(
         after_keep >= after_unmap,
         "write-zeroes with NO_UNMAP deallocated: {after_unmap} -> {after_keep} blocks"
@@ -1197,7 +1190,7 @@ fn null_engine() {
     failed(read(q, 32 * MIB, &mut mem[..512]), "read past the end");
     many_in_flight_null(q, mem);
     assert_eq!(
-        st_blocks(&d.image),
+        allocated_blocks(&d.image),
         0,
         "the null engine must not touch the image"
     );

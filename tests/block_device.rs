@@ -7,15 +7,14 @@
 
 mod common;
 
-use std::fs::File;
-use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use common::{
-    Client, Daemon, DaemonOptions, MIB, assert_pattern, is_root, pattern, sparse_image, test_dir,
+    Client, Daemon, DaemonOptions, MIB, allocated_blocks, assert_pattern, is_root, pattern,
+    read_file, sparse_image, test_dir,
 };
 
 const SIZE: u64 = 32 * MIB;
@@ -50,21 +49,6 @@ impl Drop for LoopDevice {
     fn drop(&mut self) {
         let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
     }
-}
-
-/// Allocated 512-byte blocks of the loop device's backing file.
-fn blocks(file: &Path) -> u64 {
-    let f = File::open(file).expect("opening the backing file");
-    f.sync_all().expect("fsync of the backing file");
-    f.metadata().expect("stat").blocks()
-}
-
-fn read_file(file: &Path, off: u64, len: usize) -> Vec<u8> {
-    let mut buf = vec![0u8; len];
-    File::open(file)
-        .and_then(|f| f.read_exact_at(&mut buf, off))
-        .expect("reading the backing file");
-    buf
 }
 
 fn zeroes(got: &[u8], what: &str) {
@@ -124,7 +108,7 @@ fn serve_loop_device(sector_size: u32, args: &[&str]) {
     assert_eq!(c.flush(), 0, "flush");
     assert_pattern("read back", 4, SIZE - MIB, &c.read(SIZE - MIB, CHUNK));
     assert_pattern("backing file", 1, a, &read_file(&backing, a, CHUNK));
-    let written = blocks(&backing);
+    let written = allocated_blocks(&backing);
     assert!(written >= 4 * MIB / 512, "{written} blocks after 4 MiB");
 
     // Discard: the loop driver punches a hole in its file. A discard that
@@ -132,7 +116,7 @@ fn serve_loop_device(sector_size: u32, args: &[&str]) {
     // turns into zeroing, or refuses) leaves the blocks allocated.
     assert_eq!(c.discard(a, MIB), 0, "discard");
     zeroes(&c.read(a, CHUNK), "read after discard");
-    let discarded = blocks(&backing);
+    let discarded = allocated_blocks(&backing);
     assert!(
         discarded + MIB / 512 <= written,
         "discard of 1 MiB freed too little of the backing file: {written} -> {discarded} blocks"

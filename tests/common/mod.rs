@@ -63,6 +63,24 @@ pub fn sparse_image(dir: &Path, name: &str, size: u64) -> PathBuf {
     path
 }
 
+/// `len` bytes of the file at `path` from `off`, read on the host.
+pub fn read_file(path: &Path, off: u64, len: usize) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; len];
+    File::open(path)
+        .and_then(|f| f.read_exact_at(&mut buf, off))
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    buf
+}
+
+/// 512-byte blocks allocated to the file at `path`, after an fsync.
+pub fn allocated_blocks(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let f = File::open(path).expect("opening the image");
+    f.sync_all().expect("fsync of the image");
+    f.metadata().expect("stat of the image").blocks()
+}
+
 /// Whether the test runs as root (the tmpfs and setpriv tests need it).
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no arguments and cannot fail.
@@ -389,12 +407,7 @@ impl Daemon {
 
     /// Reads `len` bytes of the image file at `offset`, from the host side.
     pub fn read_image(&self, offset: u64, len: usize) -> Vec<u8> {
-        use std::os::unix::fs::FileExt;
-        let f = File::open(&self.image).expect("opening the image");
-        let mut buf = vec![0u8; len];
-        f.read_exact_at(&mut buf, offset)
-            .expect("reading the image");
-        buf
+        read_file(&self.image, offset, len)
     }
 
     /// `GET /metrics` over the `--metrics` Unix socket: the exposition body.
