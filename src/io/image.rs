@@ -18,11 +18,7 @@ ioctl_io_nr!(BLKDISCARD, 0x12, 119);
 /// Discards `len` bytes at `offset` of the block device `fd`, blocking.
 /// For kernels that cannot do it through io_uring (before 6.12): the
 /// fallocate modes that look like discard zero a block device instead.
-pub fn discard_block_device(
-    fd: &impl std::os::fd::AsRawFd,
-    offset: u64,
-    len: u64,
-) -> io::Result<()> {
+pub fn discard_block_device(fd: &impl AsRawFd, offset: u64, len: u64) -> io::Result<()> {
     let range: [u64; 2] = [offset, len];
     // SAFETY: BLKDISCARD reads two u64s through the pointer, which points at
     // `range` for the whole call; it writes nothing.
