@@ -841,6 +841,107 @@ fn two_queues_concurrently() {
     }
 }
 
+/// QEMU gives a vhost-user-blk device one queue per vCPU by default; the
+/// daemon must serve any count up to its maximum under `--seccomp enforce`
+/// (5 queues once trapped on glibc's lazy arena limit; see `seccomp.rs`).
+const QUEUE_COUNTS: [i32; 6] = [1, 2, 5, 8, 16, 64];
+
+/// Bytes each queue writes and reads back in `round_trip_on_every_queue`.
+const PER_QUEUE: usize = 128 * KIB as usize;
+
+/// Every queue of `c` writes its own region concurrently, from its own
+/// thread, and reads it back; the image file must hold every region, and
+/// the metrics must show that every queue (not one queue for all) served.
+fn round_trip_on_every_queue(d: &Daemon, c: &mut Client, seed: u64) {
+    let before = d.scrape_metrics();
+    let (queues, mem) = c.parts();
+    let n = queues.len();
+    let region = |qi: usize| 4 * MIB + (qi * PER_QUEUE) as u64;
+    thread::scope(|s| {
+        for (qi, (q, m)) in queues
+            .iter_mut()
+            .zip(mem.chunks_mut(2 * PER_QUEUE))
+            .enumerate()
+        {
+            s.spawn(move || {
+                let (wbuf, rbuf) = m.split_at_mut(PER_QUEUE);
+                fill(wbuf, seed + qi as u64, region(qi));
+                rbuf.fill(0xa5);
+                ok(write(q, region(qi), wbuf), &format!("queue {qi}: write"));
+                ok(read(q, region(qi), rbuf), &format!("queue {qi}: read"));
+                same(rbuf, wbuf, &format!("queue {qi} of {n}: read-back"));
+            });
+        }
+    });
+    let after = d.scrape_metrics();
+    for qi in 0..n {
+        same(
+            &d.read_image(region(qi), PER_QUEUE),
+            &pattern(PER_QUEUE, seed + qi as u64, region(qi)),
+            &format!("image file, queue {qi} of {n}"),
+        );
+        for ty in ["read", "write"] {
+            let sample = format!("ringblk_requests_total{{queue=\"{qi}\",type=\"{ty}\"}}");
+            assert!(
+                metric(&after, &sample) > metric(&before, &sample),
+                "queue {qi} of {n} served no {ty}:\n{after}"
+            );
+        }
+    }
+}
+
+fn client_with_queues(d: &Daemon, queues: i32) -> Client {
+    let c = connect_with(
+        d,
+        ClientOpts {
+            queues,
+            mem_len: queues as usize * 2 * PER_QUEUE,
+            ..ClientOpts::default()
+        },
+    );
+    assert_eq!(c.queues.len(), queues as usize);
+    c
+}
+
+#[test]
+fn every_queue_count_up_to_the_maximum_under_seccomp() {
+    for (i, &n) in QUEUE_COUNTS.iter().enumerate() {
+        let queues = n.to_string();
+        let mut d = Daemon::start_with(DaemonOptions {
+            size: 32 * MIB,
+            args: &["--queues", &queues, "--seccomp", "enforce"],
+            metrics: true,
+            ..DaemonOptions::default()
+        });
+        d.wait_for_log("others fatal");
+        let mut c = client_with_queues(&d, n);
+        assert_eq!(c.blkio.get_i32("max-queues").unwrap(), n);
+        round_trip_on_every_queue(&d, &mut c, 100 + 100 * i as u64);
+        drop(c);
+        d.assert_running();
+    }
+}
+
+/// One daemon, many front-ends in a row, each with another queue count: the
+/// threads (and glibc's malloc arenas) of earlier connections come and go,
+/// so a limit reached only after several connections shows here.
+#[test]
+fn connections_with_a_different_queue_count_each_time() {
+    let mut d = Daemon::start_with(DaemonOptions {
+        size: 32 * MIB,
+        args: &["--queues", "64", "--seccomp", "enforce"],
+        metrics: true,
+        ..DaemonOptions::default()
+    });
+    d.wait_for_log("others fatal");
+    for (round, n) in [1, 5, 64, 8, 2, 16, 64, 5, 3].into_iter().enumerate() {
+        let mut c = client_with_queues(&d, n);
+        round_trip_on_every_queue(&d, &mut c, 1000 + 100 * round as u64);
+        drop(c);
+        d.assert_running();
+    }
+}
+
 /// Every user_data in 0..n completed once, successfully.
 #[track_caller]
 fn check_all_ok(done: &[(usize, i32)], n: usize, what: &str) {

@@ -21,6 +21,29 @@
 //! registered image; see `io::uring`). `io_uring_setup` must stay allowed
 //! because each connection creates its rings.
 //!
+//! Lazy first uses. Some libraries make a syscall the first time a thing
+//! happens, which in a long-running daemon can be long after start-up; the
+//! filter must not be the first to meet it. Found with `strace -f` of a
+//! daemon serving connections of 1, 3, 5, 8, 12 and 16 queues in a row
+//! (every syscall after the first `accept4`), and each is covered:
+//! - glibc's malloc gives each new thread an arena of its own until there
+//!   are 8 per CPU, but it works out that limit once, when the ninth arena
+//!   is about to be made, by reading `/sys/devices/system/cpu/online` with
+//!   `openat`. A connection of 5 or more queues (a worker thread each, plus
+//!   the relay's two) crossed that line and trapped. [`prepare`] sets the
+//!   limit itself (`mallopt(M_ARENA_MAX)`, to glibc's own default of 8 per
+//!   online CPU, counted before the filter), so glibc never reads it;
+//! - thread start and exit (clone3, set_robust_list, rseq, sigaltstack,
+//!   prctl(PR_SET_NAME), sched_getaffinity, madvise, munmap, exit), and
+//!   HashMap seeds (getrandom): on the list below;
+//! - time: log lines are stamped in UTC (no time zone file), clocks come
+//!   from the vDSO, with `clock_gettime` allowed for clock sources without
+//!   one; no locale, DNS or `/proc/self` access was seen after start-up.
+//!
+//! What is not covered: a panic with `RUST_BACKTRACE` set resolves its
+//! backtrace by reading the binary, which traps; its message is written
+//! before that, and a panic is a bug either way.
+//!
 //! `--seccomp enforce` traps a syscall outside the list: a SIGSYS handler
 //! writes the syscall number to stderr and exits with [`EXIT_BAD_SYSCALL`]
 //! (a bare SECCOMP_RET_KILL_PROCESS would leave no trace in our own log).
@@ -33,6 +56,8 @@ use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen as Len, SeccompCmpOp as Op, SeccompCondition,
     SeccompFilter, SeccompRule, TargetArch,
 };
+
+use libc::c_int;
 
 use super::DaemonError;
 use crate::cli::SeccompMode;
@@ -59,6 +84,7 @@ pub fn install(mode: SeccompMode) -> Result<(), DaemonError> {
         log::warn!("the kernel has no seccomp support; running without a syscall filter");
         return Ok(());
     }
+    prepare();
     let program = compile(mismatch.clone())?;
     if mismatch == SeccompAction::Trap {
         install_sigsys_handler()?;
@@ -82,6 +108,22 @@ pub fn install(mode: SeccompMode) -> Result<(), DaemonError> {
         }
     );
     Ok(())
+}
+
+/// Does now, before the filter, what a library would otherwise do lazily
+/// with a syscall the filter does not allow (see the module doc).
+fn prepare() {
+    // What glibc would compute itself (NARENAS_FROM_NCORES: 8 arenas per
+    // online CPU on 64-bit), so that it never reads
+    // /sys/devices/system/cpu/online after start-up.
+    // SAFETY: sysconf takes no pointers.
+    let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1);
+    let arenas = c_int::try_from(cpus.saturating_mul(8)).unwrap_or(c_int::MAX);
+    // SAFETY: mallopt takes no pointers; M_ARENA_MAX only bounds how many
+    // arenas later allocations may create.
+    if unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) } != 1 {
+        log::warn!("mallopt(M_ARENA_MAX, {arenas}) failed; a connection of many queues may trap");
+    }
 }
 
 /// Whether the kernel was built with seccomp (PR_GET_SECCOMP fails with
