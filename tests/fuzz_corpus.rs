@@ -49,6 +49,7 @@ fn corpus_replays_cleanly() {
         "Misaligned",
         "OutOfRange",
         "TooManySegments",
+        "TooManyRanges",
         "RangeTooLong",
         "ReadOnly",
         "UnsupportedFlags",

@@ -4,7 +4,7 @@ use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 
-use super::request::DeviceLimits;
+use super::request::{DeviceLimits, MAX_RANGES};
 
 /// Bytes of `struct virtio_blk_config` we fill: everything up to and
 /// including `write_zeroes_may_unmap` and its padding. Secure erase and
@@ -41,10 +41,10 @@ pub fn config_space(limits: &DeviceLimits, num_queues: u16, writeback: bool) -> 
     put(34, &num_queues.to_le_bytes()); // num_queues
     let align = limits.block_size >> super::SECTOR_SHIFT;
     put(36, &limits.max_discard_sectors.to_le_bytes());
-    put(40, &limits.max_discard_seg.to_le_bytes());
+    put(40, &MAX_RANGES.to_le_bytes()); // max_discard_seg
     put(44, &align.to_le_bytes()); // discard_sector_alignment
     put(48, &limits.max_write_zeroes_sectors.to_le_bytes());
-    put(52, &limits.max_write_zeroes_seg.to_le_bytes());
+    put(52, &MAX_RANGES.to_le_bytes()); // max_write_zeroes_seg
     put(56, &[1]); // write_zeroes_may_unmap
     c
 }

@@ -29,9 +29,13 @@ pub enum RequestError {
     /// The sector range runs past the capacity or overflows.
     #[error("sector range beyond capacity")]
     OutOfRange,
-    /// More data segments or discard/write-zeroes ranges than advertised.
+    /// More data segments than `seg_max`.
     #[error("too many segments")]
     TooManySegments,
+    /// A discard or write-zeroes payload longer than the one range we
+    /// advertise (`max_discard_seg` / `max_write_zeroes_seg` = 1).
+    #[error("more than one discard or write-zeroes range")]
+    TooManyRanges,
     /// A discard or write-zeroes range longer than advertised.
     #[error("range longer than the advertised maximum")]
     RangeTooLong,
@@ -49,6 +53,35 @@ pub enum RequestError {
 impl RequestError {
     /// The status byte the guest gets. Exhaustive on purpose: a new variant
     /// must decide its status here.
+    ///
+    /// The choices follow qemu-storage-daemon's vhost-user-blk export
+    /// (`block/export/virtio-blk-handler.c`), so that a driver or a test
+    /// written against QEMU sees the same thing:
+    /// - UNSUPP: an unknown type, unknown flags, UNMAP on a discard, and a
+    ///   discard or write-zeroes payload of more than one range ("Only one
+    ///   desc is currently supported");
+    /// - IOERR: a range past the capacity or misaligned, a length not a
+    ///   multiple of 512, a discard or write-zeroes range over the maximum
+    ///   or its payload shorter than one range, and a write of any kind to
+    ///   a read-only export.
+    ///
+    /// Where we differ, on purpose:
+    /// - a chain without a usable header or status byte: QEMU drops the
+    ///   request without a used element (the export) or marks the whole
+    ///   device broken (the device model); we return it with IOERR, or
+    ///   with used length 0 when there is no status byte, and go on
+    ///   serving, so the guest never waits for it;
+    /// - a data length that is a multiple of 512 but not of a 4096-byte
+    ///   block size: QEMU checks 512 only, we refuse it (IOERR), since the
+    ///   driver must not send it and O_DIRECT could not do it;
+    /// - more data segments than `seg_max`, or a descriptor outside guest
+    ///   memory: QEMU fails the whole virtqueue (`virtio_error`); we answer
+    ///   this request IOERR;
+    /// - a type with the legacy BARRIER bit: QEMU masks it off; we offer
+    ///   VERSION_1 only, where that bit is not defined, so it is UNSUPP;
+    /// - both unknown flags and a bad range in one request: QEMU checks the
+    ///   range first (IOERR), we the flags (UNSUPP), as the spec's MUST on
+    ///   unknown flags reads.
     pub fn status(self) -> u8 {
         let s = match self {
             RequestError::IllFormedChain
@@ -61,9 +94,9 @@ impl RequestError {
             | RequestError::TooManySegments
             | RequestError::RangeTooLong
             | RequestError::ReadOnly => VIRTIO_BLK_S_IOERR,
-            RequestError::UnsupportedFlags | RequestError::UnsupportedType(_) => {
-                VIRTIO_BLK_S_UNSUPP
-            }
+            RequestError::TooManyRanges
+            | RequestError::UnsupportedFlags
+            | RequestError::UnsupportedType(_) => VIRTIO_BLK_S_UNSUPP,
         };
         s as u8
     }

@@ -34,10 +34,12 @@ pub struct DeviceLimits {
     /// Maximum data segments per read or write.
     pub seg_max: u32,
     pub max_discard_sectors: u32,
-    pub max_discard_seg: u32,
     pub max_write_zeroes_sectors: u32,
-    pub max_write_zeroes_seg: u32,
 }
+
+/// Ranges per discard or write-zeroes request: advertised as
+/// `max_discard_seg` and `max_write_zeroes_seg`, and all the parser takes.
+pub const MAX_RANGES: u32 = 1;
 
 impl Default for DeviceLimits {
     fn default() -> Self {
@@ -48,9 +50,7 @@ impl Default for DeviceLimits {
             seg_max: 254,
             // 2 GiB per range, a multiple of any block size we offer.
             max_discard_sectors: 1 << 22,
-            max_discard_seg: 1,
             max_write_zeroes_sectors: 1 << 22,
-            max_write_zeroes_seg: 1,
         }
     }
 }
@@ -381,25 +381,26 @@ fn check_range(limits: &DeviceLimits, sector: u64, sectors: u32) -> Result<(), R
     }
 }
 
-/// Reads and validates the discard/write-zeroes range(s). We advertise one
-/// range per request (max_*_seg = 1), like QEMU.
+/// Reads and validates the discard/write-zeroes range. We advertise and
+/// take one range per request (`max_*_seg` = 1), like QEMU, which answers
+/// a longer payload UNSUPP.
 fn parse_range(
     mem: &GuestMem,
     out: &[Buf],
     limits: &DeviceLimits,
     zeroes: bool,
 ) -> Result<DiscardRange, RequestError> {
-    let (max_seg, max_sectors) = if zeroes {
-        (limits.max_write_zeroes_seg, limits.max_write_zeroes_sectors)
+    let max_sectors = if zeroes {
+        limits.max_write_zeroes_sectors
     } else {
-        (limits.max_discard_seg, limits.max_discard_sectors)
+        limits.max_discard_sectors
     };
     let len = total_len(out);
-    if len == 0 || len % RANGE_LEN != 0 {
-        return Err(RequestError::BadLength);
+    if len > RANGE_LEN * MAX_RANGES {
+        return Err(RequestError::TooManyRanges);
     }
-    if len / RANGE_LEN > max_seg || max_seg != 1 {
-        return Err(RequestError::TooManySegments);
+    if len < RANGE_LEN {
+        return Err(RequestError::BadLength);
     }
     let mut raw = [0u8; RANGE_LEN as usize];
     read_prefix(mem, out, &mut raw)?.ok_or(RequestError::BadLength)?;
