@@ -5,35 +5,46 @@
 //! included, passes through untouched, so the rest of the protocol stays
 //! the crate's.
 //!
+//! It also signals a ring's call eventfd once when the ring is started and
+//! has one (see [`RingCalls`]), as libvhost-user does, so that used
+//! elements a previous daemon published but never signalled reach the
+//! guest without waiting for its next request.
+//!
+//! Request codes and payloads are the `vhost` crate's types
+//! ([`FrontendReq`], [`VhostUserInflight`], ...); only the 12-byte header
+//! is encoded here, because the crate keeps its header type private.
+//!
 //! Only control messages cross it; the data path is shared memory and
 //! eventfds, so the relay costs nothing per I/O.
 
 use std::fs::File;
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use vhost::vhost_user::message::{
+    FrontendReq, VhostUserHeaderFlag, VhostUserInflight, VhostUserU64, VhostUserVringState,
+};
+use vm_memory::ByteValued;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use super::inflight::InflightRegion;
 
+/// `struct VhostUserMsgHeader`: request, flags, payload size (le32 each).
 const HDR: usize = 12;
 /// Larger than any message the protocol defines; a front-end announcing
 /// more is broken or hostile and is disconnected.
 const MAX_PAYLOAD: usize = 64 * 1024;
 /// vhost-user allows at most 8 fds per message.
 const MAX_FDS: usize = 8;
-const SET_VRING_NUM: u32 = 8;
-const GET_INFLIGHT_FD: u32 = 31;
-const SET_INFLIGHT_FD: u32 = 32;
-const FLAG_VERSION: u32 = 0x1;
-const FLAG_REPLY: u32 = 0x4;
-const FLAG_NEED_REPLY: u32 = 0x8;
-/// `struct VhostUserInflight`: u64 mmap_size, u64 mmap_offset, u16
-/// num_queues, u16 queue_size, padded to 24 bytes.
-const INFLIGHT_LEN: usize = 24;
+/// The only protocol version there is, in the low bits of the flags.
+const VERSION: u32 = 0x1;
+/// SET_VRING_KICK / SET_VRING_CALL payload: the ring index in bits 0-7,
+/// and bit 8 set when no fd comes with it (vhost-user spec).
+const VRING_IDX_MASK: u64 = 0xff;
+const VRING_NOFD: u64 = 0x100;
 
 /// Where the relay gets and puts inflight regions: the device.
 pub trait InflightHost: Send + Sync + 'static {
@@ -50,7 +61,23 @@ struct Msg {
     fds: Vec<File>,
 }
 
+/// The payload's first bytes as a `T`; `None` if it is shorter than one.
+fn payload_as<T: ByteValued + Default>(p: &[u8]) -> Option<T> {
+    let mut v = T::default();
+    let bytes = p.get(..std::mem::size_of::<T>())?;
+    v.as_mut_slice().copy_from_slice(bytes);
+    Some(v)
+}
+
 impl Msg {
+    fn code(&self) -> Option<FrontendReq> {
+        FrontendReq::try_from(self.request).ok()
+    }
+
+    fn needs_reply(&self) -> bool {
+        self.flags & VhostUserHeaderFlag::NEED_REPLY.bits() != 0
+    }
+
     fn encode_header(request: u32, flags: u32, size: usize) -> [u8; HDR] {
         let mut h = [0u8; HDR];
         h[0..4].copy_from_slice(&request.to_le_bytes());
@@ -145,6 +172,7 @@ pub fn relay(
         let _ = ends2.1.shutdown(std::net::Shutdown::Both);
     };
     let fw = front_w.clone();
+    let mut calls = RingCalls::new(usize::from(host.limits().0));
     let to_back = std::thread::Builder::new()
         .name("vu-relay-in".into())
         .spawn(move || {
@@ -163,16 +191,20 @@ pub fn relay(
                     msg.payload.len(),
                     msg.fds.len()
                 );
-                let r = match msg.request {
-                    GET_INFLIGHT_FD => get_inflight(&msg, &*host, &fw),
-                    SET_INFLIGHT_FD => set_inflight(msg, &*host, &fw),
-                    SET_VRING_NUM if !vring_num_ok(&msg.payload) => {
+                let r = match msg.code() {
+                    Some(FrontendReq::GET_INFLIGHT_FD) => get_inflight(&msg, &*host, &fw),
+                    Some(FrontendReq::SET_INFLIGHT_FD) => set_inflight(msg, &*host, &fw),
+                    Some(FrontendReq::SET_VRING_NUM) if !vring_num_ok(&msg.payload) => {
                         // The crate answers an error with a disconnect too.
                         log::warn!("SET_VRING_NUM refused: not a power of two; disconnecting");
                         let _ = refuse(&msg, &fw);
                         break;
                     }
-                    _ => msg.send(&back_w),
+                    code => msg.send(&back_w).map(|()| {
+                        if let Some(code) = code {
+                            calls.follow(code, &msg);
+                        }
+                    }),
                 };
                 if let Err(e) = r {
                     log::warn!("relaying to the back-end: {e}");
@@ -202,31 +234,100 @@ pub fn relay(
 /// used elements written past the end of the front-end's used ring).
 /// Malformed payloads are left to the crate, which refuses them.
 fn vring_num_ok(p: &[u8]) -> bool {
-    match p {
-        [_, _, _, _, a, b, c, d] => u32::from_le_bytes([*a, *b, *c, *d]).is_power_of_two(),
-        _ => true,
+    payload_as::<VhostUserVringState>(p).is_none_or(|s| s.num.is_power_of_two())
+}
+
+/// Each ring's call eventfd and whether the ring is started, followed from
+/// the messages the relay passes on.
+///
+/// A daemon can publish used elements and die before it writes the call
+/// eventfd. Its successor finds nothing in flight, so without a signal of
+/// its own the guest would wait forever for completions already on the
+/// used ring. So the relay writes a ring's call eventfd once at the moment
+/// the ring has both a call fd and a kick (is started), whichever comes
+/// second (QEMU sends SET_VRING_CALL before SET_VRING_KICK), and again
+/// whenever a started ring gets a new call fd. A spurious interrupt costs
+/// the guest a look at its used ring; drivers must tolerate them.
+struct RingCalls(Vec<RingCall>);
+
+#[derive(Default)]
+struct RingCall {
+    /// SET_VRING_KICK seen, and no GET_VRING_BASE (stop) or reset since.
+    started: bool,
+    /// Our copy of the call eventfd the crate signals.
+    call: Option<File>,
+}
+
+impl RingCalls {
+    fn new(queues: usize) -> RingCalls {
+        RingCalls((0..queues).map(|_| RingCall::default()).collect())
+    }
+
+    /// Follows `msg`, which the crate has been sent.
+    fn follow(&mut self, code: FrontendReq, msg: &Msg) {
+        let vring_fd = || {
+            let v = payload_as::<VhostUserU64>(&msg.payload)?.value;
+            Some(((v & VRING_IDX_MASK) as usize, v & VRING_NOFD == 0))
+        };
+        match code {
+            FrontendReq::SET_VRING_KICK => {
+                if let Some(ring) = vring_fd().and_then(|(i, _)| self.0.get_mut(i)) {
+                    ring.started = true;
+                    ring.signal("ring started");
+                }
+            }
+            FrontendReq::SET_VRING_CALL => {
+                let Some((i, has_fd)) = vring_fd() else {
+                    return;
+                };
+                let Some(ring) = self.0.get_mut(i) else {
+                    return;
+                };
+                ring.call = match (has_fd, msg.fds.first()) {
+                    (true, Some(f)) => f.try_clone().ok(),
+                    _ => None,
+                };
+                if ring.started {
+                    ring.signal("call eventfd installed");
+                }
+            }
+            FrontendReq::GET_VRING_BASE => {
+                let ring = payload_as::<VhostUserVringState>(&msg.payload)
+                    .and_then(|s| self.0.get_mut(s.index as usize));
+                if let Some(ring) = ring {
+                    ring.started = false;
+                }
+            }
+            FrontendReq::RESET_OWNER | FrontendReq::RESET_DEVICE => {
+                self.0.iter_mut().for_each(|r| r.started = false);
+            }
+            _ => {}
+        }
+    }
+}
+
+impl RingCall {
+    fn signal(&self, why: &str) {
+        if let Some(mut call) = self.call.as_ref() {
+            match call.write_all(&1u64.to_ne_bytes()) {
+                Ok(()) => log::debug!("{why}: call eventfd signalled once"),
+                Err(e) => log::debug!("{why}: call eventfd: {e}"),
+            }
+        }
     }
 }
 
 /// Answers `msg` with an error status if it asked for a reply.
 fn refuse(msg: &Msg, to: &Mutex<UnixStream>) -> io::Result<()> {
-    if msg.flags & FLAG_NEED_REPLY == 0 {
+    if !msg.needs_reply() {
         return Ok(());
     }
-    reply(to, msg.request, &1u64.to_le_bytes(), &[])
-}
-
-fn inflight_args(p: &[u8]) -> Option<(u64, u64, u16, u16)> {
-    if p.len() < INFLIGHT_LEN {
-        return None;
-    }
-    let u64_at = |o: usize| u64::from_le_bytes(p[o..o + 8].try_into().unwrap_or_default());
-    let u16_at = |o: usize| u16::from_le_bytes([p[o], p[o + 1]]);
-    Some((u64_at(0), u64_at(8), u16_at(16), u16_at(18)))
+    reply(to, msg.request, VhostUserU64::new(1).as_slice(), &[])
 }
 
 fn reply(to: &Mutex<UnixStream>, request: u32, payload: &[u8], fds: &[RawFd]) -> io::Result<()> {
-    let hdr = Msg::encode_header(request, FLAG_VERSION | FLAG_REPLY, payload.len());
+    let flags = VERSION | VhostUserHeaderFlag::REPLY.bits();
+    let hdr = Msg::encode_header(request, flags, payload.len());
     send_all(
         &to.lock().unwrap_or_else(|p| p.into_inner()),
         &hdr,
@@ -237,22 +338,25 @@ fn reply(to: &Mutex<UnixStream>, request: u32, payload: &[u8], fds: &[RawFd]) ->
 
 fn get_inflight(msg: &Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> io::Result<()> {
     let (queues, max_size) = host.limits();
-    let region = inflight_args(&msg.payload)
-        .filter(|&(_, _, n, qs)| n >= 1 && n <= queues && qs.is_power_of_two() && qs <= max_size)
-        .map(|(_, _, n, qs)| InflightRegion::create(n, qs));
-    let mut out = [0u8; INFLIGHT_LEN];
+    let region = payload_as::<VhostUserInflight>(&msg.payload)
+        .filter(|a| {
+            a.num_queues >= 1
+                && a.num_queues <= queues
+                && a.queue_size.is_power_of_two()
+                && a.queue_size <= max_size
+        })
+        .map(|a| InflightRegion::create(a.num_queues, a.queue_size));
+    let request = msg.request;
     match region {
         Some(Ok(r)) => {
-            out[0..8].copy_from_slice(&(r.size() as u64).to_le_bytes());
-            out[16..18].copy_from_slice(&r.num_queues.to_le_bytes());
-            out[18..20].copy_from_slice(&r.queue_size.to_le_bytes());
+            let out = VhostUserInflight::new(r.size() as u64, 0, r.num_queues, r.queue_size);
             log::info!(
                 "inflight tracking: {} bytes for {} queue(s) of {}",
                 r.size(),
                 r.num_queues,
                 r.queue_size
             );
-            reply(to, GET_INFLIGHT_FD, &out, &[r.file.as_raw_fd()])
+            reply(to, request, out.as_slice(), &[r.file.as_raw_fd()])
         }
         // mmap_size 0 tells the front-end we could not provide one.
         other => {
@@ -263,17 +367,21 @@ fn get_inflight(msg: &Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> i
                     _ => "bad queue count or size".into(),
                 }
             );
-            reply(to, GET_INFLIGHT_FD, &out, &[])
+            reply(to, request, VhostUserInflight::default().as_slice(), &[])
         }
     }
 }
 
 fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> io::Result<()> {
     let (queues, _) = host.limits();
-    let result = match (inflight_args(&msg.payload), msg.fds.len()) {
-        (Some((size, offset, n, qs)), 1) if n <= queues => {
-            InflightRegion::from_front_end(msg.fds.remove(0), size, offset, n, qs)
-        }
+    let result = match (payload_as::<VhostUserInflight>(&msg.payload), msg.fds.len()) {
+        (Some(a), 1) if a.num_queues <= queues => InflightRegion::from_front_end(
+            msg.fds.remove(0),
+            a.mmap_size,
+            a.mmap_offset,
+            a.num_queues,
+            a.queue_size,
+        ),
         _ => Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             "malformed SET_INFLIGHT_FD",
@@ -294,8 +402,9 @@ fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -
             false
         }
     };
-    if msg.flags & FLAG_NEED_REPLY != 0 {
-        reply(to, SET_INFLIGHT_FD, &u64::from(!ok).to_le_bytes(), &[])?;
+    if msg.needs_reply() {
+        let status = VhostUserU64::new(u64::from(!ok));
+        reply(to, msg.request, status.as_slice(), &[])?;
     }
     Ok(())
 }
@@ -306,6 +415,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    const SET_VRING_NUM: u32 = FrontendReq::SET_VRING_NUM as u32;
 
     struct NoDevice;
 
@@ -328,7 +439,8 @@ mod tests {
     }
 
     fn vring_num(num: u32) -> Vec<u8> {
-        let mut m = Msg::encode_header(SET_VRING_NUM, FLAG_VERSION | FLAG_NEED_REPLY, 8).to_vec();
+        let flags = VERSION | VhostUserHeaderFlag::NEED_REPLY.bits();
+        let mut m = Msg::encode_header(SET_VRING_NUM, flags, 8).to_vec();
         m.extend_from_slice(&0u32.to_le_bytes());
         m.extend_from_slice(&num.to_le_bytes());
         m
@@ -351,7 +463,7 @@ mod tests {
             SET_VRING_NUM
         );
         assert_ne!(
-            u32::from_le_bytes(reply[4..8].try_into().unwrap()) & FLAG_REPLY,
+            u32::from_le_bytes(reply[4..8].try_into().unwrap()) & VhostUserHeaderFlag::REPLY.bits(),
             0
         );
         assert_eq!(u64::from_le_bytes(reply[12..20].try_into().unwrap()), 1);
@@ -362,6 +474,93 @@ mod tests {
             "forwarded: {rest:?}"
         );
         assert_eq!(front.read_to_end(&mut rest).unwrap(), 0);
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+
+    /// Sends `code` for ring 0 with `fds` and waits until the back-end's end
+    /// has it (so the relay has followed it).
+    fn vring_fd_msg(front: &UnixStream, back: &UnixStream, code: FrontendReq, fds: &[RawFd]) {
+        let value = if fds.is_empty() { VRING_NOFD } else { 0 };
+        let m = Msg {
+            request: code.into(),
+            flags: VERSION,
+            payload: VhostUserU64::new(value).as_slice().to_vec(),
+            fds: vec![],
+        };
+        let hdr = Msg::encode_header(m.request, m.flags, m.payload.len());
+        send_all(front, &hdr, &m.payload, fds).unwrap();
+        let got = read_msg(back).unwrap().expect("forwarded");
+        assert_eq!(got.request, u32::from(code));
+        assert_eq!(got.fds.len(), fds.len(), "fds passed on");
+    }
+
+    fn signalled(call: &vmm_sys_util::eventfd::EventFd) -> bool {
+        // The relay writes before it reads the next message, which the
+        // tests send only after seeing the previous one forwarded; a short
+        // grace covers the write racing that read.
+        std::thread::sleep(Duration::from_millis(20));
+        call.read().is_ok()
+    }
+
+    #[test]
+    fn a_started_ring_with_a_call_fd_is_signalled_once() {
+        use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+        let (front, back, threads) = relayed();
+        let kick = EventFd::new(EFD_NONBLOCK).unwrap();
+        let (c1, c2) = (
+            EventFd::new(EFD_NONBLOCK).unwrap(),
+            EventFd::new(EFD_NONBLOCK).unwrap(),
+        );
+        // QEMU's order: the call fd first; the signal comes with the kick.
+        vring_fd_msg(
+            &front,
+            &back,
+            FrontendReq::SET_VRING_CALL,
+            &[c1.as_raw_fd()],
+        );
+        assert!(!signalled(&c1), "signalled before the ring started");
+        vring_fd_msg(
+            &front,
+            &back,
+            FrontendReq::SET_VRING_KICK,
+            &[kick.as_raw_fd()],
+        );
+        assert!(signalled(&c1), "not signalled when the ring started");
+        assert!(!signalled(&c1), "signalled more than once");
+        // A new call fd on the started ring is signalled at once.
+        vring_fd_msg(
+            &front,
+            &back,
+            FrontendReq::SET_VRING_CALL,
+            &[c2.as_raw_fd()],
+        );
+        assert!(signalled(&c2), "new call fd on a started ring");
+        assert!(!signalled(&c1), "the old call fd");
+        // Stopped (GET_VRING_BASE): a new call fd waits for the next start.
+        let stop = VhostUserVringState::new(0, 0);
+        let hdr = Msg::encode_header(FrontendReq::GET_VRING_BASE.into(), VERSION, 8);
+        send_all(&front, &hdr, stop.as_slice(), &[]).unwrap();
+        read_msg(&back).unwrap().expect("GET_VRING_BASE forwarded");
+        vring_fd_msg(
+            &front,
+            &back,
+            FrontendReq::SET_VRING_CALL,
+            &[c1.as_raw_fd()],
+        );
+        assert!(!signalled(&c1), "signalled on a stopped ring");
+        // No call fd (polling): nothing to signal, and no error.
+        vring_fd_msg(&front, &back, FrontendReq::SET_VRING_CALL, &[]);
+        vring_fd_msg(
+            &front,
+            &back,
+            FrontendReq::SET_VRING_KICK,
+            &[kick.as_raw_fd()],
+        );
+        assert!(!signalled(&c1), "a call fd the front-end withdrew");
+        drop(front);
+        drop(back);
         for t in threads {
             t.join().unwrap();
         }

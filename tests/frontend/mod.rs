@@ -648,6 +648,13 @@ impl Vq {
         g.write(self.desc, &vec![0u8; 16 * usize::from(self.size)]);
         g.write(self.avail, &vec![0u8; 6 + 2 * usize::from(self.size)]);
         g.write(self.used, &vec![0u8; 6 + 8 * usize::from(self.size)]);
+        self.attach(conn, g, 0, true);
+    }
+
+    /// Hands the rings as they are in memory to a (new) daemon, resuming
+    /// the avail ring at `base`: NUM, ADDR, BASE, then CALL and KICK in
+    /// QEMU's order (`call_first`) or the other, then ENABLE. Writes no kick.
+    pub fn attach(&self, conn: &Conn, g: &Guest, base: u16, call_first: bool) {
         conn.ok(
             SET_VRING_NUM,
             &vring_state(self.index, self.size.into()),
@@ -660,10 +667,17 @@ impl Vq {
             g.va(self.avail),
         );
         conn.ok(SET_VRING_ADDR, &addr, &[]);
-        conn.ok(SET_VRING_BASE, &vring_state(self.index, 0), &[]);
+        conn.ok(SET_VRING_BASE, &vring_state(self.index, base.into()), &[]);
         let idx = u64_payload(u64::from(self.index));
-        conn.ok(SET_VRING_CALL, &idx, &[self.call.as_raw_fd()]);
-        conn.ok(SET_VRING_KICK, &idx, &[self.kick.as_raw_fd()]);
+        let call = || conn.ok(SET_VRING_CALL, &idx, &[self.call.as_raw_fd()]);
+        let kick = || conn.ok(SET_VRING_KICK, &idx, &[self.kick.as_raw_fd()]);
+        if call_first {
+            call();
+            kick();
+        } else {
+            kick();
+            call();
+        }
         conn.ok(SET_VRING_ENABLE, &vring_state(self.index, 1), &[]);
     }
 
