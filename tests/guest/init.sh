@@ -17,7 +17,7 @@
 #
 # Disk layout (MiB offsets; the host test relies on it):
 #   [0, fio_mb)                single-job fio write+verify
-#   [fio_mb, fio_mb+16)        two fio jobs, 8 MiB each
+#   [fio_mb, fio_mb+16)        one fio job per CPU, 16 MiB split between them
 #   48 .. 52                   discard, then write-zeroes and read back
 #   52 .. 56                   large direct I/O (4 MiB requests, max segments)
 #   56 .. 57                   pattern written by the guest (host checks it)
@@ -222,19 +222,23 @@ else
     show_log fio-verify
 fi
 
-# ---- fio: two jobs, each on its own 8 MiB range (and CPU, hence queue) ----
+# ---- fio: one job per CPU (at most one per queue), each on its own part
+# of a 16 MiB range, so that every CPU, hence every queue, does I/O ----
+jobs=$(nproc)
+[ "$jobs" -gt "$QUEUES" ] && jobs=$QUEUES
+per_job=$((16 / jobs))
 cpus=
-[ "$(nproc)" -ge 2 ] && cpus="--cpus_allowed=0-1 --cpus_allowed_policy=split"
+[ "$jobs" -ge 2 ] && cpus="--cpus_allowed=0-$((jobs - 1)) --cpus_allowed_policy=split"
 # shellcheck disable=SC2086 # $cpus is two words or none
-if step fio-2jobs fio --name=twojobs --filename="$DEV" --ioengine=libaio --direct=1 \
-    --iodepth=8 --rw=randwrite --bssplit=4k/60:32k/40 --numjobs=2 $cpus \
-    --offset="${FIO_MB}M" --offset_increment=8M --size=8M \
+if step fio-jobs fio --name=jobs --filename="$DEV" --ioengine=libaio --direct=1 \
+    --iodepth=8 --rw=randwrite --bssplit=4k/60:32k/40 --numjobs="$jobs" $cpus \
+    --offset="${FIO_MB}M" --offset_increment="${per_job}M" --size="${per_job}M" \
     --verify=crc32c --verify_fatal=1 --verify_state_save=0 --exitall_on_error=1 \
     --group_reporting; then
-    pass fio-2jobs
+    pass fio-jobs
 else
-    fail fio-2jobs "exit status $?"
-    show_log fio-2jobs
+    fail fio-jobs "exit status $? ($jobs jobs)"
+    show_log fio-jobs
 fi
 
 # ---- Every request queue completed requests: interrupts per virtqueue ----
