@@ -5,8 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-/// Default location of everything `ringblk serve` creates on its own.
-pub const DEFAULT_DIR: &str = "/tmp/ringblk";
+/// Where `ringblk serve` listens, and the image it creates, by default.
 pub const DEFAULT_SOCKET: &str = "/tmp/ringblk/vhost.sock";
 pub const DEFAULT_IMAGE: &str = "/tmp/ringblk/disk.img";
 

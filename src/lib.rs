@@ -4,14 +4,20 @@
 //! - [`virtio`]: the split ring as we drive it (shadowed indices, batched
 //!   used-ring publication, notification decisions) and the typed, validated
 //!   block [`virtio::Request`];
-//! - [`io`]: the image and the I/O engines (io_uring, null);
-//! - [`vhost`]: the glue to `vhost-user-backend`: one worker per queue;
+//! - [`io`]: the image (opening, creating, probing it);
+//! - [`engine`]: the I/O engines behind one contract (io_uring, null): a
+//!   validated request in, a completion out; every engine-specific choice
+//!   (opcodes, bounce buffers, fallbacks, retries) stays there;
+//! - [`vhost`]: the glue to `vhost-user-backend`: one worker per queue,
+//!   which decides when to pop, submit, publish, notify and journal;
 //! - [`daemon`]: configuration, the socket, signals, the serve loop;
 //! - [`metrics`] and [`bench`]: what we measure and how.
 
 pub mod bench;
 pub mod cli;
+pub mod cpu;
 pub mod daemon;
+pub mod engine;
 pub mod io;
 pub mod metrics;
 pub mod unix_socket;

@@ -1,11 +1,14 @@
 //! Turns command-line arguments into a validated device configuration.
 
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
 use crate::cli::{DEFAULT_IMAGE, EngineKind, ServeArgs};
+use crate::engine::UringConfig;
 use crate::io::{Image, ImageOptions};
 use crate::vhost::WorkerConfig;
 use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
@@ -22,6 +25,8 @@ pub struct Config {
     pub image: Image,
     pub image_created: bool,
     pub worker: WorkerConfig,
+    /// How each queue's io_uring engine is set up (`--engine uring`).
+    pub uring: UringConfig,
 }
 
 impl Config {
@@ -52,6 +57,7 @@ impl Config {
         if args.iopoll && !args.direct {
             return Err(DaemonError::Config("--iopoll needs --direct".into()));
         }
+        crate::cpu::check_cpus(&args.cpus).map_err(DaemonError::Config)?;
         let (path, created) = match &args.image {
             Some(p) => (p.clone(), false),
             None => {
@@ -82,13 +88,22 @@ impl Config {
             .unwrap_or_else(|| image.default_serial());
         let mut serial = [0u8; VIRTIO_BLK_ID_BYTES as usize];
         serial[..serial_str.len()].copy_from_slice(serial_str.as_bytes());
+        let writeback = Arc::new(AtomicBool::new(!args.writethrough));
         let worker = WorkerConfig {
             limits,
             serial,
-            engine: args.engine,
             notify: args.notify,
             signal: args.signal,
             poll_us: args.poll_us,
+            max_batch: args.max_batch,
+            queue_size: args.queue_size,
+            writeback: writeback.clone(),
+            stopping: AtomicBool::new(false),
+        };
+        let uring = UringConfig {
+            image_fd: image.file.as_raw_fd(),
+            // Room for every request of a full ring.
+            entries: u32::from(args.queue_size).next_power_of_two(),
             sqpoll: args.sqpoll,
             iopoll: args.iopoll
                 && {
@@ -102,19 +117,17 @@ impl Config {
                 },
             fixed_buffers: args.fixed_buffers,
             uring_cmd: !args.no_uring_cmd,
-            max_batch: args.max_batch,
             direct: args.direct && args.engine == EngineKind::Uring,
             dio_align: image.dio_align as usize,
             is_block_device: image.is_block_device,
-            queue_size: args.queue_size,
-            writeback: AtomicBool::new(!args.writethrough),
-            stopping: AtomicBool::new(false),
+            writeback,
         };
         Ok(Config {
             args,
             image,
             image_created: created,
             worker,
+            uring,
         })
     }
 }

@@ -9,7 +9,6 @@ mod config;
 mod seccomp;
 mod socket;
 
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -21,10 +20,11 @@ use vhost_user_backend::VhostUserDaemon;
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
 
-use crate::cli::ServeArgs;
-use crate::io::{EngineError, ImageError};
+use crate::cli::{EngineKind, ServeArgs};
+use crate::engine::{Engine, EngineError, NullEngine, UringEngine};
+use crate::io::ImageError;
 use crate::metrics::QueueMetrics;
-use crate::vhost::{BlkBackend, ExitEvents, QueueWorker, WorkerConfig, proxy};
+use crate::vhost::{BlkBackend, Drain, ExitEvents, QueueWorker, WorkerConfig, proxy};
 use crate::virtio::config::{config_space, device_features};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
 
@@ -50,7 +50,7 @@ pub enum DaemonError {
 }
 
 /// The backend serving the current connection, for the signal handler.
-type Current = Arc<Mutex<Option<Arc<BlkBackend>>>>;
+type Current = Arc<Mutex<Option<Arc<dyn Drain>>>>;
 
 /// Runs `ringblk serve` until SIGINT/SIGTERM.
 pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
@@ -88,80 +88,126 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // Before the filter: installing it calls rt_sigaction.
     crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
     seccomp::install(cfg.args.seccomp)?;
-    loop {
-        let replaced = crate::vhost::sigbus::replaced_pages();
-        let front = accept(&listener)?;
-        let workers = (0..num_queues)
-            .map(|i| {
-                let cpu =
-                    (!cfg.args.cpus.is_empty()).then(|| cfg.args.cpus[i % cfg.args.cpus.len()]);
-                QueueWorker::new(
-                    worker_cfg.clone(),
-                    metrics[i].clone(),
-                    cfg.image.file.as_raw_fd(),
-                    cpu,
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        // The guest may have turned the write cache off; a new connection
-        // starts from what we advertise.
-        worker_cfg
-            .writeback
-            .store(!cfg.args.writethrough, Ordering::Relaxed);
-        let backend = Arc::new(BlkBackend::new(
-            worker_cfg.clone(),
-            workers,
-            space,
-            features,
-            exit_events.clone(),
-        ));
-        let mut daemon = VhostUserDaemon::new(
-            "ringblk".into(),
-            backend.clone(),
-            GuestMemoryAtomic::new(GuestMem::new()),
-        )
-        .map_err(|e| DaemonError::Vhost(e.to_string()))?;
-        for (i, h) in daemon.get_epoll_handlers().iter().enumerate() {
-            if let Some(fd) = backend.worker(i).completion_fd() {
-                h.register_listener(fd, EventSet::IN, backend.completion_event_id())
-                    .map_err(|e| {
-                        DaemonError::Vhost(format!("registering completion eventfd: {e}"))
-                    })?;
-            }
+    let conn = Connections {
+        args: &cfg.args,
+        listener: &listener,
+        metrics: &metrics,
+        worker_cfg: &worker_cfg,
+        exit_events: &exit_events,
+        current: &current,
+        inner: &mut inner,
+        space,
+        features,
+    };
+    match cfg.args.engine {
+        EngineKind::Uring => conn.serve(|m| UringEngine::new(cfg.uring.clone(), m.clone())),
+        EngineKind::Null => {
+            let capacity = usize::from(cfg.args.queue_size);
+            conn.serve(|_| Ok(NullEngine::new(capacity)))
         }
-        *current.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend.clone());
-        // vhost-user-backend accepts its own connection; give it one end of
-        // a private socket and relay the front-end's messages to it.
-        let back = inner.connect()?;
-        daemon
-            .start(&mut inner.listener)
+    }
+}
+
+/// What every connection is served with.
+struct Connections<'a> {
+    args: &'a ServeArgs,
+    listener: &'a UnixListener,
+    metrics: &'a [Arc<QueueMetrics>],
+    worker_cfg: &'a Arc<WorkerConfig>,
+    exit_events: &'a Arc<ExitEvents>,
+    current: &'a Current,
+    inner: &'a mut InnerSocket,
+    space: [u8; crate::virtio::config::CONFIG_LEN],
+    features: u64,
+}
+
+impl Connections<'_> {
+    /// Serves one front-end after the other, each with fresh workers and
+    /// engines from `engine`, until the process is stopped.
+    fn serve<E: Engine + 'static>(
+        self,
+        engine: impl Fn(&Arc<QueueMetrics>) -> Result<E, EngineError>,
+    ) -> Result<(), DaemonError> {
+        let (args, worker_cfg) = (self.args, self.worker_cfg);
+        loop {
+            let replaced = crate::vhost::sigbus::replaced_pages();
+            let front = accept(self.listener)?;
+            let workers = self
+                .metrics
+                .iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    let cpu = (!args.cpus.is_empty()).then(|| args.cpus[i % args.cpus.len()]);
+                    Ok(QueueWorker::new(
+                        worker_cfg.clone(),
+                        m.clone(),
+                        engine(m)?,
+                        cpu,
+                    ))
+                })
+                .collect::<Result<Vec<_>, EngineError>>()?;
+            // The guest may have turned the write cache off; a new connection
+            // starts from what we advertise.
+            worker_cfg
+                .writeback
+                .store(!args.writethrough, Ordering::Relaxed);
+            let backend = Arc::new(BlkBackend::new(
+                worker_cfg.clone(),
+                workers,
+                self.space,
+                self.features,
+                self.exit_events.clone(),
+            ));
+            let mut daemon = VhostUserDaemon::new(
+                "ringblk".into(),
+                backend.clone(),
+                GuestMemoryAtomic::new(GuestMem::new()),
+            )
             .map_err(|e| DaemonError::Vhost(e.to_string()))?;
-        let relay = proxy::relay(front, back, backend.clone())
-            .map_err(|e| DaemonError::Vhost(format!("relay: {e}")))?;
-        log::info!("front-end connected");
-        match daemon.wait() {
-            Ok(())
-            | Err(vhost_user_backend::Error::HandleRequest(
-                vhost::vhost_user::Error::Disconnected,
-            )) => {
-                log::info!("front-end disconnected; waiting for the next one")
+            for (i, h) in daemon.get_epoll_handlers().iter().enumerate() {
+                if let Some(fd) = backend.worker(i).completion_fd() {
+                    h.register_listener(fd, EventSet::IN, backend.completion_event_id())
+                        .map_err(|e| {
+                            DaemonError::Vhost(format!("registering completion eventfd: {e}"))
+                        })?;
+                }
             }
-            Err(e) => log::warn!("connection ended: {e}; waiting for the next one"),
+            *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend.clone());
+            // vhost-user-backend accepts its own connection; give it one end of
+            // a private socket and relay the front-end's messages to it.
+            let back = self.inner.connect()?;
+            daemon
+                .start(&mut self.inner.listener)
+                .map_err(|e| DaemonError::Vhost(e.to_string()))?;
+            let relay = proxy::relay(front, back, backend.clone())
+                .map_err(|e| DaemonError::Vhost(format!("relay: {e}")))?;
+            log::info!("front-end connected");
+            match daemon.wait() {
+                Ok(())
+                | Err(vhost_user_backend::Error::HandleRequest(
+                    vhost::vhost_user::Error::Disconnected,
+                )) => {
+                    log::info!("front-end disconnected; waiting for the next one")
+                }
+                Err(e) => log::warn!("connection ended: {e}; waiting for the next one"),
+            }
+            // Every worker stops taking kicks and finishes what it took,
+            // before its thread is told to exit and the workers are dropped.
+            backend.drain_all();
+            let replaced = crate::vhost::sigbus::replaced_pages() - replaced;
+            if replaced > 0 {
+                log::warn!(
+                    "the front-end shrank its memory under its own guest: {replaced} page(s) past the end of their file were replaced with zero pages"
+                );
+            }
+            for h in daemon.get_epoll_handlers() {
+                h.send_exit_event();
+            }
+            for t in relay {
+                let _ = t.join();
+            }
+            *self.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
-        backend.drain_all();
-        let replaced = crate::vhost::sigbus::replaced_pages() - replaced;
-        if replaced > 0 {
-            log::warn!(
-                "the front-end shrank its memory under its own guest: {replaced} page(s) past the end of their file were replaced with zero pages"
-            );
-        }
-        for h in daemon.get_epoll_handlers() {
-            h.send_exit_event();
-        }
-        for t in relay {
-            let _ = t.join();
-        }
-        *current.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 }
 

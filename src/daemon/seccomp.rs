@@ -13,13 +13,18 @@
 //! `--seccomp enforce`. A few entries no trace showed are kept on purpose;
 //! each says why. Arguments are checked where that is cheap and
 //! meaningful: no executable mappings, affinity of the calling thread
-//! only, only the `fcntl`/`prctl`/`ioctl` commands in use, Unix sockets
-//! only, `openat` of directories only.
+//! only, only the `fcntl`/`prctl`/`ioctl` commands and `fallocate` modes
+//! in use, Unix sockets only. `openat` is not allowed at all.
 //!
 //! What the filter cannot see: io_uring operations. They are constrained by
-//! the rings themselves (created disabled, restricted to six opcodes on the
-//! registered image; see `io::uring`). `io_uring_setup` must stay allowed
-//! because each connection creates its rings.
+//! the rings themselves (created disabled, restricted to the six opcodes of
+//! `engine::ring`, plus the discard command on a block device whose kernel
+//! has it, all on the registered image only). `io_uring_setup` must stay
+//! allowed because each connection creates its rings.
+//!
+//! Each engine's blocking fallbacks (`engine::sync`: fdatasync, fallocate
+//! in the engine's modes, BLKDISCARD) are on the list; a test runs each of
+//! them under the filter.
 //!
 //! Lazy first uses. Some libraries make a syscall the first time a thing
 //! happens, which in a long-running daemon can be long after start-up; the
@@ -267,8 +272,15 @@ fn allowed() -> Vec<(i64, Rules)> {
             arg_in(0, &[SIGSEGV as u64, SIGBUS as u64]),
         ),
         // Shutdown: make the image durable, remove the sockets and the
-        // relay's private directory.
+        // relay's private directory. fdatasync is also the io_uring
+        // engine's blocking flush on an IOPOLL ring.
         (SYS_fdatasync, any()),
+        // The io_uring engine's blocking discard and write-zeroes on an
+        // IOPOLL ring (`engine::sync`), in the modes it uses and no other.
+        (
+            SYS_fallocate,
+            arg_in(1, &crate::engine::FALLOCATE_MODES.map(|m| m as u64)),
+        ),
         (SYS_unlink, any()),
         (SYS_rmdir, any()),
         // File::metadata of a received or created memfd.
@@ -412,6 +424,66 @@ mod tests {
             "status {status:#x}, stderr {err:?}"
         );
         assert_eq!(libc::WEXITSTATUS(status), 0, "{err:?}");
+    }
+
+    /// Every blocking fallback an engine can make after start-up
+    /// (`engine::sync`), run in a child under the enforcing filter: none
+    /// may trap. (`--iopoll` once killed the daemon on a guest's
+    /// write-zeroes: fallocate was not on the list.)
+    #[test]
+    fn engine_fallbacks_run_under_the_filter() {
+        use crate::engine::{FALLOCATE_MODES, sync};
+        use std::os::fd::AsRawFd;
+        if !kernel_has_seccomp() {
+            eprintln!("skipped: the kernel has no seccomp");
+            return;
+        }
+        let image = tempfile::tempfile().unwrap();
+        image.set_len(1 << 20).unwrap();
+        let fd = image.as_raw_fd();
+        let program = compile(SeccompAction::Trap).unwrap();
+        let status = run_in_child_under(&program, || {
+            let mut ok = sync::flush(fd).is_ok();
+            for mode in FALLOCATE_MODES {
+                ok &= sync::fallocate(fd, mode, 4096, 4096).is_ok();
+            }
+            // Not a block device: the ioctl fails (ENOTTY), but it is made.
+            ok &= sync::discard_block_device(fd, 0, 4096).is_err();
+            ok
+        });
+        assert_eq!(status, Ok(true), "a fallback trapped or failed");
+    }
+
+    /// Runs `f` in a forked child under `program`; its result, or the
+    /// child's exit status if it did not return (a trapped syscall exits
+    /// with EXIT_BAD_SYSCALL).
+    fn run_in_child_under(program: &BpfProgram, f: impl FnOnce() -> bool) -> Result<bool, i32> {
+        // SAFETY: the child runs `f` (plain syscalls on an fd the parent
+        // opened, no locks taken by other threads) and exits with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            let code = if install_sigsys_handler().is_err()
+                || seccompiler::apply_filter(program).is_err()
+            {
+                99
+            } else if f() {
+                0
+            } else {
+                1
+            };
+            // SAFETY: _exit is async-signal-safe and never returns.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: pid is our child; status is a valid out-pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
+            (true, 0) => Ok(true),
+            (true, 1) => Ok(false),
+            (true, code) => Err(code),
+            _ => Err(-status),
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use vmm_sys_util::ioctl::{ioctl_with_mut_ref, ioctl_with_ref};
+use vmm_sys_util::ioctl::ioctl_with_mut_ref;
 use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr};
 
 ioctl_ior_nr!(BLKGETSIZE64, 0x12, 114, u64);
@@ -14,21 +14,6 @@ ioctl_ior_nr!(BLKGETSIZE64, 0x12, 114, u64);
 ioctl_io_nr!(BLKSSZGET, 0x12, 104);
 // The kernel reads a [start, len] pair of u64s; `_IO` all the same.
 ioctl_io_nr!(BLKDISCARD, 0x12, 119);
-
-/// Discards `len` bytes at `offset` of the block device `fd`, blocking.
-/// For kernels that cannot do it through io_uring (before 6.12): the
-/// fallocate modes that look like discard zero a block device instead.
-pub fn discard_block_device(fd: &impl AsRawFd, offset: u64, len: u64) -> io::Result<()> {
-    let range: [u64; 2] = [offset, len];
-    // SAFETY: BLKDISCARD reads two u64s through the pointer, which points at
-    // `range` for the whole call; it writes nothing.
-    let ret = unsafe { ioctl_with_ref(fd, BLKDISCARD(), &range) };
-    if ret == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
 
 /// Why an image cannot be served. Each message fits on one line.
 #[derive(Debug, thiserror::Error)]

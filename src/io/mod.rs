@@ -1,12 +1,7 @@
-//! The I/O layer: the image and the engines that execute requests on it.
-//!
-//! The engine only sees validated [`crate::virtio::Request`]s and plain
-//! iovecs; it knows nothing of rings or guests.
+//! The image: opening and creating it, and what it is (size, block size,
+//! O_DIRECT alignment, file or block device). The engines that do I/O on it
+//! are [`crate::engine`].
 
-mod bounce;
 mod image;
-mod uring;
 
-pub use bounce::AlignedBuf;
-pub use image::{BLKDISCARD, Image, ImageError, ImageOptions, discard_block_device};
-pub use uring::{EngineError, Uring, UringOptions, op};
+pub use image::{BLKDISCARD, Image, ImageError, ImageOptions};

@@ -15,6 +15,7 @@ use vmm_sys_util::event::{
     EventConsumer, EventFlag, EventNotifier, new_event_consumer_and_notifier,
 };
 
+use crate::engine::Engine;
 use crate::virtio::GuestMem;
 use crate::virtio::config::{CONFIG_LEN, read_config};
 
@@ -61,24 +62,32 @@ impl ExitEvents {
     }
 }
 
-pub struct BlkBackend {
+pub struct BlkBackend<E: Engine> {
     cfg: Arc<WorkerConfig>,
     /// One per queue; each is locked only by its own worker thread, except
     /// by the protocol thread when the ring is stopped or reset.
-    workers: Vec<Mutex<QueueWorker>>,
+    workers: Vec<Mutex<QueueWorker<E>>>,
     config: Mutex<[u8; CONFIG_LEN]>,
     features: u64,
     exit_events: Arc<ExitEvents>,
 }
 
-impl BlkBackend {
+/// What the daemon's signal handler needs of the device of the current
+/// connection, whatever its engine.
+pub trait Drain: Send + Sync {
+    /// Takes no more requests and completes everything in flight, on every
+    /// queue.
+    fn drain_all(&self);
+}
+
+impl<E: Engine> BlkBackend<E> {
     pub fn new(
         cfg: Arc<WorkerConfig>,
-        workers: Vec<QueueWorker>,
+        workers: Vec<QueueWorker<E>>,
         config: [u8; CONFIG_LEN],
         features: u64,
         exit_events: Arc<ExitEvents>,
-    ) -> BlkBackend {
+    ) -> BlkBackend<E> {
         BlkBackend {
             cfg,
             workers: workers.into_iter().map(Mutex::new).collect(),
@@ -94,21 +103,22 @@ impl BlkBackend {
         self.workers.len() as u64 + 1
     }
 
-    pub fn worker(&self, i: usize) -> MutexGuard<'_, QueueWorker> {
+    pub fn worker(&self, i: usize) -> MutexGuard<'_, QueueWorker<E>> {
         // A poisoned lock means a worker panicked mid-pass; its state is
         // still the best we have, and the daemon must keep serving.
         self.workers[i].lock().unwrap_or_else(|p| p.into_inner())
     }
+}
 
-    /// Completes everything in flight on every queue.
-    pub fn drain_all(&self) {
+impl<E: Engine> Drain for BlkBackend<E> {
+    fn drain_all(&self) {
         for i in 0..self.workers.len() {
             self.worker(i).drain();
         }
     }
 }
 
-impl InflightHost for BlkBackend {
+impl<E: Engine + 'static> InflightHost for BlkBackend<E> {
     fn limits(&self) -> (u16, u16) {
         (self.workers.len() as u16, self.cfg.queue_size)
     }
@@ -157,7 +167,7 @@ fn check_backing(mem: &GuestMem) -> io::Result<()> {
     Ok(())
 }
 
-impl VhostUserBackend for BlkBackend {
+impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     type Bitmap = ();
     type Vring = Vring;
 
@@ -186,7 +196,9 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn reset_device(&self) {
-        self.drain_all();
+        for i in 0..self.workers.len() {
+            self.worker(i).stop();
+        }
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
@@ -237,7 +249,7 @@ impl VhostUserBackend for BlkBackend {
         // GET_VRING_BASE: everything we took off the ring must be on the
         // used ring before the front-end reads our next_avail.
         if let Some(w) = self.workers.get(queue_index as usize) {
-            w.lock().unwrap_or_else(|p| p.into_inner()).drain();
+            w.lock().unwrap_or_else(|p| p.into_inner()).stop();
         }
         Ok(())
     }

@@ -9,5 +9,5 @@ mod resubmit;
 pub mod sigbus;
 mod worker;
 
-pub use backend::{BlkBackend, ExitEvents};
+pub use backend::{BlkBackend, Drain, ExitEvents};
 pub use worker::{QueueWorker, Vring, WorkerConfig};

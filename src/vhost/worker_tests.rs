@@ -2,7 +2,7 @@
 //! mock split queue: what a crash leaves behind and what a restart does
 //! with it.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -14,22 +14,31 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::*;
-use crate::cli::{EngineKind, NotifyMode, SignalMode};
+use crate::cli::{NotifyMode, SignalMode};
+use crate::engine::{UringConfig, UringEngine};
 use crate::vhost::inflight::{InflightQueue, InflightRegion};
-use crate::virtio::testing::{DATA, Driver, HDR, STATUS, guest_memory, limits, r, w};
+use crate::virtio::testing::{self, DATA, Driver, HDR, STATUS, guest_memory, limits, r, w};
 
 const QSIZE: u16 = 16;
 
 struct Rig<'a> {
     driver: Driver<'a>,
     vring: Vring,
-    worker: QueueWorker,
+    worker: QueueWorker<UringEngine>,
     image: std::fs::File,
     region: Arc<InflightRegion>,
     _call: EventFd,
 }
 
 fn rig(mem: &GuestMem) -> Rig<'_> {
+    let image = tempfile::tempfile().unwrap();
+    image.set_len(1 << 30).unwrap();
+    rig_with(mem, QSIZE, image)
+}
+
+/// A rig whose worker is configured for queues of at most `max_queue`
+/// (its engine has room for that many requests) over `image`.
+fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
     let driver = Driver::new(mem, QSIZE);
     let atomic = GuestMemoryAtomic::new(mem.clone());
     let vring = Vring::new(atomic.clone(), QSIZE).unwrap();
@@ -51,28 +60,36 @@ fn rig(mem: &GuestMem) -> Rig<'_> {
         std::fs::File::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(dup))
     }));
 
-    let image = tempfile::tempfile().unwrap();
-    image.set_len(1 << 30).unwrap();
+    let writeback = Arc::new(AtomicBool::new(true));
     let cfg = Arc::new(WorkerConfig {
         limits: limits(),
         serial: *b"worker-test-serial\0\0",
-        engine: EngineKind::Uring,
         notify: NotifyMode::Batched,
         signal: SignalMode::Early,
         poll_us: 0,
-        sqpoll: false,
-        iopoll: false,
-        fixed_buffers: false,
-        uring_cmd: true,
         max_batch: 0,
-        direct: false,
-        dio_align: 512,
-        is_block_device: false,
-        queue_size: QSIZE,
-        writeback: AtomicBool::new(true),
+        queue_size: max_queue,
+        writeback: writeback.clone(),
         stopping: AtomicBool::new(false),
     });
-    let mut worker = QueueWorker::new(cfg, Arc::default(), image.as_raw_fd(), None).unwrap();
+    let metrics: Arc<QueueMetrics> = Arc::default();
+    let engine = UringEngine::new(
+        UringConfig {
+            image_fd: image.as_raw_fd(),
+            entries: u32::from(max_queue).next_power_of_two(),
+            sqpoll: false,
+            iopoll: false,
+            fixed_buffers: false,
+            uring_cmd: true,
+            direct: false,
+            dio_align: 512,
+            is_block_device: false,
+            writeback,
+        },
+        metrics.clone(),
+    )
+    .unwrap();
+    let mut worker = QueueWorker::new(cfg, metrics, engine, None);
     worker.set_memory(atomic);
     let region = Arc::new(InflightRegion::create(1, QSIZE).unwrap());
     Rig {
@@ -201,4 +218,127 @@ fn a_restart_resubmits_what_was_in_flight() {
     assert_eq!(rig.driver.used_idx(), 4, "no request ran twice");
     let mut after = InflightQueue::new(rig.region.clone(), 0).unwrap();
     assert_eq!(after.recover(4).resubmit, Vec::<u16>::new());
+}
+
+/// Requests a restart must resubmit can outnumber what the engine takes at
+/// once. Each one left over waits its turn with the memory it was parsed
+/// against, and none is lost (one deferred slot used to keep only the last).
+#[test]
+fn resubmitted_requests_beyond_the_engine_room_all_complete() {
+    let mem = guest_memory();
+    let image = tempfile::tempfile().unwrap();
+    image.set_len(1 << 30).unwrap();
+    // An engine with room for 2; 5 requests to resubmit (3 slots each).
+    let mut rig = rig_with(&mem, 2, image);
+    let mut old = InflightQueue::new(rig.region.clone(), 0).unwrap();
+    old.recover(0);
+    let heads: Vec<u16> = (0..5).map(|i| i * 3).collect();
+    for (i, &head) in heads.iter().enumerate() {
+        let data = DATA + 0x1000 * i as u64;
+        mem.write_slice(&[0x20 + i as u8; 4096], GuestAddress(data))
+            .unwrap();
+        rig.post_rw(head, true, 8 * i as u64, data);
+        old.mark(head);
+    }
+    rig.worker
+        .set_inflight(InflightQueue::new(rig.region.clone(), 0));
+    rig.complete_until(5);
+    for (i, &head) in heads.iter().enumerate() {
+        assert_eq!(rig.status(head), 0, "request {i}");
+        assert!(
+            rig.image_at(8 * 512 * i as u64, 4096) == vec![0x20 + i as u8; 4096],
+            "request {i} is not in the image"
+        );
+    }
+}
+
+/// Once the connection is over (`drain` at disconnect), a late kick must
+/// not start the ring again: requests it took would still be in flight
+/// when the worker is dropped.
+#[test]
+fn after_the_drain_at_disconnect_a_kick_takes_nothing() {
+    let mem = guest_memory();
+    let mut rig = rig(&mem);
+    rig.post_rw(0, true, 8, DATA);
+    rig.complete_until(1);
+    rig.worker.drain();
+    mem.write_obj(0xffu8, GuestAddress(STATUS + 3)).unwrap();
+    rig.post_rw(3, true, 16, DATA);
+    rig.worker.handle_event(&rig.vring, true);
+    std::thread::sleep(Duration::from_millis(50));
+    rig.worker.handle_event(&rig.vring, false);
+    assert_eq!(
+        rig.driver.used_idx(),
+        1,
+        "a request was taken after the drain"
+    );
+    assert_eq!(rig.status(3), 0xff, "a request was served after the drain");
+}
+
+/// A worker dropped while the kernel still owns a request's buffers waits
+/// for that request: it must not free the buffers (or close the ring) under
+/// io_uring. The image is a pipe, so the read stays in flight until the
+/// test writes into it.
+#[test]
+fn dropping_a_worker_waits_for_its_io_in_flight() {
+    let mem = guest_memory();
+    let mut fds = [0; 2];
+    // SAFETY: fds has room for the two descriptors pipe(2) returns.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: pipe(2) just returned these fds; each File takes one over.
+    let (rd, wr) = unsafe {
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
+    };
+    let mut rig = rig_with(&mem, QSIZE, rd);
+    mem.write_slice(&[0u8; 4096], GuestAddress(DATA)).unwrap();
+    rig.post_rw(0, false, 0, DATA);
+    rig.worker.handle_event(&rig.vring, true);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(rig.driver.used_idx(), 0, "the read cannot have completed");
+    let worker = rig.worker;
+    let dropped = std::thread::spawn(move || drop(worker));
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !dropped.is_finished(),
+        "the worker was dropped with a read in flight"
+    );
+    (&wr).write_all(&[0x77; 4096]).unwrap();
+    dropped.join().unwrap();
+    let mut got = [0u8; 4096];
+    mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+    assert_eq!(got, [0x77; 4096], "the read landed where it was sent");
+}
+
+/// Every reaped completion is finished (status byte written, counted) even
+/// when the used ring cannot take one of them: a failure on one request
+/// used to drop the rest of the batch.
+#[test]
+fn a_used_ring_failure_does_not_lose_the_other_completions() {
+    let mem = guest_memory();
+    let mut rig = rig(&mem);
+    // A used ring with room for one element before guest memory ends.
+    let used = testing::A_END - 4 - 8;
+    rig.vring
+        .get_mut()
+        .set_queue_info(
+            rig.driver.mock.desc_table_addr().0,
+            rig.driver.mock.avail_addr().0,
+            used,
+        )
+        .unwrap();
+    for (i, head) in [0u16, 3, 6].into_iter().enumerate() {
+        mem.write_obj(0xffu8, GuestAddress(STATUS + u64::from(head)))
+            .unwrap();
+        rig.post_rw(head, true, 8 * i as u64, DATA);
+    }
+    rig.worker.handle_event(&rig.vring, true);
+    rig.worker.drain();
+    for head in [0u16, 3, 6] {
+        assert_eq!(rig.status(head), 0, "request {head} never finished");
+    }
+    let done = rig.worker.metrics.requests[RequestType::Write as usize].load(Ordering::Relaxed);
+    assert_eq!(done, 3, "writes counted as done");
 }

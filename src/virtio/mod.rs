@@ -23,4 +23,3 @@ pub type GuestMem = GuestMemoryMmap<()>;
 
 /// Virtio-blk sectors are always 512 bytes, whatever the block size.
 pub const SECTOR_SHIFT: u32 = 9;
-pub const SECTOR_SIZE: u64 = 1 << SECTOR_SHIFT;

@@ -91,13 +91,87 @@ pub enum RequestKind {
 /// Data buffers as host iovecs, pointing into guest memory.
 ///
 /// Raw pointers make `iovec` neither `Send` nor `Sync`; this wrapper is.
+/// Nothing here keeps the memory mapped: whoever dereferences the iovecs
+/// must hold the snapshot they were translated from (an
+/// [`crate::engine::Io`] does), which is what the `unsafe` methods below
+/// ask of their callers.
 #[derive(Debug, Default)]
 pub struct HostBuffers(pub Vec<libc::iovec>);
 
-// SAFETY: the pointers are plain addresses into guest memory mappings; the
-// request that owns them also keeps the mapping alive (see `io`). Moving the
-// vector to another thread does not change what it points to.
+// SAFETY: the vector holds plain addresses; moving it to another thread
+// changes neither what they point to nor who may dereference them (only
+// code that holds the mapping, see above).
 unsafe impl Send for HostBuffers {}
+
+impl HostBuffers {
+    /// Copies `src` into the buffers, as far as they reach.
+    ///
+    /// # Safety
+    /// Every iovec must point into guest memory that is still mapped and
+    /// device-writable (the caller holds the snapshot it was parsed
+    /// against).
+    pub unsafe fn fill_from(&self, src: &[u8]) {
+        let mut off = 0;
+        for v in &self.0 {
+            let n = v.iov_len.min(src.len() - off);
+            // SAFETY: the caller keeps `v` mapped and writable; src holds
+            // at least off + n bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src[off..].as_ptr(), v.iov_base.cast::<u8>(), n)
+            };
+            off += n;
+            if off == src.len() {
+                break;
+            }
+        }
+    }
+
+    /// Zero-fills the buffers.
+    ///
+    /// # Safety
+    /// As for [`HostBuffers::fill_from`].
+    pub unsafe fn zero(&self) {
+        for v in &self.0 {
+            // SAFETY: the caller keeps `v` mapped and writable.
+            unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
+        }
+    }
+
+    /// Copies the buffers, one after the other, into `dst`, which must
+    /// hold their total length.
+    ///
+    /// # Safety
+    /// Every iovec must point into guest memory that is still mapped.
+    pub unsafe fn gather_into(&self, dst: &mut [u8]) {
+        let mut off = 0;
+        for v in &self.0 {
+            let n = v.iov_len.min(dst.len() - off);
+            // SAFETY: the caller keeps `v` mapped for iov_len bytes; dst has
+            // room for n more at off.
+            unsafe {
+                std::ptr::copy_nonoverlapping(v.iov_base.cast::<u8>(), dst[off..].as_mut_ptr(), n)
+            };
+            off += n;
+        }
+    }
+
+    /// Copies `src` into the buffers, one after the other (the reverse of
+    /// [`HostBuffers::gather_into`]).
+    ///
+    /// # Safety
+    /// As for [`HostBuffers::fill_from`].
+    pub unsafe fn scatter_from(&self, src: &[u8]) {
+        // SAFETY: the same contract.
+        unsafe { self.fill_from(src) }
+    }
+
+    /// Whether every buffer starts and ends on an `align` boundary.
+    pub fn aligned_to(&self, align: usize) -> bool {
+        self.0
+            .iter()
+            .all(|v| (v.iov_base as usize) % align == 0 && v.iov_len % align == 0)
+    }
+}
 
 /// A validated request, ready for the I/O layer.
 #[derive(Debug)]

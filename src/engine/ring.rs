@@ -1,4 +1,5 @@
-//! The io_uring engine: one ring per queue worker.
+//! One io_uring, as [`super::uring`] drives it: setup, submission and
+//! completion counting, and the SQE builders.
 //!
 //! Set up the way the KVM Forum 2020 io_uring talk and Firecracker do it:
 //! the ring is created disabled, the image is registered as fixed file 0, an
@@ -13,7 +14,8 @@ use io_uring::register::Restriction;
 use io_uring::{IoUring, opcode, squeue, types};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-/// Opcodes the ring may execute.
+/// Opcodes the ring may execute; block devices add `UringCmd16` for
+/// discard where the kernel has it (see [`build`]).
 const ALLOWED_OPS: [u8; 6] = [
     opcode::Readv::CODE,
     opcode::Writev::CODE,
@@ -57,7 +59,7 @@ pub struct UringOptions {
 }
 
 /// One io_uring with its registered file and completion eventfd.
-pub struct Uring {
+pub struct Ring {
     ring: IoUring,
     eventfd: EventFd,
     /// Pushed to the SQ, not yet submitted.
@@ -66,7 +68,6 @@ pub struct Uring {
     in_flight: u32,
     capacity: u32,
     /// What the ring really got (a requested mode may have been refused).
-    pub sqpoll: bool,
     pub iopoll: bool,
     /// The ring may carry IORING_OP_URING_CMD (block-device discard). Off
     /// when the kernel predates it: restricting to an opcode the kernel
@@ -74,10 +75,10 @@ pub struct Uring {
     pub uring_cmd: bool,
 }
 
-impl Uring {
+impl Ring {
     /// Sets up a ring for `fd`. SQPOLL and IOPOLL fall back, with a warning,
     /// when the kernel refuses them.
-    pub fn new(fd: RawFd, opts: UringOptions) -> Result<Uring, EngineError> {
+    pub fn new(fd: RawFd, opts: UringOptions) -> Result<Ring, EngineError> {
         let eventfd = EventFd::new(EFD_NONBLOCK).map_err(EngineError::EventFd)?;
         let mut sqpoll = opts.sqpoll;
         let mut iopoll = opts.iopoll;
@@ -96,13 +97,12 @@ impl Uring {
                 Err(e) => return Err(e),
             }
         };
-        let u = Uring {
+        let u = Ring {
             ring,
             eventfd,
             queued: 0,
             in_flight: 0,
             capacity: opts.entries,
-            sqpoll,
             iopoll,
             uring_cmd,
         };
@@ -124,11 +124,6 @@ impl Uring {
     /// SQ size, and the CQ (twice that) can never overflow.
     pub fn has_room(&self) -> bool {
         self.queued + self.in_flight < self.capacity
-    }
-
-    /// SQ entries: the most requests in flight at once.
-    pub fn capacity(&self) -> u32 {
-        self.capacity
     }
 
     /// Whether the CQ holds completions not yet reaped (a cheap load of
@@ -154,6 +149,7 @@ impl Uring {
     }
 
     /// Requests submitted or queued and not yet completed.
+    #[cfg(test)]
     pub fn outstanding(&self) -> u32 {
         self.queued + self.in_flight
     }
@@ -285,7 +281,7 @@ fn build(
 }
 
 /// SQE builders for the operations a request maps to. The entries carry
-/// raw pointers: see [`Uring::push`] for who keeps them alive.
+/// raw pointers: see [`Ring::push`] for who keeps them alive.
 pub mod op {
     use super::*;
 
@@ -350,7 +346,7 @@ pub mod op {
     }
 
     /// fallocate(2) with `mode`; on block devices the kernel maps the
-    /// zeroing modes we use to BLKZEROOUT (see `worker`).
+    /// zeroing modes we use to BLKZEROOUT (see `uring`).
     pub fn fallocate(offset: u64, len: u64, mode: i32, user_data: u64) -> squeue::Entry {
         opcode::Fallocate::new(IMAGE, len)
             .offset(offset)
@@ -360,7 +356,7 @@ pub mod op {
     }
 
     /// BLKDISCARD of a block device, asynchronously (Linux 6.12+; older
-    /// kernels answer -EOPNOTSUPP). Needs [`Uring::uring_cmd`].
+    /// kernels answer -EOPNOTSUPP). Needs [`Ring::uring_cmd`].
     pub fn discard_block(offset: u64, len: u64, user_data: u64) -> squeue::Entry {
         let mut cmd = [0u8; 16];
         cmd[..8].copy_from_slice(&len.to_ne_bytes()); // sqe->addr3
@@ -381,7 +377,7 @@ mod tests {
     fn restricted_ring_reads_and_writes_the_fixed_file() {
         let mut f = tempfile::tempfile().unwrap();
         f.write_all(&[0u8; 8192]).unwrap();
-        let mut u = Uring::new(
+        let mut u = Ring::new(
             f.as_raw_fd(),
             UringOptions {
                 entries: 8,
@@ -415,7 +411,7 @@ mod tests {
     fn sqpoll_counts_submitted_entries_as_in_flight() {
         let mut f = tempfile::tempfile().unwrap();
         f.write_all(&[7u8; 4096]).unwrap();
-        let mut u = Uring::new(
+        let mut u = Ring::new(
             f.as_raw_fd(),
             UringOptions {
                 entries: 8,
@@ -448,7 +444,7 @@ mod tests {
     #[test]
     fn restrictions_refuse_other_opcodes() {
         let f = tempfile::tempfile().unwrap();
-        let mut u = Uring::new(
+        let mut u = Ring::new(
             f.as_raw_fd(),
             UringOptions {
                 entries: 4,

@@ -26,14 +26,6 @@ impl AlignedBuf {
         Some(AlignedBuf { ptr, layout })
     }
 
-    pub fn len(&self) -> usize {
-        self.layout.size()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr.as_ptr()
     }

@@ -1,0 +1,544 @@
+//! The io_uring engine: one restricted ring per queue (see [`super::ring`]),
+//! and everything that decides how a request becomes I/O on it.
+//!
+//! - Reads and writes: readv/writev straight into guest memory, or
+//!   READ_FIXED/WRITE_FIXED when a single segment lies in guest memory
+//!   registered as fixed buffers (`--fixed-buffers`); with O_DIRECT, guest
+//!   buffers that are not aligned go through a bounce buffer (counted).
+//! - Flush: fdatasync. Write-zeroes: fallocate ZERO_RANGE, or PUNCH_HOLE
+//!   with UNMAP, retried once as ZERO_RANGE where deallocating is refused.
+//! - Discard: PUNCH_HOLE on a file; on a block device io_uring's discard
+//!   command (Linux 6.12+), else a blocking BLKDISCARD ([`super::sync`]).
+//! - An IOPOLL ring takes only reads and writes: flush, discard and
+//!   write-zeroes then run as blocking syscalls.
+//!
+//! In-flight state lives in a slab sized once, keyed by the SQE's
+//! user_data; completions that needed no ring (fallbacks, empty transfers,
+//! failures found before submission) wait in a queue sized once too.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use io_uring::squeue;
+use slab::Slab;
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+
+use super::bounce::AlignedBuf;
+use super::ring::{EngineError, Ring, UringOptions, op};
+use super::{Completion, Engine, Full, Io, sync};
+use crate::metrics::{QueueMetrics, RateLimiter};
+use crate::virtio::{GuestMem, RequestKind};
+use crate::warn_limited;
+
+/// How a queue's ring is set up, and the image it works on.
+#[derive(Clone, Debug)]
+pub struct UringConfig {
+    /// The image, registered as the ring's fixed file 0.
+    pub image_fd: RawFd,
+    /// Most requests in flight: the ring's SQ size.
+    pub entries: u32,
+    pub sqpoll: bool,
+    /// IOPOLL (with O_DIRECT on a device with poll queues).
+    pub iopoll: bool,
+    /// Register guest memory as fixed buffers.
+    pub fixed_buffers: bool,
+    /// Block-device discard through io_uring when the kernel has it.
+    pub uring_cmd: bool,
+    /// O_DIRECT: guest buffers must be aligned to `dio_align` or bounced.
+    pub direct: bool,
+    pub dio_align: usize,
+    pub is_block_device: bool,
+    /// The guest-visible write cache; when off, writes carry RWF_DSYNC.
+    pub writeback: Arc<AtomicBool>,
+}
+
+/// io_uring refuses fixed buffers over 1 GiB; larger regions are split.
+const FIXED_BUF_MAX: usize = 1 << 30;
+
+/// One request the ring is executing.
+struct Slot {
+    io: Io,
+    /// For a misaligned O_DIRECT read or write: the aligned buffer and the
+    /// one iovec describing it, which the SQE points at.
+    bounce: Option<(AlignedBuf, libc::iovec)>,
+    /// A write-zeroes with UNMAP retried as a plain zero-range.
+    retried: bool,
+}
+
+pub struct UringEngine {
+    ring: Ring,
+    /// Requests on the ring. Created with room for `entries` and never
+    /// holding more (see `room`), so it never reallocates: a slot does not
+    /// move while the kernel holds a pointer into it.
+    slots: Slab<Slot>,
+    /// Finished without the ring, not yet reaped; never longer than
+    /// `entries`.
+    done: VecDeque<Completion>,
+    /// Reaped CQEs, reused across calls.
+    cqes: Vec<(u64, i32)>,
+    cfg: UringConfig,
+    metrics: Arc<QueueMetrics>,
+    log_limit: RateLimiter,
+    /// Block-device discard goes through io_uring; false for files, when
+    /// the ring cannot carry the command, or once the kernel refused it.
+    async_discard: bool,
+    /// Guest memory registered as fixed buffers, and the mapping that keeps
+    /// it valid while registered.
+    fixed: Vec<(usize, usize)>,
+    fixed_mem: Option<Arc<GuestMem>>,
+}
+
+// SAFETY: the raw pointers inside (iovecs of requests and bounce buffers)
+// point into memory the engine owns or holds (`Io::mem`); the engine is
+// moved to its queue's thread once and used only there.
+unsafe impl Send for UringEngine {}
+
+impl UringEngine {
+    pub fn new(cfg: UringConfig, metrics: Arc<QueueMetrics>) -> Result<UringEngine, EngineError> {
+        let ring = Ring::new(
+            cfg.image_fd,
+            UringOptions {
+                entries: cfg.entries,
+                sqpoll: cfg.sqpoll,
+                iopoll: cfg.iopoll,
+                uring_cmd: cfg.uring_cmd && cfg.is_block_device,
+            },
+        )?;
+        let entries = cfg.entries as usize;
+        Ok(UringEngine {
+            async_discard: ring.uring_cmd,
+            ring,
+            slots: Slab::with_capacity(entries),
+            done: VecDeque::with_capacity(entries),
+            cqes: Vec::with_capacity(2 * entries),
+            cfg,
+            metrics,
+            log_limit: RateLimiter::new(10, Duration::from_secs(5)),
+            fixed: Vec::new(),
+            fixed_mem: None,
+        })
+    }
+
+    fn finish_now(&mut self, io: Io, status: u8) {
+        let written = written(&io, status);
+        self.done.push_back(Completion {
+            io,
+            status,
+            written,
+        });
+    }
+
+    /// Whether the request runs as a blocking syscall rather than on the
+    /// ring.
+    fn runs_blocking(&self, kind: RequestKind) -> bool {
+        match kind {
+            // An IOPOLL ring only takes reads and writes.
+            RequestKind::Flush | RequestKind::WriteZeroes(_) => self.ring.iopoll,
+            RequestKind::Discard(_) => {
+                self.ring.iopoll || (self.cfg.is_block_device && !self.async_discard)
+            }
+            _ => false,
+        }
+    }
+
+    /// The blocking version of a flush, discard or write-zeroes.
+    fn run_blocking(&mut self, kind: RequestKind) -> u8 {
+        let fd = self.cfg.image_fd;
+        let res = match kind {
+            RequestKind::Flush => sync::flush(fd),
+            RequestKind::Discard(r) if self.cfg.is_block_device => {
+                sync::discard_block_device(fd, r.offset(), r.len())
+            }
+            RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => {
+                let res = sync::fallocate(fd, fallocate_mode(kind, false), r.offset(), r.len());
+                match res {
+                    Err(e) if is_unsupported(&e) && matches!(kind, RequestKind::WriteZeroes(_)) => {
+                        sync::fallocate(fd, fallocate_mode(kind, true), r.offset(), r.len())
+                    }
+                    other => other,
+                }
+            }
+            RequestKind::Read { .. } | RequestKind::Write { .. } | RequestKind::GetId => Ok(()),
+        };
+        match res {
+            Ok(()) => VIRTIO_BLK_S_OK as u8,
+            // Discard is a hint: a device that cannot do it has done it.
+            Err(e) if is_unsupported(&e) && matches!(kind, RequestKind::Discard(_)) => {
+                VIRTIO_BLK_S_OK as u8
+            }
+            Err(e) => {
+                warn_limited!(self.log_limit, "{kind:?} failed: {e}");
+                VIRTIO_BLK_S_IOERR as u8
+            }
+        }
+    }
+
+    /// The fixed buffer holding `iov` entirely, if any.
+    fn fixed_index(&self, iov: &libc::iovec) -> Option<u16> {
+        let (a, b) = (iov.iov_base as usize, iov.iov_base as usize + iov.iov_len);
+        self.fixed
+            .iter()
+            .position(|&(s, e)| s <= a && b <= e)
+            .map(|i| i as u16)
+    }
+
+    /// The SQE for the request in `slot`, tagged `key`.
+    fn sqe(&self, slot: &Slot, key: u64) -> squeue::Entry {
+        let req = &slot.io.req;
+        let (iov, n) = match &slot.bounce {
+            Some((_, iov)) => (iov as *const libc::iovec, 1),
+            None => (req.data.0.as_ptr(), req.data.0.len() as u32),
+        };
+        let dsync = !self.cfg.writeback.load(Ordering::Relaxed);
+        if n == 1 && slot.bounce.is_none() {
+            if let Some(idx) = self.fixed_index(&req.data.0[0]) {
+                let (buf, len) = (req.data.0[0].iov_base.cast::<u8>(), req.data_len);
+                match req.kind {
+                    RequestKind::Read { .. } => {
+                        return op::read_fixed(buf, len, req.offset(), idx, key);
+                    }
+                    RequestKind::Write { .. } => {
+                        return op::write_fixed(buf, len, req.offset(), idx, dsync, key);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        match req.kind {
+            RequestKind::Read { .. } => op::readv(iov, n, req.offset(), key),
+            RequestKind::Write { .. } => op::writev(iov, n, req.offset(), dsync, key),
+            RequestKind::Discard(r) if self.async_discard => {
+                op::discard_block(r.offset(), r.len(), key)
+            }
+            RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => op::fallocate(
+                r.offset(),
+                r.len(),
+                fallocate_mode(req.kind, slot.retried),
+                key,
+            ),
+            // GET_ID never reaches an engine (the worker answers it); a
+            // flush is the only other kind.
+            RequestKind::Flush | RequestKind::GetId => op::flush(key),
+        }
+    }
+
+    /// Puts `slot` on the ring. Gives it back if the SQ has no room.
+    fn push(&mut self, slot: Slot) -> Result<(), Slot> {
+        if self.slots.len() >= self.slots.capacity() {
+            return Err(slot);
+        }
+        // The SQE is built from the slot in its final place: it may point
+        // at the slot's own bounce iovec.
+        let key = self.slots.insert(slot);
+        let entry = self.sqe(&self.slots[key], key as u64);
+        // SAFETY: the SQE points at the request's iovec array (heap memory
+        // of its `HostBuffers`, which does not move), at guest memory kept
+        // mapped by its `Io::mem`, or at the bounce buffer and the iovec in
+        // its slot; the slab never reallocates (checked above), so the slot
+        // does not move, and it stays in the slab until its CQE is reaped
+        // (`reap`, or `Drop`, which waits for every CQE).
+        if unsafe { self.ring.push(&entry) } {
+            Ok(())
+        } else {
+            Err(self.slots.remove(key))
+        }
+    }
+
+    /// What a CQE means for its request: a status, or a retry already on
+    /// the ring.
+    fn finish(&mut self, mut slot: Slot, res: i32) -> Option<Completion> {
+        let (kind, data_len) = (slot.io.req.kind, slot.io.req.data_len);
+        let status = match kind {
+            RequestKind::Read { .. } | RequestKind::Write { .. }
+                if res >= 0 && res as u32 == data_len =>
+            {
+                if let (RequestKind::Read { .. }, Some((buf, _))) = (kind, &slot.bounce) {
+                    let data = &slot.io.req.data;
+                    // SAFETY: `slot.io.mem` keeps the read's device-writable
+                    // buffers mapped; the bounce buffer holds data_len bytes.
+                    unsafe { data.scatter_from(&buf.as_slice()[..data_len as usize]) };
+                }
+                VIRTIO_BLK_S_OK as u8
+            }
+            RequestKind::WriteZeroes(r) if r.unmap && !slot.retried && is_unsupported_res(res) => {
+                // The file system or device cannot deallocate: zero instead.
+                slot.retried = true;
+                match self.push(slot) {
+                    Ok(()) => return None,
+                    Err(s) => {
+                        slot = s;
+                        VIRTIO_BLK_S_IOERR as u8
+                    }
+                }
+            }
+            RequestKind::Discard(_) if self.async_discard && res == -libc::EOPNOTSUPP => {
+                // A kernel before 6.12: no discard command on block devices.
+                log::info!("io_uring cannot discard on this block device; using BLKDISCARD");
+                self.async_discard = false;
+                self.run_blocking(kind)
+            }
+            // Discard is a hint: a device that cannot do it has done it.
+            RequestKind::Discard(_) if is_unsupported_res(res) => VIRTIO_BLK_S_OK as u8,
+            RequestKind::Flush | RequestKind::Discard(_) | RequestKind::WriteZeroes(_)
+                if res >= 0 =>
+            {
+                VIRTIO_BLK_S_OK as u8
+            }
+            _ => {
+                let err = if res < 0 {
+                    io::Error::from_raw_os_error(-res).to_string()
+                } else {
+                    format!("short transfer of {res} of {data_len} bytes")
+                };
+                warn_limited!(
+                    self.log_limit,
+                    "{kind:?} at offset {} failed: {err}",
+                    slot.io.req.offset()
+                );
+                VIRTIO_BLK_S_IOERR as u8
+            }
+        };
+        let written = written(&slot.io, status);
+        Some(Completion {
+            io: slot.io,
+            status,
+            written,
+        })
+    }
+}
+
+impl Engine for UringEngine {
+    fn submit(&mut self, io: Io) -> Result<(), Full> {
+        if self.room() == 0 {
+            return Err(Full(io));
+        }
+        let kind = io.req.kind;
+        if self.runs_blocking(kind) {
+            let status = self.run_blocking(kind);
+            self.finish_now(io, status);
+            return Ok(());
+        }
+        let rw = matches!(kind, RequestKind::Read { .. } | RequestKind::Write { .. });
+        if rw && io.req.data_len == 0 {
+            self.finish_now(io, VIRTIO_BLK_S_OK as u8);
+            return Ok(());
+        }
+        let mut bounce = None;
+        if self.cfg.direct && rw && !io.req.data.aligned_to(self.cfg.dio_align) {
+            let len = io.req.data_len as usize;
+            let Some(mut buf) = AlignedBuf::new(len) else {
+                warn_limited!(self.log_limit, "no memory for a {len}-byte bounce buffer");
+                self.finish_now(io, VIRTIO_BLK_S_IOERR as u8);
+                return Ok(());
+            };
+            if let RequestKind::Write { .. } = kind {
+                // SAFETY: `io.mem` keeps the write's buffers mapped; buf
+                // holds their total length.
+                unsafe { io.req.data.gather_into(buf.as_mut_slice()) };
+            }
+            let iov = libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: len,
+            };
+            bounce = Some((buf, iov));
+            QueueMetrics::add(&self.metrics.bounced, 1);
+        }
+        let slot = Slot {
+            io,
+            bounce,
+            retried: false,
+        };
+        self.push(slot).map_err(|s| Full(s.io))
+    }
+
+    fn commit(&mut self) -> io::Result<u32> {
+        self.ring.submit()
+    }
+
+    fn reap(&mut self, mut f: impl FnMut(Completion)) -> u32 {
+        let mut n = self.done.len() as u32;
+        self.done.drain(..).for_each(&mut f);
+        let mut cqes = std::mem::take(&mut self.cqes);
+        self.ring.reap(|ud, res| cqes.push((ud, res)));
+        for (ud, res) in cqes.drain(..) {
+            let Some(slot) = self.slots.try_remove(ud as usize) else {
+                warn_limited!(self.log_limit, "completion for unknown request {ud}");
+                continue;
+            };
+            if let Some(c) = self.finish(slot, res) {
+                f(c);
+                n += 1;
+            }
+        }
+        self.cqes = cqes;
+        n
+    }
+
+    fn room(&self) -> usize {
+        (self.cfg.entries as usize).saturating_sub(self.in_flight())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.slots.len() + self.done.len()
+    }
+
+    fn wait(&mut self) -> io::Result<()> {
+        if !self.done.is_empty() || self.slots.is_empty() {
+            return Ok(());
+        }
+        self.ring.wait(1)
+    }
+
+    fn has_completions(&mut self) -> bool {
+        !self.done.is_empty() || self.ring.has_completions()
+    }
+
+    fn completion_fd(&self) -> Option<RawFd> {
+        Some(self.ring.eventfd())
+    }
+
+    fn clear_completion_fd(&self) {
+        self.ring.clear_eventfd();
+    }
+
+    fn must_poll(&self) -> bool {
+        self.ring.iopoll
+    }
+
+    /// Registers every guest memory region (in chunks of at most 1 GiB) as
+    /// fixed buffers, when asked to: the kernel then skips pinning and
+    /// mapping the pages on each request.
+    fn set_memory(&mut self, mem: &Arc<GuestMem>) {
+        if !self.cfg.fixed_buffers {
+            return;
+        }
+        let mut chunks = Vec::new();
+        for r in mem.iter() {
+            let (base, len) = (r.as_ptr() as usize, r.len() as usize);
+            let mut off = 0;
+            while off < len {
+                let n = (len - off).min(FIXED_BUF_MAX);
+                chunks.push((base + off, base + off + n));
+                off += n;
+            }
+        }
+        let iovecs: Vec<libc::iovec> = chunks
+            .iter()
+            .map(|&(a, b)| libc::iovec {
+                iov_base: a as *mut libc::c_void,
+                iov_len: b - a,
+            })
+            .collect();
+        // SAFETY: the chunks are guest memory mappings owned by `mem`, which
+        // `fixed_mem` keeps alive until the next registration replaces it.
+        // Requests in flight on the old registration keep it (the kernel
+        // holds its own reference to registered pages).
+        match unsafe { self.ring.register_buffers(&iovecs) } {
+            Ok(()) => {
+                self.fixed = chunks;
+                self.fixed_mem = Some(mem.clone());
+            }
+            Err(e) => {
+                log::warn!(
+                    "cannot register guest memory as fixed buffers ({e}); using readv/writev"
+                );
+                self.fixed.clear();
+                self.fixed_mem = None;
+            }
+        }
+    }
+}
+
+impl Drop for UringEngine {
+    /// Waits until the kernel has finished with every request on the ring:
+    /// their buffers (the slab, bounce buffers, guest memory held by each
+    /// `Io`) must outlive the I/O, whatever the reason for the drop.
+    fn drop(&mut self) {
+        while !self.slots.is_empty() {
+            if let Err(e) = self.ring.wait(1) {
+                warn_limited!(self.log_limit, "waiting for in-flight I/O: {e}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let slots = &mut self.slots;
+            self.ring.reap(|ud, _| {
+                slots.try_remove(ud as usize);
+            });
+        }
+    }
+}
+
+/// The fallocate(2) mode of a discard or write-zeroes, for the ring and
+/// the blocking path alike. Every mode keeps the size.
+/// - discard: punch a hole (files only: on block devices the kernel zeroes
+///   for this mode, so discard is BLKDISCARD or the discard command);
+/// - write-zeroes: ZERO_RANGE (BLKZEROOUT on a block device), or with
+///   UNMAP a punched hole (BLKZEROOUT with unmap), unless `zero_fallback`
+///   says deallocating was already refused.
+fn fallocate_mode(kind: RequestKind, zero_fallback: bool) -> i32 {
+    let mode = match kind {
+        RequestKind::Discard(_) => libc::FALLOC_FL_PUNCH_HOLE,
+        RequestKind::WriteZeroes(r) if r.unmap && !zero_fallback => libc::FALLOC_FL_PUNCH_HOLE,
+        _ => libc::FALLOC_FL_ZERO_RANGE,
+    };
+    mode | libc::FALLOC_FL_KEEP_SIZE
+}
+
+/// Bytes written into the guest's buffers by a request that ended with
+/// `status`.
+fn written(io: &Io, status: u8) -> u32 {
+    match io.req.kind {
+        RequestKind::Read { .. } if u32::from(status) == VIRTIO_BLK_S_OK => io.req.data_len,
+        _ => 0,
+    }
+}
+
+/// Every fallocate(2) mode this engine uses (see [`fallocate_mode`]).
+pub const FALLOCATE_MODES: [i32; 2] = [
+    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+];
+
+fn is_unsupported_res(res: i32) -> bool {
+    res == -libc::EOPNOTSUPP || res == -libc::EINVAL
+}
+
+fn is_unsupported(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fallocate modes the seccomp filter allows are exactly these.
+    #[test]
+    fn fallocate_modes_keep_the_size() {
+        use crate::virtio::DiscardRange;
+        let r = DiscardRange {
+            sector: 0,
+            num_sectors: 8,
+            unmap: true,
+        };
+        let keep = libc::FALLOC_FL_KEEP_SIZE;
+        assert_eq!(
+            fallocate_mode(RequestKind::Discard(r), false),
+            libc::FALLOC_FL_PUNCH_HOLE | keep
+        );
+        assert_eq!(
+            fallocate_mode(RequestKind::WriteZeroes(r), false),
+            libc::FALLOC_FL_PUNCH_HOLE | keep
+        );
+        assert_eq!(
+            fallocate_mode(RequestKind::WriteZeroes(r), true),
+            libc::FALLOC_FL_ZERO_RANGE | keep
+        );
+        for m in FALLOCATE_MODES {
+            assert_ne!(m & keep, 0);
+        }
+    }
+}
