@@ -25,14 +25,14 @@ use std::time::Duration;
 
 use io_uring::squeue;
 use slab::Slab;
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 use super::bounce::AlignedBuf;
 use super::ring::{EngineError, Ring, UringOptions, op};
 use super::{Completion, Engine, Full, Io, sync};
 use crate::metrics::{QueueMetrics, RateLimiter};
-use crate::virtio::{GuestMem, RequestKind};
+use crate::virtio::{DiscardRange, GuestMem, RequestKind};
 use crate::warn_limited;
 
 /// How a queue's ring is set up, and the image it works on.
@@ -60,9 +60,34 @@ pub struct UringConfig {
 /// io_uring refuses fixed buffers over 1 GiB; larger regions are split.
 const FIXED_BUF_MAX: usize = 1 << 30;
 
+/// What a request is to this engine. GET_ID is not I/O (the worker
+/// answers it), so it has no `Op`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Read,
+    Write,
+    Flush,
+    Discard(DiscardRange),
+    WriteZeroes(DiscardRange),
+}
+
+impl Op {
+    fn of(kind: RequestKind) -> Option<Op> {
+        match kind {
+            RequestKind::Read { .. } => Some(Op::Read),
+            RequestKind::Write { .. } => Some(Op::Write),
+            RequestKind::Flush => Some(Op::Flush),
+            RequestKind::Discard(r) => Some(Op::Discard(r)),
+            RequestKind::WriteZeroes(r) => Some(Op::WriteZeroes(r)),
+            RequestKind::GetId => None,
+        }
+    }
+}
+
 /// One request the ring is executing.
 struct Slot {
     io: Io,
+    op: Op,
     /// For a misaligned O_DIRECT read or write: the aligned buffer and the
     /// one iovec describing it, which the SQE points at.
     bounce: Option<(AlignedBuf, libc::iovec)>,
@@ -135,42 +160,38 @@ impl UringEngine {
 
     /// Whether the request runs as a blocking syscall rather than on the
     /// ring.
-    fn runs_blocking(&self, kind: RequestKind) -> bool {
+    fn runs_blocking(&self, kind: Op) -> bool {
         match kind {
             // An IOPOLL ring only takes reads and writes.
-            RequestKind::Flush | RequestKind::WriteZeroes(_) => self.ring.iopoll,
-            RequestKind::Discard(_) => {
-                self.ring.iopoll || (self.cfg.is_block_device && !self.async_discard)
-            }
+            Op::Flush | Op::WriteZeroes(_) => self.ring.iopoll,
+            Op::Discard(_) => self.ring.iopoll || (self.cfg.is_block_device && !self.async_discard),
             _ => false,
         }
     }
 
     /// The blocking version of a flush, discard or write-zeroes.
-    fn run_blocking(&mut self, kind: RequestKind) -> u8 {
+    fn run_blocking(&mut self, kind: Op) -> u8 {
         let fd = self.cfg.image_fd;
         let res = match kind {
-            RequestKind::Flush => sync::flush(fd),
-            RequestKind::Discard(r) if self.cfg.is_block_device => {
+            Op::Flush => sync::flush(fd),
+            Op::Discard(r) if self.cfg.is_block_device => {
                 sync::discard_block_device(fd, r.offset(), r.len())
             }
-            RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => {
+            Op::Discard(r) | Op::WriteZeroes(r) => {
                 let res = sync::fallocate(fd, fallocate_mode(kind, false), r.offset(), r.len());
                 match res {
-                    Err(e) if is_unsupported(&e) && matches!(kind, RequestKind::WriteZeroes(_)) => {
+                    Err(e) if is_unsupported(&e) && matches!(kind, Op::WriteZeroes(_)) => {
                         sync::fallocate(fd, fallocate_mode(kind, true), r.offset(), r.len())
                     }
                     other => other,
                 }
             }
-            RequestKind::Read { .. } | RequestKind::Write { .. } | RequestKind::GetId => Ok(()),
+            Op::Read | Op::Write => Ok(()),
         };
         match res {
             Ok(()) => VIRTIO_BLK_S_OK as u8,
             // Discard is a hint: a device that cannot do it has done it.
-            Err(e) if is_unsupported(&e) && matches!(kind, RequestKind::Discard(_)) => {
-                VIRTIO_BLK_S_OK as u8
-            }
+            Err(e) if is_unsupported(&e) && matches!(kind, Op::Discard(_)) => VIRTIO_BLK_S_OK as u8,
             Err(e) => {
                 warn_limited!(self.log_limit, "{kind:?} failed: {e}");
                 VIRTIO_BLK_S_IOERR as u8
@@ -198,36 +219,36 @@ impl UringEngine {
         if n == 1 && slot.bounce.is_none() {
             if let Some(idx) = self.fixed_index(&req.data.0[0]) {
                 let (buf, len) = (req.data.0[0].iov_base.cast::<u8>(), req.data_len);
-                match req.kind {
-                    RequestKind::Read { .. } => {
+                match slot.op {
+                    Op::Read => {
                         return op::read_fixed(buf, len, req.offset(), idx, key);
                     }
-                    RequestKind::Write { .. } => {
+                    Op::Write => {
                         return op::write_fixed(buf, len, req.offset(), idx, dsync, key);
                     }
                     _ => {}
                 }
             }
         }
-        match req.kind {
-            RequestKind::Read { .. } => op::readv(iov, n, req.offset(), key),
-            RequestKind::Write { .. } => op::writev(iov, n, req.offset(), dsync, key),
-            RequestKind::Discard(r) if self.async_discard => {
-                op::discard_block(r.offset(), r.len(), key)
-            }
-            RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => op::fallocate(
+        match slot.op {
+            Op::Read => op::readv(iov, n, req.offset(), key),
+            Op::Write => op::writev(iov, n, req.offset(), dsync, key),
+            Op::Discard(r) if self.async_discard => op::discard_block(r.offset(), r.len(), key),
+            Op::Discard(r) | Op::WriteZeroes(r) => op::fallocate(
                 r.offset(),
                 r.len(),
-                fallocate_mode(req.kind, slot.retried),
+                fallocate_mode(slot.op, slot.retried),
                 key,
             ),
-            // GET_ID never reaches an engine (the worker answers it); a
-            // flush is the only other kind.
-            RequestKind::Flush | RequestKind::GetId => op::flush(key),
+            Op::Flush => op::flush(key),
         }
     }
 
     /// Puts `slot` on the ring. Gives it back if the SQ has no room.
+    #[expect(
+        clippy::result_large_err,
+        reason = "the slot comes back by value when the SQ is full; boxing it would allocate per request"
+    )]
     fn push(&mut self, slot: Slot) -> Result<(), Slot> {
         if self.slots.len() >= self.slots.capacity() {
             return Err(slot);
@@ -252,12 +273,10 @@ impl UringEngine {
     /// What a CQE means for its request: a status, or a retry already on
     /// the ring.
     fn finish(&mut self, mut slot: Slot, res: i32) -> Option<Completion> {
-        let (kind, data_len) = (slot.io.req.kind, slot.io.req.data_len);
+        let (kind, data_len) = (slot.op, slot.io.req.data_len);
         let status = match kind {
-            RequestKind::Read { .. } | RequestKind::Write { .. }
-                if res >= 0 && res as u32 == data_len =>
-            {
-                if let (RequestKind::Read { .. }, Some((buf, _))) = (kind, &slot.bounce) {
+            Op::Read | Op::Write if res >= 0 && res as u32 == data_len => {
+                if let (Op::Read, Some((buf, _))) = (kind, &slot.bounce) {
                     let data = &slot.io.req.data;
                     // SAFETY: `slot.io.mem` keeps the read's device-writable
                     // buffers mapped; the bounce buffer holds data_len bytes.
@@ -265,7 +284,7 @@ impl UringEngine {
                 }
                 VIRTIO_BLK_S_OK as u8
             }
-            RequestKind::WriteZeroes(r) if r.unmap && !slot.retried && is_unsupported_res(res) => {
+            Op::WriteZeroes(r) if r.unmap && !slot.retried && is_unsupported_res(res) => {
                 // The file system or device cannot deallocate: zero instead.
                 slot.retried = true;
                 match self.push(slot) {
@@ -276,19 +295,15 @@ impl UringEngine {
                     }
                 }
             }
-            RequestKind::Discard(_) if self.async_discard && res == -libc::EOPNOTSUPP => {
+            Op::Discard(_) if self.async_discard && res == -libc::EOPNOTSUPP => {
                 // A kernel before 6.12: no discard command on block devices.
                 log::info!("io_uring cannot discard on this block device; using BLKDISCARD");
                 self.async_discard = false;
                 self.run_blocking(kind)
             }
             // Discard is a hint: a device that cannot do it has done it.
-            RequestKind::Discard(_) if is_unsupported_res(res) => VIRTIO_BLK_S_OK as u8,
-            RequestKind::Flush | RequestKind::Discard(_) | RequestKind::WriteZeroes(_)
-                if res >= 0 =>
-            {
-                VIRTIO_BLK_S_OK as u8
-            }
+            Op::Discard(_) if is_unsupported_res(res) => VIRTIO_BLK_S_OK as u8,
+            Op::Flush | Op::Discard(_) | Op::WriteZeroes(_) if res >= 0 => VIRTIO_BLK_S_OK as u8,
             _ => {
                 let err = if res < 0 {
                     io::Error::from_raw_os_error(-res).to_string()
@@ -317,13 +332,18 @@ impl Engine for UringEngine {
         if self.room() == 0 {
             return Err(Full(io));
         }
-        let kind = io.req.kind;
+        let Some(kind) = Op::of(io.req.kind) else {
+            // GET_ID is not I/O: the worker answers it and never hands one
+            // over. Should one come, it is unsupported here, not guessed at.
+            self.finish_now(io, VIRTIO_BLK_S_UNSUPP as u8);
+            return Ok(());
+        };
         if self.runs_blocking(kind) {
             let status = self.run_blocking(kind);
             self.finish_now(io, status);
             return Ok(());
         }
-        let rw = matches!(kind, RequestKind::Read { .. } | RequestKind::Write { .. });
+        let rw = matches!(kind, Op::Read | Op::Write);
         if rw && io.req.data_len == 0 {
             self.finish_now(io, VIRTIO_BLK_S_OK as u8);
             return Ok(());
@@ -336,7 +356,7 @@ impl Engine for UringEngine {
                 self.finish_now(io, VIRTIO_BLK_S_IOERR as u8);
                 return Ok(());
             };
-            if let RequestKind::Write { .. } = kind {
+            if let Op::Write = kind {
                 // SAFETY: `io.mem` keeps the write's buffers mapped; buf
                 // holds their total length.
                 unsafe { io.req.data.gather_into(buf.as_mut_slice()) };
@@ -350,6 +370,7 @@ impl Engine for UringEngine {
         }
         let slot = Slot {
             io,
+            op: kind,
             bounce,
             retried: false,
         };
@@ -479,10 +500,10 @@ impl Drop for UringEngine {
 /// - write-zeroes: ZERO_RANGE (BLKZEROOUT on a block device), or with
 ///   UNMAP a punched hole (BLKZEROOUT with unmap), unless `zero_fallback`
 ///   says deallocating was already refused.
-fn fallocate_mode(kind: RequestKind, zero_fallback: bool) -> i32 {
+fn fallocate_mode(kind: Op, zero_fallback: bool) -> i32 {
     let mode = match kind {
-        RequestKind::Discard(_) => libc::FALLOC_FL_PUNCH_HOLE,
-        RequestKind::WriteZeroes(r) if r.unmap && !zero_fallback => libc::FALLOC_FL_PUNCH_HOLE,
+        Op::Discard(_) => libc::FALLOC_FL_PUNCH_HOLE,
+        Op::WriteZeroes(r) if r.unmap && !zero_fallback => libc::FALLOC_FL_PUNCH_HOLE,
         _ => libc::FALLOC_FL_ZERO_RANGE,
     };
     mode | libc::FALLOC_FL_KEEP_SIZE
@@ -518,7 +539,6 @@ mod tests {
     /// The fallocate modes the seccomp filter allows are exactly these.
     #[test]
     fn fallocate_modes_keep_the_size() {
-        use crate::virtio::DiscardRange;
         let r = DiscardRange {
             sector: 0,
             num_sectors: 8,
@@ -526,15 +546,15 @@ mod tests {
         };
         let keep = libc::FALLOC_FL_KEEP_SIZE;
         assert_eq!(
-            fallocate_mode(RequestKind::Discard(r), false),
+            fallocate_mode(Op::Discard(r), false),
             libc::FALLOC_FL_PUNCH_HOLE | keep
         );
         assert_eq!(
-            fallocate_mode(RequestKind::WriteZeroes(r), false),
+            fallocate_mode(Op::WriteZeroes(r), false),
             libc::FALLOC_FL_PUNCH_HOLE | keep
         );
         assert_eq!(
-            fallocate_mode(RequestKind::WriteZeroes(r), true),
+            fallocate_mode(Op::WriteZeroes(r), true),
             libc::FALLOC_FL_ZERO_RANGE | keep
         );
         for m in FALLOCATE_MODES {

@@ -205,6 +205,53 @@ struct Buf {
 }
 
 impl Request {
+    /// Parses and validates the chain (see [`Parser::parse`]), with buffers
+    /// of its own: for tests and one-off parses.
+    pub fn parse<M>(
+        chain: DescriptorChain<M>,
+        mem: &GuestMem,
+        limits: &DeviceLimits,
+        queue_size: u16,
+    ) -> Result<Request, Rejected>
+    where
+        M: Deref,
+        M::Target: GuestMemory,
+    {
+        Parser::default().parse(chain, mem, limits, queue_size)
+    }
+}
+
+/// Most iovec vectors a [`Parser`] keeps for reuse: more than a queue can
+/// have in flight.
+const POOL_MAX: usize = 1024;
+
+/// Parses chains into requests without allocating once warm: the walk's
+/// scratch lists are reused from one chain to the next, and each request's
+/// iovec vector comes from a pool that [`Parser::recycle`] refills when
+/// the request is done.
+#[derive(Debug, Default)]
+pub struct Parser {
+    readable: Bufs,
+    writable: Bufs,
+    /// The device-readable buffers after the header.
+    out: Bufs,
+    pool: Vec<Vec<libc::iovec>>,
+}
+
+// SAFETY: the pooled vectors are empty (cleared on recycle): they point to
+// nothing.
+unsafe impl Send for Parser {}
+
+impl Parser {
+    /// Gives a finished request's iovec vector back for the next one.
+    pub fn recycle(&mut self, data: HostBuffers) {
+        let mut v = data.0;
+        if self.pool.len() < POOL_MAX {
+            v.clear();
+            self.pool.push(v);
+        }
+    }
+
     /// Parses and validates the chain.
     ///
     /// A chain may hold at most `max(queue_size, seg_max + 2)` descriptors.
@@ -213,6 +260,7 @@ impl Request {
     /// (QEMU's default is 128) is often below the seg_max we advertise, so
     /// a bound of the queue size alone would refuse legitimate large I/O.
     pub fn parse<M>(
+        &mut self,
         chain: DescriptorChain<M>,
         mem: &GuestMem,
         limits: &DeviceLimits,
@@ -224,7 +272,8 @@ impl Request {
     {
         let head = chain.head_index();
         let max_descs = usize::from(queue_size).max(limits.seg_max as usize + 2);
-        let (readable, mut writable) = split_chain(chain, max_descs);
+        let (complete, ordered) =
+            split_chain(chain, max_descs, &mut self.readable, &mut self.writable);
         let reject = |status, error| Rejected {
             head,
             status,
@@ -233,10 +282,7 @@ impl Request {
 
         // The status byte is the last byte of the last descriptor, which
         // must be device-writable.
-        let (mut writable, last_ok) = match writable.as_mut() {
-            Ok(w) => (std::mem::take(w), true),
-            Err(w) => (std::mem::take(w), false),
-        };
+        let writable = &mut self.writable;
         let status = match writable.last_mut() {
             Some(last) if last.len > 0 => {
                 last.len -= 1;
@@ -252,20 +298,21 @@ impl Request {
         if !mem.address_in_range(status) {
             return Err(reject(None, RequestError::BadAddress));
         }
-        let readable = match (readable, last_ok) {
-            (Ok(r), true) => r,
-            _ => return Err(reject(Some(status), RequestError::IllFormedChain)),
-        };
+        if !(complete && ordered) {
+            return Err(reject(Some(status), RequestError::IllFormedChain));
+        }
         let reject = |error| Err(reject(Some(status), error));
 
         // The header: the first 16 device-readable bytes.
         let mut header = [0u8; HEADER_LEN as usize];
-        let out = match read_prefix(mem, &readable, &mut header) {
-            Ok(Some(rest)) => rest,
-            Ok(None) => return reject(RequestError::ShortHeader),
+        let out = &mut self.out;
+        match read_prefix(mem, &self.readable, &mut header, out) {
+            Ok(true) => {}
+            Ok(false) => return reject(RequestError::ShortHeader),
             Err(e) => return reject(e),
         };
         writable.retain(|b| b.len > 0);
+        let (out, writable) = (&*out, &*writable);
         let req_type = u32::from_le_bytes(header[0..4].try_into().unwrap_or_default());
         let sector = u64::from_le_bytes(header[8..16].try_into().unwrap_or_default());
 
@@ -273,9 +320,9 @@ impl Request {
             VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT => {
                 let write = req_type == VIRTIO_BLK_T_OUT;
                 let (data, other) = if write {
-                    (&out, &writable)
+                    (out, writable)
                 } else {
-                    (&writable, &out)
+                    (writable, out)
                 };
                 if !other.is_empty() {
                     return reject(RequestError::WrongDirection);
@@ -315,7 +362,7 @@ impl Request {
                 if limits.readonly {
                     return reject(RequestError::ReadOnly);
                 }
-                let range = match parse_range(mem, &out, limits, zeroes) {
+                let range = match parse_range(mem, out, limits, zeroes) {
                     Ok(r) => r,
                     Err(e) => return reject(e),
                 };
@@ -330,10 +377,11 @@ impl Request {
         };
 
         let data_len = total_len(data);
-        let iovecs = match translate(mem, data) {
-            Ok(v) => v,
-            Err(e) => return reject(e),
-        };
+        let mut iovecs = self.pool.pop().unwrap_or_default();
+        if let Err(e) = translate(mem, data, &mut iovecs) {
+            self.recycle(HostBuffers(iovecs));
+            return reject(e);
+        }
         Ok(Request {
             head,
             kind,
@@ -342,7 +390,9 @@ impl Request {
             status,
         })
     }
+}
 
+impl Request {
     /// Bytes the device writes into the guest's buffers on success, not
     /// counting the status byte.
     pub fn written_len(&self) -> u32 {
@@ -366,19 +416,22 @@ impl Request {
 type Bufs = Vec<Buf>;
 
 /// Walks the chain once, splitting device-readable from device-writable
-/// buffers. `Err` marks a part the chain broke in: a loop, an index out of
-/// the table, a bad indirect table, more descriptors than the queue size,
-/// or a readable descriptor after a writable one.
+/// buffers into `readable` and `writable`. Returns (complete, ordered):
+/// not complete when the chain broke (a loop, an index out of the table, a
+/// bad indirect table, more descriptors than allowed); not ordered when a
+/// readable descriptor follows a writable one.
 fn split_chain<M>(
     chain: DescriptorChain<M>,
     max_descs: usize,
-) -> (Result<Bufs, Bufs>, Result<Bufs, Bufs>)
+    readable: &mut Bufs,
+    writable: &mut Bufs,
+) -> (bool, bool)
 where
     M: Deref,
     M::Target: GuestMemory,
 {
-    let mut readable = Vec::new();
-    let mut writable = Vec::with_capacity(2);
+    readable.clear();
+    writable.clear();
     let mut ordered = true;
     let mut last: Option<Descriptor> = None;
     let mut count = 0usize;
@@ -399,17 +452,7 @@ where
         last = Some(desc);
     }
     let complete = matches!(last, Some(d) if !d.has_next()) && count <= max_descs;
-    let readable = if ordered && complete {
-        Ok(readable)
-    } else {
-        Err(readable)
-    };
-    let writable = if complete {
-        Ok(writable)
-    } else {
-        Err(writable)
-    };
-    (readable, writable)
+    (complete, ordered)
 }
 
 fn total_len(bufs: &[Buf]) -> u32 {
@@ -417,11 +460,17 @@ fn total_len(bufs: &[Buf]) -> u32 {
     bufs.iter().fold(0u32, |a, b| a.saturating_add(b.len))
 }
 
-/// Reads `dst.len()` bytes from the front of `bufs` and returns the buffers
-/// that remain after them, or `None` if `bufs` hold fewer bytes.
-fn read_prefix(mem: &GuestMem, bufs: &[Buf], dst: &mut [u8]) -> Result<Option<Bufs>, RequestError> {
+/// Reads `dst.len()` bytes from the front of `bufs` and puts the buffers
+/// that remain after them in `rest`. Returns false if `bufs` hold fewer
+/// bytes.
+fn read_prefix(
+    mem: &GuestMem,
+    bufs: &[Buf],
+    dst: &mut [u8],
+    rest: &mut Bufs,
+) -> Result<bool, RequestError> {
     let mut done = 0usize;
-    let mut rest = Vec::new();
+    rest.clear();
     for b in bufs {
         let take = (dst.len() - done).min(b.len as usize);
         if take > 0 {
@@ -440,7 +489,7 @@ fn read_prefix(mem: &GuestMem, bufs: &[Buf], dst: &mut [u8]) -> Result<Option<Bu
             });
         }
     }
-    Ok((done == dst.len()).then_some(rest))
+    Ok(done == dst.len())
 }
 
 /// Checks `sector .. sector + sectors` against the capacity and alignment.
@@ -477,7 +526,11 @@ fn parse_range(
         return Err(RequestError::BadLength);
     }
     let mut raw = [0u8; RANGE_LEN as usize];
-    read_prefix(mem, out, &mut raw)?.ok_or(RequestError::BadLength)?;
+    // Exactly one range: nothing remains after it (an empty Vec does not
+    // allocate).
+    if !read_prefix(mem, out, &mut raw, &mut Vec::new())? {
+        return Err(RequestError::BadLength);
+    }
     let sector = u64::from_le_bytes(raw[0..8].try_into().unwrap_or_default());
     let num_sectors = u32::from_le_bytes(raw[8..12].try_into().unwrap_or_default());
     let flags = u32::from_le_bytes(raw[12..16].try_into().unwrap_or_default());
@@ -502,8 +555,12 @@ fn parse_range(
 
 /// Translates guest buffers to host iovecs, one per contiguous piece of a
 /// memory region. Fails on any byte outside guest memory.
-fn translate(mem: &GuestMem, bufs: &[Buf]) -> Result<Vec<libc::iovec>, RequestError> {
-    let mut iovecs = Vec::with_capacity(bufs.len());
+fn translate(
+    mem: &GuestMem,
+    bufs: &[Buf],
+    iovecs: &mut Vec<libc::iovec>,
+) -> Result<(), RequestError> {
+    iovecs.clear();
     for b in bufs {
         for slice in GuestMemoryBackend::get_slices(mem, b.addr, b.len as usize) {
             let slice = slice.map_err(|_| RequestError::BadAddress)?;
@@ -513,7 +570,7 @@ fn translate(mem: &GuestMem, bufs: &[Buf]) -> Result<Vec<libc::iovec>, RequestEr
             });
         }
     }
-    Ok(iovecs)
+    Ok(())
 }
 
 #[cfg(test)]
