@@ -186,6 +186,11 @@ impl<E: Engine> QueueWorker<E> {
             self.started = true;
             self.recover(&mut state, &mem)?;
         }
+        if !state.is_enabled() {
+            // SET_VRING_ENABLE 0: take nothing new off the ring. What is in
+            // flight still completes (and GET_VRING_BASE waits for it).
+            return self.complete(&mut state, &mem);
+        }
         let cfg = self.cfg.clone();
         let stopping = || cfg.stopping.load(Ordering::Relaxed);
         loop {
