@@ -190,4 +190,45 @@ mod tests {
         assert!(text.contains("ringblk_errors_total{queue=\"1\",status=\"ioerr\"} 2\n"));
         assert!(text.contains("ringblk_queues 2\n"));
     }
+
+    /// Every counter with a value of its own, two queues: the exposition
+    /// and the JSON must stay byte for byte what scrapers, dashboards and
+    /// `ringblk stats` of other versions were built on.
+    #[test]
+    fn exposition_and_json_match_the_golden_text() {
+        let queues: Vec<QueueSnapshot> = (0..2u64)
+            .map(|q| {
+                let mut v = 100 * q;
+                let mut next = || {
+                    v += 1;
+                    v
+                };
+                QueueSnapshot {
+                    requests: std::array::from_fn(|_| next()),
+                    read_bytes: next(),
+                    write_bytes: next(),
+                    errors_ioerr: next(),
+                    errors_unsupp: next(),
+                    errors_no_status: next(),
+                    kicks: next(),
+                    notifications: next(),
+                    notifications_suppressed: next(),
+                    submit_calls: next(),
+                    submitted_sqes: next(),
+                    completion_passes: next(),
+                    completions: next(),
+                    bounced: next(),
+                    poll_iterations: next(),
+                    poll_hits: next(),
+                }
+            })
+            .collect();
+        let text = encode(&queues);
+        assert_eq!(text, include_str!("exposition.golden.txt"));
+        let json = serde_json::to_string(&queues[1]).expect("serializes");
+        assert_eq!(
+            json,
+            r#"{"requests":[101,102,103,104,105,106,107],"read_bytes":108,"write_bytes":109,"errors_ioerr":110,"errors_unsupp":111,"errors_no_status":112,"kicks":113,"notifications":114,"notifications_suppressed":115,"submit_calls":116,"submitted_sqes":117,"completion_passes":118,"completions":119,"bounced":120,"poll_iterations":121,"poll_hits":122}"#
+        );
+    }
 }
