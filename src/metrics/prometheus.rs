@@ -3,93 +3,12 @@
 
 use std::fmt::Write;
 
-use super::counters::{QueueSnapshot, REQUEST_TYPES};
+use super::counters::{
+    COUNTERS, Counter, ERRORS_HELP, Kind, QueueSnapshot, REQUEST_TYPES, REQUESTS_HELP,
+};
 
 /// Content type of the text format, as Prometheus expects it.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
-
-/// One plain (unlabelled apart from `queue`) counter of [`QueueSnapshot`].
-pub struct Counter {
-    /// Metric name without the `ringblk_` prefix and `_total` suffix.
-    pub name: &'static str,
-    pub help: &'static str,
-    pub get: Getter,
-}
-
-/// The scalar counters, in exposition order. `requests` and `errors_*` are
-/// labelled families and handled separately.
-pub const COUNTERS: [Counter; 12] = [
-    Counter {
-        name: "read_bytes",
-        help: "Bytes moved by read requests.",
-        get: |s| s.read_bytes,
-    },
-    Counter {
-        name: "write_bytes",
-        help: "Bytes moved by write requests.",
-        get: |s| s.write_bytes,
-    },
-    Counter {
-        name: "kicks",
-        help: "Guest kicks received (kick eventfd reads).",
-        get: |s| s.kicks,
-    },
-    Counter {
-        name: "notifications",
-        help: "Guest notifications sent (call eventfd writes).",
-        get: |s| s.notifications,
-    },
-    Counter {
-        name: "notifications_suppressed",
-        help: "Used-ring publications that needed no notification (EVENT_IDX/NO_INTERRUPT).",
-        get: |s| s.notifications_suppressed,
-    },
-    Counter {
-        name: "submit_calls",
-        help: "io_uring_enter calls made to submit.",
-        get: |s| s.submit_calls,
-    },
-    Counter {
-        name: "submitted_sqes",
-        help: "SQEs submitted to io_uring.",
-        get: |s| s.submitted_sqes,
-    },
-    Counter {
-        name: "completion_passes",
-        help: "Passes over the completion queue that found at least one CQE.",
-        get: |s| s.completion_passes,
-    },
-    Counter {
-        name: "completions",
-        help: "CQEs reaped.",
-        get: |s| s.completions,
-    },
-    Counter {
-        name: "bounced",
-        help: "Requests that went through a bounce buffer (O_DIRECT misalignment).",
-        get: |s| s.bounced,
-    },
-    Counter {
-        name: "poll_iterations",
-        help: "Busy-poll loop iterations.",
-        get: |s| s.poll_iterations,
-    },
-    Counter {
-        name: "poll_hits",
-        help: "Busy-poll windows that found work before timing out.",
-        get: |s| s.poll_hits,
-    },
-];
-
-/// Reads one counter out of a snapshot.
-pub type Getter = fn(&QueueSnapshot) -> u64;
-
-/// Error statuses of `ringblk_errors_total`, with their counters.
-pub const ERROR_STATUSES: [(&str, Getter); 3] = [
-    ("ioerr", |s| s.errors_ioerr),
-    ("unsupp", |s| s.errors_unsupp),
-    ("no_status", |s| s.errors_no_status),
-];
 
 /// Renders all queues' counters. Queue N is labelled `queue="N"`.
 pub fn encode(queues: &[QueueSnapshot]) -> String {
@@ -99,7 +18,7 @@ pub fn encode(queues: &[QueueSnapshot]) -> String {
     let _ = writeln!(out, "# TYPE ringblk_queues gauge");
     let _ = writeln!(out, "ringblk_queues {}", queues.len());
 
-    family(&mut out, "requests", "Requests completed, by request type.");
+    family(&mut out, "requests", REQUESTS_HELP);
     for (q, s) in queues.iter().enumerate() {
         for (t, name) in REQUEST_TYPES.iter().enumerate() {
             let _ = writeln!(
@@ -110,22 +29,21 @@ pub fn encode(queues: &[QueueSnapshot]) -> String {
         }
     }
 
-    family(
-        &mut out,
-        "errors",
-        "Requests not answered VIRTIO_BLK_S_OK, by status.",
-    );
+    let (errors, own): (Vec<&Counter>, Vec<&Counter>) =
+        COUNTERS.iter().partition(|c| c.kind == Kind::Error);
+    family(&mut out, "errors", ERRORS_HELP);
     for (q, s) in queues.iter().enumerate() {
-        for (status, get) in ERROR_STATUSES {
+        for c in &errors {
             let _ = writeln!(
                 out,
-                "ringblk_errors_total{{queue=\"{q}\",status=\"{status}\"}} {}",
-                get(s)
+                "ringblk_errors_total{{queue=\"{q}\",status=\"{}\"}} {}",
+                c.status(),
+                (c.get)(s)
             );
         }
     }
 
-    for c in &COUNTERS {
+    for c in own {
         family(&mut out, c.name, c.help);
         for (q, s) in queues.iter().enumerate() {
             let _ = writeln!(
@@ -230,5 +148,43 @@ mod tests {
             json,
             r#"{"requests":[101,102,103,104,105,106,107],"read_bytes":108,"write_bytes":109,"errors_ioerr":110,"errors_unsupp":111,"errors_no_status":112,"kicks":113,"notifications":114,"notifications_suppressed":115,"submit_calls":116,"submitted_sqes":117,"completion_passes":118,"completions":119,"bounced":120,"poll_iterations":121,"poll_hits":122}"#
         );
+    }
+
+    /// A counter added to the table must reach the JSON and the exposition
+    /// with its own value, whatever its kind.
+    #[test]
+    fn every_counter_of_the_table_is_exposed() {
+        let value = |i: usize| 1000 + i as u64;
+        let mut json = serde_json::to_value(QueueSnapshot::default()).expect("serializes");
+        for (i, c) in COUNTERS.iter().enumerate() {
+            assert!(
+                json.get(c.name).is_some(),
+                "{} missing from the JSON",
+                c.name
+            );
+            json[c.name] = value(i).into();
+        }
+        let snap: QueueSnapshot = serde_json::from_value(json).expect("deserializes");
+        let text = encode(std::slice::from_ref(&snap));
+        for (i, c) in COUNTERS.iter().enumerate() {
+            assert_eq!((c.get)(&snap), value(i), "{} read back", c.name);
+            let sample = match c.kind {
+                Kind::Error => format!(
+                    "ringblk_errors_total{{queue=\"0\",status=\"{}\"}} {}\n",
+                    c.status(),
+                    value(i)
+                ),
+                Kind::Count | Kind::Bytes => {
+                    let help = format!("# HELP ringblk_{}_total {}\n", c.name, c.help);
+                    assert!(text.contains(&help), "no {help:?} in\n{text}");
+                    format!("ringblk_{}_total{{queue=\"0\"}} {}\n", c.name, value(i))
+                }
+            };
+            assert!(text.contains(&sample), "no {sample:?} in\n{text}");
+        }
+        for t in REQUEST_TYPES {
+            let series = format!("ringblk_requests_total{{queue=\"0\",type=\"{t}\"}} 0\n");
+            assert!(text.contains(&series), "no {series:?} in\n{text}");
+        }
     }
 }
