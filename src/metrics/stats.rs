@@ -4,8 +4,9 @@
 use std::fmt::Write;
 use std::time::Duration;
 
-use super::counters::{COUNTERS, Counter, Kind, QueueSnapshot, REQUEST_TYPES};
-use super::{MetricsError, client};
+use ringblk_metrics::{
+    COUNTERS, Counter, Kind, MetricsError, QueueSnapshot, REQUEST_TYPES, Ratios, fetch, get,
+};
 
 /// `ringblk stats` arguments.
 #[derive(Clone, Debug, clap::Args)]
@@ -41,10 +42,10 @@ pub fn stats(args: &StatsArgs) -> Result<(), String> {
 
 fn run(args: &StatsArgs) -> Result<(), MetricsError> {
     if args.prometheus {
-        print!("{}", client::get(&args.metrics, "/metrics")?);
+        print!("{}", get(&args.metrics, "/metrics")?);
         return Ok(());
     }
-    let mut prev = client::fetch(&args.metrics)?;
+    let mut prev = fetch(&args.metrics)?;
     let Some(secs) = args.interval else {
         if args.json {
             println!(
@@ -71,7 +72,7 @@ fn run(args: &StatsArgs) -> Result<(), MetricsError> {
     let mut n = 0;
     while args.count.is_none_or(|c| n < c) {
         std::thread::sleep(interval);
-        let now = client::fetch(&args.metrics)?;
+        let now = fetch(&args.metrics)?;
         let delta: Vec<QueueSnapshot> = now
             .queues
             .iter()
@@ -137,7 +138,7 @@ pub fn render(queues: &[QueueSnapshot], title: &str) -> String {
     out.push('\n');
     let fmt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
     let ratios: Vec<_> = cols.iter().map(|s| s.ratios(s.total_requests())).collect();
-    let mut derived = |name: &str, get: &dyn Fn(&super::Ratios) -> Option<f64>| {
+    let mut derived = |name: &str, get: &dyn Fn(&Ratios) -> Option<f64>| {
         let _ = write!(out, "{name:<26}");
         for r in &ratios {
             let _ = write!(out, "{:>14}", fmt(get(r)));

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::counters::{COUNTERS, Kind, QueueSnapshot, RequestType};
+use crate::counters::{COUNTERS, Kind, QueueSnapshot, RequestType};
 
 impl QueueSnapshot {
     /// Field-by-field sum, e.g. over all queues of a daemon.

@@ -111,7 +111,7 @@ macro_rules! counters {
 
         impl QueueSnapshot {
             /// `f(self.x, o.x)` for every counter `x`.
-            pub(super) fn zip(&self, o: &QueueSnapshot, f: impl Fn(u64, u64) -> u64) -> QueueSnapshot {
+            pub(crate) fn zip(&self, o: &QueueSnapshot, f: impl Fn(u64, u64) -> u64) -> QueueSnapshot {
                 QueueSnapshot {
                     requests: std::array::from_fn(|i| f(self.requests[i], o.requests[i])),
                     $($name: f(self.$name, o.$name),)*

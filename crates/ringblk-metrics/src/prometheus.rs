@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use super::counters::{
+use crate::counters::{
     COUNTERS, Counter, ERRORS_HELP, Kind, QueueSnapshot, REQUEST_TYPES, REQUESTS_HELP,
 };
 
