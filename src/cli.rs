@@ -29,7 +29,9 @@ pub enum Command {
     /// Print the counters of a running daemon (started with --metrics).
     Stats(crate::metrics::StatsArgs),
     /// Load generator for any vhost-user-blk socket, and a side-by-side
-    /// comparison with qemu-storage-daemon and the host's own io_uring.
+    /// comparison with qemu-storage-daemon and the host's own io_uring:
+    /// runs ringblk-bench with these arguments.
+    #[command(disable_help_flag = true)]
     Bench(crate::bench::BenchArgs),
 }
 

@@ -7,7 +7,8 @@
 //! - [`io`]: the image and the I/O engines (io_uring, null);
 //! - [`vhost`]: the glue to `vhost-user-backend`: one worker per queue;
 //! - [`daemon`]: configuration, the socket, signals, the serve loop;
-//! - [`metrics`] and [`bench`]: what we measure and how.
+//! - [`metrics`]: the counters' endpoint and `ringblk stats`;
+//! - [`bench`]: `ringblk bench`, which runs the separate `ringblk-bench`.
 
 pub mod bench;
 pub mod cli;
