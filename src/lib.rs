@@ -8,7 +8,7 @@
 //! - [`vhost`]: the glue to `vhost-user-backend`: one worker per queue;
 //! - [`daemon`]: configuration, the socket, signals, the serve loop;
 //! - [`metrics`]: the counters' endpoint and `ringblk stats`;
-//! - [`bench`]: `ringblk bench`, which runs the separate `ringblk-bench`.
+//! - [`bench`](mod@bench): `ringblk bench`, which runs the separate `ringblk-bench`.
 
 pub mod bench;
 pub mod cli;
