@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole suite, as CI runs it, on a fresh Debian machine or a used one:
 # installs what is missing (Debian packages, the guest's kernel and
-# initramfs), then formatting, lints, and every test, the QEMU guest ones
-# included.
+# initramfs), then formatting, lints, and every test of the workspace (the
+# daemon, ringblk-metrics, ringblk-bench), the QEMU guest ones included.
 #
 #   scripts/test.sh
 #   RINGBLK_GUEST_BACKEND=qsd scripts/test.sh   # guests against qemu-storage-daemon
@@ -35,9 +35,20 @@ section "cargo fmt"
 cargo fmt --all -- --check
 
 section "cargo clippy"
-cargo clippy --locked --all-targets -- -D warnings
+cargo clippy --workspace --all-targets --locked -- -D warnings
 
+# The daemon must not link the benchmark client's stack: that is why
+# ringblk-bench is a crate of its own. (blkio may stay a dev-dependency.)
+section "daemon dependencies"
+tree=$(cargo tree --locked -e normal -p ringblk --prefix none)
+if grep -E '^(blkio|plotters|indicatif|hdrhistogram) ' <<<"$tree"; then
+    echo "test.sh: the daemon depends on the above; they belong to ringblk-bench" >&2
+    exit 1
+fi
+
+# --workspace: the bench's tests run its binary against the daemon's, and
+# need both built.
 section "cargo test"
-RUST_BACKTRACE=${RUST_BACKTRACE:-1} cargo test --locked
+RUST_BACKTRACE=${RUST_BACKTRACE:-1} cargo test --workspace --locked
 
 section "done in $((SECONDS - started)) s"

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+pub use ringblk_metrics::parse_size;
 
 /// Where `ringblk serve` listens, and the image it creates, by default.
 pub const DEFAULT_SOCKET: &str = "/tmp/ringblk/vhost.sock";
@@ -27,7 +28,9 @@ pub enum Command {
     /// Print the counters of a running daemon (started with --metrics).
     Stats(crate::metrics::StatsArgs),
     /// Load generator for any vhost-user-blk socket, and a side-by-side
-    /// comparison with qemu-storage-daemon and the host's own io_uring.
+    /// comparison with qemu-storage-daemon and the host's own io_uring:
+    /// runs ringblk-bench with these arguments.
+    #[command(disable_help_flag = true)]
     Bench(crate::bench::BenchArgs),
 }
 
@@ -201,48 +204,9 @@ fn parse_block_size(s: &str) -> Result<u32, String> {
     }
 }
 
-/// Parses a byte size with an optional binary suffix: 4096, 64K, 512M, 1G, 2T.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let (num, shift) = match t.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let shift = match c.to_ascii_uppercase() {
-                'K' => 10,
-                'M' => 20,
-                'G' => 30,
-                'T' => 40,
-                _ => {
-                    return Err(format!(
-                        "'{s}': unknown size suffix '{c}' (use K, M, G or T)"
-                    ));
-                }
-            };
-            (&t[..i], shift)
-        }
-        _ => (t, 0),
-    };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("'{s}' is not a size like 4096, 64K, 512M or 1G"))?;
-    n.checked_mul(1u64 << shift)
-        .filter(|v| *v > 0)
-        .ok_or_else(|| format!("'{s}' is not a usable size"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("64K"), Ok(64 << 10));
-        assert_eq!(parse_size("1g"), Ok(1 << 30));
-        assert!(parse_size("0").is_err());
-        assert!(parse_size("1X").is_err());
-        assert!(parse_size("99999999999T").is_err());
-        assert!(parse_size("").is_err());
-    }
 
     #[test]
     fn modes() {

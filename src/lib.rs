@@ -11,11 +11,11 @@
 //! - [`vhost`]: the glue to `vhost-user-backend`: one worker per queue,
 //!   which decides when to pop, submit, publish, notify and journal;
 //! - [`daemon`]: configuration, the socket, signals, the serve loop;
-//! - [`metrics`] and [`bench`]: what we measure and how.
+//! - [`metrics`]: the counters' endpoint and `ringblk stats`;
+//! - [`bench`](mod@bench): `ringblk bench`, which runs the separate `ringblk-bench`.
 
 pub mod bench;
 pub mod cli;
-pub mod cpu;
 pub mod daemon;
 pub mod engine;
 pub mod io;
@@ -23,3 +23,5 @@ pub mod metrics;
 pub mod unix_socket;
 pub mod vhost;
 pub mod virtio;
+
+pub use ringblk_metrics::cpu;

@@ -21,20 +21,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::MetricsError;
-use super::counters::{QueueMetrics, QueueSnapshot};
-use super::prometheus;
-use super::transport::{MetricsAddr, Stream};
+use ringblk_metrics::prometheus;
+use ringblk_metrics::transport::{MetricsAddr, Stream};
+use ringblk_metrics::{MetricsDoc, MetricsError, QueueMetrics};
 
 /// Time a connection gets to send its request and take the answer.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// The JSON document served at `/metrics.json`.
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
-pub struct MetricsDoc {
-    /// One entry per virtqueue, in queue order.
-    pub queues: Vec<QueueSnapshot>,
-}
 
 enum Listener {
     Tcp(TcpListener),
@@ -344,7 +336,7 @@ impl Poller {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::{RequestType, client};
+    use crate::metrics::{RequestType, fetch, get};
 
     fn metrics() -> Vec<Arc<QueueMetrics>> {
         let q = Arc::new(QueueMetrics::default());
@@ -361,12 +353,12 @@ mod tests {
         let unix =
             spawn_endpoint(path.to_str().expect("utf-8 path"), metrics()).expect("bind unix");
         for addr in [tcp.local_addr(), unix.local_addr()] {
-            let doc = client::fetch(&addr).expect("json");
+            let doc = fetch(&addr).expect("json");
             assert_eq!(doc.queues.len(), 2);
             assert_eq!(doc.queues[0].kicks, 3);
-            let text = client::get(&addr, "/metrics").expect("text");
+            let text = get(&addr, "/metrics").expect("text");
             assert!(text.contains("ringblk_requests_total{queue=\"0\",type=\"read\"} 1"));
-            assert!(client::get(&addr, "/nope").is_err());
+            assert!(get(&addr, "/nope").is_err());
         }
         // A second daemon must not steal a live socket...
         assert!(spawn_endpoint(path.to_str().expect("utf-8"), metrics()).is_err());

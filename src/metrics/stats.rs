@@ -4,9 +4,9 @@
 use std::fmt::Write;
 use std::time::Duration;
 
-use super::counters::{QueueSnapshot, REQUEST_TYPES};
-use super::prometheus::{COUNTERS, ERROR_STATUSES};
-use super::{MetricsError, client};
+use ringblk_metrics::{
+    COUNTERS, Counter, Kind, MetricsError, QueueSnapshot, REQUEST_TYPES, Ratios, fetch, get,
+};
 
 /// `ringblk stats` arguments.
 #[derive(Clone, Debug, clap::Args)]
@@ -42,10 +42,10 @@ pub fn stats(args: &StatsArgs) -> Result<(), String> {
 
 fn run(args: &StatsArgs) -> Result<(), MetricsError> {
     if args.prometheus {
-        print!("{}", client::get(&args.metrics, "/metrics")?);
+        print!("{}", get(&args.metrics, "/metrics")?);
         return Ok(());
     }
-    let mut prev = client::fetch(&args.metrics)?;
+    let mut prev = fetch(&args.metrics)?;
     let Some(secs) = args.interval else {
         if args.json {
             println!(
@@ -72,7 +72,7 @@ fn run(args: &StatsArgs) -> Result<(), MetricsError> {
     let mut n = 0;
     while args.count.is_none_or(|c| n < c) {
         std::thread::sleep(interval);
-        let now = client::fetch(&args.metrics)?;
+        let now = fetch(&args.metrics)?;
         let delta: Vec<QueueSnapshot> = now
             .queues
             .iter()
@@ -91,6 +91,15 @@ fn run(args: &StatsArgs) -> Result<(), MetricsError> {
         n += 1;
     }
     Ok(())
+}
+
+/// The row name of a counter: "errors ioerr", "read MiB", "submit calls".
+fn label(c: &Counter) -> String {
+    match c.kind {
+        Kind::Error => format!("errors {}", c.status()),
+        Kind::Bytes => c.name.replace("_bytes", " MiB"),
+        Kind::Count => c.name.replace('_', " "),
+    }
 }
 
 /// Formats `queues` as a table with a total column and a ratios section.
@@ -117,21 +126,19 @@ pub fn render(queues: &[QueueSnapshot], title: &str) -> String {
             row(&format!("requests {name}"), &|s| s.requests[t].to_string());
         }
     }
-    for (status, get) in ERROR_STATUSES {
-        row(&format!("errors {status}"), &|s| get(s).to_string());
-    }
-    for c in &COUNTERS {
-        match c.name {
-            "read_bytes" | "write_bytes" => row(&c.name.replace("_bytes", " MiB"), &|s| {
-                format!("{:.1}", (c.get)(s) as f64 / 1048576.0)
-            }),
-            _ => row(&c.name.replace('_', " "), &|s| (c.get)(s).to_string()),
-        }
+    // Errors next to the requests, as in the exposition.
+    let (errors, own): (Vec<&Counter>, Vec<&Counter>) =
+        COUNTERS.iter().partition(|c| c.kind == Kind::Error);
+    for c in errors.into_iter().chain(own) {
+        row(&label(c), &|s| match c.kind {
+            Kind::Bytes => format!("{:.1}", (c.get)(s) as f64 / 1048576.0),
+            Kind::Count | Kind::Error => (c.get)(s).to_string(),
+        });
     }
     out.push('\n');
     let fmt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
     let ratios: Vec<_> = cols.iter().map(|s| s.ratios(s.total_requests())).collect();
-    let mut derived = |name: &str, get: &dyn Fn(&super::Ratios) -> Option<f64>| {
+    let mut derived = |name: &str, get: &dyn Fn(&Ratios) -> Option<f64>| {
         let _ = write!(out, "{name:<26}");
         for r in &ratios {
             let _ = write!(out, "{:>14}", fmt(get(r)));
@@ -173,5 +180,17 @@ mod tests {
                 .any(|l| l.starts_with("SQEs/submit") && l.contains("5.000"))
         );
         assert!(!t.contains("requests flush"), "zero rare types are hidden");
+    }
+
+    #[test]
+    fn table_has_a_row_per_counter() {
+        let t = render(&[QueueSnapshot::default()], "test");
+        for c in COUNTERS {
+            let label = label(c);
+            assert!(
+                t.lines().any(|l| l.starts_with(&format!("{label:<26}"))),
+                "no row '{label}' in:\n{t}"
+            );
+        }
     }
 }

@@ -46,6 +46,27 @@ const WATCHDOG: Duration = Duration::from_secs(180);
 /// sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
 const SUN_PATH_MAX: usize = 107;
 
+/// The daemon binary. Cargo names it to the daemon's own tests; the tests
+/// of `crates/ringblk-bench`, which include this file, find it next to
+/// `ringblk-bench` in the same target directory.
+pub fn ringblk_bin() -> PathBuf {
+    let bench = match (
+        option_env!("CARGO_BIN_EXE_ringblk"),
+        option_env!("CARGO_BIN_EXE_ringblk-bench"),
+    ) {
+        (Some(bin), _) => return bin.into(),
+        (None, Some(bench)) => bench,
+        (None, None) => panic!("tests/common serves the ringblk and ringblk-bench packages"),
+    };
+    let bin = Path::new(bench).with_file_name("ringblk");
+    assert!(
+        bin.is_file(),
+        "no daemon at {}: run the tests with `cargo test --workspace`, or `cargo build -p ringblk` first",
+        bin.display()
+    );
+    bin
+}
+
 /// A fresh directory for one test's socket, image and metrics socket.
 pub fn test_dir() -> TempDir {
     tempfile::Builder::new()
@@ -230,7 +251,7 @@ impl Daemon {
             .unwrap_or_else(|| sparse_image(&dir, "disk.img", opts.size));
         let metrics = opts.metrics.then(|| dir.join("metrics.sock"));
 
-        let ringblk = env!("CARGO_BIN_EXE_ringblk");
+        let ringblk = ringblk_bin();
         let mut cmd = match opts.wrapper.split_first() {
             Some((program, pre)) => {
                 let mut cmd = Command::new(program);

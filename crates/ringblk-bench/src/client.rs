@@ -15,7 +15,6 @@ use blkio::{Blkio, Blkioq, Completion, Errno, ReqFlags};
 use hdrhistogram::Histogram;
 
 use super::args::RwMode;
-use super::proc;
 
 /// libblkio's driver for a vhost-user-blk Unix socket.
 const DRIVER: &str = "virtio-blk-vhost-user";
@@ -339,7 +338,7 @@ struct Slot {
 impl Worker<'_> {
     fn run(self, mut q: Blkioq) -> Result<WorkerStats, ClientError> {
         if let Some(cpu) = self.w.cpu {
-            proc::pin_current_thread(cpu).map_err(|e| {
+            ringblk_metrics::cpu::pin_current_thread(cpu).map_err(|e| {
                 ClientError::Invalid(format!("pinning client thread to CPU {cpu}: {e}"))
             })?;
         }

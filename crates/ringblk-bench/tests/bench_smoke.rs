@@ -1,40 +1,55 @@
-//! Smoke test of `ringblk bench` and `ringblk stats` against a started
-//! daemon: about a second of I/O per case. It checks that the tools work and
-//! agree with the daemon's counters, never how fast anything is.
+//! Smoke test of `ringblk-bench` (directly and through `ringblk bench`)
+//! and `ringblk stats` against a started daemon: about a second of I/O per
+//! case. It checks that the tools work and agree with the daemon's
+//! counters, never how fast anything is.
+//!
+//! The daemon is the `ringblk` next to `ringblk-bench`, which
+//! `cargo test --workspace` builds.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, DaemonOptions, MIB, test_dir};
-use ringblk::bench::RunResult;
-use ringblk::metrics::QueueSnapshot;
+use common::{Daemon, DaemonOptions, MIB, ringblk_bin, test_dir};
+use ringblk_bench::RunResult;
+use ringblk_metrics::{MetricsDoc, QueueSnapshot};
 
 /// Longest a bench or stats process may take before the test fails.
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Runs `ringblk ARGS`, killing it after [`TIMEOUT`].
 fn ringblk(args: &[&str]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ringblk"))
+    run(&ringblk_bin(), args)
+}
+
+/// Runs `ringblk-bench ARGS`, killing it after [`TIMEOUT`].
+fn ringblk_bench(args: &[&str]) -> Output {
+    run(Path::new(env!("CARGO_BIN_EXE_ringblk-bench")), args)
+}
+
+fn run(bin: &Path, args: &[&str]) -> Output {
+    let mut child = Command::new(bin)
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("starting ringblk");
+        .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
     let deadline = Instant::now() + TIMEOUT;
-    while child.try_wait().expect("polling ringblk").is_none() {
+    while child.try_wait().expect("polling the child").is_none() {
         if Instant::now() > deadline {
             let _ = child.kill();
-            panic!("ringblk {args:?} did not finish within {TIMEOUT:?}");
+            panic!(
+                "{} {args:?} did not finish within {TIMEOUT:?}",
+                bin.display()
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    child
-        .wait_with_output()
-        .expect("collecting ringblk's output")
+    child.wait_with_output().expect("collecting the output")
 }
 
 fn start_daemon() -> Daemon {
@@ -47,7 +62,7 @@ fn start_daemon() -> Daemon {
 }
 
 fn counters(metrics: &Path) -> QueueSnapshot {
-    let doc = ringblk::metrics::fetch(metrics.to_str().expect("UTF-8 path"))
+    let doc = ringblk_metrics::fetch(metrics.to_str().expect("UTF-8 path"))
         .expect("the daemon serves /metrics.json");
     QueueSnapshot::sum(&doc.queues)
 }
@@ -58,7 +73,6 @@ fn bench(d: &Daemon, runtime: &str, extra: &[&str]) -> RunResult {
     let json = d.dir.join("result.json");
     let pid = d.pid().to_string();
     let mut args = vec![
-        "bench",
         "--socket",
         d.socket.to_str().expect("UTF-8 path"),
         "--metrics",
@@ -75,10 +89,10 @@ fn bench(d: &Daemon, runtime: &str, extra: &[&str]) -> RunResult {
         json.to_str().expect("UTF-8 path"),
     ];
     args.extend_from_slice(extra);
-    let out = ringblk(&args);
+    let out = ringblk_bench(&args);
     assert!(
         out.status.success(),
-        "ringblk bench failed: {}\ndaemon log:\n{}",
+        "ringblk-bench failed: {}\ndaemon log:\n{}",
         String::from_utf8_lossy(&out.stderr),
         d.log()
     );
@@ -157,8 +171,7 @@ fn stats_prints_table_json_and_prometheus() {
     }
 
     let json = ringblk(&["stats", "--metrics", m, "--json"]);
-    let doc: ringblk::metrics::MetricsDoc =
-        serde_json::from_slice(&json.stdout).expect("stats --json parses");
+    let doc: MetricsDoc = serde_json::from_slice(&json.stdout).expect("stats --json parses");
     assert_eq!(doc.queues.len(), 2);
 
     let prom = ringblk(&["stats", "--metrics", m, "--prometheus"]);
@@ -173,6 +186,8 @@ fn stats_prints_table_json_and_prometheus() {
     );
 }
 
+/// Through the launcher, so that this also shows `ringblk bench` passing
+/// its arguments on.
 #[test]
 fn bench_reports_a_missing_backend_instead_of_hanging() {
     let dir = test_dir();
@@ -191,6 +206,22 @@ fn bench_reports_a_missing_backend_instead_of_hanging() {
     assert!(started.elapsed() < Duration::from_secs(20));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("connect"), "{err}");
+}
+
+#[test]
+fn ringblk_bench_help_is_the_bench_s_own() {
+    let out = ringblk(&["bench", "--help"]);
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(help.contains("Usage: ringblk-bench"), "{help}");
+    assert!(
+        help.contains("--compare") && help.contains("--ringblk-bin"),
+        "{help}"
+    );
 }
 
 /// Whether `bin --version` runs.
@@ -218,8 +249,8 @@ fn compare_quick_runs_every_backend_and_writes_its_outputs() {
     let dir = test_dir();
     let out = dir.path().join("cmp");
     let list = backends.join(",");
-    let o = ringblk(&[
-        "bench",
+    // The daemon is the default: `ringblk` next to `ringblk-bench`.
+    let o = ringblk_bench(&[
         "--compare",
         "--quick",
         "--no-pin",

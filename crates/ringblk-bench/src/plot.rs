@@ -236,7 +236,7 @@ mod tests {
 
     #[test]
     fn draws_an_svg_with_every_backend() {
-        let d = crate::bench::tables::tests::doc(
+        let d = crate::tables::tests::doc(
             1,
             &[
                 ("ringblk", Some(200.0)),

@@ -1,11 +1,11 @@
-//! The reading side of the endpoint, for `ringblk stats` and `ringblk bench`.
+//! The reading side of the daemon's endpoint, for `ringblk stats` and
+//! `ringblk-bench`.
 
 use std::io::{Read, Write};
 use std::time::Duration;
 
-use super::MetricsError;
-use super::endpoint::MetricsDoc;
-use super::transport::MetricsAddr;
+use crate::transport::MetricsAddr;
+use crate::{MetricsDoc, MetricsError};
 
 /// Timeout for connecting, sending the request and reading the answer.
 const TIMEOUT: Duration = Duration::from_secs(3);

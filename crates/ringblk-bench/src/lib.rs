@@ -1,6 +1,11 @@
-//! `ringblk bench`: a load generator on libblkio for any vhost-user-blk
-//! socket, and `--compare`, which runs it against ringblk,
-//! qemu-storage-daemon and fio on the host over a matrix of workloads.
+//! `ringblk-bench` (also run as `ringblk bench`): a load generator on
+//! libblkio for any vhost-user-blk socket, and `--compare`, which runs it
+//! against ringblk, qemu-storage-daemon and fio on the host over a matrix
+//! of workloads.
+//!
+//! A crate of its own so that the daemon does not link libblkio, the
+//! histograms, the progress bar and the plotting; it reads the daemon's
+//! counters through `ringblk-metrics`.
 //!
 //! - [`args`]: the command line;
 //! - [`client`]: the libblkio front-end, one thread per queue;
@@ -29,7 +34,7 @@ pub use args::{BackendName, BenchArgs, CompareArgs, OnOff, RwMode};
 pub use client::ClientError;
 pub use report::{Latency, RunResult};
 
-/// Errors of `ringblk bench`.
+/// Errors of `ringblk-bench`.
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
     /// The load generator failed.
@@ -98,7 +103,7 @@ impl BenchError {
     }
 }
 
-/// Runs `ringblk bench`.
+/// Runs `ringblk-bench` with parsed arguments.
 pub fn run(args: &BenchArgs) -> Result<(), String> {
     let r = if let Some(json) = &args.report {
         compare::report(json, args.cmp.out.as_deref())

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::counters::{QueueSnapshot, RequestType};
+use crate::counters::{COUNTERS, Kind, QueueSnapshot, RequestType};
 
 impl QueueSnapshot {
     /// Field-by-field sum, e.g. over all queues of a daemon.
@@ -22,27 +22,6 @@ impl QueueSnapshot {
         self.zip(earlier, u64::saturating_sub)
     }
 
-    fn zip(&self, o: &QueueSnapshot, f: impl Fn(u64, u64) -> u64) -> QueueSnapshot {
-        QueueSnapshot {
-            requests: std::array::from_fn(|i| f(self.requests[i], o.requests[i])),
-            read_bytes: f(self.read_bytes, o.read_bytes),
-            write_bytes: f(self.write_bytes, o.write_bytes),
-            errors_ioerr: f(self.errors_ioerr, o.errors_ioerr),
-            errors_unsupp: f(self.errors_unsupp, o.errors_unsupp),
-            errors_no_status: f(self.errors_no_status, o.errors_no_status),
-            kicks: f(self.kicks, o.kicks),
-            notifications: f(self.notifications, o.notifications),
-            notifications_suppressed: f(self.notifications_suppressed, o.notifications_suppressed),
-            submit_calls: f(self.submit_calls, o.submit_calls),
-            submitted_sqes: f(self.submitted_sqes, o.submitted_sqes),
-            completion_passes: f(self.completion_passes, o.completion_passes),
-            completions: f(self.completions, o.completions),
-            bounced: f(self.bounced, o.bounced),
-            poll_iterations: f(self.poll_iterations, o.poll_iterations),
-            poll_hits: f(self.poll_hits, o.poll_hits),
-        }
-    }
-
     /// Requests of every type completed.
     pub fn total_requests(&self) -> u64 {
         self.requests.iter().sum()
@@ -55,7 +34,11 @@ impl QueueSnapshot {
 
     /// Requests that were not answered VIRTIO_BLK_S_OK.
     pub fn total_errors(&self) -> u64 {
-        self.errors_ioerr + self.errors_unsupp + self.errors_no_status
+        COUNTERS
+            .iter()
+            .filter(|c| c.kind == Kind::Error)
+            .map(|c| (c.get)(self))
+            .sum()
     }
 
     /// Batching ratios, normalised by `ios` (pass the client's own count

@@ -38,30 +38,6 @@ fn clock_ticks_per_second() -> f64 {
     if t > 0 { t as f64 } else { 100.0 }
 }
 
-/// Pins the calling thread to `cpu`.
-pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
-    if cpu >= libc::CPU_SETSIZE as usize {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("CPU {cpu} out of range"),
-        ));
-    }
-    // SAFETY: cpu_set_t is a plain bit array for which all-zeroes is the
-    // valid empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `cpu` < CPU_SETSIZE was checked above, so CPU_SET stays
-    // inside `set`.
-    unsafe { libc::CPU_SET(cpu, &mut set) };
-    // SAFETY: pid 0 is the calling thread; `set` is a valid cpu_set_t of the
-    // size passed, and the kernel only reads it.
-    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
 /// Waits for `child` to exit for at most `timeout`.
 pub fn wait_timeout(child: &mut Child, timeout: Duration) -> io::Result<Option<ExitStatus>> {
     let deadline = Instant::now() + timeout;

@@ -89,6 +89,8 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     let quick = args.cmp.quick;
     let configs = matrix(args);
     let backends = backends(args)?;
+    let self_exe = std::env::current_exe().map_err(io("finding this executable".into()))?;
+    let ringblk_bin = ringblk_bin(args, &self_exe, &backends)?;
     let out = args
         .cmp
         .out
@@ -98,7 +100,6 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     std::fs::create_dir_all(&logs).map_err(io(format!("creating {}", logs.display())))?;
     // Sockets go to a short private directory: sun_path holds 108 bytes.
     let run_dir = run_dir().map_err(io("creating a temporary directory".into()))?;
-    let self_exe = std::env::current_exe().map_err(io("finding this executable".into()))?;
 
     let (image, made) = match &args.cmp.image {
         Some(p) => (p.clone(), false),
@@ -121,11 +122,7 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
         image: image.clone(),
         run_dir: run_dir.path().to_path_buf(),
         logs,
-        ringblk_bin: args
-            .cmp
-            .ringblk_bin
-            .clone()
-            .unwrap_or_else(|| self_exe.clone()),
+        ringblk_bin,
         self_exe,
         qsd_bin: args.cmp.qsd_bin.clone(),
         fio_bin: args.cmp.fio_bin.clone(),
@@ -408,6 +405,28 @@ fn backends(args: &BenchArgs) -> Result<Vec<Backend>, BenchError> {
         ));
     }
     Ok(out)
+}
+
+/// The daemon to serve with: --ringblk-bin (or RINGBLK_BIN), else the
+/// `ringblk` next to this executable, where `cargo build --workspace` puts
+/// it. The default is checked before anything runs; a given name may be
+/// one for PATH.
+fn ringblk_bin(
+    args: &BenchArgs,
+    self_exe: &Path,
+    backends: &[Backend],
+) -> Result<PathBuf, BenchError> {
+    if let Some(bin) = &args.cmp.ringblk_bin {
+        return Ok(bin.clone());
+    }
+    let bin = self_exe.with_file_name("ringblk");
+    if !bin.is_file() && backends.iter().any(|b| matches!(b.kind, Kind::Ringblk(_))) {
+        return Err(BenchError::Usage(format!(
+            "no ringblk next to this executable, at {} (cargo build --release -p ringblk, or --ringblk-bin PATH)",
+            bin.display()
+        )));
+    }
+    Ok(bin)
 }
 
 /// `NAME:ARGS` with ARGS split on whitespace.

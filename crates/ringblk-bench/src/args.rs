@@ -1,4 +1,4 @@
-//! `ringblk bench` arguments. The workload flags take comma-separated lists
+//! `ringblk-bench` arguments. The workload flags take comma-separated lists
 //! so that `--compare` can be narrowed (`--iodepth 1,16`); a single run
 //! takes one value each.
 
@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-use crate::cli::parse_size;
+use ringblk_metrics::parse_size;
 
 /// Access pattern.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
@@ -65,7 +65,7 @@ impl OnOff {
 /// Backends `--compare` knows how to start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum)]
 pub enum BackendName {
-    /// `ringblk serve` (this binary, or --ringblk-bin).
+    /// `ringblk serve` (see --ringblk-bin).
     Ringblk,
     /// qemu-storage-daemon's vhost-user-blk export.
     Qsd,
@@ -73,7 +73,7 @@ pub enum BackendName {
     Host,
 }
 
-/// `ringblk bench` arguments.
+/// `ringblk-bench` arguments.
 #[derive(Clone, Debug, Args)]
 pub struct BenchArgs {
     /// vhost-user-blk socket to drive (any backend). Not with --compare,
@@ -173,9 +173,8 @@ pub struct BenchArgs {
     #[arg(long, value_name = "RESULTS_JSON")]
     pub report: Option<PathBuf>,
 
-    /// Boxed: the comparison's options would make `cli::Command` lopsided.
     #[command(flatten)]
-    pub cmp: Box<CompareArgs>,
+    pub cmp: CompareArgs,
 }
 
 /// Options only `--compare` uses.
@@ -235,8 +234,9 @@ pub struct CompareArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
 
-    /// ringblk binary to serve with. Default: this executable.
-    #[arg(long)]
+    /// ringblk binary to serve with. Default: the `ringblk` next to this
+    /// executable; `ringblk bench` sets RINGBLK_BIN to itself.
+    #[arg(long, env = "RINGBLK_BIN", value_name = "PATH")]
     pub ringblk_bin: Option<PathBuf>,
 
     /// qemu-storage-daemon binary (the qsd backend).

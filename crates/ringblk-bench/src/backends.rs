@@ -2,8 +2,8 @@
 //!
 //! A vhost-user backend is started fresh for every configuration (queues
 //! and O_DIRECT are start-up options anyway), pinned with taskset, and
-//! driven by `ringblk bench` in a child process: a client stuck in a dead
-//! backend is then killed after a timeout instead of hanging the
+//! driven by `ringblk-bench --socket` in a child process: a client stuck in
+//! a dead backend is then killed after a timeout instead of hanging the
 //! comparison, and its pinning cannot leak into the orchestrator.
 
 use std::path::{Path, PathBuf};
@@ -62,6 +62,7 @@ pub struct Env {
     /// Sockets live here.
     pub run_dir: PathBuf,
     pub logs: PathBuf,
+    /// This executable: the client of every vhost-user backend's run.
     pub self_exe: PathBuf,
     pub ringblk_bin: PathBuf,
     pub qsd_bin: PathBuf,
@@ -173,7 +174,7 @@ impl Backend {
         let json = env.run_dir.join(format!("{}.json", self.name));
         let _ = std::fs::remove_file(&json);
         let mut client = Command::new(&env.self_exe);
-        client.arg("bench").arg("--socket").arg(&sock);
+        client.arg("--socket").arg(&sock);
         client.args([
             "--rw",
             cfg.rw.name(),

@@ -7,7 +7,7 @@ use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
 use super::args::RwMode;
-use crate::metrics::{QueueSnapshot, Ratios};
+use ringblk_metrics::{QueueSnapshot, Ratios};
 
 /// Latency figures in microseconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]

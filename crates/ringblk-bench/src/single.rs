@@ -10,7 +10,7 @@ use super::args::{BenchArgs, RwMode, default_queue_size};
 use super::client::{self, Edge, Workload};
 use super::proc;
 use super::report::{self, Latency, RunResult};
-use crate::metrics::{self, QueueSnapshot};
+use ringblk_metrics::{self as metrics, QueueSnapshot};
 
 /// Where to sample the backend's CPU time and counters.
 #[derive(Clone, Debug, Default)]
@@ -89,7 +89,7 @@ impl Watchdog {
             .name("watchdog".into())
             .spawn(move || {
                 if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
-                    eprintln!("ringblk bench: {socket} made no progress for {limit:?}; giving up");
+                    eprintln!("ringblk-bench: {socket} made no progress for {limit:?}; giving up");
                     std::process::exit(3);
                 }
             });
@@ -119,7 +119,7 @@ impl Sample {
         let counters = p.metrics.as_deref().and_then(|m| match metrics::fetch(m) {
             Ok(doc) => Some(QueueSnapshot::sum(&doc.queues)),
             Err(e) => {
-                log::warn!("no counters: {e}");
+                eprintln!("warning: no counters: {e}");
                 None
             }
         });
