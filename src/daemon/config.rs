@@ -119,6 +119,8 @@ impl Config {
             uring_cmd: !args.no_uring_cmd,
             direct: args.direct && args.engine == EngineKind::Uring,
             dio_align: image.dio_align as usize,
+            // Room for one request of the most data a request may carry.
+            bounce_limit: crate::virtio::request::MAX_DATA_BYTES as usize,
             is_block_device: image.is_block_device,
             writeback,
         };

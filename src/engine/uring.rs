@@ -52,6 +52,9 @@ pub struct UringConfig {
     /// O_DIRECT: guest buffers must be aligned to `dio_align` or bounced.
     pub direct: bool,
     pub dio_align: usize,
+    /// Most bytes of bounce buffers in use at once: a request that would go
+    /// past it waits until bounced requests in flight complete.
+    pub bounce_limit: usize,
     pub is_block_device: bool,
     /// The guest-visible write cache; when off, writes carry RWF_DSYNC.
     pub writeback: Arc<AtomicBool>,
@@ -116,6 +119,8 @@ pub struct UringEngine {
     /// it valid while registered.
     fixed: Vec<(usize, usize)>,
     fixed_mem: Option<Arc<GuestMem>>,
+    /// Bytes of bounce buffers held by requests in flight.
+    bounce_in_use: usize,
 }
 
 // SAFETY: the raw pointers inside (iovecs of requests and bounce buffers)
@@ -146,6 +151,7 @@ impl UringEngine {
             log_limit: RateLimiter::new(10, Duration::from_secs(5)),
             fixed: Vec::new(),
             fixed_mem: None,
+            bounce_in_use: 0,
         })
     }
 
@@ -318,6 +324,9 @@ impl UringEngine {
                 VIRTIO_BLK_S_IOERR as u8
             }
         };
+        if slot.bounce.is_some() {
+            self.bounce_in_use -= data_len as usize;
+        }
         let written = written(&slot.io, status);
         Some(Completion {
             io: slot.io,
@@ -351,6 +360,22 @@ impl Engine for UringEngine {
         let mut bounce = None;
         if self.cfg.direct && rw && !io.req.data.aligned_to(self.cfg.dio_align) {
             let len = io.req.data_len as usize;
+            if self.bounce_in_use + len > self.cfg.bounce_limit {
+                if self.bounce_in_use > 0 {
+                    // Its turn comes when bounced requests in flight finish.
+                    return Err(Full(io));
+                }
+                // Larger than the limit on its own: the parser refuses
+                // requests past MAX_DATA_BYTES, so only a limit set below
+                // that gets here.
+                warn_limited!(
+                    self.log_limit,
+                    "a {len}-byte request needs more bounce buffer than the {} allowed",
+                    self.cfg.bounce_limit
+                );
+                self.finish_now(io, VIRTIO_BLK_S_IOERR as u8);
+                return Ok(());
+            }
             let Some(mut buf) = AlignedBuf::new(len) else {
                 warn_limited!(self.log_limit, "no memory for a {len}-byte bounce buffer");
                 self.finish_now(io, VIRTIO_BLK_S_IOERR as u8);
@@ -366,6 +391,7 @@ impl Engine for UringEngine {
                 iov_len: len,
             };
             bounce = Some((buf, iov));
+            self.bounce_in_use += len;
             QueueMetrics::add(&self.metrics.bounced, 1);
         }
         let slot = Slot {

@@ -83,6 +83,7 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
             uring_cmd: true,
             direct: false,
             dio_align: 512,
+            bounce_limit: 1 << 20,
             is_block_device: false,
             writeback,
         },

@@ -17,6 +17,7 @@ pub fn device_features(readonly: bool) -> u64 {
         | (1 << VIRTIO_RING_F_EVENT_IDX)
         | (1 << VIRTIO_RING_F_INDIRECT_DESC)
         | (1 << VIRTIO_BLK_F_SEG_MAX)
+        | (1 << VIRTIO_BLK_F_SIZE_MAX)
         | (1 << VIRTIO_BLK_F_BLK_SIZE)
         | (1 << VIRTIO_BLK_F_FLUSH)
         | (1 << VIRTIO_BLK_F_CONFIG_WCE)
@@ -35,7 +36,8 @@ pub fn config_space(limits: &DeviceLimits, num_queues: u16, writeback: bool) -> 
     let mut c = [0u8; CONFIG_LEN];
     let mut put = |off: usize, bytes: &[u8]| c[off..off + bytes.len()].copy_from_slice(bytes);
     put(0, &limits.capacity_sectors.to_le_bytes()); // capacity
-    put(12, &limits.seg_max.to_le_bytes()); // seg_max (size_max at 8 stays 0)
+    put(8, &limits.size_max().to_le_bytes()); // size_max
+    put(12, &limits.seg_max.to_le_bytes()); // seg_max
     put(20, &limits.block_size.to_le_bytes()); // blk_size
     put(32, &[u8::from(writeback)]); // wce
     put(34, &num_queues.to_le_bytes()); // num_queues
@@ -83,12 +85,33 @@ mod tests {
         let l = limits();
         let c = config_space(&l, 2, true);
         assert_eq!(u64::from_le_bytes(c[0..8].try_into().unwrap()), 2048);
+        assert_eq!(u32::from_le_bytes(c[8..12].try_into().unwrap()), 128 << 10);
         assert_eq!(u32::from_le_bytes(c[12..16].try_into().unwrap()), l.seg_max);
         assert_eq!(u32::from_le_bytes(c[20..24].try_into().unwrap()), 4096);
         assert_eq!(c[32], 1);
         assert_eq!(u16::from_le_bytes(c[34..36].try_into().unwrap()), 2);
         assert_eq!(u32::from_le_bytes(c[44..48].try_into().unwrap()), 8);
         assert_eq!(c[56], 1);
+    }
+
+    /// Whatever the queue size, seg_max segments of size_max bytes stay
+    /// within what one request may carry.
+    #[test]
+    fn size_max_bounds_a_request() {
+        use crate::virtio::request::MAX_DATA_BYTES;
+        for seg_max in [1, 2, 30, 126, 254, 1000, 1024] {
+            let l = DeviceLimits {
+                seg_max,
+                ..limits()
+            };
+            let size_max = l.size_max();
+            assert_eq!(size_max % 4096, 0, "seg_max {seg_max}");
+            assert!((4096..=1 << 20).contains(&size_max), "seg_max {seg_max}");
+            assert!(
+                u64::from(seg_max) * u64::from(size_max) <= u64::from(MAX_DATA_BYTES),
+                "seg_max {seg_max}"
+            );
+        }
     }
 
     #[test]

@@ -32,6 +32,9 @@ pub enum RequestError {
     /// More data segments than `seg_max`.
     #[error("too many segments")]
     TooManySegments,
+    /// More data than `seg_max` segments of `size_max` bytes can carry.
+    #[error("more data than one request may carry")]
+    TooLarge,
     /// A discard or write-zeroes payload longer than the one range we
     /// advertise (`max_discard_seg` / `max_write_zeroes_seg` = 1).
     #[error("more than one discard or write-zeroes range")]
@@ -77,6 +80,9 @@ impl RequestError {
     /// - more data segments than `seg_max`, or a descriptor outside guest
     ///   memory: QEMU fails the whole virtqueue (`virtio_error`); we answer
     ///   this request IOERR;
+    /// - more data than `seg_max` × `size_max`: QEMU advertises no
+    ///   `size_max`, we do (it bounds what one request can make us
+    ///   allocate) and answer a request past it IOERR;
     /// - a type with the legacy BARRIER bit: QEMU masks it off; we offer
     ///   VERSION_1 only, where that bit is not defined, so it is UNSUPP;
     /// - both unknown flags and a bad range in one request: QEMU checks the
@@ -92,6 +98,7 @@ impl RequestError {
             | RequestError::Misaligned
             | RequestError::OutOfRange
             | RequestError::TooManySegments
+            | RequestError::TooLarge
             | RequestError::RangeTooLong
             | RequestError::ReadOnly => VIRTIO_BLK_S_IOERR,
             RequestError::TooManyRanges

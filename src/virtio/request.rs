@@ -37,6 +37,22 @@ pub struct DeviceLimits {
     pub max_write_zeroes_sectors: u32,
 }
 
+/// The most data one read or write may carry: a request's bounce buffer
+/// (O_DIRECT) is never larger. The `size_max` we advertise keeps
+/// `seg_max` segments within it (see [`DeviceLimits::size_max`]); a
+/// driver that ignores both is refused.
+pub const MAX_DATA_BYTES: u32 = 32 << 20;
+
+impl DeviceLimits {
+    /// Largest data segment (`size_max`, VIRTIO_BLK_F_SIZE_MAX): a multiple
+    /// of 4 KiB, at most 1 MiB, such that `seg_max` of them fit
+    /// [`MAX_DATA_BYTES`].
+    pub fn size_max(&self) -> u32 {
+        let per_seg = MAX_DATA_BYTES / self.seg_max.max(1);
+        (per_seg.min(1 << 20) & !0xfff).max(4096)
+    }
+}
+
 /// Ranges per discard or write-zeroes request: advertised as
 /// `max_discard_seg` and `max_write_zeroes_seg`, and all the parser takes.
 pub const MAX_RANGES: u32 = 1;
@@ -334,6 +350,9 @@ impl Parser {
                     return reject(RequestError::TooManySegments);
                 }
                 let len = total_len(data);
+                if len > MAX_DATA_BYTES {
+                    return reject(RequestError::TooLarge);
+                }
                 if len % limits.block_size != 0 {
                     return reject(RequestError::BadLength);
                 }

@@ -436,6 +436,32 @@ fn data_in_the_wrong_direction() {
     assert_eq!(RequestError::WrongDirection.status(), IOERR);
 }
 
+/// One request carries at most MAX_DATA_BYTES (seg_max x size_max), however
+/// its segments are laid out: all of them may point at one buffer.
+#[test]
+fn data_past_the_request_maximum_is_refused() {
+    use crate::virtio::request::MAX_DATA_BYTES;
+    let l = DeviceLimits {
+        seg_max: 254,
+        ..limits()
+    };
+    let mem = guest_memory();
+    let mut d = Driver::new(&mem, 16);
+    d.header(VIRTIO_BLK_T_OUT, 0);
+    let seg = 1 << 20; // inside region A, the same buffer each time
+    let mut post = |n: usize| {
+        let mut table = vec![r(HDR, 16)];
+        table.extend((0..n).map(|_| r(DATA, seg)));
+        table.push(status());
+        d.write_table(TABLE, &table);
+        d.parse_chain(&l, &[indirect(TABLE, table.len() as u32)])
+    };
+    let n = (MAX_DATA_BYTES / seg) as usize;
+    assert!(post(n).is_ok());
+    assert_eq!(rejected(post(n + 1)), RequestError::TooLarge);
+    assert_eq!(RequestError::TooLarge.status(), IOERR);
+}
+
 #[test]
 fn at_most_seg_max_data_segments() {
     let l = limits();
