@@ -6,11 +6,9 @@
 //! `cargo bench --bench parse_complete`
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use ringblk::virtio::chain_writer::{DescTable, readable, writable};
 use ringblk::virtio::ring::RingShadow;
 use ringblk::virtio::{DeviceLimits, GuestMem, Request};
-use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-use virtio_queue::desc::RawDescriptor;
-use virtio_queue::desc::split::Descriptor;
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
@@ -27,32 +25,23 @@ const STATUS: u64 = 0x30_0000;
 /// send) and returns the queue, ready to pop.
 fn setup(mem: &GuestMem, n: u16) -> Queue {
     let mock = MockSplitQueue::new(mem, QSIZE);
+    let table = DescTable(mock.desc_table_addr());
     for i in 0..n {
         let hdr = HDR + 16 * u64::from(i);
         let mut h = [0u8; 16];
         h[8..16].copy_from_slice(&(u64::from(i) * 8).to_le_bytes());
         mem.write_slice(&h, GuestAddress(hdr)).unwrap();
-        let first = 3 * i;
-        let descs = [
-            Descriptor::new(hdr, 16, VRING_DESC_F_NEXT as u16, first + 1),
-            Descriptor::new(
-                DATA + 4096 * u64::from(i),
-                4096,
-                (VRING_DESC_F_NEXT | VRING_DESC_F_WRITE) as u16,
-                first + 2,
-            ),
-            Descriptor::new(STATUS + u64::from(i), 1, VRING_DESC_F_WRITE as u16, 0),
+        let chain = [
+            readable(hdr, 16),
+            writable(DATA + 4096 * u64::from(i), 4096),
+            writable(STATUS + u64::from(i), 1),
         ];
-        for (k, d) in descs.into_iter().enumerate() {
-            mock.desc_table()
-                .store(first + k as u16, RawDescriptor::from(d))
-                .unwrap();
-        }
+        let head = table.write_chain(mem, 3 * i, &chain).unwrap();
         mock.avail()
             .ring()
             .ref_at(usize::from(i))
             .unwrap()
-            .store(first);
+            .store(head);
     }
     mock.avail().idx().store(n);
     let mut q: Queue = mock.create_queue().unwrap();

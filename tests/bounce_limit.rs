@@ -16,7 +16,8 @@ mod frontend;
 use std::time::Duration;
 
 use common::{Daemon, MIB};
-use frontend::{Conn, F_INDIRECT_DESC, Guest, Vq, ind, link, r, w};
+use frontend::{Conn, F_INDIRECT_DESC, Guest, Vq};
+use ringblk::virtio::chain_writer::{indirect as ind, link, readable as r, writable as w};
 
 const QUEUE_SIZE: u16 = 256;
 const RING: u64 = 0x1_0000;
@@ -69,9 +70,7 @@ fn bounce_memory_stays_bounded_under_large_misaligned_requests() {
         chain.extend((0..seg_max).map(|_| r(DATA, size_max)));
         chain.push(w(STATUS + u64::from(i), 1));
         let table = TABLES + 0x1000 * u64::from(i);
-        for (k, desc) in link(&chain, 0).iter().enumerate() {
-            g.write(table + 16 * k as u64, &desc.bytes());
-        }
+        g.write_descs(table, 0, &link(&chain, 0));
         vq.write_table(&g, i, &[ind(table, 16 * chain.len() as u32)]);
         heads.push(i);
     }
@@ -120,9 +119,7 @@ fn a_request_past_seg_max_times_size_max_is_refused() {
     let mut chain = vec![r(HDRS, 16)];
     chain.extend((0..17).map(|_| r(DATA, 2 << 20)));
     chain.push(w(STATUS, 1));
-    for (k, desc) in link(&chain, 0).iter().enumerate() {
-        g.write(TABLES + 16 * k as u64, &desc.bytes());
-    }
+    g.write_descs(TABLES, 0, &link(&chain, 0));
     vq.write_table(&g, 0, &[ind(TABLES, 16 * chain.len() as u32)]);
     vq.publish(&g, &[0]);
     assert_eq!(vq.one_used(&g), (0, 1));

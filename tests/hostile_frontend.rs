@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use common::{Daemon, MIB};
 use frontend::*;
+use ringblk::virtio::chain_writer::{Desc, indirect as ind, link, readable as r, writable as w};
 use vmm_sys_util::eventfd::EventFd;
 
 /// The daemon's default queue count and maximum queue size.
@@ -1034,7 +1035,7 @@ fn ring_running_out_of_guest_memory() {
         // Descriptor 0 is the table's last entry in guest memory; it
         // chains to descriptor 1, in the hole.
         g.write(0x4000, &[0; 16]);
-        g.write(q.desc, &next(r(0x4000, 16), 1).bytes());
+        g.write_descs(q.desc, 0, &[r(0x4000, 16).with_next(1)]);
         q.publish(&g, &[0]);
         let used = q.take_used(&g, 1, Duration::from_secs(1));
         eprintln!("  a chain into the hole on that ring: {used:?}");
@@ -1152,9 +1153,7 @@ impl Dev {
 
     /// Writes an indirect table at `at`, its entries linked with NEXT.
     fn table(&self, at: u64, descs: &[Desc]) {
-        for (i, d) in link(descs, 0).iter().enumerate() {
-            self.g.write(at + 16 * i as u64, &d.bytes());
-        }
+        self.g.write_descs(at, 0, &link(descs, 0));
     }
 
     /// Checks the answer to a malformed chain with head `head` on queue
@@ -1356,15 +1355,6 @@ fn hostile_data(dev: &Dev, l: &Layout, len: usize) {
     dev.g.write(l.data, &vec![HOSTILE_FILL; len]);
 }
 
-/// `d` with NEXT pointing at `to`.
-fn next(d: Desc, to: u16) -> Desc {
-    Desc {
-        flags: d.flags | VRING_DESC_F_NEXT,
-        next: to,
-        ..d
-    }
-}
-
 fn catalogue_b() -> Vec<Bad> {
     let hs = HOSTILE_SECTOR;
     let out = VIRTIO_BLK_T_OUT;
@@ -1438,13 +1428,13 @@ fn catalogue_b() -> Vec<Bad> {
             // 0: header, 1: writable data looping back to 0; the status
             // would be the data's last byte.
             raw_table(
-                |l| vec![next(r(l.hdr, 16), 1), next(w(l.data, 512), 0)],
+                |l| vec![r(l.hdr, 16).with_next(1), w(l.data, 512).with_next(0)],
                 |l| Some(l.data + 511),
             ),
         ),
         bad(
             "descriptor looping on itself",
-            raw_table(|l| vec![next(r(l.hdr, 16), 0)], |_| None),
+            raw_table(|l| vec![r(l.hdr, 16).with_next(0)], |_| None),
         ),
         bad(
             "chain through every descriptor, then NEXT past the table",
@@ -1459,7 +1449,7 @@ fn catalogue_b() -> Vec<Bad> {
                 t.push(w(l.status, 1));
                 let mut t = link(&t, 0);
                 let last = t.len() - 1;
-                t[last] = next(t[last], size);
+                t[last] = t[last].with_next(size);
                 dev.qs[q].write_table(&dev.g, 0, &t);
                 dev.qs[q].publish(&dev.g, &[0]);
                 (0, Some(l.status))
@@ -1602,7 +1592,7 @@ fn catalogue_b() -> Vec<Bad> {
                 let l = Layout::of(q);
                 dev.header(l.hdr, VIRTIO_BLK_T_IN, 0);
                 let at = REGION0_END - 16;
-                dev.g.write(at, &next(r(l.hdr, 16), 1).bytes());
+                dev.g.write_descs(at, 0, &[r(l.hdr, 16).with_next(1)]);
                 let head = dev.qs[q].post(&dev.g, &[ind(at, 48)]);
                 (head, None)
             },

@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use common::{Daemon, DaemonOptions, MIB, sparse_image, test_dir};
-use frontend::{Conn, Guest, Vq, r, w};
+use frontend::{Conn, Guest, Vq};
+use ringblk::virtio::chain_writer::{readable as r, writable as w};
 
 const RING: u64 = 0x10_0000;
 const HDR: u64 = 0x20_0000;

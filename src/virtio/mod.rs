@@ -4,8 +4,11 @@
 //! Nothing here does I/O on the image. Everything a guest controls is
 //! validated here, before the `io` layer sees it.
 
+#[cfg(any(test, feature = "test-utils"))]
+pub mod chain_writer;
 pub mod config;
 mod error;
+#[cfg(any(test, feature = "test-utils"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod request;

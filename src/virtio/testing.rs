@@ -1,6 +1,6 @@
 //! Test helpers for the virtio layer: guest memory with a hole in it, and a
 //! driver (on top of virtio-queue's `MockSplitQueue`) that writes descriptor
-//! chains, posts them and reads back the used ring.
+//! chains (with `chain_writer`), posts them and reads back the used ring.
 //!
 //! The used ring is placed here, not where `MockSplitQueue` puts it:
 //! virtio-queue 0.18's mock starts it at `avail.end()`, which counts avail
@@ -8,14 +8,13 @@
 //! the upper half of the avail ring and `used_event` (rust-vmm/vm-virtio
 //! PR #400). Ring tests on that layout read their own writes back.
 
-use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-use virtio_queue::desc::RawDescriptor;
-use virtio_queue::desc::split::{Descriptor, VirtqUsedElem};
+use virtio_queue::desc::split::VirtqUsedElem;
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::{DescriptorChain, Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::GuestMem;
+pub use super::chain_writer::{Desc, DescTable, indirect, readable as r, writable as w};
 use super::request::{DeviceLimits, Rejected, Request};
 
 /// Region A: the ring at 0, then headers, buffers and indirect tables.
@@ -56,44 +55,8 @@ pub fn limits() -> DeviceLimits {
     }
 }
 
-/// One descriptor as a test describes it; `NEXT` and `next` are filled in
-/// when the chain is written.
-#[derive(Clone, Copy, Debug)]
-pub struct D {
-    pub addr: u64,
-    pub len: u32,
-    pub flags: u16,
-}
-
-/// Device-readable buffer.
-pub fn r(addr: u64, len: u32) -> D {
-    D {
-        addr,
-        len,
-        flags: 0,
-    }
-}
-
-/// Device-writable buffer.
-pub fn w(addr: u64, len: u32) -> D {
-    D {
-        addr,
-        len,
-        flags: VRING_DESC_F_WRITE as u16,
-    }
-}
-
-/// A descriptor referring to an indirect table of `entries` descriptors.
-pub fn indirect(addr: u64, entries: u32) -> D {
-    D {
-        addr,
-        len: entries * 16,
-        flags: VRING_DESC_F_INDIRECT as u16,
-    }
-}
-
 /// The usual read/write request tail: a one-byte status descriptor.
-pub fn status() -> D {
+pub fn status() -> Desc {
     w(STATUS, 1)
 }
 
@@ -132,28 +95,28 @@ impl<'a> Driver<'a> {
         self.queue.set_next_used(idx);
     }
 
+    /// The queue's descriptor table.
+    pub fn table(&self) -> DescTable {
+        DescTable(self.mock.desc_table_addr())
+    }
+
     /// Writes `descs` at table indices `first..`, linked with NEXT, and
     /// posts the chain. Returns the head index.
-    pub fn post_at(&mut self, first: u16, descs: &[D]) -> u16 {
-        let table: Vec<(u16, Descriptor)> = link(descs, first);
-        self.post_raw(first, &table);
-        first
+    pub fn post_at(&mut self, first: u16, descs: &[Desc]) -> u16 {
+        let head = self.table().write_chain(self.mem, first, descs).unwrap();
+        self.post_head(head);
+        head
     }
 
     /// Writes `descs` from table index 0 and posts them.
-    pub fn post(&mut self, descs: &[D]) -> u16 {
+    pub fn post(&mut self, descs: &[Desc]) -> u16 {
         self.post_at(0, descs)
     }
 
-    /// Writes descriptors exactly as given (flags and next included) and
-    /// posts `head`.
-    pub fn post_raw(&mut self, head: u16, table: &[(u16, Descriptor)]) {
-        for &(i, d) in table {
-            self.mock
-                .desc_table()
-                .store(i, RawDescriptor::from(d))
-                .unwrap();
-        }
+    /// Writes descriptors exactly as given (flags and next included) at
+    /// table indices `head..` and posts `head`.
+    pub fn post_raw(&mut self, head: u16, descs: &[Desc]) {
+        self.table().write(self.mem, head, descs).unwrap();
         self.post_head(head);
     }
 
@@ -171,11 +134,8 @@ impl<'a> Driver<'a> {
     }
 
     /// Writes an indirect table at `addr`, its entries linked with NEXT.
-    pub fn write_table(&self, addr: u64, descs: &[D]) {
-        for (i, d) in link(descs, 0) {
-            let at = GuestAddress(addr + 16 * u64::from(i));
-            self.mem.write_obj(d, at).unwrap();
-        }
+    pub fn write_table(&self, addr: u64, descs: &[Desc]) {
+        DescTable::at(addr).write_chain(self.mem, 0, descs).unwrap();
     }
 
     /// Writes a request header (type, reserved, sector) at `addr`.
@@ -212,7 +172,11 @@ impl<'a> Driver<'a> {
     }
 
     /// Posts `descs` and parses them.
-    pub fn parse_chain(&mut self, limits: &DeviceLimits, descs: &[D]) -> Result<Request, Rejected> {
+    pub fn parse_chain(
+        &mut self,
+        limits: &DeviceLimits,
+        descs: &[Desc],
+    ) -> Result<Request, Rejected> {
         self.post(descs);
         self.parse(limits)
     }
@@ -261,24 +225,6 @@ impl<'a> Driver<'a> {
     pub fn avail_event(&self) -> u16 {
         self.mem.read_obj(self.avail_event_addr()).unwrap()
     }
-}
-
-/// Table entries for `descs` at indices `first..`, linked with NEXT.
-pub fn link(descs: &[D], first: u16) -> Vec<(u16, Descriptor)> {
-    let n = descs.len();
-    descs
-        .iter()
-        .enumerate()
-        .map(|(k, d)| {
-            let i = first + k as u16;
-            let (flags, next) = if k + 1 < n {
-                (d.flags | VRING_DESC_F_NEXT as u16, i + 1)
-            } else {
-                (d.flags, 0)
-            };
-            (i, Descriptor::new(d.addr, d.len, flags, next))
-        })
-        .collect()
 }
 
 /// The host address backing guest address `addr`.

@@ -19,6 +19,9 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+// Descriptors are written by the library's writer (feature `test-utils`),
+// which writes wrong chains as readily as right ones.
+use ringblk::virtio::chain_writer::{Desc, DescTable, link};
 use vm_memory::{
     Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap,
     MmapRegion,
@@ -522,6 +525,14 @@ impl Guest {
         self.read(gpa, 1)[0]
     }
 
+    /// Writes descriptors exactly as given at indices `first..` of the
+    /// table at `table` (a queue's or an indirect one).
+    pub fn write_descs(&self, table: u64, first: u16, descs: &[Desc]) {
+        DescTable::at(table)
+            .write(&self.mem, first, descs)
+            .unwrap_or_else(|e| panic!("writing descriptors at {table:#x} [{first}..]: {e}"));
+    }
+
     /// SET_MEM_TABLE with both regions (one fd each).
     pub fn share(&self, conn: &Conn) {
         let fds = [self.file.as_raw_fd(); 2];
@@ -531,81 +542,6 @@ impl Guest {
 
 // ---------------------------------------------------------------------------
 // Split virtqueues
-
-pub const VRING_DESC_F_NEXT: u16 = 1;
-pub const VRING_DESC_F_WRITE: u16 = 2;
-pub const VRING_DESC_F_INDIRECT: u16 = 4;
-
-/// A descriptor as written into a table: `next` is used only with NEXT.
-#[derive(Clone, Copy, Debug)]
-pub struct Desc {
-    pub addr: u64,
-    pub len: u32,
-    pub flags: u16,
-    pub next: u16,
-}
-
-impl Desc {
-    pub fn bytes(&self) -> [u8; 16] {
-        let mut b = [0u8; 16];
-        b[0..8].copy_from_slice(&self.addr.to_le_bytes());
-        b[8..12].copy_from_slice(&self.len.to_le_bytes());
-        b[12..14].copy_from_slice(&self.flags.to_le_bytes());
-        b[14..16].copy_from_slice(&self.next.to_le_bytes());
-        b
-    }
-
-    pub fn is_writable(&self) -> bool {
-        self.flags & VRING_DESC_F_WRITE != 0
-    }
-}
-
-/// Device-readable buffer.
-pub fn r(addr: u64, len: u32) -> Desc {
-    Desc {
-        addr,
-        len,
-        flags: 0,
-        next: 0,
-    }
-}
-
-/// Device-writable buffer.
-pub fn w(addr: u64, len: u32) -> Desc {
-    Desc {
-        addr,
-        len,
-        flags: VRING_DESC_F_WRITE,
-        next: 0,
-    }
-}
-
-/// A descriptor naming an indirect table of `len` bytes.
-pub fn ind(addr: u64, len: u32) -> Desc {
-    Desc {
-        addr,
-        len,
-        flags: VRING_DESC_F_INDIRECT,
-        next: 0,
-    }
-}
-
-/// `descs` linked with NEXT, the first at table index `first`.
-pub fn link(descs: &[Desc], first: u16) -> Vec<Desc> {
-    let n = descs.len();
-    descs
-        .iter()
-        .enumerate()
-        .map(|(k, d)| {
-            let mut d = *d;
-            if k + 1 < n {
-                d.flags |= VRING_DESC_F_NEXT;
-                d.next = first.wrapping_add(k as u16 + 1);
-            }
-            d
-        })
-        .collect()
-}
 
 /// The driver side of one split virtqueue in `Guest` memory, with its
 /// kick and call eventfds.
@@ -681,13 +617,15 @@ impl Vq {
         conn.ok(SET_VRING_ENABLE, &vring_state(self.index, 1), &[]);
     }
 
-    /// Writes table entries at indices `first..`.
+    /// Writes table entries at indices `first..`, as given.
     pub fn write_table(&self, g: &Guest, first: u16, descs: &[Desc]) {
-        for (k, d) in descs.iter().enumerate() {
-            let i = u64::from(first) + k as u64;
-            assert!(i < u64::from(self.size), "descriptor {i} past the table");
-            g.write(self.desc + 16 * i, &d.bytes());
-        }
+        let end = u64::from(first) + descs.len() as u64;
+        assert!(
+            end <= u64::from(self.size),
+            "descriptors {first}..{end} run past a table of {}",
+            self.size
+        );
+        g.write_descs(self.desc, first, descs);
     }
 
     /// Puts `heads` on the avail ring, moves avail->idx once, and kicks.

@@ -5,16 +5,13 @@ use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
     VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
 };
-use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress};
 
 use super::{A_END, C, C_END, DATA, DESC, MAX_SEGS, SMALL, TABLE_SPACING, TABLES};
+use crate::virtio::chain_writer::{
+    self, DESC_SIZE, Desc, DescTable, INDIRECT, NEXT, WRITE, link, readable, writable,
+};
 use crate::virtio::{DeviceLimits, GuestMem, SECTOR_SHIFT};
-
-const NEXT: u16 = VRING_DESC_F_NEXT as u16;
-const WRITE: u16 = VRING_DESC_F_WRITE as u16;
-const INDIRECT: u16 = VRING_DESC_F_INDIRECT as u16;
 
 pub(super) fn pick_limits(input: &mut Input) -> DeviceLimits {
     let cfg = input.byte();
@@ -37,33 +34,9 @@ pub(super) struct Posted {
     pub(super) corrupted: bool,
 }
 
-/// One descriptor before linking.
-#[derive(Clone, Copy)]
-struct D {
-    addr: u64,
-    len: u32,
-    flags: u16,
-    /// Overrides the linked `next` (a corruption).
-    next: Option<u16>,
-}
-
-fn rd(addr: u64, len: u32) -> D {
-    D {
-        addr,
-        len,
-        flags: 0,
-        next: None,
-    }
-}
-
-fn wr(addr: u64, len: u32) -> D {
-    D {
-        addr,
-        len,
-        flags: WRITE,
-        next: None,
-    }
-}
+/// A corruption that outlives linking: entry `.0` of the chain gets NEXT
+/// and `next` = `.1`, whatever `link` gave it.
+type ForcedNext = Option<(usize, u16)>;
 
 pub(super) struct Generator<'a> {
     mem: &'a GuestMem,
@@ -121,15 +94,15 @@ impl<'a> Generator<'a> {
             let len = 16 + self.limits.block_size;
             let buf = self.alloc(len);
             write_slice(self.mem, &header, GuestAddress(buf));
-            descs.push(rd(buf, len));
+            descs.push(readable(buf, len));
         } else {
             write_slice(self.mem, &header, GuestAddress(hdr));
-            descs.push(rd(hdr, split));
+            descs.push(readable(hdr, split));
         }
         if split < 16 {
             let rest = hdr + 0x20;
             write_slice(self.mem, &header[split as usize..], GuestAddress(rest));
-            descs.push(rd(rest, 16 - split));
+            descs.push(readable(rest, 16 - split));
         }
         let data_write = match req_type {
             VIRTIO_BLK_T_IN | VIRTIO_BLK_T_GET_ID => Some(true),
@@ -140,27 +113,28 @@ impl<'a> Generator<'a> {
             self.data(input, &mut descs, writable, indirect);
         } else if matches!(req_type, VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES) {
             self.range(input, range, req_type);
-            descs.push(rd(range, 16));
+            descs.push(readable(range, 16));
         } else if pick == 15 && input.chance(64) {
             self.data(input, &mut descs, true, indirect);
         }
         // The status byte: its own descriptor, or the end of the last
         // writable data buffer.
-        let last_writable = descs.last().is_some_and(|d| d.flags & WRITE != 0);
+        let last_writable = descs.last().is_some_and(Desc::is_writable);
         if last_writable && input.chance(16) {
             if let Some(d) = descs.last_mut() {
                 d.len += 1;
             }
         } else {
-            descs.push(wr(status, 1));
+            descs.push(writable(status, 1));
         }
 
         let mut corrupted = false;
+        let mut forced_next = None;
         if input.chance(32) {
             corrupted = true;
-            self.corrupt(input, &mut descs, indirect);
+            forced_next = self.corrupt(input, &mut descs, indirect);
         }
-        let head = self.place(input, &descs, indirect, k, &mut corrupted)?;
+        let head = self.place(input, &descs, forced_next, indirect, k, &mut corrupted)?;
         Some(Posted {
             head,
             req_type,
@@ -189,7 +163,7 @@ impl<'a> Generator<'a> {
     /// as `seg_max`, rarely one more. A chain holds up to the queue size in
     /// descriptors, an indirect one up to `seg_max + 2` if that is more
     /// (header, status and, when split, the header's second half: 3).
-    fn data(&mut self, input: &mut Input, descs: &mut Vec<D>, writable: bool, indirect: bool) {
+    fn data(&mut self, input: &mut Input, descs: &mut Vec<Desc>, writable: bool, indirect: bool) {
         let mut room = u64::from(self.queue_size);
         if indirect {
             room = room.max(u64::from(self.limits.seg_max) + 2);
@@ -216,9 +190,9 @@ impl<'a> Generator<'a> {
                 self.alloc(len)
             };
             descs.push(if writable {
-                wr(addr, len)
+                chain_writer::writable(addr, len)
             } else {
-                rd(addr, len)
+                readable(addr, len)
             });
         }
     }
@@ -262,8 +236,9 @@ impl<'a> Generator<'a> {
         addr
     }
 
-    /// Breaks one thing in the chain.
-    fn corrupt(&self, input: &mut Input, descs: &mut Vec<D>, indirect: bool) {
+    /// Breaks one thing in the chain; a `next` anywhere is applied when the
+    /// chain is linked (`place`).
+    fn corrupt(&self, input: &mut Input, descs: &mut Vec<Desc>, indirect: bool) -> ForcedNext {
         let i = input.below(descs.len() as u32) as usize;
         match input.below(8) {
             0 => descs[i].flags ^= WRITE,
@@ -275,7 +250,7 @@ impl<'a> Generator<'a> {
                     _ => A_END - u64::from(input.below(descs[i].len.max(1))),
                 }
             }
-            2 => descs[i].next = Some(input.u16() % (self.queue_size + 2)),
+            2 => return Some((i, input.u16() % (self.queue_size + 2))),
             3 => descs[i].len = input.u32(),
             4 => {
                 descs.pop();
@@ -288,6 +263,7 @@ impl<'a> Generator<'a> {
             6 if indirect => descs[i].flags |= INDIRECT,
             _ => descs[i].flags |= NEXT,
         }
+        None
     }
 
     /// Writes the chain to the descriptor table (or an indirect table) and
@@ -295,7 +271,8 @@ impl<'a> Generator<'a> {
     fn place(
         &mut self,
         input: &mut Input,
-        descs: &[D],
+        descs: &[Desc],
+        forced_next: ForcedNext,
         indirect: bool,
         k: usize,
         corrupted: &mut bool,
@@ -311,29 +288,18 @@ impl<'a> Generator<'a> {
         } else {
             (DESC, head)
         };
-        let n = descs.len();
-        for (j, d) in descs.iter().enumerate() {
-            let idx = first + j as u16;
-            let (mut flags, mut next) = if j + 1 < n {
-                (d.flags | NEXT, idx + 1)
-            } else {
-                (d.flags, 0)
-            };
-            if let Some(x) = d.next {
-                flags |= NEXT;
-                next = x;
-            }
-            let at = GuestAddress(table + 16 * u64::from(idx));
-            write(self.mem, Descriptor::new(d.addr, d.len, flags, next), at);
+        let mut linked = link(descs, first);
+        if let Some((i, to)) = forced_next {
+            linked[i] = linked[i].with_next(to);
         }
+        write_descs(self.mem, table, first, &linked);
         if indirect {
-            let mut len = 16 * n as u32;
+            let mut len = (DESC_SIZE * descs.len() as u64) as u32;
             if input.chance(64) {
                 *corrupted = true;
                 len = input.u32() % 0x800;
             }
-            let d = Descriptor::new(table, len, INDIRECT, 0);
-            write(self.mem, d, GuestAddress(DESC + 16 * u64::from(head)));
+            write_descs(self.mem, DESC, head, &[chain_writer::indirect(table, len)]);
         }
         Some(head)
     }
@@ -344,6 +310,12 @@ impl<'a> Generator<'a> {
 pub(super) fn write<T: vm_memory::ByteValued>(mem: &GuestMem, val: T, at: GuestAddress) {
     if let Err(e) = mem.write_obj(val, at) {
         panic!("fuzz generator wrote outside guest memory at {at:?}: {e}");
+    }
+}
+
+fn write_descs(mem: &GuestMem, table: u64, first: u16, descs: &[Desc]) {
+    if let Err(e) = DescTable::at(table).write(mem, first, descs) {
+        panic!("fuzz generator wrote outside guest memory in the table at {table:#x}: {e}");
     }
 }
 

@@ -4,16 +4,11 @@
 //! `None`, the used element carries length 0 and nothing is written.
 
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
-use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-use virtio_queue::desc::split::Descriptor;
 use vm_memory::GuestAddress;
 
 use super::*;
+use crate::virtio::chain_writer::WRITE;
 use crate::virtio::testing::*;
-
-const NEXT: u16 = VRING_DESC_F_NEXT as u16;
-const WRITE: u16 = VRING_DESC_F_WRITE as u16;
-const INDIRECT: u16 = VRING_DESC_F_INDIRECT as u16;
 
 fn ill_formed(res: Result<Request, Rejected>, status: Option<u64>) {
     let rej = res.expect_err("chain should be refused");
@@ -89,14 +84,14 @@ fn next_pointing_back_is_a_loop() {
     d.post_raw(
         0,
         &[
-            (0, Descriptor::new(HDR, 16, NEXT, 1)),
-            (1, Descriptor::new(DATA, 512, WRITE | NEXT, 2)),
-            (2, Descriptor::new(STATUS, 1, WRITE | NEXT, 0)),
+            r(HDR, 16).with_next(1),
+            w(DATA, 512).with_next(2),
+            w(STATUS, 1).with_next(0),
         ],
     );
     ill_formed(d.parse(&limits()), Some(STATUS));
     // A descriptor pointing at itself, readable only: no status byte.
-    d.post_raw(5, &[(5, Descriptor::new(HDR, 16, NEXT, 5))]);
+    d.post_raw(5, &[r(HDR, 16).with_next(5)]);
     ill_formed(d.parse(&limits()), None);
 }
 
@@ -104,13 +99,7 @@ fn next_pointing_back_is_a_loop() {
 fn next_outside_the_table() {
     let mem = guest_memory();
     let mut d = setup(&mem);
-    d.post_raw(
-        0,
-        &[
-            (0, Descriptor::new(HDR, 16, NEXT, 1)),
-            (1, Descriptor::new(STATUS, 1, WRITE | NEXT, 16)),
-        ],
-    );
+    d.post_raw(0, &[r(HDR, 16).with_next(1), w(STATUS, 1).with_next(16)]);
     ill_formed(d.parse(&limits()), Some(STATUS));
 }
 
@@ -157,13 +146,15 @@ fn indirect_table_is_followed() {
     let mut d = setup(&mem);
     let table = [r(HDR, 16), w(DATA, 4096), w(DATA + 0x2000, 1024), status()];
     d.write_table(TABLE, &table);
-    let req = d.parse_chain(&limits(), &[indirect(TABLE, 4)]).unwrap();
+    let req = d
+        .parse_chain(&limits(), &[indirect(TABLE, 4 * 16)])
+        .unwrap();
     assert_eq!(req.kind, RequestKind::Read { sector: 0 });
     assert_eq!(req.data_len, 5120);
     assert_iovecs(&mem, &req, &[(DATA, 4096), (DATA + 0x2000, 1024)]);
     assert_eq!(req.status, GuestAddress(STATUS));
     // The indirect descriptor's WRITE flag is ignored (virtio 1.2, 2.7.5.3.2).
-    let mut desc = indirect(TABLE, 4);
+    let mut desc = indirect(TABLE, 4 * 16);
     desc.flags |= WRITE;
     assert!(d.parse_chain(&limits(), &[desc]).is_ok());
 }
@@ -173,8 +164,8 @@ fn indirect_table_nested() {
     let mem = guest_memory();
     let mut d = setup(&mem);
     d.write_table(TABLE + 0x100, &[w(DATA, 512), status()]);
-    d.write_table(TABLE, &[r(HDR, 16), indirect(TABLE + 0x100, 2)]);
-    ill_formed(d.parse_chain(&limits(), &[indirect(TABLE, 2)]), None);
+    d.write_table(TABLE, &[r(HDR, 16), indirect(TABLE + 0x100, 2 * 16)]);
+    ill_formed(d.parse_chain(&limits(), &[indirect(TABLE, 2 * 16)]), None);
 }
 
 #[test]
@@ -183,16 +174,11 @@ fn indirect_table_bad_size() {
     let mut d = setup(&mem);
     d.write_table(TABLE, &[r(HDR, 16), w(DATA, 512), status()]);
     for len in [0, 8, 40, 47] {
-        let desc = D {
-            addr: TABLE,
-            len,
-            flags: INDIRECT,
-        };
-        ill_formed(d.parse_chain(&limits(), &[desc]), None);
+        ill_formed(d.parse_chain(&limits(), &[indirect(TABLE, len)]), None);
     }
     // A table shorter than its chain: the last entry points out of it.
     ill_formed(
-        d.parse_chain(&limits(), &[indirect(TABLE, 2)]),
+        d.parse_chain(&limits(), &[indirect(TABLE, 2 * 16)]),
         Some(DATA + 511),
     );
 }
@@ -202,10 +188,13 @@ fn indirect_table_outside_guest_memory() {
     let mem = guest_memory();
     let mut d = setup(&mem);
     ill_formed(
-        d.parse_chain(&limits(), &[indirect(A_END + 0x1000, 3)]),
+        d.parse_chain(&limits(), &[indirect(A_END + 0x1000, 3 * 16)]),
         None,
     );
-    ill_formed(d.parse_chain(&limits(), &[indirect(A_END - 16, 3)]), None);
+    ill_formed(
+        d.parse_chain(&limits(), &[indirect(A_END - 16, 3 * 16)]),
+        None,
+    );
 }
 
 /// QEMU's default queue size (128) is below the seg_max we advertise (254),
@@ -228,7 +217,7 @@ fn indirect_chain_longer_than_the_queue_within_seg_max() {
     // 66 descriptors on a queue of 16: header, 64 segments, status.
     d.write_table(TABLE, &chain(64));
     let req = d
-        .parse_chain(&l, &[indirect(TABLE, 66)])
+        .parse_chain(&l, &[indirect(TABLE, 66 * 16)])
         .expect("a valid request");
     assert_eq!(req.data_len, 64 * 512);
 }
@@ -247,24 +236,22 @@ fn chain_longer_than_the_queue_and_seg_max() {
         v
     };
     d.write_table(TABLE, &chain(15));
-    ill_formed(d.parse_chain(&l, &[indirect(TABLE, 17)]), Some(STATUS));
+    ill_formed(d.parse_chain(&l, &[indirect(TABLE, 17 * 16)]), Some(STATUS));
 }
 
 #[test]
 fn indirect_loop() {
     let mem = guest_memory();
     let mut d = setup(&mem);
-    for (i, desc) in [
-        Descriptor::new(HDR, 16, NEXT, 1),
-        Descriptor::new(STATUS, 1, WRITE | NEXT, 0),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        vm_memory::Bytes::write_obj(&mem, desc, GuestAddress(TABLE + 16 * i as u64)).unwrap();
-    }
+    DescTable::at(TABLE)
+        .write(
+            &mem,
+            0,
+            &[r(HDR, 16).with_next(1), w(STATUS, 1).with_next(0)],
+        )
+        .unwrap();
     ill_formed(
-        d.parse_chain(&limits(), &[indirect(TABLE, 2)]),
+        d.parse_chain(&limits(), &[indirect(TABLE, 2 * 16)]),
         Some(STATUS),
     );
 }

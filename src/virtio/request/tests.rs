@@ -19,7 +19,7 @@ fn parse(
     limits: &DeviceLimits,
     req_type: u32,
     sector: u64,
-    descs: &[D],
+    descs: &[Desc],
 ) -> Result<Request, Rejected> {
     let mem = guest_memory();
     let mut d = Driver::new(&mem, 16);
@@ -414,7 +414,7 @@ fn read_only_refuses_every_write() {
 #[test]
 fn data_in_the_wrong_direction() {
     let l = limits();
-    let cases: [(u32, &[D]); 4] = [
+    let cases: [(u32, &[Desc]); 4] = [
         (VIRTIO_BLK_T_IN, &[r(HDR, 16), r(DATA, 512), status()]),
         (VIRTIO_BLK_T_OUT, &[r(HDR, 16), w(DATA, 512), status()]),
         (VIRTIO_BLK_T_GET_ID, &[r(HDR, 16), r(DATA, 20), status()]),
@@ -454,7 +454,7 @@ fn data_past_the_request_maximum_is_refused() {
         table.extend((0..n).map(|_| r(DATA, seg)));
         table.push(status());
         d.write_table(TABLE, &table);
-        d.parse_chain(&l, &[indirect(TABLE, table.len() as u32)])
+        d.parse_chain(&l, &[indirect(TABLE, 16 * table.len() as u32)])
     };
     let n = (MAX_DATA_BYTES / seg) as usize;
     assert!(post(n).is_ok());
@@ -560,7 +560,7 @@ fn range_payload_must_be_one_whole_range() {
 #[test]
 fn buffers_outside_guest_memory() {
     let l = limits();
-    let cases: [(u32, &[D]); 6] = [
+    let cases: [(u32, &[Desc]); 6] = [
         // Past the end of memory.
         (VIRTIO_BLK_T_IN, &[r(HDR, 16), w(C_END, 512), status()]),
         // In the hole.
