@@ -49,6 +49,7 @@ fn corpus_replays_cleanly() {
         "Misaligned",
         "OutOfRange",
         "TooManySegments",
+        "TooLarge",
         "TooManyRanges",
         "RangeTooLong",
         "ReadOnly",

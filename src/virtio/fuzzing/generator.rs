@@ -7,10 +7,11 @@ use virtio_bindings::virtio_blk::{
 };
 use vm_memory::{Bytes, GuestAddress};
 
-use super::{A_END, C, C_END, DATA, DESC, MAX_SEGS, SMALL, TABLE_SPACING, TABLES};
+use super::{A_END, B, C, C_END, DATA, DESC, MAX_SEGS, SMALL, TABLE_SPACING, TABLES};
 use crate::virtio::chain_writer::{
     self, DESC_SIZE, Desc, DescTable, INDIRECT, NEXT, WRITE, link, readable, writable,
 };
+use crate::virtio::request::MAX_DATA_BYTES;
 use crate::virtio::{DeviceLimits, GuestMem, SECTOR_SHIFT};
 
 pub(super) fn pick_limits(input: &mut Input) -> DeviceLimits {
@@ -110,12 +111,13 @@ impl<'a> Generator<'a> {
             _ => None,
         };
         if let Some(writable) = data_write {
-            self.data(input, &mut descs, writable, indirect);
+            let read_or_write = req_type != VIRTIO_BLK_T_GET_ID;
+            self.data(input, &mut descs, writable, indirect, read_or_write);
         } else if matches!(req_type, VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES) {
             self.range(input, range, req_type);
             descs.push(readable(range, 16));
         } else if pick == 15 && input.chance(64) {
-            self.data(input, &mut descs, true, indirect);
+            self.data(input, &mut descs, true, indirect, false);
         }
         // The status byte: its own descriptor, or the end of the last
         // writable data buffer.
@@ -163,7 +165,19 @@ impl<'a> Generator<'a> {
     /// as `seg_max`, rarely one more. A chain holds up to the queue size in
     /// descriptors, an indirect one up to `seg_max + 2` if that is more
     /// (header, status and, when split, the header's second half: 3).
-    fn data(&mut self, input: &mut Input, descs: &mut Vec<Desc>, writable: bool, indirect: bool) {
+    ///
+    /// For a read or write (`too_large_ok`), a ragged length may instead be
+    /// one segment past all a request may carry: the parser refuses that
+    /// (TooLarge) before it looks at addresses, which such a segment does
+    /// not respect.
+    fn data(
+        &mut self,
+        input: &mut Input,
+        descs: &mut Vec<Desc>,
+        writable: bool,
+        indirect: bool,
+        too_large_ok: bool,
+    ) {
         let mut room = u64::from(self.queue_size);
         if indirect {
             room = room.max(u64::from(self.limits.seg_max) + 2);
@@ -179,13 +193,16 @@ impl<'a> Generator<'a> {
         let block = self.limits.block_size;
         for _ in 0..n {
             let len = if input.chance(64) {
-                u32::from(input.u16())
+                match input.u16() {
+                    0xfff0.. if too_large_ok => MAX_DATA_BYTES + block,
+                    raw => u32::from(raw),
+                }
             } else {
                 block * (1 + input.below(4))
             };
             let addr = if input.chance(16) {
                 // Across the boundary between regions B and C.
-                C - u64::from(input.below(len.max(1)))
+                C - u64::from(input.below(len.clamp(1, (C - B) as u32)))
             } else {
                 self.alloc(len)
             };
@@ -247,7 +264,7 @@ impl<'a> Generator<'a> {
                     0 => A_END + u64::from(input.u16()),
                     1 => C_END + u64::from(input.u32()),
                     2 => u64::MAX - u64::from(input.u16()),
-                    _ => A_END - u64::from(input.below(descs[i].len.max(1))),
+                    _ => A_END - u64::from(input.below(descs[i].len.clamp(1, A_END as u32))),
                 }
             }
             2 => return Some((i, input.u16() % (self.queue_size + 2))),
