@@ -224,14 +224,18 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
         Ok(())
     }
 
+    /// vhost-user-backend has already swapped `mem` into the shared atomic
+    /// when it calls this; the workers only ever see the snapshot handed to
+    /// them here, so a table refused here never reaches them.
     fn update_memory(&self, mem: GuestMemoryAtomic<GuestMem>) -> io::Result<()> {
-        if let Err(e) = check_backing(&mem.memory()) {
+        let snapshot = mem.memory().into_inner();
+        if let Err(e) = check_backing(&snapshot) {
             log::warn!("memory table refused: {e}");
             return Err(e);
         }
-        super::sigbus::watch(&mem.memory());
+        super::sigbus::watch(&snapshot);
         for i in 0..self.workers.len() {
-            self.worker(i).set_memory(mem.clone());
+            self.worker(i).set_memory(snapshot.clone());
         }
         Ok(())
     }

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use vhost_user_backend::{VringMutex, VringState, VringT};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddressSpace, GuestMemoryAtomic};
+use vm_memory::{Bytes, GuestMemoryAtomic};
 
 use crate::cli::{NotifyMode, SignalMode};
 use crate::engine::{Completion, Engine, Full, Io};
@@ -78,7 +78,11 @@ pub struct QueueWorker<E: Engine> {
     started: bool,
     /// The connection is over (`drain`): no kick is taken any more.
     closed: bool,
-    mem: Option<GuestMemoryAtomic<GuestMem>>,
+    /// The guest memory this worker uses: the last table the device
+    /// accepted. vhost-user-backend swaps a new table into the shared
+    /// `GuestMemoryAtomic` before it asks the device, so the worker never
+    /// reads that one: a refused table stays unseen.
+    mem: Option<Arc<GuestMem>>,
     vring: Option<Vring>,
     poll: AdaptivePoll,
     /// Popped and parsed, but the engine had no room: they go to it first,
@@ -136,8 +140,9 @@ impl<E: Engine> QueueWorker<E> {
         self.engine.completion_fd()
     }
 
-    pub fn set_memory(&mut self, mem: GuestMemoryAtomic<GuestMem>) {
-        self.engine.set_memory(&mem.memory().into_inner());
+    /// Guest memory the device accepted (see `mem`).
+    pub fn set_memory(&mut self, mem: Arc<GuestMem>) {
+        self.engine.set_memory(&mem);
         self.mem = Some(mem);
     }
 
@@ -173,7 +178,7 @@ impl<E: Engine> QueueWorker<E> {
     }
 
     fn run(&mut self, vring: &Vring) -> Result<(), RingError> {
-        let Some(mem) = self.mem.as_ref().map(|m| m.memory().into_inner()) else {
+        let Some(mem) = self.mem.clone() else {
             return Ok(());
         };
         let mut state = vring.get_mut();
@@ -631,10 +636,7 @@ impl<E: Engine> QueueWorker<E> {
             return;
         }
         // Requests are only taken in `run`, which records both first.
-        let (Some(vring), Some(mem)) = (
-            self.vring.clone(),
-            self.mem.as_ref().map(|m| m.memory().into_inner()),
-        ) else {
+        let (Some(vring), Some(mem)) = (self.vring.clone(), self.mem.clone()) else {
             return;
         };
         let mut state = vring.get_mut();

@@ -22,6 +22,8 @@ use crate::virtio::testing::{self, DATA, Driver, HDR, STATUS, guest_memory, limi
 const QSIZE: u16 = 16;
 
 struct Rig<'a> {
+    cfg: Arc<WorkerConfig>,
+    atomic: GuestMemoryAtomic<GuestMem>,
     driver: Driver<'a>,
     vring: Vring,
     worker: QueueWorker<UringEngine>,
@@ -90,10 +92,12 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
         metrics.clone(),
     )
     .unwrap();
-    let mut worker = QueueWorker::new(cfg, metrics, engine, None);
-    worker.set_memory(atomic);
+    let mut worker = QueueWorker::new(cfg.clone(), metrics, engine, None);
+    worker.set_memory(Arc::new(mem.clone()));
     let region = Arc::new(InflightRegion::create(1, QSIZE).unwrap());
     Rig {
+        cfg,
+        atomic,
         driver,
         vring,
         worker,
@@ -362,4 +366,49 @@ fn a_disabled_ring_takes_no_requests() {
     rig.vring.set_enabled(true);
     rig.complete_until(2);
     assert_eq!(rig.status(3), 0);
+}
+
+/// vhost-user-backend swaps a new memory table into the shared
+/// `GuestMemoryAtomic` before the device may refuse it. A refused table
+/// (here: a region past the end of its file, which would SIGBUS when
+/// touched) must never reach a worker: a request pointing into it is
+/// refused as outside guest memory, not served.
+#[test]
+fn a_refused_memory_table_never_reaches_the_workers() {
+    use vhost_user_backend::VhostUserBackend;
+    use vm_memory::{FileOffset, GuestRegionMmap, MmapRegion};
+
+    use crate::vhost::{BlkBackend, ExitEvents};
+
+    const BAD: u64 = 0x100_0000;
+    let mem = guest_memory();
+    let rig = rig(&mem);
+    let backend = BlkBackend::new(
+        rig.cfg.clone(),
+        vec![rig.worker],
+        [0; crate::virtio::config::CONFIG_LEN],
+        0,
+        Arc::new(ExitEvents::new(1).unwrap()),
+    );
+    backend.update_memory(rig.atomic.clone()).unwrap();
+    // One page of file behind a 1 MiB region.
+    let short = tempfile::tempfile().unwrap();
+    short.set_len(4096).unwrap();
+    let region = MmapRegion::from_file(FileOffset::new(short, 0), 1 << 20).unwrap();
+    let region = GuestRegionMmap::new(region, GuestAddress(BAD)).unwrap();
+    let bad = mem.insert_region(Arc::new(region)).unwrap();
+    // What the crate does: the new table is live before the device says no.
+    rig.atomic.lock().unwrap().replace(bad);
+    let e = backend.update_memory(rig.atomic.clone()).unwrap_err();
+    assert!(e.to_string().contains("past the end"), "{e}");
+
+    // A GET_ID whose buffer and status byte lie past the file's end.
+    let mut driver = rig.driver;
+    driver.header_at(HDR, VIRTIO_BLK_T_GET_ID, 0);
+    driver.post_at(0, &[r(HDR, 16), w(BAD + 0x2000, 20), w(BAD + 0x3000, 1)]);
+    backend.worker(0).handle_event(&rig.vring, true);
+    assert_eq!(driver.used_idx(), 1, "the request was not answered");
+    let used = driver.queue.used_ring() + 4;
+    let len: u32 = mem.read_obj(GuestAddress(used + 4)).unwrap();
+    assert_eq!(len, 0, "answered without a status byte it could write");
 }
