@@ -6,6 +6,7 @@
 //! reboot or a QEMU restart needs no daemon restart.
 
 mod config;
+mod removal;
 mod seccomp;
 mod socket;
 
@@ -14,6 +15,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
@@ -23,10 +25,12 @@ use vmm_sys_util::epoll::EventSet;
 use crate::cli::{EngineKind, ServeArgs};
 use crate::engine::{Engine, EngineError, NullEngine, UringEngine};
 use crate::io::ImageError;
-use crate::metrics::QueueMetrics;
+use crate::metrics::{QueueMetrics, RateLimiter};
 use crate::vhost::{BlkBackend, Drain, ExitEvents, QueueWorker, WorkerConfig, proxy};
 use crate::virtio::config::{config_space, device_features};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
+use crate::warn_limited;
+use removal::Removal;
 
 pub use config::Config;
 
@@ -74,20 +78,35 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         ExitEvents::new(num_queues)
             .map_err(|e| DaemonError::Vhost(format!("exit eventfds: {e}")))?,
     );
+    // The sockets the daemon removes on its way out, by directory fd.
+    let removal = |p: &std::path::Path| {
+        Removal::file(p).map_err(|e| DaemonError::Socket(format!("{}: {e}", p.display())))
+    };
+    let mut files = vec![removal(&cfg.args.socket)?];
+    if let Some(crate::metrics::MetricsAddr::Unix(p)) = cfg
+        .args
+        .metrics
+        .as_deref()
+        .map(crate::metrics::MetricsAddr::parse)
+    {
+        files.push(removal(&p)?);
+    }
+    let unlink_dirs: Vec<i32> = files
+        .iter()
+        .chain(&inner.paths.removals)
+        .map(Removal::dir_fd)
+        .collect();
     spawn_signal_handler(
-        &cfg.args,
         &cfg.image.file,
         worker_cfg.clone(),
         current.clone(),
+        files,
         inner.paths.clone(),
     )?;
     announce(&cfg.args, &cfg.image, cfg.image_created, &worker_cfg);
 
     let features = device_features(cfg.args.readonly);
     let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
-    // Before the filter: installing it calls rt_sigaction.
-    crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
-    seccomp::install(cfg.args.seccomp)?;
     let conn = Connections {
         args: &cfg.args,
         listener: &listener,
@@ -98,14 +117,30 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         inner: &mut inner,
         space,
         features,
+        unlink_dirs,
+        log_limit: RateLimiter::new(10, Duration::from_secs(5)),
     };
+    // Every engine (and so every io_uring) the daemon will ever use is made
+    // now, before the seccomp filter, which then forbids io_uring_setup:
+    // code that gained control could not make a ring of its own. Each
+    // connection borrows them and gives them back.
     match cfg.args.engine {
-        EngineKind::Uring => conn.serve(|m| UringEngine::new(cfg.uring.clone(), m.clone())),
+        EngineKind::Uring => conn.serve(engines(&metrics, |m| {
+            UringEngine::new(cfg.uring.clone(), m.clone())
+        })?),
         EngineKind::Null => {
             let capacity = usize::from(cfg.args.queue_size);
-            conn.serve(|_| Ok(NullEngine::new(capacity)))
+            conn.serve(engines(&metrics, |_| Ok(NullEngine::new(capacity)))?)
         }
     }
+}
+
+/// One engine per queue.
+fn engines<E>(
+    metrics: &[Arc<QueueMetrics>],
+    make: impl Fn(&Arc<QueueMetrics>) -> Result<E, EngineError>,
+) -> Result<Vec<E>, EngineError> {
+    metrics.iter().map(make).collect()
 }
 
 /// What every connection is served with.
@@ -119,105 +154,181 @@ struct Connections<'a> {
     inner: &'a mut InnerSocket,
     space: [u8; crate::virtio::config::CONFIG_LEN],
     features: u64,
+    /// Directory fds the daemon may remove files in after start-up.
+    unlink_dirs: Vec<i32>,
+    log_limit: RateLimiter,
+}
+
+/// Why a connection ended early.
+enum ConnectionError {
+    /// This connection failed (a front-end, or a resource it needed); the
+    /// daemon waits for the next one.
+    Lost(DaemonError),
+    /// The daemon cannot go on.
+    Fatal(DaemonError),
 }
 
 impl Connections<'_> {
-    /// Serves one front-end after the other, each with fresh workers and
-    /// engines from `engine`, until the process is stopped.
-    fn serve<E: Engine + 'static>(
-        self,
-        engine: impl Fn(&Arc<QueueMetrics>) -> Result<E, EngineError>,
-    ) -> Result<(), DaemonError> {
-        let (args, worker_cfg) = (self.args, self.worker_cfg);
+    /// Installs the seccomp filter, then serves one front-end after the
+    /// other, each with fresh workers over `engines`, until the process is
+    /// stopped. What goes wrong with one connection is logged and the
+    /// daemon waits for the next.
+    fn serve<E: Engine + 'static>(mut self, mut engines: Vec<E>) -> Result<(), DaemonError> {
+        // Before the filter: installing it calls rt_sigaction.
+        crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
+        seccomp::install(self.args.seccomp, &self.unlink_dirs)?;
         loop {
-            let replaced = crate::vhost::sigbus::replaced_pages();
-            let front = accept(self.listener)?;
-            let workers = self
-                .metrics
-                .iter()
-                .enumerate()
-                .map(|(i, m)| {
-                    let cpu = (!args.cpus.is_empty()).then(|| args.cpus[i % args.cpus.len()]);
-                    Ok(QueueWorker::new(
-                        worker_cfg.clone(),
-                        m.clone(),
-                        engine(m)?,
-                        cpu,
-                    ))
-                })
-                .collect::<Result<Vec<_>, EngineError>>()?;
-            // The guest may have turned the write cache off; a new connection
-            // starts from what we advertise.
-            worker_cfg
-                .writeback
-                .store(!args.writethrough, Ordering::Relaxed);
-            let backend = Arc::new(BlkBackend::new(
-                worker_cfg.clone(),
-                workers,
-                self.space,
-                self.features,
-                self.exit_events.clone(),
-            ));
-            let mut daemon = VhostUserDaemon::new(
-                "ringblk".into(),
-                backend.clone(),
-                GuestMemoryAtomic::new(GuestMem::new()),
-            )
+            match self.connection(&mut engines) {
+                Ok(()) => {}
+                Err(ConnectionError::Lost(e)) => {
+                    warn_limited!(
+                        self.log_limit,
+                        "connection failed: {e}; waiting for the next one"
+                    )
+                }
+                Err(ConnectionError::Fatal(e)) => return Err(e),
+            }
+        }
+    }
+
+    /// Serves one front-end. Whatever happens, every worker has drained and
+    /// every thread of the connection has been joined when this returns,
+    /// and `engines` holds the engines again.
+    fn connection<E: Engine + 'static>(
+        &mut self,
+        engines: &mut Vec<E>,
+    ) -> Result<(), ConnectionError> {
+        let (args, worker_cfg) = (self.args, self.worker_cfg);
+        let replaced = crate::vhost::sigbus::replaced_pages();
+        let front = accept(self.listener, &mut self.log_limit)?;
+        let workers = engines
+            .drain(..)
+            .zip(self.metrics)
+            .enumerate()
+            .map(|(i, (engine, m))| {
+                let cpu = (!args.cpus.is_empty()).then(|| args.cpus[i % args.cpus.len()]);
+                QueueWorker::new(worker_cfg.clone(), m.clone(), engine, cpu)
+            })
+            .collect();
+        // The guest may have turned the write cache off; a new connection
+        // starts from what we advertise.
+        worker_cfg
+            .writeback
+            .store(!args.writethrough, Ordering::Relaxed);
+        let backend = Arc::new(BlkBackend::new(
+            worker_cfg.clone(),
+            workers,
+            self.space,
+            self.features,
+            self.exit_events.clone(),
+        ));
+        let served = self.run(front, &backend);
+        // Every worker stops taking kicks and finishes what it took (again,
+        // if `run` did); then the engines come back for the next one.
+        backend.drain_all();
+        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        let replaced = crate::vhost::sigbus::replaced_pages() - replaced;
+        if replaced > 0 {
+            log::warn!(
+                "the front-end shrank its memory under its own guest: {replaced} page(s) past the end of their file were replaced with zero pages"
+            );
+        }
+        match Arc::try_unwrap(backend) {
+            Ok(b) => engines.extend(b.into_engines()),
+            Err(_) => {
+                return Err(ConnectionError::Fatal(DaemonError::Vhost(
+                    "a finished connection's device is still in use".into(),
+                )));
+            }
+        }
+        served.map_err(ConnectionError::Lost)
+    }
+
+    /// The connection's vhost-user side: the crate's daemon and its queue
+    /// threads, and the relay in front of it. All of them are joined before
+    /// this returns.
+    fn run<E: Engine + 'static>(
+        &mut self,
+        front: UnixStream,
+        backend: &Arc<BlkBackend<E>>,
+    ) -> Result<(), DaemonError> {
+        let mut daemon = VhostUserDaemon::new(
+            "ringblk".into(),
+            backend.clone(),
+            GuestMemoryAtomic::new(GuestMem::new()),
+        )
+        .map_err(|e| DaemonError::Vhost(e.to_string()))?;
+        for (i, h) in daemon.get_epoll_handlers().iter().enumerate() {
+            if let Some(fd) = backend.worker(i).completion_fd() {
+                h.register_listener(fd, EventSet::IN, backend.completion_event_id())
+                    .map_err(|e| {
+                        DaemonError::Vhost(format!("registering completion eventfd: {e}"))
+                    })?;
+            }
+        }
+        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend.clone());
+        // vhost-user-backend accepts its own connection; give it one end of
+        // a private socket and relay the front-end's messages to it.
+        let back = self.inner.connect()?;
+        daemon
+            .start(&mut self.inner.listener)
             .map_err(|e| DaemonError::Vhost(e.to_string()))?;
-            for (i, h) in daemon.get_epoll_handlers().iter().enumerate() {
-                if let Some(fd) = backend.worker(i).completion_fd() {
-                    h.register_listener(fd, EventSet::IN, backend.completion_event_id())
-                        .map_err(|e| {
-                            DaemonError::Vhost(format!("registering completion eventfd: {e}"))
-                        })?;
-                }
-            }
-            *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend.clone());
-            // vhost-user-backend accepts its own connection; give it one end of
-            // a private socket and relay the front-end's messages to it.
-            let back = self.inner.connect()?;
-            daemon
-                .start(&mut self.inner.listener)
-                .map_err(|e| DaemonError::Vhost(e.to_string()))?;
-            let relay = proxy::relay(front, back, backend.clone())
-                .map_err(|e| DaemonError::Vhost(format!("relay: {e}")))?;
-            log::info!("front-end connected");
-            match daemon.wait() {
+        let relay = proxy::relay(front, back, backend.clone())
+            .map_err(|e| DaemonError::Vhost(format!("relay: {e}")))?;
+        log::info!("front-end connected");
+        let ended = daemon.wait();
+        // Workers stop taking kicks and finish what they took before their
+        // threads are told to exit.
+        backend.drain_all();
+        // Dropping the crate's daemon signals its queue threads and joins
+        // them, so none is left running when the next connection reuses the
+        // exit events and the engines.
+        drop(daemon);
+        for t in relay {
+            let _ = t.join();
+        }
+        match ended {
+            Ok(())
+            | Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected,
+            )) => {
+                log::info!("front-end disconnected; waiting for the next one");
                 Ok(())
-                | Err(vhost_user_backend::Error::HandleRequest(
-                    vhost::vhost_user::Error::Disconnected,
-                )) => {
-                    log::info!("front-end disconnected; waiting for the next one")
-                }
-                Err(e) => log::warn!("connection ended: {e}; waiting for the next one"),
             }
-            // Every worker stops taking kicks and finishes what it took,
-            // before its thread is told to exit and the workers are dropped.
-            backend.drain_all();
-            let replaced = crate::vhost::sigbus::replaced_pages() - replaced;
-            if replaced > 0 {
-                log::warn!(
-                    "the front-end shrank its memory under its own guest: {replaced} page(s) past the end of their file were replaced with zero pages"
-                );
-            }
-            for h in daemon.get_epoll_handlers() {
-                h.send_exit_event();
-            }
-            for t in relay {
-                let _ = t.join();
-            }
-            *self.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            Err(e) => Err(DaemonError::Vhost(format!("connection ended: {e}"))),
         }
     }
 }
 
-fn accept(listener: &UnixListener) -> Result<UnixStream, DaemonError> {
+/// The next front-end. Running out of fds or memory fails this attempt
+/// (after a pause, so a flood of them does not spin); the listening socket
+/// itself failing is fatal.
+fn accept(
+    listener: &UnixListener,
+    log_limit: &mut RateLimiter,
+) -> Result<UnixStream, ConnectionError> {
     loop {
         match listener.accept() {
             Ok((s, _)) => return Ok(s),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => continue,
-            Err(e) => return Err(DaemonError::Socket(format!("accept: {e}"))),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                ) =>
+            {
+                warn_limited!(log_limit, "cannot accept a front-end: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                return Err(ConnectionError::Lost(DaemonError::Socket(format!(
+                    "accept: {e}"
+                ))));
+            }
+            Err(e) => {
+                return Err(ConnectionError::Fatal(DaemonError::Socket(format!(
+                    "accept: {e}"
+                ))));
+            }
         }
     }
 }
@@ -230,19 +341,20 @@ struct InnerSocket {
     listener: Listener,
 }
 
-/// Where the inner socket lives, for clean-up on exit.
+/// Where the inner socket lives, and its removal on exit.
 #[derive(Clone)]
 struct InnerPaths {
+    #[cfg(test)]
     dir: PathBuf,
     sock: PathBuf,
+    removals: [Removal; 2],
 }
 
 impl InnerPaths {
-    /// Removes the socket and its directory: two syscalls the seccomp
-    /// filter allows (unlink, rmdir), no directory walk.
+    /// Removes the socket and its directory, by directory fd (see
+    /// `removal`): no path lookup, no directory walk.
     fn remove(&self) {
-        let _ = std::fs::remove_file(&self.sock);
-        let _ = std::fs::remove_dir(&self.dir);
+        self.removals.iter().for_each(Removal::remove);
     }
 }
 
@@ -265,8 +377,17 @@ impl InnerSocket {
         let err = |e: std::io::Error| DaemonError::Socket(format!("{}: {e}", dir.display()));
         let sock = dir.join("backend.sock");
         let listener = Listener::from(UnixListener::bind(&sock).map_err(err)?);
+        let removals = [
+            Removal::file(&sock).map_err(err)?,
+            Removal::dir(&dir).map_err(err)?,
+        ];
         Ok(InnerSocket {
-            paths: InnerPaths { dir, sock },
+            paths: InnerPaths {
+                #[cfg(test)]
+                dir,
+                sock,
+                removals,
+            },
             listener,
         })
     }
@@ -287,24 +408,15 @@ impl Drop for InnerSocket {
 /// SIGINT/SIGTERM: stop taking requests, finish what is in flight, make it
 /// durable, remove the socket, exit 0.
 fn spawn_signal_handler(
-    args: &ServeArgs,
     image: &std::fs::File,
     cfg: Arc<WorkerConfig>,
     current: Current,
+    files: Vec<Removal>,
     inner: InnerPaths,
 ) -> Result<(), DaemonError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).map_err(DaemonError::Signals)?;
-    // process::exit skips destructors: remove what they would have.
-    let mut files = vec![args.socket.clone()];
-    if let Some(crate::metrics::MetricsAddr::Unix(p)) = args
-        .metrics
-        .as_deref()
-        .map(crate::metrics::MetricsAddr::parse)
-    {
-        files.push(p);
-    }
     let image = image.try_clone().map_err(DaemonError::Signals)?;
     std::thread::Builder::new()
         .name("signals".into())
@@ -318,9 +430,8 @@ fn spawn_signal_handler(
                 if let Err(e) = image.sync_data() {
                     log::error!("fdatasync of the image failed: {e}");
                 }
-                for f in &files {
-                    let _ = std::fs::remove_file(f);
-                }
+                // process::exit skips destructors: remove what they would have.
+                files.iter().for_each(Removal::remove);
                 inner.remove();
                 log::info!("stopped");
                 std::process::exit(0);

@@ -76,7 +76,9 @@ const SYS_SECCOMP: i32 = 1;
 
 /// Installs the filter for `mode` on all threads of the process. A kernel
 /// without seccomp filter support gets a warning, not an error.
-pub fn install(mode: SeccompMode) -> Result<(), DaemonError> {
+/// `unlink_dirs`: the directory fds (see `removal`) in which the daemon
+/// removes its sockets on the way out; `unlinkat` is allowed on those only.
+pub fn install(mode: SeccompMode, unlink_dirs: &[i32]) -> Result<(), DaemonError> {
     let mismatch = match mode {
         SeccompMode::Off => {
             log::warn!("seccomp filter disabled (--seccomp off)");
@@ -90,7 +92,7 @@ pub fn install(mode: SeccompMode) -> Result<(), DaemonError> {
         return Ok(());
     }
     prepare();
-    let program = compile(mismatch.clone())?;
+    let program = compile(mismatch.clone(), unlink_dirs)?;
     if mismatch == SeccompAction::Trap {
         install_sigsys_handler()?;
     }
@@ -106,7 +108,7 @@ pub fn install(mode: SeccompMode) -> Result<(), DaemonError> {
     }
     log::info!(
         "seccomp filter installed ({} syscalls allowed, {})",
-        allowed().len(),
+        allowed(unlink_dirs).len(),
         match mode {
             SeccompMode::Log => "others logged",
             _ => "others fatal",
@@ -139,10 +141,10 @@ fn kernel_has_seccomp() -> bool {
 }
 
 /// Builds the BPF program: the allow-list, and `mismatch` for the rest.
-fn compile(mismatch: SeccompAction) -> Result<BpfProgram, DaemonError> {
+fn compile(mismatch: SeccompAction, unlink_dirs: &[i32]) -> Result<BpfProgram, DaemonError> {
     let err = |e: seccompiler::BackendError| DaemonError::Seccomp(e.to_string());
     let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(err)?;
-    let rules = allowed()
+    let rules = allowed(unlink_dirs)
         .into_iter()
         .map(|(nr, rules)| rules.map(|r| (nr, r)))
         .collect::<Result<BTreeMap<_, _>, _>>()
@@ -159,12 +161,23 @@ fn any() -> Rules {
     Ok(vec![])
 }
 
-/// Argument `arg` (32 bits) equal to one of `values`.
+/// Argument `arg` (32 bits) equal to one of `values`, which must not be
+/// empty (no rule at all would mean any arguments).
 fn arg_in(arg: u8, values: &[u64]) -> Rules {
+    assert!(!values.is_empty(), "an empty allow-list for argument {arg}");
     values
         .iter()
         .map(|v| SeccompRule::new(vec![SeccompCondition::new(arg, Len::Dword, Op::Eq, *v)?]))
         .collect()
+}
+
+/// Every (argument, value) pair holds at once (32-bit arguments).
+fn args_eq(pairs: &[(u8, u64)]) -> Rules {
+    let conditions = pairs
+        .iter()
+        .map(|&(arg, v)| SeccompCondition::new(arg, Len::Dword, Op::Eq, v))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(vec![SeccompRule::new(conditions)?])
 }
 
 /// Argument `arg` (32 bits) with none of the bits of `mask` set.
@@ -178,10 +191,10 @@ fn arg_without(arg: u8, mask: u64) -> Rules {
 }
 
 /// The allow-list: syscall number and the argument rules (empty: any).
-fn allowed() -> Vec<(i64, Rules)> {
+fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
     use libc::*;
     let no_exec = || arg_without(2, PROT_EXEC as u64);
-    vec![
+    let mut list = vec![
         // vhost-user: the next front-end, its messages and the fds they carry.
         (SYS_accept4, any()),
         (SYS_recvmsg, any()),
@@ -210,9 +223,25 @@ fn allowed() -> Vec<(i64, Rules)> {
             arg_in(1, &[FIONBIO, crate::io::BLKDISCARD() as u64]),
         ),
         // The relay in front of vhost-user-backend connects to the crate's
-        // private socket (bound before the filter) once per connection.
-        (SYS_socket, arg_in(0, &[AF_UNIX as u64])),
+        // private socket (bound before the filter) once per connection: a
+        // Unix stream socket, nothing else. The filter cannot see the path
+        // it connects to (the crate only accepts from a listener, so the
+        // connection cannot be made before the filter); what else the
+        // daemon could reach is bounded by file permissions, which is why
+        // it should run as its own unprivileged user.
+        (
+            SYS_socket,
+            args_eq(&[
+                (0, AF_UNIX as u64),
+                (1, (SOCK_STREAM | SOCK_CLOEXEC) as u64),
+            ]),
+        ),
         (SYS_connect, any()),
+        // The relay's read timeouts on a front-end that stalls mid-message.
+        (
+            SYS_setsockopt,
+            args_eq(&[(1, SOL_SOCKET as u64), (2, SO_RCVTIMEO as u64)]),
+        ),
         // Guest memory, the vrings and io_uring's rings; thread stacks; malloc.
         (SYS_mmap, no_exec()),
         (SYS_mprotect, no_exec()),
@@ -233,10 +262,16 @@ fn allowed() -> Vec<(i64, Rules)> {
         (SYS_eventfd2, any()),
         (SYS_read, any()),
         (SYS_write, any()),
-        // The I/O engine: rings are created per connection.
-        (SYS_io_uring_setup, any()),
+        // The I/O engines' rings, all made before the filter: no
+        // io_uring_setup after it, so no unrestricted ring can be made.
+        // Registering is for guest memory as fixed buffers, which follows
+        // the front-end's memory table (the rings' own restrictions allow
+        // only these two register opcodes too).
         (SYS_io_uring_enter, any()),
-        (SYS_io_uring_register, any()),
+        (
+            SYS_io_uring_register,
+            arg_in(1, &[IORING_REGISTER_BUFFERS, IORING_UNREGISTER_BUFFERS]),
+        ),
         // Worker threads, started per connection, and their exit.
         (SYS_clone3, any()),
         (SYS_set_robust_list, any()),
@@ -271,8 +306,7 @@ fn allowed() -> Vec<(i64, Rules)> {
             SYS_rt_sigaction,
             arg_in(0, &[SIGSEGV as u64, SIGBUS as u64]),
         ),
-        // Shutdown: make the image durable, remove the sockets and the
-        // relay's private directory. fdatasync is also the io_uring
+        // Shutdown: make the image durable. fdatasync is also the io_uring
         // engine's blocking flush on an IOPOLL ring.
         (SYS_fdatasync, any()),
         // The io_uring engine's blocking discard and write-zeroes on an
@@ -281,12 +315,21 @@ fn allowed() -> Vec<(i64, Rules)> {
             SYS_fallocate,
             arg_in(1, &crate::engine::FALLOCATE_MODES.map(|m| m as u64)),
         ),
-        (SYS_unlink, any()),
-        (SYS_rmdir, any()),
         // File::metadata of a received or created memfd.
         (SYS_statx, any()),
-    ]
+    ];
+    // Shutdown: remove the sockets and the relay's private directory, by
+    // the directory fds opened for that at start-up, and nowhere else.
+    if !unlink_dirs.is_empty() {
+        let dirs: Vec<u64> = unlink_dirs.iter().map(|&fd| fd as u64).collect();
+        list.push((SYS_unlinkat, arg_in(0, &dirs)));
+    }
+    list
 }
+
+/// io_uring_register opcodes (linux/io_uring.h).
+const IORING_REGISTER_BUFFERS: u64 = 0;
+const IORING_UNREGISTER_BUFFERS: u64 = 1;
 
 /// Reports a trapped syscall and exits. Async-signal-safe: formats into a
 /// stack buffer and calls only write(2) and _exit(2), both allowed.
@@ -354,10 +397,10 @@ mod tests {
     #[test]
     fn filters_compile_and_list_each_syscall_once() {
         for action in [SeccompAction::Trap, SeccompAction::Log] {
-            let p = compile(action).unwrap();
+            let p = compile(action, &[3]).unwrap();
             assert!(!p.is_empty());
         }
-        let mut nrs: Vec<i64> = allowed().iter().map(|(nr, _)| *nr).collect();
+        let mut nrs: Vec<i64> = allowed(&[3]).iter().map(|(nr, _)| *nr).collect();
         let n = nrs.len();
         nrs.sort_unstable();
         nrs.dedup();
@@ -407,9 +450,9 @@ mod tests {
             eprintln!("skipped: the kernel has no seccomp");
             return;
         }
-        assert!(!allowed().iter().any(|(nr, _)| *nr == libc::SYS_getppid));
+        assert!(!allowed(&[3]).iter().any(|(nr, _)| *nr == libc::SYS_getppid));
 
-        let (status, err) = run_child_under(&compile(SeccompAction::Trap).unwrap());
+        let (status, err) = run_child_under(&compile(SeccompAction::Trap, &[]).unwrap());
         assert!(
             libc::WIFEXITED(status),
             "status {status:#x}, stderr {err:?}"
@@ -418,7 +461,7 @@ mod tests {
         let want = format!("syscall {} is not allowed", libc::SYS_getppid);
         assert!(err.contains(&want), "stderr {err:?} lacks {want:?}");
 
-        let (status, err) = run_child_under(&compile(SeccompAction::Log).unwrap());
+        let (status, err) = run_child_under(&compile(SeccompAction::Log, &[]).unwrap());
         assert!(
             libc::WIFEXITED(status),
             "status {status:#x}, stderr {err:?}"
@@ -441,7 +484,7 @@ mod tests {
         let image = tempfile::tempfile().unwrap();
         image.set_len(1 << 20).unwrap();
         let fd = image.as_raw_fd();
-        let program = compile(SeccompAction::Trap).unwrap();
+        let program = compile(SeccompAction::Trap, &[]).unwrap();
         let status = run_in_child_under(&program, || {
             let mut ok = sync::flush(fd).is_ok();
             for mode in FALLOCATE_MODES {
@@ -486,9 +529,50 @@ mod tests {
         }
     }
 
+    /// unlinkat works in the directories the daemon opened for it, and in
+    /// no other; a new io_uring cannot be made at all.
+    #[test]
+    fn removal_only_in_known_directories_and_no_new_rings() {
+        use std::os::fd::AsRawFd;
+        if !kernel_has_seccomp() {
+            eprintln!("skipped: the kernel has no seccomp");
+            return;
+        }
+        let (ours, other) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        for d in [&ours, &other] {
+            std::fs::write(d.path().join("f"), b"x").unwrap();
+        }
+        let open = |p: &std::path::Path| std::fs::File::open(p).unwrap();
+        let (ours_fd, other_fd) = (open(ours.path()), open(other.path()));
+        let program = compile(SeccompAction::Trap, &[ours_fd.as_raw_fd()]).unwrap();
+        let unlink = |dir: i32| {
+            // SAFETY: a NUL-terminated name and an open directory fd.
+            unsafe { libc::unlinkat(dir, c"f".as_ptr(), 0) == 0 }
+        };
+        let (a, b) = (ours_fd.as_raw_fd(), other_fd.as_raw_fd());
+        assert_eq!(run_in_child_under(&program, || unlink(a)), Ok(true));
+        assert!(!ours.path().join("f").exists());
+        assert_eq!(
+            run_in_child_under(&program, || unlink(b)),
+            Err(EXIT_BAD_SYSCALL)
+        );
+        assert!(other.path().join("f").exists());
+        let new_ring = || {
+            // Room for struct io_uring_params (120 bytes), zeroed.
+            let mut params = [0u8; 120];
+            // SAFETY: params is valid for the 120 bytes the kernel reads and
+            // writes.
+            unsafe { libc::syscall(libc::SYS_io_uring_setup, 4, params.as_mut_ptr()) >= 0 }
+        };
+        assert_eq!(
+            run_in_child_under(&program, new_ring),
+            Err(EXIT_BAD_SYSCALL)
+        );
+    }
+
     #[test]
     fn dangerous_syscalls_are_not_allowed() {
-        let nrs: Vec<i64> = allowed().iter().map(|(nr, _)| *nr).collect();
+        let nrs: Vec<i64> = allowed(&[3]).iter().map(|(nr, _)| *nr).collect();
         for nr in [
             libc::SYS_execve,
             libc::SYS_execveat,
@@ -497,6 +581,11 @@ mod tests {
             libc::SYS_clone,
             libc::SYS_fork,
             libc::SYS_mount,
+            // Rings are all made before the filter.
+            libc::SYS_io_uring_setup,
+            // Removal goes through unlinkat on known directories only.
+            libc::SYS_unlink,
+            libc::SYS_rmdir,
         ] {
             assert!(!nrs.contains(&nr), "syscall {nr} must not be allowed");
         }

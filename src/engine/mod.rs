@@ -106,4 +106,9 @@ pub trait Engine: Send {
     /// Guest memory changed (SET_MEM_TABLE and friends). Requests in
     /// flight keep the snapshot in their [`Io`].
     fn set_memory(&mut self, mem: &Arc<GuestMem>);
+
+    /// The connection is over and nothing is in flight: drop what belongs
+    /// to it (guest memory registered with the kernel), so that the engine
+    /// can serve the next one.
+    fn reset(&mut self);
 }

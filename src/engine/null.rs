@@ -87,4 +87,6 @@ impl Engine for NullEngine {
     }
 
     fn set_memory(&mut self, _mem: &Arc<GuestMem>) {}
+
+    fn reset(&mut self) {}
 }

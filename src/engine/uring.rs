@@ -494,10 +494,26 @@ impl Engine for UringEngine {
                 log::warn!(
                     "cannot register guest memory as fixed buffers ({e}); using readv/writev"
                 );
-                self.fixed.clear();
-                self.fixed_mem = None;
+                self.unregister_memory();
             }
         }
+    }
+
+    fn reset(&mut self) {
+        self.unregister_memory();
+        self.ring.clear_eventfd();
+    }
+}
+
+impl UringEngine {
+    fn unregister_memory(&mut self) {
+        if self.fixed_mem.take().is_some() {
+            // SAFETY: an empty set registers nothing.
+            if let Err(e) = unsafe { self.ring.register_buffers(&[]) } {
+                log::warn!("cannot unregister guest memory: {e}");
+            }
+        }
+        self.fixed.clear();
     }
 }
 

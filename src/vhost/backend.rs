@@ -110,6 +110,21 @@ impl<E: Engine> BlkBackend<E> {
     }
 }
 
+impl<E: Engine> BlkBackend<E> {
+    /// The engines back from a finished connection's workers (each drained
+    /// and reset), for the next one.
+    pub fn into_engines(self) -> Vec<E> {
+        self.workers
+            .into_iter()
+            .map(|w| {
+                w.into_inner()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .into_engine()
+            })
+            .collect()
+    }
+}
+
 impl<E: Engine> Drain for BlkBackend<E> {
     fn drain_all(&self) {
         for i in 0..self.workers.len() {

@@ -23,6 +23,7 @@ use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use vhost::vhost_user::message::{
     FrontendReq, VhostUserHeaderFlag, VhostUserInflight, VhostUserU64, VhostUserVringState,
@@ -112,8 +113,38 @@ fn send_all(to: &UnixStream, hdr: &[u8], payload: &[u8], fds: &[RawFd]) -> io::R
     Ok(())
 }
 
-/// Reads one message; `None` at a clean end of stream.
-fn read_msg(from: &UnixStream) -> io::Result<Option<Msg>> {
+/// How long a front-end may take to send its first message after it
+/// connects (QEMU and libblkio send one at once), and to finish a message
+/// it has begun. Between messages it may stay silent as long as it likes: a
+/// running VM sends none for days. Without these, a client that connects
+/// and says nothing, or stops mid-message, would hold the daemon's only
+/// connection forever.
+const FIRST_MESSAGE: Duration = Duration::from_secs(5);
+const REST_OF_MESSAGE: Duration = Duration::from_secs(5);
+
+/// Time limits for reading one message (`None`: none).
+#[derive(Clone, Copy)]
+struct Limits {
+    /// For its first bytes.
+    start: Option<Duration>,
+    /// For the rest, once it has begun.
+    rest: Option<Duration>,
+}
+
+/// What the crate's side gets: it is ours.
+const TRUSTED: Limits = Limits {
+    start: None,
+    rest: None,
+};
+
+/// Reads one message; `None` at a clean end of stream. A limit that runs
+/// out is an error: `WouldBlock` before the message began, `TimedOut` in
+/// its middle.
+fn read_msg(from: &UnixStream, limits: Limits) -> io::Result<Option<Msg>> {
+    let timed = limits.start.is_some() || limits.rest.is_some();
+    if timed {
+        from.set_read_timeout(limits.start)?;
+    }
     let mut hdr = [0u8; HDR];
     let mut fds = [-1 as RawFd; MAX_FDS];
     let mut iov = [libc::iovec {
@@ -131,7 +162,14 @@ fn read_msg(from: &UnixStream) -> io::Result<Option<Msg>> {
     if n == 0 {
         return Ok(None);
     }
-    (&*from).read_exact(&mut hdr[n..])?;
+    if timed {
+        from.set_read_timeout(limits.rest)?;
+    }
+    let stalled = |e: io::Error| match e.kind() {
+        io::ErrorKind::WouldBlock => io::Error::from(io::ErrorKind::TimedOut),
+        _ => e,
+    };
+    (&*from).read_exact(&mut hdr[n..]).map_err(stalled)?;
     let request = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
     let flags = u32::from_le_bytes([hdr[4], hdr[5], hdr[6], hdr[7]]);
     let size = u32::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]) as usize;
@@ -142,7 +180,7 @@ fn read_msg(from: &UnixStream) -> io::Result<Option<Msg>> {
         ));
     }
     let mut payload = vec![0u8; size];
-    (&*from).read_exact(&mut payload)?;
+    (&*from).read_exact(&mut payload).map_err(stalled)?;
     Ok(Some(Msg {
         request,
         flags,
@@ -173,18 +211,34 @@ pub fn relay(
     };
     let fw = front_w.clone();
     let mut calls = RingCalls::new(usize::from(host.limits().0));
+    let mut limits = Limits {
+        start: Some(FIRST_MESSAGE),
+        rest: Some(REST_OF_MESSAGE),
+    };
     let to_back = std::thread::Builder::new()
         .name("vu-relay-in".into())
         .spawn(move || {
             loop {
-                let msg = match read_msg(&front_r) {
+                let msg = match read_msg(&front_r, limits) {
                     Ok(Some(m)) => m,
                     Ok(None) => break,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        log::warn!(
+                            "front-end sent nothing within the first message's time limit; disconnecting"
+                        );
+                        break;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                        log::warn!("front-end stopped in the middle of a message; disconnecting");
+                        break;
+                    }
                     Err(e) => {
                         log::warn!("front-end message: {e}; disconnecting");
                         break;
                     }
                 };
+                // After the first message, silence between messages is fine.
+                limits.start = None;
                 log::debug!(
                     "front-end request {} ({} bytes, {} fds)",
                     msg.request,
@@ -216,7 +270,7 @@ pub fn relay(
     let from_back = std::thread::Builder::new()
         .name("vu-relay-out".into())
         .spawn(move || {
-            while let Ok(Some(msg)) = read_msg(&back_r) {
+            while let Ok(Some(msg)) = read_msg(&back_r, TRUSTED) {
                 let w = front_w.lock().unwrap_or_else(|p| p.into_inner());
                 if msg.send(&w).is_err() {
                     break;
@@ -491,7 +545,7 @@ mod tests {
         };
         let hdr = Msg::encode_header(m.request, m.flags, m.payload.len());
         send_all(front, &hdr, &m.payload, fds).unwrap();
-        let got = read_msg(back).unwrap().expect("forwarded");
+        let got = read_msg(back, TRUSTED).unwrap().expect("forwarded");
         assert_eq!(got.request, u32::from(code));
         assert_eq!(got.fds.len(), fds.len(), "fds passed on");
     }
@@ -542,7 +596,9 @@ mod tests {
         let stop = VhostUserVringState::new(0, 0);
         let hdr = Msg::encode_header(FrontendReq::GET_VRING_BASE.into(), VERSION, 8);
         send_all(&front, &hdr, stop.as_slice(), &[]).unwrap();
-        read_msg(&back).unwrap().expect("GET_VRING_BASE forwarded");
+        read_msg(&back, TRUSTED)
+            .unwrap()
+            .expect("GET_VRING_BASE forwarded");
         vring_fd_msg(
             &front,
             &back,

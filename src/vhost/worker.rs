@@ -621,11 +621,18 @@ impl<E: Engine> QueueWorker<E> {
 
     /// The connection is over (or the daemon stops): from now on no kick is
     /// taken, and everything taken before completes and is published before
-    /// this returns. Nothing is left in flight for `Drop`.
+    /// this returns.
     pub fn drain(&mut self) {
         self.closed = true;
         self.finish_all();
         self.started = false;
+    }
+
+    /// The engine, drained and reset, for the next connection's worker.
+    pub fn into_engine(mut self) -> E {
+        self.drain();
+        self.engine.reset();
+        self.engine
     }
 
     /// Runs every request taken off the ring to completion: deferred ones
@@ -654,14 +661,6 @@ impl<E: Engine> QueueWorker<E> {
                 warn_limited!(self.log_limit, "draining queue: {e}");
             }
         }
-    }
-}
-
-impl<E: Engine> Drop for QueueWorker<E> {
-    /// A worker is never dropped with requests in flight: their buffers
-    /// must outlive the I/O, and their guests get their completions.
-    fn drop(&mut self) {
-        self.drain();
     }
 }
 
