@@ -177,3 +177,32 @@ fn running_out_of_fds_ends_a_connection_not_the_daemon() {
         thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// Setting up a connection runs out of fds (64 queues need hundreds; the
+/// limit is lowered under the running daemon): that connection fails, the
+/// daemon does not exit, and once fds are there again it serves.
+#[test]
+fn a_connection_that_cannot_be_set_up_does_not_end_the_daemon() {
+    let mut d = Daemon::start_with(DaemonOptions {
+        size: 64 * MIB,
+        args: &["--queues", "64"],
+        wrapper: &["prlimit", "--nofile=400:4096", "--"],
+        ..DaemonOptions::default()
+    });
+    let mut s = UnixStream::connect(&d.socket).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    // GET_FEATURES; the daemon hangs up instead of answering.
+    s.write_all(&frontend::header(1, 1, 0)).expect("write");
+    let mut buf = [0u8; 64];
+    let n = std::io::Read::read(&mut s, &mut buf).unwrap_or(0);
+    assert_eq!(n, 0, "a connection of 64 queues was set up under 400 fds");
+    d.wait_for_log("connection failed");
+    d.assert_running();
+    let raised = std::process::Command::new("prlimit")
+        .args(["--pid", &d.pid().to_string(), "--nofile=4096:4096"])
+        .status()
+        .expect("prlimit");
+    assert!(raised.success());
+    assert_serves(&mut d, "once fds are there again", 0, 6);
+}

@@ -233,13 +233,21 @@ impl Connections<'_> {
                 "the front-end shrank its memory under its own guest: {replaced} page(s) past the end of their file were replaced with zero pages"
             );
         }
-        match Arc::try_unwrap(backend) {
-            Ok(b) => engines.extend(b.into_engines()),
-            Err(_) => {
-                return Err(ConnectionError::Fatal(DaemonError::Vhost(
-                    "a finished connection's device is still in use".into(),
-                )));
-            }
+        engines.extend(backend.take_engines());
+        if engines.len() != self.metrics.len() {
+            return Err(ConnectionError::Fatal(DaemonError::Vhost(
+                "a connection's engines did not come back".into(),
+            )));
+        }
+        if Arc::strong_count(&backend) > 1 {
+            // vhost-user-backend leaves the queue threads it had started
+            // running when setting up a connection fails half-way; they hold
+            // the device, which no longer has workers for them.
+            warn_limited!(
+                self.log_limit,
+                "{} thread(s) of a failed connection could not be stopped",
+                Arc::strong_count(&backend) - 1
+            );
         }
         served.map_err(ConnectionError::Lost)
     }
@@ -259,7 +267,7 @@ impl Connections<'_> {
         )
         .map_err(|e| DaemonError::Vhost(e.to_string()))?;
         for (i, h) in daemon.get_epoll_handlers().iter().enumerate() {
-            if let Some(fd) = backend.worker(i).completion_fd() {
+            if let Some(fd) = backend.with_worker(i, |w| w.completion_fd()).flatten() {
                 h.register_listener(fd, EventSet::IN, backend.completion_event_id())
                     .map_err(|e| {
                         DaemonError::Vhost(format!("registering completion eventfd: {e}"))

@@ -5,7 +5,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringT};
@@ -65,8 +65,9 @@ impl ExitEvents {
 pub struct BlkBackend<E: Engine> {
     cfg: Arc<WorkerConfig>,
     /// One per queue; each is locked only by its own worker thread, except
-    /// by the protocol thread when the ring is stopped or reset.
-    workers: Vec<Mutex<QueueWorker<E>>>,
+    /// by the protocol thread when the ring is stopped or reset. `None` once
+    /// the connection is over and its engine went back to the daemon.
+    workers: Vec<Mutex<Option<QueueWorker<E>>>>,
     config: Mutex<[u8; CONFIG_LEN]>,
     features: u64,
     exit_events: Arc<ExitEvents>,
@@ -90,7 +91,7 @@ impl<E: Engine> BlkBackend<E> {
     ) -> BlkBackend<E> {
         BlkBackend {
             cfg,
-            workers: workers.into_iter().map(Mutex::new).collect(),
+            workers: workers.into_iter().map(|w| Mutex::new(Some(w))).collect(),
             config: Mutex::new(config),
             features,
             exit_events,
@@ -103,33 +104,41 @@ impl<E: Engine> BlkBackend<E> {
         self.workers.len() as u64 + 1
     }
 
-    pub fn worker(&self, i: usize) -> MutexGuard<'_, QueueWorker<E>> {
+    /// Runs `f` on worker `i`, unless the connection is over.
+    pub fn with_worker<R>(&self, i: usize, f: impl FnOnce(&mut QueueWorker<E>) -> R) -> Option<R> {
         // A poisoned lock means a worker panicked mid-pass; its state is
         // still the best we have, and the daemon must keep serving.
-        self.workers[i].lock().unwrap_or_else(|p| p.into_inner())
+        let mut w = self
+            .workers
+            .get(i)?
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        w.as_mut().map(f)
+    }
+
+    fn each_worker(&self, mut f: impl FnMut(usize, &mut QueueWorker<E>)) {
+        for i in 0..self.workers.len() {
+            self.with_worker(i, |w| f(i, w));
+        }
     }
 }
 
 impl<E: Engine> BlkBackend<E> {
     /// The engines back from a finished connection's workers (each drained
-    /// and reset), for the next one.
-    pub fn into_engines(self) -> Vec<E> {
+    /// and reset), for the next one. The workers are gone afterwards: an
+    /// event that still reaches this device finds none.
+    pub fn take_engines(&self) -> Vec<E> {
         self.workers
-            .into_iter()
-            .map(|w| {
-                w.into_inner()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .into_engine()
-            })
+            .iter()
+            .filter_map(|w| w.lock().unwrap_or_else(|p| p.into_inner()).take())
+            .map(QueueWorker::into_engine)
             .collect()
     }
 }
 
 impl<E: Engine> Drain for BlkBackend<E> {
     fn drain_all(&self) {
-        for i in 0..self.workers.len() {
-            self.worker(i).drain();
-        }
+        self.each_worker(|_, w| w.drain());
     }
 }
 
@@ -139,10 +148,7 @@ impl<E: Engine + 'static> InflightHost for BlkBackend<E> {
     }
 
     fn set_inflight(&self, region: Arc<InflightRegion>) {
-        for i in 0..self.workers.len() {
-            let q = InflightQueue::new(region.clone(), i as u16);
-            self.worker(i).set_inflight(q);
-        }
+        self.each_worker(|i, w| w.set_inflight(InflightQueue::new(region.clone(), i as u16)));
     }
 }
 
@@ -211,9 +217,7 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     }
 
     fn reset_device(&self) {
-        for i in 0..self.workers.len() {
-            self.worker(i).stop();
-        }
+        self.each_worker(|_, w| w.stop());
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
@@ -249,9 +253,7 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
             return Err(e);
         }
         super::sigbus::watch(&snapshot);
-        for i in 0..self.workers.len() {
-            self.worker(i).set_memory(snapshot.clone());
-        }
+        self.each_worker(|_, w| w.set_memory(snapshot.clone()));
         Ok(())
     }
 
@@ -267,9 +269,7 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
         // GET_VRING_BASE: everything we took off the ring must be on the
         // used ring before the front-end reads our next_avail.
-        if let Some(w) = self.workers.get(queue_index as usize) {
-            w.lock().unwrap_or_else(|p| p.into_inner()).stop();
-        }
+        self.with_worker(queue_index as usize, QueueWorker::stop);
         Ok(())
     }
 
@@ -297,7 +297,7 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
         if kick && !vring.get_ref().is_enabled() {
             return Ok(());
         }
-        self.worker(thread_id).handle_event(vring, kick);
+        self.with_worker(thread_id, |w| w.handle_event(vring, kick));
         Ok(())
     }
 }

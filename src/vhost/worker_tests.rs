@@ -406,7 +406,7 @@ fn a_refused_memory_table_never_reaches_the_workers() {
     let mut driver = rig.driver;
     driver.header_at(HDR, VIRTIO_BLK_T_GET_ID, 0);
     driver.post_at(0, &[r(HDR, 16), w(BAD + 0x2000, 20), w(BAD + 0x3000, 1)]);
-    backend.worker(0).handle_event(&rig.vring, true);
+    backend.with_worker(0, |w| w.handle_event(&rig.vring, true));
     assert_eq!(driver.used_idx(), 1, "the request was not answered");
     let used = driver.queue.used_ring() + 4;
     let len: u32 = mem.read_obj(GuestAddress(used + 4)).unwrap();
