@@ -99,6 +99,7 @@ impl Config {
             queue_size: args.queue_size,
             writeback: writeback.clone(),
             stopping: AtomicBool::new(false),
+            logging: AtomicBool::new(false),
         };
         let uring = UringConfig {
             image_fd: image.file.as_raw_fd(),

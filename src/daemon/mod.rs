@@ -215,6 +215,8 @@ impl Connections<'_> {
         worker_cfg
             .writeback
             .store(!args.writethrough, Ordering::Relaxed);
+        // Dirty-page logging is for the connection that asks for it.
+        worker_cfg.logging.store(false, Ordering::Relaxed);
         let backend = Arc::new(BlkBackend::new(
             worker_cfg.clone(),
             workers,

@@ -107,6 +107,10 @@ pub trait Engine: Send {
     /// flight keep the snapshot in their [`Io`].
     fn set_memory(&mut self, mem: &Arc<GuestMem>);
 
+    /// Makes everything completed so far durable on the image (the ring
+    /// stops; the next reader may be another process, on another host).
+    fn make_durable(&mut self) -> io::Result<()>;
+
     /// The connection is over and nothing is in flight: drop what belongs
     /// to it (guest memory registered with the kernel), so that the engine
     /// can serve the next one.

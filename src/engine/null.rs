@@ -88,5 +88,9 @@ impl Engine for NullEngine {
 
     fn set_memory(&mut self, _mem: &Arc<GuestMem>) {}
 
+    fn make_durable(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+
     fn reset(&mut self) {}
 }

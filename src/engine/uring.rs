@@ -121,6 +121,9 @@ pub struct UringEngine {
     fixed_mem: Option<Arc<GuestMem>>,
     /// Bytes of bounce buffers held by requests in flight.
     bounce_in_use: usize,
+    /// Something was written (or discarded, or zeroed) since the last
+    /// flush completed.
+    unflushed: bool,
 }
 
 // SAFETY: the raw pointers inside (iovecs of requests and bounce buffers)
@@ -152,10 +155,12 @@ impl UringEngine {
             fixed: Vec::new(),
             fixed_mem: None,
             bounce_in_use: 0,
+            unflushed: false,
         })
     }
 
     fn finish_now(&mut self, io: Io, status: u8) {
+        self.note_durability(&io, status);
         let written = written(&io, status);
         self.done.push_back(Completion {
             io,
@@ -327,6 +332,7 @@ impl UringEngine {
         if slot.bounce.is_some() {
             self.bounce_in_use -= data_len as usize;
         }
+        self.note_durability(&slot.io, status);
         let written = written(&slot.io, status);
         Some(Completion {
             io: slot.io,
@@ -499,6 +505,14 @@ impl Engine for UringEngine {
         }
     }
 
+    fn make_durable(&mut self) -> io::Result<()> {
+        if self.unflushed {
+            sync::flush(self.cfg.image_fd)?;
+            self.unflushed = false;
+        }
+        Ok(())
+    }
+
     fn reset(&mut self) {
         self.unregister_memory();
         self.ring.clear_eventfd();
@@ -506,6 +520,18 @@ impl Engine for UringEngine {
 }
 
 impl UringEngine {
+    /// Keeps `unflushed` true between a completed change to the image and
+    /// the next completed flush.
+    fn note_durability(&mut self, io: &Io, status: u8) {
+        match io.req.kind {
+            RequestKind::Flush if u32::from(status) == VIRTIO_BLK_S_OK => self.unflushed = false,
+            RequestKind::Write { .. } | RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => {
+                self.unflushed = true
+            }
+            _ => {}
+        }
+    }
+
     fn unregister_memory(&mut self) {
         if self.fixed_mem.take().is_some() {
             // SAFETY: an empty set registers nothing.

@@ -189,7 +189,7 @@ fn check_backing(mem: &GuestMem) -> io::Result<()> {
 }
 
 impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
-    type Bitmap = ();
+    type Bitmap = crate::virtio::DirtyLog;
     type Vring = Vring;
 
     fn num_queues(&self) -> usize {
@@ -201,7 +201,21 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     }
 
     fn features(&self) -> u64 {
-        self.features | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+        self.features
+            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+            | VhostUserVirtioFeatures::LOG_ALL.bits()
+    }
+
+    /// LOG_ALL on (a migration) or off again: from now on the workers also
+    /// mark what the engines write into guest memory.
+    fn acked_features(&self, features: u64) {
+        let on = features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0;
+        if self.cfg.logging.swap(on, Ordering::Relaxed) != on {
+            log::info!(
+                "dirty-page logging {}",
+                if on { "on (migration)" } else { "off" }
+            );
+        }
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
@@ -210,6 +224,7 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            | VhostUserProtocolFeatures::LOG_SHMFD
     }
 
     fn set_event_idx(&self, _enabled: bool) {

@@ -67,6 +67,9 @@ pub struct WorkerConfig {
     pub writeback: Arc<AtomicBool>,
     /// Set on shutdown: take no new requests.
     pub stopping: AtomicBool,
+    /// The front-end acked VHOST_F_LOG_ALL (a migration is under way):
+    /// what an engine writes into guest memory is marked in the dirty log.
+    pub logging: AtomicBool,
 }
 
 pub struct QueueWorker<E: Engine> {
@@ -487,6 +490,12 @@ impl<E: Engine> QueueWorker<E> {
             written,
         } = c;
         self.count_done(&io.req, status);
+        if written > 0 && self.cfg.logging.load(Ordering::Relaxed) {
+            // The engine (the kernel, a bounce copy, a fill) wrote these
+            // behind vm-memory's back: mark them before the guest, or the
+            // migration, can see the completion.
+            io.req.data.mark_written(&io.mem, written);
+        }
         let _ = io.mem.write_obj(status, io.req.status);
         let len = if u32::from(status) == VIRTIO_BLK_S_OK {
             written + 1
@@ -612,10 +621,15 @@ impl<E: Engine> QueueWorker<E> {
     }
 
     /// The ring is being stopped (GET_VRING_BASE) or the device reset:
-    /// everything taken off it completes and is published before this
-    /// returns. The ring may start again afterwards.
+    /// everything taken off it completes and is published, and what it
+    /// wrote is durable, before this returns: the next reader of the image
+    /// may be another daemon (the destination of a migration). The ring may
+    /// start again afterwards.
     pub fn stop(&mut self) {
         self.finish_all();
+        if let Err(e) = self.engine.make_durable() {
+            log::error!("making the image durable as the ring stops: {e}");
+        }
         self.started = false;
     }
 

@@ -73,6 +73,7 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
         queue_size: max_queue,
         writeback: writeback.clone(),
         stopping: AtomicBool::new(false),
+        logging: AtomicBool::new(false),
     });
     let metrics: Arc<QueueMetrics> = Arc::default();
     let engine = UringEngine::new(

@@ -7,6 +7,7 @@
 #[cfg(any(test, feature = "test-utils"))]
 pub mod chain_writer;
 pub mod config;
+mod dirty;
 mod error;
 #[cfg(any(test, feature = "test-utils"))]
 #[doc(hidden)]
@@ -16,13 +17,19 @@ pub mod ring;
 #[cfg(test)]
 pub(crate) mod testing;
 
+pub use dirty::DirtyLog;
 pub use error::RequestError;
 pub use request::{DeviceLimits, DiscardRange, Request, RequestKind};
 
 use vm_memory::GuestMemoryMmap;
 
-/// Guest memory as the daemon maps it (no dirty-page bitmap: no migration).
-pub type GuestMem = GuestMemoryMmap<()>;
+/// Guest memory as the daemon maps it. Each region carries a dirty-page
+/// bitmap ([`DirtyLog`]) that vhost-user-backend points at the front-end's
+/// log when it sends SET_LOG_BASE (live migration): from then on every
+/// write through vm-memory (used ring, status bytes) marks its pages. What
+/// the kernel writes into guest memory behind vm-memory's back (io_uring
+/// reads) the worker marks itself (`vhost::worker`).
+pub type GuestMem = GuestMemoryMmap<DirtyLog>;
 
 /// Virtio-blk sectors are always 512 bytes, whatever the block size.
 pub const SECTOR_SHIFT: u32 = 9;

@@ -14,7 +14,7 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_queue::DescriptorChain;
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryBackend};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryBackend, GuestMemoryRegion};
 
 use super::{GuestMem, RequestError, SECTOR_SHIFT};
 
@@ -179,6 +179,28 @@ impl HostBuffers {
     pub unsafe fn scatter_from(&self, src: &[u8]) {
         // SAFETY: the same contract.
         unsafe { self.fill_from(src) }
+    }
+
+    /// Marks the first `len` bytes of the buffers dirty in `mem`'s log (for
+    /// a migration): the pages of each buffer, found by its host address in
+    /// the region that maps it.
+    pub fn mark_written(&self, mem: &GuestMem, mut len: u32) {
+        use vm_memory::bitmap::Bitmap;
+        for v in &self.0 {
+            if len == 0 {
+                break;
+            }
+            let n = v.iov_len.min(len as usize);
+            let at = v.iov_base as usize;
+            let region = mem.iter().find(|r| {
+                let base = r.as_ptr() as usize;
+                at >= base && at - base < r.len() as usize
+            });
+            if let Some(r) = region {
+                r.bitmap().mark_dirty(at - r.as_ptr() as usize, n);
+            }
+            len -= n as u32;
+        }
     }
 
     /// Whether every buffer starts and ends on an `align` boundary.

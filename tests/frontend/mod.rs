@@ -42,6 +42,7 @@ pub const SET_FEATURES: u32 = 2;
 pub const SET_OWNER: u32 = 3;
 pub const RESET_OWNER: u32 = 4;
 pub const SET_MEM_TABLE: u32 = 5;
+pub const SET_LOG_BASE: u32 = 6;
 pub const SET_VRING_NUM: u32 = 8;
 pub const SET_VRING_ADDR: u32 = 9;
 pub const SET_VRING_BASE: u32 = 10;
@@ -68,10 +69,13 @@ pub const FLAG_NEED_REPLY: u32 = 0x8;
 pub const F_INDIRECT_DESC: u64 = 1 << 28;
 pub const F_EVENT_IDX: u64 = 1 << 29;
 pub const F_PROTOCOL_FEATURES: u64 = 1 << 30;
+/// VHOST_F_LOG_ALL: dirty-page logging on (a migration).
+pub const F_LOG_ALL: u64 = 1 << 26;
 pub const F_VERSION_1: u64 = 1 << 32;
 
 /// Protocol feature bits.
 pub const P_MQ: u64 = 1 << 0;
+pub const P_LOG_SHMFD: u64 = 1 << 1;
 pub const P_REPLY_ACK: u64 = 1 << 3;
 pub const P_CONFIG: u64 = 1 << 9;
 pub const P_INFLIGHT_SHMFD: u64 = 1 << 12;
@@ -374,6 +378,11 @@ impl Conn {
     /// protocol features (`PROTOCOL`, so REPLY_ACK works from here on).
     /// Returns the device's features.
     pub fn handshake(&self, extra: u64) -> u64 {
+        self.handshake_with(extra, 0)
+    }
+
+    /// `handshake`, with `extra_protocol` protocol features acked too.
+    pub fn handshake_with(&self, extra: u64, extra_protocol: u64) -> u64 {
         self.send(SET_OWNER, FLAG_VERSION, &[], &[])
             .expect("SET_OWNER");
         let offered = self.get(GET_FEATURES, &[]).u64().expect("GET_FEATURES");
@@ -385,14 +394,10 @@ impl Conn {
             .get(GET_PROTOCOL_FEATURES, &[])
             .u64()
             .expect("GET_PROTOCOL_FEATURES");
-        assert_eq!(proto & PROTOCOL, PROTOCOL, "protocol features {proto:#x}");
-        self.send(
-            SET_PROTOCOL_FEATURES,
-            FLAG_VERSION,
-            &u64_payload(PROTOCOL),
-            &[],
-        )
-        .expect("SET_PROTOCOL_FEATURES");
+        let want = PROTOCOL | extra_protocol;
+        assert_eq!(proto & want, want, "protocol features {proto:#x}");
+        self.send(SET_PROTOCOL_FEATURES, FLAG_VERSION, &u64_payload(want), &[])
+            .expect("SET_PROTOCOL_FEATURES");
         // A round trip, so a refused feature shows up here and not later.
         assert_eq!(
             self.get(GET_QUEUE_NUM, &[]).request,

@@ -38,7 +38,7 @@ struct Counting {
 
 impl GuestMemory for Counting {
     type PhysicalMemory = GuestMem;
-    type Bitmap = ();
+    type Bitmap = crate::virtio::DirtyLog;
 
     fn check_range(&self, addr: GuestAddress, count: usize, access: Permissions) -> bool {
         GuestMemory::check_range(&self.inner, addr, count, access)
@@ -49,7 +49,7 @@ impl GuestMemory for Counting {
         addr: GuestAddress,
         count: usize,
         access: Permissions,
-    ) -> GuestMemoryResult<impl GuestMemorySliceIterator<'a, BS<'a, ()>>> {
+    ) -> GuestMemoryResult<impl GuestMemorySliceIterator<'a, BS<'a, crate::virtio::DirtyLog>>> {
         self.log.borrow_mut().push(Access {
             addr: addr.0,
             len: count,
