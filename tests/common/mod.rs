@@ -179,6 +179,8 @@ pub struct DaemonOptions<'a> {
     /// A command (and its arguments) to run the daemon through, e.g.
     /// `["setpriv", "--reuid=65534", ...]`.
     pub wrapper: &'a [&'a str],
+    /// Last changes to the command before it is spawned (a `pre_exec`).
+    pub configure: Option<&'a dyn Fn(&mut Command)>,
 }
 
 impl Default for DaemonOptions<'_> {
@@ -189,6 +191,7 @@ impl Default for DaemonOptions<'_> {
             args: &[],
             metrics: false,
             wrapper: &[],
+            configure: None,
         }
     }
 }
@@ -231,11 +234,21 @@ impl Daemon {
     pub fn start_with(opts: DaemonOptions<'_>) -> Daemon {
         let dir = test_dir();
         let path = dir.path().to_path_buf();
-        Daemon::launch(path, opts, Some(dir))
+        let mut d = Daemon::launch(path, opts, Some(dir));
+        d.wait_until_ready();
+        d
     }
 
     /// Starts a daemon in `dir`, which the test keeps (and removes) itself.
     pub fn start_in(dir: &Path, opts: DaemonOptions<'_>) -> Daemon {
+        let mut d = Daemon::launch(dir.to_path_buf(), opts, None);
+        d.wait_until_ready();
+        d
+    }
+
+    /// Starts a daemon in `dir` and returns at once, before it accepts:
+    /// for a test that acts on the daemon while it starts.
+    pub fn spawn_in(dir: &Path, opts: DaemonOptions<'_>) -> Daemon {
         Daemon::launch(dir.to_path_buf(), opts, None)
     }
 
@@ -278,6 +291,9 @@ impl Daemon {
                 "debug,virtio_queue=off,vhost=info,vhost_user_backend=info",
             );
         }
+        if let Some(configure) = opts.configure {
+            configure(&mut cmd);
+        }
         let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -290,7 +306,7 @@ impl Daemon {
             collect(child.stderr.take().expect("piped stderr"), log.clone()),
         ];
         let watchdog = Some(spawn_watchdog(child.id(), log.clone()));
-        let mut daemon = Daemon {
+        Daemon {
             child,
             socket,
             image,
@@ -302,9 +318,12 @@ impl Daemon {
             status: None,
             stopped: false,
             _own_dir: own_dir,
-        };
-        daemon.wait_until_accepting();
-        daemon
+        }
+    }
+
+    /// Waits until the daemon accepts.
+    pub fn wait_until_ready(&mut self) {
+        self.wait_until_accepting();
     }
 
     /// Waits until the socket accepts a connection. The probe connection
