@@ -90,6 +90,8 @@ impl Config {
                 readonly: args.readonly,
                 direct: args.direct,
                 block_size: args.block_size,
+                // The default is ours to pick, and never a link.
+                nofollow: args.image.is_none(),
             },
         )?;
         let limits = DeviceLimits {
