@@ -13,6 +13,7 @@
 
 #![allow(dead_code)] // Each test binary uses its own subset.
 
+use std::ffi::OsStr;
 use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::mem::MaybeUninit;
@@ -179,6 +180,13 @@ pub struct DaemonOptions<'a> {
     /// A command (and its arguments) to run the daemon through, e.g.
     /// `["setpriv", "--reuid=65534", ...]`.
     pub wrapper: &'a [&'a str],
+    /// Pass neither `--socket` nor `--image`: the daemon picks both (in
+    /// the directory that `env` steers it to), and the fixture reads them
+    /// back from what the daemon prints. `size` is then `--size`.
+    pub default_paths: bool,
+    /// Environment variables to set (`Some`) or remove (`None`), after
+    /// the fixture's own (`TMPDIR`, `RUST_LOG`).
+    pub env: &'a [(&'a str, Option<&'a OsStr>)],
     /// Last changes to the command before it is spawned (a `pre_exec`).
     pub configure: Option<&'a dyn Fn(&mut Command)>,
 }
@@ -191,6 +199,8 @@ impl Default for DaemonOptions<'_> {
             args: &[],
             metrics: false,
             wrapper: &[],
+            default_paths: false,
+            env: &[],
             configure: None,
         }
     }
@@ -214,6 +224,8 @@ pub struct Daemon {
     status: Option<ExitStatus>,
     /// Set by [`Daemon::signal_and_wait`]: the exit was the test's doing.
     stopped: bool,
+    /// The daemon picks its socket and image (`DaemonOptions::default_paths`).
+    default_paths: bool,
     // Last: removed after the process is gone. None when the test owns
     // the directory.
     _own_dir: Option<TempDir>,
@@ -253,15 +265,19 @@ impl Daemon {
     }
 
     fn launch(dir: PathBuf, opts: DaemonOptions<'_>, own_dir: Option<TempDir>) -> Daemon {
+        // With default paths, the real ones come from the daemon's output
+        // (`wait_until_ready`).
         let socket = dir.join("vhost.sock");
         assert!(
             socket.as_os_str().len() <= SUN_PATH_MAX,
             "socket path {} is too long for a Unix socket; use a shorter CARGO_TARGET_DIR",
             socket.display()
         );
-        let image = opts
-            .image
-            .unwrap_or_else(|| sparse_image(&dir, "disk.img", opts.size));
+        let image = match opts.image {
+            Some(image) => image,
+            None if opts.default_paths => PathBuf::new(),
+            None => sparse_image(&dir, "disk.img", opts.size),
+        };
         let metrics = opts.metrics.then(|| dir.join("metrics.sock"));
 
         let ringblk = ringblk_bin();
@@ -273,12 +289,13 @@ impl Daemon {
             }
             None => Command::new(ringblk),
         };
-        cmd.arg("serve")
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--image")
-            .arg(&image)
-            .args(opts.args);
+        cmd.arg("serve");
+        if opts.default_paths {
+            cmd.arg("--size").arg(opts.size.to_string());
+        } else {
+            cmd.arg("--socket").arg(&socket).arg("--image").arg(&image);
+        }
+        cmd.args(opts.args);
         if let Some(m) = &metrics {
             cmd.arg("--metrics").arg(m);
         }
@@ -290,6 +307,12 @@ impl Daemon {
                 "RUST_LOG",
                 "debug,virtio_queue=off,vhost=info,vhost_user_backend=info",
             );
+        }
+        for (name, value) in opts.env {
+            match value {
+                Some(v) => cmd.env(name, v),
+                None => cmd.env_remove(name),
+            };
         }
         if let Some(configure) = opts.configure {
             configure(&mut cmd);
@@ -317,12 +340,24 @@ impl Daemon {
             watchdog,
             status: None,
             stopped: false,
+            default_paths: opts.default_paths,
             _own_dir: own_dir,
         }
     }
 
-    /// Waits until the daemon accepts.
+    /// Waits until the daemon accepts; with default paths, first reads
+    /// where it serves from what it prints.
     pub fn wait_until_ready(&mut self) {
+        if self.default_paths {
+            self.wait_for_log("Connect QEMU with");
+            let log = self.log();
+            let field = |start: &str, end: char| -> PathBuf {
+                let rest = &log[log.find(start).expect("announced") + start.len()..];
+                PathBuf::from(&rest[..rest.find(end).expect("field ends")])
+            };
+            self.socket = field("chardev socket,id=rb0,path=", ' ');
+            self.image = field("] serving ", ' ');
+        }
         self.wait_until_accepting();
     }
 
