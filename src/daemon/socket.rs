@@ -34,7 +34,8 @@ pub fn bind(path: &Path, mode: u32) -> Result<UnixListener, DaemonError> {
 /// file-system attributes: no other thread ever sees it changed.
 fn bind_with_mode(path: &Path, mode: u32) -> io::Result<UnixListener> {
     std::thread::scope(|s| {
-        s.spawn(|| {
+        let bind = std::thread::Builder::new().name("bind".into());
+        bind.spawn_scoped(s, || {
             // SAFETY: unshare takes no pointers; CLONE_FS gives this
             // thread its own copy of cwd, root and umask, nothing else.
             if unsafe { libc::unshare(libc::CLONE_FS) } != 0 {
@@ -44,7 +45,7 @@ fn bind_with_mode(path: &Path, mode: u32) -> io::Result<UnixListener> {
             // unshare it is this thread's alone.
             unsafe { libc::umask(!mode & 0o777) };
             UnixListener::bind(path)
-        })
+        })?
         .join()
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     })
