@@ -72,8 +72,9 @@ pub struct ServeArgs {
     /// vhost-user socket to listen on. A stale socket file is replaced; one
     /// held by a live daemon is an error. [default: vhost.sock in a
     /// directory private to the user: $XDG_RUNTIME_DIR/ringblk, else
-    /// /run/ringblk for root, else ringblk-UID in $TMPDIR or /tmp; one that
-    /// is not a directory of ours, writable by us only, is refused]
+    /// /run/ringblk for root, else ringblk-UID in $TMPDIR or /tmp; created
+    /// 0700, and refused if it is a symlink, someone else's, or writable by
+    /// its group or others]
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
 
