@@ -71,8 +71,8 @@ fn can_switch_users() -> bool {
 /// Runs `ringblk serve` (through `wrapper`) on its default paths, with
 /// `env`, expecting it to refuse to start: returns its stderr once it has
 /// exited with status 1. A daemon that starts serving instead fails the
-/// test.
-fn refused(wrapper: &[&str], env: &[(&str, Option<&OsStr>)]) -> String {
+/// test (and leaves its inner socket in `dir`, not in /tmp).
+fn refused(dir: &Path, wrapper: &[&str], env: &[(&str, Option<&OsStr>)]) -> String {
     let mut cmd = match wrapper.split_first() {
         Some((program, pre)) => {
             let mut cmd = Command::new(program);
@@ -82,7 +82,9 @@ fn refused(wrapper: &[&str], env: &[(&str, Option<&OsStr>)]) -> String {
         None => Command::new(ringblk_bin()),
     };
     // What a user sees: the default log filter.
-    cmd.args(["serve", "--size", "16M"]).env_remove("RUST_LOG");
+    cmd.args(["serve", "--size", "16M"])
+        .env_remove("RUST_LOG")
+        .env("TMPDIR", dir);
     for (name, value) in env {
         match value {
             Some(v) => cmd.env(name, v),
@@ -174,7 +176,11 @@ fn a_symlink_at_the_default_image_is_refused() {
     for target in [&victim, &absent] {
         let _ = fs::remove_file(&link);
         symlink(target, &link).unwrap();
-        let err = refused(&[], &[("XDG_RUNTIME_DIR", Some(xdg.as_os_str()))]);
+        let err = refused(
+            root.path(),
+            &[],
+            &[("XDG_RUNTIME_DIR", Some(xdg.as_os_str()))],
+        );
         assert_eq!(
             err,
             format!(
@@ -209,7 +215,7 @@ fn a_default_directory_we_cannot_trust_is_refused() {
     ] {
         chmod(&dir, m);
         assert_eq!(
-            refused(&[], &env),
+            refused(root.path(), &[], &env),
             format!("ringblk: {shown}: writable by {who} (mode {m:04o}); refusing to use it")
         );
     }
@@ -217,7 +223,7 @@ fn a_default_directory_we_cannot_trust_is_refused() {
         chmod(&dir, 0o700);
         chown(&dir, Some(NOBODY), Some(NOBODY)).unwrap();
         assert_eq!(
-            refused(&[], &env),
+            refused(root.path(), &[], &env),
             format!(
                 "ringblk: {shown}: owned by uid {NOBODY}, not by us (uid 0); refusing to use it"
             )
@@ -235,7 +241,7 @@ fn a_default_directory_we_cannot_trust_is_refused() {
     chmod(&elsewhere, 0o700);
     symlink(&elsewhere, &dir).unwrap();
     assert_eq!(
-        refused(&[], &env),
+        refused(root.path(), &[], &env),
         format!("ringblk: {shown}: a symbolic link; refusing to use it")
     );
     assert_eq!(fs::read_dir(&elsewhere).unwrap().count(), 0);
@@ -299,7 +305,7 @@ fn a_directory_another_user_made_in_tmp_is_refused() {
     chmod(&planted, 0o755);
     chown(&planted, Some(1234), Some(1234)).unwrap();
     assert_eq!(
-        refused(AS_NOBODY, &env),
+        refused(root.path(), AS_NOBODY, &env),
         format!(
             "ringblk: {}: owned by uid 1234, not by us (uid {NOBODY}); refusing to use it",
             planted.display()
@@ -312,7 +318,7 @@ fn a_directory_another_user_made_in_tmp_is_refused() {
     chmod(&theirs, 0o777);
     symlink(&theirs, &planted).unwrap();
     assert_eq!(
-        refused(AS_NOBODY, &env),
+        refused(root.path(), AS_NOBODY, &env),
         format!(
             "ringblk: {}: a symbolic link; refusing to use it",
             planted.display()
