@@ -6,9 +6,11 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 pub use ringblk_metrics::parse_size;
 
-/// Where `ringblk serve` listens, and the image it creates, by default.
-pub const DEFAULT_SOCKET: &str = "/tmp/ringblk/vhost.sock";
-pub const DEFAULT_IMAGE: &str = "/tmp/ringblk/disk.img";
+/// Where `ringblk serve` listens, and the image it creates, by default:
+/// these names in a private directory that `daemon::config` picks and
+/// checks.
+pub const DEFAULT_SOCKET_NAME: &str = "vhost.sock";
+pub const DEFAULT_IMAGE_NAME: &str = "disk.img";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -68,16 +70,21 @@ pub enum EngineKind {
 #[command(args_override_self = true)]
 pub struct ServeArgs {
     /// vhost-user socket to listen on. A stale socket file is replaced; one
-    /// held by a live daemon is an error.
-    #[arg(long, default_value = DEFAULT_SOCKET)]
-    pub socket: PathBuf,
+    /// held by a live daemon is an error. [default: vhost.sock in a
+    /// directory private to the user: $XDG_RUNTIME_DIR/ringblk, else
+    /// /run/ringblk for root, else ringblk-UID in $TMPDIR or /tmp; created
+    /// 0700, and refused if it is a symlink, someone else's, or writable by
+    /// its group or others]
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
 
     /// Permissions of the socket file, in octal.
     #[arg(long, default_value = "600", value_parser = parse_octal)]
     pub socket_mode: u32,
 
-    /// Raw image file or block device to export. Without --image, the default
-    /// image is created (sparse, --size) if it does not exist.
+    /// Raw image file or block device to export. Without --image, disk.img
+    /// in the directory of the default socket, created (sparse, --size,
+    /// mode 0600) if it does not exist; a symlink there is refused.
     #[arg(long)]
     pub image: Option<PathBuf>,
 

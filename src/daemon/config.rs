@@ -1,5 +1,7 @@
 //! Turns command-line arguments into a validated device configuration.
 
+mod rundir;
+
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -7,7 +9,7 @@ use std::sync::atomic::AtomicBool;
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
-use crate::cli::{DEFAULT_IMAGE, EngineKind, ServeArgs};
+use crate::cli::{DEFAULT_IMAGE_NAME, DEFAULT_SOCKET_NAME, EngineKind, ServeArgs};
 use crate::engine::UringConfig;
 use crate::io::{Image, ImageOptions};
 use crate::vhost::WorkerConfig;
@@ -22,6 +24,9 @@ pub const MAX_QUEUE_SIZE: u16 = 32768;
 /// Everything `serve` needs, checked.
 pub struct Config {
     pub args: ServeArgs,
+    /// Where to listen: `--socket`, else the default in the private
+    /// directory.
+    pub socket: PathBuf,
     pub image: Image,
     pub image_created: bool,
     pub worker: WorkerConfig,
@@ -58,13 +63,26 @@ impl Config {
             return Err(DaemonError::Config("--iopoll needs --direct".into()));
         }
         crate::cpu::check_cpus(&args.cpus).map_err(DaemonError::Config)?;
-        let (path, created) = match &args.image {
-            Some(p) => (p.clone(), false),
-            None => {
-                let p = PathBuf::from(DEFAULT_IMAGE);
-                let created = Image::create_if_missing(&p, args.size)?;
-                (p, created)
+        // What is not given goes in a private directory, chosen and checked
+        // only when needed.
+        let (socket, path) = match (&args.socket, &args.image) {
+            (Some(socket), Some(image)) => (socket.clone(), image.clone()),
+            (socket, image) => {
+                let dir = rundir::choose(&rundir::Env::from_process())
+                    .map_err(|e| DaemonError::Config(e.to_string()))?;
+                (
+                    socket
+                        .clone()
+                        .unwrap_or_else(|| dir.join(DEFAULT_SOCKET_NAME)),
+                    image
+                        .clone()
+                        .unwrap_or_else(|| dir.join(DEFAULT_IMAGE_NAME)),
+                )
             }
+        };
+        let created = match args.image {
+            Some(_) => false,
+            None => Image::create_if_missing(&path, args.size)?,
         };
         let image = Image::open(
             &path,
@@ -72,6 +90,8 @@ impl Config {
                 readonly: args.readonly,
                 direct: args.direct,
                 block_size: args.block_size,
+                // The default is ours to pick, and never a link.
+                nofollow: args.image.is_none(),
             },
         )?;
         let limits = DeviceLimits {
@@ -127,6 +147,7 @@ impl Config {
         };
         Ok(Config {
             args,
+            socket,
             image,
             image_created: created,
             worker,

@@ -12,7 +12,7 @@ mod socket;
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -59,7 +59,7 @@ type Current = Arc<Mutex<Option<Arc<dyn Drain>>>>;
 /// Runs `ringblk serve` until SIGINT/SIGTERM.
 pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     let cfg = Config::from_args(args)?;
-    let listener = socket::bind(&cfg.args.socket, cfg.args.socket_mode)?;
+    let listener = socket::bind(&cfg.socket, cfg.args.socket_mode)?;
     let num_queues = usize::from(cfg.args.queues);
     let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
     // Bound before the seccomp filter: binding probes for a stale socket.
@@ -82,7 +82,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     let removal = |p: &std::path::Path| {
         Removal::file(p).map_err(|e| DaemonError::Socket(format!("{}: {e}", p.display())))
     };
-    let mut files = vec![removal(&cfg.args.socket)?];
+    let mut files = vec![removal(&cfg.socket)?];
     if let Some(crate::metrics::MetricsAddr::Unix(p)) = cfg
         .args
         .metrics
@@ -103,7 +103,13 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         files,
         inner.paths.clone(),
     )?;
-    announce(&cfg.args, &cfg.image, cfg.image_created, &worker_cfg);
+    announce(
+        &cfg.socket,
+        &cfg.args,
+        &cfg.image,
+        cfg.image_created,
+        &worker_cfg,
+    );
 
     let features = device_features(cfg.args.readonly);
     let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
@@ -452,7 +458,13 @@ fn spawn_signal_handler(
 }
 
 /// Tells the user what is being served and how to connect.
-fn announce(args: &ServeArgs, image: &crate::io::Image, created: bool, cfg: &WorkerConfig) {
+fn announce(
+    socket: &Path,
+    args: &ServeArgs,
+    image: &crate::io::Image,
+    created: bool,
+    cfg: &WorkerConfig,
+) {
     if created {
         log::info!(
             "created sparse image {} ({} bytes)",
@@ -467,7 +479,7 @@ fn announce(args: &ServeArgs, image: &crate::io::Image, created: bool, cfg: &Wor
         image.block_size,
         if args.readonly { ", read-only" } else { "" },
         if args.direct { ", O_DIRECT" } else { "" },
-        args.socket.display(),
+        socket.display(),
         args.queues,
         args.queue_size,
         String::from_utf8_lossy(&cfg.serial).trim_end_matches('\0'),
@@ -476,7 +488,7 @@ fn announce(args: &ServeArgs, image: &crate::io::Image, created: bool, cfg: &Wor
         "Connect QEMU with:\n  qemu-system-x86_64 -m 1G -object memory-backend-memfd,id=mem,size=1G,share=on \
          -numa node,memdev=mem -chardev socket,id=rb0,path={} \
          -device vhost-user-blk-pci,chardev=rb0,num-queues={} ...",
-        args.socket.display(),
+        socket.display(),
         args.queues
     );
 }

@@ -20,6 +20,8 @@ ioctl_io_nr!(BLKDISCARD, 0x12, 119);
 pub enum ImageError {
     #[error("image {0} does not exist")]
     Missing(PathBuf),
+    #[error("image {0} is a symbolic link; refusing to follow it")]
+    Symlink(PathBuf),
     #[error("permission denied opening image {0}")]
     PermissionDenied(PathBuf),
     #[error("image {0} is neither a regular file nor a block device")]
@@ -56,6 +58,9 @@ pub struct ImageOptions {
     /// The guest's logical block size; None: the image's own (see
     /// [`Image::block_size`]).
     pub block_size: Option<u32>,
+    /// Refuse a symlink instead of following it (O_NOFOLLOW): for a path
+    /// the daemon picked itself. One the operator gave may be a link.
+    pub nofollow: bool,
 }
 
 /// An open image.
@@ -86,12 +91,15 @@ impl Image {
     pub fn open(path: &Path, opts: ImageOptions) -> Result<Image, ImageError> {
         let mut oo = OpenOptions::new();
         oo.read(true).write(!opts.readonly);
-        if opts.direct {
-            oo.custom_flags(libc::O_DIRECT);
-        }
+        let direct = if opts.direct { libc::O_DIRECT } else { 0 };
+        let nofollow = if opts.nofollow { libc::O_NOFOLLOW } else { 0 };
+        oo.custom_flags(direct | nofollow);
         let file = oo.open(path).map_err(|e| match e.kind() {
             io::ErrorKind::NotFound => ImageError::Missing(path.to_owned()),
             io::ErrorKind::PermissionDenied => ImageError::PermissionDenied(path.to_owned()),
+            _ if opts.nofollow && e.raw_os_error() == Some(libc::ELOOP) => {
+                ImageError::Symlink(path.to_owned())
+            }
             _ => io_err("open", path, e),
         })?;
         let meta = file.metadata().map_err(|e| io_err("stat", path, e))?;
@@ -154,21 +162,29 @@ impl Image {
         })
     }
 
-    /// Creates a sparse image of `size` bytes (and its directory) unless a
-    /// file is already there. Returns whether it created one.
+    /// Creates a sparse image of `size` bytes, readable and writable by
+    /// its owner only (0600: it holds a guest's disk), unless something is
+    /// already at `path`. What is there, a symlink included, is neither
+    /// followed nor replaced (O_CREAT|O_EXCL|O_NOFOLLOW): open it with
+    /// [`ImageOptions::nofollow`] to refuse a link. The directory must
+    /// exist. Returns whether it created the image.
     pub fn create_if_missing(path: &Path, size: u64) -> Result<bool, ImageError> {
-        if path.exists() {
-            return Ok(false);
-        }
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| io_err("create directory for", path, e))?;
-        }
-        let f = OpenOptions::new()
+        let created = OpenOptions::new()
             .write(true)
             .create_new(true)
-            .open(path)
-            .map_err(|e| io_err("create", path, e))?;
-        f.set_len(size).map_err(|e| io_err("size", path, e))?;
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path);
+        let f = match created {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(false),
+            Err(e) => return Err(io_err("create", path, e)),
+        };
+        if let Err(e) = f.set_len(size) {
+            // An empty file left behind would fail the next start as empty.
+            let _ = std::fs::remove_file(path);
+            return Err(io_err("size", path, e));
+        }
         Ok(true)
     }
 
@@ -274,14 +290,51 @@ mod tests {
     }
 
     #[test]
-    fn creates_a_sparse_default() {
+    fn creates_a_sparse_private_default() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("sub/disk.img");
+        let p = dir.path().join("disk.img");
         assert!(Image::create_if_missing(&p, 1 << 30).unwrap());
         assert!(!Image::create_if_missing(&p, 1 << 30).unwrap());
         let img = Image::open(&p, opts()).unwrap();
         assert_eq!(img.size, 1 << 30);
-        assert!(img.file.metadata().unwrap().blocks() < 16, "not sparse");
+        let meta = img.file.metadata().unwrap();
+        assert!(meta.blocks() < 16, "not sparse");
+        assert_eq!(meta.mode() & 0o777, 0o600, "{:o}", meta.mode());
         assert!(img.default_serial().len() <= 20);
+    }
+
+    /// A symlink where the default image goes is neither replaced nor
+    /// followed: not to an existing file, not to a missing one.
+    #[test]
+    fn a_link_at_the_default_image_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("target.img");
+        std::fs::write(&target, vec![7u8; 4096]).unwrap();
+        let missing = dir.path().join("missing.img");
+        for to in [&target, &missing] {
+            let link = dir.path().join("disk.img");
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(to, &link).unwrap();
+            assert!(!Image::create_if_missing(&link, 1 << 20).unwrap());
+            let picked = ImageOptions {
+                nofollow: true,
+                ..opts()
+            };
+            let e = Image::open(&link, picked).unwrap_err();
+            assert!(matches!(e, ImageError::Symlink(_)), "{e}");
+            assert!(e.to_string().contains("symbolic link"), "{e}");
+        }
+        assert!(!missing.exists(), "created through the link");
+        assert_eq!(std::fs::read(&target).unwrap(), vec![7u8; 4096]);
+        // A link the operator names is theirs to follow.
+        let img = Image::open(&dir.path().join("disk.img"), opts());
+        assert!(matches!(img, Err(ImageError::Missing(_))), "{img:?}");
+        std::os::unix::fs::symlink(&target, dir.path().join("given.img")).unwrap();
+        assert_eq!(
+            Image::open(&dir.path().join("given.img"), opts())
+                .unwrap()
+                .size,
+            4096
+        );
     }
 }

@@ -13,6 +13,7 @@
 
 #![allow(dead_code)] // Each test binary uses its own subset.
 
+use std::ffi::OsStr;
 use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::mem::MaybeUninit;
@@ -179,6 +180,15 @@ pub struct DaemonOptions<'a> {
     /// A command (and its arguments) to run the daemon through, e.g.
     /// `["setpriv", "--reuid=65534", ...]`.
     pub wrapper: &'a [&'a str],
+    /// Pass neither `--socket` nor `--image`: the daemon picks both (in
+    /// the directory that `env` steers it to), and the fixture reads them
+    /// back from what the daemon prints. `size` is then `--size`.
+    pub default_paths: bool,
+    /// Environment variables to set (`Some`) or remove (`None`), after
+    /// the fixture's own (`TMPDIR`, `RUST_LOG`).
+    pub env: &'a [(&'a str, Option<&'a OsStr>)],
+    /// Last changes to the command before it is spawned (a `pre_exec`).
+    pub configure: Option<&'a dyn Fn(&mut Command)>,
 }
 
 impl Default for DaemonOptions<'_> {
@@ -189,6 +199,9 @@ impl Default for DaemonOptions<'_> {
             args: &[],
             metrics: false,
             wrapper: &[],
+            default_paths: false,
+            env: &[],
+            configure: None,
         }
     }
 }
@@ -211,6 +224,8 @@ pub struct Daemon {
     status: Option<ExitStatus>,
     /// Set by [`Daemon::signal_and_wait`]: the exit was the test's doing.
     stopped: bool,
+    /// The daemon picks its socket and image (`DaemonOptions::default_paths`).
+    default_paths: bool,
     // Last: removed after the process is gone. None when the test owns
     // the directory.
     _own_dir: Option<TempDir>,
@@ -231,24 +246,38 @@ impl Daemon {
     pub fn start_with(opts: DaemonOptions<'_>) -> Daemon {
         let dir = test_dir();
         let path = dir.path().to_path_buf();
-        Daemon::launch(path, opts, Some(dir))
+        let mut d = Daemon::launch(path, opts, Some(dir));
+        d.wait_until_ready();
+        d
     }
 
     /// Starts a daemon in `dir`, which the test keeps (and removes) itself.
     pub fn start_in(dir: &Path, opts: DaemonOptions<'_>) -> Daemon {
+        let mut d = Daemon::launch(dir.to_path_buf(), opts, None);
+        d.wait_until_ready();
+        d
+    }
+
+    /// Starts a daemon in `dir` and returns at once, before it accepts:
+    /// for a test that acts on the daemon while it starts.
+    pub fn spawn_in(dir: &Path, opts: DaemonOptions<'_>) -> Daemon {
         Daemon::launch(dir.to_path_buf(), opts, None)
     }
 
     fn launch(dir: PathBuf, opts: DaemonOptions<'_>, own_dir: Option<TempDir>) -> Daemon {
+        // With default paths, the real ones come from the daemon's output
+        // (`wait_until_ready`).
         let socket = dir.join("vhost.sock");
         assert!(
             socket.as_os_str().len() <= SUN_PATH_MAX,
             "socket path {} is too long for a Unix socket; use a shorter CARGO_TARGET_DIR",
             socket.display()
         );
-        let image = opts
-            .image
-            .unwrap_or_else(|| sparse_image(&dir, "disk.img", opts.size));
+        let image = match opts.image {
+            Some(image) => image,
+            None if opts.default_paths => PathBuf::new(),
+            None => sparse_image(&dir, "disk.img", opts.size),
+        };
         let metrics = opts.metrics.then(|| dir.join("metrics.sock"));
 
         let ringblk = ringblk_bin();
@@ -260,12 +289,13 @@ impl Daemon {
             }
             None => Command::new(ringblk),
         };
-        cmd.arg("serve")
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--image")
-            .arg(&image)
-            .args(opts.args);
+        cmd.arg("serve");
+        if opts.default_paths {
+            cmd.arg("--size").arg(opts.size.to_string());
+        } else {
+            cmd.arg("--socket").arg(&socket).arg("--image").arg(&image);
+        }
+        cmd.args(opts.args);
         if let Some(m) = &metrics {
             cmd.arg("--metrics").arg(m);
         }
@@ -277,6 +307,15 @@ impl Daemon {
                 "RUST_LOG",
                 "debug,virtio_queue=off,vhost=info,vhost_user_backend=info",
             );
+        }
+        for (name, value) in opts.env {
+            match value {
+                Some(v) => cmd.env(name, v),
+                None => cmd.env_remove(name),
+            };
+        }
+        if let Some(configure) = opts.configure {
+            configure(&mut cmd);
         }
         let mut child = cmd
             .stdin(Stdio::null())
@@ -290,7 +329,7 @@ impl Daemon {
             collect(child.stderr.take().expect("piped stderr"), log.clone()),
         ];
         let watchdog = Some(spawn_watchdog(child.id(), log.clone()));
-        let mut daemon = Daemon {
+        Daemon {
             child,
             socket,
             image,
@@ -301,10 +340,25 @@ impl Daemon {
             watchdog,
             status: None,
             stopped: false,
+            default_paths: opts.default_paths,
             _own_dir: own_dir,
-        };
-        daemon.wait_until_accepting();
-        daemon
+        }
+    }
+
+    /// Waits until the daemon accepts; with default paths, first reads
+    /// where it serves from what it prints.
+    pub fn wait_until_ready(&mut self) {
+        if self.default_paths {
+            self.wait_for_log("Connect QEMU with");
+            let log = self.log();
+            let field = |start: &str, end: char| -> PathBuf {
+                let rest = &log[log.find(start).expect("announced") + start.len()..];
+                PathBuf::from(&rest[..rest.find(end).expect("field ends")])
+            };
+            self.socket = field("chardev socket,id=rb0,path=", ' ');
+            self.image = field("] serving ", ' ');
+        }
+        self.wait_until_accepting();
     }
 
     /// Waits until the socket accepts a connection. The probe connection
