@@ -38,6 +38,13 @@
 //!   the relay's two) crossed that line and trapped. [`prepare`] sets the
 //!   limit itself (`mallopt(M_ARENA_MAX)`, to glibc's own default of 8 per
 //!   online CPU, counted before the filter), so glibc never reads it;
+//! - glibc's malloc also reads `/proc/sys/vm/overcommit_memory` the first
+//!   time it shrinks a thread arena's heap, which large frees in a queue
+//!   thread (O_DIRECT bounce buffers) reached now and then: a test of
+//!   misaligned O_DIRECT I/O trapped about one run in ten. [`prepare`]
+//!   turns heap shrinking off (`M_TRIM_THRESHOLD`); strace had not shown
+//!   it, since the trim happens only when the freed top passes the
+//!   threshold;
 //! - thread start and exit (clone3, set_robust_list, rseq, sigaltstack,
 //!   prctl(PR_SET_NAME), sched_getaffinity, madvise, munmap, exit), and
 //!   HashMap seeds (getrandom): on the list below;
@@ -130,6 +137,17 @@ fn prepare() {
     // arenas later allocations may create.
     if unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) } != 1 {
         log::warn!("mallopt(M_ARENA_MAX, {arenas}) failed; a connection of many queues may trap");
+    }
+    // glibc shrinks a thread arena's heap when its free top passes the trim
+    // threshold, and the first time it does, it reads
+    // /proc/sys/vm/overcommit_memory (check_may_shrink_heap). Large frees
+    // in a queue thread (bounce buffers) got there at random. With the
+    // threshold at its maximum no heap is ever shrunk (allocations of 128
+    // KiB and more are mmap'd and unmapped on free as before; the heaps
+    // keep what they grew to).
+    // SAFETY: as above; M_TRIM_THRESHOLD only decides when heaps shrink.
+    if unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, c_int::MAX) } != 1 {
+        log::warn!("mallopt(M_TRIM_THRESHOLD) failed; freeing memory may trap");
     }
 }
 
