@@ -6,6 +6,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringT};
@@ -16,6 +17,7 @@ use vmm_sys_util::event::{
 };
 
 use crate::engine::Engine;
+use crate::metrics::SharedRateLimiter;
 use crate::virtio::GuestMem;
 use crate::virtio::config::{CONFIG_LEN, read_config};
 
@@ -251,7 +253,10 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
         let wce = buf[0] != 0;
         self.cfg.writeback.store(wce, Ordering::Relaxed);
         self.config.lock().unwrap_or_else(|p| p.into_inner())[WCE_OFFSET as usize] = u8::from(wce);
-        log::info!(
+        // The guest can toggle it as often as it likes.
+        static TOGGLES: SharedRateLimiter = SharedRateLimiter::new(10, Duration::from_secs(5));
+        crate::info_limited!(
+            TOGGLES,
             "guest set the write cache to {}",
             if wce { "write-back" } else { "write-through" }
         );

@@ -32,6 +32,8 @@ use vm_memory::ByteValued;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use super::inflight::InflightRegion;
+use crate::metrics::SharedRateLimiter;
+use crate::{info_limited, warn_limited};
 
 /// `struct VhostUserMsgHeader`: request, flags, payload size (le32 each).
 const HDR: usize = 12;
@@ -46,6 +48,20 @@ const VERSION: u32 = 0x1;
 /// and bit 8 set when no fd comes with it (vhost-user spec).
 const VRING_IDX_MASK: u64 = 0xff;
 const VRING_NOFD: u64 = 0x100;
+
+/// Every line the relay logs is one a front-end can repeat at will, on
+/// every message or on every new connection; each kind has a limit of its
+/// own, kept across connections.
+/// (A connection logs at most one of the lines about its end.)
+static DISCONNECTS: SharedRateLimiter = limiter();
+static GET_INFLIGHT: SharedRateLimiter = limiter();
+static GET_INFLIGHT_REFUSED: SharedRateLimiter = limiter();
+static SET_INFLIGHT: SharedRateLimiter = limiter();
+static SET_INFLIGHT_REFUSED: SharedRateLimiter = limiter();
+
+const fn limiter() -> SharedRateLimiter {
+    SharedRateLimiter::new(10, Duration::from_secs(5))
+}
 
 /// Where the relay gets and puts inflight regions: the device.
 pub trait InflightHost: Send + Sync + 'static {
@@ -233,7 +249,7 @@ pub fn relay(
                         break;
                     }
                     Err(e) => {
-                        log::warn!("front-end message: {e}; disconnecting");
+                        warn_limited!(DISCONNECTS, "front-end message: {e}; disconnecting");
                         break;
                     }
                 };
@@ -250,7 +266,10 @@ pub fn relay(
                     Some(FrontendReq::SET_INFLIGHT_FD) => set_inflight(msg, &*host, &fw),
                     Some(FrontendReq::SET_VRING_NUM) if !vring_num_ok(&msg.payload) => {
                         // The crate answers an error with a disconnect too.
-                        log::warn!("SET_VRING_NUM refused: not a power of two; disconnecting");
+                        warn_limited!(
+                            DISCONNECTS,
+                            "SET_VRING_NUM refused: not a power of two; disconnecting"
+                        );
                         let _ = refuse(&msg, &fw);
                         break;
                     }
@@ -261,7 +280,7 @@ pub fn relay(
                     }),
                 };
                 if let Err(e) = r {
-                    log::warn!("relaying to the back-end: {e}");
+                    warn_limited!(DISCONNECTS, "relaying to the back-end: {e}");
                     break;
                 }
             }
@@ -404,7 +423,8 @@ fn get_inflight(msg: &Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> i
     match region {
         Some(Ok(r)) => {
             let out = VhostUserInflight::new(r.size() as u64, 0, r.num_queues, r.queue_size);
-            log::info!(
+            info_limited!(
+                GET_INFLIGHT,
                 "inflight tracking: {} bytes for {} queue(s) of {}",
                 r.size(),
                 r.num_queues,
@@ -414,7 +434,8 @@ fn get_inflight(msg: &Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> i
         }
         // mmap_size 0 tells the front-end we could not provide one.
         other => {
-            log::warn!(
+            warn_limited!(
+                GET_INFLIGHT_REFUSED,
                 "GET_INFLIGHT_FD refused: {}",
                 match other {
                     Some(Err(e)) => e.to_string(),
@@ -443,7 +464,8 @@ fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -
     };
     let ok = match result {
         Ok(region) => {
-            log::info!(
+            info_limited!(
+                SET_INFLIGHT,
                 "inflight region installed ({} queue(s) of {})",
                 region.num_queues,
                 region.queue_size
@@ -452,7 +474,7 @@ fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -
             true
         }
         Err(e) => {
-            log::warn!("SET_INFLIGHT_FD refused: {e}");
+            warn_limited!(SET_INFLIGHT_REFUSED, "SET_INFLIGHT_FD refused: {e}");
             false
         }
     };
