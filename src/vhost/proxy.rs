@@ -8,7 +8,9 @@
 //! It also signals a ring's call eventfd once when the ring is started and
 //! has one (see [`RingCalls`]), as libvhost-user does, so that used
 //! elements a previous daemon published but never signalled reach the
-//! guest without waiting for its next request.
+//! guest without waiting for its next request; and it refuses an
+//! ADD_MEM_REG beyond the memory slots we advertise, which the crate would
+//! take (see [`MemSlots`]).
 //!
 //! Request codes and payloads are the `vhost` crate's types
 //! ([`FrontendReq`], [`VhostUserInflight`], ...); only the 12-byte header
@@ -26,12 +28,14 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use vhost::vhost_user::message::{
-    FrontendReq, VhostUserHeaderFlag, VhostUserInflight, VhostUserU64, VhostUserVringState,
+    FrontendReq, VhostUserHeaderFlag, VhostUserInflight, VhostUserMemory, VhostUserU64,
+    VhostUserVringState,
 };
 use vm_memory::ByteValued;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use super::inflight::InflightRegion;
+use super::sigbus::MEM_SLOTS;
 use crate::metrics::SharedRateLimiter;
 use crate::{info_limited, warn_limited};
 
@@ -231,6 +235,7 @@ pub fn relay(
         start: Some(FIRST_MESSAGE),
         rest: Some(REST_OF_MESSAGE),
     };
+    let mut slots = MemSlots::default();
     let to_back = std::thread::Builder::new()
         .name("vu-relay-in".into())
         .spawn(move || {
@@ -264,6 +269,14 @@ pub fn relay(
                 let r = match msg.code() {
                     Some(FrontendReq::GET_INFLIGHT_FD) => get_inflight(&msg, &*host, &fw),
                     Some(FrontendReq::SET_INFLIGHT_FD) => set_inflight(msg, &*host, &fw),
+                    Some(FrontendReq::ADD_MEM_REG) if slots.full() => {
+                        warn_limited!(
+                            DISCONNECTS,
+                            "ADD_MEM_REG refused: all {MEM_SLOTS} memory slots in use; disconnecting"
+                        );
+                        let _ = refuse(&msg, &fw);
+                        break;
+                    }
                     Some(FrontendReq::SET_VRING_NUM) if !vring_num_ok(&msg.payload) => {
                         // The crate answers an error with a disconnect too.
                         warn_limited!(
@@ -276,6 +289,7 @@ pub fn relay(
                     code => msg.send(&back_w).map(|()| {
                         if let Some(code) = code {
                             calls.follow(code, &msg);
+                            slots.follow(code, &msg);
                         }
                     }),
                 };
@@ -308,6 +322,38 @@ pub fn relay(
 /// Malformed payloads are left to the crate, which refuses them.
 fn vring_num_ok(p: &[u8]) -> bool {
     payload_as::<VhostUserVringState>(p).is_none_or(|s| s.num.is_power_of_two())
+}
+
+/// How many regions the crate's memory table holds, followed from the
+/// messages the relay passes on.
+///
+/// vhost-user-backend advertises [`MEM_SLOTS`] slots but takes any number
+/// of ADD_MEM_REG, and the SIGBUS protection can watch only so many
+/// regions (`sigbus::SLOTS`). The count is exact for as long as the
+/// connection lasts: the crate ends the connection on any message it
+/// fails, so every message passed on while it lasts has been applied.
+#[derive(Default)]
+struct MemSlots(usize);
+
+impl MemSlots {
+    /// Whether the table has no room for another region.
+    fn full(&self) -> bool {
+        self.0 >= MEM_SLOTS
+    }
+
+    /// Follows `msg`, which the crate has been sent.
+    fn follow(&mut self, code: FrontendReq, msg: &Msg) {
+        match code {
+            FrontendReq::SET_MEM_TABLE => {
+                if let Some(m) = payload_as::<VhostUserMemory>(&msg.payload) {
+                    self.0 = m.num_regions as usize;
+                }
+            }
+            FrontendReq::ADD_MEM_REG => self.0 += 1,
+            FrontendReq::REM_MEM_REG => self.0 = self.0.saturating_sub(1),
+            _ => {}
+        }
+    }
 }
 
 /// Each ring's call eventfd and whether the ring is started, followed from
