@@ -112,6 +112,15 @@ struct Held {
     by_start: Option<HashMap<usize, usize>>,
 }
 
+/// Whether nobody but the table holds `region`, or its mapping: a
+/// `GuestRegionMmap` shares its mapping through an `Arc<MmapRegion>`, which
+/// vm-memory hands out too (`get_mmap`), and the mapping goes with the last
+/// of those. No weak references to either are ever made.
+fn only_held_by_the_table(region: &Arc<Region>) -> bool {
+    // `get_mmap` adds one: the region's own and this one.
+    Arc::strong_count(region) == 1 && Arc::strong_count(&region.get_mmap()) == 2
+}
+
 fn held() -> MutexGuard<'static, Held> {
     // The table is consistent between statements: a panic elsewhere
     // while holding the lock leaves nothing half-done that matters.
@@ -123,8 +132,7 @@ impl Held {
     /// the table first, then the last reference goes, which unmaps it.
     fn release_unused(&mut self) {
         for (i, slot) in self.slots.iter_mut().enumerate() {
-            // Someone else holds it, or the slot is free.
-            if slot.as_ref().is_none_or(|r| Arc::strong_count(r) != 1) {
+            if !slot.as_ref().is_some_and(only_held_by_the_table) {
                 continue;
             }
             let range = &RANGES[i];
@@ -134,8 +142,8 @@ impl Held {
             if let Some(by_start) = self.by_start.as_mut() {
                 by_start.remove(&start);
             }
-            // Only the table held it (no weak references are ever made),
-            // so nothing can be touching it: unmapped here.
+            // Only the table held it, so nothing can be touching it:
+            // unmapped here.
             drop(slot.take());
         }
     }
@@ -304,6 +312,23 @@ mod tests {
         assert!(watched(host(&next)));
         drop(next);
         release_unused();
+    }
+
+    /// vm-memory shares a region's mapping through its own `Arc`: held
+    /// that way alone, the region is still mapped, and still watched.
+    #[test]
+    fn a_mapping_held_without_its_region_stays_watched() {
+        let _serial = serial();
+        let mem = anonymous(1);
+        let at = host(&mem);
+        watch(&mem).unwrap();
+        let mapping = mem.iter().next().unwrap().get_mmap();
+        drop(mem);
+        release_unused();
+        assert!(watched(at), "unwatched while its mapping is held");
+        drop(mapping);
+        release_unused();
+        assert!(!watched(at));
     }
 
     /// Watching the same memory again takes no new slot.
