@@ -494,9 +494,21 @@ fn get_inflight(msg: &Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> i
 }
 
 fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> io::Result<()> {
-    let (queues, _) = host.limits();
+    // The region's size and layout are checked against the fd in
+    // `from_front_end`; its queues must also be ones the device can have
+    // (a ring larger than the region is caught when the ring starts).
+    let (queues, max_size) = host.limits();
     let result = match (payload_as::<VhostUserInflight>(&msg.payload), msg.fds.len()) {
-        (Some(a), 1) if a.num_queues <= queues => InflightRegion::from_front_end(
+        (Some(a), 1) if a.num_queues > queues || a.queue_size > max_size => {
+            let (n, size) = (a.num_queues, a.queue_size);
+            Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{n} queue(s) of {size}: the device has {queues} queue(s) of at most {max_size}"
+                ),
+            ))
+        }
+        (Some(a), 1) => InflightRegion::from_front_end(
             msg.fds.remove(0),
             a.mmap_size,
             a.mmap_offset,
