@@ -42,7 +42,7 @@ use crate::metrics::{QueueMetrics, RateLimiter, RequestType};
 use crate::virtio::request::{Parser, Rejected};
 use crate::virtio::ring::{RingError, RingShadow};
 use crate::virtio::{DeviceLimits, GuestMem, Request, RequestKind};
-use crate::warn_limited;
+use crate::{info_limited, warn_limited};
 
 use super::inflight::InflightQueue;
 use super::poll::AdaptivePoll;
@@ -266,9 +266,28 @@ impl<E: Engine> QueueWorker<E> {
             return Ok(());
         };
         let queue = state.get_queue_mut();
+        let size = queue.size();
+        if log.desc_num() < size {
+            // Heads past the region's queue size could not be logged.
+            warn_limited!(
+                self.log_limit,
+                "inflight region laid out for queues of {}, the ring has {size}: \
+                 this queue is not tracked",
+                log.desc_num()
+            );
+            self.journal = None;
+            return Ok(());
+        }
         // Reading used->idx back is fine here: once per ring start.
         let used = queue.used_idx(&**mem, Ordering::Acquire)?.0;
-        let rec = log.recover(used);
+        let rec = log.recover(used, size);
+        if rec.beyond_ring > 0 {
+            warn_limited!(
+                self.log_limit,
+                "inflight log: {} head(s) past the ring's {size} ignored",
+                rec.beyond_ring
+            );
+        }
         log::debug!(
             "queue start: used->idx {used}, {} request(s) to resubmit",
             rec.resubmit.len()
@@ -277,7 +296,8 @@ impl<E: Engine> QueueWorker<E> {
             return Ok(());
         }
         queue.set_next_avail(used.wrapping_add(rec.resubmit.len() as u16));
-        log::info!(
+        info_limited!(
+            self.log_limit,
             "queue: resubmitting {} request(s) left in flight by the previous back-end",
             rec.resubmit.len()
         );
@@ -289,7 +309,6 @@ impl<E: Engine> QueueWorker<E> {
             return Ok(());
         };
         let limits = self.cfg.limits;
-        let size = queue.size();
         let mut parsed = std::mem::take(&mut self.parsed);
         let parser = &mut self.parser;
         parsed.extend(

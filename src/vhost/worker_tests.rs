@@ -182,7 +182,7 @@ fn every_completed_request_leaves_the_inflight_log() {
     assert_eq!(logged, vec![1, 2, 3]);
     // ...and none is left for a restart to redo.
     let mut after = InflightQueue::new(rig.region.clone(), 0).unwrap();
-    assert_eq!(after.recover(3).resubmit, Vec::<u16>::new());
+    assert_eq!(after.recover(3, QSIZE).resubmit, Vec::<u16>::new());
 }
 
 /// A restarted back-end finds requests its predecessor took and did not
@@ -195,7 +195,7 @@ fn a_restart_resubmits_what_was_in_flight() {
     // order, and crashed before any completed. used->idx is still 0, and
     // the front-end hands the ring back with next_avail = used->idx = 0.
     let mut old = InflightQueue::new(rig.region.clone(), 0).unwrap();
-    old.recover(0);
+    old.recover(0, QSIZE);
     for (i, head) in [0u16, 3, 6].into_iter().enumerate() {
         let data = DATA + 0x1000 * i as u64;
         mem.write_slice(&[0x10 + i as u8; 4096], GuestAddress(data))
@@ -223,7 +223,7 @@ fn a_restart_resubmits_what_was_in_flight() {
     assert_eq!(got, [0x11; 4096]);
     assert_eq!(rig.driver.used_idx(), 4, "no request ran twice");
     let mut after = InflightQueue::new(rig.region.clone(), 0).unwrap();
-    assert_eq!(after.recover(4).resubmit, Vec::<u16>::new());
+    assert_eq!(after.recover(4, QSIZE).resubmit, Vec::<u16>::new());
 }
 
 /// Requests a restart must resubmit can outnumber what the engine takes at
@@ -237,7 +237,7 @@ fn resubmitted_requests_beyond_the_engine_room_all_complete() {
     // An engine with room for 2; 5 requests to resubmit (3 slots each).
     let mut rig = rig_with(&mem, 2, image);
     let mut old = InflightQueue::new(rig.region.clone(), 0).unwrap();
-    old.recover(0);
+    old.recover(0, QSIZE);
     let heads: Vec<u16> = (0..5).map(|i| i * 3).collect();
     for (i, &head) in heads.iter().enumerate() {
         let data = DATA + 0x1000 * i as u64;
@@ -412,4 +412,48 @@ fn a_refused_memory_table_never_reaches_the_workers() {
     let used = driver.queue.used_ring() + 4;
     let len: u32 = mem.read_obj(GuestAddress(used + 4)).unwrap();
     assert_eq!(len, 0, "answered without a status byte it could write");
+}
+
+/// A log naming a head the ring cannot have (the region is laid out for
+/// larger queues, and holds garbage): it used to count towards the
+/// requests the previous back-end took, so the ring resumed one too far
+/// and the guest's next request was never taken. Now that head is
+/// ignored, and every other one is answered exactly once.
+#[test]
+fn a_logged_head_beyond_the_ring_is_ignored() {
+    let mem = guest_memory();
+    let mut rig = rig(&mem);
+    let region = Arc::new(InflightRegion::create(1, 4 * QSIZE).unwrap());
+    let mut old = InflightQueue::new(region.clone(), 0).unwrap();
+    old.recover(0, QSIZE);
+    rig.post_rw(3, true, 8, DATA);
+    old.mark(3);
+    old.mark(3 * QSIZE);
+    rig.worker.set_inflight(InflightQueue::new(region, 0));
+    rig.complete_until(1);
+    assert_eq!(rig.driver.used_elem(0), (3, 1));
+    // The guest's next request is taken.
+    rig.post_rw(6, false, 8, DATA + 0x4000);
+    rig.complete_until(2);
+    assert_eq!(rig.driver.used_elem(1), (6, 4097));
+}
+
+/// A region laid out for smaller queues than the ring cannot log every
+/// head (marks beyond it were silently lost, so a crash lost those
+/// requests): the worker does not use it for that ring.
+#[test]
+fn a_region_smaller_than_the_ring_is_not_used() {
+    let mem = guest_memory();
+    let mut rig = rig(&mem);
+    let region = Arc::new(InflightRegion::create(1, QSIZE / 2).unwrap());
+    rig.worker
+        .set_inflight(InflightQueue::new(region.clone(), 0));
+    rig.post_rw(3, true, 8, DATA);
+    rig.complete_until(1);
+    assert_eq!(rig.status(3), 0);
+    assert_eq!(
+        region.logged_counter(0, 3),
+        0,
+        "logged in a region too small"
+    );
 }
