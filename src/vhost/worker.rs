@@ -33,12 +33,13 @@ use std::time::{Duration, Instant};
 
 use vhost_user_backend::{VringMutex, VringState, VringT};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestMemoryAtomic};
 
 use crate::cli::{NotifyMode, SignalMode};
 use crate::engine::{Completion, Engine, Full, Io};
 use crate::metrics::{QueueMetrics, RateLimiter, RequestType};
+use crate::virtio::RequestError;
 use crate::virtio::request::{Parser, Rejected};
 use crate::virtio::ring::{RingError, RingShadow};
 use crate::virtio::{DeviceLimits, GuestMem, Request, RequestKind};
@@ -46,7 +47,7 @@ use crate::{info_limited, warn_limited};
 
 use super::inflight::InflightQueue;
 use super::poll::AdaptivePoll;
-use super::resubmit::replay_queue;
+use super::resubmit::Replay;
 
 pub type Vring = VringMutex<GuestMemoryAtomic<GuestMem>>;
 
@@ -257,6 +258,12 @@ impl<E: Engine> QueueWorker<E> {
     /// After a back-end restart: repairs the inflight log, resumes the
     /// avail ring after everything the previous process took, and
     /// resubmits what it had not completed, oldest first.
+    ///
+    /// The log comes from a previous process or the front-end, and may be
+    /// garbage. Every head it names that the ring can have is answered
+    /// exactly once: resubmitted, or refused with IOERR where its chain
+    /// has a status byte, or with used length 0 where its chain cannot be
+    /// rebuilt. Chains are parsed against guest memory only.
     fn recover(
         &mut self,
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
@@ -295,32 +302,48 @@ impl<E: Engine> QueueWorker<E> {
         if rec.resubmit.is_empty() {
             return Ok(());
         }
-        queue.set_next_avail(used.wrapping_add(rec.resubmit.len() as u16));
         info_limited!(
             self.log_limit,
             "queue: resubmitting {} request(s) left in flight by the previous back-end",
             rec.resubmit.len()
         );
-        let Some((mut replay, ext)) = replay_queue(queue, mem, &rec.resubmit) else {
-            warn_limited!(
-                self.log_limit,
-                "cannot rebuild in-flight requests for resubmission"
-            );
-            return Ok(());
-        };
         let limits = self.cfg.limits;
         let mut parsed = std::mem::take(&mut self.parsed);
         let parser = &mut self.parser;
-        parsed.extend(
-            replay
-                .iter(&*ext)?
-                .map(|c| parser.parse(c, &ext, &limits, size)),
-        );
-        // The requests point into the real guest regions, which `ext` maps
-        // too; each keeps `ext` (and so those regions) until it completes.
+        let unbuilt = |head| {
+            Err(Rejected {
+                head,
+                status: None,
+                error: RequestError::IllFormedChain,
+            })
+        };
+        match Replay::new(queue, mem, &rec.resubmit) {
+            Some(mut replay) => {
+                parsed.extend(
+                    replay
+                        .chains()
+                        .into_iter()
+                        .map(|(head, chain)| match chain {
+                            Some(c) => parser.parse(c, mem, &limits, size),
+                            None => unbuilt(head),
+                        }),
+                )
+            }
+            None => {
+                warn_limited!(
+                    self.log_limit,
+                    "cannot rebuild in-flight requests for resubmission"
+                );
+                parsed.extend(rec.resubmit.iter().map(|&head| unbuilt(head)));
+            }
+        }
+        // The previous back-end took these off the avail ring; each has its
+        // answer below.
+        let queue = state.get_queue_mut();
+        queue.set_next_avail(used.wrapping_add(rec.resubmit.len() as u16));
         for p in parsed.drain(..) {
             match p {
-                Ok(req) => self.start(state.get_queue_mut(), &ext, req),
+                Ok(req) => self.start(state.get_queue_mut(), mem, req),
                 Err(rej) => self.reject(state.get_queue_mut(), mem, rej),
             }
         }

@@ -414,6 +414,70 @@ fn a_refused_memory_table_never_reaches_the_workers() {
     assert_eq!(len, 0, "answered without a status byte it could write");
 }
 
+/// Requests resubmitted after a restart are parsed against guest memory
+/// only. The replay avail ring that recovery builds used to live in a page
+/// mapped right above guest memory, and parsing against that memory let
+/// their buffers address it: a write from there put the daemon's own page
+/// on the disk. Now that page is in a hole of guest memory, visible only
+/// while the heads are popped, and neither address is a buffer.
+#[test]
+fn resubmitted_requests_cannot_address_the_replay_ring() {
+    let mem = guest_memory();
+    let mut rig = rig(&mem);
+    let mut old = InflightQueue::new(rig.region.clone(), 0).unwrap();
+    old.recover(0, QSIZE);
+    mem.write_slice(&[0x5a; 4096], GuestAddress(DATA)).unwrap();
+    // Data where the ring was (above guest memory), where it is now (the
+    // hole after region A), and in guest memory.
+    let cases = [(0u16, testing::C_END), (3, testing::A_END), (6, DATA)];
+    for (head, data) in cases {
+        mem.write_obj(0xffu8, GuestAddress(STATUS + u64::from(head)))
+            .unwrap();
+        rig.post_rw(head, true, 8 * u64::from(head), data);
+        old.mark(head);
+    }
+    rig.worker
+        .set_inflight(InflightQueue::new(rig.region.clone(), 0));
+    rig.complete_until(3);
+    let statuses = cases.map(|(head, _)| rig.status(head));
+    assert_eq!(statuses, [1, 1, 0], "IOERR, IOERR, OK");
+    assert_eq!(
+        rig.image_at(0, 4096),
+        vec![0; 4096],
+        "written from the ring"
+    );
+    assert_eq!(rig.image_at(3 * 8 * 512, 4096), vec![0; 4096]);
+    assert_eq!(rig.image_at(6 * 8 * 512, 4096), vec![0x5a; 4096]);
+}
+
+/// With guest memory up to the top of the address space there was no
+/// room above it for the replay ring: the requests to resubmit were
+/// dropped unanswered, after the avail ring had been moved past them.
+#[test]
+fn resubmission_with_guest_memory_at_the_top_of_the_address_space() {
+    use testing::{A_END, B, C, C_END};
+    let mem = GuestMem::from_ranges(&[
+        (GuestAddress(0), A_END as usize),
+        (GuestAddress(B), (C - B) as usize),
+        (GuestAddress(C), (C_END - C) as usize),
+        (GuestAddress(u64::MAX - 0x1fff), 0x1000),
+    ])
+    .unwrap();
+    let mut rig = rig(&mem);
+    let mut old = InflightQueue::new(rig.region.clone(), 0).unwrap();
+    old.recover(0, QSIZE);
+    for head in [0u16, 3] {
+        mem.write_obj(0xffu8, GuestAddress(STATUS + u64::from(head)))
+            .unwrap();
+        rig.post_rw(head, true, 8 * u64::from(head), DATA);
+        old.mark(head);
+    }
+    rig.worker
+        .set_inflight(InflightQueue::new(rig.region.clone(), 0));
+    rig.complete_until(2);
+    assert_eq!((rig.status(0), rig.status(3)), (0, 0));
+}
+
 /// A log naming a head the ring cannot have (the region is laid out for
 /// larger queues, and holds garbage): it used to count towards the
 /// requests the previous back-end took, so the ring resumed one too far
