@@ -110,3 +110,22 @@ fn accepted_inflight_messages() {
     });
     assert_limited("SET_INFLIGHT_FD", n);
 }
+
+/// A front-end that sends an oversized message is disconnected with one
+/// line; reconnecting and doing it again must not add a line each time.
+#[test]
+fn connections_ended_for_malformed_messages() {
+    let mut d = Daemon::start(64 * MIB, &[]);
+    for _ in 0..REPEATS {
+        let conn = Conn::connect(&d.socket);
+        let _ = conn.send_raw(&header(GET_FEATURES, FLAG_VERSION, 1 << 20), &[]);
+        assert!(conn.recv().is_none(), "not disconnected");
+    }
+    d.assert_running();
+    let n = d
+        .log()
+        .lines()
+        .filter(|l| l.contains("; disconnecting"))
+        .count();
+    assert_limited("oversized messages", n);
+}

@@ -244,13 +244,17 @@ pub fn relay(
                     Ok(Some(m)) => m,
                     Ok(None) => break,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        log::warn!(
+                        warn_limited!(
+                            DISCONNECTS,
                             "front-end sent nothing within the first message's time limit; disconnecting"
                         );
                         break;
                     }
                     Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                        log::warn!("front-end stopped in the middle of a message; disconnecting");
+                        warn_limited!(
+                            DISCONNECTS,
+                            "front-end stopped in the middle of a message; disconnecting"
+                        );
                         break;
                     }
                     Err(e) => {
