@@ -7,14 +7,15 @@
 //! - [`spawn_endpoint`]: the opt-in `--metrics ADDR` HTTP endpoint
 //!   (Prometheus text at `/metrics`, JSON at `/metrics.json`);
 //! - [`stats`]: `ringblk stats`, a table of a running daemon's counters;
-//! - [`RateLimiter`]: for log lines a guest can trigger.
+//! - [`RateLimiter`], [`SharedRateLimiter`]: for log lines a guest or a
+//!   front-end can trigger.
 
 mod endpoint;
 pub mod ratelimit;
 mod stats;
 
 pub use endpoint::{Endpoint, spawn_endpoint};
-pub use ratelimit::RateLimiter;
+pub use ratelimit::{RateLimiter, SharedRateLimiter};
 pub use ringblk_metrics::prometheus::encode as encode_prometheus;
 pub use ringblk_metrics::{
     MetricsAddr, MetricsDoc, MetricsError, QueueMetrics, QueueSnapshot, REQUEST_TYPES, Ratios,

@@ -1,6 +1,13 @@
-//! Rate limiting for log lines a guest can trigger: a misbehaving guest
-//! must not be able to fill the host's disk through our log.
+//! Rate limiting for log lines a guest or a front-end can trigger: neither
+//! must be able to fill the host's disk through our log.
+//!
+//! A [`RateLimiter`] belongs to one owner (a queue's worker, an engine); a
+//! [`SharedRateLimiter`] is for lines with no such owner, e.g. the relay's
+//! and the device's, which a front-end can repeat on every message and on
+//! every new connection: it lives in a `static`, so reconnecting does not
+//! start a fresh allowance.
 
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Allows `burst` messages per `period`, counts the rest, and reports the
@@ -45,17 +52,51 @@ impl RateLimiter {
     }
 }
 
-/// `log::warn!` through a [`RateLimiter`], mentioning what was suppressed.
+/// A [`RateLimiter`] that can live in a `static` and be used from any
+/// thread.
+#[derive(Debug)]
+pub struct SharedRateLimiter(Mutex<RateLimiter>);
+
+impl SharedRateLimiter {
+    pub const fn new(burst: u32, period: Duration) -> SharedRateLimiter {
+        SharedRateLimiter(Mutex::new(RateLimiter::new(burst, period)))
+    }
+
+    /// As [`RateLimiter::check`].
+    pub fn check(&self) -> Option<u64> {
+        // A thread that panicked while holding it left a consistent limiter.
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).check()
+    }
+}
+
+/// `log::log!` at `level` through a [`RateLimiter`] or a
+/// [`SharedRateLimiter`], mentioning what was suppressed.
+#[macro_export]
+macro_rules! log_limited {
+    ($level:expr, $limiter:expr, $($arg:tt)+) => {
+        if let Some(suppressed) = $limiter.check() {
+            if suppressed > 0 {
+                log::log!($level, "{} ({} similar messages suppressed)", format_args!($($arg)+), suppressed);
+            } else {
+                log::log!($level, $($arg)+);
+            }
+        }
+    };
+}
+
+/// `log::warn!` through a rate limiter ([`log_limited!`]).
 #[macro_export]
 macro_rules! warn_limited {
     ($limiter:expr, $($arg:tt)+) => {
-        if let Some(suppressed) = $limiter.check() {
-            if suppressed > 0 {
-                log::warn!("{} ({} similar messages suppressed)", format_args!($($arg)+), suppressed);
-            } else {
-                log::warn!($($arg)+);
-            }
-        }
+        $crate::log_limited!(log::Level::Warn, $limiter, $($arg)+)
+    };
+}
+
+/// `log::info!` through a rate limiter ([`log_limited!`]).
+#[macro_export]
+macro_rules! info_limited {
+    ($limiter:expr, $($arg:tt)+) => {
+        $crate::log_limited!(log::Level::Info, $limiter, $($arg)+)
     };
 }
 
@@ -72,5 +113,15 @@ mod tests {
         assert_eq!(r.check(), None);
         r.window_start = Some(Instant::now() - Duration::from_secs(7200));
         assert_eq!(r.check(), Some(2));
+    }
+
+    #[test]
+    fn a_shared_limiter_limits_across_threads() {
+        static SHARED: SharedRateLimiter = SharedRateLimiter::new(3, Duration::from_secs(3600));
+        let allowed: usize = (0..4)
+            .map(|_| std::thread::spawn(|| (0..10).filter(|_| SHARED.check().is_some()).count()))
+            .map(|t| t.join().unwrap())
+            .sum();
+        assert_eq!(allowed, 3);
     }
 }

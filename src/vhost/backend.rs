@@ -6,6 +6,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringT};
@@ -16,6 +17,7 @@ use vmm_sys_util::event::{
 };
 
 use crate::engine::Engine;
+use crate::metrics::SharedRateLimiter;
 use crate::virtio::GuestMem;
 use crate::virtio::config::{CONFIG_LEN, read_config};
 
@@ -127,12 +129,19 @@ impl<E: Engine> BlkBackend<E> {
     /// The engines back from a finished connection's workers (each drained
     /// and reset), for the next one. The workers are gone afterwards: an
     /// event that still reaches this device finds none.
+    ///
+    /// The daemon calls this once the crate's side of the connection is
+    /// gone, so the connection's guest memory is then held by nothing but
+    /// the SIGBUS table, which unmaps it here.
     pub fn take_engines(&self) -> Vec<E> {
-        self.workers
+        let engines = self
+            .workers
             .iter()
             .filter_map(|w| w.lock().unwrap_or_else(|p| p.into_inner()).take())
             .map(QueueWorker::into_engine)
-            .collect()
+            .collect();
+        super::sigbus::release_unused();
+        engines
     }
 }
 
@@ -251,7 +260,10 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
         let wce = buf[0] != 0;
         self.cfg.writeback.store(wce, Ordering::Relaxed);
         self.config.lock().unwrap_or_else(|p| p.into_inner())[WCE_OFFSET as usize] = u8::from(wce);
-        log::info!(
+        // The guest can toggle it as often as it likes.
+        static TOGGLES: SharedRateLimiter = SharedRateLimiter::new(10, Duration::from_secs(5));
+        crate::info_limited!(
+            TOGGLES,
             "guest set the write cache to {}",
             if wce { "write-back" } else { "write-through" }
         );
@@ -263,12 +275,14 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     /// them here, so a table refused here never reaches them.
     fn update_memory(&self, mem: GuestMemoryAtomic<GuestMem>) -> io::Result<()> {
         let snapshot = mem.memory().into_inner();
-        if let Err(e) = check_backing(&snapshot) {
+        let accepted = check_backing(&snapshot).and_then(|()| super::sigbus::watch(&snapshot));
+        if let Err(e) = accepted {
             log::warn!("memory table refused: {e}");
             return Err(e);
         }
-        super::sigbus::watch(&snapshot);
         self.each_worker(|_, w| w.set_memory(snapshot.clone()));
+        // Regions of the previous memory that no request holds any more.
+        super::sigbus::release_unused();
         Ok(())
     }
 

@@ -19,7 +19,9 @@
 //!   counter order, and resume the avail ring at used->idx + inflight count.
 //!
 //! The region's content comes from a previous process or the front-end, so
-//! it is read as untrusted: heads are bounds-checked, sizes come from us.
+//! it is read as untrusted: heads are bounds-checked, sizes come from us,
+//! a head the ring cannot have is dropped, and counters are renumbered on
+//! recovery, so none can overflow or be out of order afterwards.
 
 use std::fs::File;
 use std::io;
@@ -186,8 +188,12 @@ pub struct InflightQueue {
 /// What recovery found.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Recovery {
-    /// Heads to resubmit, oldest first.
+    /// Heads to resubmit, oldest first: each below the ring's size, each
+    /// once.
     pub resubmit: Vec<u16>,
+    /// Heads marked in flight that the ring cannot have (at or above its
+    /// size): garbage, cleared from the log and not resubmitted.
+    pub beyond_ring: usize,
 }
 
 impl InflightQueue {
@@ -200,6 +206,11 @@ impl InflightQueue {
         })
     }
 
+    /// The queue size the region is laid out for.
+    pub fn desc_num(&self) -> u16 {
+        self.desc_num
+    }
+
     fn desc(&self, head: u16) -> Option<usize> {
         (head < self.desc_num).then(|| self.base + HEADER + DESC * usize::from(head))
     }
@@ -207,6 +218,8 @@ impl InflightQueue {
     /// Records that `head` was taken off the avail ring.
     pub fn mark(&mut self, head: u16) {
         if let Some(d) = self.desc(head) {
+            // From at most 32768 after recovery, one per request taken:
+            // 2^64 is out of reach.
             self.counter += 1;
             self.region.store(d + 8, self.counter.to_le());
             std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::Release);
@@ -239,9 +252,15 @@ impl InflightQueue {
     }
 
     /// Repairs the log against the ring's `used_idx` and returns what must
-    /// be resubmitted. A zero version means a fresh region (new VM or
-    /// device reset): nothing to recover.
-    pub fn recover(&mut self, used_idx: u16) -> Recovery {
+    /// be resubmitted on a ring of `ring_size` (at most the region's queue
+    /// size). A zero version means a fresh region (new VM or device reset):
+    /// nothing to recover.
+    ///
+    /// The heads to resubmit are renumbered 1..=n in their order, and the
+    /// next request taken is n + 1, whatever the counters were (u64::MAX
+    /// one included). A crash while renumbering keeps the order of a log
+    /// this module wrote: its k-th oldest head has a counter of at least k.
+    pub fn recover(&mut self, used_idx: u16, ring_size: u16) -> Recovery {
         let r = &self.region;
         if u16::from_le(r.load(self.base + 8)) != VERSION {
             r.store(self.base + 10, self.desc_num.to_le());
@@ -259,16 +278,31 @@ impl InflightQueue {
             }
             r.store(self.base + 14, used_idx.to_le());
         }
-        let mut found: Vec<(u64, u16)> = (0..self.desc_num)
-            .filter_map(|h| {
-                let d = self.desc(h)?;
-                (r.load::<u8>(d) == 1).then(|| (u64::from_le(r.load(d + 8)), h))
-            })
-            .collect();
+        let mut found: Vec<(u64, u16)> = Vec::new();
+        let mut beyond_ring = 0;
+        for h in 0..self.desc_num {
+            let Some(d) = self.desc(h) else { break };
+            if r.load::<u8>(d) != 1 {
+                continue;
+            }
+            if h >= ring_size {
+                r.store(d, 0u8);
+                beyond_ring += 1;
+                continue;
+            }
+            found.push((u64::from_le(r.load(d + 8)), h));
+        }
+        // Ties (garbage) go by head, so the order is the same every time.
         found.sort_unstable();
-        self.counter = found.last().map_or(0, |(c, _)| *c);
+        for (n, &(_, h)) in (1u64..).zip(&found) {
+            if let Some(d) = self.desc(h) {
+                r.store(d + 8, n.to_le());
+            }
+        }
+        self.counter = found.len() as u64;
         Recovery {
             resubmit: found.into_iter().map(|(_, h)| h).collect(),
+            beyond_ring,
         }
     }
 }
@@ -285,15 +319,15 @@ mod tests {
     #[test]
     fn fresh_region_recovers_nothing_and_gets_a_version() {
         let mut q = queue();
-        assert_eq!(q.recover(0), Recovery::default());
+        assert_eq!(q.recover(0, 8), Recovery::default());
         assert_eq!(u16::from_le(q.region.load(q.base + 8)), VERSION);
-        assert_eq!(q.recover(0), Recovery::default());
+        assert_eq!(q.recover(0, 8), Recovery::default());
     }
 
     #[test]
     fn resubmits_unfinished_heads_in_pop_order() {
         let mut q = queue();
-        q.recover(0);
+        q.recover(0, 8);
         for h in [5, 2, 7, 0] {
             q.mark(h);
         }
@@ -301,23 +335,108 @@ mod tests {
         q.before_publish(&[2, 0]);
         q.after_publish(&[2, 0], 2);
         let mut after_crash = InflightQueue::new(q.region.clone(), 1).unwrap();
-        assert_eq!(after_crash.recover(2).resubmit, vec![5, 7]);
+        assert_eq!(after_crash.recover(2, 8).resubmit, vec![5, 7]);
         // New marks continue after the old counter.
         after_crash.mark(3);
-        assert_eq!(after_crash.recover(2).resubmit, vec![5, 7, 3]);
+        assert_eq!(after_crash.recover(2, 8).resubmit, vec![5, 7, 3]);
     }
 
     #[test]
     fn repairs_a_batch_published_but_not_cleared() {
         let mut q = queue();
-        q.recover(0);
+        q.recover(0, 8);
         for h in [1, 4, 6] {
             q.mark(h);
         }
         // Crash between the used->idx store (now 2) and the clearing.
         q.before_publish(&[4, 1]);
         let mut after_crash = InflightQueue::new(q.region.clone(), 1).unwrap();
-        assert_eq!(after_crash.recover(2).resubmit, vec![6]);
+        assert_eq!(after_crash.recover(2, 8).resubmit, vec![6]);
+    }
+
+    /// A counter of u64::MAX (from garbage, or a very long-lived log) used
+    /// to overflow on the next request taken: a panic in a debug build, a
+    /// counter of 0 (oldest) in a release one.
+    #[test]
+    fn counters_start_over_on_recovery() {
+        let mut q = queue();
+        q.recover(0, 8);
+        q.mark(3);
+        q.mark(1);
+        let d = q.desc(3).unwrap();
+        q.region.store(d + 8, u64::MAX.to_le());
+        let mut after_crash = InflightQueue::new(q.region.clone(), 1).unwrap();
+        assert_eq!(after_crash.recover(0, 8).resubmit, vec![1, 3]);
+        assert_eq!(q.region.logged_counter(1, 1), 1);
+        assert_eq!(q.region.logged_counter(1, 3), 2);
+        after_crash.mark(5);
+        assert_eq!(q.region.logged_counter(1, 5), 3);
+        let mut again = InflightQueue::new(q.region.clone(), 1).unwrap();
+        assert_eq!(again.recover(0, 8).resubmit, vec![1, 3, 5]);
+    }
+
+    /// A head the ring cannot have (the region is laid out for larger
+    /// queues than the ring) is not resubmitted, and leaves the log.
+    #[test]
+    fn heads_beyond_the_ring_are_dropped() {
+        let mut q = queue();
+        q.recover(0, 8);
+        for h in [6, 2, 7, 0] {
+            q.mark(h);
+        }
+        let mut after_crash = InflightQueue::new(q.region.clone(), 1).unwrap();
+        let rec = after_crash.recover(0, 4);
+        assert_eq!(rec.resubmit, vec![2, 0]);
+        assert_eq!(rec.beyond_ring, 2);
+        let mut again = InflightQueue::new(q.region.clone(), 1).unwrap();
+        assert_eq!(again.recover(0, 8).resubmit, vec![2, 0]);
+    }
+
+    /// Whatever the region holds, recovery and the log's use afterwards
+    /// neither panic nor name a head twice or one beyond the ring.
+    #[test]
+    fn garbage_regions_recover_without_panicking() {
+        let region = Arc::new(InflightRegion::create(1, 64).unwrap());
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for round in 0..200 {
+            for off in (0..region.size()).step_by(8) {
+                region.store(off, next());
+            }
+            region.store(8, VERSION.to_le());
+            // Some heads in flight, some of those with extreme counters.
+            for h in 0..64u16 {
+                let d = HEADER + DESC * usize::from(h);
+                if next() % 3 == 0 {
+                    region.store(d, 1u8);
+                    let c = match next() % 4 {
+                        0 => u64::MAX,
+                        1 => 0,
+                        _ => next(),
+                    };
+                    region.store(d + 8, c);
+                }
+            }
+            let ring = [64u16, 32, 1][round % 3];
+            let used = next() as u16;
+            let mut q = InflightQueue::new(region.clone(), 0).unwrap();
+            let rec = q.recover(used, ring);
+            let mut seen = rec.resubmit.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            assert_eq!(seen.len(), rec.resubmit.len(), "a head twice");
+            assert!(rec.resubmit.iter().all(|&h| h < ring));
+            for &h in &rec.resubmit {
+                q.mark(h);
+            }
+            q.before_publish(&rec.resubmit);
+            q.after_publish(&rec.resubmit, used.wrapping_add(rec.resubmit.len() as u16));
+        }
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //! It also signals a ring's call eventfd once when the ring is started and
 //! has one (see [`RingCalls`]), as libvhost-user does, so that used
 //! elements a previous daemon published but never signalled reach the
-//! guest without waiting for its next request.
+//! guest without waiting for its next request; and it refuses an
+//! ADD_MEM_REG beyond the memory slots we advertise, which the crate would
+//! take (see [`MemSlots`]).
 //!
 //! Request codes and payloads are the `vhost` crate's types
 //! ([`FrontendReq`], [`VhostUserInflight`], ...); only the 12-byte header
@@ -26,12 +28,16 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use vhost::vhost_user::message::{
-    FrontendReq, VhostUserHeaderFlag, VhostUserInflight, VhostUserU64, VhostUserVringState,
+    FrontendReq, VhostUserHeaderFlag, VhostUserInflight, VhostUserMemory, VhostUserU64,
+    VhostUserVringState,
 };
 use vm_memory::ByteValued;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use super::inflight::InflightRegion;
+use super::sigbus::MEM_SLOTS;
+use crate::metrics::SharedRateLimiter;
+use crate::{info_limited, warn_limited};
 
 /// `struct VhostUserMsgHeader`: request, flags, payload size (le32 each).
 const HDR: usize = 12;
@@ -46,6 +52,20 @@ const VERSION: u32 = 0x1;
 /// and bit 8 set when no fd comes with it (vhost-user spec).
 const VRING_IDX_MASK: u64 = 0xff;
 const VRING_NOFD: u64 = 0x100;
+
+/// Every line the relay logs is one a front-end can repeat at will, on
+/// every message or on every new connection; each kind has a limit of its
+/// own, kept across connections.
+/// (A connection logs at most one of the lines about its end.)
+static DISCONNECTS: SharedRateLimiter = limiter();
+static GET_INFLIGHT: SharedRateLimiter = limiter();
+static GET_INFLIGHT_REFUSED: SharedRateLimiter = limiter();
+static SET_INFLIGHT: SharedRateLimiter = limiter();
+static SET_INFLIGHT_REFUSED: SharedRateLimiter = limiter();
+
+const fn limiter() -> SharedRateLimiter {
+    SharedRateLimiter::new(10, Duration::from_secs(5))
+}
 
 /// Where the relay gets and puts inflight regions: the device.
 pub trait InflightHost: Send + Sync + 'static {
@@ -215,6 +235,7 @@ pub fn relay(
         start: Some(FIRST_MESSAGE),
         rest: Some(REST_OF_MESSAGE),
     };
+    let mut slots = MemSlots::default();
     let to_back = std::thread::Builder::new()
         .name("vu-relay-in".into())
         .spawn(move || {
@@ -223,17 +244,21 @@ pub fn relay(
                     Ok(Some(m)) => m,
                     Ok(None) => break,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        log::warn!(
+                        warn_limited!(
+                            DISCONNECTS,
                             "front-end sent nothing within the first message's time limit; disconnecting"
                         );
                         break;
                     }
                     Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                        log::warn!("front-end stopped in the middle of a message; disconnecting");
+                        warn_limited!(
+                            DISCONNECTS,
+                            "front-end stopped in the middle of a message; disconnecting"
+                        );
                         break;
                     }
                     Err(e) => {
-                        log::warn!("front-end message: {e}; disconnecting");
+                        warn_limited!(DISCONNECTS, "front-end message: {e}; disconnecting");
                         break;
                     }
                 };
@@ -248,20 +273,32 @@ pub fn relay(
                 let r = match msg.code() {
                     Some(FrontendReq::GET_INFLIGHT_FD) => get_inflight(&msg, &*host, &fw),
                     Some(FrontendReq::SET_INFLIGHT_FD) => set_inflight(msg, &*host, &fw),
+                    Some(FrontendReq::ADD_MEM_REG) if slots.full() => {
+                        warn_limited!(
+                            DISCONNECTS,
+                            "ADD_MEM_REG refused: all {MEM_SLOTS} memory slots in use; disconnecting"
+                        );
+                        let _ = refuse(&msg, &fw);
+                        break;
+                    }
                     Some(FrontendReq::SET_VRING_NUM) if !vring_num_ok(&msg.payload) => {
                         // The crate answers an error with a disconnect too.
-                        log::warn!("SET_VRING_NUM refused: not a power of two; disconnecting");
+                        warn_limited!(
+                            DISCONNECTS,
+                            "SET_VRING_NUM refused: not a power of two; disconnecting"
+                        );
                         let _ = refuse(&msg, &fw);
                         break;
                     }
                     code => msg.send(&back_w).map(|()| {
                         if let Some(code) = code {
                             calls.follow(code, &msg);
+                            slots.follow(code, &msg);
                         }
                     }),
                 };
                 if let Err(e) = r {
-                    log::warn!("relaying to the back-end: {e}");
+                    warn_limited!(DISCONNECTS, "relaying to the back-end: {e}");
                     break;
                 }
             }
@@ -289,6 +326,38 @@ pub fn relay(
 /// Malformed payloads are left to the crate, which refuses them.
 fn vring_num_ok(p: &[u8]) -> bool {
     payload_as::<VhostUserVringState>(p).is_none_or(|s| s.num.is_power_of_two())
+}
+
+/// How many regions the crate's memory table holds, followed from the
+/// messages the relay passes on.
+///
+/// vhost-user-backend advertises [`MEM_SLOTS`] slots but takes any number
+/// of ADD_MEM_REG, and the SIGBUS protection can watch only so many
+/// regions (`sigbus::SLOTS`). The count is exact for as long as the
+/// connection lasts: the crate ends the connection on any message it
+/// fails, so every message passed on while it lasts has been applied.
+#[derive(Default)]
+struct MemSlots(usize);
+
+impl MemSlots {
+    /// Whether the table has no room for another region.
+    fn full(&self) -> bool {
+        self.0 >= MEM_SLOTS
+    }
+
+    /// Follows `msg`, which the crate has been sent.
+    fn follow(&mut self, code: FrontendReq, msg: &Msg) {
+        match code {
+            FrontendReq::SET_MEM_TABLE => {
+                if let Some(m) = payload_as::<VhostUserMemory>(&msg.payload) {
+                    self.0 = m.num_regions as usize;
+                }
+            }
+            FrontendReq::ADD_MEM_REG => self.0 += 1,
+            FrontendReq::REM_MEM_REG => self.0 = self.0.saturating_sub(1),
+            _ => {}
+        }
+    }
 }
 
 /// Each ring's call eventfd and whether the ring is started, followed from
@@ -404,7 +473,8 @@ fn get_inflight(msg: &Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> i
     match region {
         Some(Ok(r)) => {
             let out = VhostUserInflight::new(r.size() as u64, 0, r.num_queues, r.queue_size);
-            log::info!(
+            info_limited!(
+                GET_INFLIGHT,
                 "inflight tracking: {} bytes for {} queue(s) of {}",
                 r.size(),
                 r.num_queues,
@@ -414,7 +484,8 @@ fn get_inflight(msg: &Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> i
         }
         // mmap_size 0 tells the front-end we could not provide one.
         other => {
-            log::warn!(
+            warn_limited!(
+                GET_INFLIGHT_REFUSED,
                 "GET_INFLIGHT_FD refused: {}",
                 match other {
                     Some(Err(e)) => e.to_string(),
@@ -427,9 +498,21 @@ fn get_inflight(msg: &Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> i
 }
 
 fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> io::Result<()> {
-    let (queues, _) = host.limits();
+    // The region's size and layout are checked against the fd in
+    // `from_front_end`; its queues must also be ones the device can have
+    // (a ring larger than the region is caught when the ring starts).
+    let (queues, max_size) = host.limits();
     let result = match (payload_as::<VhostUserInflight>(&msg.payload), msg.fds.len()) {
-        (Some(a), 1) if a.num_queues <= queues => InflightRegion::from_front_end(
+        (Some(a), 1) if a.num_queues > queues || a.queue_size > max_size => {
+            let (n, size) = (a.num_queues, a.queue_size);
+            Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{n} queue(s) of {size}: the device has {queues} queue(s) of at most {max_size}"
+                ),
+            ))
+        }
+        (Some(a), 1) => InflightRegion::from_front_end(
             msg.fds.remove(0),
             a.mmap_size,
             a.mmap_offset,
@@ -443,7 +526,8 @@ fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -
     };
     let ok = match result {
         Ok(region) => {
-            log::info!(
+            info_limited!(
+                SET_INFLIGHT,
                 "inflight region installed ({} queue(s) of {})",
                 region.num_queues,
                 region.queue_size
@@ -452,7 +536,7 @@ fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -
             true
         }
         Err(e) => {
-            log::warn!("SET_INFLIGHT_FD refused: {e}");
+            warn_limited!(SET_INFLIGHT_REFUSED, "SET_INFLIGHT_FD refused: {e}");
             false
         }
     };

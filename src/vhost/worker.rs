@@ -33,20 +33,21 @@ use std::time::{Duration, Instant};
 
 use vhost_user_backend::{VringMutex, VringState, VringT};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestMemoryAtomic};
 
 use crate::cli::{NotifyMode, SignalMode};
 use crate::engine::{Completion, Engine, Full, Io};
 use crate::metrics::{QueueMetrics, RateLimiter, RequestType};
+use crate::virtio::RequestError;
 use crate::virtio::request::{Parser, Rejected};
 use crate::virtio::ring::{RingError, RingShadow};
 use crate::virtio::{DeviceLimits, GuestMem, Request, RequestKind};
-use crate::warn_limited;
+use crate::{info_limited, warn_limited};
 
 use super::inflight::InflightQueue;
 use super::poll::AdaptivePoll;
-use super::resubmit::replay_queue;
+use super::resubmit::Replay;
 
 pub type Vring = VringMutex<GuestMemoryAtomic<GuestMem>>;
 
@@ -257,6 +258,12 @@ impl<E: Engine> QueueWorker<E> {
     /// After a back-end restart: repairs the inflight log, resumes the
     /// avail ring after everything the previous process took, and
     /// resubmits what it had not completed, oldest first.
+    ///
+    /// The log comes from a previous process or the front-end, and may be
+    /// garbage. Every head it names that the ring can have is answered
+    /// exactly once: resubmitted, or refused with IOERR where its chain
+    /// has a status byte, or with used length 0 where its chain cannot be
+    /// rebuilt. Chains are parsed against guest memory only.
     fn recover(
         &mut self,
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
@@ -266,9 +273,28 @@ impl<E: Engine> QueueWorker<E> {
             return Ok(());
         };
         let queue = state.get_queue_mut();
+        let size = queue.size();
+        if log.desc_num() < size {
+            // Heads past the region's queue size could not be logged.
+            warn_limited!(
+                self.log_limit,
+                "inflight region laid out for queues of {}, the ring has {size}: \
+                 this queue is not tracked",
+                log.desc_num()
+            );
+            self.journal = None;
+            return Ok(());
+        }
         // Reading used->idx back is fine here: once per ring start.
         let used = queue.used_idx(&**mem, Ordering::Acquire)?.0;
-        let rec = log.recover(used);
+        let rec = log.recover(used, size);
+        if rec.beyond_ring > 0 {
+            warn_limited!(
+                self.log_limit,
+                "inflight log: {} head(s) past the ring's {size} ignored",
+                rec.beyond_ring
+            );
+        }
         log::debug!(
             "queue start: used->idx {used}, {} request(s) to resubmit",
             rec.resubmit.len()
@@ -276,32 +302,48 @@ impl<E: Engine> QueueWorker<E> {
         if rec.resubmit.is_empty() {
             return Ok(());
         }
-        queue.set_next_avail(used.wrapping_add(rec.resubmit.len() as u16));
-        log::info!(
+        info_limited!(
+            self.log_limit,
             "queue: resubmitting {} request(s) left in flight by the previous back-end",
             rec.resubmit.len()
         );
-        let Some((mut replay, ext)) = replay_queue(queue, mem, &rec.resubmit) else {
-            warn_limited!(
-                self.log_limit,
-                "cannot rebuild in-flight requests for resubmission"
-            );
-            return Ok(());
-        };
         let limits = self.cfg.limits;
-        let size = queue.size();
         let mut parsed = std::mem::take(&mut self.parsed);
         let parser = &mut self.parser;
-        parsed.extend(
-            replay
-                .iter(&*ext)?
-                .map(|c| parser.parse(c, &ext, &limits, size)),
-        );
-        // The requests point into the real guest regions, which `ext` maps
-        // too; each keeps `ext` (and so those regions) until it completes.
+        let unbuilt = |head| {
+            Err(Rejected {
+                head,
+                status: None,
+                error: RequestError::IllFormedChain,
+            })
+        };
+        match Replay::new(queue, mem, &rec.resubmit) {
+            Some(mut replay) => {
+                parsed.extend(
+                    replay
+                        .chains()
+                        .into_iter()
+                        .map(|(head, chain)| match chain {
+                            Some(c) => parser.parse(c, mem, &limits, size),
+                            None => unbuilt(head),
+                        }),
+                )
+            }
+            None => {
+                warn_limited!(
+                    self.log_limit,
+                    "cannot rebuild in-flight requests for resubmission"
+                );
+                parsed.extend(rec.resubmit.iter().map(|&head| unbuilt(head)));
+            }
+        }
+        // The previous back-end took these off the avail ring; each has its
+        // answer below.
+        let queue = state.get_queue_mut();
+        queue.set_next_avail(used.wrapping_add(rec.resubmit.len() as u16));
         for p in parsed.drain(..) {
             match p {
-                Ok(req) => self.start(state.get_queue_mut(), &ext, req),
+                Ok(req) => self.start(state.get_queue_mut(), mem, req),
                 Err(rej) => self.reject(state.get_queue_mut(), mem, rej),
             }
         }

@@ -182,7 +182,7 @@ fn every_completed_request_leaves_the_inflight_log() {
     assert_eq!(logged, vec![1, 2, 3]);
     // ...and none is left for a restart to redo.
     let mut after = InflightQueue::new(rig.region.clone(), 0).unwrap();
-    assert_eq!(after.recover(3).resubmit, Vec::<u16>::new());
+    assert_eq!(after.recover(3, QSIZE).resubmit, Vec::<u16>::new());
 }
 
 /// A restarted back-end finds requests its predecessor took and did not
@@ -195,7 +195,7 @@ fn a_restart_resubmits_what_was_in_flight() {
     // order, and crashed before any completed. used->idx is still 0, and
     // the front-end hands the ring back with next_avail = used->idx = 0.
     let mut old = InflightQueue::new(rig.region.clone(), 0).unwrap();
-    old.recover(0);
+    old.recover(0, QSIZE);
     for (i, head) in [0u16, 3, 6].into_iter().enumerate() {
         let data = DATA + 0x1000 * i as u64;
         mem.write_slice(&[0x10 + i as u8; 4096], GuestAddress(data))
@@ -223,7 +223,7 @@ fn a_restart_resubmits_what_was_in_flight() {
     assert_eq!(got, [0x11; 4096]);
     assert_eq!(rig.driver.used_idx(), 4, "no request ran twice");
     let mut after = InflightQueue::new(rig.region.clone(), 0).unwrap();
-    assert_eq!(after.recover(4).resubmit, Vec::<u16>::new());
+    assert_eq!(after.recover(4, QSIZE).resubmit, Vec::<u16>::new());
 }
 
 /// Requests a restart must resubmit can outnumber what the engine takes at
@@ -237,7 +237,7 @@ fn resubmitted_requests_beyond_the_engine_room_all_complete() {
     // An engine with room for 2; 5 requests to resubmit (3 slots each).
     let mut rig = rig_with(&mem, 2, image);
     let mut old = InflightQueue::new(rig.region.clone(), 0).unwrap();
-    old.recover(0);
+    old.recover(0, QSIZE);
     let heads: Vec<u16> = (0..5).map(|i| i * 3).collect();
     for (i, &head) in heads.iter().enumerate() {
         let data = DATA + 0x1000 * i as u64;
@@ -412,4 +412,112 @@ fn a_refused_memory_table_never_reaches_the_workers() {
     let used = driver.queue.used_ring() + 4;
     let len: u32 = mem.read_obj(GuestAddress(used + 4)).unwrap();
     assert_eq!(len, 0, "answered without a status byte it could write");
+}
+
+/// Requests resubmitted after a restart are parsed against guest memory
+/// only. The replay avail ring that recovery builds used to live in a page
+/// mapped right above guest memory, and parsing against that memory let
+/// their buffers address it: a write from there put the daemon's own page
+/// on the disk. Now that page is in a hole of guest memory, visible only
+/// while the heads are popped, and neither address is a buffer.
+#[test]
+fn resubmitted_requests_cannot_address_the_replay_ring() {
+    let mem = guest_memory();
+    let mut rig = rig(&mem);
+    let mut old = InflightQueue::new(rig.region.clone(), 0).unwrap();
+    old.recover(0, QSIZE);
+    mem.write_slice(&[0x5a; 4096], GuestAddress(DATA)).unwrap();
+    // Data where the ring was (above guest memory), where it is now (the
+    // hole after region A), and in guest memory.
+    let cases = [(0u16, testing::C_END), (3, testing::A_END), (6, DATA)];
+    for (head, data) in cases {
+        mem.write_obj(0xffu8, GuestAddress(STATUS + u64::from(head)))
+            .unwrap();
+        rig.post_rw(head, true, 8 * u64::from(head), data);
+        old.mark(head);
+    }
+    rig.worker
+        .set_inflight(InflightQueue::new(rig.region.clone(), 0));
+    rig.complete_until(3);
+    let statuses = cases.map(|(head, _)| rig.status(head));
+    assert_eq!(statuses, [1, 1, 0], "IOERR, IOERR, OK");
+    assert_eq!(
+        rig.image_at(0, 4096),
+        vec![0; 4096],
+        "written from the ring"
+    );
+    assert_eq!(rig.image_at(3 * 8 * 512, 4096), vec![0; 4096]);
+    assert_eq!(rig.image_at(6 * 8 * 512, 4096), vec![0x5a; 4096]);
+}
+
+/// With guest memory up to the top of the address space there was no
+/// room above it for the replay ring: the requests to resubmit were
+/// dropped unanswered, after the avail ring had been moved past them.
+#[test]
+fn resubmission_with_guest_memory_at_the_top_of_the_address_space() {
+    use testing::{A_END, B, C, C_END};
+    let mem = GuestMem::from_ranges(&[
+        (GuestAddress(0), A_END as usize),
+        (GuestAddress(B), (C - B) as usize),
+        (GuestAddress(C), (C_END - C) as usize),
+        (GuestAddress(u64::MAX - 0x1fff), 0x1000),
+    ])
+    .unwrap();
+    let mut rig = rig(&mem);
+    let mut old = InflightQueue::new(rig.region.clone(), 0).unwrap();
+    old.recover(0, QSIZE);
+    for head in [0u16, 3] {
+        mem.write_obj(0xffu8, GuestAddress(STATUS + u64::from(head)))
+            .unwrap();
+        rig.post_rw(head, true, 8 * u64::from(head), DATA);
+        old.mark(head);
+    }
+    rig.worker
+        .set_inflight(InflightQueue::new(rig.region.clone(), 0));
+    rig.complete_until(2);
+    assert_eq!((rig.status(0), rig.status(3)), (0, 0));
+}
+
+/// A log naming a head the ring cannot have (the region is laid out for
+/// larger queues, and holds garbage): it used to count towards the
+/// requests the previous back-end took, so the ring resumed one too far
+/// and the guest's next request was never taken. Now that head is
+/// ignored, and every other one is answered exactly once.
+#[test]
+fn a_logged_head_beyond_the_ring_is_ignored() {
+    let mem = guest_memory();
+    let mut rig = rig(&mem);
+    let region = Arc::new(InflightRegion::create(1, 4 * QSIZE).unwrap());
+    let mut old = InflightQueue::new(region.clone(), 0).unwrap();
+    old.recover(0, QSIZE);
+    rig.post_rw(3, true, 8, DATA);
+    old.mark(3);
+    old.mark(3 * QSIZE);
+    rig.worker.set_inflight(InflightQueue::new(region, 0));
+    rig.complete_until(1);
+    assert_eq!(rig.driver.used_elem(0), (3, 1));
+    // The guest's next request is taken.
+    rig.post_rw(6, false, 8, DATA + 0x4000);
+    rig.complete_until(2);
+    assert_eq!(rig.driver.used_elem(1), (6, 4097));
+}
+
+/// A region laid out for smaller queues than the ring cannot log every
+/// head (marks beyond it were silently lost, so a crash lost those
+/// requests): the worker does not use it for that ring.
+#[test]
+fn a_region_smaller_than_the_ring_is_not_used() {
+    let mem = guest_memory();
+    let mut rig = rig(&mem);
+    let region = Arc::new(InflightRegion::create(1, QSIZE / 2).unwrap());
+    rig.worker
+        .set_inflight(InflightQueue::new(region.clone(), 0));
+    rig.post_rw(3, true, 8, DATA);
+    rig.complete_until(1);
+    assert_eq!(rig.status(3), 0);
+    assert_eq!(
+        region.logged_counter(0, 3),
+        0,
+        "logged in a region too small"
+    );
 }

@@ -60,6 +60,7 @@ pub const GET_INFLIGHT_FD: u32 = 31;
 pub const SET_INFLIGHT_FD: u32 = 32;
 pub const GET_MAX_MEM_SLOTS: u32 = 36;
 pub const ADD_MEM_REG: u32 = 37;
+pub const REM_MEM_REG: u32 = 38;
 
 pub const FLAG_VERSION: u32 = 0x1;
 pub const FLAG_REPLY: u32 = 0x4;
