@@ -220,7 +220,10 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     fn acked_features(&self, features: u64) {
         let on = features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0;
         if self.cfg.logging.swap(on, Ordering::Relaxed) != on {
-            log::info!(
+            // A front-end can toggle it at will.
+            static LOGGING: SharedRateLimiter = SharedRateLimiter::new(10, Duration::from_secs(5));
+            crate::info_limited!(
+                LOGGING,
                 "dirty-page logging {}",
                 if on { "on (migration)" } else { "off" }
             );
