@@ -1,4 +1,4 @@
-//! What the real-guest tests share (`tests/guest.rs`, and the next ones):
+//! What the real-guest tests share (`tests/guest.rs`, `tests/migration.rs`):
 //! the guest's kernel and initramfs, QEMU's command line, the serial
 //! console's verdict, daemons that log to a file, the lock that runs one
 //! guest at a time, and the patterns of the image's layout.
@@ -20,6 +20,8 @@
 //! never where `CI` is set: there they fail.
 
 #![allow(dead_code)] // Each test binary uses its own subset.
+
+pub mod qmp;
 
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -523,6 +525,16 @@ pub fn parse_console(console: &str) -> Verdict {
         }
     }
     v
+}
+
+/// The value of a `RINGBLK-INFO <key> <value>` line of the console.
+pub fn console_info<'a>(console: &'a str, key: &str) -> Option<&'a str> {
+    console
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("RINGBLK-INFO ")?.strip_prefix(key))
+        .filter_map(|rest| rest.strip_prefix(' '))
+        .map(str::trim)
+        .next_back()
 }
 
 /// Where each thread of a process is, for a hang report: state, kernel
