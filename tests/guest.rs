@@ -482,6 +482,7 @@ fn boot(
         let device = qemu_device(sc);
         let mut qemu_cmd = qemu_command(&QemuSpec {
             assets,
+            memory: "512M",
             vcpus: sc.vcpus,
             socket: &paths.socket,
             reconnect: sc.restart.is_some(),

@@ -25,6 +25,9 @@
 #   52 .. 56                   large direct I/O (4 MiB requests, max segments)
 #   56 .. 57                   pattern written by the guest (host checks it)
 #   60 .. 61                   pattern written by the host (guest checks it)
+# In the migrate mode, instead of the rw mode's 32 .. 56:
+#   32 .. 56                   12 regions of 2 MiB the host filled
+#   57 .. 57 + 4 KiB           their SHA-256s, one line each (the host's)
 
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
 
@@ -278,11 +281,21 @@ fi
 # on the destination; its console continues in the destination's file.
 #
 # busy: fio random writes with verify_backlog (time-based, FIO_RUNTIME s,
-#   one job per queue) and a loop re-reading the host's pattern with
-#   O_DIRECT and comparing each pass's checksum run from before the marker
-#   until fio ends, so both span the migration. Pages the back-end fills
-#   (reads) and fails to mark dirty reach the destination stale: fio's
-#   verification or the re-read catches them.
+#   one job per queue), a loop re-reading the host's pattern with O_DIRECT
+#   and comparing each pass's checksum, and a loop reading the host's
+#   regions through the page cache, run from before the marker until fio
+#   ends, so all three span the migration. Pages the back-end fills
+#   (reads) and fails to mark dirty reach the destination stale. Data
+#   read with O_DIRECT is used at once, so only reads that complete while
+#   the source stops can show that; the page cache keeps what a read
+#   brought in, and the next reads see it: each round of the page-cache
+#   loop reads a region not in the cache (one device read into fresh
+#   pages) and then the last 4 regions it read again (from the cache, no
+#   device I/O), each against the host's checksum. A region filled
+#   during the migration is read again on the destination. Regions of
+#   2 MiB take most of their pages from the free lists, not from pages
+#   the guest has just freed (which the vCPUs wrote, so QEMU sends them
+#   anyway); once all are cached the loop drops the cache and goes on.
 # idle: no I/O from the marker until the host says the migration is over,
 #   with an NMI (inject-nmi on the destination): /proc/interrupts counts it,
 #   so waiting for it takes no disk I/O. Then write+verify, the host's
@@ -316,10 +329,59 @@ while [ ! -e /tmp/reread.stop ]; do
     fi
 done'
 
+# The page-cache loop, run by `sh -c` until /tmp/reread.stop exists.
+# /tmp/cache.sums holds the host's checksum of each region. The loop keeps
+# the disk open: the kernel drops a block device's cache at its last close.
+# shellcheck disable=SC2016 # expanded by the inner shell
+CACHE='
+set -o pipefail
+exec 3</dev/vda
+regions=$(wc -l </tmp/cache.sums)
+fills=0
+since_drop=0
+reads=0
+# Region R (32 MiB + R * 2 MiB), buffered; WHAT says fill or cached.
+check() {
+    got=$(dd if=/dev/vda bs=64k skip=$((512 + $1 * 32)) count=32 2>/tmp/cache.err | sha256sum | cut -d" " -f1)
+    rc=$?
+    want=$(sed -n "$(($1 + 1))p" /tmp/cache.sums)
+    reads=$((reads + 1))
+    if [ "$rc" != 0 ] || [ "$got" != "$want" ]; then
+        echo "region $1 ($2): sha256 $got, expected $want (dd: $(tr "\n" " " </tmp/cache.err))" >>/tmp/cache.bad
+        echo "RINGBLK-FAIL page-cache region $1 ($2) read something else than the host wrote" >/dev/console
+    fi
+}
+while [ ! -e /tmp/reread.stop ]; do
+    if [ "$since_drop" = "$regions" ]; then
+        # All are cached: start again on fresh pages.
+        echo 1 >/proc/sys/vm/drop_caches
+        since_drop=0
+    fi
+    check $((fills % regions)) fill
+    fills=$((fills + 1))
+    since_drop=$((since_drop + 1))
+    back=$since_drop
+    [ "$back" -gt 4 ] && back=4
+    while [ "$back" -gt 0 ]; do
+        check $(((fills - back) % regions)) cached
+        back=$((back - 1))
+    done
+    echo "$fills $reads" >/tmp/cache.progress
+done'
+
 migrate_busy() {
-    rm -f /tmp/reread.stop /tmp/reread.bad /tmp/reread.passes
+    rm -f /tmp/reread.stop /tmp/reread.bad /tmp/reread.passes /tmp/cache.bad /tmp/cache.progress
+    if step cache-sums dd if="$DEV" of=/tmp/cache.raw bs=4k skip=14592 count=1 iflag=direct &&
+        grep -E '^[0-9a-f]{64}$' /tmp/cache.raw >/tmp/cache.sums && [ "$(wc -l </tmp/cache.sums)" = 12 ]; then
+        pass cache-sums
+    else
+        fail cache-sums "no 12 checksums at 57 MiB"
+        show_log cache-sums
+    fi
     step_start $((FIO_RUNTIME + 60)) reread sh -c "$REREAD"
     reread_pid=$STEP_PID
+    step_start $((FIO_RUNTIME + 60)) page-cache sh -c "$CACHE"
+    cache_pid=$STEP_PID
     jobs=$(nproc)
     [ "$jobs" -gt "$QUEUES" ] && jobs=$QUEUES
     per_job=$((FIO_MB / jobs))
@@ -358,6 +420,19 @@ migrate_busy() {
         show_log reread
     else
         pass reread
+    fi
+    step_wait $((FIO_RUNTIME + 60)) page-cache "$cache_pid"
+    read -r fills reads 2>/dev/null </tmp/cache.progress || fills=0 reads=0
+    echo "RINGBLK-INFO page-cache-fills $fills"
+    echo "RINGBLK-INFO page-cache-reads $reads"
+    if [ -s /tmp/cache.bad ]; then
+        fail page-cache "$(wc -l </tmp/cache.bad) of $reads reads of the host's regions read something else"
+        head -n 5 /tmp/cache.bad
+    elif [ "$fills" -lt 2 ]; then
+        fail page-cache "only $fills region(s) read while fio ran"
+        show_log page-cache
+    else
+        pass page-cache
     fi
 }
 

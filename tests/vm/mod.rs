@@ -365,6 +365,8 @@ pub fn wait_for_socket(daemon: &mut Guard, socket: &Path, log: &Path) {
 /// A guest's QEMU command line, up to what differs between guests.
 pub struct QemuSpec<'a> {
     pub assets: &'a Assets,
+    /// Guest RAM (`-m`, and the size of its shared memfd).
+    pub memory: &'a str,
     pub vcpus: u16,
     /// The vhost-user socket.
     pub socket: &'a Path,
@@ -379,12 +381,12 @@ pub struct QemuSpec<'a> {
     pub console: &'a Path,
 }
 
-/// QEMU under TCG with 512 MiB of shared memory (vhost-user maps it), the
+/// QEMU under TCG with shared memory (vhost-user maps it), the
 /// disk, the guest's kernel and initramfs, the serial console in a file,
 /// and nothing else; it exits when the guest powers off.
 pub fn qemu_command(spec: &QemuSpec<'_>) -> Command {
     let mut cmd = Command::new(QEMU);
-    cmd.args(["-accel", "tcg", "-m", "512M", "-smp"])
+    cmd.args(["-accel", "tcg", "-m", spec.memory, "-smp"])
         .arg(spec.vcpus.to_string())
         .args([
             "-nodefaults",
@@ -394,7 +396,11 @@ pub fn qemu_command(spec: &QemuSpec<'_>) -> Command {
             "-monitor",
             "none",
         ])
-        .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
+        .arg("-object")
+        .arg(format!(
+            "memory-backend-memfd,id=mem,size={},share=on",
+            spec.memory
+        ))
         .args(["-numa", "node,memdev=mem"])
         .arg("-chardev")
         .arg(format!(
