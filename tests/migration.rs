@@ -435,7 +435,53 @@ fn run(m: Migration) {
         Some(_) => {}
     }
 
-    // ---- What the guest said, before and after ----
+    problems.extend(check_guest(&m, &src, &dst, &image, &host_pattern));
+    // Both daemons outlive their QEMU, and a killed one's successor
+    // resubmitted what was in flight.
+    for (side, daemon) in [(&src, &mut src_daemon), (&dst, &mut dst_daemon)] {
+        if let Some(status) = daemon.exited() {
+            problems.push(format!("the {} daemon exited: {status}", side.name));
+        }
+        if read_log(&side.daemon_log).contains("panicked") {
+            problems.push(format!("the {} daemon panicked", side.name));
+        }
+    }
+    if let Some(kill) = m.kill {
+        let side = match kill {
+            Kill::SourceBeforeMigration => &src,
+            Kill::DestinationAfterMigration => &dst,
+        };
+        let resubmitted = resubmitted_in(&read_log(&side.daemon_log));
+        eprintln!(
+            "requests resubmitted by the restarted {} daemon: {resubmitted}",
+            side.name
+        );
+        if resubmitted == 0 {
+            problems.push(format!(
+                "the kill of the {} daemon caught no request in flight: recovery was not exercised",
+                side.name
+            ));
+        }
+    }
+
+    eprintln!("migration test ran {:.1?}", started.elapsed());
+    assert!(
+        problems.is_empty(),
+        "{} problem(s) with the migration:\n  {}",
+        problems.len(),
+        problems.join("\n  ")
+    );
+}
+
+/// What the guest said on either side, and what the image file holds.
+fn check_guest(
+    m: &Migration,
+    src: &Side,
+    dst: &Side,
+    image: &Path,
+    host_pattern: &[u8],
+) -> Vec<String> {
+    let mut problems = Vec::new();
     let src_console = read_log(&src.console);
     let dst_console = read_log(&dst.console);
     let after = match m.workload {
@@ -475,10 +521,10 @@ fn run(m: Migration) {
         );
     }
 
-    // ---- The image, as the host sees it ----
+    // The image, as the host sees it.
     match console_info(&dst_console, "fio-region-sha256") {
         Some(guest_sum) => {
-            let host_sum = sha256(&read_at(&image, 0, (FIO_MB * MIB) as usize));
+            let host_sum = sha256(&read_at(image, 0, (FIO_MB * MIB) as usize));
             if guest_sum != host_sum {
                 problems.push(format!(
                     "host: the first {FIO_MB} MiB of the image (sha256 {host_sum}) are not \
@@ -489,39 +535,10 @@ fn run(m: Migration) {
         None => problems.push("the guest printed no fio-region-sha256".into()),
     }
     if after_verdict.passed("guest-pattern") {
-        problems.extend(check_guest_pattern(&image, &host_pattern));
+        problems.extend(check_guest_pattern(image, host_pattern));
     }
-
-    // ---- The daemons ----
-    for (side, daemon) in [(&src, &mut src_daemon), (&dst, &mut dst_daemon)] {
-        if let Some(status) = daemon.exited() {
-            problems.push(format!("the {} daemon exited: {status}", side.name));
-        }
-        if read_log(&side.daemon_log).contains("panicked") {
-            problems.push(format!("the {} daemon panicked", side.name));
-        }
-    }
-    if let Some(kill) = m.kill {
-        let side = match kill {
-            Kill::SourceBeforeMigration => &src,
-            Kill::DestinationAfterMigration => &dst,
-        };
-        let resubmitted = resubmitted_in(&read_log(&side.daemon_log));
-        eprintln!(
-            "requests resubmitted by the restarted {} daemon: {resubmitted}",
-            side.name
-        );
-        if resubmitted == 0 {
-            problems.push(format!(
-                "the kill of the {} daemon caught no request in flight: recovery was not exercised",
-                side.name
-            ));
-        }
-    }
-
     eprintln!(
-        "migration test ran {:.1?}: {} check(s) passed, {} failed",
-        started.elapsed(),
+        "the guest's checks: {} passed, {} failed",
         before_verdict.passed.len() + after_verdict.passed.len(),
         before_verdict.failed.len() + after_verdict.failed.len()
     );
@@ -529,12 +546,7 @@ fn run(m: Migration) {
         eprintln!("==== source console ====\n{src_console}");
         eprintln!("==== destination console ====\n{dst_console}");
     }
-    assert!(
-        problems.is_empty(),
-        "{} problem(s) with the migration:\n  {}",
-        problems.len(),
-        problems.join("\n  ")
-    );
+    problems
 }
 
 /// Has the destination listen on a free local port; its URI.
