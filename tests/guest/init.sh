@@ -2,7 +2,10 @@
 # /init of the ringblk test guest (busybox sh, PID 1).
 #
 # Reads its parameters from the kernel command line:
-#   ringblk.test=rw|ro      which checks to run
+#   ringblk.test=rw|ro|migrate  which checks to run
+#   ringblk.migrate=busy|idle   what the guest does while the host migrates it
+#                           (migrate only; see "Live migration" below)
+#   ringblk.fio_runtime=S   seconds of the busy migration's fio (default 20)
 #   ringblk.sectors=N       expected capacity in 512-byte sectors
 #   ringblk.serial=S        expected serial (/sys/block/vda/serial)
 #   ringblk.queues=N        expected number of hardware queues
@@ -22,6 +25,9 @@
 #   52 .. 56                   large direct I/O (4 MiB requests, max segments)
 #   56 .. 57                   pattern written by the guest (host checks it)
 #   60 .. 61                   pattern written by the host (guest checks it)
+# In the migrate mode, instead of the rw mode's 32 .. 56:
+#   32 .. 56                   12 regions of 2 MiB the host filled
+#   57 .. 57 + 4 KiB           their SHA-256s, one line each (the host's)
 
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
 
@@ -33,6 +39,8 @@ mkdir -p /tmp
 mount -t tmpfs tmpfs /tmp
 
 TEST=rw
+MIGRATE=busy
+FIO_RUNTIME=20
 SECTORS=
 SERIAL=
 QUEUES=
@@ -45,6 +53,8 @@ VERBOSE=0
 for word in $(cat /proc/cmdline); do
     case "$word" in
         ringblk.test=*) TEST=${word#*=} ;;
+        ringblk.migrate=*) MIGRATE=${word#*=} ;;
+        ringblk.fio_runtime=*) FIO_RUNTIME=${word#*=} ;;
         ringblk.sectors=*) SECTORS=${word#*=} ;;
         ringblk.serial=*) SERIAL=${word#*=} ;;
         ringblk.queues=*) QUEUES=${word#*=} ;;
@@ -75,11 +85,22 @@ step() {
     step_t "$STEP_TIMEOUT" "$@"
 }
 step_t() {
+    step_start "$@"
+    step_wait "$1" "$2" "$STEP_PID"
+}
+# `step_start LIMIT NAME CMD ARGS...` starts a step in the background (its
+# pid in STEP_PID); `step_wait LIMIT NAME PID` waits for it as step_t does.
+step_start() {
     limit=$1
     name=$2
     shift 2
     timeout -s KILL "$limit" "$@" >"/tmp/$name.log" 2>&1 &
-    pid=$!
+    STEP_PID=$!
+}
+step_wait() {
+    limit=$1
+    name=$2
+    pid=$3
     ticks=0
     while alive "$pid"; do
         if [ "$ticks" -ge $(((limit + 5) * 20)) ]; then
@@ -135,6 +156,50 @@ power_off() {
 # The pattern: 1 MiB of 32-byte records "rbpat NONCE%016d\n" numbered from 0.
 make_pattern() {
     awk -v n="$NONCE" 'BEGIN { for (k = 0; k < 32768; k++) printf "rbpat %s %016d\n", n, k }' >"$1"
+}
+
+# ---- Checks shared by the test modes ----
+
+# Every request queue completed requests: interrupts per virtqueue.
+# Lines of /proc/interrupts like "25: 120 3 PCI-MSIX-0000:00:02.0 1-edge virtio0-req.1".
+check_queues_used() {
+    awk '/virtio[0-9]+-req\.[0-9]+/ {
+            n = 0
+            for (i = 2; i <= NF && $i ~ /^[0-9]+$/; i++) n += $i
+            print $NF, n
+        }' /proc/interrupts >/tmp/queue-irqs
+    [ "$VERBOSE" = 1 ] && sed 's/^/    interrupts: /' /tmp/queue-irqs
+    used=$(awk '$2 > 0' /tmp/queue-irqs | wc -l)
+    if [ "$used" = "$QUEUES" ]; then
+        pass queues-used
+    else
+        fail queues-used "expected interrupts on $QUEUES request queues, got: $(tr '\n' ' ' </tmp/queue-irqs)"
+    fi
+}
+
+# The guest's pattern at 56 MiB, flushed, read back (the host checks it too).
+check_guest_pattern() {
+    if step guest-pattern dd if=/tmp/pattern of="$DEV" bs=64k seek=896 count=16 oflag=direct conv=notrunc,fsync &&
+        step guest-pattern-sync sync &&
+        step guest-pattern-read dd if="$DEV" of=/tmp/guest-pattern bs=64k skip=896 count=16 iflag=direct &&
+        cmp /tmp/pattern /tmp/guest-pattern >/tmp/guest-pattern-cmp.log 2>&1; then
+        pass guest-pattern
+    else
+        fail guest-pattern "writing, flushing or reading back 1 MiB at 56 MiB failed"
+        show_log guest-pattern
+        show_log guest-pattern-read
+        cat /tmp/guest-pattern-cmp.log 2>/dev/null
+    fi
+}
+
+# The SHA-256 of the fio region as the guest reads it (the host compares it
+# with the image file's).
+report_fio_region() {
+    if step fio-region sh -c "set -o pipefail; dd if=$DEV bs=1M count=$FIO_MB iflag=direct 2>/dev/null | sha256sum >/tmp/fio-region.sum"; then
+        echo "RINGBLK-INFO fio-region-sha256 $(cut -d' ' -f1 /tmp/fio-region.sum)"
+    else
+        fail fio-region "reading the first $FIO_MB MiB failed"
+    fi
 }
 
 echo "ringblk guest: test=$TEST sectors=$SECTORS serial=$SERIAL queues=$QUEUES nonce=$NONCE"
@@ -211,6 +276,215 @@ if [ "$TEST" = ro ]; then
     finish
 fi
 
+# ---- Live migration (ringblk.test=migrate) ----
+# The guest prints RINGBLK-MIGRATE when the host may migrate it, and goes on
+# on the destination; its console continues in the destination's file.
+#
+# busy: fio random writes with verify_backlog (time-based, FIO_RUNTIME s,
+#   one job per queue), a loop re-reading the host's pattern with O_DIRECT
+#   and comparing each pass's checksum, and a loop reading the host's
+#   regions through the page cache, run from before the marker until fio
+#   ends, so all three span the migration. Pages the back-end fills
+#   (reads) and fails to mark dirty reach the destination stale. Data
+#   read with O_DIRECT is used at once, so only reads that complete while
+#   the source stops can show that; the page cache keeps what a read
+#   brought in, and the next reads see it: each round of the page-cache
+#   loop reads a region not in the cache (one device read into fresh
+#   pages) and then the last 4 regions it read again (from the cache, no
+#   device I/O), each against the host's checksum. A region filled
+#   during the migration is read again on the destination. Regions of
+#   2 MiB take most of their pages from the free lists, not from pages
+#   the guest has just freed (which the vCPUs wrote, so QEMU sends them
+#   anyway); once all are cached the loop drops the cache and goes on.
+# idle: no I/O from the marker until the host says the migration is over,
+#   with an NMI (inject-nmi on the destination): /proc/interrupts counts it,
+#   so waiting for it takes no disk I/O. Then write+verify, the host's
+#   pattern again and the guest's pattern, all on the destination.
+
+# Writes completed by the disk so far (the 5th field of its stat).
+disk_writes() { awk '{ print $5 }' "$SYS/stat"; }
+# All I/O the disk completed so far, reads and writes.
+disk_ios() { awk '{ print $1 + $5 + $8 + $12 }' "$SYS/stat"; }
+# NMIs received, all CPUs together.
+nmi_count() {
+    awk '$1 == "NMI:" { n = 0; for (i = 2; i <= NF && $i ~ /^[0-9]+$/; i++) n += $i; print n }' /proc/interrupts
+}
+
+# The re-read loop, run by `sh -c` until /tmp/reread.stop exists: reads the
+# host's 1 MiB at 60 MiB in 16 KiB O_DIRECT reads (each into the same
+# buffer, each block different) and compares the SHA-256 of each pass.
+# shellcheck disable=SC2016 # expanded by the inner shell
+REREAD='
+set -o pipefail
+want=$(sha256sum </tmp/pattern | cut -d" " -f1)
+passes=0
+while [ ! -e /tmp/reread.stop ]; do
+    got=$(dd if=/dev/vda bs=16k skip=3840 count=64 iflag=direct 2>/tmp/reread.err | sha256sum | cut -d" " -f1)
+    rc=$?
+    passes=$((passes + 1))
+    echo "$passes" >/tmp/reread.passes
+    if [ "$rc" != 0 ] || [ "$got" != "$want" ]; then
+        echo "pass $passes: sha256 $got, expected $want (dd: $(tr "\n" " " </tmp/reread.err))" >>/tmp/reread.bad
+        echo "RINGBLK-FAIL reread pass $passes read something else than the host wrote" >/dev/console
+    fi
+done'
+
+# The page-cache loop, run by `sh -c` until /tmp/reread.stop exists.
+# /tmp/cache.sums holds the host's checksum of each region. The loop keeps
+# the disk open: the kernel drops a block device's cache at its last close.
+# shellcheck disable=SC2016 # expanded by the inner shell
+CACHE='
+set -o pipefail
+exec 3</dev/vda
+regions=$(wc -l </tmp/cache.sums)
+fills=0
+since_drop=0
+reads=0
+# Region R (32 MiB + R * 2 MiB), buffered; WHAT says fill or cached.
+check() {
+    got=$(dd if=/dev/vda bs=64k skip=$((512 + $1 * 32)) count=32 2>/tmp/cache.err | sha256sum | cut -d" " -f1)
+    rc=$?
+    want=$(sed -n "$(($1 + 1))p" /tmp/cache.sums)
+    reads=$((reads + 1))
+    if [ "$rc" != 0 ] || [ "$got" != "$want" ]; then
+        echo "region $1 ($2): sha256 $got, expected $want (dd: $(tr "\n" " " </tmp/cache.err))" >>/tmp/cache.bad
+        echo "RINGBLK-FAIL page-cache region $1 ($2) read something else than the host wrote" >/dev/console
+    fi
+}
+while [ ! -e /tmp/reread.stop ]; do
+    if [ "$since_drop" = "$regions" ]; then
+        # All are cached: start again on fresh pages.
+        echo 1 >/proc/sys/vm/drop_caches
+        since_drop=0
+    fi
+    check $((fills % regions)) fill
+    fills=$((fills + 1))
+    since_drop=$((since_drop + 1))
+    back=$since_drop
+    [ "$back" -gt 4 ] && back=4
+    while [ "$back" -gt 0 ]; do
+        check $(((fills - back) % regions)) cached
+        back=$((back - 1))
+    done
+    echo "$fills $reads" >/tmp/cache.progress
+done'
+
+migrate_busy() {
+    rm -f /tmp/reread.stop /tmp/reread.bad /tmp/reread.passes /tmp/cache.bad /tmp/cache.progress
+    if step cache-sums dd if="$DEV" of=/tmp/cache.raw bs=4k skip=14592 count=1 iflag=direct &&
+        grep -E '^[0-9a-f]{64}$' /tmp/cache.raw >/tmp/cache.sums && [ "$(wc -l </tmp/cache.sums)" = 12 ]; then
+        pass cache-sums
+    else
+        fail cache-sums "no 12 checksums at 57 MiB"
+        show_log cache-sums
+    fi
+    step_start $((FIO_RUNTIME + 60)) reread sh -c "$REREAD"
+    reread_pid=$STEP_PID
+    step_start $((FIO_RUNTIME + 60)) page-cache sh -c "$CACHE"
+    cache_pid=$STEP_PID
+    jobs=$(nproc)
+    [ "$jobs" -gt "$QUEUES" ] && jobs=$QUEUES
+    per_job=$((FIO_MB / jobs))
+    cpus=
+    [ "$jobs" -ge 2 ] && cpus="--cpus_allowed=0-$((jobs - 1)) --cpus_allowed_policy=split"
+    writes=$(disk_writes)
+    # shellcheck disable=SC2086 # $cpus is two words or none
+    step_start $((FIO_RUNTIME + 60)) fio-migrate fio --name=migrate --filename="$DEV" \
+        --ioengine=libaio --direct=1 --iodepth=16 --rw=randwrite --bssplit=4k/50:16k/30:64k/20 \
+        --numjobs="$jobs" $cpus --offset=0 --offset_increment="${per_job}M" --size="${per_job}M" \
+        --time_based --runtime="$FIO_RUNTIME" --verify=crc32c --verify_backlog=64 \
+        --verify_fatal=1 --verify_state_save=0 --exitall_on_error=1 --group_reporting
+    fio_pid=$STEP_PID
+    # Tell the host once fio is writing, not merely starting.
+    i=0
+    while [ $(($(disk_writes) - writes)) -lt 64 ] && [ "$i" -lt 600 ] && alive "$fio_pid"; do
+        sleep 0.05
+        i=$((i + 1))
+    done
+    echo "RINGBLK-MIGRATE"
+    if step_wait $((FIO_RUNTIME + 60)) fio-migrate "$fio_pid"; then
+        pass fio-migrate
+    else
+        fail fio-migrate "exit status $? ($jobs jobs, ${FIO_RUNTIME}s)"
+        show_log fio-migrate
+    fi
+    touch /tmp/reread.stop
+    step_wait $((FIO_RUNTIME + 60)) reread "$reread_pid"
+    passes=$(cat /tmp/reread.passes 2>/dev/null || echo 0)
+    echo "RINGBLK-INFO reread-passes $passes"
+    if [ -s /tmp/reread.bad ]; then
+        fail reread "$(wc -l </tmp/reread.bad) of $passes passes read something else than the host wrote"
+        head -n 5 /tmp/reread.bad
+    elif [ "$passes" -lt 2 ]; then
+        fail reread "only $passes pass(es) while fio ran"
+        show_log reread
+    else
+        pass reread
+    fi
+    step_wait $((FIO_RUNTIME + 60)) page-cache "$cache_pid"
+    read -r fills reads 2>/dev/null </tmp/cache.progress || fills=0 reads=0
+    echo "RINGBLK-INFO page-cache-fills $fills"
+    echo "RINGBLK-INFO page-cache-reads $reads"
+    if [ -s /tmp/cache.bad ]; then
+        fail page-cache "$(wc -l </tmp/cache.bad) of $reads reads of the host's regions read something else"
+        head -n 5 /tmp/cache.bad
+    elif [ "$fills" -lt 2 ]; then
+        fail page-cache "only $fills region(s) read while fio ran"
+        show_log page-cache
+    else
+        pass page-cache
+    fi
+}
+
+migrate_idle() {
+    nmis=$(nmi_count)
+    ios=$(disk_ios)
+    echo "RINGBLK-MIGRATE"
+    # Ten minutes at most: the host gives up long before.
+    i=0
+    while [ "$(nmi_count)" = "$nmis" ] && [ "$i" -lt 3000 ]; do
+        sleep 0.2
+        i=$((i + 1))
+    done
+    if [ "$(nmi_count)" = "$nmis" ]; then
+        fail idle "no NMI from the host within 10 minutes"
+        finish
+    fi
+    if [ "$(disk_ios)" = "$ios" ]; then
+        pass idle
+    else
+        fail idle "the disk completed $(($(disk_ios) - ios)) I/O(s) while the guest was to be idle"
+    fi
+    if step fio-verify fio --name=verify --filename="$DEV" --ioengine=libaio --direct=1 \
+        --iodepth=16 --rw=randwrite --bssplit=4k/50:16k/30:64k/20 \
+        --offset=0 --size="${FIO_MB}M" --verify=crc32c --verify_fatal=1 \
+        --verify_state_save=0 --exitall_on_error=1; then
+        pass fio-verify
+    else
+        fail fio-verify "exit status $?"
+        show_log fio-verify
+    fi
+    if step host-pattern-after dd if="$DEV" of=/tmp/host-pattern bs=64k skip=960 count=16 iflag=direct &&
+        cmp /tmp/pattern /tmp/host-pattern >>/tmp/host-pattern-after.log 2>&1; then
+        pass host-pattern-after
+    else
+        fail host-pattern-after "the 1 MiB at 60 MiB does not hold the host's pattern any more"
+        show_log host-pattern-after
+    fi
+}
+
+if [ "$TEST" = migrate ]; then
+    case "$MIGRATE" in
+        busy) migrate_busy ;;
+        idle) migrate_idle ;;
+        *) fail migrate "unknown ringblk.migrate=$MIGRATE" ;;
+    esac
+    report_fio_region
+    check_queues_used
+    check_guest_pattern
+    finish
+fi
+
 # ---- fio: one job, mixed block sizes, write then verify ----
 if step fio-verify fio --name=verify --filename="$DEV" --ioengine=libaio --direct=1 \
     --iodepth=16 --rw=randwrite --bssplit=4k/50:16k/30:64k/20 \
@@ -241,20 +515,7 @@ else
     show_log fio-jobs
 fi
 
-# ---- Every request queue completed requests: interrupts per virtqueue ----
-# Lines of /proc/interrupts like "25: 120 3 PCI-MSIX-0000:00:02.0 1-edge virtio0-req.1".
-awk '/virtio[0-9]+-req\.[0-9]+/ {
-        n = 0
-        for (i = 2; i <= NF && $i ~ /^[0-9]+$/; i++) n += $i
-        print $NF, n
-    }' /proc/interrupts >/tmp/queue-irqs
-[ "$VERBOSE" = 1 ] && sed 's/^/    interrupts: /' /tmp/queue-irqs
-used=$(awk '$2 > 0' /tmp/queue-irqs | wc -l)
-if [ "$used" = "$QUEUES" ]; then
-    pass queues-used
-else
-    fail queues-used "expected interrupts on $QUEUES request queues, got: $(tr '\n' ' ' </tmp/queue-irqs)"
-fi
+check_queues_used
 
 # ---- Discard, then write-zeroes and read back zeroes (48..52 MiB) ----
 step discard-fill dd if=/tmp/pattern of="$DEV" bs=64k seek=768 count=16 oflag=direct conv=notrunc
@@ -294,17 +555,6 @@ else
     cat /tmp/large-cmp.log 2>/dev/null
 fi
 
-# ---- The guest's pattern at 56 MiB, flushed, read back (the host checks it too) ----
-if step guest-pattern dd if=/tmp/pattern of="$DEV" bs=64k seek=896 count=16 oflag=direct conv=notrunc,fsync &&
-    step guest-pattern-sync sync &&
-    step guest-pattern-read dd if="$DEV" of=/tmp/guest-pattern bs=64k skip=896 count=16 iflag=direct &&
-    cmp /tmp/pattern /tmp/guest-pattern >/tmp/guest-pattern-cmp.log 2>&1; then
-    pass guest-pattern
-else
-    fail guest-pattern "writing, flushing or reading back 1 MiB at 56 MiB failed"
-    show_log guest-pattern
-    show_log guest-pattern-read
-    cat /tmp/guest-pattern-cmp.log 2>/dev/null
-fi
+check_guest_pattern
 
 finish
