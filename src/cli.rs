@@ -100,6 +100,14 @@ pub struct ServeArgs {
     #[arg(long)]
     pub direct: bool,
 
+    /// Do not lock the image. By default it is locked while the guest's
+    /// rings run (an OFD lock: exclusive, shared with --readonly), so that
+    /// two daemons, or a daemon and a QEMU, cannot write it at once; a
+    /// migration hands the lock over. Only for images whose users
+    /// coordinate by other means.
+    #[arg(long)]
+    pub no_image_lock: bool,
+
     /// Number of virtqueues, each served by its own worker thread.
     #[arg(long, default_value_t = 1)]
     pub queues: u16,

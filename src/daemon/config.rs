@@ -11,7 +11,7 @@ use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
 use crate::cli::{DEFAULT_IMAGE_NAME, DEFAULT_SOCKET_NAME, EngineKind, ServeArgs};
 use crate::engine::UringConfig;
-use crate::io::{Image, ImageOptions};
+use crate::io::{Image, ImageLock, ImageOptions};
 use crate::vhost::WorkerConfig;
 use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
 
@@ -120,6 +120,13 @@ impl Config {
             writeback: writeback.clone(),
             stopping: AtomicBool::new(false),
             logging: AtomicBool::new(false),
+            image_lock: match args.no_image_lock {
+                true => None,
+                false => Some(Arc::new(
+                    ImageLock::new(&image.file, !args.readonly)
+                        .map_err(|e| DaemonError::Config(format!("image lock: {e}")))?,
+                )),
+            },
         };
         let uring = UringConfig {
             image_fd: image.file.as_raw_fd(),

@@ -231,6 +231,9 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
                     // Sealing the inflight memfd, checking a received one.
                     F_ADD_SEALS as u64,
                     F_GET_SEALS as u64,
+                    // The image lock (io::ImageLock), taken and released
+                    // as rings start and stop.
+                    F_OFD_SETLK as u64,
                 ],
             ),
         ),
@@ -310,6 +313,9 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // Instant::now() falls back to the syscall when the clock source
         // has no vDSO support (common in VMs).
         (SYS_clock_gettime, any()),
+        // thread::sleep: a starting ring waiting for the image lock, a
+        // drain backing off after an engine error.
+        (SYS_clock_nanosleep, any()),
         // The signal-hook self-pipe and the metrics endpoint's connections;
         // returning from signal handlers.
         (SYS_recvfrom, any()),

@@ -3,5 +3,7 @@
 //! are [`crate::engine`].
 
 mod image;
+mod lock;
 
 pub use image::{BLKDISCARD, Image, ImageError, ImageOptions};
+pub use lock::{ImageLock, Locked};

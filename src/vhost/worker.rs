@@ -32,12 +32,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use vhost_user_backend::{VringMutex, VringState, VringT};
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
+};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestMemoryAtomic};
 
 use crate::cli::{NotifyMode, SignalMode};
 use crate::engine::{Completion, Engine, Full, Io};
+use crate::io::ImageLock;
 use crate::metrics::{QueueMetrics, RateLimiter, RequestType};
 use crate::virtio::RequestError;
 use crate::virtio::request::{Parser, Rejected};
@@ -50,6 +53,13 @@ use super::poll::AdaptivePoll;
 use super::resubmit::Replay;
 
 pub type Vring = VringMutex<GuestMemoryAtomic<GuestMem>>;
+
+/// How long a starting ring waits for the image lock before its requests
+/// fail. A daemon killed with -9 keeps its file, and the lock, until the
+/// kernel has torn down its io_uring, a moment after the process is gone;
+/// its successor waits for that rather than fail the requests it
+/// resubmits.
+const LOCK_WAIT: Duration = Duration::from_secs(3);
 
 /// Settings shared by all workers of a device.
 #[derive(Debug)]
@@ -71,6 +81,8 @@ pub struct WorkerConfig {
     /// The front-end acked VHOST_F_LOG_ALL (a migration is under way):
     /// what an engine writes into guest memory is marked in the dirty log.
     pub logging: AtomicBool,
+    /// The image lock, taken while a ring runs (`--no-image-lock`: none).
+    pub image_lock: Option<Arc<ImageLock>>,
 }
 
 pub struct QueueWorker<E: Engine> {
@@ -82,6 +94,8 @@ pub struct QueueWorker<E: Engine> {
     started: bool,
     /// The connection is over (`drain`): no kick is taken any more.
     closed: bool,
+    /// This queue counts among the image lock's users (see `lock_image`).
+    holds_lock: bool,
     /// The guest memory this worker uses: the last table the device
     /// accepted. vhost-user-backend swaps a new table into the shared
     /// `GuestMemoryAtomic` before it asks the device, so the worker never
@@ -125,6 +139,7 @@ impl<E: Engine> QueueWorker<E> {
             shadow: RingShadow::default(),
             started: false,
             closed: false,
+            holds_lock: false,
             mem: None,
             vring: None,
             poll,
@@ -193,6 +208,7 @@ impl<E: Engine> QueueWorker<E> {
         if !self.started {
             self.shadow.reset(state.get_queue());
             self.started = true;
+            self.lock_image(LOCK_WAIT);
             self.recover(&mut state, &mem)?;
         }
         if !state.is_enabled() {
@@ -486,6 +502,17 @@ impl<E: Engine> QueueWorker<E> {
             req,
             mem: mem.clone(),
         };
+        if !self.lock_image(Duration::ZERO) {
+            // Another process writes the image: failing the request is
+            // all this device can do without corrupting it.
+            let c = Completion {
+                io,
+                status: VIRTIO_BLK_S_IOERR as u8,
+                written: 0,
+            };
+            self.finish(queue, mem, c);
+            return;
+        }
         if !self.deferred.is_empty() {
             self.deferred.push_back(io);
         } else if let Err(Full(io)) = self.engine.submit(io) {
@@ -673,6 +700,7 @@ impl<E: Engine> QueueWorker<E> {
             log::error!("making the image durable as the ring stops: {e}");
         }
         self.started = false;
+        self.unlock_image();
     }
 
     /// The connection is over (or the daemon stops): from now on no kick is
@@ -682,6 +710,46 @@ impl<E: Engine> QueueWorker<E> {
         self.closed = true;
         self.finish_all();
         self.started = false;
+        self.unlock_image();
+    }
+
+    /// Counts this queue among the image lock's users, taking the lock if
+    /// it is the first; false while another process holds it, after
+    /// trying for `wait`. Called when the ring starts, and again for each
+    /// request until it succeeds.
+    fn lock_image(&mut self, wait: Duration) -> bool {
+        if self.holds_lock {
+            return true;
+        }
+        let Some(lock) = &self.cfg.image_lock else {
+            return true;
+        };
+        let deadline = Instant::now() + wait;
+        loop {
+            match lock.acquire() {
+                Ok(()) => {
+                    self.holds_lock = true;
+                    return true;
+                }
+                Err(_) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => {
+                    warn_limited!(self.log_limit, "{e}: requests fail until it is released");
+                    return false;
+                }
+            }
+        }
+    }
+
+    /// The ring stopped: after its I/O completed and was made durable, the
+    /// next daemon may take the image.
+    fn unlock_image(&mut self) {
+        if std::mem::take(&mut self.holds_lock) {
+            if let Some(lock) = &self.cfg.image_lock {
+                lock.release();
+            }
+        }
     }
 
     /// The engine, drained and reset, for the next connection's worker.

@@ -74,6 +74,7 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
         writeback: writeback.clone(),
         stopping: AtomicBool::new(false),
         logging: AtomicBool::new(false),
+        image_lock: None,
     });
     let metrics: Arc<QueueMetrics> = Arc::default();
     let engine = UringEngine::new(

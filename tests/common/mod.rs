@@ -613,9 +613,22 @@ pub enum Op {
 impl Client {
     /// Connects to `socket` with a buffer of `buf_len` bytes.
     pub fn connect(socket: &Path, buf_len: usize) -> Client {
+        Client::connect_with(socket, buf_len, false)
+    }
+
+    /// Connects to a read-only export (libblkio refuses to start on one
+    /// otherwise).
+    pub fn connect_read_only(socket: &Path, buf_len: usize) -> Client {
+        Client::connect_with(socket, buf_len, true)
+    }
+
+    fn connect_with(socket: &Path, buf_len: usize, read_only: bool) -> Client {
         let mut blkio = ok("new", Blkio::new("virtio-blk-vhost-user"));
         let path = socket.to_str().expect("UTF-8 socket path");
         ok("path", blkio.set_str("path", path));
+        if read_only {
+            ok("read-only", blkio.set_bool("read-only", true));
+        }
         ok("connect", blkio.connect());
         ok("num-queues", blkio.set_i32("num-queues", 1));
         let capacity = ok("capacity", blkio.get_u64("capacity"));

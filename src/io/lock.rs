@@ -1,0 +1,157 @@
+//! The image lock: one daemon (or QEMU) at a time writes an image.
+//!
+//! An open-file-description lock (`F_OFD_SETLK`) on the whole image,
+//! exclusive for a read-write export and shared for a read-only one, so
+//! two read-only daemons may share an image but no writer may share it
+//! with anyone. QEMU's own image locking also takes OFD locks on the file
+//! (on bytes of their own), so a QEMU or qemu-storage-daemon that has the
+//! image open read-write and ringblk keep each other off it too.
+//!
+//! The lock is held while the device runs, not while the daemon does: it
+//! is taken when a ring starts and released when the last running ring
+//! stops (GET_VRING_BASE, a device reset, the end of the connection). A
+//! live migration between two daemons on one image therefore hands it
+//! over: QEMU stops the source's rings before it starts the
+//! destination's. The kernel drops the lock of a process that dies, so a
+//! daemon killed with -9 does not keep its successor off the image.
+//!
+//! The lock is advisory: it stops daemons and QEMUs that ask, not a `dd`.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::Mutex;
+
+/// The image lock of one device, shared by its queues.
+#[derive(Debug)]
+pub struct ImageLock {
+    /// A duplicate of the image's fd: the same open file description,
+    /// whose lock this is. Locks belong to the description, so the lock
+    /// goes when the last fd of it is closed.
+    file: File,
+    exclusive: bool,
+    /// How many queues have started and not stopped. The lock is held
+    /// while this is above 0.
+    users: Mutex<usize>,
+}
+
+/// Another process holds a conflicting lock.
+#[derive(Debug, thiserror::Error)]
+#[error("the image is locked by another process (another ringblk or a QEMU using it)")]
+pub struct Locked;
+
+impl ImageLock {
+    /// A lock on `image`'s open file description; nothing is locked yet.
+    /// `exclusive` for a read-write export.
+    pub fn new(image: &File, exclusive: bool) -> io::Result<ImageLock> {
+        Ok(ImageLock {
+            file: image.try_clone()?,
+            exclusive,
+            users: Mutex::new(0),
+        })
+    }
+
+    /// A queue starts: takes the lock if no queue holds it. Each `Ok` is
+    /// matched by one [`ImageLock::release`].
+    pub fn acquire(&self) -> Result<(), Locked> {
+        let mut users = self.users.lock().unwrap_or_else(|p| p.into_inner());
+        if *users == 0 {
+            let kind = if self.exclusive {
+                libc::F_WRLCK
+            } else {
+                libc::F_RDLCK
+            };
+            match self.set(kind) {
+                Ok(()) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) => {
+                    return Err(Locked);
+                }
+                Err(e) => {
+                    // A file system without locks (some FUSE ones): the
+                    // lock cannot protect anything there, and refusing
+                    // I/O for it would make the image useless.
+                    log::warn!("cannot lock the image ({e}); serving it unlocked");
+                }
+            }
+        }
+        *users += 1;
+        Ok(())
+    }
+
+    /// A queue that acquired the lock stops; the last one releases it.
+    pub fn release(&self) {
+        let mut users = self.users.lock().unwrap_or_else(|p| p.into_inner());
+        *users = users.saturating_sub(1);
+        if *users == 0 {
+            if let Err(e) = self.set(libc::F_UNLCK) {
+                log::warn!("cannot unlock the image: {e}");
+            }
+        }
+    }
+
+    fn set(&self, kind: libc::c_int) -> io::Result<()> {
+        // SAFETY: all-zero is a valid `flock` (l_start 0, l_len 0: the
+        // whole file; l_pid must be 0 for OFD locks).
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = kind as libc::c_short;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        // SAFETY: F_OFD_SETLK reads one `flock` through the pointer, which
+        // points to a live local; the fd is open for as long as `self`.
+        let ret = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) };
+        if ret < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::OpenOptions;
+
+    use super::*;
+
+    fn open(path: &std::path::Path) -> File {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap()
+    }
+
+    #[test]
+    fn a_writer_excludes_others_until_its_last_queue_stops() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        File::create(&path).unwrap().set_len(4096).unwrap();
+        let a = ImageLock::new(&open(&path), true).unwrap();
+        let b = ImageLock::new(&open(&path), true).unwrap();
+        let reader = ImageLock::new(&open(&path), false).unwrap();
+        a.acquire().unwrap();
+        a.acquire().unwrap();
+        assert!(b.acquire().is_err());
+        assert!(reader.acquire().is_err());
+        a.release();
+        assert!(b.acquire().is_err(), "one of a's queues still runs");
+        a.release();
+        b.acquire().unwrap();
+        b.release();
+        reader.acquire().unwrap();
+    }
+
+    #[test]
+    fn readers_share() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        File::create(&path).unwrap().set_len(4096).unwrap();
+        let r1 = ImageLock::new(&open(&path), false).unwrap();
+        let r2 = ImageLock::new(&open(&path), false).unwrap();
+        let w = ImageLock::new(&open(&path), true).unwrap();
+        r1.acquire().unwrap();
+        r2.acquire().unwrap();
+        assert!(w.acquire().is_err());
+        r1.release();
+        r2.release();
+        w.acquire().unwrap();
+    }
+}
