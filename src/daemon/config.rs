@@ -5,7 +5,7 @@ mod rundir;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
@@ -111,6 +111,7 @@ impl Config {
         let writeback = Arc::new(AtomicBool::new(!args.writethrough));
         let worker = WorkerConfig {
             limits,
+            capacity: AtomicU64::new(limits.capacity_sectors),
             serial,
             notify: args.notify,
             signal: args.signal,

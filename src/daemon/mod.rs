@@ -26,7 +26,7 @@ use crate::cli::{EngineKind, ServeArgs};
 use crate::engine::{Engine, EngineError, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
-use crate::vhost::{BlkBackend, Drain, ExitEvents, QueueWorker, WorkerConfig, proxy};
+use crate::vhost::{BlkBackend, Device, ExitEvents, QueueWorker, WorkerConfig, proxy};
 use crate::virtio::config::{config_space, device_features};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
 use crate::warn_limited;
@@ -54,7 +54,7 @@ pub enum DaemonError {
 }
 
 /// The backend serving the current connection, for the signal handler.
-type Current = Arc<Mutex<Option<Arc<dyn Drain>>>>;
+pub type Current = Arc<Mutex<Option<Arc<dyn Device>>>>;
 
 /// Runs `ringblk serve` until SIGINT/SIGTERM.
 pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
