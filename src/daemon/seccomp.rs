@@ -238,7 +238,15 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // block device whose kernel cannot do it through io_uring.
         (
             SYS_ioctl,
-            arg_in(1, &[FIONBIO, crate::io::BLKDISCARD() as u64]),
+            arg_in(
+                1,
+                &[
+                    FIONBIO,
+                    crate::io::BLKDISCARD() as u64,
+                    // An online resize re-reads a block device's size.
+                    crate::io::BLKGETSIZE64() as u64,
+                ],
+            ),
         ),
         // The relay in front of vhost-user-backend connects to the crate's
         // private socket (bound before the filter) once per connection: a
@@ -314,6 +322,9 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // returning from signal handlers.
         (SYS_recvfrom, any()),
         (SYS_sendto, any()),
+        // tiny_http (the control API and the metrics endpoint) asks each
+        // accepted connection for its peer's address.
+        (SYS_getpeername, any()),
         (SYS_rt_sigreturn, any()),
         // Rust's SIGSEGV/SIGBUS handler (stack-overflow detection) resets
         // the signal to its default and returns, so that a real fault kills

@@ -4,4 +4,4 @@
 
 mod image;
 
-pub use image::{BLKDISCARD, Image, ImageError, ImageOptions};
+pub use image::{BLKDISCARD, BLKGETSIZE64, Image, ImageError, ImageOptions, device_size};

@@ -67,7 +67,8 @@ impl BackendChannel {
             ),
             _ => e,
         })?;
-        let le32 = |i: usize| u32::from_le_bytes([reply[i], reply[i + 1], reply[i + 2], reply[i + 3]]);
+        let le32 =
+            |i: usize| u32::from_le_bytes([reply[i], reply[i + 1], reply[i + 2], reply[i + 3]]);
         let (rcode, rflags, size) = (le32(0), le32(4), le32(8));
         let value = u64::from_le_bytes(reply[12..20].try_into().unwrap_or_default());
         if rcode != code || rflags & VhostUserHeaderFlag::REPLY.bits() == 0 || size != 8 {
