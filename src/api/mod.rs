@@ -305,7 +305,12 @@ pub fn bind_metrics(addr: &str) -> Result<(Bound, MetricsAddr), MetricsError> {
 /// The read-only metrics endpoint on `addr`.
 pub fn spawn_metrics(addr: &str, queues: Vec<Arc<QueueMetrics>>) -> Result<Endpoint, MetricsError> {
     let (bound, addr) = bind_metrics(addr)?;
-    spawn(bound, addr, queues, None)
+    let endpoint = spawn(bound, addr, queues, None)?;
+    log::info!(
+        "metrics on {} (GET /metrics, /metrics.json)",
+        endpoint.local_addr()
+    );
+    Ok(endpoint)
 }
 
 /// Serves `bound` (known as `addr`) on a thread of its own: the counters
