@@ -263,7 +263,22 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
             ]),
         ),
         (SYS_connect, any()),
-        // The relay's read timeouts on a front-end that stalls mid-message.
+        // vhost-user-backend checks the back-end channel a front-end hands
+        // over (SET_BACKEND_REQ_FD) is a Unix stream socket.
+        (
+            SYS_getsockopt,
+            [SO_DOMAIN, SO_TYPE]
+                .iter()
+                .map(|&opt| {
+                    SeccompRule::new(vec![
+                        SeccompCondition::new(1, Len::Dword, Op::Eq, SOL_SOCKET as u64)?,
+                        SeccompCondition::new(2, Len::Dword, Op::Eq, opt as u64)?,
+                    ])
+                })
+                .collect(),
+        ),
+        // The relay's read timeouts on a front-end that stalls mid-message,
+        // and the back-end channel's wait for an answer.
         (
             SYS_setsockopt,
             args_eq(&[(1, SOL_SOCKET as u64), (2, SO_RCVTIMEO as u64)]),

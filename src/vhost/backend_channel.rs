@@ -19,8 +19,9 @@ use std::time::Duration;
 use vhost::vhost_user::message::{BackendReq, VhostUserHeaderFlag};
 
 /// How long the front-end gets to acknowledge (with REPLY_ACK). QEMU
-/// answers from its main loop after reading the configuration again.
-pub const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+/// answers from its main loop after reading the configuration again;
+/// shorter than the 3 s `ringblk ctl` waits for the API's answer.
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The only protocol version, in the flags' low bits.
 const VERSION: u32 = 0x1;
