@@ -123,7 +123,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
                 Some(p) => p.display().to_string(),
                 None => format!("fd {fd}"),
             };
-            log::info!("serving the socket passed by {from}: {name}");
+            log::info!("using the listening socket passed by {from}: {name}");
             (l, name)
         }
     };
