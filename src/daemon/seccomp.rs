@@ -234,8 +234,11 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
                 ],
             ),
         ),
-        // set_nonblocking on the metrics endpoint's connections; discard of a
-        // block device whose kernel cannot do it through io_uring.
+        // FIONBIO: std's set_nonblocking, which the old hand-written
+        // metrics endpoint used; tiny_http does not, but the vhost crate's
+        // Listener::set_nonblocking would, so it stays until a trace shows
+        // nothing needs it. Discard of a block device whose kernel cannot
+        // do it through io_uring.
         (
             SYS_ioctl,
             arg_in(

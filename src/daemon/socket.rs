@@ -83,7 +83,7 @@ pub fn systemd_fd() -> Result<Option<RawFd>, DaemonError> {
     match count {
         0 => Ok(None),
         1 => Ok(Some(LISTEN_FDS_START)),
-        n if n < 0 || n > 1024 => Err(err(format!("LISTEN_FDS={n} is not a usable count"))),
+        n if !(0..=1024).contains(&n) => Err(err(format!("LISTEN_FDS={n} is not a usable count"))),
         n => {
             let i = names
                 .as_deref()
