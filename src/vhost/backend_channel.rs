@@ -55,6 +55,9 @@ impl BackendChannel {
         hdr[4..8].copy_from_slice(&flags.to_le_bytes());
         // A zero-length payload (vhost-user spec).
         let mut sock = self.sock.lock().unwrap_or_else(|p| p.into_inner());
+        // An answer that came after we stopped waiting for it must not be
+        // taken for the answer to this message.
+        discard_pending(&sock);
         sock.write_all(&hdr)?;
         if !self.reply_ack {
             return Ok(false);
@@ -87,6 +90,29 @@ impl BackendChannel {
     }
 }
 
+/// Reads and drops whatever the front-end sent that nobody read (a late
+/// answer), without blocking: recv with MSG_DONTWAIT, which is the
+/// `recvfrom` the seccomp filter allows.
+fn discard_pending(sock: &UnixStream) {
+    use std::os::fd::AsRawFd;
+    let mut buf = [0u8; 256];
+    loop {
+        // SAFETY: recv writes at most buf.len() bytes into `buf`, a live
+        // local; the fd is the channel's, open as long as `sock`.
+        let n = unsafe {
+            libc::recv(
+                sock.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n <= 0 {
+            return;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,6 +140,33 @@ mod tests {
         drop(front.join().unwrap());
         // The front-end gone: an error, not a hang or a panic.
         assert!(ch.config_changed().is_err());
+    }
+
+    /// A reply that arrives after the wait gave up is not the next
+    /// message's answer.
+    #[test]
+    fn a_late_answer_is_not_taken_for_the_next_one() {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let ch = BackendChannel::new(ours, true);
+        let reply = |value: u64| {
+            let mut r = Vec::new();
+            r.extend_from_slice(&2u32.to_le_bytes());
+            r.extend_from_slice(&(VERSION | VhostUserHeaderFlag::REPLY.bits()).to_le_bytes());
+            r.extend_from_slice(&8u32.to_le_bytes());
+            r.extend_from_slice(&value.to_le_bytes());
+            r
+        };
+        // A late success for an earlier message, then this one's failure.
+        theirs.write_all(&reply(0)).unwrap();
+        let front = std::thread::spawn(move || {
+            let mut hdr = [0u8; 12];
+            theirs.read_exact(&mut hdr).unwrap();
+            theirs.write_all(&reply(1)).unwrap();
+            theirs
+        });
+        let e = ch.config_changed().unwrap_err();
+        assert!(e.to_string().contains("with an error"), "{e}");
+        drop(front.join().unwrap());
     }
 
     #[test]
