@@ -11,9 +11,13 @@
 //! a small pool of threads; requests are answered one at a time on the
 //! endpoint's own thread, which never touches the queue workers: it loads
 //! their counters and the capacity, and a resize stores the capacity.
-//! Under the daemon's seccomp filter it needs only what the daemon
-//! already allows (accept4, recvfrom/sendto, clone3 for the pool's
-//! threads, futex).
+//! Under the daemon's seccomp filter it needs accept4, recvfrom/sendto,
+//! clone3 and futex for the pool's threads, and getpeername (tiny_http
+//! asks each connection for its peer), all on the filter's list.
+//!
+//! What tiny_http does not bound: a connection that stays open and idle
+//! holds one of the pool's threads until its client closes it, and an
+//! accept error (the daemon out of fds) ends the endpoint (logged).
 
 mod control;
 pub mod ctl;

@@ -99,7 +99,8 @@ pub enum DaemonError {
     Seccomp(String),
 }
 
-/// The backend serving the current connection, for the signal handler.
+/// The device serving the current connection, for the signal handler and
+/// the control API (`None` between connections).
 pub type Current = Arc<Mutex<Option<Arc<dyn Device>>>>;
 
 /// Runs `ringblk serve` until SIGINT/SIGTERM.
