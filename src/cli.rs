@@ -27,8 +27,12 @@ pub struct Cli {
 pub enum Command {
     /// Serve an image file or block device as a vhost-user-blk device.
     Serve(ServeArgs),
-    /// Print the counters of a running daemon (started with --metrics).
+    /// Print the counters of a running daemon (started with --metrics or
+    /// --api); `ctl --api PATH stats` is the same.
     Stats(crate::metrics::StatsArgs),
+    /// Control a running daemon over its --api socket: status, resize,
+    /// stats.
+    Ctl(crate::api::ctl::CtlArgs),
     /// Load generator for any vhost-user-blk socket, and a side-by-side
     /// comparison with qemu-storage-daemon and the host's own io_uring:
     /// runs ringblk-bench with these arguments.
@@ -75,8 +79,21 @@ pub struct ServeArgs {
     /// /run/ringblk for root, else ringblk-UID in $TMPDIR or /tmp; created
     /// 0700, and refused if it is a symlink, someone else's, or writable by
     /// its group or others]
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", conflicts_with = "socket_fd")]
     pub socket: Option<PathBuf>,
+
+    /// Serve an already-listening Unix stream socket passed in as file
+    /// descriptor N (like qemu-storage-daemon's addr.type=fd), instead of
+    /// binding --socket. Without it, a socket passed by systemd
+    /// (LISTEN_FDS/LISTEN_PID) is used. The daemon does not remove a
+    /// socket it was given.
+    #[arg(long, value_name = "N")]
+    pub socket_fd: Option<i32>,
+
+    /// Serve the control API (JSON over HTTP: status, resize, metrics) on
+    /// this Unix socket, created with mode 0600.
+    #[arg(long, value_name = "PATH")]
+    pub api: Option<PathBuf>,
 
     /// Permissions of the socket file, in octal.
     #[arg(long, default_value = "600", value_parser = parse_octal)]
@@ -137,7 +154,8 @@ pub struct ServeArgs {
     pub engine: EngineKind,
 
     /// Serve Prometheus metrics on this address: HOST:PORT for TCP, or a
-    /// path for a Unix socket.
+    /// path for a Unix socket. Read-only: the control verbs are on --api
+    /// only.
     #[arg(long)]
     pub metrics: Option<String>,
 

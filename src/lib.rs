@@ -11,9 +11,12 @@
 //! - [`vhost`]: the glue to `vhost-user-backend`: one worker per queue,
 //!   which decides when to pop, submit, publish, notify and journal;
 //! - [`daemon`]: configuration, the socket, signals, the serve loop;
-//! - [`metrics`]: the counters' endpoint and `ringblk stats`;
+//! - [`metrics`]: the counters, `ringblk stats`, rate-limited logging;
+//! - [`api`]: the HTTP endpoints (`--api`'s control verbs, `--metrics`)
+//!   and `ringblk ctl`;
 //! - [`bench`](mod@bench): `ringblk bench`, which runs the separate `ringblk-bench`.
 
+pub mod api;
 pub mod bench;
 pub mod cli;
 pub mod daemon;

@@ -10,6 +10,7 @@ fn main() {
     let result = match cli.command {
         Command::Serve(args) => ringblk::daemon::serve(args).map_err(|e| e.to_string()),
         Command::Stats(args) => ringblk::metrics::stats(&args),
+        Command::Ctl(args) => ringblk::api::ctl::ctl(&args),
         Command::Bench(args) => ringblk::bench::exec(&args),
     };
     if let Err(e) = result {

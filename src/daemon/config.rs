@@ -5,7 +5,7 @@ mod rundir;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
@@ -21,12 +21,21 @@ use super::DaemonError;
 pub const MAX_QUEUES: u16 = 64;
 pub const MAX_QUEUE_SIZE: u16 = 32768;
 
+/// Where the vhost-user socket comes from.
+pub enum Listen {
+    /// Bind this path: `--socket`, else the default in the private
+    /// directory. The daemon removes it on exit.
+    Bind(PathBuf),
+    /// A listening socket passed in, checked when it is taken; the daemon
+    /// does not remove it.
+    Fd { fd: i32, from: &'static str },
+}
+
 /// Everything `serve` needs, checked.
 pub struct Config {
     pub args: ServeArgs,
-    /// Where to listen: `--socket`, else the default in the private
-    /// directory.
-    pub socket: PathBuf,
+    /// Where to listen.
+    pub listen: Listen,
     pub image: Image,
     pub image_created: bool,
     pub worker: WorkerConfig,
@@ -63,11 +72,25 @@ impl Config {
             return Err(DaemonError::Config("--iopoll needs --direct".into()));
         }
         crate::cpu::check_cpus(&args.cpus).map_err(DaemonError::Config)?;
+        // A socket passed in (--socket-fd, or systemd's when no socket is
+        // named) is served as it is.
+        let passed = match (args.socket_fd, &args.socket) {
+            (Some(fd), _) => Some(Listen::Fd {
+                fd,
+                from: "--socket-fd",
+            }),
+            (None, None) => super::socket::systemd_fd()?.map(|fd| Listen::Fd {
+                fd,
+                from: "systemd (LISTEN_FDS)",
+            }),
+            (None, Some(_)) => None,
+        };
         // What is not given goes in a private directory, chosen and checked
         // only when needed.
-        let (socket, path) = match (&args.socket, &args.image) {
-            (Some(socket), Some(image)) => (socket.clone(), image.clone()),
-            (socket, image) => {
+        let (socket, path) = match (&args.socket, &args.image, &passed) {
+            (Some(socket), Some(image), _) => (socket.clone(), image.clone()),
+            (_, Some(image), Some(_)) => (PathBuf::new(), image.clone()),
+            (socket, image, _) => {
                 let dir = rundir::choose(&rundir::Env::from_process())
                     .map_err(|e| DaemonError::Config(e.to_string()))?;
                 (
@@ -80,6 +103,7 @@ impl Config {
                 )
             }
         };
+        let listen = passed.unwrap_or(Listen::Bind(socket));
         let created = match args.image {
             Some(_) => false,
             None => Image::create_if_missing(&path, args.size)?,
@@ -111,6 +135,7 @@ impl Config {
         let writeback = Arc::new(AtomicBool::new(!args.writethrough));
         let worker = WorkerConfig {
             limits,
+            capacity: AtomicU64::new(limits.capacity_sectors),
             serial,
             notify: args.notify,
             signal: args.signal,
@@ -154,7 +179,7 @@ impl Config {
         };
         Ok(Config {
             args,
-            socket,
+            listen,
             image,
             image_created: created,
             worker,

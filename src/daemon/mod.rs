@@ -6,6 +6,7 @@
 //! reboot or a QEMU restart needs no daemon restart.
 
 mod config;
+mod notify;
 mod removal;
 mod seccomp;
 mod socket;
@@ -26,13 +27,58 @@ use crate::cli::{EngineKind, ServeArgs};
 use crate::engine::{Engine, EngineError, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
-use crate::vhost::{BlkBackend, Drain, ExitEvents, QueueWorker, WorkerConfig, proxy};
+use crate::vhost::{BlkBackend, Device, ExitEvents, QueueWorker, WorkerConfig, proxy};
 use crate::virtio::config::{config_space, device_features};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
 use crate::warn_limited;
 use removal::Removal;
 
-pub use config::Config;
+pub use config::{Config, Listen};
+use notify::Notifier;
+
+/// The control API on `path` (mode 0600, bound before the seccomp filter).
+fn spawn_api(
+    path: &Path,
+    (args, image): (&ServeArgs, &crate::io::Image),
+    worker: &Arc<WorkerConfig>,
+    current: &Current,
+    metrics: &[Arc<QueueMetrics>],
+    features: u64,
+) -> Result<crate::api::Endpoint, DaemonError> {
+    let err = |e: String| DaemonError::Config(format!("--api {}: {e}", path.display()));
+    let listener = socket::bind(path, 0o600).map_err(|e| err(e.to_string()))?;
+    let image = crate::api::ControlImage {
+        path: image.path.clone(),
+        file: image.file.try_clone().map_err(|e| err(e.to_string()))?,
+        is_block_device: image.is_block_device,
+        block_size: image.block_size,
+        readonly: args.readonly,
+    };
+    let control = crate::api::Control::new(
+        image,
+        worker.clone(),
+        current.clone(),
+        args.queues,
+        args.queue_size,
+        features,
+    );
+    let mut addr = path.display().to_string();
+    if !addr.contains('/') {
+        addr = format!("./{addr}");
+    }
+    let endpoint = crate::api::spawn(
+        crate::api::Bound::Unix(listener),
+        crate::metrics::MetricsAddr::parse(&addr),
+        metrics.to_vec(),
+        Some(Arc::new(control)),
+    )
+    .map_err(|e| err(e.to_string()))?;
+    log::info!(
+        "control API on {} (GET /api/v1/status, PUT /api/v1/resize, GET /metrics, /metrics.json)",
+        path.display()
+    );
+    Ok(endpoint)
+}
 
 /// Why the daemon cannot start or go on. Messages are one line.
 #[derive(Debug, thiserror::Error)]
@@ -53,25 +99,59 @@ pub enum DaemonError {
     Seccomp(String),
 }
 
-/// The backend serving the current connection, for the signal handler.
-type Current = Arc<Mutex<Option<Arc<dyn Drain>>>>;
+/// The device serving the current connection, for the signal handler and
+/// the control API (`None` between connections).
+pub type Current = Arc<Mutex<Option<Arc<dyn Device>>>>;
 
 /// Runs `ringblk serve` until SIGINT/SIGTERM.
 pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
+    // First, while this is the only thread: it reads and clears the
+    // environment (LISTEN_FDS, NOTIFY_SOCKET).
+    let notifier = Notifier::from_env().map_err(DaemonError::Config)?;
     let cfg = Config::from_args(args)?;
-    let listener = socket::bind(&cfg.socket, cfg.args.socket_mode)?;
+    let (listener, socket_name) = match &cfg.listen {
+        Listen::Bind(path) => (
+            socket::bind(path, cfg.args.socket_mode)?,
+            path.display().to_string(),
+        ),
+        Listen::Fd { fd, from } => {
+            let l = socket::adopt(*fd, from)?;
+            let name = match l
+                .local_addr()
+                .ok()
+                .and_then(|a| a.as_pathname().map(Path::to_owned))
+            {
+                Some(p) => p.display().to_string(),
+                None => format!("fd {fd}"),
+            };
+            log::info!("using the listening socket passed by {from}: {name}");
+            (l, name)
+        }
+    };
     let num_queues = usize::from(cfg.args.queues);
     let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
     // Bound before the seccomp filter: binding probes for a stale socket.
     let _endpoint = match &cfg.args.metrics {
         Some(addr) => Some(
-            crate::metrics::spawn_endpoint(addr, metrics.clone())
+            crate::api::spawn_metrics(addr, metrics.clone())
                 .map_err(|e| DaemonError::Config(format!("--metrics: {e}")))?,
         ),
         None => None,
     };
     let worker_cfg = Arc::new(cfg.worker);
     let current: Current = Arc::default();
+    let features = device_features(cfg.args.readonly);
+    let _api = match &cfg.args.api {
+        Some(path) => Some(spawn_api(
+            path,
+            (&cfg.args, &cfg.image),
+            &worker_cfg,
+            &current,
+            &metrics,
+            features,
+        )?),
+        None => None,
+    };
     let mut inner = InnerSocket::new()?;
     // One queue thread per queue (`BlkBackend::queues_per_thread`).
     let exit_events = Arc::new(
@@ -82,7 +162,10 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     let removal = |p: &std::path::Path| {
         Removal::file(p).map_err(|e| DaemonError::Socket(format!("{}: {e}", p.display())))
     };
-    let mut files = vec![removal(&cfg.socket)?];
+    let mut files = Vec::new();
+    if let Listen::Bind(path) = &cfg.listen {
+        files.push(removal(path)?);
+    }
     if let Some(crate::metrics::MetricsAddr::Unix(p)) = cfg
         .args
         .metrics
@@ -90,6 +173,9 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         .map(crate::metrics::MetricsAddr::parse)
     {
         files.push(removal(&p)?);
+    }
+    if let Some(p) = &cfg.args.api {
+        files.push(removal(p)?);
     }
     let unlink_dirs: Vec<i32> = files
         .iter()
@@ -102,16 +188,16 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         current.clone(),
         files,
         inner.paths.clone(),
+        notifier.try_clone().map_err(DaemonError::Signals)?,
     )?;
     announce(
-        &cfg.socket,
+        &socket_name,
         &cfg.args,
         &cfg.image,
         cfg.image_created,
         &worker_cfg,
     );
 
-    let features = device_features(cfg.args.readonly);
     let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
     let conn = Connections {
         args: &cfg.args,
@@ -125,6 +211,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         features,
         unlink_dirs,
         log_limit: RateLimiter::new(10, Duration::from_secs(5)),
+        notifier,
     };
     // Every engine (and so every io_uring) the daemon will ever use is made
     // now, before the seccomp filter, which then forbids io_uring_setup:
@@ -163,6 +250,8 @@ struct Connections<'a> {
     /// Directory fds the daemon may remove files in after start-up.
     unlink_dirs: Vec<i32>,
     log_limit: RateLimiter,
+    /// READY=1 once the filter is on and the first accept is next.
+    notifier: Notifier,
 }
 
 /// Why a connection ended early.
@@ -183,6 +272,9 @@ impl Connections<'_> {
         // Before the filter: installing it calls rt_sigaction.
         crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
         seccomp::install(self.args.seccomp, &self.unlink_dirs)?;
+        // The socket has been listening since start-up; connections queue
+        // in its backlog until the first accept, which comes next.
+        self.notifier.notify("READY=1");
         loop {
             match self.connection(&mut engines) {
                 Ok(()) => {}
@@ -429,6 +521,7 @@ fn spawn_signal_handler(
     current: Current,
     files: Vec<Removal>,
     inner: InnerPaths,
+    notifier: Notifier,
 ) -> Result<(), DaemonError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals =
@@ -439,6 +532,7 @@ fn spawn_signal_handler(
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
                 log::info!("signal {sig}: finishing in-flight requests");
+                notifier.notify("STOPPING=1");
                 cfg.stopping.store(true, Ordering::Relaxed);
                 if let Some(b) = current.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                     b.drain_all();
@@ -459,7 +553,7 @@ fn spawn_signal_handler(
 
 /// Tells the user what is being served and how to connect.
 fn announce(
-    socket: &Path,
+    socket: &str,
     args: &ServeArgs,
     image: &crate::io::Image,
     created: bool,
@@ -479,7 +573,7 @@ fn announce(
         image.block_size,
         if args.readonly { ", read-only" } else { "" },
         if args.direct { ", O_DIRECT" } else { "" },
-        socket.display(),
+        socket,
         args.queues,
         args.queue_size,
         String::from_utf8_lossy(&cfg.serial).trim_end_matches('\0'),
@@ -488,8 +582,7 @@ fn announce(
         "Connect QEMU with:\n  qemu-system-x86_64 -m 1G -object memory-backend-memfd,id=mem,size=1G,share=on \
          -numa node,memdev=mem -chardev socket,id=rb0,path={} \
          -device vhost-user-blk-pci,chardev=rb0,num-queues={} ...",
-        socket.display(),
-        args.queues
+        socket, args.queues
     );
 }
 

@@ -237,11 +237,22 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
                 ],
             ),
         ),
-        // set_nonblocking on the metrics endpoint's connections; discard of a
-        // block device whose kernel cannot do it through io_uring.
+        // FIONBIO: std's set_nonblocking, which the old hand-written
+        // metrics endpoint used; tiny_http does not, but the vhost crate's
+        // Listener::set_nonblocking would, so it stays until a trace shows
+        // nothing needs it. Discard of a block device whose kernel cannot
+        // do it through io_uring.
         (
             SYS_ioctl,
-            arg_in(1, &[FIONBIO, crate::io::BLKDISCARD() as u64]),
+            arg_in(
+                1,
+                &[
+                    FIONBIO,
+                    crate::io::BLKDISCARD() as u64,
+                    // An online resize re-reads a block device's size.
+                    crate::io::BLKGETSIZE64() as u64,
+                ],
+            ),
         ),
         // The relay in front of vhost-user-backend connects to the crate's
         // private socket (bound before the filter) once per connection: a
@@ -258,7 +269,22 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
             ]),
         ),
         (SYS_connect, any()),
-        // The relay's read timeouts on a front-end that stalls mid-message.
+        // vhost-user-backend checks the back-end channel a front-end hands
+        // over (SET_BACKEND_REQ_FD) is a Unix stream socket.
+        (
+            SYS_getsockopt,
+            [SO_DOMAIN, SO_TYPE]
+                .iter()
+                .map(|&opt| {
+                    SeccompRule::new(vec![
+                        SeccompCondition::new(1, Len::Dword, Op::Eq, SOL_SOCKET as u64)?,
+                        SeccompCondition::new(2, Len::Dword, Op::Eq, opt as u64)?,
+                    ])
+                })
+                .collect(),
+        ),
+        // The relay's read timeouts on a front-end that stalls mid-message,
+        // and the back-end channel's wait for an answer.
         (
             SYS_setsockopt,
             args_eq(&[(1, SOL_SOCKET as u64), (2, SO_RCVTIMEO as u64)]),
@@ -320,6 +346,9 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // returning from signal handlers.
         (SYS_recvfrom, any()),
         (SYS_sendto, any()),
+        // tiny_http (the control API and the metrics endpoint) asks each
+        // accepted connection for its peer's address.
+        (SYS_getpeername, any()),
         (SYS_rt_sigreturn, any()),
         // Rust's SIGSEGV/SIGBUS handler (stack-overflow detection) resets
         // the signal to its default and returns, so that a real fault kills

@@ -50,6 +50,22 @@ pub enum ImageError {
     },
 }
 
+/// The size of an open image in bytes: BLKGETSIZE64 on a block device,
+/// else the file's length. Read at start-up and again by an online resize.
+pub fn device_size(file: &File, is_block_device: bool) -> io::Result<u64> {
+    if !is_block_device {
+        return Ok(file.metadata()?.len());
+    }
+    let mut size = 0u64;
+    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which
+    // points to a live local; the fd is open.
+    let ret = unsafe { ioctl_with_mut_ref(file, BLKGETSIZE64(), &mut size) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(size)
+}
+
 /// How to open the image.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ImageOptions {
@@ -104,20 +120,10 @@ impl Image {
         })?;
         let meta = file.metadata().map_err(|e| io_err("stat", path, e))?;
         let is_block_device = meta.file_type().is_block_device();
-        let size = if is_block_device {
-            let mut size = 0u64;
-            // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which
-            // points to a live local; the fd is open.
-            let ret = unsafe { ioctl_with_mut_ref(&file, BLKGETSIZE64(), &mut size) };
-            if ret < 0 {
-                return Err(io_err("size", path, io::Error::last_os_error()));
-            }
-            size
-        } else if meta.file_type().is_file() {
-            meta.len()
-        } else {
+        if !is_block_device && !meta.file_type().is_file() {
             return Err(ImageError::NotAFileOrDevice(path.to_owned()));
-        };
+        }
+        let size = device_size(&file, is_block_device).map_err(|e| io_err("size", path, e))?;
         if size == 0 {
             return Err(ImageError::Empty {
                 path: path.to_owned(),

@@ -5,5 +5,5 @@
 mod image;
 mod lock;
 
-pub use image::{BLKDISCARD, Image, ImageError, ImageOptions};
+pub use image::{BLKDISCARD, BLKGETSIZE64, Image, ImageError, ImageOptions, device_size};
 pub use lock::{ImageLock, Locked};

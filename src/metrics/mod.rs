@@ -4,17 +4,15 @@
 //! - [`QueueMetrics`] and the other counter types come from the
 //!   `ringblk-metrics` crate, shared with `ringblk-bench`, and are
 //!   re-exported here;
-//! - [`spawn_endpoint`]: the opt-in `--metrics ADDR` HTTP endpoint
-//!   (Prometheus text at `/metrics`, JSON at `/metrics.json`);
+//! - the `--metrics ADDR` HTTP endpoint (Prometheus text at `/metrics`,
+//!   JSON at `/metrics.json`) is [`crate::api`]'s, read-only;
 //! - [`stats`]: `ringblk stats`, a table of a running daemon's counters;
 //! - [`RateLimiter`], [`SharedRateLimiter`]: for log lines a guest or a
 //!   front-end can trigger.
 
-mod endpoint;
 pub mod ratelimit;
 mod stats;
 
-pub use endpoint::{Endpoint, spawn_endpoint};
 pub use ratelimit::{RateLimiter, SharedRateLimiter};
 pub use ringblk_metrics::prometheus::encode as encode_prometheus;
 pub use ringblk_metrics::{

@@ -21,12 +21,15 @@ use crate::metrics::SharedRateLimiter;
 use crate::virtio::GuestMem;
 use crate::virtio::config::{CONFIG_LEN, read_config};
 
+use super::backend_channel::BackendChannel;
 use super::inflight::{InflightQueue, InflightRegion};
 use super::proxy::InflightHost;
 use super::worker::{QueueWorker, Vring, WorkerConfig};
 
 /// Offset of `wce` in the config space.
 const WCE_OFFSET: u32 = 32;
+/// Offset of `capacity` (le64) in the config space.
+const CAPACITY_OFFSET: usize = 0;
 
 /// The queue threads' exit events, one per thread, made once for the
 /// daemon's life and handed to every connection.
@@ -70,17 +73,25 @@ pub struct BlkBackend<E: Engine> {
     /// by the protocol thread when the ring is stopped or reset. `None` once
     /// the connection is over and its engine went back to the daemon.
     workers: Vec<Mutex<Option<QueueWorker<E>>>>,
+    /// The configuration space but for the capacity, which GET_CONFIG
+    /// reads from `cfg.capacity`.
     config: Mutex<[u8; CONFIG_LEN]>,
     features: u64,
     exit_events: Arc<ExitEvents>,
+    /// The back-end request channel, once the front-end handed one over.
+    channel: Mutex<Option<Arc<BackendChannel>>>,
 }
 
-/// What the daemon's signal handler needs of the device of the current
-/// connection, whatever its engine.
-pub trait Drain: Send + Sync {
+/// What the daemon (its signal handler, its control API) needs of the
+/// device of the current connection, whatever its engine.
+pub trait Device: Send + Sync {
     /// Takes no more requests and completes everything in flight, on every
     /// queue.
     fn drain_all(&self);
+    /// Tells the front-end that the configuration space changed (the
+    /// capacity, after a resize). Ok(None): it gave us no back-end channel
+    /// (it did not negotiate BACKEND_REQ), so it cannot be told; Ok(Some(acked)).
+    fn config_changed(&self) -> io::Result<Option<bool>>;
 }
 
 impl<E: Engine> BlkBackend<E> {
@@ -97,6 +108,7 @@ impl<E: Engine> BlkBackend<E> {
             config: Mutex::new(config),
             features,
             exit_events,
+            channel: Mutex::new(None),
         }
     }
 
@@ -145,9 +157,20 @@ impl<E: Engine> BlkBackend<E> {
     }
 }
 
-impl<E: Engine> Drain for BlkBackend<E> {
+impl<E: Engine> Device for BlkBackend<E> {
     fn drain_all(&self) {
         self.each_worker(|_, w| w.drain());
+    }
+
+    fn config_changed(&self) -> io::Result<Option<bool>> {
+        // Cloned out: the answer may take a while, and GET_CONFIG (which
+        // the front-end sends before it answers) must not wait for us.
+        let channel = self
+            .channel
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        channel.map(|c| c.config_changed()).transpose()
     }
 }
 
@@ -158,6 +181,10 @@ impl<E: Engine + 'static> InflightHost for BlkBackend<E> {
 
     fn set_inflight(&self, region: Arc<InflightRegion>) {
         self.each_worker(|i, w| w.set_inflight(InflightQueue::new(region.clone(), i as u16)));
+    }
+
+    fn set_backend_channel(&self, channel: BackendChannel) {
+        *self.channel.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(channel));
     }
 }
 
@@ -237,6 +264,7 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::INFLIGHT_SHMFD
             | VhostUserProtocolFeatures::LOG_SHMFD
+            | VhostUserProtocolFeatures::BACKEND_REQ
     }
 
     fn set_event_idx(&self, _enabled: bool) {
@@ -248,11 +276,11 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
-        read_config(
-            &*self.config.lock().unwrap_or_else(|p| p.into_inner()),
-            offset,
-            size,
-        )
+        let mut space = *self.config.lock().unwrap_or_else(|p| p.into_inner());
+        // The capacity as it is now: a resize may have changed it.
+        let capacity = self.cfg.capacity.load(Ordering::Acquire);
+        space[CAPACITY_OFFSET..CAPACITY_OFFSET + 8].copy_from_slice(&capacity.to_le_bytes());
+        read_config(&space, offset, size)
     }
 
     fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {

@@ -2,6 +2,7 @@
 //! worker thread and one io_uring per queue.
 
 mod backend;
+mod backend_channel;
 pub mod inflight;
 mod poll;
 pub mod proxy;
@@ -9,5 +10,6 @@ mod resubmit;
 pub mod sigbus;
 mod worker;
 
-pub use backend::{BlkBackend, Drain, ExitEvents};
+pub use backend::{BlkBackend, Device, ExitEvents};
+pub use backend_channel::BackendChannel;
 pub use worker::{QueueWorker, Vring, WorkerConfig};

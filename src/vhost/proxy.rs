@@ -34,6 +34,7 @@ use vhost::vhost_user::message::{
 use vm_memory::ByteValued;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
+use super::backend_channel::BackendChannel;
 use super::inflight::InflightRegion;
 use super::sigbus::MEM_SLOTS;
 use crate::metrics::SharedRateLimiter;
@@ -67,12 +68,15 @@ const fn limiter() -> SharedRateLimiter {
     SharedRateLimiter::new(10, Duration::from_secs(5))
 }
 
-/// Where the relay gets and puts inflight regions: the device.
+/// Where the relay gets and puts inflight regions, and the back-end
+/// request channel: the device.
 pub trait InflightHost: Send + Sync + 'static {
     /// The device's queue count and maximum queue size.
     fn limits(&self) -> (u16, u16);
     /// Installs the region for the workers.
     fn set_inflight(&self, region: Arc<InflightRegion>);
+    /// Keeps the back-end request channel the front-end handed over.
+    fn set_backend_channel(&self, channel: BackendChannel);
 }
 
 struct Msg {
@@ -236,6 +240,7 @@ pub fn relay(
         rest: Some(REST_OF_MESSAGE),
     };
     let mut slots = MemSlots::default();
+    let mut channel = ChannelFollower::default();
     let to_back = std::thread::Builder::new()
         .name("vu-relay-in".into())
         .spawn(move || {
@@ -294,6 +299,7 @@ pub fn relay(
                         if let Some(code) = code {
                             calls.follow(code, &msg);
                             slots.follow(code, &msg);
+                            channel.follow(code, &msg, &*host);
                         }
                     }),
                 };
@@ -355,6 +361,41 @@ impl MemSlots {
             }
             FrontendReq::ADD_MEM_REG => self.0 += 1,
             FrontendReq::REM_MEM_REG => self.0 = self.0.saturating_sub(1),
+            _ => {}
+        }
+    }
+}
+
+/// The back-end request channel, followed from the messages the relay
+/// passes on: SET_PROTOCOL_FEATURES says whether REPLY_ACK applies to it,
+/// and SET_BACKEND_REQ_FD hands it over. The crate gets the fd as it came
+/// (it checks that BACKEND_REQ was acked, and answers); the device gets a
+/// duplicate, to send CONFIG_CHANGE_MSG on after a resize. The crate ends
+/// the connection on a message it fails, so one it took was applied.
+#[derive(Default)]
+struct ChannelFollower {
+    acked: u64,
+}
+
+impl ChannelFollower {
+    fn follow(&mut self, code: FrontendReq, msg: &Msg, host: &dyn InflightHost) {
+        use vhost::vhost_user::message::VhostUserProtocolFeatures as F;
+        match code {
+            FrontendReq::SET_PROTOCOL_FEATURES => {
+                if let Some(v) = payload_as::<VhostUserU64>(&msg.payload) {
+                    self.acked = v.value;
+                }
+            }
+            FrontendReq::SET_BACKEND_REQ_FD if self.acked & F::BACKEND_REQ.bits() != 0 => {
+                let Some(sock) = msg.fds.first().and_then(|f| f.try_clone().ok()) else {
+                    return;
+                };
+                let reply_ack = self.acked & F::REPLY_ACK.bits() != 0;
+                host.set_backend_channel(BackendChannel::new(
+                    std::os::unix::net::UnixStream::from(std::os::fd::OwnedFd::from(sock)),
+                    reply_ack,
+                ));
+            }
             _ => {}
         }
     }
@@ -563,6 +604,7 @@ mod tests {
             (1, 256)
         }
         fn set_inflight(&self, _region: Arc<InflightRegion>) {}
+        fn set_backend_channel(&self, _channel: BackendChannel) {}
     }
 
     /// A relay between two socket pairs: (front-end's end, back-end's end).

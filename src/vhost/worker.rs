@@ -28,7 +28,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use vhost_user_backend::{VringMutex, VringState, VringT};
@@ -64,7 +64,13 @@ const LOCK_WAIT: Duration = Duration::from_secs(3);
 /// Settings shared by all workers of a device.
 #[derive(Debug)]
 pub struct WorkerConfig {
+    /// What the device advertises, but for the capacity: its
+    /// `capacity_sectors` is the size at start-up only. Requests are
+    /// checked against [`WorkerConfig::limits`].
     pub limits: DeviceLimits,
+    /// The capacity in 512-byte sectors now: an online resize changes it
+    /// while the workers run, and each pass reads it once.
+    pub capacity: AtomicU64,
     /// GET_ID answer, zero-padded.
     pub serial: [u8; VIRTIO_BLK_ID_BYTES as usize],
     pub notify: NotifyMode,
@@ -83,6 +89,18 @@ pub struct WorkerConfig {
     pub logging: AtomicBool,
     /// The image lock, taken while a ring runs (`--no-image-lock`: none).
     pub image_lock: Option<Arc<ImageLock>>,
+}
+
+impl WorkerConfig {
+    /// What requests are checked against now: the advertised limits with
+    /// the current capacity. Acquire: a resize that grew the file before
+    /// it published the capacity is seen whole.
+    pub fn limits(&self) -> DeviceLimits {
+        DeviceLimits {
+            capacity_sectors: self.capacity.load(Ordering::Acquire),
+            ..self.limits
+        }
+    }
 }
 
 pub struct QueueWorker<E: Engine> {
@@ -323,7 +341,7 @@ impl<E: Engine> QueueWorker<E> {
             "queue: resubmitting {} request(s) left in flight by the previous back-end",
             rec.resubmit.len()
         );
-        let limits = self.cfg.limits;
+        let limits = self.cfg.limits();
         let mut parsed = std::mem::take(&mut self.parsed);
         let parser = &mut self.parser;
         let unbuilt = |head| {
@@ -445,7 +463,7 @@ impl<E: Engine> QueueWorker<E> {
         };
         let mut parsed = std::mem::take(&mut self.parsed);
         let queue_size = state.get_queue().size();
-        let limits = self.cfg.limits;
+        let limits = self.cfg.limits();
         let journal = &mut self.journal;
         let parser = &mut self.parser;
         let popped = self

@@ -5,7 +5,7 @@
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::{Duration, Instant};
 
 use vhost_user_backend::VringT;
@@ -65,6 +65,7 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
     let writeback = Arc::new(AtomicBool::new(true));
     let cfg = Arc::new(WorkerConfig {
         limits: limits(),
+        capacity: AtomicU64::new(limits().capacity_sectors),
         serial: *b"worker-test-serial\0\0",
         notify: NotifyMode::Batched,
         signal: SignalMode::Early,

@@ -2,7 +2,8 @@
 # /init of the ringblk test guest (busybox sh, PID 1).
 #
 # Reads its parameters from the kernel command line:
-#   ringblk.test=rw|ro|migrate  which checks to run
+#   ringblk.test=rw|ro|migrate|resize  which checks to run
+#   ringblk.new_sectors=N   (resize) the capacity the host resizes to
 #   ringblk.migrate=busy|idle   what the guest does while the host migrates it
 #                           (migrate only; see "Live migration" below)
 #   ringblk.fio_runtime=S   seconds of the busy migration's fio (default 20)
@@ -28,6 +29,9 @@
 # In the migrate mode, instead of the rw mode's 32 .. 56:
 #   32 .. 56                   12 regions of 2 MiB the host filled
 #   57 .. 57 + 4 KiB           their SHA-256s, one line each (the host's)
+# In the resize mode, after the identity checks and the host's pattern:
+#   old end .. + 1 MiB         the pattern, written once the disk grew
+#                              (the host checks it in the image)
 
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
 
@@ -45,6 +49,7 @@ SECTORS=
 SERIAL=
 QUEUES=
 NONCE=00000000
+NEW_SECTORS=
 FIO_MB=32
 FIO_LOOPS=1
 STEP_TIMEOUT=60
@@ -59,6 +64,7 @@ for word in $(cat /proc/cmdline); do
         ringblk.serial=*) SERIAL=${word#*=} ;;
         ringblk.queues=*) QUEUES=${word#*=} ;;
         ringblk.nonce=*) NONCE=${word#*=} ;;
+        ringblk.new_sectors=*) NEW_SECTORS=${word#*=} ;;
         ringblk.fio_mb=*) FIO_MB=${word#*=} ;;
         ringblk.fio_loops=*) FIO_LOOPS=${word#*=} ;;
         ringblk.step_timeout=*) STEP_TIMEOUT=${word#*=} ;;
@@ -472,6 +478,46 @@ migrate_idle() {
         show_log host-pattern-after
     fi
 }
+
+# ---- Online resize: the host grows the disk while the guest runs ----
+# Prints RINGBLK-RESIZE for the host to resize, waits for the new size in
+# /sys/block/vda/size (no reboot, no rescan), then writes the pattern just
+# past the old end with O_DIRECT and reads it back.
+resize_online() {
+    old=$(cat "$SYS/size")
+    echo "RINGBLK-RESIZE"
+    i=0
+    while [ "$(cat "$SYS/size")" = "$old" ] && [ "$i" -lt 1200 ]; do
+        sleep 0.05
+        i=$((i + 1))
+    done
+    got=$(cat "$SYS/size")
+    if [ "$got" = "$NEW_SECTORS" ]; then
+        pass resize-seen
+    else
+        fail resize-seen "expected $NEW_SECTORS sectors within 60 s of the resize, got $got (was $old)"
+        dmesg | tail -n 10
+        finish
+    fi
+    echo "RINGBLK-INFO resize-dmesg $(dmesg | grep -m1 -o 'capacity change.*')"
+    # 64 KiB blocks from the old end.
+    at=$((old * 512 / 65536))
+    if step past-old-end dd if=/tmp/pattern of="$DEV" bs=64k seek="$at" count=16 oflag=direct conv=notrunc,fsync &&
+        step past-old-end-read dd if="$DEV" of=/tmp/past-old-end bs=64k skip="$at" count=16 iflag=direct &&
+        cmp /tmp/pattern /tmp/past-old-end >/tmp/past-old-end-cmp.log 2>&1; then
+        pass past-old-end
+    else
+        fail past-old-end "writing or reading back 1 MiB at the old end failed"
+        show_log past-old-end
+        show_log past-old-end-read
+        cat /tmp/past-old-end-cmp.log 2>/dev/null
+    fi
+}
+
+if [ "$TEST" = resize ]; then
+    resize_online
+    finish
+fi
 
 if [ "$TEST" = migrate ]; then
     case "$MIGRATE" in

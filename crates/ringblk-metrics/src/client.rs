@@ -12,6 +12,22 @@ const TIMEOUT: Duration = Duration::from_secs(3);
 
 /// GETs `path` from the endpoint at `addr` and returns the body.
 pub fn get(addr: &str, path: &str) -> Result<String, MetricsError> {
+    let (status, line, body) = request(addr, "GET", path, b"")?;
+    if status != 200 {
+        return Err(MetricsError::Protocol(format!("{addr}{path}: {line}")));
+    }
+    Ok(body)
+}
+
+/// Sends `method path` with `body` (JSON) to the endpoint at `addr` over
+/// HTTP/1.0, and returns the status code, the status line and the body,
+/// whatever the status.
+pub fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> Result<(u16, String, String), MetricsError> {
     let fail = |what: &str, e: std::io::Error| MetricsError::Fetch {
         addr: addr.to_string(),
         what: what.into(),
@@ -20,8 +36,19 @@ pub fn get(addr: &str, path: &str) -> Result<String, MetricsError> {
     let mut s = MetricsAddr::parse(addr)
         .connect(TIMEOUT)
         .map_err(|e| fail("connect", e))?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: ringblk\r\n\r\n").as_bytes())
-        .map_err(|e| fail("send", e))?;
+    let mut msg = format!("{method} {path} HTTP/1.0\r\nHost: ringblk\r\n").into_bytes();
+    if !body.is_empty() {
+        msg.extend_from_slice(
+            format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                body.len()
+            )
+            .as_bytes(),
+        );
+    }
+    msg.extend_from_slice(b"\r\n");
+    msg.extend_from_slice(body);
+    s.write_all(&msg).map_err(|e| fail("send", e))?;
     let mut raw = Vec::new();
     // The response is a few KiB; cap it so a wrong address cannot make us
     // read forever.
@@ -32,11 +59,13 @@ pub fn get(addr: &str, path: &str) -> Result<String, MetricsError> {
     let (head, body) = text
         .split_once("\r\n\r\n")
         .ok_or_else(|| MetricsError::Protocol(format!("{addr}: no HTTP response head")))?;
-    let status = head.lines().next().unwrap_or_default();
-    if status.split_whitespace().nth(1) != Some("200") {
-        return Err(MetricsError::Protocol(format!("{addr}{path}: {status}")));
-    }
-    Ok(body.to_string())
+    let line = head.lines().next().unwrap_or_default().to_string();
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| MetricsError::Protocol(format!("{addr}: bad status line '{line}'")))?;
+    Ok((status, line, body.to_string()))
 }
 
 /// Fetches and parses `/metrics.json`.

@@ -22,7 +22,7 @@ pub mod prometheus;
 mod size;
 pub mod transport;
 
-pub use client::{fetch, get};
+pub use client::{fetch, get, request};
 pub use counters::{
     COUNTERS, Counter, ERRORS_HELP, Kind, QueueMetrics, QueueSnapshot, REQUEST_TYPES,
     REQUESTS_HELP, RequestType,

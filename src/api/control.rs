@@ -1,0 +1,234 @@
+//! What the control API acts on: the image, the capacity the workers check
+//! requests against, and the device of the current connection. Resizing
+//! lives here; the HTTP side only parses and answers.
+
+use std::fs::File;
+use std::io;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use serde::Serialize;
+
+use crate::daemon::Current;
+use crate::io::device_size;
+use crate::vhost::WorkerConfig;
+use crate::virtio::SECTOR_SHIFT;
+
+/// Why a resize was refused or failed. One line each.
+#[derive(Debug, thiserror::Error)]
+pub enum ResizeError {
+    #[error("size {size} is not a multiple of the {block_size}-byte block size")]
+    NotMultiple { size: u64, block_size: u32 },
+    #[error("size must be larger than 0")]
+    Zero,
+    #[error("size {0} is larger than a file can be")]
+    TooLarge(u64),
+    #[error(
+        "shrinking from {from} to {to} bytes cuts off data under a running guest; give force to do it anyway"
+    )]
+    Shrink { from: u64, to: u64 },
+    #[error(
+        "{0} is a block device, whose size is its own: grow it (lvextend, rbd resize), then resize with no size to re-read it"
+    )]
+    BlockDevice(PathBuf),
+    #[error("the image is exported read-only (--readonly); it cannot be resized, only re-read")]
+    ReadOnly,
+    #[error("cannot {what} the image: {source}")]
+    Io {
+        what: &'static str,
+        source: io::Error,
+    },
+}
+
+impl ResizeError {
+    /// Whether the daemon, not the request, is at fault.
+    pub fn is_internal(&self) -> bool {
+        matches!(self, ResizeError::Io { .. })
+    }
+}
+
+/// What a resize did.
+#[derive(Debug, Serialize)]
+pub struct Resized {
+    pub old_size: u64,
+    pub size: u64,
+    /// Whether a front-end was told (CONFIG_CHANGE_MSG): null when none is
+    /// connected, false when the one connected gave us no back-end channel
+    /// or could not be reached.
+    pub guest_notified: Option<bool>,
+    /// Why the front-end could not be told, if it could not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub notify_error: Option<String>,
+}
+
+/// GET status.
+#[derive(Debug, Serialize)]
+pub struct Status {
+    pub image: PathBuf,
+    pub block_device: bool,
+    /// Bytes the guest sees.
+    pub size: u64,
+    pub capacity_sectors: u64,
+    pub block_size: u32,
+    pub readonly: bool,
+    pub queues: u16,
+    pub queue_size: u16,
+    /// The virtio feature bits offered, in hex.
+    pub virtio_features: String,
+    /// The guest's write cache: write-back (true) or write-through.
+    pub writeback: bool,
+    /// A front-end is connected.
+    pub connected: bool,
+    /// QoS limits; null until QoS exists.
+    pub qos: Option<serde_json::Value>,
+}
+
+/// The image as the control API needs it.
+pub struct ControlImage {
+    pub path: PathBuf,
+    /// A duplicate of the daemon's image fd.
+    pub file: File,
+    pub is_block_device: bool,
+    pub block_size: u32,
+    pub readonly: bool,
+}
+
+/// The daemon's state the control API reads and changes.
+pub struct Control {
+    pub image: ControlImage,
+    pub worker: Arc<WorkerConfig>,
+    pub current: Current,
+    pub queues: u16,
+    pub queue_size: u16,
+    pub features: u64,
+    /// One resize at a time.
+    resizing: Mutex<()>,
+}
+
+impl Control {
+    pub fn new(
+        image: ControlImage,
+        worker: Arc<WorkerConfig>,
+        current: Current,
+        queues: u16,
+        queue_size: u16,
+        features: u64,
+    ) -> Control {
+        Control {
+            image,
+            worker,
+            current,
+            queues,
+            queue_size,
+            features,
+            resizing: Mutex::new(()),
+        }
+    }
+
+    /// Bytes the guest sees now.
+    pub fn size(&self) -> u64 {
+        self.worker.capacity.load(Ordering::Acquire) << SECTOR_SHIFT
+    }
+
+    pub fn status(&self) -> Status {
+        Status {
+            image: self.image.path.clone(),
+            block_device: self.image.is_block_device,
+            size: self.size(),
+            capacity_sectors: self.size() >> SECTOR_SHIFT,
+            block_size: self.image.block_size,
+            readonly: self.image.readonly,
+            queues: self.queues,
+            queue_size: self.queue_size,
+            virtio_features: format!("{:#x}", self.features),
+            writeback: self.worker.writeback.load(Ordering::Relaxed),
+            connected: self
+                .current
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some(),
+            qos: None,
+        }
+    }
+
+    /// Resizes to `size` bytes (a file image: ftruncate), or with `None`
+    /// re-reads the image's size (a block device that grew, a file grown
+    /// by someone else); then tells the front-end. A smaller size needs
+    /// `force`.
+    ///
+    /// Growing: the file grows before the capacity is published, so a
+    /// request a worker accepts against the new capacity finds the file
+    /// that long. Shrinking: the capacity is published first, so no new
+    /// request reaches past the new end; requests already in flight there
+    /// complete against the file as they find it.
+    pub fn resize(&self, size: Option<u64>, force: bool) -> Result<Resized, ResizeError> {
+        let _one = self.resizing.lock().unwrap_or_else(|p| p.into_inner());
+        let img = &self.image;
+        let old = self.size();
+        let io = |what| move |source| ResizeError::Io { what, source };
+        let new = match size {
+            Some(_) if img.is_block_device => {
+                return Err(ResizeError::BlockDevice(img.path.clone()));
+            }
+            Some(_) if img.readonly => return Err(ResizeError::ReadOnly),
+            Some(s) => s,
+            None => device_size(&img.file, img.is_block_device).map_err(io("read the size of"))?,
+        };
+        if new == 0 {
+            return Err(ResizeError::Zero);
+        }
+        if new % u64::from(img.block_size) != 0 {
+            return Err(ResizeError::NotMultiple {
+                size: new,
+                block_size: img.block_size,
+            });
+        }
+        if i64::try_from(new).is_err() {
+            return Err(ResizeError::TooLarge(new));
+        }
+        if new < old && !force {
+            return Err(ResizeError::Shrink { from: old, to: new });
+        }
+        let publish = || {
+            self.worker
+                .capacity
+                .store(new >> SECTOR_SHIFT, Ordering::Release)
+        };
+        if new < old {
+            publish();
+        }
+        if size.is_some() {
+            img.file.set_len(new).map_err(io("resize"))?;
+        }
+        if new >= old {
+            publish();
+        }
+        if new != old {
+            log::info!("resized from {old} to {new} bytes");
+        }
+        let device = self
+            .current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let (guest_notified, notify_error) = match device.map(|d| d.config_changed()) {
+            None => (None, None),
+            Some(Ok(Some(_))) => (Some(true), None),
+            Some(Ok(None)) => (
+                Some(false),
+                Some("the front-end did not negotiate BACKEND_REQ".to_string()),
+            ),
+            Some(Err(e)) => {
+                log::warn!("telling the front-end about the resize: {e}");
+                (Some(false), Some(e.to_string()))
+            }
+        };
+        Ok(Resized {
+            old_size: old,
+            size: new,
+            guest_notified,
+            notify_error,
+        })
+    }
+}

@@ -1,0 +1,114 @@
+//! `ringblk ctl --api PATH VERB`: the control API's client. Prints what
+//! the daemon answers; an error is one line (the daemon's own message)
+//! and exit status 1.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+use crate::metrics::StatsArgs;
+
+#[derive(Debug, Args)]
+pub struct CtlArgs {
+    /// The daemon's control socket (`serve --api PATH`).
+    #[arg(long, value_name = "PATH")]
+    pub api: PathBuf,
+
+    #[command(subcommand)]
+    pub verb: CtlVerb,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CtlVerb {
+    /// Image, size, queues, features, connection state, QoS (JSON).
+    Status,
+    /// Resize the disk the guest sees, online. With SIZE (bytes, or with a
+    /// K/M/G/T suffix), grow a file image to it; with none, re-read the
+    /// image's size (a block device that grew). Shrinking needs --force.
+    Resize {
+        /// The new size; none: re-read the image's size.
+        size: Option<String>,
+        /// Allow shrinking: data past the new end is gone for the guest.
+        #[arg(long)]
+        force: bool,
+    },
+    /// The counters, as `ringblk stats` prints them.
+    Stats {
+        /// Print the raw JSON snapshot instead of a table.
+        #[arg(long, conflicts_with = "prometheus")]
+        json: bool,
+        /// Print the raw Prometheus exposition instead of a table.
+        #[arg(long)]
+        prometheus: bool,
+        /// Print what happened in each interval of this many seconds.
+        #[arg(long, value_name = "SECS")]
+        interval: Option<f64>,
+        /// With --interval: stop after this many intervals.
+        #[arg(long, requires = "interval")]
+        count: Option<u64>,
+    },
+}
+
+/// Runs one verb against the daemon.
+pub fn ctl(args: &CtlArgs) -> Result<(), String> {
+    // A path without '/' would be taken for HOST:PORT.
+    let mut addr = args.api.to_string_lossy().into_owned();
+    if !addr.contains('/') {
+        addr = format!("./{addr}");
+    }
+    match &args.verb {
+        CtlVerb::Status => print!("{}", call(&addr, "GET", "/api/v1/status", b"")?),
+        CtlVerb::Resize { size, force } => {
+            let mut body = serde_json::Map::new();
+            if let Some(s) = size {
+                let bytes = crate::cli::parse_size(s).map_err(|e| format!("bad size: {e}"))?;
+                body.insert("size".into(), bytes.into());
+            }
+            body.insert("force".into(), (*force).into());
+            let body = serde_json::Value::Object(body).to_string();
+            let answer = call(&addr, "PUT", "/api/v1/resize", body.as_bytes())?;
+            let r: serde_json::Value = serde_json::from_str(&answer)
+                .map_err(|e| format!("{}: bad answer: {e}", args.api.display()))?;
+            let notified = match r["guest_notified"].as_bool() {
+                Some(true) => "the front-end was told".to_string(),
+                Some(false) => format!(
+                    "the front-end could NOT be told ({})",
+                    r["notify_error"].as_str().unwrap_or("no reason given")
+                ),
+                None => "no front-end connected".to_string(),
+            };
+            println!(
+                "resized from {} to {} bytes; {notified}",
+                r["old_size"], r["size"]
+            );
+        }
+        CtlVerb::Stats {
+            json,
+            prometheus,
+            interval,
+            count,
+        } => crate::metrics::stats(&StatsArgs {
+            metrics: addr,
+            json: *json,
+            prometheus: *prometheus,
+            interval: *interval,
+            count: *count,
+        })?,
+    }
+    Ok(())
+}
+
+/// The body of a 200 answer; otherwise the daemon's `error`, or the
+/// status line.
+fn call(addr: &str, method: &str, path: &str, body: &[u8]) -> Result<String, String> {
+    let (status, line, body) =
+        ringblk_metrics::request(addr, method, path, body).map_err(|e| e.to_string())?;
+    if status == 200 {
+        return Ok(body);
+    }
+    let msg = serde_json::from_str::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v["error"].as_str().map(str::to_string))
+        .unwrap_or(line);
+    Err(msg)
+}
