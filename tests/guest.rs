@@ -19,20 +19,15 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use vm::{
-    Assets, Backend, DaemonSpec, Guard, IMAGE_SIZE, QSD, QemuSpec, backend, check_guest_pattern,
-    daemon_command, guest_timeout, kill_with_requests_in_flight, new_nonce, parse_console,
-    qemu_command, qemu_unusable, read_at, read_log, resubmitted_in, threads_of, verbose,
-    wait_for_socket, write_host_pattern,
+    Assets, BOOT_CHECKS, Backend, DaemonSpec, Guard, IMAGE_SIZE, QSD, QemuSpec, backend,
+    check_guest_pattern, daemon_command, guest_timeout, kill_with_requests_in_flight, new_nonce,
+    parse_console, qemu_command, qemu_unusable, read_at, read_log, resubmitted_in, run_problems,
+    threads_of, verbose, wait_for_socket, write_host_pattern,
 };
 
-/// Checks every read-write boot must pass (names printed by `init.sh`).
+/// Checks every read-write boot must pass after `vm::BOOT_CHECKS` (names
+/// printed by `init.sh`).
 const RW_CHECKS: &[&str] = &[
-    "device",
-    "size",
-    "serial",
-    "queues",
-    "ro-flag",
-    "host-pattern",
     "fio-verify",
     "fio-jobs",
     "queues-used",
@@ -41,17 +36,8 @@ const RW_CHECKS: &[&str] = &[
     "large-io",
     "guest-pattern",
 ];
-/// Checks every read-only boot must pass.
-const RO_CHECKS: &[&str] = &[
-    "device",
-    "size",
-    "serial",
-    "queues",
-    "ro-flag",
-    "host-pattern",
-    "ro-write",
-    "ro-read",
-];
+/// Checks every read-only boot must pass after `vm::BOOT_CHECKS`.
+const RO_CHECKS: &[&str] = &["ro-write", "ro-read"];
 
 /// One guest boot against one daemon configuration.
 struct Scenario {
@@ -512,16 +498,14 @@ fn boot(
 
     let console = read_log(&console_path);
     let verdict = parse_console(&console);
-    match qemu_status {
-        None => problems.push(format!("QEMU did not finish within {timeout:?} (killed)")),
-        Some(s) if !s.success() => problems.push(format!("QEMU exited with {s}")),
-        Some(_) => {}
-    }
-    if !verdict.done {
-        problems.push("the guest never printed RINGBLK-DONE".to_string());
-    }
     let expected = if sc.readonly { RO_CHECKS } else { RW_CHECKS };
-    problems.extend(verdict.problems(expected));
+    problems.extend(run_problems(
+        "QEMU",
+        qemu_status,
+        timeout,
+        &verdict,
+        &[BOOT_CHECKS, expected].concat(),
+    ));
 
     // ---- The image, as the host sees it ----
     let len = fs::metadata(&paths.image).map(|m| m.len()).unwrap_or(0);

@@ -17,24 +17,15 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use vm::{
-    Backend, DaemonSpec, Guard, IMAGE_SIZE, MIB, QemuSpec, daemon_command, guest_timeout,
-    new_nonce, parse_console, qemu_command, read_at, read_log, verbose, wait_for_socket,
-    write_host_pattern,
+    BOOT_CHECKS, Backend, DaemonSpec, Guard, IMAGE_SIZE, MIB, QemuSpec, daemon_command,
+    guest_timeout, new_nonce, parse_console, qemu_command, read_at, read_log, run_problems,
+    verbose, wait_for_socket, write_host_pattern,
 };
 
 /// What the host resizes the 64 MiB image to.
 const NEW_SIZE: u64 = 128 * MIB;
-/// The guest's checks, in order (names printed by `init.sh`).
-const CHECKS: &[&str] = &[
-    "device",
-    "size",
-    "serial",
-    "queues",
-    "ro-flag",
-    "host-pattern",
-    "resize-seen",
-    "past-old-end",
-];
+/// The guest's checks after `vm::BOOT_CHECKS` (names printed by `init.sh`).
+const CHECKS: &[&str] = &["resize-seen", "past-old-end"];
 
 fn ctl_resize(api: &Path, size: u64) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_ringblk"))
@@ -143,15 +134,13 @@ fn a_running_guest_sees_the_disk_grow() {
     let status = qemu.wait_for(timeout.saturating_sub(started.elapsed()));
     let text = read_log(&console);
     let verdict = parse_console(&text);
-    match status {
-        None => problems.push(format!("the guest did not finish within {timeout:?}")),
-        Some(s) if !s.success() => problems.push(format!("QEMU exited with {s}")),
-        Some(_) => {}
-    }
-    if !verdict.done {
-        problems.push("the guest did not report RINGBLK-DONE".into());
-    }
-    problems.extend(verdict.problems(CHECKS));
+    problems.extend(run_problems(
+        "QEMU",
+        status,
+        timeout,
+        &verdict,
+        &[BOOT_CHECKS, CHECKS].concat(),
+    ));
     assert_eq!(
         std::fs::metadata(&image).expect("image").len(),
         NEW_SIZE,

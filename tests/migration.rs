@@ -57,9 +57,9 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use vm::qmp::Qmp;
 use vm::{
-    Backend, DaemonSpec, Guard, IMAGE_SIZE, MIB, QemuSpec, backend, check_guest_pattern,
-    console_info, daemon_command, guest_timeout, kill_with_requests_in_flight, new_nonce,
-    parse_console, qemu_command, read_at, read_log, resubmitted_in, threads_of, verbose,
+    BOOT_CHECKS, Backend, DaemonSpec, Guard, IMAGE_SIZE, MIB, QemuSpec, backend,
+    check_guest_pattern, console_info, daemon_command, guest_timeout, kill_with_requests_in_flight,
+    new_nonce, parse_console, qemu_command, read_at, read_log, resubmitted_in, threads_of, verbose,
     wait_for_socket, write_host_pattern,
 };
 
@@ -89,15 +89,6 @@ const CACHE_SUMS_AT: u64 = 57 * MIB;
 /// The guest's printed line that lets the host migrate.
 const MIGRATE_NOW: &str = "RINGBLK-MIGRATE";
 
-/// Checks of every migration, before the marker (on the source).
-const BOOT_CHECKS: &[&str] = &[
-    "device",
-    "size",
-    "serial",
-    "queues",
-    "ro-flag",
-    "host-pattern",
-];
 /// Checks of a busy guest before the marker, and after the migration (all
 /// on the destination).
 const BUSY_BEFORE: &[&str] = &["cache-sums"];

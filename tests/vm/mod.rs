@@ -519,6 +519,41 @@ impl Verdict {
     }
 }
 
+/// The checks every guest makes at boot, before its own (names printed by
+/// `init.sh`).
+pub const BOOT_CHECKS: &[&str] = &[
+    "device",
+    "size",
+    "serial",
+    "queues",
+    "ro-flag",
+    "host-pattern",
+];
+
+/// The problems of a guest's run: how its QEMU (`which`) ended, whether
+/// the guest finished, and its checks against `expected`.
+pub fn run_problems(
+    which: &str,
+    status: Option<std::process::ExitStatus>,
+    timeout: Duration,
+    verdict: &Verdict,
+    expected: &[&str],
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    match status {
+        None => problems.push(format!(
+            "{which} did not finish within {timeout:?} (killed)"
+        )),
+        Some(s) if !s.success() => problems.push(format!("{which} exited with {s}")),
+        Some(_) => {}
+    }
+    if !verdict.done {
+        problems.push(format!("the guest never printed RINGBLK-DONE ({which})"));
+    }
+    problems.extend(verdict.problems(expected));
+    problems
+}
+
 pub fn parse_console(console: &str) -> Verdict {
     let mut v = Verdict::default();
     for line in console.lines().map(str::trim) {
