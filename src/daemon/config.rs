@@ -12,6 +12,7 @@ use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 use crate::cli::{DEFAULT_IMAGE_NAME, DEFAULT_SOCKET_NAME, EngineKind, ServeArgs};
 use crate::engine::UringConfig;
 use crate::io::{Image, ImageOptions};
+use crate::qos::{Qos, QosLimits};
 use crate::vhost::WorkerConfig;
 use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
 
@@ -63,6 +64,9 @@ impl Config {
             return Err(DaemonError::Config("--iopoll needs --direct".into()));
         }
         crate::cpu::check_cpus(&args.cpus).map_err(DaemonError::Config)?;
+        let qos = args.qos.apply(QosLimits::default());
+        qos.validate()
+            .map_err(|e| DaemonError::Config(format!("QoS: {e}")))?;
         // What is not given goes in a private directory, chosen and checked
         // only when needed.
         let (socket, path) = match (&args.socket, &args.image) {
@@ -120,6 +124,10 @@ impl Config {
             writeback: writeback.clone(),
             stopping: AtomicBool::new(false),
             logging: AtomicBool::new(false),
+            qos: Arc::new(
+                Qos::new(qos, usize::from(args.queues))
+                    .map_err(|e| DaemonError::Config(format!("QoS: {e}")))?,
+            ),
         };
         let uring = UringConfig {
             image_fd: image.file.as_raw_fd(),

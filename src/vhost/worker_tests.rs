@@ -74,6 +74,7 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
         writeback: writeback.clone(),
         stopping: AtomicBool::new(false),
         logging: AtomicBool::new(false),
+        qos: Arc::new(crate::qos::Qos::new(crate::qos::QosLimits::default(), 1).unwrap()),
     });
     let metrics: Arc<QueueMetrics> = Arc::default();
     let engine = UringEngine::new(
@@ -93,7 +94,7 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
         metrics.clone(),
     )
     .unwrap();
-    let mut worker = QueueWorker::new(cfg.clone(), metrics, engine, None);
+    let mut worker = QueueWorker::new(cfg.clone(), metrics, engine, 0, None);
     worker.set_memory(Arc::new(mem.clone()));
     let region = Arc::new(InflightRegion::create(1, QSIZE).unwrap());
     Rig {
