@@ -567,6 +567,24 @@ impl Drop for Daemon {
     }
 }
 
+/// What [`Client::sustain`] saw.
+pub struct Sustained {
+    pub start: Instant,
+    /// When each request completed, in order.
+    pub done: Vec<Instant>,
+    /// Requests that completed with an error.
+    pub errors: u64,
+}
+
+impl Sustained {
+    /// Completions a second from `from` to `to` after the start.
+    pub fn rate(&self, from: Duration, to: Duration) -> f64 {
+        let (a, b) = (self.start + from, self.start + to);
+        let n = self.done.iter().filter(|t| **t >= a && **t < b).count();
+        n as f64 / (to - from).as_secs_f64()
+    }
+}
+
 /// The value of a libblkio call, or a panic naming the step.
 fn ok<T>(what: &str, r: blkio::Result<T>) -> T {
     r.unwrap_or_else(|e| panic!("libblkio {what}: {e}"))
@@ -734,6 +752,89 @@ impl Client {
 
     pub fn flush(&mut self) -> i32 {
         self.one(Op::Flush)
+    }
+
+    /// A closed loop: keeps `depth` requests in flight for `dur`, each
+    /// slot `i` with its own `slot_len`-byte part of the buffer; `op(n, slot)`
+    /// is the n-th request issued, on `slot`'s buffer. Returns when each
+    /// completed and how many failed; what is still in flight at the end
+    /// is waited for and not counted.
+    pub fn sustain(
+        &mut self,
+        depth: usize,
+        slot_len: usize,
+        dur: Duration,
+        mut op: impl FnMut(u64, usize) -> Op,
+    ) -> Sustained {
+        assert!(depth * slot_len <= self.region.len, "buffer too small");
+        let base = self.region.addr;
+        let mut issued = 0u64;
+        let mut submit = |q: &mut Blkioq, slot: usize| {
+            let f = ReqFlags::empty();
+            match op(issued, slot) {
+                Op::Read { offset, len, .. } => {
+                    assert!(len <= slot_len);
+                    q.read(offset, (base + slot * slot_len) as *mut u8, len, slot, f)
+                }
+                Op::Write { offset, len, .. } => {
+                    assert!(len <= slot_len);
+                    q.write(offset, (base + slot * slot_len) as *const u8, len, slot, f)
+                }
+                Op::Flush => q.flush(slot, f),
+                Op::Discard { offset, len } => q.discard(offset, len, slot, f),
+                Op::WriteZeroes { offset, len } => q.write_zeroes(offset, len, slot, f),
+            }
+            issued += 1;
+        };
+        for slot in 0..depth {
+            submit(&mut self.queue, slot);
+        }
+        let start = Instant::now();
+        let end = start + dur;
+        let mut out = Sustained {
+            start,
+            done: Vec::new(),
+            errors: 0,
+        };
+        let mut in_flight = depth;
+        let mut completions: Vec<MaybeUninit<Completion>> =
+            (0..depth).map(|_| MaybeUninit::uninit()).collect();
+        let mut last_progress = Instant::now();
+        while in_flight > 0 {
+            assert!(
+                last_progress.elapsed() < IO_TIMEOUT,
+                "no request completed for {IO_TIMEOUT:?}"
+            );
+            let mut timeout = Duration::from_millis(100);
+            let n = match self
+                .queue
+                .do_io(&mut completions, 1, Some(&mut timeout), None)
+            {
+                Ok(n) => n,
+                // Nothing within the timeout: look at the clock again.
+                Err(e) if e.errno() == blkio::Errno::TIME => 0,
+                Err(e) => panic!("libblkio do_io: {e}"),
+            };
+            let now = Instant::now();
+            if n > 0 {
+                last_progress = now;
+            }
+            for c in &completions[..n] {
+                // SAFETY: do_io initialized the first n completions.
+                let c = unsafe { c.assume_init_read() };
+                in_flight -= 1;
+                if now >= end {
+                    continue;
+                }
+                if c.ret != 0 {
+                    out.errors += 1;
+                }
+                out.done.push(now);
+                submit(&mut self.queue, c.user_data);
+                in_flight += 1;
+            }
+        }
+        out
     }
 
     pub fn discard(&mut self, offset: u64, len: u64) -> i32 {
