@@ -622,7 +622,7 @@ fn iops(n: u64) -> crate::qos::QosLimits {
 /// Limits changed through the device's handle while requests wait apply
 /// within a second, and no request is lost or failed on the way.
 #[test]
-fn a_limit_doubled_at_runtime_is_followed_within_a_second() {
+fn qos_limit_doubled_at_runtime_is_followed_within_a_second() {
     const N: u64 = 200;
     let mem = guest_memory();
     let mut rig = rig(&mem);
@@ -686,7 +686,7 @@ fn a_limit_doubled_at_runtime_is_followed_within_a_second() {
 /// worker took and QoS holds are admitted and completed at once, and the
 /// inflight journal is empty afterwards.
 #[test]
-fn stopping_the_ring_completes_throttled_requests_at_once() {
+fn qos_stopping_the_ring_completes_throttled_requests_at_once() {
     let mem = guest_memory();
     let mut rig = rig(&mem);
     rig.worker
