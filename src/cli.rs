@@ -26,7 +26,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve an image file or block device as a vhost-user-blk device.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print the counters of a running daemon (started with --metrics).
     Stats(crate::metrics::StatsArgs),
     /// Load generator for any vhost-user-blk socket, and a side-by-side
