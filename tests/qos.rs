@@ -189,3 +189,40 @@ fn bad_qos_flags_get_a_one_line_error() {
         String::from_utf8_lossy(&out.stderr).contains("invalid value 'lots' for '--bps <SIZE>'")
     );
 }
+
+/// SIGTERM while requests wait for tokens: the daemon admits them (a stop
+/// does not wait behind throttling), completes them, and exits 0 at once;
+/// the client sees every request succeed.
+#[test]
+fn a_stop_does_not_wait_behind_throttling() {
+    // All eight are taken off the ring in one pass (--max-batch 0): what a
+    // stop leaves on the avail ring is for the next daemon, not answered.
+    let mut d = daemon(&["--iops", "1", "--max-batch", "0"]);
+    let socket = d.socket.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let client = std::thread::spawn(move || {
+        let mut c = Client::connect(&socket, 8 * 4096);
+        tx.send(()).expect("main thread waits");
+        // One a second: the first goes, the other seven would take 7 s.
+        let ops: Vec<Op> = (0..8)
+            .map(|i| Op::Read {
+                offset: i * 4096,
+                buf_off: i as usize * 4096,
+                len: 4096,
+            })
+            .collect();
+        c.batch(&ops)
+    });
+    rx.recv().expect("client connected");
+    std::thread::sleep(Duration::from_millis(500));
+    let t = std::time::Instant::now();
+    let status = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(3));
+    assert!(status.success(), "{status:?}\n{}", d.log());
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "stop took {:?}",
+        t.elapsed()
+    );
+    let results = client.join().expect("client thread");
+    assert_eq!(results, vec![0; 8], "requests failed or were dropped");
+}
