@@ -226,3 +226,36 @@ fn a_stop_does_not_wait_behind_throttling() {
     let results = client.join().expect("client thread");
     assert_eq!(results, vec![0; 8], "requests failed or were dropped");
 }
+
+/// Discard and write-zeroes count as one write each and draw no bytes; a
+/// flush draws nothing (README, QoS).
+#[test]
+fn discards_count_as_writes_without_bytes_and_flushes_are_free() {
+    // A bandwidth limit that would hold 64 KiB discards to 16 a second if
+    // they drew their range's bytes.
+    let d = daemon(&["--write-iops", "800", "--bps", "1M", "--iops", "900"]);
+    let mut c = Client::connect(&d.socket, DEPTH * 4096);
+    let s = c.sustain(DEPTH, 4096, RUN, |n, _| Op::Discard {
+        offset: (n % 1024) * 64 * KIB,
+        len: 64 * KIB,
+    });
+    assert_eq!(s.errors, 0, "discards failed");
+    assert_near("discards a second (--write-iops 800)", measured(&s), 800.0);
+    let s = c.sustain(DEPTH, 4096, RUN, |n, _| Op::WriteZeroes {
+        offset: (n % 1024) * 64 * KIB,
+        len: 64 * KIB,
+    });
+    assert_eq!(s.errors, 0, "write-zeroes failed");
+    assert_near(
+        "write-zeroes a second (--write-iops 800)",
+        measured(&s),
+        800.0,
+    );
+    let s = c.sustain(DEPTH, 4096, Duration::from_secs(2), |_, _| Op::Flush);
+    assert_eq!(s.errors, 0, "flushes failed");
+    let flushes = s.rate(Duration::ZERO, Duration::from_secs(2));
+    assert!(
+        flushes > 2.0 * 900.0,
+        "{flushes:.0} flushes a second: held by --iops 900"
+    );
+}
