@@ -259,3 +259,23 @@ fn discards_count_as_writes_without_bytes_and_flushes_are_free() {
         "{flushes:.0} flushes a second: held by --iops 900"
     );
 }
+
+/// Two queues of one device share its limit, about evenly: neither takes
+/// the other's tokens for itself.
+#[test]
+fn queues_share_a_device_limit_fairly() {
+    const N: f64 = 2000.0;
+    let d = daemon(&["--iops", "2000", "--queues", "2"]);
+    let mut c = Client::connect_queues(&d.socket, 2 * DEPTH * 4096, 2);
+    let slots = IMAGE / 4096;
+    let s = c.sustain_queues(DEPTH, 4096, RUN, |n| (n * 7919 % slots) * 4096);
+    let rates: Vec<f64> = s.iter().map(measured).collect();
+    assert!(s.iter().all(|s| s.errors == 0), "requests failed");
+    assert_near("IOPS of two queues (--iops 2000)", rates.iter().sum(), N);
+    for (q, r) in rates.iter().enumerate() {
+        assert!(
+            *r > 0.35 * N,
+            "queue {q} got {r:.0} of {N} IOPS ({rates:?}): not a fair share"
+        );
+    }
+}

@@ -567,6 +567,85 @@ impl Drop for Daemon {
     }
 }
 
+impl Client {
+    /// [`Client::sustain`] on every queue at once, `depth` deep each, with
+    /// `len`-byte reads at `offset(n)`; one thread polls them all.
+    pub fn sustain_queues(
+        &mut self,
+        depth: usize,
+        len: usize,
+        dur: Duration,
+        offset: impl Fn(u64) -> u64,
+    ) -> Vec<Sustained> {
+        let nq = 1 + self.more.len();
+        assert!(nq * depth * len <= self.region.len, "buffer too small");
+        let base = self.region.addr;
+        let mut queues: Vec<&mut Blkioq> = std::iter::once(&mut self.queue)
+            .chain(self.more.iter_mut())
+            .collect();
+        let mut issued = 0u64;
+        let mut submit = |q: &mut Blkioq, qi: usize, slot: usize| {
+            let buf = base + (qi * depth + slot) * len;
+            q.read(offset(issued), buf as *mut u8, len, slot, ReqFlags::empty());
+            issued += 1;
+        };
+        for (qi, q) in queues.iter_mut().enumerate() {
+            for slot in 0..depth {
+                submit(q, qi, slot);
+            }
+        }
+        let start = Instant::now();
+        let end = start + dur;
+        let mut out: Vec<Sustained> = (0..nq)
+            .map(|_| Sustained {
+                start,
+                done: Vec::new(),
+                errors: 0,
+            })
+            .collect();
+        let mut in_flight = vec![depth; nq];
+        let mut completions: Vec<MaybeUninit<Completion>> =
+            (0..depth).map(|_| MaybeUninit::uninit()).collect();
+        let mut last_progress = Instant::now();
+        while in_flight.iter().any(|&n| n > 0) {
+            assert!(
+                last_progress.elapsed() < IO_TIMEOUT,
+                "no request completed for {IO_TIMEOUT:?}"
+            );
+            let mut any = false;
+            for (qi, q) in queues.iter_mut().enumerate() {
+                let n = q
+                    .do_io(&mut completions, 0, None, None)
+                    .unwrap_or_else(|e| panic!("libblkio do_io: {e}"));
+                let now = Instant::now();
+                any |= n > 0;
+                for c in &completions[..n] {
+                    // SAFETY: do_io initialized the first n completions.
+                    let c = unsafe { c.assume_init_read() };
+                    in_flight[qi] -= 1;
+                    if now >= end {
+                        continue;
+                    }
+                    if c.ret != 0 {
+                        out[qi].errors += 1;
+                    }
+                    out[qi].done.push(now);
+                    submit(q, qi, c.user_data);
+                    in_flight[qi] += 1;
+                }
+            }
+            if any {
+                last_progress = Instant::now();
+            } else {
+                // Nothing yet: a short nap, not a spin that would take a
+                // core from the daemon on a small machine.
+                thread::sleep(Duration::from_micros(100));
+            }
+        }
+        out
+    }
+}
+
 /// What [`Client::sustain`] saw.
 pub struct Sustained {
     pub start: Instant,
@@ -596,6 +675,8 @@ pub struct Client {
     // Field order is drop order: the queue before the instance. The
     // region is unmapped and freed by libblkio when both are gone.
     queue: Blkioq,
+    /// Queues 1.. of [`Client::connect_queues`].
+    more: Vec<Blkioq>,
     blkio: Blkio,
     region: MemoryRegion,
     pub capacity: u64,
@@ -631,14 +712,22 @@ pub enum Op {
 impl Client {
     /// Connects to `socket` with a buffer of `buf_len` bytes.
     pub fn connect(socket: &Path, buf_len: usize) -> Client {
+        Client::connect_queues(socket, buf_len, 1)
+    }
+
+    /// Connects with `queues` virtqueues; the single-request methods use
+    /// the first, [`Client::sustain_queues`] all of them.
+    pub fn connect_queues(socket: &Path, buf_len: usize, queues: usize) -> Client {
         let mut blkio = ok("new", Blkio::new("virtio-blk-vhost-user"));
         let path = socket.to_str().expect("UTF-8 socket path");
         ok("path", blkio.set_str("path", path));
         ok("connect", blkio.connect());
-        ok("num-queues", blkio.set_i32("num-queues", 1));
+        ok("num-queues", blkio.set_i32("num-queues", queues as i32));
         let capacity = ok("capacity", blkio.get_u64("capacity"));
         let request_alignment = ok("request-alignment", blkio.get_i32("request-alignment"));
         let mut started = ok("start", blkio.start());
+        assert_eq!(started.queues.len(), queues, "queues started");
+        let more = started.queues.split_off(1);
         let queue = started.queues.pop().expect("one queue");
         let align = ok(
             "mem-region-alignment",
@@ -650,6 +739,7 @@ impl Client {
         ok("map", blkio.map_mem_region(&region));
         Client {
             queue,
+            more,
             blkio,
             region,
             capacity,
