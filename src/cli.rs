@@ -26,7 +26,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve an image file or block device as a vhost-user-blk device.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print the counters of a running daemon (started with --metrics or
     /// --api); `ctl --api PATH stats` is the same.
     Stats(crate::metrics::StatsArgs),
@@ -212,6 +212,92 @@ pub struct ServeArgs {
     /// logs it (to the kernel audit log), `off` installs none.
     #[arg(long, value_enum, default_value_t = SeccompMode::Enforce)]
     pub seccomp: SeccompMode,
+
+    #[command(flatten)]
+    pub qos: QosArgs,
+}
+
+/// QoS limits of the device, shared by all its queues (qemu-storage-daemon's
+/// throttle-limits convention; see the README). Rates are per second;
+/// 0 removes a limit; a limit not given keeps its value (none, at start).
+/// Bandwidths take size suffixes (K, M, G).
+#[derive(Clone, Debug, Default, Args)]
+#[command(next_help_heading = "QoS (per device, 0 = no limit)")]
+pub struct QosArgs {
+    /// Requests a second, reads and writes together (qsd: iops-total).
+    #[arg(long, value_name = "N")]
+    pub iops: Option<u64>,
+    /// Burst rate for --iops, allowed for --qos-max-length seconds.
+    #[arg(long, value_name = "N")]
+    pub iops_max: Option<u64>,
+    /// Read requests a second (qsd: iops-read).
+    #[arg(long, value_name = "N")]
+    pub read_iops: Option<u64>,
+    #[arg(long, value_name = "N")]
+    /// Burst rate for --read-iops.
+    pub read_iops_max: Option<u64>,
+    /// Write requests a second (qsd: iops-write); discard and write-zeroes
+    /// count as writes.
+    #[arg(long, value_name = "N")]
+    pub write_iops: Option<u64>,
+    /// Burst rate for --write-iops.
+    #[arg(long, value_name = "N")]
+    pub write_iops_max: Option<u64>,
+    /// Bytes a second, reads and writes together (qsd: bps-total).
+    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
+    pub bps: Option<u64>,
+    /// Burst rate for --bps.
+    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
+    pub bps_max: Option<u64>,
+    /// Bytes read a second (qsd: bps-read).
+    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
+    pub read_bps: Option<u64>,
+    /// Burst rate for --read-bps.
+    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
+    pub read_bps_max: Option<u64>,
+    /// Bytes written a second (qsd: bps-write).
+    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
+    pub write_bps: Option<u64>,
+    /// Burst rate for --write-bps.
+    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
+    pub write_bps_max: Option<u64>,
+    /// Seconds a *-max burst lasts (qsd: the *-max-length of each limit).
+    #[arg(long, value_name = "SECONDS")]
+    pub qos_max_length: Option<u64>,
+}
+
+impl QosArgs {
+    /// `base` with the limits given here replacing its own.
+    pub fn apply(&self, base: crate::qos::QosLimits) -> crate::qos::QosLimits {
+        let mut l = base;
+        let set = |field: &mut u64, v: Option<u64>| {
+            if let Some(v) = v {
+                *field = v;
+            }
+        };
+        set(&mut l.iops_total, self.iops);
+        set(&mut l.iops_total_max, self.iops_max);
+        set(&mut l.iops_read, self.read_iops);
+        set(&mut l.iops_read_max, self.read_iops_max);
+        set(&mut l.iops_write, self.write_iops);
+        set(&mut l.iops_write_max, self.write_iops_max);
+        set(&mut l.bps_total, self.bps);
+        set(&mut l.bps_total_max, self.bps_max);
+        set(&mut l.bps_read, self.read_bps);
+        set(&mut l.bps_read_max, self.read_bps_max);
+        set(&mut l.bps_write, self.write_bps);
+        set(&mut l.bps_write_max, self.write_bps_max);
+        set(&mut l.max_length, self.qos_max_length);
+        l
+    }
+}
+
+/// A bandwidth: a size (64K, 100M) a second, or 0 for no limit.
+fn parse_rate(s: &str) -> Result<u64, String> {
+    if s.trim() == "0" {
+        return Ok(0);
+    }
+    parse_size(s)
 }
 
 /// What the seccomp filter does with a syscall it does not allow.
@@ -257,6 +343,38 @@ mod tests {
             Command::Serve(a) => assert_eq!(a.poll_us, 50),
             other => panic!("parsed as {other:?}"),
         }
+    }
+
+    #[test]
+    fn qos_flags_fill_the_limits() {
+        let cli = Cli::try_parse_from([
+            "ringblk",
+            "serve",
+            "--iops",
+            "2000",
+            "--read-bps",
+            "64M",
+            "--write-bps",
+            "0",
+            "--write-iops-max",
+            "30",
+        ])
+        .unwrap();
+        let Command::Serve(a) = cli.command else {
+            panic!("not serve");
+        };
+        let l = a.qos.apply(crate::qos::QosLimits {
+            bps_write: 5,
+            iops_read: 7,
+            ..Default::default()
+        });
+        assert_eq!(l.iops_total, 2000);
+        assert_eq!(l.bps_read, 64 << 20);
+        assert_eq!(l.bps_write, 0, "0 removes a limit");
+        assert_eq!(l.iops_read, 7, "not given: kept");
+        assert_eq!(l.iops_write_max, 30);
+        assert!(Cli::try_parse_from(["ringblk", "serve", "--bps", "1X"]).is_err());
+        assert!(Cli::try_parse_from(["ringblk", "serve", "--iops", "-1"]).is_err());
     }
 
     #[test]

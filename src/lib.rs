@@ -23,6 +23,7 @@ pub mod daemon;
 pub mod engine;
 pub mod io;
 pub mod metrics;
+pub mod qos;
 pub mod unix_socket;
 pub mod vhost;
 pub mod virtio;

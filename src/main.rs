@@ -8,7 +8,7 @@ fn main() {
     .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => ringblk::daemon::serve(args).map_err(|e| e.to_string()),
+        Command::Serve(args) => ringblk::daemon::serve(*args).map_err(|e| e.to_string()),
         Command::Stats(args) => ringblk::metrics::stats(&args),
         Command::Ctl(args) => ringblk::api::ctl::ctl(&args),
         Command::Bench(args) => ringblk::bench::exec(&args),

@@ -171,6 +171,60 @@ fn rw_two_queues_direct() {
     run(Scenario::rw(&["--direct"]));
 }
 
+/// A real guest's fio, dd and verification under QoS limits well below
+/// what the guest would do unthrottled: throttled requests wait and
+/// complete, none fails or comes back wrong, and the guest's own I/O
+/// timeouts are not reached.
+#[test]
+fn rw_two_queues_throttled() {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let metrics = dir.path().join("metrics.sock");
+    let m = metrics.to_str().expect("UTF-8 path");
+    // The most requests the daemon had throttled, scraped while the guest
+    // runs (the daemon is gone once `run` returns).
+    let throttled = std::sync::atomic::AtomicU64::new(0);
+    let done = AtomicBool::new(false);
+    thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                thread::sleep(Duration::from_millis(500));
+                let Ok(mut c) = std::os::unix::net::UnixStream::connect(&metrics) else {
+                    continue;
+                };
+                let mut text = String::new();
+                if c.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").is_err()
+                    || c.read_to_string(&mut text).is_err()
+                {
+                    continue;
+                }
+                let n: u64 = text
+                    .lines()
+                    .filter(|l| l.starts_with("ringblk_throttled_requests_total{"))
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+                    .sum();
+                throttled.fetch_max(n, Ordering::Relaxed);
+            }
+        });
+        run(Scenario::rw(&[
+            "--iops",
+            "1500",
+            "--bps",
+            "16M",
+            "--metrics",
+            m,
+        ]));
+        done.store(true, Ordering::Relaxed);
+    });
+    let n = throttled.load(Ordering::Relaxed);
+    eprintln!("requests throttled under the guest: {n}");
+    assert!(
+        n > 0,
+        "the guest's I/O was never throttled: the limits did nothing"
+    );
+}
+
 /// Any daemon flags, for trying them by hand:
 /// `RINGBLK_GUEST_EXTRA="--sqpoll --notify per-request" cargo test --test guest rw_extra_from_env`.
 /// Without the variable there is nothing to run.

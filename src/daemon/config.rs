@@ -12,6 +12,7 @@ use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 use crate::cli::{DEFAULT_IMAGE_NAME, DEFAULT_SOCKET_NAME, EngineKind, ServeArgs};
 use crate::engine::UringConfig;
 use crate::io::{Image, ImageLock, ImageOptions};
+use crate::qos::{Qos, QosLimits};
 use crate::vhost::WorkerConfig;
 use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
 
@@ -85,6 +86,9 @@ impl Config {
             }),
             (None, Some(_)) => None,
         };
+        let qos = args.qos.apply(QosLimits::default());
+        qos.validate()
+            .map_err(|e| DaemonError::Config(format!("QoS: {e}")))?;
         // What is not given goes in a private directory, chosen and checked
         // only when needed.
         let (socket, path) = match (&args.socket, &args.image, &passed) {
@@ -152,6 +156,10 @@ impl Config {
                         .map_err(|e| DaemonError::Config(format!("image lock: {e}")))?,
                 )),
             },
+            qos: Arc::new(
+                Qos::new(qos, usize::from(args.queues))
+                    .map_err(|e| DaemonError::Config(format!("QoS: {e}")))?,
+            ),
         };
         let uring = UringConfig {
             image_fd: image.file.as_raw_fd(),

@@ -27,6 +27,7 @@ use crate::cli::{EngineKind, ServeArgs};
 use crate::engine::{Engine, EngineError, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
+use crate::qos::{Qos, QosLimits};
 use crate::vhost::{BlkBackend, Device, ExitEvents, QueueWorker, WorkerConfig, proxy};
 use crate::virtio::config::{config_space, device_features};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
@@ -139,6 +140,13 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         None => None,
     };
     let worker_cfg = Arc::new(cfg.worker);
+    // The device's QoS handle: the workers share it through `worker_cfg`;
+    // the control API changes the limits at runtime with
+    // `Qos::set_limits` and reads them with `Qos::limits`.
+    let qos: Arc<Qos> = worker_cfg.qos.clone();
+    if qos.active() {
+        log::info!("QoS limits: {}", qos_summary(&qos.limits()));
+    }
     let current: Current = Arc::default();
     let features = device_features(cfg.args.readonly);
     let _api = match &cfg.args.api {
@@ -305,7 +313,7 @@ impl Connections<'_> {
             .enumerate()
             .map(|(i, (engine, m))| {
                 let cpu = (!args.cpus.is_empty()).then(|| args.cpus[i % args.cpus.len()]);
-                QueueWorker::new(worker_cfg.clone(), m.clone(), engine, cpu)
+                QueueWorker::new(worker_cfg.clone(), m.clone(), engine, i, cpu)
             })
             .collect();
         // The guest may have turned the write cache off; a new connection
@@ -372,6 +380,10 @@ impl Connections<'_> {
                     .map_err(|e| {
                         DaemonError::Vhost(format!("registering completion eventfd: {e}"))
                     })?;
+            }
+            if let Some(fd) = backend.with_worker(i, |w| w.timer_fd()).flatten() {
+                h.register_listener(fd, EventSet::IN, backend.timer_event_id())
+                    .map_err(|e| DaemonError::Vhost(format!("registering QoS timer: {e}")))?;
             }
         }
         *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend.clone());
@@ -549,6 +561,19 @@ fn spawn_signal_handler(
         })
         .map_err(DaemonError::Signals)?;
     Ok(())
+}
+
+/// The limits that are set, as `name=value` pairs.
+fn qos_summary(l: &QosLimits) -> String {
+    let json = serde_json::to_value(l).unwrap_or_default();
+    let Some(map) = json.as_object() else {
+        return String::new();
+    };
+    map.iter()
+        .filter(|(_, v)| v.as_u64().is_some_and(|n| n > 0))
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Tells the user what is being served and how to connect.

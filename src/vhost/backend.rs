@@ -118,6 +118,11 @@ impl<E: Engine> BlkBackend<E> {
         self.workers.len() as u64 + 1
     }
 
+    /// Event id of queue `i`'s QoS timer in its thread's epoll.
+    pub fn timer_event_id(&self) -> u64 {
+        self.completion_event_id() + 1
+    }
+
     /// Runs `f` on worker `i`, unless the connection is over.
     pub fn with_worker<R>(&self, i: usize, f: impl FnOnce(&mut QueueWorker<E>) -> R) -> Option<R> {
         // A poisoned lock means a worker panicked mid-pass; its state is
@@ -351,6 +356,10 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
         };
         // With one queue per thread the crate numbers our kick event 0.
         let kick = device_event == 0;
+        if u64::from(device_event) == self.timer_event_id() {
+            self.with_worker(thread_id, |w| w.handle_timer(vring));
+            return Ok(());
+        }
         if !kick && u64::from(device_event) != self.completion_event_id() {
             return Ok(());
         }

@@ -15,6 +15,17 @@
 //! 4. when the ring is empty: busy-poll for `--poll-us`, else re-enable
 //!    kicks, re-check the ring, and only then sleep.
 //!
+//! QoS ([`crate::qos`]) sits between parse and engine: a request the
+//! device's token buckets refuse waits at the head of `deferred`, those
+//! popped after it wait behind it, and nothing more is popped (kicks stay
+//! suppressed) until it is admitted. The pass ends as it does when the
+//! engine is full, without busy-polling; the queue's timer wakes it when
+//! the tokens should be there (after at most
+//! [`crate::qos::MAX_THROTTLE_SLEEP`], so that new limits apply soon).
+//! When the ring stops or the connection ends, waiting requests are
+//! admitted regardless (and charged): GET_VRING_BASE must answer now, and
+//! they cannot be put back on the avail ring.
+//!
 //! Publishing writes all used elements, stores used->idx once (release),
 //! decides once whether the guest wants an interrupt and writes the call
 //! eventfd at most once (`--notify batched`).
@@ -42,6 +53,7 @@ use crate::cli::{NotifyMode, SignalMode};
 use crate::engine::{Completion, Engine, Full, Io};
 use crate::io::ImageLock;
 use crate::metrics::{QueueMetrics, RateLimiter, RequestType};
+use crate::qos::{Direction, MAX_THROTTLE_SLEEP, Qos};
 use crate::virtio::RequestError;
 use crate::virtio::request::{Parser, Rejected};
 use crate::virtio::ring::{RingError, RingShadow};
@@ -89,6 +101,9 @@ pub struct WorkerConfig {
     pub logging: AtomicBool,
     /// The image lock, taken while a ring runs (`--no-image-lock`: none).
     pub image_lock: Option<Arc<ImageLock>>,
+    /// The device's QoS limits, shared by its queues (and changed at
+    /// runtime through this handle).
+    pub qos: Arc<Qos>,
 }
 
 impl WorkerConfig {
@@ -139,6 +154,13 @@ pub struct QueueWorker<E: Engine> {
     journal: Option<InflightQueue>,
     /// Heads added to the used ring since the last publish (for the log).
     unpublished_heads: Vec<u16>,
+    /// This worker's queue: which of the QoS timers is its own.
+    index: usize,
+    /// The head of `deferred` was admitted by QoS (and charged) already;
+    /// only the engine had no room for it.
+    front_admitted: bool,
+    /// Since when the head of `deferred` waits for QoS tokens.
+    throttled_since: Option<Instant>,
 }
 
 impl<E: Engine> QueueWorker<E> {
@@ -146,6 +168,7 @@ impl<E: Engine> QueueWorker<E> {
         cfg: Arc<WorkerConfig>,
         metrics: Arc<QueueMetrics>,
         engine: E,
+        index: usize,
         pin: Option<usize>,
     ) -> QueueWorker<E> {
         let poll = AdaptivePoll::new(Duration::from_micros(cfg.poll_us));
@@ -169,7 +192,23 @@ impl<E: Engine> QueueWorker<E> {
             pin,
             journal: None,
             unpublished_heads: Vec::with_capacity(size),
+            index,
+            front_admitted: false,
+            throttled_since: None,
         }
+    }
+
+    /// The QoS wake-up timer's fd, to be watched next to the kick.
+    pub fn timer_fd(&self) -> Option<i32> {
+        self.cfg.qos.timer(self.index).map(|t| t.fd())
+    }
+
+    /// The QoS timer fired: tokens for the waiting request should be there.
+    pub fn handle_timer(&mut self, vring: &Vring) {
+        if let Some(t) = self.cfg.qos.timer(self.index) {
+            t.clear();
+        }
+        self.handle_event(vring, false);
     }
 
     /// The engine's completion eventfd, to be watched next to the kick.
@@ -252,8 +291,10 @@ impl<E: Engine> QueueWorker<E> {
                 self.publish(&mut state, &mem)?;
             }
             if full {
-                // Backpressure: resume when completions free room.
-                if self.engine.must_poll() {
+                // Backpressure: resume when completions free room, or when
+                // the QoS timer says tokens are there (no polling then:
+                // a throttled queue must not spin).
+                if self.engine.must_poll() && self.engine.in_flight() > 0 {
                     self.wait_engine();
                     continue;
                 }
@@ -433,16 +474,78 @@ impl<E: Engine> QueueWorker<E> {
         }
     }
 
-    /// Gives deferred requests to the engine, oldest first, while it has
-    /// room. Returns whether all of them went.
-    fn start_deferred(&mut self) -> bool {
+    /// Gives deferred requests to the engine, oldest first, while QoS
+    /// admits them (all of them, with `force`) and the engine has room.
+    /// Returns whether all of them went.
+    fn start_deferred(&mut self, force: bool) -> bool {
         while let Some(io) = self.deferred.pop_front() {
+            if !self.front_admitted && !self.admit(&io.req, force) {
+                self.deferred.push_front(io);
+                return false;
+            }
+            self.front_admitted = true;
             if let Err(Full(io)) = self.engine.submit(io) {
                 self.deferred.push_front(io);
                 return false;
             }
+            self.front_admitted = false;
         }
         true
+    }
+
+    /// Asks QoS whether `req` may go to the engine now. With no limits
+    /// set (and no request waiting), that is one relaxed load.
+    #[inline]
+    fn admit(&mut self, req: &Request, force: bool) -> bool {
+        if !self.cfg.qos.active() && self.throttled_since.is_none() {
+            return true;
+        }
+        self.admit_limited(req, force)
+    }
+
+    /// Reads and writes draw their bytes; discard and write-zeroes count
+    /// as a write with no bytes (they carry no data, and charging their
+    /// range would stall the queue for a whole-disk discard); a flush
+    /// draws nothing, but waits its turn behind a throttled request.
+    /// (GET_ID never gets here: `start` answers it at once.) A refused
+    /// request arms the queue's timer.
+    #[cold]
+    fn admit_limited(&mut self, req: &Request, force: bool) -> bool {
+        let cost = match req.kind {
+            RequestKind::Read { .. } => Some((Direction::Read, u64::from(req.data_len))),
+            RequestKind::Write { .. } => Some((Direction::Write, u64::from(req.data_len))),
+            RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => Some((Direction::Write, 0)),
+            RequestKind::Flush | RequestKind::GetId => None,
+        };
+        let verdict = match cost {
+            Some((dir, bytes)) => self.cfg.qos.admit(dir, bytes, force),
+            None => Ok(()),
+        };
+        match verdict {
+            Ok(()) => {
+                if let Some(since) = self.throttled_since.take() {
+                    let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    QueueMetrics::add(&self.metrics.throttled_ns, ns);
+                }
+                true
+            }
+            Err(wait) => {
+                if self.throttled_since.is_none() {
+                    self.throttled_since = Some(Instant::now());
+                    QueueMetrics::add(&self.metrics.throttled_requests, 1);
+                }
+                let armed = match self.cfg.qos.timer(self.index) {
+                    Some(t) => t.arm(wait.min(MAX_THROTTLE_SLEEP)),
+                    None => Err(std::io::Error::other("no timer for this queue")),
+                };
+                if let Err(e) = armed {
+                    // Nothing would wake the queue: let the request go.
+                    warn_limited!(self.log_limit, "QoS timer: {e}; request not throttled");
+                    return true;
+                }
+                false
+            }
+        }
     }
 
     /// Pops and parses requests while the engine has room, hands them to it
@@ -453,7 +556,7 @@ impl<E: Engine> QueueWorker<E> {
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
         mem: &Arc<GuestMem>,
     ) -> Result<(usize, bool), RingError> {
-        if !self.start_deferred() || self.engine.room() == 0 {
+        if !self.start_deferred(false) || self.engine.room() == 0 {
             self.commit();
             return Ok((0, true));
         }
@@ -531,10 +634,11 @@ impl<E: Engine> QueueWorker<E> {
             self.finish(queue, mem, c);
             return;
         }
-        if !self.deferred.is_empty() {
+        if !self.deferred.is_empty() || !self.admit(&io.req, false) {
             self.deferred.push_back(io);
         } else if let Err(Full(io)) = self.engine.submit(io) {
             self.deferred.push_back(io);
+            self.front_admitted = true;
         }
     }
 
@@ -778,8 +882,9 @@ impl<E: Engine> QueueWorker<E> {
     }
 
     /// Runs every request taken off the ring to completion: deferred ones
-    /// go to the engine as it frees room, and an error on one request (or
-    /// on the ring) does not stop the others from finishing.
+    /// go to the engine as it frees room, admitted by QoS regardless of
+    /// its limits (and charged), and an error on one request (or on the
+    /// ring) does not stop the others from finishing.
     fn finish_all(&mut self) {
         if self.engine.in_flight() == 0 && self.deferred.is_empty() {
             return;
@@ -790,7 +895,7 @@ impl<E: Engine> QueueWorker<E> {
         };
         let mut state = vring.get_mut();
         loop {
-            self.start_deferred();
+            self.start_deferred(true);
             self.commit();
             if self.engine.in_flight() == 0 && self.deferred.is_empty() {
                 break;

@@ -76,6 +76,7 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
         stopping: AtomicBool::new(false),
         logging: AtomicBool::new(false),
         image_lock: None,
+        qos: Arc::new(crate::qos::Qos::new(crate::qos::QosLimits::default(), 1).unwrap()),
     });
     let metrics: Arc<QueueMetrics> = Arc::default();
     let engine = UringEngine::new(
@@ -95,7 +96,7 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
         metrics.clone(),
     )
     .unwrap();
-    let mut worker = QueueWorker::new(cfg.clone(), metrics, engine, None);
+    let mut worker = QueueWorker::new(cfg.clone(), metrics, engine, 0, None);
     worker.set_memory(Arc::new(mem.clone()));
     let region = Arc::new(InflightRegion::create(1, QSIZE).unwrap());
     Rig {
@@ -522,4 +523,214 @@ fn a_region_smaller_than_the_ring_is_not_used() {
         0,
         "logged in a region too small"
     );
+}
+
+/// A closed loop of 4 KiB reads, each in its own three table slots, kept
+/// `depth` deep on the rig's ring; the worker is driven from its
+/// completion and QoS timer fds, as the queue thread's epoll does.
+struct ClosedLoop {
+    depth: u16,
+    seen: u16,
+    /// When each request completed.
+    done: Vec<Instant>,
+    /// Times the worker was woken (kick, completion or timer).
+    wakeups: u64,
+}
+
+impl ClosedLoop {
+    fn start(rig: &mut Rig<'_>, depth: u16) -> ClosedLoop {
+        assert!(depth * 3 <= QSIZE);
+        for i in 0..depth {
+            rig.post_rw(3 * i, false, 8 * u64::from(i), DATA + 0x1000 * u64::from(i));
+        }
+        rig.worker.handle_event(&rig.vring, true);
+        ClosedLoop {
+            depth,
+            seen: 0,
+            done: Vec::new(),
+            wakeups: 1,
+        }
+    }
+
+    /// Keeps the loop going until `until`.
+    fn run(&mut self, rig: &mut Rig<'_>, until: Instant) {
+        let fds = [
+            rig.worker.completion_fd().expect("io_uring has an eventfd"),
+            rig.worker.timer_fd().expect("queue 0 has a timer"),
+        ];
+        while Instant::now() < until {
+            let mut p = fds.map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+            // SAFETY: two valid pollfds on our stack.
+            let n = unsafe { libc::poll(p.as_mut_ptr(), 2, 10) };
+            assert!(n >= 0, "poll: {}", std::io::Error::last_os_error());
+            if p[1].revents != 0 {
+                self.wakeups += 1;
+                rig.worker.handle_timer(&rig.vring);
+            }
+            if p[0].revents != 0 {
+                self.wakeups += 1;
+                rig.worker.handle_event(&rig.vring, false);
+            }
+            self.repost(rig, until);
+        }
+    }
+
+    /// Posts a new read in the slots of each one that completed, until
+    /// none completes inline any more (page-cache hits complete inside the
+    /// submit, and ring no eventfd).
+    fn repost(&mut self, rig: &mut Rig<'_>, until: Instant) {
+        while Instant::now() < until {
+            let used = rig.driver.used_idx();
+            if used == self.seen {
+                return;
+            }
+            self.repost_done(rig, used);
+        }
+    }
+
+    fn repost_done(&mut self, rig: &mut Rig<'_>, used: u16) {
+        while self.seen != used {
+            let (head, len) = rig.driver.used_elem(self.seen);
+            let first = head as u16;
+            assert!(first % 3 == 0 && first / 3 < self.depth, "head {head}");
+            assert_eq!(len, 4097, "request {head} failed");
+            assert_eq!(rig.status(first), 0, "request {head} status");
+            self.done.push(Instant::now());
+            rig.post_rw(first, false, 8 * u64::from(first), DATA);
+            self.seen = self.seen.wrapping_add(1);
+        }
+        self.wakeups += 1;
+        rig.worker.handle_event(&rig.vring, true);
+    }
+
+    /// Completions a second in `[from, to)`.
+    fn rate(&self, from: Instant, to: Instant) -> f64 {
+        let n = self.done.iter().filter(|t| **t >= from && **t < to).count();
+        n as f64 / (to - from).as_secs_f64()
+    }
+}
+
+fn iops(n: u64) -> crate::qos::QosLimits {
+    crate::qos::QosLimits {
+        iops_total: n,
+        ..Default::default()
+    }
+}
+
+/// Limits changed through the device's handle while requests wait apply
+/// within a second, and no request is lost or failed on the way.
+#[test]
+fn qos_limit_doubled_at_runtime_is_followed_within_a_second() {
+    const N: u64 = 200;
+    let mem = guest_memory();
+    let mut rig = rig(&mem);
+    rig.cfg.qos.set_limits(iops(N)).unwrap();
+    let t0 = Instant::now();
+    let mut lp = ClosedLoop::start(&mut rig, 4);
+    let change = t0 + Duration::from_millis(2000);
+    lp.run(&mut rig, change);
+    // The burst (a tenth of a second's worth) is in the first 100 ms.
+    let before = lp.rate(t0 + Duration::from_millis(500), change);
+    rig.cfg.qos.set_limits(iops(2 * N)).unwrap();
+    assert_eq!(rig.cfg.qos.limits(), iops(2 * N));
+    lp.run(&mut rig, change + Duration::from_millis(1000));
+    let after = lp.rate(
+        change + Duration::from_millis(100),
+        change + Duration::from_millis(1000),
+    );
+    let n = N as f64;
+    assert!(
+        (before - n).abs() < 0.1 * n,
+        "{before:.0} IOPS under a limit of {N}"
+    );
+    assert!(
+        (after - 2.0 * n).abs() < 0.2 * n,
+        "{after:.0} IOPS in the second after the limit went to {}",
+        2 * N
+    );
+    let m = rig.worker.metrics.snapshot();
+    assert!(m.throttled_requests > 0, "{m:?}");
+    // Nearly all of the time, some request was waiting for tokens.
+    assert!(
+        m.throttled_ns > 2_000_000_000,
+        "throttled for {} ns of 3 s",
+        m.throttled_ns
+    );
+    // A throttled queue sleeps: a few wake-ups per request, not a spin.
+    let requests = lp.done.len() as u64;
+    assert!(
+        lp.wakeups < 6 * requests + 100,
+        "{} wake-ups for {requests} requests",
+        lp.wakeups
+    );
+    // Removing the limit lets the queue run free again.
+    rig.cfg
+        .qos
+        .set_limits(crate::qos::QosLimits::default())
+        .unwrap();
+    let t1 = Instant::now();
+    lp.run(&mut rig, t1 + Duration::from_millis(300));
+    let free = lp.rate(
+        t1 + Duration::from_millis(150),
+        t1 + Duration::from_millis(300),
+    );
+    assert!(
+        free > 4.0 * n,
+        "{free:.0} IOPS: still throttled after the limits were removed"
+    );
+}
+
+/// GET_VRING_BASE (`stop`) must not wait behind throttling: requests the
+/// worker took and QoS holds are admitted and completed at once, and the
+/// inflight journal is empty afterwards.
+#[test]
+fn qos_stopping_the_ring_completes_throttled_requests_at_once() {
+    let mem = guest_memory();
+    let mut rig = rig(&mem);
+    rig.worker
+        .set_inflight(InflightQueue::new(rig.region.clone(), 0));
+    // One request a minute: the first goes (the debt model), the rest wait.
+    rig.cfg.qos.set_limits(iops(1)).unwrap();
+    for i in 0..4u16 {
+        rig.post_rw(3 * i, true, 8 * u64::from(i), DATA);
+    }
+    rig.worker.handle_event(&rig.vring, true);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while rig.driver.used_idx() < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the first request never completed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+        rig.worker.handle_event(&rig.vring, false);
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    rig.worker.handle_event(&rig.vring, false);
+    assert_eq!(rig.driver.used_idx(), 1, "throttled requests went through");
+    // Waiting ones are in the journal: a crash now would resubmit them.
+    let logged: Vec<u64> = [3, 6, 9].map(|h| rig.region.logged_counter(0, h)).to_vec();
+    assert_eq!(logged, vec![2, 3, 4]);
+    let t = Instant::now();
+    rig.worker.stop();
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "stop waited {:?} behind throttling",
+        t.elapsed()
+    );
+    assert_eq!(rig.driver.used_idx(), 4, "stop left requests behind");
+    for i in 0..4u16 {
+        assert_eq!(rig.status(3 * i), 0, "request {i}");
+    }
+    let mut after = InflightQueue::new(rig.region.clone(), 0).unwrap();
+    assert_eq!(
+        after.recover(4, QSIZE).resubmit,
+        Vec::<u16>::new(),
+        "the journal still holds requests"
+    );
+    let m = rig.worker.metrics.snapshot();
+    assert_eq!(m.throttled_requests, 1, "{m:?}");
 }

@@ -148,6 +148,11 @@ counters! {
     bounced: Count = "Requests that went through a bounce buffer (O_DIRECT misalignment).",
     poll_iterations: Count = "Busy-poll loop iterations.",
     poll_hits: Count = "Busy-poll windows that found work before timing out.",
+    /// Each request is counted once, however often it was refused.
+    throttled_requests: Count = "Requests that waited for QoS tokens.",
+    /// Time, not requests: from the moment the request at the head of the
+    /// queue is refused until it is admitted.
+    throttled_ns: Count = "Nanoseconds this queue spent waiting for QoS tokens.",
 }
 
 impl QueueMetrics {
