@@ -267,28 +267,35 @@ pub struct QosArgs {
 }
 
 impl QosArgs {
+    /// The limits given here, by their `QosLimits` (JSON) names: what
+    /// `serve` starts with and what `ctl qos` asks the daemon to change.
+    pub fn changes(&self) -> serde_json::Map<String, serde_json::Value> {
+        [
+            ("iops_total", self.iops),
+            ("iops_total_max", self.iops_max),
+            ("iops_read", self.read_iops),
+            ("iops_read_max", self.read_iops_max),
+            ("iops_write", self.write_iops),
+            ("iops_write_max", self.write_iops_max),
+            ("bps_total", self.bps),
+            ("bps_total_max", self.bps_max),
+            ("bps_read", self.read_bps),
+            ("bps_read_max", self.read_bps_max),
+            ("bps_write", self.write_bps),
+            ("bps_write_max", self.write_bps_max),
+            ("max_length", self.qos_max_length),
+        ]
+        .into_iter()
+        .filter_map(|(name, v)| Some((name.to_string(), v?.into())))
+        .collect()
+    }
+
     /// `base` with the limits given here replacing its own.
-    pub fn apply(&self, base: crate::qos::QosLimits) -> crate::qos::QosLimits {
-        let mut l = base;
-        let set = |field: &mut u64, v: Option<u64>| {
-            if let Some(v) = v {
-                *field = v;
-            }
-        };
-        set(&mut l.iops_total, self.iops);
-        set(&mut l.iops_total_max, self.iops_max);
-        set(&mut l.iops_read, self.read_iops);
-        set(&mut l.iops_read_max, self.read_iops_max);
-        set(&mut l.iops_write, self.write_iops);
-        set(&mut l.iops_write_max, self.write_iops_max);
-        set(&mut l.bps_total, self.bps);
-        set(&mut l.bps_total_max, self.bps_max);
-        set(&mut l.bps_read, self.read_bps);
-        set(&mut l.bps_read_max, self.read_bps_max);
-        set(&mut l.bps_write, self.write_bps);
-        set(&mut l.bps_write_max, self.write_bps_max);
-        set(&mut l.max_length, self.qos_max_length);
-        l
+    pub fn apply(
+        &self,
+        base: crate::qos::QosLimits,
+    ) -> Result<crate::qos::QosLimits, crate::qos::QosError> {
+        base.with_changes(&self.changes())
     }
 }
 
@@ -363,11 +370,14 @@ mod tests {
         let Command::Serve(a) = cli.command else {
             panic!("not serve");
         };
-        let l = a.qos.apply(crate::qos::QosLimits {
-            bps_write: 5,
-            iops_read: 7,
-            ..Default::default()
-        });
+        let l = a
+            .qos
+            .apply(crate::qos::QosLimits {
+                bps_write: 5,
+                iops_read: 7,
+                ..Default::default()
+            })
+            .unwrap();
         assert_eq!(l.iops_total, 2000);
         assert_eq!(l.bps_read, 64 << 20);
         assert_eq!(l.bps_write, 0, "0 removes a limit");

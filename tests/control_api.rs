@@ -91,7 +91,8 @@ fn status_describes_the_device_and_the_socket_is_private() {
     assert_eq!(s["queues"], 2);
     assert_eq!(s["block_size"], 512);
     assert_eq!(s["readonly"], false);
-    assert!(s["qos"].is_null(), "no QoS yet: {s}");
+    assert_eq!(s["qos"]["iops_total"], 0, "no limit was given: {s}");
+    assert_eq!(s["qos"]["bps_total"], 0, "no limit was given: {s}");
     // The fixture's probe connection (it waits until the daemon accepts)
     // is connected until the daemon sees it go.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
@@ -237,6 +238,35 @@ fn bad_input_gets_a_clear_error_and_the_daemon_goes_on() {
             400,
             "unknown field",
         ),
+        (
+            "PUT",
+            "/api/v1/qos",
+            b"{\"iops\": 5}",
+            400,
+            "unknown QoS limit",
+        ),
+        (
+            "PUT",
+            "/api/v1/qos",
+            b"{\"iops_total\": -1}",
+            400,
+            "bad QoS value",
+        ),
+        (
+            "PUT",
+            "/api/v1/qos",
+            b"{\"iops_total\": 100, \"iops_total_max\": 50}",
+            400,
+            "cannot be lower",
+        ),
+        (
+            "PUT",
+            "/api/v1/qos",
+            b"{\"iops_total\": ",
+            400,
+            "malformed JSON",
+        ),
+        ("DELETE", "/api/v1/qos", b"", 405, "takes GET"),
     ];
     for (method, path, body, want, what) in cases {
         let (status, answer) = http(&api, method, path, body);
@@ -260,6 +290,15 @@ fn bad_input_gets_a_clear_error_and_the_daemon_goes_on() {
     assert_fails(&ctl(&api, &["resize", "1000"]), "not a multiple");
     assert_fails(&ctl(&api, &["resize", "12Q"]), "bad size");
     assert_fails(&ctl(&api, &["resize", "4K"]), "give force");
+    assert_fails(
+        &ctl(&api, &["qos", "--bps", "1M", "--bps-max", "64K"]),
+        "cannot be lower",
+    );
+    assert_eq!(
+        self::status(&api)["qos"]["bps_total"],
+        0,
+        "a refused change changed something"
+    );
     assert_fails(
         &ctl(&dir.path().join("nothing.sock"), &["status"]),
         "connect",
@@ -346,5 +385,33 @@ fn a_grown_block_device_is_re_read() {
     assert_eq!(c.flush(), 0);
     assert_eq!(c.read(SIZE, data.len()), data);
     assert_eq!(common::read_file(&backing, SIZE, data.len()), data);
+    d.assert_running();
+}
+
+#[test]
+fn qos_limits_are_shown_changed_and_removed() {
+    let dir = test_dir();
+    let (mut d, api) = start(dir.path(), None, &["--iops", "1000"]);
+    let limits = |o: Output| -> serde_json::Value {
+        assert!(o.status.success(), "ctl qos: {}", stderr(&o));
+        serde_json::from_str(&stdout(&o)).expect("limits are JSON")
+    };
+    let now = limits(ctl(&api, &["qos"]));
+    assert_eq!(now["iops_total"], 1000);
+    assert_eq!(now["bps_read"], 0);
+    // Only what is given changes.
+    let now = limits(ctl(&api, &["qos", "--read-bps", "8M"]));
+    assert_eq!(now["iops_total"], 1000);
+    assert_eq!(now["bps_read"], 8 << 20);
+    assert_eq!(status(&api)["qos"], now, "status shows the limits in force");
+    // 0 removes a limit.
+    let now = limits(ctl(&api, &["qos", "--iops", "0"]));
+    assert_eq!(now["iops_total"], 0);
+    assert_eq!(now["bps_read"], 8 << 20);
+    // Over HTTP, as a JSON object of the fields.
+    let (code, body) = http(&api, "PUT", "/api/v1/qos", b"{\"bps_read\": 0}");
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(v["bps_read"], 0);
     d.assert_running();
 }

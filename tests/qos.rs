@@ -8,8 +8,8 @@
 //! unthrottled (tens of thousands of 4 KiB requests a second), so the
 //! measured rate is the limit's doing, not the machine's.
 //!
-//! Changing limits at runtime is tested in-process through the `Qos`
-//! handle (`vhost::worker` tests), until the control API drives it.
+//! Limits change at runtime through the control API (`ringblk ctl qos`),
+//! while the client runs.
 
 mod common;
 
@@ -165,6 +165,95 @@ fn read_and_write_limits_hold_each_direction() {
     // Reads of 64 KiB have no bandwidth limit: only --read-iops holds them.
     let s = run(&mut c, false, bs);
     assert_near("64 KiB read IOPS (--read-iops 1500)", measured(&s), 1500.0);
+}
+
+/// `ringblk ctl qos` doubles an IOPS limit and then a bandwidth limit
+/// under load: the rate follows within a second, and no request fails.
+#[test]
+fn limits_changed_through_the_api_are_followed_within_a_second() {
+    let dir = common::test_dir();
+    let api = dir.path().join("api.sock");
+    let api_arg = api.to_str().expect("UTF-8 path").to_string();
+    let d = Daemon::start_in(
+        dir.path(),
+        DaemonOptions {
+            size: IMAGE,
+            args: &["--iops", "1000", "--api", &api_arg],
+            ..DaemonOptions::default()
+        },
+    );
+    /// When the change is made, from the start of the run.
+    const CHANGE_AT: Duration = Duration::from_millis(2500);
+    const LONGER: Duration = Duration::from_secs(6);
+    let change = |args: &'static [&'static str]| {
+        let api = api.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(CHANGE_AT);
+            let out = std::process::Command::new(common::ringblk_bin())
+                .arg("ctl")
+                .arg("--api")
+                .arg(&api)
+                .arg("qos")
+                .args(args)
+                .output()
+                .expect("runs ringblk ctl");
+            assert!(
+                out.status.success(),
+                "ctl qos {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        })
+    };
+    let mut c = Client::connect(&d.socket, DEPTH * 64 * KIB as usize);
+    let slots = IMAGE / 4096;
+    let changer = change(&["--iops", "2000"]);
+    let s = c.sustain(DEPTH, 4096, LONGER, |n, _| Op::Read {
+        offset: (n * 7919 % slots) * 4096,
+        buf_off: 0,
+        len: 4096,
+    });
+    changer.join().expect("the change");
+    assert_eq!(s.errors, 0, "requests failed across the change");
+    let second = Duration::from_secs(1);
+    assert_near(
+        "IOPS before (--iops 1000)",
+        s.rate(WARM_UP, CHANGE_AT),
+        1000.0,
+    );
+    assert_near(
+        "IOPS from a second after `ctl qos --iops 2000`",
+        s.rate(CHANGE_AT + second, LONGER),
+        2000.0,
+    );
+
+    // Bandwidth: 16 MiB/s of 64 KiB reads, doubled.
+    let bs = 64 * KIB as usize;
+    let changer = change(&["--iops", "0", "--bps", "32M"]);
+    std::process::Command::new(common::ringblk_bin())
+        .args([
+            "ctl", "--api", &api_arg, "qos", "--iops", "0", "--bps", "16M",
+        ])
+        .output()
+        .expect("runs ringblk ctl");
+    let slots = IMAGE / bs as u64;
+    let s = c.sustain(DEPTH, bs, LONGER, |n, _| Op::Read {
+        offset: (n * 7919 % slots) * bs as u64,
+        buf_off: 0,
+        len: bs,
+    });
+    changer.join().expect("the change");
+    assert_eq!(s.errors, 0, "requests failed across the change");
+    let mibs = |r: f64| r * bs as f64 / MIB as f64;
+    assert_near(
+        "MiB/s before (--bps 16M)",
+        mibs(s.rate(WARM_UP, CHANGE_AT)),
+        16.0,
+    );
+    assert_near(
+        "MiB/s from a second after `ctl qos --bps 32M`",
+        mibs(s.rate(CHANGE_AT + second, LONGER)),
+        32.0,
+    );
 }
 
 #[test]

@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use crate::daemon::Current;
 use crate::io::device_size;
+use crate::qos::{QosError, QosLimits};
 use crate::vhost::WorkerConfig;
 use crate::virtio::SECTOR_SHIFT;
 
@@ -80,8 +81,8 @@ pub struct Status {
     pub writeback: bool,
     /// A front-end is connected.
     pub connected: bool,
-    /// QoS limits; null until QoS exists.
-    pub qos: Option<serde_json::Value>,
+    /// QoS limits (0: none).
+    pub qos: QosLimits,
 }
 
 /// The image as the control API needs it.
@@ -148,8 +149,26 @@ impl Control {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .is_some(),
-            qos: None,
+            qos: self.worker.qos.limits(),
         }
+    }
+
+    /// The QoS limits now.
+    pub fn qos(&self) -> QosLimits {
+        self.worker.qos.limits()
+    }
+
+    /// Changes the limits named in `changes` (the others stay; 0 removes
+    /// one), effective for the next request every queue takes.
+    pub fn set_qos(
+        &self,
+        changes: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<QosLimits, QosError> {
+        let qos = &self.worker.qos;
+        let new = qos.limits().with_changes(changes)?;
+        qos.set_limits(new)?;
+        log::info!("QoS limits changed to {}", serde_json::json!(new));
+        Ok(new)
     }
 
     /// Resizes to `size` bytes (a file image: ftruncate), or with `None`

@@ -32,6 +32,10 @@ pub enum CtlVerb {
         #[arg(long)]
         force: bool,
     },
+    /// Show the QoS limits, or change those given (0 removes a limit; the
+    /// others stay), effective within a second. Prints the limits in
+    /// force (JSON).
+    Qos(crate::cli::QosArgs),
     /// The counters, as `ringblk stats` prints them.
     Stats {
         /// Print the raw JSON snapshot instead of a table.
@@ -81,6 +85,16 @@ pub fn ctl(args: &CtlArgs) -> Result<(), String> {
                 "resized from {} to {} bytes; {notified}",
                 r["old_size"], r["size"]
             );
+        }
+        CtlVerb::Qos(limits) => {
+            let changes = limits.changes();
+            let answer = if changes.is_empty() {
+                call(&addr, "GET", "/api/v1/qos", b"")?
+            } else {
+                let body = serde_json::Value::Object(changes).to_string();
+                call(&addr, "PUT", "/api/v1/qos", body.as_bytes())?
+            };
+            print!("{answer}");
         }
         CtlVerb::Stats {
             json,

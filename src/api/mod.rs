@@ -79,6 +79,7 @@ impl Reply {
 
 /// What a verb sees.
 pub struct Ctx<'a> {
+    method: &'a Method,
     queues: &'a [Arc<QueueMetrics>],
     control: Option<&'a Control>,
     body: &'a [u8],
@@ -137,6 +138,12 @@ pub const VERBS: &[Verb] = &[
         path: "/api/v1/resize",
         control: true,
         run: resize,
+    },
+    Verb {
+        methods: &[Method::Get, Method::Put, Method::Post],
+        path: "/api/v1/qos",
+        control: true,
+        run: qos,
     },
 ];
 
@@ -217,6 +224,25 @@ fn resize(ctx: &Ctx<'_>) -> Reply {
     }
 }
 
+/// GET /api/v1/qos: the limits. PUT (or POST) with a JSON object of
+/// `QosLimits` fields: those change, the others stay (0 removes a limit);
+/// the answer is the limits now in force.
+fn qos(ctx: &Ctx<'_>) -> Reply {
+    let run = || -> Result<crate::qos::QosLimits, Reply> {
+        let c = control(ctx)?;
+        if *ctx.method == Method::Get {
+            return Ok(c.qos());
+        }
+        let changes: serde_json::Map<String, serde_json::Value> = ctx.json_body()?;
+        c.set_qos(&changes)
+            .map_err(|e| Reply::error(400, format!("QoS: {e}")))
+    };
+    match run() {
+        Ok(l) => Reply::json(200, &l),
+        Err(r) => r,
+    }
+}
+
 /// The answer to `method path` with `body`, on an endpoint with or
 /// without the control side.
 pub fn dispatch(
@@ -250,6 +276,7 @@ pub fn dispatch(
         );
     }
     (verb.run)(&Ctx {
+        method,
         queues,
         control,
         body,

@@ -86,8 +86,10 @@ impl Config {
             }),
             (None, Some(_)) => None,
         };
-        let qos = args.qos.apply(QosLimits::default());
-        qos.validate()
+        let qos = args
+            .qos
+            .apply(QosLimits::default())
+            .and_then(|q| q.validate().map(|()| q))
             .map_err(|e| DaemonError::Config(format!("QoS: {e}")))?;
         // What is not given goes in a private directory, chosen and checked
         // only when needed.

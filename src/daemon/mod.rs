@@ -110,25 +110,6 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // environment (LISTEN_FDS, NOTIFY_SOCKET).
     let notifier = Notifier::from_env().map_err(DaemonError::Config)?;
     let cfg = Config::from_args(args)?;
-    let (listener, socket_name) = match &cfg.listen {
-        Listen::Bind(path) => (
-            socket::bind(path, cfg.args.socket_mode)?,
-            path.display().to_string(),
-        ),
-        Listen::Fd { fd, from } => {
-            let l = socket::adopt(*fd, from)?;
-            let name = match l
-                .local_addr()
-                .ok()
-                .and_then(|a| a.as_pathname().map(Path::to_owned))
-            {
-                Some(p) => p.display().to_string(),
-                None => format!("fd {fd}"),
-            };
-            log::info!("using the listening socket passed by {from}: {name}");
-            (l, name)
-        }
-    };
     let num_queues = usize::from(cfg.args.queues);
     let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
     // Bound before the seccomp filter: binding probes for a stale socket.
@@ -159,6 +140,27 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             features,
         )?),
         None => None,
+    };
+    // The vhost-user socket listens last: a front-end (or a script) that
+    // finds it can use the API and the metrics endpoint at once.
+    let (listener, socket_name) = match &cfg.listen {
+        Listen::Bind(path) => (
+            socket::bind(path, cfg.args.socket_mode)?,
+            path.display().to_string(),
+        ),
+        Listen::Fd { fd, from } => {
+            let l = socket::adopt(*fd, from)?;
+            let name = match l
+                .local_addr()
+                .ok()
+                .and_then(|a| a.as_pathname().map(Path::to_owned))
+            {
+                Some(p) => p.display().to_string(),
+                None => format!("fd {fd}"),
+            };
+            log::info!("using the listening socket passed by {from}: {name}");
+            (l, name)
+        }
     };
     let mut inner = InnerSocket::new()?;
     // One queue thread per queue (`BlkBackend::queues_per_thread`).

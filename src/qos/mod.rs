@@ -81,6 +81,27 @@ impl QosLimits {
         "bps_write",
     ];
 
+    /// These limits with the fields named in `changes` replaced (JSON
+    /// names and numbers, as `PUT /api/v1/qos` takes them); the others
+    /// stay. Not validated.
+    pub fn with_changes(
+        &self,
+        changes: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<QosLimits, QosError> {
+        let mut all = match serde_json::to_value(self) {
+            Ok(serde_json::Value::Object(m)) => m,
+            other => return Err(QosError::BadValue(format!("{other:?}"))),
+        };
+        for (name, value) in changes {
+            if !all.contains_key(name) {
+                return Err(QosError::Unknown(name.clone()));
+            }
+            all.insert(name.clone(), value.clone());
+        }
+        serde_json::from_value(serde_json::Value::Object(all))
+            .map_err(|e| QosError::BadValue(e.to_string()))
+    }
+
     /// Whether any limit is set.
     pub fn any(&self) -> bool {
         self.pairs().iter().any(|&(avg, _)| avg > 0)
@@ -115,6 +136,10 @@ impl QosLimits {
 /// Why limits are refused. One line each.
 #[derive(Debug, thiserror::Error)]
 pub enum QosError {
+    #[error("unknown QoS limit {0:?}")]
+    Unknown(String),
+    #[error("bad QoS value: {0}")]
+    BadValue(String),
     #[error("{name}_max needs {name} set too")]
     MaxWithoutRate { name: &'static str },
     #[error("{name}_max ({max}) cannot be lower than {name} ({avg})")]
