@@ -22,6 +22,7 @@ use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::cli::{EngineKind, ServeArgs};
 use crate::engine::{Engine, EngineError, NullEngine, UringEngine};
@@ -153,11 +154,17 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         None => None,
     };
     let mut inner = InnerSocket::new()?;
-    // One queue thread per queue (`BlkBackend::queues_per_thread`).
+    // `--threads` queue threads (`BlkBackend::queues_per_thread`).
+    let threads = cfg.threads;
     let exit_events = Arc::new(
-        ExitEvents::new(num_queues)
-            .map_err(|e| DaemonError::Vhost(format!("exit eventfds: {e}")))?,
+        ExitEvents::new(threads).map_err(|e| DaemonError::Vhost(format!("exit eventfds: {e}")))?,
     );
+    // Each queue's resume eventfd, for taking turns on a shared thread:
+    // made once, like the engines, and reused by every connection.
+    let resume = (0..if threads < num_queues { num_queues } else { 0 })
+        .map(|_| EventFd::new(EFD_NONBLOCK).map(Arc::new))
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(|e| DaemonError::Vhost(format!("resume eventfds: {e}")))?;
     // The sockets the daemon removes on its way out, by directory fd.
     let removal = |p: &std::path::Path| {
         Removal::file(p).map_err(|e| DaemonError::Socket(format!("{}: {e}", p.display())))
@@ -204,7 +211,9 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         listener: &listener,
         metrics: &metrics,
         worker_cfg: &worker_cfg,
+        threads,
         exit_events: &exit_events,
+        resume: &resume,
         current: &current,
         inner: &mut inner,
         space,
@@ -242,7 +251,11 @@ struct Connections<'a> {
     listener: &'a UnixListener,
     metrics: &'a [Arc<QueueMetrics>],
     worker_cfg: &'a Arc<WorkerConfig>,
+    /// Worker threads (`--threads`).
+    threads: usize,
     exit_events: &'a Arc<ExitEvents>,
+    /// Each queue's resume eventfd, when threads serve several queues.
+    resume: &'a [Arc<EventFd>],
     current: &'a Current,
     inner: &'a mut InnerSocket,
     space: [u8; crate::virtio::config::CONFIG_LEN],
@@ -304,8 +317,14 @@ impl Connections<'_> {
             .zip(self.metrics)
             .enumerate()
             .map(|(i, (engine, m))| {
-                let cpu = (!args.cpus.is_empty()).then(|| args.cpus[i % args.cpus.len()]);
-                QueueWorker::new(worker_cfg.clone(), m.clone(), engine, cpu)
+                // --cpus pins threads: queue i runs on thread i % threads.
+                let thread = i % self.threads;
+                let cpu = (!args.cpus.is_empty()).then(|| args.cpus[thread % args.cpus.len()]);
+                let mut w = QueueWorker::new(worker_cfg.clone(), m.clone(), engine, cpu);
+                if let Some(fd) = self.resume.get(i) {
+                    w.share_thread(fd.clone());
+                }
+                w
             })
             .collect();
         // The guest may have turned the write cache off; a new connection
@@ -320,6 +339,7 @@ impl Connections<'_> {
             workers,
             self.space,
             self.features,
+            self.threads,
             self.exit_events.clone(),
         ));
         let served = self.run(front, &backend);
@@ -366,12 +386,17 @@ impl Connections<'_> {
             GuestMemoryAtomic::new(GuestMem::new()),
         )
         .map_err(|e| DaemonError::Vhost(e.to_string()))?;
-        for (i, h) in daemon.get_epoll_handlers().iter().enumerate() {
-            if let Some(fd) = backend.with_worker(i, |w| w.completion_fd()).flatten() {
-                h.register_listener(fd, EventSet::IN, backend.completion_event_id())
-                    .map_err(|e| {
-                        DaemonError::Vhost(format!("registering completion eventfd: {e}"))
-                    })?;
+        for (t, h) in daemon.get_epoll_handlers().iter().enumerate() {
+            for (local, q) in backend.thread_queues(t).enumerate() {
+                for kind in crate::vhost::Listener::ALL {
+                    let Some(fd) = backend.listener_fd(q, kind) else {
+                        continue;
+                    };
+                    h.register_listener(fd, EventSet::IN, backend.listener_id(local, kind))
+                        .map_err(|e| {
+                            DaemonError::Vhost(format!("registering {kind:?} eventfd: {e}"))
+                        })?;
+                }
             }
         }
         *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend.clone());

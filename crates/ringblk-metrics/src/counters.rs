@@ -148,6 +148,13 @@ counters! {
     bounced: Count = "Requests that went through a bounce buffer (O_DIRECT misalignment).",
     poll_iterations: Count = "Busy-poll loop iterations.",
     poll_hits: Count = "Busy-poll windows that found work before timing out.",
+    /// What polling costs: the CPU time of the spin loops, less the gaps
+    /// in which the thread was preempted.
+    poll_ns: Count = "Nanoseconds spent busy-polling.",
+    poll_preempted: Count = "Busy-poll windows ended early because the thread was preempted.",
+    poll_cpu_busy: Count = "Busy-poll windows not started because another ringblk thread polled on the CPU.",
+    /// Only on threads that serve several queues (`--threads`).
+    yields: Count = "Passes that stopped with work left, to let the thread's other queues run.",
 }
 
 impl QueueMetrics {

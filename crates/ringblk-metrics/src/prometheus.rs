@@ -138,6 +138,10 @@ mod tests {
                     bounced: next(),
                     poll_iterations: next(),
                     poll_hits: next(),
+                    poll_ns: next(),
+                    poll_preempted: next(),
+                    poll_cpu_busy: next(),
+                    yields: next(),
                 }
             })
             .collect();
@@ -146,7 +150,7 @@ mod tests {
         let json = serde_json::to_string(&queues[1]).expect("serializes");
         assert_eq!(
             json,
-            r#"{"requests":[101,102,103,104,105,106,107],"read_bytes":108,"write_bytes":109,"errors_ioerr":110,"errors_unsupp":111,"errors_no_status":112,"kicks":113,"notifications":114,"notifications_suppressed":115,"submit_calls":116,"submitted_sqes":117,"completion_passes":118,"completions":119,"bounced":120,"poll_iterations":121,"poll_hits":122}"#
+            r#"{"requests":[101,102,103,104,105,106,107],"read_bytes":108,"write_bytes":109,"errors_ioerr":110,"errors_unsupp":111,"errors_no_status":112,"kicks":113,"notifications":114,"notifications_suppressed":115,"submit_calls":116,"submitted_sqes":117,"completion_passes":118,"completions":119,"bounced":120,"poll_iterations":121,"poll_hits":122,"poll_ns":123,"poll_preempted":124,"poll_cpu_busy":125,"yields":126}"#
         );
     }
 
