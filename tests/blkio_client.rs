@@ -1359,6 +1359,7 @@ fn more_queues_than_threads_serve_every_queue() {
         metrics: true,
         ..DaemonOptions::default()
     });
+    d.wait_for_log("8 queue(s) on 3 worker thread(s)");
     d.wait_for_log("others fatal");
     for round in 0..2 {
         let mut c = client_with_queues(&d, 8);

@@ -213,3 +213,18 @@ impl Config {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::default_threads;
+
+    #[test]
+    fn default_threads_are_bounded_by_queues_and_cpus() {
+        assert_eq!(default_threads(8, &[0, 1, 2]), 3);
+        assert_eq!(default_threads(2, &[0, 1, 2]), 2);
+        assert_eq!(default_threads(1, &[0]), 1);
+        let allowed = crate::cpu::allowed_cpus().unwrap().len();
+        assert_eq!(default_threads(64, &[]), allowed.min(64));
+        assert_eq!(default_threads(1, &[]), 1);
+    }
+}

@@ -203,6 +203,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         &cfg.image,
         cfg.image_created,
         &worker_cfg,
+        threads,
     );
 
     let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
@@ -583,6 +584,7 @@ fn announce(
     image: &crate::io::Image,
     created: bool,
     cfg: &WorkerConfig,
+    threads: usize,
 ) {
     if created {
         log::info!(
@@ -602,6 +604,15 @@ fn announce(
         args.queues,
         args.queue_size,
         String::from_utf8_lossy(&cfg.serial).trim_end_matches('\0'),
+    );
+    log::info!(
+        "{} queue(s) on {threads} worker thread(s){}",
+        args.queues,
+        if threads < usize::from(args.queues) {
+            " that take turns and do not busy-poll"
+        } else {
+            ""
+        }
     );
     println!(
         "Connect QEMU with:\n  qemu-system-x86_64 -m 1G -object memory-backend-memfd,id=mem,size=1G,share=on \
