@@ -209,7 +209,11 @@ mod tests {
         }
         p.ended(Outcome::Found);
         p.ended(Outcome::Expired);
-        assert_eq!(p.window(), Some(Duration::from_micros(16)), "a hit resets the streak");
+        assert_eq!(
+            p.window(),
+            Some(Duration::from_micros(16)),
+            "a hit resets the streak"
+        );
         for _ in 0..MISS_LIMIT * 3 {
             p.ended(Outcome::Expired);
         }

@@ -39,12 +39,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use vhost_user_backend::{VringMutex, VringState, VringT};
-use vmm_sys_util::eventfd::EventFd;
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
 };
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestMemoryAtomic};
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::cli::{NotifyMode, SignalMode};
 use crate::engine::{Completion, Engine, Full, Io};
