@@ -331,6 +331,9 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // Busy-polling claims the CPU it polls on (sched_getcpu, which
         // glibc answers from rseq or the vDSO where it can).
         (SYS_getcpu, any()),
+        // ... and stops when its thread was preempted: its own count of
+        // involuntary context switches.
+        (SYS_getrusage, arg_in(0, &[libc::RUSAGE_THREAD as u64])),
         // --cpus: a worker pins itself (pid 0), nothing else.
         (SYS_sched_setaffinity, arg_in(0, &[0])),
         (SYS_futex, any()),

@@ -7,7 +7,9 @@
 //! polling hurts (unless `--no-poll-checks`):
 //! - it was preempted: two spin iterations [`PREEMPT_GAP`] apart mean the
 //!   CPU went to someone else meanwhile, who wants it (a vCPU, another
-//!   daemon); the window ends and halves;
+//!   daemon); the window ends and halves. So does a window whose thread
+//!   was switched out involuntarily since the last one (`getrusage`'s
+//!   `ru_nivcsw`): then it does not poll at all;
 //! - another ringblk thread is polling on its CPU ([`CpuClaim`]): two
 //!   pollers on one CPU only take turns by preemption; it does not poll;
 //! - the window keeps expiring with nothing found: after [`MISS_LIMIT`]
@@ -36,6 +38,8 @@ pub struct AdaptivePoll {
     misses: u32,
     /// The neighbour checks are on.
     checks: bool,
+    /// The thread's involuntary context switches when last looked at.
+    nivcsw: Option<u64>,
 }
 
 /// How a window ended.
@@ -57,12 +61,22 @@ impl AdaptivePoll {
             slept_at: None,
             misses: 0,
             checks,
+            nivcsw: None,
         }
     }
 
     /// Whether the neighbour checks are on.
     pub fn checks(&self) -> bool {
         self.checks
+    }
+
+    /// Whether the thread was switched out involuntarily since the last
+    /// call (someone else wanted its CPU): then polling now would take the
+    /// CPU from them. False when it cannot be known.
+    pub fn preempted_since(&mut self) -> bool {
+        let now = involuntary_switches();
+        let before = std::mem::replace(&mut self.nivcsw, now);
+        matches!((before, now), (Some(b), Some(n)) if n > b)
     }
 
     /// The window to poll for now, or None when polling is off or shrunk away.
@@ -115,6 +129,21 @@ impl AdaptivePoll {
             self.shrink();
         }
     }
+}
+
+/// Involuntary context switches of the calling thread so far.
+fn involuntary_switches() -> Option<u64> {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: RUSAGE_THREAD names the calling thread; the kernel writes one
+    // `rusage` into `ru`, which is that large.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, ru.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: getrusage succeeded, so it filled `ru` (and all-zeroes, its
+    // starting point, is a valid rusage anyway).
+    let ru = unsafe { ru.assume_init() };
+    u64::try_from(ru.ru_nivcsw).ok()
 }
 
 /// Most CPUs the claims cover; pollers on CPUs past it poll unclaimed.
@@ -224,6 +253,14 @@ mod tests {
             off.ended(Outcome::Expired);
         }
         assert_eq!(off.window(), Some(Duration::from_micros(32)));
+    }
+
+    #[test]
+    fn involuntary_switches_are_read() {
+        assert!(involuntary_switches().is_some());
+        let mut p = AdaptivePoll::new(Duration::from_micros(32), true);
+        // The first look has nothing to compare with.
+        assert!(!p.preempted_since());
     }
 
     #[test]

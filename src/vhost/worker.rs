@@ -476,6 +476,11 @@ impl<E: Engine> QueueWorker<E> {
             return Ok(false);
         };
         let checks = self.poll.checks();
+        if checks && self.poll.preempted_since() {
+            QueueMetrics::add(&self.metrics.poll_preempted, 1);
+            self.poll.ended(Outcome::Preempted);
+            return Ok(false);
+        }
         let _claim = if checks {
             match CpuClaim::take(self.poll_token) {
                 Some(c) => Some(c),
