@@ -236,6 +236,11 @@ impl<E: Engine> QueueWorker<E> {
     /// Called for each event of this queue's.
     pub fn handle_event(&mut self, vring: &Vring, event: Event) {
         if self.closed {
+            // A resume count left unread would wake the thread's
+            // level-triggered epoll again and again.
+            if let (Event::Resume, Some(fd)) = (event, &self.resume) {
+                let _ = fd.read();
+            }
             return;
         }
         match event {
