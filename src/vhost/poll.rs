@@ -8,8 +8,8 @@
 //! - it was preempted: two spin iterations [`PREEMPT_GAP`] apart mean the
 //!   CPU went to someone else meanwhile, who wants it (a vCPU, another
 //!   daemon); the window ends and halves. So does a window whose thread
-//!   was switched out involuntarily since the last one (`getrusage`'s
-//!   `ru_nivcsw`): then it does not poll at all;
+//!   was switched out involuntarily since the last look (`getrusage`'s
+//!   `ru_nivcsw`, read at most every 50 µs): then it does not poll at all;
 //! - another ringblk thread is polling on its CPU ([`CpuClaim`]): two
 //!   pollers on one CPU only take turns by preemption; it does not poll;
 //! - the window keeps expiring with nothing found: after [`MISS_LIMIT`]
@@ -26,6 +26,10 @@ const START: Duration = Duration::from_micros(4);
 /// preempted: an iteration takes well under a microsecond (a clock read
 /// from the vDSO and two loads), even with the clock read as a syscall.
 pub const PREEMPT_GAP: Duration = Duration::from_micros(10);
+/// Shortest time between two looks at the thread's context switches (a
+/// syscall each): a window at each request at depth 1 would otherwise pay
+/// one per I/O, and the preemptions that matter last a scheduler tick.
+const NIVCSW_EVERY: Duration = Duration::from_micros(50);
 /// Empty windows in a row after which the window halves.
 const MISS_LIMIT: u32 = 4;
 
@@ -38,8 +42,10 @@ pub struct AdaptivePoll {
     misses: u32,
     /// The neighbour checks are on.
     checks: bool,
-    /// The thread's involuntary context switches when last looked at.
+    /// The thread's involuntary context switches when last looked at,
+    /// and when that was.
     nivcsw: Option<u64>,
+    nivcsw_at: Option<Instant>,
 }
 
 /// How a window ended.
@@ -62,6 +68,7 @@ impl AdaptivePoll {
             misses: 0,
             checks,
             nivcsw: None,
+            nivcsw_at: None,
         }
     }
 
@@ -71,9 +78,18 @@ impl AdaptivePoll {
     }
 
     /// Whether the thread was switched out involuntarily since the last
-    /// call (someone else wanted its CPU): then polling now would take the
-    /// CPU from them. False when it cannot be known.
+    /// look (someone else wanted its CPU): then polling now would take the
+    /// CPU from them. Looks at most every [`NIVCSW_EVERY`]; false when it
+    /// did not look or cannot know.
     pub fn preempted_since(&mut self) -> bool {
+        let t = Instant::now();
+        if self
+            .nivcsw_at
+            .is_some_and(|at| t.saturating_duration_since(at) < NIVCSW_EVERY)
+        {
+            return false;
+        }
+        self.nivcsw_at = Some(t);
         let now = involuntary_switches();
         let before = std::mem::replace(&mut self.nivcsw, now);
         matches!((before, now), (Some(b), Some(n)) if n > b)
