@@ -19,8 +19,9 @@
 //! turns: after a pass has taken [`WorkerConfig::queue_size`] requests with
 //! more waiting, it writes its resume eventfd and returns, so the thread's
 //! epoll gets round to the other queues' events before it comes back. Such
-//! a worker does not busy-poll: polling one queue would hold back the
-//! others (see `docs/BENCHMARKS.md`).
+//! a worker does not busy-poll: spinning on one queue would hold back the
+//! others' events (polling all of a thread's queues together is not
+//! built).
 //!
 //! Publishing writes all used elements, stores used->idx once (release),
 //! decides once whether the guest wants an interrupt and writes the call
