@@ -125,9 +125,17 @@ pub struct ServeArgs {
     #[arg(long)]
     pub no_image_lock: bool,
 
-    /// Number of virtqueues, each served by its own worker thread.
+    /// Number of virtqueues.
     #[arg(long, default_value_t = 1)]
     pub queues: u16,
+
+    /// Worker threads serving the queues: queue q is served by thread
+    /// q % N, which takes turns between its queues [default: the number of
+    /// queues, but at most the length of --cpus, or without --cpus the
+    /// number of CPUs the daemon may run on]. A thread with more than one
+    /// queue does not busy-poll.
+    #[arg(long)]
+    pub threads: Option<usize>,
 
     /// Maximum size of each virtqueue (a power of two, up to 32768).
     #[arg(long, default_value_t = 256)]
@@ -176,6 +184,12 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 32)]
     pub poll_us: u64,
 
+    /// Turn off the checks that stop busy-polling when it hurts (the
+    /// thread was preempted, another ringblk thread polls on its CPU, the
+    /// window keeps expiring empty). For measuring what they are worth.
+    #[arg(long, hide = true)]
+    pub no_poll_checks: bool,
+
     /// Most requests taken off the avail ring per io_uring submit (0: all
     /// that are there). Small batches let the guest see the first
     /// completions, and submit more, while the rest are still being
@@ -203,7 +217,8 @@ pub struct ServeArgs {
     #[arg(long, hide = true)]
     pub no_uring_cmd: bool,
 
-    /// Pin queue worker N to CPU list[N % len] (comma-separated CPU numbers).
+    /// Pin worker thread N to CPU list[N % len] (comma-separated CPU
+    /// numbers). Threads, not queues: see --threads.
     #[arg(long, value_delimiter = ',')]
     pub cpus: Vec<usize>,
 

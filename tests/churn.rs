@@ -178,14 +178,15 @@ fn running_out_of_fds_ends_a_connection_not_the_daemon() {
     }
 }
 
-/// Setting up a connection runs out of fds (64 queues need hundreds; the
+/// Setting up a connection runs out of fds (64 queues on a thread each
+/// need hundreds; the default of a thread per CPU needs far fewer; the
 /// limit is lowered under the running daemon): that connection fails, the
 /// daemon does not exit, and once fds are there again it serves.
 #[test]
 fn a_connection_that_cannot_be_set_up_does_not_end_the_daemon() {
     let mut d = Daemon::start_with(DaemonOptions {
         size: 64 * MIB,
-        args: &["--queues", "64"],
+        args: &["--queues", "64", "--threads", "64"],
         wrapper: &["prlimit", "--nofile=400:4096", "--"],
         ..DaemonOptions::default()
     });

@@ -118,6 +118,18 @@ fn rw_eight_vcpus_qemu_default_queues() {
     });
 }
 
+/// The same VM with its 8 queues on 2 daemon threads (4 queues each,
+/// taking turns): fio verify passes and every queue raises interrupts.
+#[test]
+fn rw_eight_queues_on_two_threads() {
+    run(Scenario {
+        queues: 8,
+        vcpus: 8,
+        qemu_default_queues: true,
+        ..Scenario::rw(&["--threads", "2", "--seccomp", "enforce"])
+    });
+}
+
 /// Two guests, one after the other, against one daemon: it must take the
 /// second front-end (a VM reboot or a QEMU restart) without a restart.
 #[test]

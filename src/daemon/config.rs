@@ -42,6 +42,20 @@ pub struct Config {
     pub worker: WorkerConfig,
     /// How each queue's io_uring engine is set up (`--engine uring`).
     pub uring: UringConfig,
+    /// Worker threads: `--threads`, or its default ([`default_threads`]).
+    pub threads: usize,
+}
+
+/// `--threads`' default: a thread per queue, but no more threads than
+/// CPUs to run them on (the `--cpus` list, else the daemon's affinity
+/// mask), since two busy threads on one CPU take turns by preemption,
+/// which costs more than one thread taking turns between queues.
+pub fn default_threads(queues: usize, cpus: &[usize]) -> usize {
+    let cpus = match cpus.len() {
+        0 => crate::cpu::allowed_cpus().map_or(queues, |c| c.len()),
+        n => n,
+    };
+    queues.min(cpus).max(1)
 }
 
 impl Config {
@@ -73,6 +87,16 @@ impl Config {
             return Err(DaemonError::Config("--iopoll needs --direct".into()));
         }
         crate::cpu::check_cpus(&args.cpus).map_err(DaemonError::Config)?;
+        let queues = usize::from(args.queues);
+        let threads = match args.threads {
+            Some(n) if n == 0 || n > queues => {
+                return Err(DaemonError::Config(format!(
+                    "--threads must be between 1 and --queues ({queues}), not {n}"
+                )));
+            }
+            Some(n) => n,
+            None => default_threads(queues, &args.cpus),
+        };
         // A socket passed in (--socket-fd, or systemd's when no socket is
         // named) is served as it is.
         let passed = match (args.socket_fd, &args.socket) {
@@ -146,6 +170,7 @@ impl Config {
             notify: args.notify,
             signal: args.signal,
             poll_us: args.poll_us,
+            poll_checks: !args.no_poll_checks,
             max_batch: args.max_batch,
             queue_size: args.queue_size,
             writeback: writeback.clone(),
@@ -194,6 +219,22 @@ impl Config {
             image_created: created,
             worker,
             uring,
+            threads,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_threads;
+
+    #[test]
+    fn default_threads_are_bounded_by_queues_and_cpus() {
+        assert_eq!(default_threads(8, &[0, 1, 2]), 3);
+        assert_eq!(default_threads(2, &[0, 1, 2]), 2);
+        assert_eq!(default_threads(1, &[0]), 1);
+        let allowed = crate::cpu::allowed_cpus().unwrap().len();
+        assert_eq!(default_threads(64, &[]), allowed.min(64));
+        assert_eq!(default_threads(1, &[]), 1);
     }
 }

@@ -22,6 +22,7 @@ use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::cli::{EngineKind, ServeArgs};
 use crate::engine::{Engine, EngineError, NullEngine, UringEngine};
@@ -163,11 +164,17 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         }
     };
     let mut inner = InnerSocket::new()?;
-    // One queue thread per queue (`BlkBackend::queues_per_thread`).
+    // `--threads` queue threads (`BlkBackend::queues_per_thread`).
+    let threads = cfg.threads;
     let exit_events = Arc::new(
-        ExitEvents::new(num_queues)
-            .map_err(|e| DaemonError::Vhost(format!("exit eventfds: {e}")))?,
+        ExitEvents::new(threads).map_err(|e| DaemonError::Vhost(format!("exit eventfds: {e}")))?,
     );
+    // Each queue's resume eventfd, for taking turns on a shared thread:
+    // made once, like the engines, and reused by every connection.
+    let resume = (0..if threads < num_queues { num_queues } else { 0 })
+        .map(|_| EventFd::new(EFD_NONBLOCK).map(Arc::new))
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(|e| DaemonError::Vhost(format!("resume eventfds: {e}")))?;
     // The sockets the daemon removes on its way out, by directory fd.
     let removal = |p: &std::path::Path| {
         Removal::file(p).map_err(|e| DaemonError::Socket(format!("{}: {e}", p.display())))
@@ -206,6 +213,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         &cfg.image,
         cfg.image_created,
         &worker_cfg,
+        threads,
     );
 
     let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
@@ -214,7 +222,9 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         listener: &listener,
         metrics: &metrics,
         worker_cfg: &worker_cfg,
+        threads,
         exit_events: &exit_events,
+        resume: &resume,
         current: &current,
         inner: &mut inner,
         space,
@@ -252,7 +262,11 @@ struct Connections<'a> {
     listener: &'a UnixListener,
     metrics: &'a [Arc<QueueMetrics>],
     worker_cfg: &'a Arc<WorkerConfig>,
+    /// Worker threads (`--threads`).
+    threads: usize,
     exit_events: &'a Arc<ExitEvents>,
+    /// Each queue's resume eventfd, when threads serve several queues.
+    resume: &'a [Arc<EventFd>],
     current: &'a Current,
     inner: &'a mut InnerSocket,
     space: [u8; crate::virtio::config::CONFIG_LEN],
@@ -314,8 +328,14 @@ impl Connections<'_> {
             .zip(self.metrics)
             .enumerate()
             .map(|(i, (engine, m))| {
-                let cpu = (!args.cpus.is_empty()).then(|| args.cpus[i % args.cpus.len()]);
-                QueueWorker::new(worker_cfg.clone(), m.clone(), engine, i, cpu)
+                // --cpus pins threads: queue i runs on thread i % threads.
+                let thread = i % self.threads;
+                let cpu = (!args.cpus.is_empty()).then(|| args.cpus[thread % args.cpus.len()]);
+                let mut w = QueueWorker::new(worker_cfg.clone(), m.clone(), engine, i, cpu);
+                if let Some(fd) = self.resume.get(i) {
+                    w.share_thread(fd.clone());
+                }
+                w
             })
             .collect();
         // The guest may have turned the write cache off; a new connection
@@ -330,6 +350,7 @@ impl Connections<'_> {
             workers,
             self.space,
             self.features,
+            self.threads,
             self.exit_events.clone(),
         ));
         let served = self.run(front, &backend);
@@ -376,16 +397,17 @@ impl Connections<'_> {
             GuestMemoryAtomic::new(GuestMem::new()),
         )
         .map_err(|e| DaemonError::Vhost(e.to_string()))?;
-        for (i, h) in daemon.get_epoll_handlers().iter().enumerate() {
-            if let Some(fd) = backend.with_worker(i, |w| w.completion_fd()).flatten() {
-                h.register_listener(fd, EventSet::IN, backend.completion_event_id())
-                    .map_err(|e| {
-                        DaemonError::Vhost(format!("registering completion eventfd: {e}"))
-                    })?;
-            }
-            if let Some(fd) = backend.with_worker(i, |w| w.timer_fd()).flatten() {
-                h.register_listener(fd, EventSet::IN, backend.timer_event_id())
-                    .map_err(|e| DaemonError::Vhost(format!("registering QoS timer: {e}")))?;
+        for (t, h) in daemon.get_epoll_handlers().iter().enumerate() {
+            for (local, q) in backend.thread_queues(t).enumerate() {
+                for kind in crate::vhost::Listener::ALL {
+                    let Some(fd) = backend.listener_fd(q, kind) else {
+                        continue;
+                    };
+                    h.register_listener(fd, EventSet::IN, backend.listener_id(local, kind))
+                        .map_err(|e| {
+                            DaemonError::Vhost(format!("registering {kind:?} eventfd: {e}"))
+                        })?;
+                }
             }
         }
         *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend.clone());
@@ -585,6 +607,7 @@ fn announce(
     image: &crate::io::Image,
     created: bool,
     cfg: &WorkerConfig,
+    threads: usize,
 ) {
     if created {
         log::info!(
@@ -604,6 +627,15 @@ fn announce(
         args.queues,
         args.queue_size,
         String::from_utf8_lossy(&cfg.serial).trim_end_matches('\0'),
+    );
+    log::info!(
+        "{} queue(s) on {threads} worker thread(s){}",
+        args.queues,
+        if threads < usize::from(args.queues) {
+            " that take turns and do not busy-poll"
+        } else {
+            ""
+        }
     );
     println!(
         "Connect QEMU with:\n  qemu-system-x86_64 -m 1G -object memory-backend-memfd,id=mem,size=1G,share=on \

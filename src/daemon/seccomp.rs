@@ -331,6 +331,12 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         (SYS_prctl, arg_in(0, &[PR_SET_NAME as u64])),
         (SYS_gettid, any()),
         (SYS_sched_getaffinity, any()),
+        // Busy-polling claims the CPU it polls on (sched_getcpu, which
+        // glibc answers from rseq or the vDSO where it can).
+        (SYS_getcpu, any()),
+        // ... and stops when its thread was preempted: its own count of
+        // involuntary context switches.
+        (SYS_getrusage, arg_in(0, &[libc::RUSAGE_THREAD as u64])),
         // --cpus: a worker pins itself (pid 0), nothing else.
         (SYS_sched_setaffinity, arg_in(0, &[0])),
         (SYS_futex, any()),

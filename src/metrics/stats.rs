@@ -151,6 +151,7 @@ pub fn render(queues: &[QueueSnapshot], title: &str) -> String {
     derived("SQEs/submit", &|r| r.sqes_per_submit);
     derived("CQEs/pass", &|r| r.cqes_per_pass);
     derived("poll hits/iteration", &|r| r.poll_hit_rate);
+    derived("poll us/IO", &|r| r.poll_us_per_io);
     out
 }
 
@@ -180,6 +181,7 @@ mod tests {
                 .any(|l| l.starts_with("SQEs/submit") && l.contains("5.000"))
         );
         assert!(!t.contains("requests flush"), "zero rare types are hidden");
+        assert!(t.lines().any(|l| l.starts_with("poll us/IO")), "{t}");
     }
 
     #[test]

@@ -1,6 +1,12 @@
 //! The `VhostUserBackend` implementation: the device as vhost-user-backend
 //! sees it. The protocol, memory table and vring setup stay in the crate;
-//! we supply features, config space, and one worker per queue.
+//! we supply features, config space, and one worker per queue, spread
+//! over the threads (`queues_per_thread`).
+//!
+//! Event ids in a thread's epoll: the crate numbers the kicks of the
+//! thread's queues 0..k-1 (k local queues, by their position in the
+//! thread's mask) and takes `num_queues` for its exit event. Ours follow,
+//! one per local queue per kind of fd ([`Listener`]).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
@@ -24,7 +30,7 @@ use crate::virtio::config::{CONFIG_LEN, read_config};
 use super::backend_channel::BackendChannel;
 use super::inflight::{InflightQueue, InflightRegion};
 use super::proxy::InflightHost;
-use super::worker::{QueueWorker, Vring, WorkerConfig};
+use super::worker::{Event, QueueWorker, Vring, WorkerConfig};
 
 /// Offset of `wce` in the config space.
 const WCE_OFFSET: u32 = 32;
@@ -67,8 +73,36 @@ impl ExitEvents {
     }
 }
 
+/// The fds a worker has watched in its thread's epoll next to its kick,
+/// each under its own event id ([`BlkBackend::listener_id`]). A new kind
+/// is a new variant, at the end of [`Listener::ALL`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Listener {
+    /// The engine's completion eventfd.
+    Completion,
+    /// The worker's resume eventfd (threads with several queues).
+    Resume,
+    /// The queue's QoS timerfd.
+    Timer,
+}
+
+impl Listener {
+    pub const ALL: [Listener; 3] = [Listener::Completion, Listener::Resume, Listener::Timer];
+
+    fn event(self) -> Event {
+        match self {
+            Listener::Completion => Event::Completion,
+            Listener::Resume => Event::Resume,
+            Listener::Timer => Event::Timer,
+        }
+    }
+}
+
 pub struct BlkBackend<E: Engine> {
     cfg: Arc<WorkerConfig>,
+    /// Worker threads: queue q is served by thread q % threads, where it
+    /// is local queue q / threads.
+    threads: usize,
     /// One per queue; each is locked only by its own worker thread, except
     /// by the protocol thread when the ring is stopped or reset. `None` once
     /// the connection is over and its engine went back to the daemon.
@@ -100,10 +134,12 @@ impl<E: Engine> BlkBackend<E> {
         workers: Vec<QueueWorker<E>>,
         config: [u8; CONFIG_LEN],
         features: u64,
+        threads: usize,
         exit_events: Arc<ExitEvents>,
     ) -> BlkBackend<E> {
         BlkBackend {
             cfg,
+            threads: threads.clamp(1, workers.len().max(1)),
             workers: workers.into_iter().map(|w| Mutex::new(Some(w))).collect(),
             config: Mutex::new(config),
             features,
@@ -112,15 +148,40 @@ impl<E: Engine> BlkBackend<E> {
         }
     }
 
-    /// Event id of queue `i`'s completion eventfd in its thread's epoll:
-    /// ids up to num_queues are the crate's (kicks and its exit event).
-    pub fn completion_event_id(&self) -> u64 {
-        self.workers.len() as u64 + 1
+    /// The queues thread `thread` serves, in the order of its mask (their
+    /// local indices).
+    pub fn thread_queues(&self, thread: usize) -> impl Iterator<Item = usize> + use<E> {
+        (thread..self.workers.len()).step_by(self.threads)
     }
 
-    /// Event id of queue `i`'s QoS timer in its thread's epoll.
-    pub fn timer_event_id(&self) -> u64 {
-        self.completion_event_id() + 1
+    /// Whether a thread serves more than one queue.
+    pub fn shares_threads(&self) -> bool {
+        self.threads < self.workers.len()
+    }
+
+    /// Event id, in its thread's epoll, of local queue `local`'s fd of
+    /// kind `kind`: after the crate's (0..=num_queues).
+    pub fn listener_id(&self, local: usize, kind: Listener) -> u64 {
+        let kinds = Listener::ALL.len();
+        (self.workers.len() + 1 + local * kinds + kind as usize) as u64
+    }
+
+    /// Queue `queue`'s fd of kind `kind`, if it has one.
+    pub fn listener_fd(&self, queue: usize, kind: Listener) -> Option<std::os::fd::RawFd> {
+        self.with_worker(queue, |w| match kind {
+            Listener::Completion => w.completion_fd(),
+            Listener::Resume => w.resume_fd(),
+            Listener::Timer => w.timer_fd(),
+        })
+        .flatten()
+    }
+
+    /// The local queue and kind an event id of [`BlkBackend::listener_id`]
+    /// names; None for any other id.
+    pub(crate) fn listener(&self, id: u16) -> Option<(usize, Listener)> {
+        let off = usize::from(id).checked_sub(self.workers.len() + 1)?;
+        let kinds = Listener::ALL.len();
+        Some((off / kinds, Listener::ALL[off % kinds]))
     }
 
     /// Runs `f` on worker `i`, unless the connection is over.
@@ -323,8 +384,11 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     }
 
     fn queues_per_thread(&self) -> Vec<u64> {
-        // One thread per queue: queues share no lock and no ring.
-        (0..self.workers.len()).map(|i| 1u64 << i).collect()
+        // Queue q on thread q % threads; each queue keeps its own worker,
+        // lock, ring and io_uring.
+        (0..self.threads)
+            .map(|t| self.thread_queues(t).fold(0u64, |m, q| m | 1 << q))
+            .collect()
     }
 
     fn exit_event(&self, thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
@@ -351,22 +415,22 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
         if !evset.contains(EventSet::IN) {
             return Ok(());
         }
-        let Some(vring) = vrings.first() else {
+        let (local, event) = if usize::from(device_event) < vrings.len() {
+            (usize::from(device_event), Event::Kick)
+        } else {
+            match self.listener(device_event) {
+                Some((local, kind)) => (local, kind.event()),
+                None => return Ok(()),
+            }
+        };
+        let Some(vring) = vrings.get(local) else {
             return Ok(());
         };
-        // With one queue per thread the crate numbers our kick event 0.
-        let kick = device_event == 0;
-        if u64::from(device_event) == self.timer_event_id() {
-            self.with_worker(thread_id, |w| w.handle_timer(vring));
+        if event == Event::Kick && !vring.get_ref().is_enabled() {
             return Ok(());
         }
-        if !kick && u64::from(device_event) != self.completion_event_id() {
-            return Ok(());
-        }
-        if kick && !vring.get_ref().is_enabled() {
-            return Ok(());
-        }
-        self.with_worker(thread_id, |w| w.handle_event(vring, kick));
+        let queue = local * self.threads + thread_id;
+        self.with_worker(queue, |w| w.handle_event(vring, event));
         Ok(())
     }
 }

@@ -1,5 +1,6 @@
 //! The vhost-user layer: our device behind `vhost-user-backend`, one
-//! worker thread and one io_uring per queue.
+//! worker and one io_uring per queue, the workers spread over `--threads`
+//! threads.
 
 mod backend;
 mod backend_channel;
@@ -10,6 +11,6 @@ mod resubmit;
 pub mod sigbus;
 mod worker;
 
-pub use backend::{BlkBackend, Device, ExitEvents};
+pub use backend::{BlkBackend, Device, ExitEvents, Listener};
 pub use backend_channel::BackendChannel;
-pub use worker::{QueueWorker, Vring, WorkerConfig};
+pub use worker::{Event, QueueWorker, Vring, WorkerConfig};

@@ -26,6 +26,14 @@
 //! admitted regardless (and charged): GET_VRING_BASE must answer now, and
 //! they cannot be put back on the avail ring.
 //!
+//! A worker whose thread serves other queues too (`--threads`) takes
+//! turns: after a pass has taken [`WorkerConfig::queue_size`] requests with
+//! more waiting, it writes its resume eventfd and returns, so the thread's
+//! epoll gets round to the other queues' events before it comes back. Such
+//! a worker does not busy-poll: spinning on one queue would hold back the
+//! others' events (polling all of a thread's queues together is not
+//! built).
+//!
 //! Publishing writes all used elements, stores used->idx once (release),
 //! decides once whether the guest wants an interrupt and writes the call
 //! eventfd at most once (`--notify batched`).
@@ -48,6 +56,7 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestMemoryAtomic};
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::cli::{NotifyMode, SignalMode};
 use crate::engine::{Completion, Engine, Full, Io};
@@ -61,7 +70,7 @@ use crate::virtio::{DeviceLimits, GuestMem, Request, RequestKind};
 use crate::{info_limited, warn_limited};
 
 use super::inflight::InflightQueue;
-use super::poll::AdaptivePoll;
+use super::poll::{AdaptivePoll, CpuClaim, Outcome, PREEMPT_GAP};
 use super::resubmit::Replay;
 
 pub type Vring = VringMutex<GuestMemoryAtomic<GuestMem>>;
@@ -88,6 +97,9 @@ pub struct WorkerConfig {
     pub notify: NotifyMode,
     pub signal: SignalMode,
     pub poll_us: u64,
+    /// Stop polling when it hurts (`--no-poll-checks` turns it off): see
+    /// [`super::poll`].
+    pub poll_checks: bool,
     /// Most requests taken off the avail ring per submit (0: all there are).
     pub max_batch: usize,
     pub queue_size: u16,
@@ -118,6 +130,20 @@ impl WorkerConfig {
     }
 }
 
+/// What woke a worker up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// The guest kicked the queue.
+    Kick,
+    /// The engine's completion eventfd.
+    Completion,
+    /// The worker's own resume eventfd: it yielded with work left.
+    Resume,
+    /// The queue's QoS timer: tokens for its waiting request should be
+    /// there.
+    Timer,
+}
+
 pub struct QueueWorker<E: Engine> {
     cfg: Arc<WorkerConfig>,
     metrics: Arc<QueueMetrics>,
@@ -136,6 +162,11 @@ pub struct QueueWorker<E: Engine> {
     mem: Option<Arc<GuestMem>>,
     vring: Option<Vring>,
     poll: AdaptivePoll,
+    /// Names this worker's claims on the CPU it polls on.
+    poll_token: u64,
+    /// Set when the thread serves other queues too: the eventfd this
+    /// worker writes to come back after yielding (see the module doc).
+    resume: Option<Arc<EventFd>>,
     /// Popped and parsed, but the engine had no room: they go to it first,
     /// oldest first, each with the memory it was parsed against.
     deferred: VecDeque<Io>,
@@ -171,7 +202,7 @@ impl<E: Engine> QueueWorker<E> {
         index: usize,
         pin: Option<usize>,
     ) -> QueueWorker<E> {
-        let poll = AdaptivePoll::new(Duration::from_micros(cfg.poll_us));
+        let poll = AdaptivePoll::new(Duration::from_micros(cfg.poll_us), cfg.poll_checks);
         let size = usize::from(cfg.queue_size);
         QueueWorker {
             cfg,
@@ -184,6 +215,8 @@ impl<E: Engine> QueueWorker<E> {
             mem: None,
             vring: None,
             poll,
+            poll_token: CpuClaim::token(),
+            resume: None,
             deferred: VecDeque::with_capacity(size),
             parser: Parser::default(),
             parsed: Vec::with_capacity(size),
@@ -203,12 +236,24 @@ impl<E: Engine> QueueWorker<E> {
         self.cfg.qos.timer(self.index).map(|t| t.fd())
     }
 
-    /// The QoS timer fired: tokens for the waiting request should be there.
-    pub fn handle_timer(&mut self, vring: &Vring) {
+    fn clear_timer(&self) {
         if let Some(t) = self.cfg.qos.timer(self.index) {
             t.clear();
         }
-        self.handle_event(vring, false);
+    }
+
+    /// The worker's thread serves other queues too: it takes turns with
+    /// them, coming back through `resume` (cleared of a previous
+    /// connection's count here), and does not busy-poll.
+    pub fn share_thread(&mut self, resume: Arc<EventFd>) {
+        let _ = resume.read();
+        self.resume = Some(resume);
+    }
+
+    /// The resume eventfd, to be watched next to the kick (see
+    /// [`QueueWorker::share_thread`]).
+    pub fn resume_fd(&self) -> Option<i32> {
+        self.resume.as_deref().map(std::os::fd::AsRawFd::as_raw_fd)
     }
 
     /// The engine's completion eventfd, to be watched next to the kick.
@@ -229,15 +274,30 @@ impl<E: Engine> QueueWorker<E> {
         self.started = false;
     }
 
-    /// Called for a kick (`kick` = true) or a completion event.
-    pub fn handle_event(&mut self, vring: &Vring, kick: bool) {
+    /// Called for each event of this queue's.
+    pub fn handle_event(&mut self, vring: &Vring, event: Event) {
         if self.closed {
+            // A resume count or timer expiry left unread would wake the
+            // thread's level-triggered epoll again and again.
+            match (event, &self.resume) {
+                (Event::Resume, Some(fd)) => {
+                    let _ = fd.read();
+                }
+                (Event::Timer, _) => self.clear_timer(),
+                _ => {}
+            }
             return;
         }
-        if kick {
-            QueueMetrics::add(&self.metrics.kicks, 1);
-        } else {
-            self.engine.clear_completion_fd();
+        match event {
+            Event::Kick => QueueMetrics::add(&self.metrics.kicks, 1),
+            Event::Completion => self.engine.clear_completion_fd(),
+            Event::Resume => {
+                if let Some(fd) = &self.resume {
+                    // Nonblocking: EAGAIN when a pass already consumed it.
+                    let _ = fd.read();
+                }
+            }
+            Event::Timer => self.clear_timer(),
         }
         if self.vring.is_none() {
             self.vring = Some(vring.clone());
@@ -275,6 +335,10 @@ impl<E: Engine> QueueWorker<E> {
         }
         let cfg = self.cfg.clone();
         let stopping = || cfg.stopping.load(Ordering::Relaxed);
+        // Requests taken this pass: a worker that shares its thread yields
+        // once it has taken a ring's worth with more waiting.
+        let mut taken = 0usize;
+        let budget = usize::from(cfg.queue_size);
         loop {
             if self.cfg.signal == SignalMode::Early {
                 self.complete(&mut state, &mem)?;
@@ -300,8 +364,12 @@ impl<E: Engine> QueueWorker<E> {
                 }
                 return Ok(());
             }
+            taken += popped;
             if popped > 0 && self.shadow.more_avail() {
                 // Work known to be there: no need to read avail->idx to know.
+                if taken >= budget && self.yield_turn() {
+                    return Ok(());
+                }
                 continue;
             }
             if self.engine.has_completions() {
@@ -318,6 +386,9 @@ impl<E: Engine> QueueWorker<E> {
                 return Ok(());
             }
             if self.shadow.enable_kicks(state.get_queue(), &*mem)? {
+                if taken >= budget && self.yield_turn() {
+                    return Ok(());
+                }
                 continue;
             }
             if self.engine.must_poll() && self.engine.in_flight() > 0 {
@@ -427,33 +498,92 @@ impl<E: Engine> QueueWorker<E> {
         self.publish(state, mem)
     }
 
+    /// Ends this turn with work left, on a thread shared with other
+    /// queues: the resume eventfd brings the worker back after the
+    /// thread's other pending events. False (go on) when the thread is
+    /// not shared, or the eventfd cannot be written.
+    fn yield_turn(&mut self) -> bool {
+        let Some(fd) = &self.resume else {
+            return false;
+        };
+        if fd.write(1).is_err() {
+            return false;
+        }
+        QueueMetrics::add(&self.metrics.yields, 1);
+        true
+    }
+
     /// Busy-polls the avail ring and the engine for the adaptive window.
-    /// Returns true when work showed up.
+    /// Returns true when work showed up. Not on a thread that serves other
+    /// queues, nor (with the poll checks) on a CPU another worker polls on;
+    /// the window ends early when the thread is preempted.
     fn poll_for_work(
         &mut self,
         state: &VringState<GuestMemoryAtomic<GuestMem>>,
         mem: &GuestMem,
     ) -> Result<bool, RingError> {
+        if self.resume.is_some() {
+            return Ok(false);
+        }
         let Some(window) = self.poll.window() else {
             return Ok(false);
         };
-        let deadline = Instant::now() + window;
+        let checks = self.poll.checks();
+        if checks && self.poll.preempted_since() {
+            QueueMetrics::add(&self.metrics.poll_preempted, 1);
+            self.poll.ended(Outcome::Preempted);
+            return Ok(false);
+        }
+        let _claim = if checks {
+            match CpuClaim::take(self.poll_token) {
+                Some(c) => Some(c),
+                None => {
+                    QueueMetrics::add(&self.metrics.poll_cpu_busy, 1);
+                    return Ok(false);
+                }
+            }
+        } else {
+            None
+        };
+        let start = Instant::now();
+        let deadline = start + window;
+        let mut last = start;
+        // Time preempted, not spent polling.
+        let mut lost = Duration::ZERO;
         let mut spins = 0u64;
-        let found = loop {
+        let outcome = loop {
             spins += 1;
             if self.shadow.avail_pending(state.get_queue(), mem)? || self.engine.has_completions() {
-                break true;
+                break Outcome::Found;
             }
-            if Instant::now() >= deadline {
-                break false;
+            let now = Instant::now();
+            let gap = now - last;
+            if gap >= PREEMPT_GAP {
+                lost += gap;
+                if checks {
+                    last = now;
+                    break Outcome::Preempted;
+                }
+            }
+            last = now;
+            if now >= deadline {
+                break Outcome::Expired;
             }
             std::hint::spin_loop();
         };
+        let spent = last.saturating_duration_since(start).saturating_sub(lost);
+        QueueMetrics::add(
+            &self.metrics.poll_ns,
+            u64::try_from(spent.as_nanos()).unwrap_or(u64::MAX),
+        );
         QueueMetrics::add(&self.metrics.poll_iterations, spins);
-        if found {
-            QueueMetrics::add(&self.metrics.poll_hits, 1);
+        match outcome {
+            Outcome::Found => QueueMetrics::add(&self.metrics.poll_hits, 1),
+            Outcome::Preempted => QueueMetrics::add(&self.metrics.poll_preempted, 1),
+            Outcome::Expired => {}
         }
-        Ok(found)
+        self.poll.ended(outcome);
+        Ok(outcome == Outcome::Found)
     }
 
     fn wait_engine(&mut self) {

@@ -70,6 +70,7 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
         notify: NotifyMode::Batched,
         signal: SignalMode::Early,
         poll_us: 0,
+        poll_checks: true,
         max_batch: 0,
         queue_size: max_queue,
         writeback: writeback.clone(),
@@ -115,7 +116,7 @@ impl Rig<'_> {
     /// Runs the worker until the used ring reaches `idx`.
     fn complete_until(&mut self, idx: u16) {
         let deadline = Instant::now() + Duration::from_secs(5);
-        self.worker.handle_event(&self.vring, true);
+        self.worker.handle_event(&self.vring, Event::Kick);
         while self.driver.used_idx() != idx {
             assert!(
                 Instant::now() < deadline,
@@ -123,7 +124,7 @@ impl Rig<'_> {
                 self.driver.used_idx()
             );
             std::thread::sleep(Duration::from_millis(1));
-            self.worker.handle_event(&self.vring, false);
+            self.worker.handle_event(&self.vring, Event::Completion);
         }
     }
 
@@ -273,9 +274,9 @@ fn after_the_drain_at_disconnect_a_kick_takes_nothing() {
     rig.worker.drain();
     mem.write_obj(0xffu8, GuestAddress(STATUS + 3)).unwrap();
     rig.post_rw(3, true, 16, DATA);
-    rig.worker.handle_event(&rig.vring, true);
+    rig.worker.handle_event(&rig.vring, Event::Kick);
     std::thread::sleep(Duration::from_millis(50));
-    rig.worker.handle_event(&rig.vring, false);
+    rig.worker.handle_event(&rig.vring, Event::Completion);
     assert_eq!(
         rig.driver.used_idx(),
         1,
@@ -304,7 +305,7 @@ fn dropping_a_worker_waits_for_its_io_in_flight() {
     let mut rig = rig_with(&mem, QSIZE, rd);
     mem.write_slice(&[0u8; 4096], GuestAddress(DATA)).unwrap();
     rig.post_rw(0, false, 0, DATA);
-    rig.worker.handle_event(&rig.vring, true);
+    rig.worker.handle_event(&rig.vring, Event::Kick);
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(rig.driver.used_idx(), 0, "the read cannot have completed");
     let worker = rig.worker;
@@ -343,7 +344,7 @@ fn a_used_ring_failure_does_not_lose_the_other_completions() {
             .unwrap();
         rig.post_rw(head, true, 8 * i as u64, DATA);
     }
-    rig.worker.handle_event(&rig.vring, true);
+    rig.worker.handle_event(&rig.vring, Event::Kick);
     rig.worker.drain();
     for head in [0u16, 3, 6] {
         assert_eq!(rig.status(head), 0, "request {head} never finished");
@@ -362,9 +363,9 @@ fn a_disabled_ring_takes_no_requests() {
     rig.complete_until(1);
     rig.vring.set_enabled(false);
     rig.post_rw(3, true, 16, DATA);
-    rig.worker.handle_event(&rig.vring, false);
+    rig.worker.handle_event(&rig.vring, Event::Completion);
     std::thread::sleep(Duration::from_millis(50));
-    rig.worker.handle_event(&rig.vring, false);
+    rig.worker.handle_event(&rig.vring, Event::Completion);
     assert_eq!(rig.driver.used_idx(), 1, "a disabled ring was processed");
     // Enabled again, the request is served.
     rig.vring.set_enabled(true);
@@ -392,6 +393,7 @@ fn a_refused_memory_table_never_reaches_the_workers() {
         vec![rig.worker],
         [0; crate::virtio::config::CONFIG_LEN],
         0,
+        1,
         Arc::new(ExitEvents::new(1).unwrap()),
     );
     backend.update_memory(rig.atomic.clone()).unwrap();
@@ -410,7 +412,7 @@ fn a_refused_memory_table_never_reaches_the_workers() {
     let mut driver = rig.driver;
     driver.header_at(HDR, VIRTIO_BLK_T_GET_ID, 0);
     driver.post_at(0, &[r(HDR, 16), w(BAD + 0x2000, 20), w(BAD + 0x3000, 1)]);
-    backend.with_worker(0, |w| w.handle_event(&rig.vring, true));
+    backend.with_worker(0, |w| w.handle_event(&rig.vring, Event::Kick));
     assert_eq!(driver.used_idx(), 1, "the request was not answered");
     let used = driver.queue.used_ring() + 4;
     let len: u32 = mem.read_obj(GuestAddress(used + 4)).unwrap();
@@ -543,7 +545,7 @@ impl ClosedLoop {
         for i in 0..depth {
             rig.post_rw(3 * i, false, 8 * u64::from(i), DATA + 0x1000 * u64::from(i));
         }
-        rig.worker.handle_event(&rig.vring, true);
+        rig.worker.handle_event(&rig.vring, Event::Kick);
         ClosedLoop {
             depth,
             seen: 0,
@@ -569,11 +571,11 @@ impl ClosedLoop {
             assert!(n >= 0, "poll: {}", std::io::Error::last_os_error());
             if p[1].revents != 0 {
                 self.wakeups += 1;
-                rig.worker.handle_timer(&rig.vring);
+                rig.worker.handle_event(&rig.vring, Event::Timer);
             }
             if p[0].revents != 0 {
                 self.wakeups += 1;
-                rig.worker.handle_event(&rig.vring, false);
+                rig.worker.handle_event(&rig.vring, Event::Completion);
             }
             self.repost(rig, until);
         }
@@ -604,7 +606,7 @@ impl ClosedLoop {
             self.seen = self.seen.wrapping_add(1);
         }
         self.wakeups += 1;
-        rig.worker.handle_event(&rig.vring, true);
+        rig.worker.handle_event(&rig.vring, Event::Kick);
     }
 
     /// Completions a second in `[from, to)`.
@@ -698,7 +700,7 @@ fn qos_stopping_the_ring_completes_throttled_requests_at_once() {
     for i in 0..4u16 {
         rig.post_rw(3 * i, true, 8 * u64::from(i), DATA);
     }
-    rig.worker.handle_event(&rig.vring, true);
+    rig.worker.handle_event(&rig.vring, Event::Kick);
     let deadline = Instant::now() + Duration::from_secs(5);
     while rig.driver.used_idx() < 1 {
         assert!(
@@ -706,10 +708,10 @@ fn qos_stopping_the_ring_completes_throttled_requests_at_once() {
             "the first request never completed"
         );
         std::thread::sleep(Duration::from_millis(1));
-        rig.worker.handle_event(&rig.vring, false);
+        rig.worker.handle_event(&rig.vring, Event::Completion);
     }
     std::thread::sleep(Duration::from_millis(50));
-    rig.worker.handle_event(&rig.vring, false);
+    rig.worker.handle_event(&rig.vring, Event::Completion);
     assert_eq!(rig.driver.used_idx(), 1, "throttled requests went through");
     // Waiting ones are in the journal: a crash now would resubmit them.
     let logged: Vec<u64> = [3, 6, 9].map(|h| rig.region.logged_counter(0, h)).to_vec();
@@ -733,4 +735,39 @@ fn qos_stopping_the_ring_completes_throttled_requests_at_once() {
     );
     let m = rig.worker.metrics.snapshot();
     assert_eq!(m.throttled_requests, 1, "{m:?}");
+}
+
+/// Five queues on two threads: queue q on thread q % 2, and every
+/// listener id is past the crate's and names its local queue and kind.
+#[test]
+fn queues_map_onto_threads_and_listener_ids_round_trip() {
+    use crate::engine::NullEngine;
+    use crate::vhost::{BlkBackend, ExitEvents, Listener};
+    use vhost_user_backend::VhostUserBackend;
+
+    let mem = guest_memory();
+    let cfg = rig(&mem).cfg;
+    let workers = (0..5)
+        .map(|i| QueueWorker::new(cfg.clone(), Arc::default(), NullEngine::new(4), i, None))
+        .collect();
+    let b = BlkBackend::new(
+        cfg,
+        workers,
+        [0; crate::virtio::config::CONFIG_LEN],
+        0,
+        2,
+        Arc::new(ExitEvents::new(2).unwrap()),
+    );
+    assert_eq!(b.queues_per_thread(), vec![0b10101, 0b01010]);
+    assert_eq!(b.thread_queues(1).collect::<Vec<_>>(), vec![1, 3]);
+    assert!(b.shares_threads());
+    for local in 0..3 {
+        for kind in Listener::ALL {
+            let id = b.listener_id(local, kind);
+            // The crate's ids are 0..=num_queues.
+            assert!(id > 5, "{id}");
+            assert_eq!(b.listener(id as u16), Some((local, kind)));
+        }
+    }
+    assert_eq!(b.listener(5), None);
 }

@@ -153,6 +153,15 @@ counters! {
     /// Time, not requests: from the moment the request at the head of the
     /// queue is refused until it is admitted.
     throttled_ns: Count = "Nanoseconds this queue spent waiting for QoS tokens.",
+    /// What polling costs: the CPU time of the spin loops, less the gaps
+    /// in which the thread was preempted.
+    poll_ns: Count = "Nanoseconds spent busy-polling.",
+    /// Or not started: the thread was switched out involuntarily since
+    /// the last window.
+    poll_preempted: Count = "Busy-poll windows ended early because the thread was preempted.",
+    poll_cpu_busy: Count = "Busy-poll windows not started because another ringblk thread polled on the CPU.",
+    /// Only on threads that serve several queues (`--threads`).
+    yields: Count = "Passes that stopped with work left, to let the thread's other queues run.",
 }
 
 impl QueueMetrics {

@@ -58,6 +58,7 @@ impl QueueSnapshot {
             sqes_per_submit: per(self.submitted_sqes, self.submit_calls),
             cqes_per_pass: per(self.completions, self.completion_passes),
             poll_hit_rate: per(self.poll_hits, self.poll_iterations),
+            poll_us_per_io: per(self.poll_ns, ios).map(|ns| ns / 1000.0),
         }
     }
 }
@@ -79,6 +80,9 @@ pub struct Ratios {
     pub cqes_per_pass: Option<f64>,
     /// Poll windows that found work, per poll loop iteration.
     pub poll_hit_rate: Option<f64>,
+    /// Microseconds of CPU spent busy-polling, per I/O: what polling costs.
+    #[serde(default)]
+    pub poll_us_per_io: Option<f64>,
 }
 
 #[cfg(test)]
@@ -108,6 +112,11 @@ mod tests {
         assert_eq!(r.kicks_per_io, Some(0.4));
         assert_eq!(r.sqes_per_submit, Some(10.0));
         assert_eq!(r.cqes_per_pass, None);
+        let polled = QueueSnapshot {
+            poll_ns: 30_000,
+            ..Default::default()
+        };
+        assert_eq!(polled.ratios(10).poll_us_per_io, Some(3.0));
         // A restarted daemon must not underflow.
         assert_eq!(
             snap(1, 0, 0, 0).since(&snap(5, 0, 0, 0)).total_requests(),

@@ -140,6 +140,10 @@ mod tests {
                     poll_hits: next(),
                     throttled_requests: next(),
                     throttled_ns: next(),
+                    poll_ns: next(),
+                    poll_preempted: next(),
+                    poll_cpu_busy: next(),
+                    yields: next(),
                 }
             })
             .collect();
@@ -148,7 +152,7 @@ mod tests {
         let json = serde_json::to_string(&queues[1]).expect("serializes");
         assert_eq!(
             json,
-            r#"{"requests":[101,102,103,104,105,106,107],"read_bytes":108,"write_bytes":109,"errors_ioerr":110,"errors_unsupp":111,"errors_no_status":112,"kicks":113,"notifications":114,"notifications_suppressed":115,"submit_calls":116,"submitted_sqes":117,"completion_passes":118,"completions":119,"bounced":120,"poll_iterations":121,"poll_hits":122,"throttled_requests":123,"throttled_ns":124}"#
+            r#"{"requests":[101,102,103,104,105,106,107],"read_bytes":108,"write_bytes":109,"errors_ioerr":110,"errors_unsupp":111,"errors_no_status":112,"kicks":113,"notifications":114,"notifications_suppressed":115,"submit_calls":116,"submitted_sqes":117,"completion_passes":118,"completions":119,"bounced":120,"poll_iterations":121,"poll_hits":122,"throttled_requests":123,"throttled_ns":124,"poll_ns":125,"poll_preempted":126,"poll_cpu_busy":127,"yields":128}"#
         );
     }
 
