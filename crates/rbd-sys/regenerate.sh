@@ -15,6 +15,7 @@ out=src/bindings.rs
         --allowlist-var '(RBD|LIBRBD|LIBRADOS|EVENT_TYPE)_.*' \
         --allowlist-type '(rbd|rados)_.*' \
         --no-layout-tests \
+        --size_t-is-usize \
         --no-doc-comments \
         --default-enum-style consts \
         -- -I/usr/include

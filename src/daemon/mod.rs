@@ -97,19 +97,13 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         .map(Removal::dir_fd)
         .collect();
     spawn_signal_handler(
-        &cfg.image.file,
+        cfg.backing.file(),
         worker_cfg.clone(),
         current.clone(),
         files,
         inner.paths.clone(),
     )?;
-    announce(
-        &cfg.socket,
-        &cfg.args,
-        &cfg.image,
-        cfg.image_created,
-        &worker_cfg,
-    );
+    announce(&cfg.socket, &cfg.args, &cfg.backing, &worker_cfg);
 
     let features = device_features(cfg.args.readonly);
     let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
@@ -124,19 +118,41 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         space,
         features,
         unlink_dirs,
+        profile: match &cfg.backing {
+            config::Backing::File { .. } => seccomp::Profile::File,
+            #[cfg(feature = "rbd")]
+            config::Backing::Rbd(_) => seccomp::Profile::Rbd,
+        },
         log_limit: RateLimiter::new(10, Duration::from_secs(5)),
     };
     // Every engine (and so every io_uring) the daemon will ever use is made
     // now, before the seccomp filter, which then forbids io_uring_setup:
     // code that gained control could not make a ring of its own. Each
     // connection borrows them and gives them back.
-    match cfg.args.engine {
-        EngineKind::Uring => conn.serve(engines(&metrics, |m| {
-            UringEngine::new(cfg.uring.clone(), m.clone())
-        })?),
-        EngineKind::Null => {
-            let capacity = usize::from(cfg.args.queue_size);
-            conn.serve(engines(&metrics, |_| Ok(NullEngine::new(capacity)))?)
+    let capacity = usize::from(cfg.args.queue_size);
+    match (cfg.args.engine, &cfg.backing) {
+        (EngineKind::Null, _) => conn.serve(engines(&metrics, |_| Ok(NullEngine::new(capacity)))?),
+        (EngineKind::Uring, config::Backing::File { uring, .. }) => conn
+            .serve(engines(&metrics, |m| {
+                UringEngine::new(uring.clone(), m.clone())
+            })?),
+        // librbd's threads and sockets are made here too, before the
+        // filter; the filter then covers them as well (TSYNC).
+        #[cfg(feature = "rbd")]
+        (EngineKind::Uring, config::Backing::Rbd(disk)) => {
+            if cfg.args.queues > 1 && disk.exclusive_lock() {
+                log::warn!(
+                    "{} has the exclusive-lock feature: its {} queues each open it, and pass the lock between them when writing at once",
+                    cfg.backing.name(),
+                    cfg.args.queues
+                );
+            }
+            let engines = metrics
+                .iter()
+                .map(|_| disk.engine(capacity))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| DaemonError::Config(format!("{}: {e}", cfg.backing.name())))?;
+            conn.serve(engines)
         }
     }
 }
@@ -162,6 +178,8 @@ struct Connections<'a> {
     features: u64,
     /// Directory fds the daemon may remove files in after start-up.
     unlink_dirs: Vec<i32>,
+    /// What the seccomp filter allows besides the daemon's own syscalls.
+    profile: seccomp::Profile,
     log_limit: RateLimiter,
 }
 
@@ -182,7 +200,7 @@ impl Connections<'_> {
     fn serve<E: Engine + 'static>(mut self, mut engines: Vec<E>) -> Result<(), DaemonError> {
         // Before the filter: installing it calls rt_sigaction.
         crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
-        seccomp::install(self.args.seccomp, &self.unlink_dirs)?;
+        seccomp::install(self.args.seccomp, self.profile, &self.unlink_dirs)?;
         loop {
             match self.connection(&mut engines) {
                 Ok(()) => {}
@@ -424,7 +442,7 @@ impl Drop for InnerSocket {
 /// SIGINT/SIGTERM: stop taking requests, finish what is in flight, make it
 /// durable, remove the socket, exit 0.
 fn spawn_signal_handler(
-    image: &std::fs::File,
+    image: Option<&std::fs::File>,
     cfg: Arc<WorkerConfig>,
     current: Current,
     files: Vec<Removal>,
@@ -433,7 +451,10 @@ fn spawn_signal_handler(
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).map_err(DaemonError::Signals)?;
-    let image = image.try_clone().map_err(DaemonError::Signals)?;
+    let image = image
+        .map(std::fs::File::try_clone)
+        .transpose()
+        .map_err(DaemonError::Signals)?;
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
@@ -443,7 +464,7 @@ fn spawn_signal_handler(
                 if let Some(b) = current.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                     b.drain_all();
                 }
-                if let Err(e) = image.sync_data() {
+                if let Some(Err(e)) = image.as_ref().map(std::fs::File::sync_data) {
                     log::error!("fdatasync of the image failed: {e}");
                 }
                 // process::exit skips destructors: remove what they would have.
@@ -458,14 +479,13 @@ fn spawn_signal_handler(
 }
 
 /// Tells the user what is being served and how to connect.
-fn announce(
-    socket: &Path,
-    args: &ServeArgs,
-    image: &crate::io::Image,
-    created: bool,
-    cfg: &WorkerConfig,
-) {
-    if created {
+fn announce(socket: &Path, args: &ServeArgs, backing: &config::Backing, cfg: &WorkerConfig) {
+    if let config::Backing::File {
+        image,
+        created: true,
+        ..
+    } = backing
+    {
         log::info!(
             "created sparse image {} ({} bytes)",
             image.path.display(),
@@ -474,9 +494,9 @@ fn announce(
     }
     log::info!(
         "serving {} ({} sectors, {}-byte blocks{}{}) on {} with {} queue(s) of {}, serial {}",
-        image.path.display(),
-        image.size >> SECTOR_SHIFT,
-        image.block_size,
+        backing.name(),
+        backing.size() >> SECTOR_SHIFT,
+        cfg.limits.block_size,
         if args.readonly { ", read-only" } else { "" },
         if args.direct { ", O_DIRECT" } else { "" },
         socket.display(),

@@ -5,3 +5,7 @@
 mod image;
 
 pub use image::{BLKDISCARD, Image, ImageError, ImageOptions};
+
+mod rbd_spec;
+
+pub use rbd_spec::{RBD_PREFIX, RbdSpec};

@@ -92,14 +92,12 @@ pub type __time_t = ::std::os::raw::c_long;
 pub type __suseconds_t = ::std::os::raw::c_long;
 pub type __ssize_t = ::std::os::raw::c_long;
 pub type __syscall_slong_t = ::std::os::raw::c_long;
-pub type size_t = ::std::os::raw::c_ulong;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct iovec {
     pub iov_base: *mut ::std::os::raw::c_void,
-    pub iov_len: size_t,
+    pub iov_len: usize,
 }
-pub type ssize_t = __ssize_t;
 pub type time_t = __time_t;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -179,11 +177,11 @@ pub type rados_object_list_cursor = *mut ::std::os::raw::c_void;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct rados_object_list_item {
-    pub oid_length: size_t,
+    pub oid_length: usize,
     pub oid: *mut ::std::os::raw::c_char,
-    pub nspace_length: size_t,
+    pub nspace_length: usize,
     pub nspace: *mut ::std::os::raw::c_char,
-    pub locator_length: size_t,
+    pub locator_length: usize,
     pub locator: *mut ::std::os::raw::c_char,
 }
 pub type rados_snap_t = u64;
@@ -252,7 +250,7 @@ extern "C" {
         cluster: rados_t,
         mon_id: *const ::std::os::raw::c_char,
         outstr: *mut *mut ::std::os::raw::c_char,
-        outstrlen: *mut size_t,
+        outstrlen: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -300,7 +298,7 @@ extern "C" {
         cluster: rados_t,
         option: *const ::std::os::raw::c_char,
         buf: *mut ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -313,7 +311,7 @@ extern "C" {
     pub fn rados_cluster_fsid(
         cluster: rados_t,
         buf: *mut ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -323,7 +321,7 @@ extern "C" {
     pub fn rados_pool_list(
         cluster: rados_t,
         buf: *mut ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -331,7 +329,7 @@ extern "C" {
         cluster: rados_t,
         pool: i64,
         buf: *mut ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -390,7 +388,7 @@ extern "C" {
         cluster: rados_t,
         id: i64,
         buf: *mut ::std::os::raw::c_char,
-        maxlen: size_t,
+        maxlen: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -519,9 +517,9 @@ extern "C" {
         entry: *mut *const ::std::os::raw::c_char,
         key: *mut *const ::std::os::raw::c_char,
         nspace: *mut *const ::std::os::raw::c_char,
-        entry_size: *mut size_t,
-        key_size: *mut size_t,
-        nspace_size: *mut size_t,
+        entry_size: *mut usize,
+        key_size: *mut usize,
+        nspace_size: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -554,23 +552,23 @@ extern "C" {
         io: rados_ioctx_t,
         start: rados_object_list_cursor,
         finish: rados_object_list_cursor,
-        result_size: size_t,
+        result_size: usize,
         filter_buf: *const ::std::os::raw::c_char,
-        filter_buf_len: size_t,
+        filter_buf_len: usize,
         results: *mut rados_object_list_item,
         next: *mut rados_object_list_cursor,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
-    pub fn rados_object_list_free(result_size: size_t, results: *mut rados_object_list_item);
+    pub fn rados_object_list_free(result_size: usize, results: *mut rados_object_list_item);
 }
 extern "C" {
     pub fn rados_object_list_slice(
         io: rados_ioctx_t,
         start: rados_object_list_cursor,
         finish: rados_object_list_cursor,
-        n: size_t,
-        m: size_t,
+        n: usize,
+        m: usize,
         split_start: *mut rados_object_list_cursor,
         split_finish: *mut rados_object_list_cursor,
     );
@@ -682,7 +680,7 @@ extern "C" {
         io: rados_ioctx_t,
         oid: *const ::std::os::raw::c_char,
         buf: *const ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
         off: u64,
     ) -> ::std::os::raw::c_int;
 }
@@ -691,7 +689,7 @@ extern "C" {
         io: rados_ioctx_t,
         oid: *const ::std::os::raw::c_char,
         buf: *const ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -699,8 +697,8 @@ extern "C" {
         io: rados_ioctx_t,
         oid: *const ::std::os::raw::c_char,
         buf: *const ::std::os::raw::c_char,
-        data_len: size_t,
-        write_len: size_t,
+        data_len: usize,
+        write_len: usize,
         off: u64,
     ) -> ::std::os::raw::c_int;
 }
@@ -709,7 +707,7 @@ extern "C" {
         io: rados_ioctx_t,
         oid: *const ::std::os::raw::c_char,
         buf: *const ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -717,7 +715,7 @@ extern "C" {
         io: rados_ioctx_t,
         oid: *const ::std::os::raw::c_char,
         buf: *mut ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
         off: u64,
     ) -> ::std::os::raw::c_int;
 }
@@ -727,12 +725,12 @@ extern "C" {
         oid: *const ::std::os::raw::c_char,
         type_: rados_checksum_type_t,
         init_value: *const ::std::os::raw::c_char,
-        init_value_len: size_t,
-        len: size_t,
+        init_value_len: usize,
+        len: usize,
         off: u64,
-        chunk_size: size_t,
+        chunk_size: usize,
         pchecksum: *mut ::std::os::raw::c_char,
-        checksum_len: size_t,
+        checksum_len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -753,7 +751,7 @@ extern "C" {
         io: rados_ioctx_t,
         o: *const ::std::os::raw::c_char,
         cmp_buf: *const ::std::os::raw::c_char,
-        cmp_len: size_t,
+        cmp_len: usize,
         off: u64,
     ) -> ::std::os::raw::c_int;
 }
@@ -763,7 +761,7 @@ extern "C" {
         o: *const ::std::os::raw::c_char,
         name: *const ::std::os::raw::c_char,
         buf: *mut ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -772,7 +770,7 @@ extern "C" {
         o: *const ::std::os::raw::c_char,
         name: *const ::std::os::raw::c_char,
         buf: *const ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -794,7 +792,7 @@ extern "C" {
         iter: rados_xattrs_iter_t,
         name: *mut *const ::std::os::raw::c_char,
         val: *mut *const ::std::os::raw::c_char,
-        len: *mut size_t,
+        len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -805,7 +803,7 @@ extern "C" {
         iter: rados_omap_iter_t,
         key: *mut *mut ::std::os::raw::c_char,
         val: *mut *mut ::std::os::raw::c_char,
-        len: *mut size_t,
+        len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -813,8 +811,8 @@ extern "C" {
         iter: rados_omap_iter_t,
         key: *mut *mut ::std::os::raw::c_char,
         val: *mut *mut ::std::os::raw::c_char,
-        key_len: *mut size_t,
-        val_len: *mut size_t,
+        key_len: *mut usize,
+        val_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -838,9 +836,9 @@ extern "C" {
         cls: *const ::std::os::raw::c_char,
         method: *const ::std::os::raw::c_char,
         in_buf: *const ::std::os::raw::c_char,
-        in_len: size_t,
+        in_len: usize,
         buf: *mut ::std::os::raw::c_char,
-        out_len: size_t,
+        out_len: usize,
     ) -> ::std::os::raw::c_int;
 }
 pub type rados_callback_t = ::std::option::Option<
@@ -900,7 +898,7 @@ extern "C" {
         oid: *const ::std::os::raw::c_char,
         completion: rados_completion_t,
         buf: *const ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
         off: u64,
     ) -> ::std::os::raw::c_int;
 }
@@ -910,7 +908,7 @@ extern "C" {
         oid: *const ::std::os::raw::c_char,
         completion: rados_completion_t,
         buf: *const ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -919,7 +917,7 @@ extern "C" {
         oid: *const ::std::os::raw::c_char,
         completion: rados_completion_t,
         buf: *const ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -928,8 +926,8 @@ extern "C" {
         oid: *const ::std::os::raw::c_char,
         completion: rados_completion_t,
         buf: *const ::std::os::raw::c_char,
-        data_len: size_t,
-        write_len: size_t,
+        data_len: usize,
+        write_len: usize,
         off: u64,
     ) -> ::std::os::raw::c_int;
 }
@@ -946,7 +944,7 @@ extern "C" {
         oid: *const ::std::os::raw::c_char,
         completion: rados_completion_t,
         buf: *mut ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
         off: u64,
     ) -> ::std::os::raw::c_int;
 }
@@ -974,7 +972,7 @@ extern "C" {
         o: *const ::std::os::raw::c_char,
         completion: rados_completion_t,
         cmp_buf: *const ::std::os::raw::c_char,
-        cmp_len: size_t,
+        cmp_len: usize,
         off: u64,
     ) -> ::std::os::raw::c_int;
 }
@@ -992,9 +990,9 @@ extern "C" {
         cls: *const ::std::os::raw::c_char,
         method: *const ::std::os::raw::c_char,
         in_buf: *const ::std::os::raw::c_char,
-        in_len: size_t,
+        in_len: usize,
         buf: *mut ::std::os::raw::c_char,
-        out_len: size_t,
+        out_len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -1004,7 +1002,7 @@ extern "C" {
         completion: rados_completion_t,
         name: *const ::std::os::raw::c_char,
         buf: *mut ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -1014,7 +1012,7 @@ extern "C" {
         completion: rados_completion_t,
         name: *const ::std::os::raw::c_char,
         buf: *const ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -1043,7 +1041,7 @@ pub type rados_watchcb2_t = ::std::option::Option<
         handle: u64,
         notifier_id: u64,
         data: *mut ::std::os::raw::c_void,
-        data_len: size_t,
+        data_len: usize,
     ),
 >;
 pub type rados_watcherrcb_t = ::std::option::Option<
@@ -1141,7 +1139,7 @@ extern "C" {
         buf_len: ::std::os::raw::c_int,
         timeout_ms: u64,
         reply_buffer: *mut *mut ::std::os::raw::c_char,
-        reply_buffer_len: *mut size_t,
+        reply_buffer_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -1152,23 +1150,23 @@ extern "C" {
         buf_len: ::std::os::raw::c_int,
         timeout_ms: u64,
         reply_buffer: *mut *mut ::std::os::raw::c_char,
-        reply_buffer_len: *mut size_t,
+        reply_buffer_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rados_decode_notify_response(
         reply_buffer: *mut ::std::os::raw::c_char,
-        reply_buffer_len: size_t,
+        reply_buffer_len: usize,
         acks: *mut *mut notify_ack_t,
-        nr_acks: *mut size_t,
+        nr_acks: *mut usize,
         timeouts: *mut *mut notify_timeout_t,
-        nr_timeouts: *mut size_t,
+        nr_timeouts: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rados_free_notify_response(
         acks: *mut notify_ack_t,
-        nr_acks: size_t,
+        nr_acks: usize,
         timeouts: *mut notify_timeout_t,
     );
 }
@@ -1239,7 +1237,7 @@ extern "C" {
     pub fn rados_write_op_cmpext(
         write_op: rados_write_op_t,
         cmp_buf: *const ::std::os::raw::c_char,
-        cmp_len: size_t,
+        cmp_len: usize,
         off: u64,
         prval: *mut ::std::os::raw::c_int,
     );
@@ -1250,7 +1248,7 @@ extern "C" {
         name: *const ::std::os::raw::c_char,
         comparison_operator: u8,
         value: *const ::std::os::raw::c_char,
-        value_len: size_t,
+        value_len: usize,
     );
 }
 extern "C" {
@@ -1259,7 +1257,7 @@ extern "C" {
         key: *const ::std::os::raw::c_char,
         comparison_operator: u8,
         val: *const ::std::os::raw::c_char,
-        val_len: size_t,
+        val_len: usize,
         prval: *mut ::std::os::raw::c_int,
     );
 }
@@ -1269,8 +1267,8 @@ extern "C" {
         key: *const ::std::os::raw::c_char,
         comparison_operator: u8,
         val: *const ::std::os::raw::c_char,
-        key_len: size_t,
-        val_len: size_t,
+        key_len: usize,
+        val_len: usize,
         prval: *mut ::std::os::raw::c_int,
     );
 }
@@ -1279,7 +1277,7 @@ extern "C" {
         write_op: rados_write_op_t,
         name: *const ::std::os::raw::c_char,
         value: *const ::std::os::raw::c_char,
-        value_len: size_t,
+        value_len: usize,
     );
 }
 extern "C" {
@@ -1296,7 +1294,7 @@ extern "C" {
     pub fn rados_write_op_write(
         write_op: rados_write_op_t,
         buffer: *const ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
         offset: u64,
     );
 }
@@ -1304,15 +1302,15 @@ extern "C" {
     pub fn rados_write_op_write_full(
         write_op: rados_write_op_t,
         buffer: *const ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     );
 }
 extern "C" {
     pub fn rados_write_op_writesame(
         write_op: rados_write_op_t,
         buffer: *const ::std::os::raw::c_char,
-        data_len: size_t,
-        write_len: size_t,
+        data_len: usize,
+        write_len: usize,
         offset: u64,
     );
 }
@@ -1320,7 +1318,7 @@ extern "C" {
     pub fn rados_write_op_append(
         write_op: rados_write_op_t,
         buffer: *const ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     );
 }
 extern "C" {
@@ -1338,7 +1336,7 @@ extern "C" {
         cls: *const ::std::os::raw::c_char,
         method: *const ::std::os::raw::c_char,
         in_buf: *const ::std::os::raw::c_char,
-        in_len: size_t,
+        in_len: usize,
         prval: *mut ::std::os::raw::c_int,
     );
 }
@@ -1347,8 +1345,8 @@ extern "C" {
         write_op: rados_write_op_t,
         keys: *const *const ::std::os::raw::c_char,
         vals: *const *const ::std::os::raw::c_char,
-        lens: *const size_t,
-        num: size_t,
+        lens: *const usize,
+        num: usize,
     );
 }
 extern "C" {
@@ -1356,33 +1354,33 @@ extern "C" {
         write_op: rados_write_op_t,
         keys: *const *const ::std::os::raw::c_char,
         vals: *const *const ::std::os::raw::c_char,
-        key_lens: *const size_t,
-        val_lens: *const size_t,
-        num: size_t,
+        key_lens: *const usize,
+        val_lens: *const usize,
+        num: usize,
     );
 }
 extern "C" {
     pub fn rados_write_op_omap_rm_keys(
         write_op: rados_write_op_t,
         keys: *const *const ::std::os::raw::c_char,
-        keys_len: size_t,
+        keys_len: usize,
     );
 }
 extern "C" {
     pub fn rados_write_op_omap_rm_keys2(
         write_op: rados_write_op_t,
         keys: *const *const ::std::os::raw::c_char,
-        key_lens: *const size_t,
-        keys_len: size_t,
+        key_lens: *const usize,
+        keys_len: usize,
     );
 }
 extern "C" {
     pub fn rados_write_op_omap_rm_range2(
         write_op: rados_write_op_t,
         key_begin: *const ::std::os::raw::c_char,
-        key_begin_len: size_t,
+        key_begin_len: usize,
         key_end: *const ::std::os::raw::c_char,
-        key_end_len: size_t,
+        key_end_len: usize,
     );
 }
 extern "C" {
@@ -1450,7 +1448,7 @@ extern "C" {
     pub fn rados_read_op_cmpext(
         read_op: rados_read_op_t,
         cmp_buf: *const ::std::os::raw::c_char,
-        cmp_len: size_t,
+        cmp_len: usize,
         off: u64,
         prval: *mut ::std::os::raw::c_int,
     );
@@ -1461,7 +1459,7 @@ extern "C" {
         name: *const ::std::os::raw::c_char,
         comparison_operator: u8,
         value: *const ::std::os::raw::c_char,
-        value_len: size_t,
+        value_len: usize,
     );
 }
 extern "C" {
@@ -1477,7 +1475,7 @@ extern "C" {
         key: *const ::std::os::raw::c_char,
         comparison_operator: u8,
         val: *const ::std::os::raw::c_char,
-        val_len: size_t,
+        val_len: usize,
         prval: *mut ::std::os::raw::c_int,
     );
 }
@@ -1487,8 +1485,8 @@ extern "C" {
         key: *const ::std::os::raw::c_char,
         comparison_operator: u8,
         val: *const ::std::os::raw::c_char,
-        key_len: size_t,
-        val_len: size_t,
+        key_len: usize,
+        val_len: usize,
         prval: *mut ::std::os::raw::c_int,
     );
 }
@@ -1504,9 +1502,9 @@ extern "C" {
     pub fn rados_read_op_read(
         read_op: rados_read_op_t,
         offset: u64,
-        len: size_t,
+        len: usize,
         buffer: *mut ::std::os::raw::c_char,
-        bytes_read: *mut size_t,
+        bytes_read: *mut usize,
         prval: *mut ::std::os::raw::c_int,
     );
 }
@@ -1515,12 +1513,12 @@ extern "C" {
         read_op: rados_read_op_t,
         type_: rados_checksum_type_t,
         init_value: *const ::std::os::raw::c_char,
-        init_value_len: size_t,
+        init_value_len: usize,
         offset: u64,
-        len: size_t,
-        chunk_size: size_t,
+        len: usize,
+        chunk_size: usize,
         pchecksum: *mut ::std::os::raw::c_char,
-        checksum_len: size_t,
+        checksum_len: usize,
         prval: *mut ::std::os::raw::c_int,
     );
 }
@@ -1530,9 +1528,9 @@ extern "C" {
         cls: *const ::std::os::raw::c_char,
         method: *const ::std::os::raw::c_char,
         in_buf: *const ::std::os::raw::c_char,
-        in_len: size_t,
+        in_len: usize,
         out_buf: *mut *mut ::std::os::raw::c_char,
-        out_len: *mut size_t,
+        out_len: *mut usize,
         prval: *mut ::std::os::raw::c_int,
     );
 }
@@ -1542,10 +1540,10 @@ extern "C" {
         cls: *const ::std::os::raw::c_char,
         method: *const ::std::os::raw::c_char,
         in_buf: *const ::std::os::raw::c_char,
-        in_len: size_t,
+        in_len: usize,
         out_buf: *mut ::std::os::raw::c_char,
-        out_len: size_t,
-        used_len: *mut size_t,
+        out_len: usize,
+        used_len: *mut usize,
         prval: *mut ::std::os::raw::c_int,
     );
 }
@@ -1593,7 +1591,7 @@ extern "C" {
     pub fn rados_read_op_omap_get_vals_by_keys(
         read_op: rados_read_op_t,
         keys: *const *const ::std::os::raw::c_char,
-        keys_len: size_t,
+        keys_len: usize,
         iter: *mut rados_omap_iter_t,
         prval: *mut ::std::os::raw::c_int,
     );
@@ -1602,8 +1600,8 @@ extern "C" {
     pub fn rados_read_op_omap_get_vals_by_keys2(
         read_op: rados_read_op_t,
         keys: *const *const ::std::os::raw::c_char,
-        num_keys: size_t,
-        key_lens: *const size_t,
+        num_keys: usize,
+        key_lens: *const usize,
         iter: *mut rados_omap_iter_t,
         prval: *mut ::std::os::raw::c_int,
     );
@@ -1672,14 +1670,14 @@ extern "C" {
         name: *const ::std::os::raw::c_char,
         exclusive: *mut ::std::os::raw::c_int,
         tag: *mut ::std::os::raw::c_char,
-        tag_len: *mut size_t,
+        tag_len: *mut usize,
         clients: *mut ::std::os::raw::c_char,
-        clients_len: *mut size_t,
+        clients_len: *mut usize,
         cookies: *mut ::std::os::raw::c_char,
-        cookies_len: *mut size_t,
+        cookies_len: *mut usize,
         addrs: *mut ::std::os::raw::c_char,
-        addrs_len: *mut size_t,
-    ) -> ssize_t;
+        addrs_len: *mut usize,
+    ) -> isize;
 }
 extern "C" {
     pub fn rados_break_lock(
@@ -1733,7 +1731,7 @@ extern "C" {
     pub fn rados_application_list(
         io: rados_ioctx_t,
         values: *mut ::std::os::raw::c_char,
-        values_len: *mut size_t,
+        values_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -1742,7 +1740,7 @@ extern "C" {
         app_name: *const ::std::os::raw::c_char,
         key: *const ::std::os::raw::c_char,
         value: *mut ::std::os::raw::c_char,
-        value_len: *mut size_t,
+        value_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -1765,35 +1763,35 @@ extern "C" {
         io: rados_ioctx_t,
         app_name: *const ::std::os::raw::c_char,
         keys: *mut ::std::os::raw::c_char,
-        key_len: *mut size_t,
+        key_len: *mut usize,
         values: *mut ::std::os::raw::c_char,
-        vals_len: *mut size_t,
+        vals_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rados_mon_command(
         cluster: rados_t,
         cmd: *mut *const ::std::os::raw::c_char,
-        cmdlen: size_t,
+        cmdlen: usize,
         inbuf: *const ::std::os::raw::c_char,
-        inbuflen: size_t,
+        inbuflen: usize,
         outbuf: *mut *mut ::std::os::raw::c_char,
-        outbuflen: *mut size_t,
+        outbuflen: *mut usize,
         outs: *mut *mut ::std::os::raw::c_char,
-        outslen: *mut size_t,
+        outslen: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rados_mgr_command(
         cluster: rados_t,
         cmd: *mut *const ::std::os::raw::c_char,
-        cmdlen: size_t,
+        cmdlen: usize,
         inbuf: *const ::std::os::raw::c_char,
-        inbuflen: size_t,
+        inbuflen: usize,
         outbuf: *mut *mut ::std::os::raw::c_char,
-        outbuflen: *mut size_t,
+        outbuflen: *mut usize,
         outs: *mut *mut ::std::os::raw::c_char,
-        outslen: *mut size_t,
+        outslen: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -1801,13 +1799,13 @@ extern "C" {
         cluster: rados_t,
         name: *const ::std::os::raw::c_char,
         cmd: *mut *const ::std::os::raw::c_char,
-        cmdlen: size_t,
+        cmdlen: usize,
         inbuf: *const ::std::os::raw::c_char,
-        inbuflen: size_t,
+        inbuflen: usize,
         outbuf: *mut *mut ::std::os::raw::c_char,
-        outbuflen: *mut size_t,
+        outbuflen: *mut usize,
         outs: *mut *mut ::std::os::raw::c_char,
-        outslen: *mut size_t,
+        outslen: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -1815,13 +1813,13 @@ extern "C" {
         cluster: rados_t,
         name: *const ::std::os::raw::c_char,
         cmd: *mut *const ::std::os::raw::c_char,
-        cmdlen: size_t,
+        cmdlen: usize,
         inbuf: *const ::std::os::raw::c_char,
-        inbuflen: size_t,
+        inbuflen: usize,
         outbuf: *mut *mut ::std::os::raw::c_char,
-        outbuflen: *mut size_t,
+        outbuflen: *mut usize,
         outs: *mut *mut ::std::os::raw::c_char,
-        outslen: *mut size_t,
+        outslen: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -1832,13 +1830,13 @@ extern "C" {
         cluster: rados_t,
         osdid: ::std::os::raw::c_int,
         cmd: *mut *const ::std::os::raw::c_char,
-        cmdlen: size_t,
+        cmdlen: usize,
         inbuf: *const ::std::os::raw::c_char,
-        inbuflen: size_t,
+        inbuflen: usize,
         outbuf: *mut *mut ::std::os::raw::c_char,
-        outbuflen: *mut size_t,
+        outbuflen: *mut usize,
         outs: *mut *mut ::std::os::raw::c_char,
-        outslen: *mut size_t,
+        outslen: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -1846,13 +1844,13 @@ extern "C" {
         cluster: rados_t,
         pgstr: *const ::std::os::raw::c_char,
         cmd: *mut *const ::std::os::raw::c_char,
-        cmdlen: size_t,
+        cmdlen: usize,
         inbuf: *const ::std::os::raw::c_char,
-        inbuflen: size_t,
+        inbuflen: usize,
         outbuf: *mut *mut ::std::os::raw::c_char,
-        outbuflen: *mut size_t,
+        outbuflen: *mut usize,
         outs: *mut *mut ::std::os::raw::c_char,
-        outslen: *mut size_t,
+        outslen: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 pub type rados_log_callback_t = ::std::option::Option<
@@ -2131,7 +2129,7 @@ pub type rbd_snap_mirror_state_t = ::std::os::raw::c_uint;
 #[derive(Debug, Copy, Clone)]
 pub struct rbd_snap_mirror_namespace_t {
     pub state: rbd_snap_mirror_state_t,
-    pub mirror_peer_uuids_count: size_t,
+    pub mirror_peer_uuids_count: usize,
     pub mirror_peer_uuids: *mut ::std::os::raw::c_char,
     pub complete: bool,
     pub primary_mirror_uuid: *mut ::std::os::raw::c_char,
@@ -2254,14 +2252,14 @@ pub type rbd_encryption_options_t = *mut ::std::os::raw::c_void;
 pub struct rbd_encryption_luks1_format_options_t {
     pub alg: rbd_encryption_algorithm_t,
     pub passphrase: *const ::std::os::raw::c_char,
-    pub passphrase_size: size_t,
+    pub passphrase_size: usize,
 }
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct rbd_encryption_luks2_format_options_t {
     pub alg: rbd_encryption_algorithm_t,
     pub passphrase: *const ::std::os::raw::c_char,
-    pub passphrase_size: size_t,
+    pub passphrase_size: usize,
 }
 extern "C" {
     pub fn rbd_image_options_create(opts: *mut rbd_image_options_t);
@@ -2288,7 +2286,7 @@ extern "C" {
         opts: rbd_image_options_t,
         optname: ::std::os::raw::c_int,
         optval: *mut ::std::os::raw::c_char,
-        maxlen: size_t,
+        maxlen: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -2321,7 +2319,7 @@ extern "C" {
     pub fn rbd_image_spec_cleanup(image: *mut rbd_image_spec_t);
 }
 extern "C" {
-    pub fn rbd_image_spec_list_cleanup(images: *mut rbd_image_spec_t, num_images: size_t);
+    pub fn rbd_image_spec_list_cleanup(images: *mut rbd_image_spec_t, num_images: usize);
 }
 extern "C" {
     pub fn rbd_linked_image_spec_cleanup(image: *mut rbd_linked_image_spec_t);
@@ -2329,7 +2327,7 @@ extern "C" {
 extern "C" {
     pub fn rbd_linked_image_spec_list_cleanup(
         images: *mut rbd_linked_image_spec_t,
-        num_images: size_t,
+        num_images: usize,
     );
 }
 extern "C" {
@@ -2339,14 +2337,14 @@ extern "C" {
     pub fn rbd_list(
         io: rados_ioctx_t,
         names: *mut ::std::os::raw::c_char,
-        size: *mut size_t,
+        size: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_list2(
         io: rados_ioctx_t,
         images: *mut rbd_image_spec_t,
-        max_images: *mut size_t,
+        max_images: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -2461,11 +2459,11 @@ extern "C" {
     pub fn rbd_trash_list(
         io: rados_ioctx_t,
         trash_entries: *mut rbd_trash_image_info_t,
-        num_entries: *mut size_t,
+        num_entries: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
-    pub fn rbd_trash_list_cleanup(trash_entries: *mut rbd_trash_image_info_t, num_entries: size_t);
+    pub fn rbd_trash_list_cleanup(trash_entries: *mut rbd_trash_image_info_t, num_entries: usize);
 }
 extern "C" {
     pub fn rbd_trash_purge(
@@ -2570,7 +2568,7 @@ extern "C" {
         ioctx: rados_ioctx_t,
         image_name: *const ::std::os::raw::c_char,
         status: *mut rbd_image_migration_status_t,
-        status_size: size_t,
+        status_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -2580,7 +2578,7 @@ extern "C" {
     pub fn rbd_mirror_site_name_get(
         cluster: rados_t,
         name: *mut ::std::os::raw::c_char,
-        max_len: *mut size_t,
+        max_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -2605,14 +2603,14 @@ extern "C" {
     pub fn rbd_mirror_uuid_get(
         io_ctx: rados_ioctx_t,
         uuid: *mut ::std::os::raw::c_char,
-        max_len: *mut size_t,
+        max_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_mirror_peer_bootstrap_create(
         io_ctx: rados_ioctx_t,
         token: *mut ::std::os::raw::c_char,
-        max_len: *mut size_t,
+        max_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -2626,7 +2624,7 @@ extern "C" {
     pub fn rbd_mirror_peer_site_add(
         io_ctx: rados_ioctx_t,
         uuid: *mut ::std::os::raw::c_char,
-        uuid_max_length: size_t,
+        uuid_max_length: usize,
         direction: rbd_mirror_peer_direction_t,
         site_name: *const ::std::os::raw::c_char,
         client_name: *const ::std::os::raw::c_char,
@@ -2677,10 +2675,10 @@ extern "C" {
         p: rados_ioctx_t,
         uuid: *const ::std::os::raw::c_char,
         keys: *mut ::std::os::raw::c_char,
-        max_key_len: *mut size_t,
+        max_key_len: *mut usize,
         values: *mut ::std::os::raw::c_char,
-        max_value_len: *mut size_t,
-        key_value_count: *mut size_t,
+        max_value_len: *mut usize,
+        key_value_count: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -2689,31 +2687,31 @@ extern "C" {
         uuid: *const ::std::os::raw::c_char,
         keys: *const ::std::os::raw::c_char,
         values: *const ::std::os::raw::c_char,
-        key_value_count: size_t,
+        key_value_count: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_mirror_image_global_status_list(
         io_ctx: rados_ioctx_t,
         start_id: *const ::std::os::raw::c_char,
-        max: size_t,
+        max: usize,
         image_ids: *mut *mut ::std::os::raw::c_char,
         images: *mut rbd_mirror_image_global_status_t,
-        len: *mut size_t,
+        len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_mirror_image_global_status_list_cleanup(
         image_ids: *mut *mut ::std::os::raw::c_char,
         images: *mut rbd_mirror_image_global_status_t,
-        len: size_t,
+        len: usize,
     );
 }
 extern "C" {
     pub fn rbd_mirror_peer_add(
         io_ctx: rados_ioctx_t,
         uuid: *mut ::std::os::raw::c_char,
-        uuid_max_length: size_t,
+        uuid_max_length: usize,
         cluster_name: *const ::std::os::raw::c_char,
         client_name: *const ::std::os::raw::c_char,
     ) -> ::std::os::raw::c_int;
@@ -2756,10 +2754,10 @@ extern "C" {
         p: rados_ioctx_t,
         uuid: *const ::std::os::raw::c_char,
         keys: *mut ::std::os::raw::c_char,
-        max_key_len: *mut size_t,
+        max_key_len: *mut usize,
         values: *mut ::std::os::raw::c_char,
-        max_value_len: *mut size_t,
-        key_value_count: *mut size_t,
+        max_value_len: *mut usize,
+        key_value_count: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -2768,24 +2766,24 @@ extern "C" {
         uuid: *const ::std::os::raw::c_char,
         keys: *const ::std::os::raw::c_char,
         values: *const ::std::os::raw::c_char,
-        key_value_count: size_t,
+        key_value_count: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_mirror_image_status_list(
         io_ctx: rados_ioctx_t,
         start_id: *const ::std::os::raw::c_char,
-        max: size_t,
+        max: usize,
         image_ids: *mut *mut ::std::os::raw::c_char,
         images: *mut rbd_mirror_image_status_t,
-        len: *mut size_t,
+        len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_mirror_image_status_list_cleanup(
         image_ids: *mut *mut ::std::os::raw::c_char,
         images: *mut rbd_mirror_image_status_t,
-        len: size_t,
+        len: usize,
     );
 }
 extern "C" {
@@ -2793,24 +2791,24 @@ extern "C" {
         io_ctx: rados_ioctx_t,
         states: *mut rbd_mirror_image_status_state_t,
         counts: *mut ::std::os::raw::c_int,
-        maxlen: *mut size_t,
+        maxlen: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_mirror_image_instance_id_list(
         io_ctx: rados_ioctx_t,
         start_id: *const ::std::os::raw::c_char,
-        max: size_t,
+        max: usize,
         image_ids: *mut *mut ::std::os::raw::c_char,
         instance_ids: *mut *mut ::std::os::raw::c_char,
-        len: *mut size_t,
+        len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_mirror_image_instance_id_list_cleanup(
         image_ids: *mut *mut ::std::os::raw::c_char,
         instance_ids: *mut *mut ::std::os::raw::c_char,
-        len: size_t,
+        len: usize,
     );
 }
 extern "C" {
@@ -2818,18 +2816,18 @@ extern "C" {
         io_ctx: rados_ioctx_t,
         mode_filter: *mut rbd_mirror_image_mode_t,
         start_id: *const ::std::os::raw::c_char,
-        max: size_t,
+        max: usize,
         image_ids: *mut *mut ::std::os::raw::c_char,
         mode_entries: *mut rbd_mirror_image_mode_t,
         info_entries: *mut rbd_mirror_image_info_t,
-        num_entries: *mut size_t,
+        num_entries: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_mirror_image_info_list_cleanup(
         image_ids: *mut *mut ::std::os::raw::c_char,
         info_entries: *mut rbd_mirror_image_info_t,
-        num_entries: size_t,
+        num_entries: usize,
     );
 }
 extern "C" {
@@ -2837,7 +2835,7 @@ extern "C" {
         io_ctx: rados_ioctx_t,
         key: *const ::std::os::raw::c_char,
         value: *mut ::std::os::raw::c_char,
-        val_len: *mut size_t,
+        val_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -2859,9 +2857,9 @@ extern "C" {
         start: *const ::std::os::raw::c_char,
         max: u64,
         keys: *mut ::std::os::raw::c_char,
-        key_len: *mut size_t,
+        key_len: *mut usize,
         values: *mut ::std::os::raw::c_char,
-        vals_len: *mut size_t,
+        vals_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -2949,7 +2947,7 @@ extern "C" {
     pub fn rbd_features_to_string(
         features: u64,
         str_features: *mut ::std::os::raw::c_char,
-        size: *mut size_t,
+        size: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -2988,7 +2986,7 @@ extern "C" {
     pub fn rbd_stat(
         image: rbd_image_t,
         info: *mut rbd_image_info_t,
-        infosize: size_t,
+        infosize: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3044,21 +3042,21 @@ extern "C" {
     pub fn rbd_get_name(
         image: rbd_image_t,
         name: *mut ::std::os::raw::c_char,
-        name_len: *mut size_t,
+        name_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_get_id(
         image: rbd_image_t,
         id: *mut ::std::os::raw::c_char,
-        id_len: size_t,
+        id_len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_get_block_name_prefix(
         image: rbd_image_t,
         prefix: *mut ::std::os::raw::c_char,
-        prefix_len: size_t,
+        prefix_len: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3068,24 +3066,24 @@ extern "C" {
     pub fn rbd_get_parent_info(
         image: rbd_image_t,
         parent_poolname: *mut ::std::os::raw::c_char,
-        ppoolnamelen: size_t,
+        ppoolnamelen: usize,
         parent_name: *mut ::std::os::raw::c_char,
-        pnamelen: size_t,
+        pnamelen: usize,
         parent_snapname: *mut ::std::os::raw::c_char,
-        psnapnamelen: size_t,
+        psnapnamelen: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_get_parent_info2(
         image: rbd_image_t,
         parent_poolname: *mut ::std::os::raw::c_char,
-        ppoolnamelen: size_t,
+        ppoolnamelen: usize,
         parent_name: *mut ::std::os::raw::c_char,
-        pnamelen: size_t,
+        pnamelen: usize,
         parent_id: *mut ::std::os::raw::c_char,
-        pidlen: size_t,
+        pidlen: usize,
         parent_snapname: *mut ::std::os::raw::c_char,
-        psnapnamelen: size_t,
+        psnapnamelen: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3099,7 +3097,7 @@ extern "C" {
     pub fn rbd_get_migration_source_spec(
         image: rbd_image_t,
         source_spec: *mut ::std::os::raw::c_char,
-        max_len: *mut size_t,
+        max_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3109,7 +3107,7 @@ extern "C" {
     pub fn rbd_get_group(
         image: rbd_image_t,
         group_info: *mut rbd_group_info_t,
-        group_info_size: size_t,
+        group_info_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3139,13 +3137,13 @@ extern "C" {
         image: rbd_image_t,
         lock_mode: *mut rbd_lock_mode_t,
         lock_owners: *mut *mut ::std::os::raw::c_char,
-        max_lock_owners: *mut size_t,
+        max_lock_owners: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_lock_get_owners_cleanup(
         lock_owners: *mut *mut ::std::os::raw::c_char,
-        lock_owner_count: size_t,
+        lock_owner_count: usize,
     );
 }
 extern "C" {
@@ -3186,7 +3184,7 @@ extern "C" {
         dest_io_ctx: rados_ioctx_t,
         destname: *const ::std::os::raw::c_char,
         dest_opts: rbd_image_options_t,
-        sparse_size: size_t,
+        sparse_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3224,7 +3222,7 @@ extern "C" {
         dest_opts: rbd_image_options_t,
         cb: librbd_progress_fn_t,
         cbdata: *mut ::std::os::raw::c_void,
-        sparse_size: size_t,
+        sparse_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3250,7 +3248,7 @@ extern "C" {
         image: rbd_image_t,
         format: rbd_encryption_format_t,
         opts: rbd_encryption_options_t,
-        opts_size: size_t,
+        opts_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3258,7 +3256,7 @@ extern "C" {
         image: rbd_image_t,
         format: rbd_encryption_format_t,
         opts: rbd_encryption_options_t,
-        opts_size: size_t,
+        opts_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3378,7 +3376,7 @@ extern "C" {
         image: rbd_image_t,
         snap_id: u64,
         snapname: *mut ::std::os::raw::c_char,
-        name_len: *mut size_t,
+        name_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3400,13 +3398,13 @@ extern "C" {
         image: rbd_image_t,
         snap_id: u64,
         group_snap: *mut rbd_snap_group_namespace_t,
-        group_snap_size: size_t,
+        group_snap_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_snap_group_namespace_cleanup(
         group_snap: *mut rbd_snap_group_namespace_t,
-        group_snap_size: size_t,
+        group_snap_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3414,7 +3412,7 @@ extern "C" {
         image: rbd_image_t,
         snap_id: u64,
         original_name: *mut ::std::os::raw::c_char,
-        max_length: size_t,
+        max_length: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3422,13 +3420,13 @@ extern "C" {
         image: rbd_image_t,
         snap_id: u64,
         mirror_snap: *mut rbd_snap_mirror_namespace_t,
-        mirror_snap_size: size_t,
+        mirror_snap_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_snap_mirror_namespace_cleanup(
         mirror_snap: *mut rbd_snap_mirror_namespace_t,
-        mirror_snap_size: size_t,
+        mirror_snap_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3442,12 +3440,12 @@ extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
-    pub fn rbd_sparsify(image: rbd_image_t, sparse_size: size_t) -> ::std::os::raw::c_int;
+    pub fn rbd_sparsify(image: rbd_image_t, sparse_size: usize) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_sparsify_with_progress(
         image: rbd_image_t,
-        sparse_size: size_t,
+        sparse_size: usize,
         cb: librbd_progress_fn_t,
         cbdata: *mut ::std::os::raw::c_void,
     ) -> ::std::os::raw::c_int;
@@ -3456,10 +3454,10 @@ extern "C" {
     pub fn rbd_list_children(
         image: rbd_image_t,
         pools: *mut ::std::os::raw::c_char,
-        pools_len: *mut size_t,
+        pools_len: *mut usize,
         images: *mut ::std::os::raw::c_char,
-        images_len: *mut size_t,
-    ) -> ssize_t;
+        images_len: *mut usize,
+    ) -> isize;
 }
 extern "C" {
     pub fn rbd_list_children2(
@@ -3472,20 +3470,20 @@ extern "C" {
     pub fn rbd_list_child_cleanup(child: *mut rbd_child_info_t);
 }
 extern "C" {
-    pub fn rbd_list_children_cleanup(children: *mut rbd_child_info_t, num_children: size_t);
+    pub fn rbd_list_children_cleanup(children: *mut rbd_child_info_t, num_children: usize);
 }
 extern "C" {
     pub fn rbd_list_children3(
         image: rbd_image_t,
         images: *mut rbd_linked_image_spec_t,
-        max_images: *mut size_t,
+        max_images: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_list_descendants(
         image: rbd_image_t,
         images: *mut rbd_linked_image_spec_t,
-        max_images: *mut size_t,
+        max_images: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3493,14 +3491,14 @@ extern "C" {
         image: rbd_image_t,
         exclusive: *mut ::std::os::raw::c_int,
         tag: *mut ::std::os::raw::c_char,
-        tag_len: *mut size_t,
+        tag_len: *mut usize,
         clients: *mut ::std::os::raw::c_char,
-        clients_len: *mut size_t,
+        clients_len: *mut usize,
         cookies: *mut ::std::os::raw::c_char,
-        cookies_len: *mut size_t,
+        cookies_len: *mut usize,
         addrs: *mut ::std::os::raw::c_char,
-        addrs_len: *mut size_t,
-    ) -> ssize_t;
+        addrs_len: *mut usize,
+    ) -> isize;
 }
 extern "C" {
     pub fn rbd_lock_exclusive(
@@ -3532,28 +3530,28 @@ extern "C" {
     pub fn rbd_read(
         image: rbd_image_t,
         ofs: u64,
-        len: size_t,
+        len: usize,
         buf: *mut ::std::os::raw::c_char,
-    ) -> ssize_t;
+    ) -> isize;
 }
 extern "C" {
     pub fn rbd_read2(
         image: rbd_image_t,
         ofs: u64,
-        len: size_t,
+        len: usize,
         buf: *mut ::std::os::raw::c_char,
         op_flags: ::std::os::raw::c_int,
-    ) -> ssize_t;
+    ) -> isize;
 }
 extern "C" {
     pub fn rbd_read_iterate(
         image: rbd_image_t,
         ofs: u64,
-        len: size_t,
+        len: usize,
         cb: ::std::option::Option<
             unsafe extern "C" fn(
                 arg1: u64,
-                arg2: size_t,
+                arg2: usize,
                 arg3: *const ::std::os::raw::c_char,
                 arg4: *mut ::std::os::raw::c_void,
             ) -> ::std::os::raw::c_int,
@@ -3569,7 +3567,7 @@ extern "C" {
         cb: ::std::option::Option<
             unsafe extern "C" fn(
                 arg1: u64,
-                arg2: size_t,
+                arg2: usize,
                 arg3: *const ::std::os::raw::c_char,
                 arg4: *mut ::std::os::raw::c_void,
             ) -> ::std::os::raw::c_int,
@@ -3586,7 +3584,7 @@ extern "C" {
         cb: ::std::option::Option<
             unsafe extern "C" fn(
                 arg1: u64,
-                arg2: size_t,
+                arg2: usize,
                 arg3: ::std::os::raw::c_int,
                 arg4: *mut ::std::os::raw::c_void,
             ) -> ::std::os::raw::c_int,
@@ -3605,7 +3603,7 @@ extern "C" {
         cb: ::std::option::Option<
             unsafe extern "C" fn(
                 arg1: u64,
-                arg2: size_t,
+                arg2: usize,
                 arg3: ::std::os::raw::c_int,
                 arg4: *mut ::std::os::raw::c_void,
             ) -> ::std::os::raw::c_int,
@@ -3617,18 +3615,18 @@ extern "C" {
     pub fn rbd_write(
         image: rbd_image_t,
         ofs: u64,
-        len: size_t,
+        len: usize,
         buf: *const ::std::os::raw::c_char,
-    ) -> ssize_t;
+    ) -> isize;
 }
 extern "C" {
     pub fn rbd_write2(
         image: rbd_image_t,
         ofs: u64,
-        len: size_t,
+        len: usize,
         buf: *const ::std::os::raw::c_char,
         op_flags: ::std::os::raw::c_int,
-    ) -> ssize_t;
+    ) -> isize;
 }
 extern "C" {
     pub fn rbd_discard(image: rbd_image_t, ofs: u64, len: u64) -> ::std::os::raw::c_int;
@@ -3637,37 +3635,37 @@ extern "C" {
     pub fn rbd_writesame(
         image: rbd_image_t,
         ofs: u64,
-        len: size_t,
+        len: usize,
         buf: *const ::std::os::raw::c_char,
-        data_len: size_t,
+        data_len: usize,
         op_flags: ::std::os::raw::c_int,
-    ) -> ssize_t;
+    ) -> isize;
 }
 extern "C" {
     pub fn rbd_write_zeroes(
         image: rbd_image_t,
         ofs: u64,
-        len: size_t,
+        len: usize,
         zero_flags: ::std::os::raw::c_int,
         op_flags: ::std::os::raw::c_int,
-    ) -> ssize_t;
+    ) -> isize;
 }
 extern "C" {
     pub fn rbd_compare_and_write(
         image: rbd_image_t,
         ofs: u64,
-        len: size_t,
+        len: usize,
         cmp_buf: *const ::std::os::raw::c_char,
         buf: *const ::std::os::raw::c_char,
         mismatch_off: *mut u64,
         op_flags: ::std::os::raw::c_int,
-    ) -> ssize_t;
+    ) -> isize;
 }
 extern "C" {
     pub fn rbd_aio_write(
         image: rbd_image_t,
         off: u64,
-        len: size_t,
+        len: usize,
         buf: *const ::std::os::raw::c_char,
         c: rbd_completion_t,
     ) -> ::std::os::raw::c_int;
@@ -3676,7 +3674,7 @@ extern "C" {
     pub fn rbd_aio_write2(
         image: rbd_image_t,
         off: u64,
-        len: size_t,
+        len: usize,
         buf: *const ::std::os::raw::c_char,
         c: rbd_completion_t,
         op_flags: ::std::os::raw::c_int,
@@ -3695,7 +3693,7 @@ extern "C" {
     pub fn rbd_aio_read(
         image: rbd_image_t,
         off: u64,
-        len: size_t,
+        len: usize,
         buf: *mut ::std::os::raw::c_char,
         c: rbd_completion_t,
     ) -> ::std::os::raw::c_int;
@@ -3704,7 +3702,7 @@ extern "C" {
     pub fn rbd_aio_read2(
         image: rbd_image_t,
         off: u64,
-        len: size_t,
+        len: usize,
         buf: *mut ::std::os::raw::c_char,
         c: rbd_completion_t,
         op_flags: ::std::os::raw::c_int,
@@ -3731,9 +3729,9 @@ extern "C" {
     pub fn rbd_aio_writesame(
         image: rbd_image_t,
         off: u64,
-        len: size_t,
+        len: usize,
         buf: *const ::std::os::raw::c_char,
-        data_len: size_t,
+        data_len: usize,
         c: rbd_completion_t,
         op_flags: ::std::os::raw::c_int,
     ) -> ::std::os::raw::c_int;
@@ -3742,7 +3740,7 @@ extern "C" {
     pub fn rbd_aio_write_zeroes(
         image: rbd_image_t,
         off: u64,
-        len: size_t,
+        len: usize,
         c: rbd_completion_t,
         zero_flags: ::std::os::raw::c_int,
         op_flags: ::std::os::raw::c_int,
@@ -3752,13 +3750,13 @@ extern "C" {
     pub fn rbd_aio_compare_and_write(
         image: rbd_image_t,
         off: u64,
-        len: size_t,
+        len: usize,
         cmp_buf: *const ::std::os::raw::c_char,
         buf: *const ::std::os::raw::c_char,
         c: rbd_completion_t,
         mismatch_off: *mut u64,
         op_flags: ::std::os::raw::c_int,
-    ) -> ssize_t;
+    ) -> isize;
 }
 extern "C" {
     pub fn rbd_aio_create_completion(
@@ -3774,7 +3772,7 @@ extern "C" {
     pub fn rbd_aio_wait_for_complete(c: rbd_completion_t) -> ::std::os::raw::c_int;
 }
 extern "C" {
-    pub fn rbd_aio_get_return_value(c: rbd_completion_t) -> ssize_t;
+    pub fn rbd_aio_get_return_value(c: rbd_completion_t) -> isize;
 }
 extern "C" {
     pub fn rbd_aio_get_arg(c: rbd_completion_t) -> *mut ::std::os::raw::c_void;
@@ -3803,7 +3801,7 @@ extern "C" {
         image: rbd_image_t,
         key: *const ::std::os::raw::c_char,
         value: *mut ::std::os::raw::c_char,
-        val_len: *mut size_t,
+        val_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3825,9 +3823,9 @@ extern "C" {
         start: *const ::std::os::raw::c_char,
         max: u64,
         keys: *mut ::std::os::raw::c_char,
-        key_len: *mut size_t,
+        key_len: *mut usize,
         values: *mut ::std::os::raw::c_char,
-        vals_len: *mut size_t,
+        vals_len: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3868,7 +3866,7 @@ extern "C" {
     pub fn rbd_mirror_image_get_info(
         image: rbd_image_t,
         mirror_image_info: *mut rbd_mirror_image_info_t,
-        info_size: size_t,
+        info_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3884,7 +3882,7 @@ extern "C" {
     pub fn rbd_mirror_image_get_global_status(
         image: rbd_image_t,
         mirror_image_global_status: *mut rbd_mirror_image_global_status_t,
-        status_size: size_t,
+        status_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3896,14 +3894,14 @@ extern "C" {
     pub fn rbd_mirror_image_get_status(
         image: rbd_image_t,
         mirror_image_status: *mut rbd_mirror_image_status_t,
-        status_size: size_t,
+        status_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_mirror_image_get_instance_id(
         image: rbd_image_t,
         instance_id: *mut ::std::os::raw::c_char,
-        id_max_length: *mut size_t,
+        id_max_length: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3923,7 +3921,7 @@ extern "C" {
     pub fn rbd_aio_mirror_image_get_info(
         image: rbd_image_t,
         mirror_image_info: *mut rbd_mirror_image_info_t,
-        info_size: size_t,
+        info_size: usize,
         c: rbd_completion_t,
     ) -> ::std::os::raw::c_int;
 }
@@ -3938,7 +3936,7 @@ extern "C" {
     pub fn rbd_aio_mirror_image_get_global_status(
         image: rbd_image_t,
         mirror_global_image_status: *mut rbd_mirror_image_global_status_t,
-        status_size: size_t,
+        status_size: usize,
         c: rbd_completion_t,
     ) -> ::std::os::raw::c_int;
 }
@@ -3946,7 +3944,7 @@ extern "C" {
     pub fn rbd_aio_mirror_image_get_status(
         image: rbd_image_t,
         mirror_image_status: *mut rbd_mirror_image_status_t,
-        status_size: size_t,
+        status_size: usize,
         c: rbd_completion_t,
     ) -> ::std::os::raw::c_int;
 }
@@ -3974,7 +3972,7 @@ extern "C" {
     pub fn rbd_group_list(
         p: rados_ioctx_t,
         names: *mut ::std::os::raw::c_char,
-        size: *mut size_t,
+        size: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -3987,7 +3985,7 @@ extern "C" {
 extern "C" {
     pub fn rbd_group_info_cleanup(
         group_info: *mut rbd_group_info_t,
-        group_info_size: size_t,
+        group_info_size: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -4005,11 +4003,11 @@ extern "C" {
     pub fn rbd_watchers_list(
         image: rbd_image_t,
         watchers: *mut rbd_image_watcher_t,
-        max_watchers: *mut size_t,
+        max_watchers: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
-    pub fn rbd_watchers_list_cleanup(watchers: *mut rbd_image_watcher_t, num_watchers: size_t);
+    pub fn rbd_watchers_list_cleanup(watchers: *mut rbd_image_watcher_t, num_watchers: usize);
 }
 extern "C" {
     pub fn rbd_config_image_list(
@@ -4053,15 +4051,15 @@ extern "C" {
         group_p: rados_ioctx_t,
         group_name: *const ::std::os::raw::c_char,
         images: *mut rbd_group_image_info_t,
-        group_image_info_size: size_t,
-        num_entries: *mut size_t,
+        group_image_info_size: usize,
+        num_entries: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_group_image_list_cleanup(
         images: *mut rbd_group_image_info_t,
-        group_image_info_size: size_t,
-        num_entries: size_t,
+        group_image_info_size: usize,
+        num_entries: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -4099,15 +4097,15 @@ extern "C" {
         group_p: rados_ioctx_t,
         group_name: *const ::std::os::raw::c_char,
         snaps: *mut rbd_group_snap_info_t,
-        group_snap_info_size: size_t,
-        num_entries: *mut size_t,
+        group_snap_info_size: usize,
+        num_entries: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
     pub fn rbd_group_snap_list_cleanup(
         snaps: *mut rbd_group_snap_info_t,
-        group_snap_info_size: size_t,
-        num_entries: size_t,
+        group_snap_info_size: usize,
+        num_entries: usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {
@@ -4142,7 +4140,7 @@ extern "C" {
     pub fn rbd_namespace_list(
         io: rados_ioctx_t,
         namespace_names: *mut ::std::os::raw::c_char,
-        size: *mut size_t,
+        size: *mut usize,
     ) -> ::std::os::raw::c_int;
 }
 extern "C" {

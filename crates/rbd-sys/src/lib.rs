@@ -10,6 +10,10 @@
 //! daemon's safe wrapper is `ringblk::engine::rbd::client`.
 
 #![allow(non_upper_case_globals, non_camel_case_types, non_snake_case)]
-#![allow(clippy::all, clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
+#![allow(
+    clippy::all,
+    clippy::undocumented_unsafe_blocks,
+    clippy::missing_safety_doc
+)]
 
 include!("bindings.rs");
