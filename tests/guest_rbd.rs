@@ -122,6 +122,11 @@ fn run(kills: u32) {
                     return done;
                 }
                 let mut g = d.lock().unwrap_or_else(|e| e.into_inner());
+                if let Ok(Some(st)) = g.child.try_wait() {
+                    // Reported below ("the daemon exited"), with its log.
+                    eprintln!("the daemon exited by itself before kill {}: {st}", done + 1);
+                    return done;
+                }
                 kill_with_requests_in_flight(g.child.id() as i32, &socket);
                 g.wait_for(Duration::from_secs(20));
                 *g =

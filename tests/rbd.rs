@@ -344,3 +344,29 @@ fn an_unreachable_cluster_fails_within_the_timeout() {
 fn conf_str(p: &Path) -> &str {
     p.to_str().expect("UTF-8 path")
 }
+
+/// The cluster goes away under a running daemon: requests fail with IOERR
+/// within the operation timeout instead of hanging, and the daemon goes on
+/// serving (and stops cleanly on SIGTERM).
+#[test]
+fn a_cluster_that_goes_away_fails_requests_and_the_daemon_goes_on() {
+    let dir = common::test_dir();
+    let cdir = dir.path().join("cluster");
+    let own = ceph::start(&cdir).unwrap_or_else(|e| panic!("{e}"));
+    let image = own.create_image(8);
+    let mut d = start_rbd_with(&own.conf, &image, &[]);
+    let seed = 0x90e5;
+    let mut cl = Client::connect(&d.socket, CHUNK);
+    assert_eq!(cl.write(0, &pattern(seed, 0, CHUNK)), 0, "write while up");
+    ceph::stop(&cdir);
+    let started = Instant::now();
+    let ret = cl.write(MIB, &pattern(seed, MIB, CHUNK));
+    let took = started.elapsed();
+    assert_eq!(ret, -libc::EIO, "a write with the cluster gone");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    d.assert_running();
+    assert!(d.log().contains("RBD Write at offset"), "{}", d.log());
+    drop(cl);
+    let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(40));
+    assert_eq!(st.code(), Some(0), "exit after SIGTERM: {st}\n{}", d.log());
+}

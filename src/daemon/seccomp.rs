@@ -254,7 +254,10 @@ fn either(rules: impl IntoIterator<Item = Rules>) -> Rules {
 /// The client's admin socket is turned off (`engine::rbd::client`), so
 /// nothing accepts or unlinks; its log file was opened before the filter.
 /// Two queues writing to one image (two handles passing the exclusive
-/// lock) added `uname`: the traces above had one queue.
+/// lock) added `uname`: the traces above had one queue. A daemon killed
+/// and restarted under a guest (`--seccomp log`, then the kernel's audit
+/// records) added `timerfd_create`, `timerfd_settime` and
+/// `restart_syscall`.
 fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
     use libc::*;
     let rbd = profile == Profile::Rbd;
@@ -402,6 +405,16 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // exclusive lock from another (two queues writing, found by the
         // RBD guest test with two queues under the filter).
         list.push((SYS_uname, any()));
+        // librbd's asio timers (its io_context_pool thread) after the
+        // daemon is restarted on an image a killed one held: found with
+        // `--seccomp log` through tests/guest_rbd.rs's kills.
+        list.push((SYS_timerfd_create, any()));
+        list.push((SYS_timerfd_settime, any()));
+        // The same run: a timed wait of librbd's timer threads that a
+        // SIGSTOP interrupted (the test stops the daemon before killing
+        // it, as a debugger or a cgroup freezer would) is resumed with
+        // restart_syscall.
+        list.push((SYS_restart_syscall, any()));
     }
     // Shutdown: remove the sockets and the relay's private directory, by
     // the directory fds opened for that at start-up, and nowhere else.
