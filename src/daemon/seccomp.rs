@@ -22,6 +22,13 @@
 //! has it, all on the registered image only). `io_uring_setup` must stay
 //! allowed because each connection creates its rings.
 //!
+//! Profiles ([`Profile`]): a file or block device gets the list below; an
+//! RBD image (`--image rbd:...`) gets it plus what librbd's threads do
+//! after start-up (TCP connections to the cluster, timers), enforced by
+//! default like the file one; [`allowed`] says how each entry was found.
+//! librbd starts its threads before the filter, which TSYNC puts on them
+//! too.
+//!
 //! Each engine's blocking fallbacks (`engine::sync`: fdatasync, fallocate
 //! in the engine's modes, BLKDISCARD) are on the list; a test runs each of
 //! them under the filter.
