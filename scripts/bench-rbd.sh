@@ -10,6 +10,8 @@
 #
 #   scripts/bench-rbd.sh [OUTDIR]      default target/bench-rbd
 #   RUNTIME=5s scripts/bench-rbd.sh    measured time per point
+#   BACKENDS="ringblk" QDS="64" RINGBLK_ARGS="--poll-us 0" scripts/bench-rbd.sh
+#                                      a subset (fio-rbd is a backend too)
 #
 # Nothing is pinned: the cluster's OSD runs on the same two cores and
 # needs them. Prints a Markdown table; raw JSON in OUTDIR.
@@ -17,6 +19,9 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${1:-$repo/target/bench-rbd}
 runtime=${RUNTIME:-5s}
+backends=${BACKENDS:-fio-rbd qsd ringblk}
+qds=${QDS:-1 16 64}
+read -r -a ringblk_args <<<"${RINGBLK_ARGS:-}"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 bin=$repo/target/release
@@ -39,7 +44,7 @@ start_backend() {
     case $1 in
     ringblk)
         RUST_LOG=warn "$bin/ringblk" serve --socket "$sock" --image rbd:rbd/bench \
-            --ceph-conf "$conf" --queue-size 256 >"$out/ringblk.log" 2>&1 &
+            --ceph-conf "$conf" --queue-size 256 "${ringblk_args[@]}" >"$out/ringblk.log" 2>&1 &
         ;;
     qsd)
         qemu-storage-daemon \
@@ -64,7 +69,8 @@ echo "| --- | --- | --- | --- | --- | --- |"
 # exclusive lock stays until the OSD drops its watch (about 30 s), and
 # the next writer would wait for it.
 for rw in randread randwrite; do
-    for qd in 1 16 64; do
+    [[ " $backends " == *" fio-rbd "* ]] || break
+    for qd in $qds; do
         CEPH_CONF=$conf fio --name=rbd --ioengine=rbd --clientname=admin --pool=rbd --rbdname=bench \
             --rw=$rw --bs=4k --iodepth=$qd --time_based --runtime="$runtime" --ramp_time=1s \
             --output-format=json --output="$out/fio-$rw-$qd.json" >/dev/null 2>&1 \
@@ -78,9 +84,10 @@ EOF
     done
 done
 for backend in qsd ringblk; do
+    [[ " $backends " == *" $backend "* ]] || continue
     start_backend $backend
     for rw in randread randwrite; do
-        for qd in 1 16 64; do
+        for qd in $qds; do
             json=$out/$backend-$rw-$qd.json
             "$bin/ringblk-bench" --socket "$sock" --rw $rw --bs 4k --iodepth $qd \
                 --runtime "$runtime" --ramp 1s --no-pin --pid $pid --json "$json" >/dev/null
