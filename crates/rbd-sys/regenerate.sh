@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates src/bindings.rs from Debian 12's librbd/librados headers
 # (packages librbd-dev, librados-dev; ceph 16.2) with Debian's bindgen CLI
-# (package bindgen, 0.60). The output is committed, so building the crate
+# (package bindgen, 0.60, with libclang1-14). The output is committed, so building the crate
 # needs neither bindgen nor libclang; rerun this when the headers change
 # (a new Debian ceph release) and review the diff.
 set -euo pipefail
