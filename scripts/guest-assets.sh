@@ -21,41 +21,9 @@ die() {
     exit 1
 }
 
-as_root() {
-    if [ "$(id -u)" = 0 ]; then
-        "$@"
-    elif command -v sudo >/dev/null; then
-        sudo -n "$@"
-    else
-        die "need root (or sudo) to run: $*"
-    fi
-}
-
-apt_updated=
-apt_update_once() {
-    if [ -z "$apt_updated" ]; then
-        log "apt-get update"
-        as_root apt-get update -qq -o DPkg::Lock::Timeout=300 >&2
-        apt_updated=1
-    fi
-}
-
-# Installs the packages not yet installed; updates the lists only if needed.
-ensure_packages() {
-    local missing=() p installed
-    installed=$(dpkg-query -W -f='${Package} ${Status}\n' "$@" 2>/dev/null | awk '/install ok installed/ { print $1 }' || true)
-    for p in "$@"; do
-        grep -qx "$p" <<<"$installed" || missing+=("$p")
-    done
-    [ ${#missing[@]} -eq 0 ] && return 0
-    log "installing ${missing[*]}"
-    local install=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends
-        -o DPkg::Lock::Timeout=300)
-    if ! as_root "${install[@]}" "${missing[@]}" >&2; then
-        apt_update_once
-        as_root "${install[@]}" "${missing[@]}" >&2
-    fi
-}
+# ensure_packages, as_root, apt_update_once.
+# shellcheck source=lib/packages.sh
+. "$repo/scripts/lib/packages.sh"
 
 # One build at a time (cargo may run this from several test binaries).
 mkdir -p "$dir"

@@ -31,11 +31,18 @@ if ! scripts/guest-assets.sh; then
     echo "test.sh: warning: guest-assets.sh failed; the guest tests will tell why" >&2
 fi
 
+# librbd/librados for `--features rbd`, and the Ceph daemons of the
+# single-node cluster the RBD tests start (scripts/ceph-cluster.sh).
+section "ceph packages"
+scripts/ceph-deps.sh
+
 section "cargo fmt"
 cargo fmt --all -- --check
 
 section "cargo clippy"
+# Twice: without the RBD engine (what `cargo run` builds) and with it.
 cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked --features ringblk/rbd -- -D warnings
 
 # The daemon must not link the benchmark client's stack: that is why
 # ringblk-bench is a crate of its own. (blkio may stay a dev-dependency.)
@@ -47,8 +54,9 @@ if grep -E '^(blkio|plotters|indicatif|hdrhistogram) ' <<<"$tree"; then
 fi
 
 # --workspace: the bench's tests run its binary against the daemon's, and
-# need both built.
+# need both built. With the RBD engine: its tests (tests/rbd.rs) start a
+# Ceph cluster of their own.
 section "cargo test"
-RUST_BACKTRACE=${RUST_BACKTRACE:-1} cargo test --workspace --locked
+RUST_BACKTRACE=${RUST_BACKTRACE:-1} cargo test --workspace --locked --features ringblk/rbd
 
 section "done in $((SECONDS - started)) s"

@@ -99,11 +99,21 @@ pub struct ServeArgs {
     #[arg(long, default_value = "600", value_parser = parse_octal)]
     pub socket_mode: u32,
 
-    /// Raw image file or block device to export. Without --image, disk.img
-    /// in the directory of the default socket, created (sparse, --size,
-    /// mode 0600) if it does not exist; a symlink there is refused.
+    /// Raw image file or block device to export, or a Ceph RBD image as
+    /// rbd:POOL/IMAGE (a daemon built with `--features rbd`). Without
+    /// --image, disk.img in the directory of the default socket, created
+    /// (sparse, --size, mode 0600) if it does not exist; a symlink there is
+    /// refused.
     #[arg(long)]
     pub image: Option<PathBuf>,
+
+    /// Ceph configuration for an rbd: image (monitors, keyring).
+    #[arg(long, value_name = "PATH", default_value = "/etc/ceph/ceph.conf")]
+    pub ceph_conf: PathBuf,
+
+    /// Ceph user (client.NAME) for an rbd: image.
+    #[arg(long, value_name = "NAME", default_value = "admin")]
+    pub ceph_id: String,
 
     /// Size of the default image when it has to be created (e.g. 1G, 512M).
     #[arg(long, default_value = "1G", value_parser = parse_size)]
@@ -157,7 +167,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub writethrough: bool,
 
-    /// I/O engine.
+    /// I/O engine. An rbd: image is served by the RBD engine unless this
+    /// is `null`.
     #[arg(long, value_enum, default_value_t = EngineKind::Uring)]
     pub engine: EngineKind,
 

@@ -4,7 +4,6 @@
 
 use std::fs::File;
 use std::io;
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
@@ -32,7 +31,9 @@ pub enum ResizeError {
     #[error(
         "{0} is a block device, whose size is its own: grow it (lvextend, rbd resize), then resize with no size to re-read it"
     )]
-    BlockDevice(PathBuf),
+    BlockDevice(String),
+    #[error("{0}: online resize of an RBD image is not supported yet")]
+    Rbd(String),
     #[error("the image is exported read-only (--readonly); it cannot be resized, only re-read")]
     ReadOnly,
     #[error("cannot {what} the image: {source}")]
@@ -66,7 +67,8 @@ pub struct Resized {
 /// GET status.
 #[derive(Debug, Serialize)]
 pub struct Status {
-    pub image: PathBuf,
+    /// The image's path, or `rbd:POOL/IMAGE`.
+    pub image: String,
     pub block_device: bool,
     /// Bytes the guest sees.
     pub size: u64,
@@ -87,9 +89,10 @@ pub struct Status {
 
 /// The image as the control API needs it.
 pub struct ControlImage {
-    pub path: PathBuf,
-    /// A duplicate of the daemon's image fd.
-    pub file: File,
+    /// The image's path, or `rbd:POOL/IMAGE`.
+    pub name: String,
+    /// A duplicate of the daemon's image fd; None for an RBD image.
+    pub file: Option<File>,
     pub is_block_device: bool,
     pub block_size: u32,
     pub readonly: bool,
@@ -134,7 +137,7 @@ impl Control {
 
     pub fn status(&self) -> Status {
         Status {
-            image: self.image.path.clone(),
+            image: self.image.name.clone(),
             block_device: self.image.is_block_device,
             size: self.size(),
             capacity_sectors: self.size() >> SECTOR_SHIFT,
@@ -186,13 +189,16 @@ impl Control {
         let img = &self.image;
         let old = self.size();
         let io = |what| move |source| ResizeError::Io { what, source };
+        let Some(file) = &img.file else {
+            return Err(ResizeError::Rbd(img.name.clone()));
+        };
         let new = match size {
             Some(_) if img.is_block_device => {
-                return Err(ResizeError::BlockDevice(img.path.clone()));
+                return Err(ResizeError::BlockDevice(img.name.clone()));
             }
             Some(_) if img.readonly => return Err(ResizeError::ReadOnly),
             Some(s) => s,
-            None => device_size(&img.file, img.is_block_device).map_err(io("read the size of"))?,
+            None => device_size(file, img.is_block_device).map_err(io("read the size of"))?,
         };
         if new == 0 {
             return Err(ResizeError::Zero);
@@ -218,7 +224,7 @@ impl Control {
             publish();
         }
         if size.is_some() {
-            img.file.set_len(new).map_err(io("resize"))?;
+            file.set_len(new).map_err(io("resize"))?;
         }
         if new >= old {
             publish();

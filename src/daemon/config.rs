@@ -11,7 +11,7 @@ use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
 use crate::cli::{DEFAULT_IMAGE_NAME, DEFAULT_SOCKET_NAME, EngineKind, ServeArgs};
 use crate::engine::UringConfig;
-use crate::io::{Image, ImageLock, ImageOptions};
+use crate::io::{Image, ImageLock, ImageOptions, RbdSpec};
 use crate::qos::{Qos, QosLimits};
 use crate::vhost::WorkerConfig;
 use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
@@ -37,11 +37,8 @@ pub struct Config {
     pub args: ServeArgs,
     /// Where to listen.
     pub listen: Listen,
-    pub image: Image,
-    pub image_created: bool,
+    pub backing: Backing,
     pub worker: WorkerConfig,
-    /// How each queue's io_uring engine is set up (`--engine uring`).
-    pub uring: UringConfig,
     /// Worker threads: `--threads`, or its default ([`default_threads`]).
     pub threads: usize,
 }
@@ -56,6 +53,51 @@ pub fn default_threads(queues: usize, cpus: &[usize]) -> usize {
         n => n,
     };
     queues.min(cpus).max(1)
+}
+
+/// What the device's data lives on.
+pub enum Backing {
+    /// A file or block device, served by io_uring (or the null engine).
+    File {
+        image: Image,
+        /// The default image did not exist and was created.
+        created: bool,
+        /// How each queue's io_uring engine is set up (`--engine uring`).
+        uring: UringConfig,
+    },
+    /// A Ceph RBD image (`--image rbd:POOL/IMAGE`).
+    #[cfg(feature = "rbd")]
+    Rbd(crate::engine::rbd::RbdDisk),
+}
+
+impl Backing {
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        match self {
+            Backing::File { image, .. } => image.size,
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(disk) => disk.size,
+        }
+    }
+
+    /// What to call it in the log.
+    pub fn name(&self) -> String {
+        match self {
+            Backing::File { image, .. } => image.path.display().to_string(),
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(disk) => disk.opts.spec.to_string(),
+        }
+    }
+
+    /// The file to fdatasync when the daemon stops, if any (an RBD image's
+    /// engines flush as their queues drain).
+    pub fn file(&self) -> Option<&std::fs::File> {
+        match self {
+            Backing::File { image, .. } => Some(&image.file),
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(_) => None,
+        }
+    }
 }
 
 impl Config {
@@ -134,35 +176,28 @@ impl Config {
             }
         };
         let listen = passed.unwrap_or(Listen::Bind(socket));
-        let created = match args.image {
-            Some(_) => false,
-            None => Image::create_if_missing(&path, args.size)?,
+        let rbd = args
+            .image
+            .as_deref()
+            .and_then(RbdSpec::from_image_arg)
+            .transpose()
+            .map_err(DaemonError::Config)?;
+        let writeback = Arc::new(AtomicBool::new(!args.writethrough));
+        let (backing, block_size, default_serial) = match rbd {
+            Some(spec) => open_rbd(&args, spec)?,
+            None => open_file(&args, path, &writeback)?,
         };
-        let image = Image::open(
-            &path,
-            ImageOptions {
-                readonly: args.readonly,
-                direct: args.direct,
-                block_size: args.block_size,
-                // The default is ours to pick, and never a link.
-                nofollow: args.image.is_none(),
-            },
-        )?;
         let limits = DeviceLimits {
-            capacity_sectors: image.size >> SECTOR_SHIFT,
-            block_size: image.block_size,
+            capacity_sectors: backing.size() >> SECTOR_SHIFT,
+            block_size,
             readonly: args.readonly,
             // Two descriptors of a chain are header and status.
             seg_max: u32::from(args.queue_size - 2).clamp(1, 1024),
             ..DeviceLimits::default()
         };
-        let serial_str = args
-            .serial
-            .clone()
-            .unwrap_or_else(|| image.default_serial());
+        let serial_str = args.serial.clone().unwrap_or(default_serial);
         let mut serial = [0u8; VIRTIO_BLK_ID_BYTES as usize];
         serial[..serial_str.len()].copy_from_slice(serial_str.as_bytes());
-        let writeback = Arc::new(AtomicBool::new(!args.writethrough));
         let worker = WorkerConfig {
             limits,
             capacity: AtomicU64::new(limits.capacity_sectors),
@@ -176,52 +211,126 @@ impl Config {
             writeback: writeback.clone(),
             stopping: AtomicBool::new(false),
             logging: AtomicBool::new(false),
-            image_lock: match args.no_image_lock {
-                true => None,
-                false => Some(Arc::new(
-                    ImageLock::new(&image.file, !args.readonly)
+            // An RBD image has exclusive-lock of its own (librbd's).
+            image_lock: match (args.no_image_lock, backing.file()) {
+                (false, Some(file)) => Some(Arc::new(
+                    ImageLock::new(file, !args.readonly)
                         .map_err(|e| DaemonError::Config(format!("image lock: {e}")))?,
                 )),
+                _ => None,
             },
             qos: Arc::new(
                 Qos::new(qos, usize::from(args.queues))
                     .map_err(|e| DaemonError::Config(format!("QoS: {e}")))?,
             ),
         };
-        let uring = UringConfig {
-            image_fd: image.file.as_raw_fd(),
-            // Room for every request of a full ring.
-            entries: u32::from(args.queue_size).next_power_of_two(),
-            sqpoll: args.sqpoll,
-            iopoll: args.iopoll
-                && {
-                    let ok = image.supports_polled_io();
-                    if !ok {
-                        log::warn!(
-                            "--iopoll: the image's block device has no poll queues (queue/io_poll is not 1); continuing without IOPOLL"
-                        );
-                    }
-                    ok
-                },
-            fixed_buffers: args.fixed_buffers,
-            uring_cmd: !args.no_uring_cmd,
-            direct: args.direct && args.engine == EngineKind::Uring,
-            dio_align: image.dio_align as usize,
-            // Room for one request of the most data a request may carry.
-            bounce_limit: crate::virtio::request::MAX_DATA_BYTES as usize,
-            is_block_device: image.is_block_device,
-            writeback,
-        };
         Ok(Config {
             args,
             listen,
-            image,
-            image_created: created,
+            backing,
             worker,
-            uring,
             threads,
         })
     }
+}
+
+/// Opens the image file or block device at `path` (creating the default
+/// one if missing). Returns it with its block size and default serial.
+fn open_file(
+    args: &ServeArgs,
+    path: PathBuf,
+    writeback: &Arc<AtomicBool>,
+) -> Result<(Backing, u32, String), DaemonError> {
+    let created = match &args.image {
+        Some(_) => false,
+        None => Image::create_if_missing(&path, args.size)?,
+    };
+    let image = Image::open(
+        &path,
+        ImageOptions {
+            readonly: args.readonly,
+            direct: args.direct,
+            block_size: args.block_size,
+            // The default is ours to pick, and never a link.
+            nofollow: args.image.is_none(),
+        },
+    )?;
+    let uring = UringConfig {
+        image_fd: image.file.as_raw_fd(),
+        // Room for every request of a full ring.
+        entries: u32::from(args.queue_size).next_power_of_two(),
+        sqpoll: args.sqpoll,
+        iopoll: args.iopoll
+            && {
+                let ok = image.supports_polled_io();
+                if !ok {
+                    log::warn!(
+                        "--iopoll: the image's block device has no poll queues (queue/io_poll is not 1); continuing without IOPOLL"
+                    );
+                }
+                ok
+            },
+        fixed_buffers: args.fixed_buffers,
+        uring_cmd: !args.no_uring_cmd,
+        direct: args.direct && args.engine == EngineKind::Uring,
+        dio_align: image.dio_align as usize,
+        // Room for one request of the most data a request may carry.
+        bounce_limit: crate::virtio::request::MAX_DATA_BYTES as usize,
+        is_block_device: image.is_block_device,
+        writeback: writeback.clone(),
+    };
+    let (block_size, serial) = (image.block_size, image.default_serial());
+    Ok((
+        Backing::File {
+            image,
+            created,
+            uring,
+        },
+        block_size,
+        serial,
+    ))
+}
+
+/// Connects to the cluster and opens the RBD image: a missing pool or
+/// image, a cluster that does not answer, or one that refuses us ends the
+/// daemon here, with one line saying which.
+#[cfg(feature = "rbd")]
+fn open_rbd(args: &ServeArgs, spec: RbdSpec) -> Result<(Backing, u32, String), DaemonError> {
+    for (set, flag) in [
+        (args.direct, "--direct"),
+        (args.sqpoll, "--sqpoll"),
+        (args.iopoll, "--iopoll"),
+        (args.fixed_buffers, "--fixed-buffers"),
+    ] {
+        if set {
+            return Err(DaemonError::Config(format!(
+                "{flag} is for io_uring on a file or block device, not an rbd: image"
+            )));
+        }
+    }
+    let name = spec.to_string();
+    let disk = crate::engine::rbd::RbdDisk::open(crate::engine::rbd::RbdOptions {
+        spec,
+        conf: args.ceph_conf.clone(),
+        id: args.ceph_id.clone(),
+        readonly: args.readonly,
+    })
+    .map_err(|e| DaemonError::Config(format!("{name}: {e}")))?;
+    if disk.size < 1 << SECTOR_SHIFT {
+        return Err(DaemonError::Config(format!(
+            "{name}: the image is {} bytes, less than one sector",
+            disk.size
+        )));
+    }
+    let serial = disk.default_serial();
+    Ok((Backing::Rbd(disk), args.block_size.unwrap_or(512), serial))
+}
+
+#[cfg(not(feature = "rbd"))]
+fn open_rbd(_args: &ServeArgs, spec: RbdSpec) -> Result<(Backing, u32, String), DaemonError> {
+    Err(DaemonError::Config(format!(
+        "--image {spec}: this ringblk was built without Ceph RBD support; rebuild it with `cargo build --release --features rbd` (needs librbd-dev and librados-dev: scripts/ceph-deps.sh)"
+    )))
 }
 
 #[cfg(test)]

@@ -41,7 +41,7 @@ use notify::Notifier;
 /// The control API on `path` (mode 0600, bound before the seccomp filter).
 fn spawn_api(
     path: &Path,
-    (args, image): (&ServeArgs, &crate::io::Image),
+    (args, backing): (&ServeArgs, &config::Backing),
     worker: &Arc<WorkerConfig>,
     current: &Current,
     metrics: &[Arc<QueueMetrics>],
@@ -50,10 +50,17 @@ fn spawn_api(
     let err = |e: String| DaemonError::Config(format!("--api {}: {e}", path.display()));
     let listener = socket::bind(path, 0o600).map_err(|e| err(e.to_string()))?;
     let image = crate::api::ControlImage {
-        path: image.path.clone(),
-        file: image.file.try_clone().map_err(|e| err(e.to_string()))?,
-        is_block_device: image.is_block_device,
-        block_size: image.block_size,
+        name: backing.name(),
+        file: backing
+            .file()
+            .map(std::fs::File::try_clone)
+            .transpose()
+            .map_err(|e| err(e.to_string()))?,
+        is_block_device: matches!(
+            backing,
+            config::Backing::File { image, .. } if image.is_block_device
+        ),
+        block_size: worker.limits.block_size,
         readonly: args.readonly,
     };
     let control = crate::api::Control::new(
@@ -76,7 +83,7 @@ fn spawn_api(
     )
     .map_err(|e| err(e.to_string()))?;
     log::info!(
-        "control API on {} (GET /api/v1/status, PUT /api/v1/resize, GET /metrics, /metrics.json)",
+        "control API on {} (GET /api/v1/status, PUT /api/v1/resize, GET|PUT /api/v1/qos, GET /metrics, /metrics.json)",
         path.display()
     );
     Ok(endpoint)
@@ -134,7 +141,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     let _api = match &cfg.args.api {
         Some(path) => Some(spawn_api(
             path,
-            (&cfg.args, &cfg.image),
+            (&cfg.args, &cfg.backing),
             &worker_cfg,
             &current,
             &metrics,
@@ -200,21 +207,14 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         .map(Removal::dir_fd)
         .collect();
     spawn_signal_handler(
-        &cfg.image.file,
+        cfg.backing.file(),
         worker_cfg.clone(),
         current.clone(),
         files,
         inner.paths.clone(),
         notifier.try_clone().map_err(DaemonError::Signals)?,
     )?;
-    announce(
-        &socket_name,
-        &cfg.args,
-        &cfg.image,
-        cfg.image_created,
-        &worker_cfg,
-        threads,
-    );
+    announce(&socket_name, &cfg.args, &cfg.backing, &worker_cfg, threads);
 
     let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
     let conn = Connections {
@@ -230,6 +230,11 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         space,
         features,
         unlink_dirs,
+        profile: match &cfg.backing {
+            config::Backing::File { .. } => seccomp::Profile::File,
+            #[cfg(feature = "rbd")]
+            config::Backing::Rbd(_) => seccomp::Profile::Rbd,
+        },
         log_limit: RateLimiter::new(10, Duration::from_secs(5)),
         notifier,
     };
@@ -237,13 +242,30 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // now, before the seccomp filter, which then forbids io_uring_setup:
     // code that gained control could not make a ring of its own. Each
     // connection borrows them and gives them back.
-    match cfg.args.engine {
-        EngineKind::Uring => conn.serve(engines(&metrics, |m| {
-            UringEngine::new(cfg.uring.clone(), m.clone())
-        })?),
-        EngineKind::Null => {
-            let capacity = usize::from(cfg.args.queue_size);
-            conn.serve(engines(&metrics, |_| Ok(NullEngine::new(capacity)))?)
+    let capacity = usize::from(cfg.args.queue_size);
+    match (cfg.args.engine, &cfg.backing) {
+        (EngineKind::Null, _) => conn.serve(engines(&metrics, |_| Ok(NullEngine::new(capacity)))?),
+        (EngineKind::Uring, config::Backing::File { uring, .. }) => conn
+            .serve(engines(&metrics, |m| {
+                UringEngine::new(uring.clone(), m.clone())
+            })?),
+        // librbd's threads and sockets are made here too, before the
+        // filter; the filter then covers them as well (TSYNC).
+        #[cfg(feature = "rbd")]
+        (EngineKind::Uring, config::Backing::Rbd(disk)) => {
+            if cfg.args.queues > 1 && disk.exclusive_lock() {
+                log::warn!(
+                    "{} has the exclusive-lock feature: its {} queues each open it, and pass the lock between them when writing at once",
+                    cfg.backing.name(),
+                    cfg.args.queues
+                );
+            }
+            let engines = metrics
+                .iter()
+                .map(|_| disk.engine(capacity))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| DaemonError::Config(format!("{}: {e}", cfg.backing.name())))?;
+            conn.serve(engines)
         }
     }
 }
@@ -273,6 +295,8 @@ struct Connections<'a> {
     features: u64,
     /// Directory fds the daemon may remove files in after start-up.
     unlink_dirs: Vec<i32>,
+    /// What the seccomp filter allows besides the daemon's own syscalls.
+    profile: seccomp::Profile,
     log_limit: RateLimiter,
     /// READY=1 once the filter is on and the first accept is next.
     notifier: Notifier,
@@ -295,7 +319,7 @@ impl Connections<'_> {
     fn serve<E: Engine + 'static>(mut self, mut engines: Vec<E>) -> Result<(), DaemonError> {
         // Before the filter: installing it calls rt_sigaction.
         crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
-        seccomp::install(self.args.seccomp, &self.unlink_dirs)?;
+        seccomp::install(self.args.seccomp, self.profile, &self.unlink_dirs)?;
         // The socket has been listening since start-up; connections queue
         // in its backlog until the first accept, which comes next.
         self.notifier.notify("READY=1");
@@ -552,7 +576,7 @@ impl Drop for InnerSocket {
 /// SIGINT/SIGTERM: stop taking requests, finish what is in flight, make it
 /// durable, remove the socket, exit 0.
 fn spawn_signal_handler(
-    image: &std::fs::File,
+    image: Option<&std::fs::File>,
     cfg: Arc<WorkerConfig>,
     current: Current,
     files: Vec<Removal>,
@@ -562,7 +586,10 @@ fn spawn_signal_handler(
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).map_err(DaemonError::Signals)?;
-    let image = image.try_clone().map_err(DaemonError::Signals)?;
+    let image = image
+        .map(std::fs::File::try_clone)
+        .transpose()
+        .map_err(DaemonError::Signals)?;
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
@@ -573,7 +600,7 @@ fn spawn_signal_handler(
                 if let Some(b) = current.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                     b.drain_all();
                 }
-                if let Err(e) = image.sync_data() {
+                if let Some(Err(e)) = image.as_ref().map(std::fs::File::sync_data) {
                     log::error!("fdatasync of the image failed: {e}");
                 }
                 // process::exit skips destructors: remove what they would have.
@@ -604,12 +631,16 @@ fn qos_summary(l: &QosLimits) -> String {
 fn announce(
     socket: &str,
     args: &ServeArgs,
-    image: &crate::io::Image,
-    created: bool,
+    backing: &config::Backing,
     cfg: &WorkerConfig,
     threads: usize,
 ) {
-    if created {
+    if let config::Backing::File {
+        image,
+        created: true,
+        ..
+    } = backing
+    {
         log::info!(
             "created sparse image {} ({} bytes)",
             image.path.display(),
@@ -618,9 +649,9 @@ fn announce(
     }
     log::info!(
         "serving {} ({} sectors, {}-byte blocks{}{}) on {} with {} queue(s) of {}, serial {}",
-        image.path.display(),
-        image.size >> SECTOR_SHIFT,
-        image.block_size,
+        backing.name(),
+        backing.size() >> SECTOR_SHIFT,
+        cfg.limits.block_size,
         if args.readonly { ", read-only" } else { "" },
         if args.direct { ", O_DIRECT" } else { "" },
         socket,

@@ -22,6 +22,13 @@
 //! has it, all on the registered image only). `io_uring_setup` must stay
 //! allowed because each connection creates its rings.
 //!
+//! Profiles ([`Profile`]): a file or block device gets the list below; an
+//! RBD image (`--image rbd:...`) gets it plus what librbd's threads do
+//! after start-up (TCP connections to the cluster, timers), enforced by
+//! default like the file one; [`allowed`] says how each entry was found.
+//! librbd starts its threads before the filter, which TSYNC puts on them
+//! too.
+//!
 //! Each engine's blocking fallbacks (`engine::sync`: fdatasync, fallocate
 //! in the engine's modes, BLKDISCARD) are on the list; a test runs each of
 //! them under the filter.
@@ -85,7 +92,11 @@ const SYS_SECCOMP: i32 = 1;
 /// without seccomp filter support gets a warning, not an error.
 /// `unlink_dirs`: the directory fds (see `removal`) in which the daemon
 /// removes its sockets on the way out; `unlinkat` is allowed on those only.
-pub fn install(mode: SeccompMode, unlink_dirs: &[i32]) -> Result<(), DaemonError> {
+pub fn install(
+    mode: SeccompMode,
+    profile: Profile,
+    unlink_dirs: &[i32],
+) -> Result<(), DaemonError> {
     let mismatch = match mode {
         SeccompMode::Off => {
             log::warn!("seccomp filter disabled (--seccomp off)");
@@ -99,7 +110,7 @@ pub fn install(mode: SeccompMode, unlink_dirs: &[i32]) -> Result<(), DaemonError
         return Ok(());
     }
     prepare();
-    let program = compile(mismatch.clone(), unlink_dirs)?;
+    let program = compile(mismatch.clone(), profile, unlink_dirs)?;
     if mismatch == SeccompAction::Trap {
         install_sigsys_handler()?;
     }
@@ -114,8 +125,9 @@ pub fn install(mode: SeccompMode, unlink_dirs: &[i32]) -> Result<(), DaemonError
         Err(e) => return Err(DaemonError::Seccomp(e.to_string())),
     }
     log::info!(
-        "seccomp filter installed ({} syscalls allowed, {})",
-        allowed(unlink_dirs).len(),
+        "seccomp filter installed ({:?} profile, {} syscalls allowed, {})",
+        profile,
+        allowed(profile, unlink_dirs).len(),
         match mode {
             SeccompMode::Log => "others logged",
             _ => "others fatal",
@@ -159,10 +171,14 @@ fn kernel_has_seccomp() -> bool {
 }
 
 /// Builds the BPF program: the allow-list, and `mismatch` for the rest.
-fn compile(mismatch: SeccompAction, unlink_dirs: &[i32]) -> Result<BpfProgram, DaemonError> {
+fn compile(
+    mismatch: SeccompAction,
+    profile: Profile,
+    unlink_dirs: &[i32],
+) -> Result<BpfProgram, DaemonError> {
     let err = |e: seccompiler::BackendError| DaemonError::Seccomp(e.to_string());
     let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(err)?;
-    let rules = allowed(unlink_dirs)
+    let rules = allowed(profile, unlink_dirs)
         .into_iter()
         .map(|(nr, rules)| rules.map(|r| (nr, r)))
         .collect::<Result<BTreeMap<_, _>, _>>()
@@ -208,10 +224,86 @@ fn arg_without(arg: u8, mask: u64) -> Rules {
     )?])?])
 }
 
+/// Which engine's syscalls the filter allows on top of the daemon's own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Profile {
+    /// io_uring on a file or block device (and the null engine).
+    File,
+    /// Ceph RBD: librbd's threads and their TCP connections to the
+    /// cluster (see [`allowed`]).
+    Rbd,
+}
+
+/// Every rule of each, any one of which allows the call.
+fn either(rules: impl IntoIterator<Item = Rules>) -> Rules {
+    rules.into_iter().try_fold(Vec::new(), |mut all, r| {
+        all.extend(r?);
+        Ok(all)
+    })
+}
+
 /// The allow-list: syscall number and the argument rules (empty: any).
-fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
+///
+/// The RBD profile adds what librbd and librados do after start-up, found
+/// with `strace -f` of the daemon through the RBD tests (writes, reads,
+/// discard, write-zeroes, flush, two connections, SIGTERM), and through
+/// one where the messenger drops its connections at random (`ms inject
+/// socket failures`) and reconnects: their threads, already started
+/// before the filter (TSYNC filters them too), wait on futexes and epoll,
+/// `poll`, talk over TCP (`sendmsg`, `recvmsg`, `recvfrom`, `read`,
+/// `write`, `shutdown`, `close`: all in the base list), and open new
+/// connections to monitors and OSDs (`socket` of AF_INET or AF_INET6
+/// stream sockets, `connect`, `setsockopt(TCP_NODELAY)`,
+/// `fcntl(F_SETFL)` for O_NONBLOCK, `getsockname`). A cluster of more
+/// than one OSD does that at run time as a matter of course: the first
+/// I/O to each OSD connects to it. AF_INET6 is not in the traces (the
+/// test cluster is on 127.0.0.1) and is allowed for clusters on IPv6.
+/// The client's admin socket is turned off (`engine::rbd::client`), so
+/// nothing accepts or unlinks; its log file was opened before the filter.
+/// Two queues writing to one image (two handles passing the exclusive
+/// lock) added `uname`: the traces above had one queue. A daemon killed
+/// and restarted under a guest (`--seccomp log`, then the kernel's audit
+/// records) added `timerfd_create`, `timerfd_settime` and
+/// `restart_syscall`.
+fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
     use libc::*;
+    let rbd = profile == Profile::Rbd;
     let no_exec = || arg_without(2, PROT_EXEC as u64);
+    let mut fcntl_cmds = vec![
+        F_GETFD as u64,
+        F_SETFD as u64,
+        F_GETFL as u64,
+        F_DUPFD_CLOEXEC as u64,
+        // Sealing the inflight memfd, checking a received one.
+        F_ADD_SEALS as u64,
+        F_GET_SEALS as u64,
+        // The image lock (io::ImageLock), taken and released as rings
+        // start and stop.
+        F_OFD_SETLK as u64,
+    ];
+    let unix_stream = || {
+        args_eq(&[
+            (0, AF_UNIX as u64),
+            (1, (SOCK_STREAM | SOCK_CLOEXEC) as u64),
+        ])
+    };
+    let rcvtimeo = || args_eq(&[(1, SOL_SOCKET as u64), (2, SO_RCVTIMEO as u64)]);
+    let (socket_rules, setsockopt_rules) = if rbd {
+        // librbd's messenger: O_NONBLOCK on each new connection.
+        fcntl_cmds.push(F_SETFL as u64);
+        let tcp = |family: c_int| {
+            args_eq(&[(0, family as u64), (1, (SOCK_STREAM | SOCK_CLOEXEC) as u64)])
+        };
+        (
+            either([unix_stream(), tcp(AF_INET), tcp(AF_INET6)]),
+            either([
+                rcvtimeo(),
+                args_eq(&[(1, IPPROTO_TCP as u64), (2, TCP_NODELAY as u64)]),
+            ]),
+        )
+    } else {
+        (unix_stream(), rcvtimeo())
+    };
     let mut list = vec![
         // vhost-user: the next front-end, its messages and the fds they carry.
         (SYS_accept4, any()),
@@ -219,24 +311,7 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         (SYS_sendmsg, any()),
         (SYS_shutdown, any()),
         (SYS_close, any()),
-        (
-            SYS_fcntl,
-            arg_in(
-                1,
-                &[
-                    F_GETFD as u64,
-                    F_SETFD as u64,
-                    F_GETFL as u64,
-                    F_DUPFD_CLOEXEC as u64,
-                    // Sealing the inflight memfd, checking a received one.
-                    F_ADD_SEALS as u64,
-                    F_GET_SEALS as u64,
-                    // The image lock (io::ImageLock), taken and released
-                    // as rings start and stop.
-                    F_OFD_SETLK as u64,
-                ],
-            ),
-        ),
+        (SYS_fcntl, arg_in(1, &fcntl_cmds)),
         // FIONBIO: std's set_nonblocking, which the old hand-written
         // metrics endpoint used; tiny_http does not, but the vhost crate's
         // Listener::set_nonblocking would, so it stays until a trace shows
@@ -261,13 +336,8 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // connection cannot be made before the filter); what else the
         // daemon could reach is bounded by file permissions, which is why
         // it should run as its own unprivileged user.
-        (
-            SYS_socket,
-            args_eq(&[
-                (0, AF_UNIX as u64),
-                (1, (SOCK_STREAM | SOCK_CLOEXEC) as u64),
-            ]),
-        ),
+        // (The RBD profile adds TCP sockets to the cluster: see above.)
+        (SYS_socket, socket_rules),
         (SYS_connect, any()),
         // vhost-user-backend checks the back-end channel a front-end hands
         // over (SET_BACKEND_REQ_FD) is a Unix stream socket.
@@ -284,11 +354,9 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
                 .collect(),
         ),
         // The relay's read timeouts on a front-end that stalls mid-message,
-        // and the back-end channel's wait for an answer.
-        (
-            SYS_setsockopt,
-            args_eq(&[(1, SOL_SOCKET as u64), (2, SO_RCVTIMEO as u64)]),
-        ),
+        // and the back-end channel's wait for an answer (the RBD profile
+        // adds TCP_NODELAY).
+        (SYS_setsockopt, setsockopt_rules),
         // Guest memory, the vrings and io_uring's rings; thread stacks; malloc.
         (SYS_mmap, no_exec()),
         (SYS_mprotect, no_exec()),
@@ -380,6 +448,26 @@ fn allowed(unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // File::metadata of a received or created memfd.
         (SYS_statx, any()),
     ];
+    if rbd {
+        // librbd's threads (see above); poll is also the RBD engine's wait
+        // on its completion eventfd.
+        list.push((SYS_poll, any()));
+        list.push((SYS_getsockname, any()));
+        // librbd asks for the host name when one handle takes the
+        // exclusive lock from another (two queues writing, found by the
+        // RBD guest test with two queues under the filter).
+        list.push((SYS_uname, any()));
+        // librbd's asio timers (its io_context_pool thread) after the
+        // daemon is restarted on an image a killed one held: found with
+        // `--seccomp log` through tests/guest_rbd.rs's kills.
+        // (timerfd_settime is on every profile: the QoS timers.)
+        list.push((SYS_timerfd_create, any()));
+        // The same run: a timed wait of librbd's timer threads that a
+        // SIGSTOP interrupted (the test stops the daemon before killing
+        // it, as a debugger or a cgroup freezer would) is resumed with
+        // restart_syscall.
+        list.push((SYS_restart_syscall, any()));
+    }
     // Shutdown: remove the sockets and the relay's private directory, by
     // the directory fds opened for that at start-up, and nowhere else.
     if !unlink_dirs.is_empty() {
@@ -458,15 +546,43 @@ mod tests {
 
     #[test]
     fn filters_compile_and_list_each_syscall_once() {
-        for action in [SeccompAction::Trap, SeccompAction::Log] {
-            let p = compile(action, &[3]).unwrap();
-            assert!(!p.is_empty());
+        for profile in [Profile::File, Profile::Rbd] {
+            for action in [SeccompAction::Trap, SeccompAction::Log] {
+                let p = compile(action, profile, &[3]).unwrap();
+                assert!(!p.is_empty());
+            }
+            let mut nrs: Vec<i64> = allowed(profile, &[3]).iter().map(|(nr, _)| *nr).collect();
+            let n = nrs.len();
+            nrs.sort_unstable();
+            nrs.dedup();
+            assert_eq!(nrs.len(), n, "{profile:?}: a syscall is listed twice");
         }
-        let mut nrs: Vec<i64> = allowed(&[3]).iter().map(|(nr, _)| *nr).collect();
-        let n = nrs.len();
-        nrs.sort_unstable();
-        nrs.dedup();
-        assert_eq!(nrs.len(), n, "a syscall is listed twice");
+    }
+
+    /// The RBD profile adds to the file one and takes nothing away; the
+    /// file profile allows no network socket.
+    #[test]
+    fn rbd_profile_is_the_file_profile_plus_librbd() {
+        let nrs = |p| -> Vec<i64> { allowed(p, &[3]).iter().map(|(nr, _)| *nr).collect() };
+        let (file, rbd) = (nrs(Profile::File), nrs(Profile::Rbd));
+        assert!(file.iter().all(|nr| rbd.contains(nr)));
+        for nr in [libc::SYS_poll, libc::SYS_getsockname] {
+            assert!(rbd.contains(&nr) && !file.contains(&nr));
+        }
+        let program = compile(SeccompAction::Trap, Profile::File, &[]).unwrap();
+        let tcp_socket = || {
+            // SAFETY: socket takes no pointers; the fd is closed at once.
+            let fd =
+                unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+            // SAFETY: closing the fd just made, if any.
+            fd >= 0 && unsafe { libc::close(fd) } == 0
+        };
+        assert_eq!(
+            run_in_child_under(&program, tcp_socket),
+            Err(EXIT_BAD_SYSCALL)
+        );
+        let program = compile(SeccompAction::Trap, Profile::Rbd, &[]).unwrap();
+        assert_eq!(run_in_child_under(&program, tcp_socket), Ok(true));
     }
 
     /// Forks a child that installs `program` (and the SIGSYS handler) and
@@ -512,9 +628,14 @@ mod tests {
             eprintln!("skipped: the kernel has no seccomp");
             return;
         }
-        assert!(!allowed(&[3]).iter().any(|(nr, _)| *nr == libc::SYS_getppid));
+        assert!(
+            !allowed(Profile::File, &[3])
+                .iter()
+                .any(|(nr, _)| *nr == libc::SYS_getppid)
+        );
 
-        let (status, err) = run_child_under(&compile(SeccompAction::Trap, &[]).unwrap());
+        let (status, err) =
+            run_child_under(&compile(SeccompAction::Trap, Profile::File, &[]).unwrap());
         assert!(
             libc::WIFEXITED(status),
             "status {status:#x}, stderr {err:?}"
@@ -523,7 +644,8 @@ mod tests {
         let want = format!("syscall {} is not allowed", libc::SYS_getppid);
         assert!(err.contains(&want), "stderr {err:?} lacks {want:?}");
 
-        let (status, err) = run_child_under(&compile(SeccompAction::Log, &[]).unwrap());
+        let (status, err) =
+            run_child_under(&compile(SeccompAction::Log, Profile::File, &[]).unwrap());
         assert!(
             libc::WIFEXITED(status),
             "status {status:#x}, stderr {err:?}"
@@ -546,7 +668,7 @@ mod tests {
         let image = tempfile::tempfile().unwrap();
         image.set_len(1 << 20).unwrap();
         let fd = image.as_raw_fd();
-        let program = compile(SeccompAction::Trap, &[]).unwrap();
+        let program = compile(SeccompAction::Trap, Profile::File, &[]).unwrap();
         let status = run_in_child_under(&program, || {
             let mut ok = sync::flush(fd).is_ok();
             for mode in FALLOCATE_MODES {
@@ -606,7 +728,7 @@ mod tests {
         }
         let open = |p: &std::path::Path| std::fs::File::open(p).unwrap();
         let (ours_fd, other_fd) = (open(ours.path()), open(other.path()));
-        let program = compile(SeccompAction::Trap, &[ours_fd.as_raw_fd()]).unwrap();
+        let program = compile(SeccompAction::Trap, Profile::File, &[ours_fd.as_raw_fd()]).unwrap();
         let unlink = |dir: i32| {
             // SAFETY: a NUL-terminated name and an open directory fd.
             unsafe { libc::unlinkat(dir, c"f".as_ptr(), 0) == 0 }
@@ -634,7 +756,10 @@ mod tests {
 
     #[test]
     fn dangerous_syscalls_are_not_allowed() {
-        let nrs: Vec<i64> = allowed(&[3]).iter().map(|(nr, _)| *nr).collect();
+        let nrs: Vec<i64> = allowed(Profile::File, &[3])
+            .iter()
+            .map(|(nr, _)| *nr)
+            .collect();
         for nr in [
             libc::SYS_execve,
             libc::SYS_execveat,

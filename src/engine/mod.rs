@@ -21,10 +21,13 @@
 //! engine's `Drop` waits for the kernel to finish with its buffers.
 //!
 //! Engines: [`UringEngine`] (io_uring on the image), [`NullEngine`] (no
-//! I/O: the ceiling of the ring path).
+//! I/O: the ceiling of the ring path), and with the `rbd` feature
+//! `rbd::RbdEngine` (librbd's asynchronous API on a Ceph RBD image).
 
 mod bounce;
 mod null;
+#[cfg(feature = "rbd")]
+pub mod rbd;
 mod ring;
 pub mod sync;
 mod uring;

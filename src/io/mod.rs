@@ -7,3 +7,7 @@ mod lock;
 
 pub use image::{BLKDISCARD, BLKGETSIZE64, Image, ImageError, ImageOptions, device_size};
 pub use lock::{ImageLock, Locked};
+
+mod rbd_spec;
+
+pub use rbd_spec::{RBD_PREFIX, RbdSpec};

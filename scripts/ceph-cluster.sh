@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# A throw-away single-node Ceph cluster for the RBD tests and benchmarks:
+# one mon, one mgr and one OSD (memstore: the data lives in the OSD's
+# memory) on 127.0.0.1, auth none, every pool of size 1, all state in DIR.
+# No systemd, no root needed once the packages are installed
+# (scripts/ceph-deps.sh).
+#
+#   scripts/ceph-cluster.sh start DIR   stop whatever runs from DIR, wipe it,
+#                                       start afresh; creates pool `rbd`;
+#                                       prints `conf=DIR/ceph.conf` last
+#   scripts/ceph-cluster.sh stop DIR    kill the daemons started from DIR
+#
+# CEPH_MON_PORT picks the monitor's port (default: a free one).
+# Everything the daemons log is in DIR/log.
+set -euo pipefail
+
+log() { echo "ceph-cluster: $*" >&2; }
+die() {
+    log "error: $*"
+    exit 1
+}
+
+usage() { die "usage: $0 start|stop DIR"; }
+[ $# -eq 2 ] || usage
+cmd=$1
+mkdir -p "$2"
+dir=$(cd "$2" && pwd)
+conf=$dir/ceph.conf
+
+stop() {
+    local pidfile pid n
+    for pidfile in "$dir"/run/*.pid; do
+        [ -e "$pidfile" ] || continue
+        pid=$(cat "$pidfile" 2>/dev/null || true)
+        rm -f "$pidfile"
+        [ -n "$pid" ] || continue
+        # Only a process started from this directory: its command line
+        # names our ceph.conf.
+        if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$conf"; then
+            kill -9 "$pid" 2>/dev/null || true
+            for n in $(seq 50); do
+                kill -0 "$pid" 2>/dev/null || break
+                sleep 0.1
+            done
+        fi
+    done
+}
+
+free_port() {
+    local p
+    for _ in $(seq 100); do
+        p=$((20000 + RANDOM % 20000))
+        if ! ss -Htln "sport = :$p" | grep -q .; then
+            echo "$p"
+            return
+        fi
+    done
+    die "no free port found"
+}
+
+# `ceph` with a deadline: the CLI waits forever for a monitor by default.
+c() { timeout 30 ceph -c "$conf" --connect-timeout 20 "$@"; }
+
+start() {
+    for tool in ceph-mon ceph-mgr ceph-osd ceph monmaptool uuidgen ss; do
+        command -v "$tool" >/dev/null || die "$tool is missing (scripts/ceph-deps.sh installs it)"
+    done
+    stop
+    rm -rf "${dir:?}"/{mon,mgr,osd,run,log,monmap,ceph.conf}
+    mkdir -p "$dir"/{mon,mgr,osd,run,log}
+    local port fsid uuid
+    port=${CEPH_MON_PORT:-$(free_port)}
+    fsid=$(uuidgen)
+    cat >"$conf" <<EOF
+[global]
+fsid = $fsid
+mon host = v2:127.0.0.1:$port
+public network = 127.0.0.0/8
+auth cluster required = none
+auth service required = none
+auth client required = none
+auth allow insecure global id reclaim = false
+osd pool default size = 1
+osd pool default min size = 1
+osd pool default pg autoscale mode = off
+mon allow pool size one = true
+mon allow pool delete = true
+mon warn on pool no redundancy = false
+mon data avail warn = 1
+osd crush chooseleaf type = 0
+ms bind ipv6 = false
+ms bind msgr1 = false
+run dir = $dir/run
+pid file = $dir/run/\$name.pid
+admin socket = $dir/run/\$name.asok
+log file = $dir/log/\$name.log
+crash dir = $dir/log
+mon data = $dir/mon/\$name
+mgr data = $dir/mgr/\$name
+osd data = $dir/osd/\$name
+osd objectstore = memstore
+memstore device bytes = 2147483648
+osd max object name len = 256
+osd max object namespace len = 64
+mgr initial modules =
+debug ms = 0
+EOF
+    monmaptool --create --fsid "$fsid" --addv a "[v2:127.0.0.1:$port]" "$dir/monmap" >/dev/null
+    ceph-mon -c "$conf" -i a --mkfs --monmap "$dir/monmap" >>"$dir/log/setup.log" 2>&1 ||
+        die "ceph-mon --mkfs failed (see $dir/log)"
+    ceph-mon -c "$conf" -i a >>"$dir/log/setup.log" 2>&1 || die "ceph-mon failed (see $dir/log)"
+    mkdir -p "$dir/mgr/mgr.x"
+    ceph-mgr -c "$conf" -i x >>"$dir/log/setup.log" 2>&1 || die "ceph-mgr failed (see $dir/log)"
+    uuid=$(uuidgen)
+    local id
+    id=$(c osd new "$uuid") || die "the monitor does not answer (see $dir/log)"
+    mkdir -p "$dir/osd/osd.$id"
+    ceph-osd -c "$conf" -i "$id" --mkfs --osd-uuid "$uuid" >>"$dir/log/setup.log" 2>&1 ||
+        die "ceph-osd --mkfs failed (see $dir/log)"
+    ceph-osd -c "$conf" -i "$id" >>"$dir/log/setup.log" 2>&1 || die "ceph-osd failed (see $dir/log)"
+    c osd pool create rbd 8 8 >/dev/null 2>&1 || die "creating pool rbd failed"
+    c osd pool application enable rbd rbd >/dev/null 2>&1 || die "enabling rbd on pool rbd failed"
+    # Ready when every placement group is active.
+    local n
+    for n in $(seq 60); do
+        if c pg stat 2>/dev/null | grep -Eq '^([0-9]+) pgs: \1 active\+clean;'; then
+            echo "conf=$conf"
+            return 0
+        fi
+        sleep 0.5
+    done
+    c -s >&2 || true
+    die "placement groups did not become active in 30 s (see $dir/log)"
+}
+
+case $cmd in
+start) start ;;
+stop) stop ;;
+*) usage ;;
+esac

@@ -1,0 +1,139 @@
+//! A single-node Ceph cluster for the RBD tests, started once per test
+//! binary with `scripts/ceph-cluster.sh` (one mon, one mgr, one memstore
+//! OSD on 127.0.0.1, in the binary's own directory under
+//! `CARGO_TARGET_TMPDIR`) and stopped when the binary exits (atexit). A
+//! cluster that does not start fails every test that needs it, with the
+//! script's output: it is never a skip.
+//!
+//! Included with `#[path]` by the tests that need it (not from `mod.rs`:
+//! `crates/ringblk-bench` includes that one too).
+
+#![allow(dead_code)] // Each test binary uses its own subset.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Instant;
+
+/// The running cluster: its directory and `ceph.conf`.
+pub struct Cluster {
+    pub dir: PathBuf,
+    pub conf: PathBuf,
+}
+
+static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
+static STOP_DIR: OnceLock<PathBuf> = OnceLock::new();
+static NEXT_IMAGE: AtomicU32 = AtomicU32::new(0);
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/ceph-cluster.sh")
+}
+
+extern "C" fn stop_at_exit() {
+    if let Some(dir) = STOP_DIR.get() {
+        let _ = Command::new(script()).arg("stop").arg(dir).output();
+    }
+}
+
+/// Starts `scripts/ceph-cluster.sh start DIR`; the error has its output.
+pub fn start(dir: &Path) -> Result<Cluster, String> {
+    let started = Instant::now();
+    let out = Command::new(script())
+        .arg("start")
+        .arg(dir)
+        .output()
+        .map_err(|e| format!("running {}: {e}", script().display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "scripts/ceph-cluster.sh start {} failed ({}):\n{}{}",
+            dir.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    eprintln!(
+        "ceph cluster in {} started in {:.1} s",
+        dir.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(Cluster {
+        dir: dir.to_path_buf(),
+        conf: dir.join("ceph.conf"),
+    })
+}
+
+/// Stops a cluster started with [`start`].
+pub fn stop(dir: &Path) {
+    let out = Command::new(script())
+        .arg("stop")
+        .arg(dir)
+        .output()
+        .expect("running ceph-cluster.sh stop");
+    assert!(out.status.success(), "ceph-cluster.sh stop failed: {out:?}");
+}
+
+/// The binary's shared cluster, started on first use. Panics (failing the
+/// test) if it cannot start.
+pub fn cluster() -> &'static Cluster {
+    let c = CLUSTER.get_or_init(|| {
+        let name = std::env::current_exe()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "tests".into());
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ceph-{name}"));
+        let _ = STOP_DIR.set(dir.clone());
+        // SAFETY: registers a plain function with no arguments; it only
+        // runs a command.
+        unsafe { libc::atexit(stop_at_exit) };
+        start(&dir)
+    });
+    match c {
+        Ok(c) => c,
+        Err(e) => panic!("the test Ceph cluster did not start: {e}"),
+    }
+}
+
+impl Cluster {
+    /// Runs `rbd -c CONF ARGS`; panics unless it succeeds.
+    pub fn rbd(&self, args: &[&str]) -> Output {
+        let out = Command::new("rbd")
+            .arg("-c")
+            .arg(&self.conf)
+            .args(args)
+            .output()
+            .expect("running rbd");
+        assert!(
+            out.status.success(),
+            "rbd {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    /// Creates an image of `size_mib` MiB with a name of its own; returns
+    /// `pool/name`.
+    pub fn create_image(&self, size_mib: u64) -> String {
+        let name = format!(
+            "rbd/t{}-{}",
+            std::process::id(),
+            NEXT_IMAGE.fetch_add(1, Ordering::Relaxed)
+        );
+        self.rbd(&["create", "--size", &format!("{size_mib}M"), &name]);
+        name
+    }
+
+    /// The image's bytes `[off, off + len)`, read with `rbd export`: an
+    /// independent check of what the daemon wrote.
+    pub fn read_image(&self, image: &str, off: u64, len: usize) -> Vec<u8> {
+        let out = self.rbd(&["export", "--no-progress", image, "-"]);
+        let off = off as usize;
+        assert!(
+            out.stdout.len() >= off + len,
+            "export of {image} is {} bytes",
+            out.stdout.len()
+        );
+        out.stdout[off..off + len].to_vec()
+    }
+}

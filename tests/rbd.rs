@@ -1,0 +1,372 @@
+//! The Ceph RBD engine (`--features rbd`, `serve --image rbd:POOL/IMAGE`)
+//! against a real single-node cluster that this binary starts itself
+//! (`common/ceph.rs`), driven over the socket by libblkio:
+//! - data: writes (single and batched), read-back through the daemon and
+//!   through `rbd export` on the host, discard, write-zeroes and flush,
+//!   all under the default seccomp filter (enforce), on every thread
+//!   librbd started, then a clean SIGTERM;
+//! - reconnects: the messenger drops connections at random and the daemon
+//!   opens new ones under the filter;
+//! - bad input: a missing image or pool, a bad `rbd:` spec, a cluster that
+//!   does not answer (the daemon fails at start, in one line, within the
+//!   timeout instead of hanging).
+//!
+//! `RINGBLK_RBD_STRACE=FILE` runs the data tests with `--seccomp off` and
+//! `strace -f` attached to the daemon after start-up, writing FILE: how the
+//! RBD seccomp profile (`daemon::seccomp`) was found, and how to redo it.
+
+#[path = "common/ceph.rs"]
+mod ceph;
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{Client, Daemon, DaemonOptions, KIB, MIB, Op, assert_pattern, pattern, ringblk_bin};
+
+const CHUNK: usize = 64 * 1024;
+
+/// `serve` of an RBD image, with the shared cluster's configuration.
+fn start_rbd(image: &str, extra: &[&str]) -> Daemon {
+    start_rbd_with(&ceph::cluster().conf, image, extra)
+}
+
+/// `serve` of an RBD image with the configuration at `conf`.
+fn start_rbd_with(conf: &Path, image: &str, extra: &[&str]) -> Daemon {
+    let spec = format!("rbd:{image}");
+    let conf = conf.to_str().expect("UTF-8 path");
+    let mut args = vec!["--ceph-conf", conf];
+    args.extend_from_slice(extra);
+    let trace = std::env::var("RINGBLK_RBD_STRACE").ok();
+    if trace.is_some() {
+        args.extend_from_slice(&["--seccomp", "off"]);
+    }
+    let d = Daemon::start_with(DaemonOptions {
+        image: Some(spec.into()),
+        args: &args,
+        ..DaemonOptions::default()
+    });
+    if let Some(f) = trace {
+        let mut strace = Command::new("strace")
+            .args(["-f", "-qq", "-o", &f, "-p", &d.pid().to_string()])
+            .spawn()
+            .expect("strace");
+        // It ends with the daemon.
+        std::thread::spawn(move || strace.wait());
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    d
+}
+
+/// Runs `ringblk serve ARGS`, which must fail; returns its stderr and how
+/// long it took.
+fn serve_fails(args: &[&str]) -> (String, Duration) {
+    let dir = common::test_dir();
+    let sock = dir.path().join("vhost.sock");
+    let started = Instant::now();
+    let out = Command::new(ringblk_bin())
+        .arg("serve")
+        .arg("--socket")
+        .arg(&sock)
+        .args(args)
+        .env("TMPDIR", dir.path())
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("running ringblk serve");
+    let elapsed = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "serve {args:?} should fail with status 1:\n{stderr}"
+    );
+    assert!(!sock.exists(), "a failed start left its socket behind");
+    (stderr, elapsed)
+}
+
+/// The one line the daemon printed as its error.
+fn error_line(stderr: &str) -> &str {
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("ringblk: "))
+        .unwrap_or_else(|| panic!("no `ringblk:` error line in:\n{stderr}"));
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    line
+}
+
+#[test]
+fn data_discard_write_zeroes_and_flush_under_seccomp() {
+    let c = ceph::cluster();
+    let image = c.create_image(32);
+    let mut d = start_rbd(&image, &[]);
+    let tracing = std::env::var_os("RINGBLK_RBD_STRACE").is_some();
+    if !tracing {
+        d.wait_for_log("seccomp filter installed");
+        assert!(d.log().contains("others fatal"), "enforcing by default");
+    }
+    let seed = 0x0cef_0000;
+    {
+        let mut cl = Client::connect(&d.socket, 8 * CHUNK);
+        assert_eq!(cl.capacity, 32 * MIB, "capacity from the image");
+        // Every thread, librbd's included, runs under the filter.
+        for t in d.threads().into_iter().filter(|_| !tracing) {
+            assert_eq!(
+                d.proc_status(Some(t), "Seccomp").as_deref(),
+                Some("2"),
+                "thread {t} is not filtered"
+            );
+        }
+        // Single requests of several sizes, some across object boundaries
+        // (4 MiB objects).
+        for (off, len) in [
+            (0, 4 * KIB as usize),
+            (4 * MIB - 8 * KIB, 64 * KIB as usize),
+            (9 * MIB + 512, 512),
+            (31 * MIB, MIB as usize / 2),
+        ] {
+            let data = pattern(seed, off, len);
+            assert_eq!(cl.write(off, &data), 0, "write of {len} at {off}");
+            assert_pattern("read back", seed, off, &cl.read(off, len));
+        }
+        // A batch of eight writes in flight at once, then eight reads.
+        let base = 12 * MIB;
+        let data = pattern(seed, base, 8 * CHUNK);
+        cl.buf()[..data.len()].copy_from_slice(&data);
+        let writes: Vec<Op> = (0..8)
+            .map(|i| Op::Write {
+                offset: base + (i * CHUNK) as u64,
+                buf_off: i * CHUNK,
+                len: CHUNK,
+            })
+            .collect();
+        assert_eq!(cl.batch(&writes), vec![0; 8], "batched writes");
+        cl.buf()[..8 * CHUNK].fill(0xee);
+        let reads: Vec<Op> = (0..8)
+            .map(|i| Op::Read {
+                offset: base + (i * CHUNK) as u64,
+                buf_off: i * CHUNK,
+                len: CHUNK,
+            })
+            .collect();
+        assert_eq!(cl.batch(&reads), vec![0; 8], "batched reads");
+        assert_pattern("batched read", seed, base, &cl.buf()[..8 * CHUNK]);
+        assert_eq!(cl.flush(), 0, "flush");
+
+        // Discard and write-zeroes read back as zeroes, and leave their
+        // neighbours alone.
+        assert_eq!(cl.discard(base, CHUNK as u64), 0, "discard");
+        assert_eq!(
+            cl.write_zeroes(base + 2 * CHUNK as u64, CHUNK as u64),
+            0,
+            "write-zeroes"
+        );
+        let got = cl.read(base, 4 * CHUNK);
+        assert!(got[..CHUNK].iter().all(|b| *b == 0), "discarded range");
+        assert_pattern(
+            "after discard",
+            seed,
+            base + CHUNK as u64,
+            &got[CHUNK..2 * CHUNK],
+        );
+        assert!(
+            got[2 * CHUNK..3 * CHUNK].iter().all(|b| *b == 0),
+            "zeroed range"
+        );
+        assert_pattern(
+            "after zeroes",
+            seed,
+            base + 3 * CHUNK as u64,
+            &got[3 * CHUNK..],
+        );
+        assert_eq!(cl.flush(), 0, "flush");
+    }
+    d.assert_running();
+    // What the daemon wrote is in the image, as another client sees it.
+    assert_pattern(
+        "rbd export",
+        seed,
+        4 * MIB - 8 * KIB,
+        &c.read_image(&image, 4 * MIB - 8 * KIB, 64 * KIB as usize),
+    );
+    let exported = c.read_image(&image, 12 * MIB, 4 * CHUNK);
+    assert!(exported[..CHUNK].iter().all(|b| *b == 0), "export: discard");
+    assert_pattern(
+        "export",
+        seed,
+        12 * MIB + CHUNK as u64,
+        &exported[CHUNK..2 * CHUNK],
+    );
+
+    // A second connection reuses the engines.
+    {
+        let mut cl = Client::connect(&d.socket, CHUNK);
+        assert_pattern("second connection", seed, 0, &cl.read(0, 4 * KIB as usize));
+    }
+    let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+    assert_eq!(st.code(), Some(0), "exit after SIGTERM: {st}\n{}", d.log());
+    assert!(!d.log().contains("not allowed"), "trapped:\n{}", d.log());
+}
+
+/// The messenger drops its connections at random (`ms inject socket
+/// failures`) and reconnects to the monitor and the OSD while I/O runs:
+/// new TCP sockets after start-up, under the filter, and no request fails.
+#[test]
+fn reconnects_under_seccomp() {
+    let c = ceph::cluster();
+    let image = c.create_image(16);
+    let dir = common::test_dir();
+    let conf = dir.path().join("ceph.conf");
+    let shared = std::fs::read_to_string(&c.conf).expect("reading ceph.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "{shared}\n[client]\nms inject socket failures = 40\nlog file = {}\ndebug ms = 1\n",
+            dir.path().join("client.log").display()
+        ),
+    )
+    .expect("writing ceph.conf");
+    let mut d = start_rbd_with(&conf, &image, &[]);
+    let seed = 0x4ec0;
+    let mut cl = Client::connect(&d.socket, CHUNK);
+    for round in 0..3u64 {
+        for i in 0..16u64 {
+            let off = i * MIB + round * CHUNK as u64;
+            assert_eq!(
+                cl.write(off, &pattern(seed, off, CHUNK)),
+                0,
+                "write at {off}"
+            );
+        }
+        for i in 0..16u64 {
+            let off = i * MIB + round * CHUNK as u64;
+            assert_pattern("read back", seed, off, &cl.read(off, CHUNK));
+        }
+    }
+    assert_eq!(cl.flush(), 0);
+    drop(cl);
+    d.assert_running();
+    let log = std::fs::read_to_string(dir.path().join("client.log")).unwrap_or_default();
+    let injected = log.matches("injecting socket failure").count();
+    assert!(
+        injected > 0,
+        "no socket failure was injected: the test tests nothing"
+    );
+    eprintln!("{injected} socket failures injected");
+}
+
+#[test]
+fn two_queues_each_with_their_own_image_handle() {
+    let c = ceph::cluster();
+    let image = c.create_image(16);
+    let mut d = start_rbd(&image, &["--queues", "2"]);
+    assert!(
+        d.log().contains("exclusive-lock"),
+        "the lock warning:\n{}",
+        d.log()
+    );
+    let seed = 0x2222;
+    let mut cl = Client::connect(&d.socket, CHUNK);
+    for i in 0..16u64 {
+        let off = i * MIB;
+        assert_eq!(cl.write(off, &pattern(seed, off, CHUNK)), 0);
+    }
+    for i in 0..16u64 {
+        assert_pattern("read back", seed, i * MIB, &cl.read(i * MIB, CHUNK));
+    }
+    drop(cl);
+    d.assert_running();
+}
+
+#[test]
+fn missing_image_or_pool_and_bad_specs_fail_at_start() {
+    let c = ceph::cluster();
+    let conf = c.conf.to_str().expect("UTF-8 path");
+    let (err, _) = serve_fails(&["--image", "rbd:rbd/no-such-image", "--ceph-conf", conf]);
+    assert_eq!(
+        error_line(&err),
+        "ringblk: rbd:rbd/no-such-image: no image 'no-such-image' in pool 'rbd'"
+    );
+    let (err, _) = serve_fails(&["--image", "rbd:nopool/x", "--ceph-conf", conf]);
+    assert_eq!(
+        error_line(&err),
+        "ringblk: rbd:nopool/x: no pool 'nopool' in the cluster"
+    );
+    for bad in ["rbd:", "rbd:pool", "rbd:/img", "rbd:pool/", "rbd:p/i@snap"] {
+        let (err, _) = serve_fails(&["--image", bad, "--ceph-conf", conf]);
+        let line = error_line(&err);
+        assert!(
+            line.contains(bad) && line.contains("expected rbd:POOL/IMAGE"),
+            "{line}"
+        );
+    }
+    let (err, _) = serve_fails(&["--image", "rbd:rbd/x", "--ceph-conf", "/nonexistent.conf"]);
+    assert!(
+        error_line(&err).contains("reading /nonexistent.conf"),
+        "{err}"
+    );
+    let image = c.create_image(4);
+    let (err, _) = serve_fails(&[
+        "--image",
+        &format!("rbd:{image}"),
+        "--ceph-conf",
+        conf,
+        "--direct",
+    ]);
+    assert!(error_line(&err).contains("--direct"), "{err}");
+}
+
+#[test]
+fn an_unreachable_cluster_fails_within_the_timeout() {
+    // A configuration whose monitor port nothing listens on.
+    let dir = common::test_dir();
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        l.local_addr().expect("address").port()
+    };
+    let conf = dir.path().join("ceph.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "[global]\nmon host = v2:127.0.0.1:{port}\nauth client required = none\nlog file = {}\n",
+            dir.path().join("client.log").display()
+        ),
+    )
+    .expect("writing ceph.conf");
+    let (err, took) = serve_fails(&["--image", "rbd:rbd/img", "--ceph-conf", conf_str(&conf)]);
+    assert!(
+        error_line(&err).contains("no Ceph cluster answered within 10 s"),
+        "{err}"
+    );
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+}
+
+fn conf_str(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 path")
+}
+
+/// The cluster goes away under a running daemon: requests fail with IOERR
+/// within the operation timeout instead of hanging, and the daemon goes on
+/// serving (and stops cleanly on SIGTERM).
+#[test]
+fn a_cluster_that_goes_away_fails_requests_and_the_daemon_goes_on() {
+    let dir = common::test_dir();
+    let cdir = dir.path().join("cluster");
+    let own = ceph::start(&cdir).unwrap_or_else(|e| panic!("{e}"));
+    let image = own.create_image(8);
+    let mut d = start_rbd_with(&own.conf, &image, &[]);
+    let seed = 0x90e5;
+    let mut cl = Client::connect(&d.socket, CHUNK);
+    assert_eq!(cl.write(0, &pattern(seed, 0, CHUNK)), 0, "write while up");
+    ceph::stop(&cdir);
+    let started = Instant::now();
+    let ret = cl.write(MIB, &pattern(seed, MIB, CHUNK));
+    let took = started.elapsed();
+    assert_eq!(ret, -libc::EIO, "a write with the cluster gone");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    d.assert_running();
+    assert!(d.log().contains("RBD Write at offset"), "{}", d.log());
+    drop(cl);
+    let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(40));
+    assert_eq!(st.code(), Some(0), "exit after SIGTERM: {st}\n{}", d.log());
+}
