@@ -465,7 +465,11 @@ fn restart_daemon(
         }
         let mut d = daemon.lock().unwrap_or_else(|e| e.into_inner());
         if r.signal == libc::SIGKILL {
-            kill_with_requests_in_flight(d.child.id() as i32, &paths.socket);
+            kill_with_requests_in_flight(
+                d.child.id() as i32,
+                &paths.socket,
+                Duration::from_secs(2),
+            );
         } else {
             d.signal(r.signal);
         }

@@ -127,7 +127,7 @@ fn run(kills: u32) {
                     eprintln!("the daemon exited by itself before kill {}: {st}", done + 1);
                     return done;
                 }
-                kill_with_requests_in_flight(g.child.id() as i32, &socket);
+                kill_with_requests_in_flight(g.child.id() as i32, &socket, Duration::from_secs(2));
                 g.wait_for(Duration::from_secs(20));
                 *g =
                     Guard::spawn_logged("daemon", &mut daemon(&socket, &spec, &c.conf, &dir), &log);

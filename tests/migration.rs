@@ -657,7 +657,9 @@ fn restart_daemon<F>(mut daemon: Guard, side: &Side, start: &F) -> Guard
 where
     F: Fn(&Side) -> (Guard, &'static str),
 {
-    kill_with_requests_in_flight(daemon.pid() as i32, &side.socket);
+    // Long enough for a just-migrated destination to start its device
+    // and take requests.
+    kill_with_requests_in_flight(daemon.pid() as i32, &side.socket, Duration::from_secs(30));
     let status = daemon.wait_for(Duration::from_secs(20));
     eprintln!("killed the {} daemon: {status:?}", side.name);
     drop(daemon);

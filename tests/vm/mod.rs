@@ -629,11 +629,18 @@ pub fn threads_of(pid: u32) -> String {
 /// taken off the ring and not completed, so the restart must resubmit
 /// them: the daemon is stopped (SIGSTOP), the log read through QEMU's
 /// descriptor of it, and the daemon killed if the log is not empty, else
-/// let go (SIGCONT) and tried again. After 2 s it is killed regardless.
-pub fn kill_with_requests_in_flight(pid: i32, socket: &Path) {
-    let log = inflight_log_of_qemu_using(socket);
-    let deadline = Instant::now() + Duration::from_secs(2);
-    while let Some(path) = log.as_ref().filter(|_| Instant::now() < deadline) {
+/// let go (SIGCONT) and tried again. After `within` it is killed
+/// regardless.
+pub fn kill_with_requests_in_flight(pid: i32, socket: &Path, within: Duration) {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        // QEMU makes the region as it starts the device: a QEMU that has
+        // not yet (a migration's destination, just resumed) has none, and
+        // killing the daemon while the device starts is not this test.
+        let Some(path) = inflight_log_of_qemu_using(socket) else {
+            thread::sleep(Duration::from_millis(20));
+            continue;
+        };
         // SAFETY: signals to our own child; waitpid with WUNTRACED reports
         // it stopped without reaping it.
         let stopped = unsafe {
@@ -641,7 +648,7 @@ pub fn kill_with_requests_in_flight(pid: i32, socket: &Path) {
             let mut status = 0;
             libc::waitpid(pid, &mut status, libc::WUNTRACED) == pid && libc::WIFSTOPPED(status)
         };
-        if stopped && fs::read(path).is_ok_and(|bytes| logged_in_flight(&bytes)) {
+        if stopped && fs::read(&path).is_ok_and(|bytes| logged_in_flight(&bytes)) {
             break;
         }
         // SAFETY: as above.
