@@ -82,6 +82,11 @@ auth client required = none
 auth allow insecure global id reclaim = false
 osd pool default size = 1
 osd pool default min size = 1
+# A client killed with -9 holds an image's exclusive lock until the OSD
+# times out its watch (default 30 s): the restarted daemon's first writes
+# wait that long. The kill tests restart daemons under a running guest, so
+# the test cluster notices dead clients sooner.
+osd client watch timeout = 8
 osd pool default pg autoscale mode = off
 mon allow pool size one = true
 mon allow pool delete = true
