@@ -19,23 +19,12 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use vm::{
-    Assets, BOOT_CHECKS, Backend, DaemonSpec, Guard, IMAGE_SIZE, QSD, QemuSpec, backend,
+    Assets, BOOT_CHECKS, Backend, DaemonSpec, Guard, IMAGE_SIZE, QSD, QemuSpec, RW_CHECKS, backend,
     check_guest_pattern, daemon_command, guest_timeout, kill_with_requests_in_flight, new_nonce,
     parse_console, qemu_command, qemu_unusable, read_at, read_log, resubmitted_in, run_problems,
     threads_of, verbose, wait_for_socket, write_host_pattern,
 };
 
-/// Checks every read-write boot must pass after `vm::BOOT_CHECKS` (names
-/// printed by `init.sh`).
-const RW_CHECKS: &[&str] = &[
-    "fio-verify",
-    "fio-jobs",
-    "queues-used",
-    "discard",
-    "zeroout",
-    "large-io",
-    "guest-pattern",
-];
 /// Checks every read-only boot must pass after `vm::BOOT_CHECKS`.
 const RO_CHECKS: &[&str] = &["ro-write", "ro-read"];
 

@@ -23,27 +23,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use vm::{
-    Guard, IMAGE_SIZE, QemuSpec, SERIAL, check_guest_pattern, guest_timeout,
-    kill_with_requests_in_flight, new_nonce, parse_console, qemu_command, read_log, resubmitted_in,
-    wait_for_socket, write_host_pattern,
+    BOOT_CHECKS, Guard, IMAGE_SIZE, QemuSpec, RW_CHECKS, SERIAL, check_guest_pattern,
+    guest_timeout, kill_with_requests_in_flight, new_nonce, parse_console, qemu_command, read_log,
+    resubmitted_in, wait_for_socket, write_host_pattern,
 };
-
-/// The checks of a read-write boot (names printed by `init.sh`).
-const RW_CHECKS: &[&str] = &[
-    "device",
-    "size",
-    "serial",
-    "queues",
-    "ro-flag",
-    "host-pattern",
-    "fio-verify",
-    "fio-jobs",
-    "queues-used",
-    "discard",
-    "zeroout",
-    "large-io",
-    "guest-pattern",
-];
 
 fn daemon(socket: &Path, spec: &str, conf: &Path, dir: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ringblk"));
@@ -163,7 +146,7 @@ fn run(kills: u32) {
     if !verdict.done {
         problems.push("the guest never printed RINGBLK-DONE".into());
     }
-    problems.extend(verdict.problems(RW_CHECKS));
+    problems.extend(verdict.problems(&[BOOT_CHECKS, RW_CHECKS].concat()));
     let resubmitted = resubmitted_in(&read_log(&log));
     if kills > 0 {
         if killed < kills {

@@ -30,9 +30,9 @@ use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 use super::bounce::AlignedBuf;
 use super::ring::{EngineError, Ring, UringOptions, op};
-use super::{Completion, Engine, Full, Io, sync};
+use super::{Completion, Engine, Full, Io, Op, sync};
 use crate::metrics::{QueueMetrics, RateLimiter};
-use crate::virtio::{DiscardRange, GuestMem, RequestKind};
+use crate::virtio::{GuestMem, RequestKind};
 use crate::warn_limited;
 
 /// How a queue's ring is set up, and the image it works on.
@@ -62,30 +62,6 @@ pub struct UringConfig {
 
 /// io_uring refuses fixed buffers over 1 GiB; larger regions are split.
 const FIXED_BUF_MAX: usize = 1 << 30;
-
-/// What a request is to this engine. GET_ID is not I/O (the worker
-/// answers it), so it has no `Op`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Op {
-    Read,
-    Write,
-    Flush,
-    Discard(DiscardRange),
-    WriteZeroes(DiscardRange),
-}
-
-impl Op {
-    fn of(kind: RequestKind) -> Option<Op> {
-        match kind {
-            RequestKind::Read { .. } => Some(Op::Read),
-            RequestKind::Write { .. } => Some(Op::Write),
-            RequestKind::Flush => Some(Op::Flush),
-            RequestKind::Discard(r) => Some(Op::Discard(r)),
-            RequestKind::WriteZeroes(r) => Some(Op::WriteZeroes(r)),
-            RequestKind::GetId => None,
-        }
-    }
-}
 
 /// One request the ring is executing.
 struct Slot {
@@ -603,6 +579,7 @@ fn is_unsupported(e: &io::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::virtio::DiscardRange;
 
     /// The fallocate modes the seccomp filter allows are exactly these.
     #[test]

