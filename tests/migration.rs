@@ -211,13 +211,14 @@ fn kill_source_daemon_then_migrate() {
 }
 
 /// Both daemons serve one RBD image; the destination's writes take its
-/// exclusive lock from the source's daemon.
+/// exclusive lock from the source's daemon. Two queues: each daemon's two
+/// image handles also pass the lock between them.
 #[cfg(feature = "rbd")]
 #[test]
 fn migrate_busy_rbd() {
     run(Migration {
         storage: Storage::Rbd,
-        ..Migration::busy(1)
+        ..Migration::busy(2)
     });
 }
 
@@ -562,19 +563,27 @@ impl Served {
     }
 
     /// The client that holds the RBD image's exclusive lock (`client.N`),
-    /// as `rbd lock ls` shows it; `None` for a file.
+    /// as `rbd lock ls` shows it; `None` for a file, or if nobody holds it
+    /// for a second (a daemon's queues pass it between their handles, so
+    /// it may be free for a moment).
     fn writer(&self) -> Option<String> {
         #[cfg(feature = "rbd")]
         if let Some(name) = &self.rbd {
-            let out = ceph::cluster().rbd(&["lock", "ls", "--format", "json", name]);
-            let locks: Value = serde_json::from_slice(&out.stdout).expect("rbd lock ls's JSON");
-            let mut lockers = Vec::new();
-            lockers_in(&locks, &mut lockers);
-            assert!(
-                lockers.len() <= 1,
-                "more than one lock on the image: {locks}"
-            );
-            return lockers.pop();
+            let deadline = Instant::now() + Duration::from_secs(1);
+            loop {
+                let out = ceph::cluster().rbd(&["lock", "ls", "--format", "json", name]);
+                let locks: Value = serde_json::from_slice(&out.stdout).expect("rbd lock ls's JSON");
+                let mut lockers = Vec::new();
+                lockers_in(&locks, &mut lockers);
+                assert!(
+                    lockers.len() <= 1,
+                    "more than one lock on the image: {locks}"
+                );
+                if !lockers.is_empty() || Instant::now() > deadline {
+                    return lockers.pop();
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
         }
         None
     }
