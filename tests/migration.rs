@@ -294,7 +294,6 @@ fn run(m: Migration) {
             return;
         }
     }
-    let started = Instant::now();
 
     let tmp = tempfile::Builder::new()
         .prefix("ringblk-migration-")
@@ -313,6 +312,7 @@ fn run(m: Migration) {
     // The cluster, if any, starts before the guest lock is taken.
     let served = Served::new(m.storage, &image);
     let _one = vm::one_guest();
+    let started = Instant::now();
 
     let src = Side::new(dir, "source");
     let dst = Side::new(dir, "destination");
