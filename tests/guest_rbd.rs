@@ -10,6 +10,9 @@
 //!   times under fio, with requests in flight, and restarted on the same
 //!   image; QEMU reconnects, the inflight log brings back what was in
 //!   flight, and fio sees no error.
+//!
+//! Live migration between two daemons on one RBD image is in
+//! `tests/migration.rs` (`migrate_busy_rbd`), with the file ones.
 
 #[path = "common/ceph.rs"]
 mod ceph;

@@ -12,7 +12,14 @@
 //! - idle: no I/O while the migration runs, then I/O on the destination;
 //! - kills: the destination daemon SIGKILLed right after the migration, or
 //!   the source's before it, and restarted; QEMU reconnects
-//!   (`reconnect=1`) and the guest sees no error.
+//!   (`reconnect=1`) and the guest sees no error;
+//! - RBD (`--features rbd`): the busy guest with both daemons serving one
+//!   Ceph RBD image (`rbd:`) on the single-node cluster this binary then
+//!   starts (`common/ceph.rs`). The host's regions go in with `rbd
+//!   import`, and the host's checks read `rbd export`. The image has
+//!   exclusive-lock (the default): the destination's first write takes
+//!   the lock from the source's daemon, which librbd hands over on
+//!   request once the source's ring has stopped.
 //!
 //! What makes a missing dirty mark show. Guest RAM is copied for real (no
 //! `x-ignore-shared`, which would skip it). A page a daemon fills (a read)
@@ -43,6 +50,9 @@
 //! its lock with `tests/guest.rs` (`tests/vm`); they skip only where QEMU
 //! cannot run at all, and never where `CI` is set.
 
+#[cfg(feature = "rbd")]
+#[path = "common/ceph.rs"]
+mod ceph;
 mod vm;
 
 use std::fs::{self, File};
@@ -126,7 +136,18 @@ enum Kill {
     DestinationAfterMigration,
 }
 
+/// What both daemons serve.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Storage {
+    /// One image file.
+    File,
+    /// One RBD image (`rbd:POOL/IMAGE`) on the test cluster.
+    #[cfg(feature = "rbd")]
+    Rbd,
+}
+
 struct Migration {
+    storage: Storage,
     queues: u16,
     workload: Workload,
     kill: Option<Kill>,
@@ -138,6 +159,7 @@ struct Migration {
 impl Migration {
     fn busy(queues: u16) -> Self {
         Migration {
+            storage: Storage::File,
             queues,
             workload: Workload::Busy,
             kill: None,
@@ -184,6 +206,18 @@ fn kill_source_daemon_then_migrate() {
         // Room for the kill, QEMU's reconnection and I/O against the new
         // daemon before the migration.
         fio_runtime: 30,
+        ..Migration::busy(2)
+    });
+}
+
+/// Both daemons serve one RBD image; the destination's writes take its
+/// exclusive lock from the source's daemon. Two queues: each daemon's two
+/// image handles also pass the lock between them.
+#[cfg(feature = "rbd")]
+#[test]
+fn migrate_busy_rbd() {
+    run(Migration {
+        storage: Storage::Rbd,
         ..Migration::busy(2)
     });
 }
@@ -255,9 +289,11 @@ fn run(m: Migration) {
             eprintln!("not with qemu-storage-daemon: the kills test ringblk's recovery");
             return;
         }
+        if m.storage != Storage::File {
+            eprintln!("not with qemu-storage-daemon: its command line here serves files only");
+            return;
+        }
     }
-    let _one = vm::one_guest();
-    let started = Instant::now();
 
     let tmp = tempfile::Builder::new()
         .prefix("ringblk-migration-")
@@ -273,6 +309,10 @@ fn run(m: Migration) {
     if m.workload == Workload::Busy {
         write_cache_regions(&image, &nonce);
     }
+    // The cluster, if any, starts before the guest lock is taken.
+    let served = Served::new(m.storage, &image);
+    let _one = vm::one_guest();
+    let started = Instant::now();
 
     let src = Side::new(dir, "source");
     let dst = Side::new(dir, "destination");
@@ -282,14 +322,15 @@ fn run(m: Migration) {
 
     // Both daemons serve the one image. O_DIRECT keeps requests in flight
     // long enough for a kill to catch some.
-    let extra: Vec<String> = match m.kill {
+    let mut extra: Vec<String> = match m.kill {
         Some(_) => vec!["--direct".into()],
         None => vec![],
     };
+    extra.extend(served.args.iter().cloned());
     let start_daemon = |side: &Side| {
         let spec = DaemonSpec {
             socket: &side.socket,
-            image: &image,
+            image: &served.image,
             readonly: false,
             queues: m.queues,
             queues_flag: true,
@@ -359,6 +400,8 @@ fn run(m: Migration) {
         Workload::Busy => thread::sleep(Duration::from_secs(2)),
         Workload::Idle => {}
     }
+    // Who writes the image now (RBD: the exclusive lock's holder).
+    let writer_before = served.writer();
     if m.kill == Some(Kill::SourceBeforeMigration) {
         let before = ring_starts(&src);
         src_daemon = restart_daemon(src_daemon, &src, &start_daemon);
@@ -373,13 +416,18 @@ fn run(m: Migration) {
     };
     let stats = migrate(&mut src_qmp, &uri, hold);
     eprintln!(
-        "migration ({} queue(s), {}) completed {:.1?} after the guest's go: \
+        "migration ({} queue(s), {}, {}) completed {:.1?} after the guest's go: \
          total-time {} ms, downtime {} ms, setup-time {} ms, {} MiB of RAM sent \
          ({} dirty-sync rounds)",
         m.queues,
         match m.workload {
             Workload::Busy => "busy guest",
             Workload::Idle => "idle guest",
+        },
+        match m.storage {
+            Storage::File => "image file",
+            #[cfg(feature = "rbd")]
+            Storage::Rbd => "RBD image",
         },
         marker_at.elapsed(),
         stats["total-time"],
@@ -426,7 +474,14 @@ fn run(m: Migration) {
         Some(_) => {}
     }
 
-    problems.extend(check_guest(&m, &src, &dst, &image, &host_pattern));
+    problems.extend(served.check_handover(writer_before));
+    problems.extend(check_guest(
+        &m,
+        &src,
+        &dst,
+        &served.host_view(&image),
+        &host_pattern,
+    ));
     // Both daemons outlive their QEMU, and a killed one's successor
     // resubmitted what was in flight.
     for (side, daemon) in [(&src, &mut src_daemon), (&dst, &mut dst_daemon)] {
@@ -464,7 +519,130 @@ fn run(m: Migration) {
     );
 }
 
-/// What the guest said on either side, and what the image file holds.
+/// The image both daemons serve: `--image` and the flags that go with it.
+struct Served {
+    image: PathBuf,
+    args: Vec<String>,
+    /// The RBD image (`POOL/IMAGE`).
+    #[cfg(feature = "rbd")]
+    rbd: Option<String>,
+}
+
+impl Served {
+    /// Serves `file` itself, or an RBD image imported from it.
+    fn new(storage: Storage, file: &Path) -> Served {
+        match storage {
+            Storage::File => Served {
+                image: file.to_path_buf(),
+                args: Vec::new(),
+                #[cfg(feature = "rbd")]
+                rbd: None,
+            },
+            #[cfg(feature = "rbd")]
+            Storage::Rbd => {
+                let c = ceph::cluster();
+                let name = format!("rbd/migrate{}-{}", std::process::id(), new_nonce());
+                let path = file.to_str().expect("a UTF-8 path");
+                c.rbd(&["import", "--no-progress", path, &name]);
+                // The hand-over of the exclusive lock is part of the test.
+                let info = c.rbd(&["info", "--format", "json", &name]);
+                let info: Value = serde_json::from_slice(&info.stdout).expect("rbd info's JSON");
+                assert!(
+                    info["features"]
+                        .as_array()
+                        .is_some_and(|f| f.iter().any(|f| f == "exclusive-lock")),
+                    "the imported image has no exclusive-lock: {info}"
+                );
+                Served {
+                    image: PathBuf::from(format!("rbd:{name}")),
+                    args: vec!["--ceph-conf".into(), c.conf.display().to_string()],
+                    rbd: Some(name),
+                }
+            }
+        }
+    }
+
+    /// The client that holds the RBD image's exclusive lock (`client.N`),
+    /// as `rbd lock ls` shows it; `None` for a file, or if nobody holds it
+    /// for a second (a daemon's queues pass it between their handles, so
+    /// it may be free for a moment).
+    fn writer(&self) -> Option<String> {
+        #[cfg(feature = "rbd")]
+        if let Some(name) = &self.rbd {
+            let deadline = Instant::now() + Duration::from_secs(1);
+            loop {
+                let out = ceph::cluster().rbd(&["lock", "ls", "--format", "json", name]);
+                let locks: Value = serde_json::from_slice(&out.stdout).expect("rbd lock ls's JSON");
+                let mut lockers = Vec::new();
+                lockers_in(&locks, &mut lockers);
+                assert!(
+                    lockers.len() <= 1,
+                    "more than one lock on the image: {locks}"
+                );
+                if !lockers.is_empty() || Instant::now() > deadline {
+                    return lockers.pop();
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+        }
+        None
+    }
+
+    /// A problem unless the exclusive lock, held by `before`'s client on
+    /// the source, is now held by another (the destination's daemon).
+    fn check_handover(&self, before: Option<String>) -> Option<String> {
+        #[cfg(feature = "rbd")]
+        if self.rbd.is_some() {
+            let after = self.writer();
+            eprintln!(
+                "the image's exclusive lock: {} before the migration, {} after",
+                before.as_deref().unwrap_or("nobody"),
+                after.as_deref().unwrap_or("nobody")
+            );
+            return match (before, after) {
+                (Some(b), Some(a)) if a != b => None,
+                (b, a) => Some(format!(
+                    "the exclusive lock did not pass from the source's daemon to the \
+                     destination's: held by {b:?} before the migration, {a:?} after"
+                )),
+            };
+        }
+        let _ = before;
+        None
+    }
+
+    /// The file that holds what the guest left: `file` itself, or the RBD
+    /// image exported next to it.
+    fn host_view(&self, file: &Path) -> PathBuf {
+        #[cfg(feature = "rbd")]
+        if let Some(name) = &self.rbd {
+            let exported = file.with_file_name("exported.img");
+            let path = exported.to_str().expect("a UTF-8 path");
+            ceph::cluster().rbd(&["export", "--no-progress", name, path]);
+            return exported;
+        }
+        file.to_path_buf()
+    }
+}
+
+/// Every `locker` in `rbd lock ls`'s JSON (whatever its nesting).
+#[cfg(feature = "rbd")]
+fn lockers_in(v: &Value, out: &mut Vec<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, v) in m {
+                match (k.as_str(), v) {
+                    ("locker", Value::String(s)) => out.push(s.clone()),
+                    _ => lockers_in(v, out),
+                }
+            }
+        }
+        Value::Array(a) => a.iter().for_each(|v| lockers_in(v, out)),
+        _ => {}
+    }
+}
+
+/// What the guest said on either side, and what the image holds.
 fn check_guest(
     m: &Migration,
     src: &Side,
