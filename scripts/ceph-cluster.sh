@@ -92,6 +92,9 @@ mon allow pool size one = true
 mon allow pool delete = true
 mon warn on pool no redundancy = false
 mon data avail warn = 1
+# A monitor refuses to start with less than 5% of its disk free (ENOSPC,
+# exit status 28); this one holds a few MiB.
+mon data avail crit = 0
 osd crush chooseleaf type = 0
 ms bind ipv6 = false
 ms bind msgr1 = false
@@ -113,7 +116,10 @@ EOF
     monmaptool --create --fsid "$fsid" --addv a "[v2:127.0.0.1:$port]" "$dir/monmap" >/dev/null
     ceph-mon -c "$conf" -i a --mkfs --monmap "$dir/monmap" >>"$dir/log/setup.log" 2>&1 ||
         die "ceph-mon --mkfs failed (see $dir/log)"
-    ceph-mon -c "$conf" -i a >>"$dir/log/setup.log" 2>&1 || die "ceph-mon failed (see $dir/log)"
+    local status=0
+    ceph-mon -c "$conf" -i a >>"$dir/log/setup.log" 2>&1 || status=$?
+    [ "$status" -eq 0 ] || die "ceph-mon exited with status $status ($(
+        [ "$status" -eq 28 ] && echo "no space left for its data" || echo "see $dir/log"))"
     mkdir -p "$dir/mgr/mgr.x"
     ceph-mgr -c "$conf" -i x >>"$dir/log/setup.log" 2>&1 || die "ceph-mgr failed (see $dir/log)"
     uuid=$(uuidgen)
