@@ -113,7 +113,6 @@ impl RbdImage {
             "4M",
             "--io-total",
             &bytes,
-            "--no-progress",
             &name,
         ])?;
         Ok(())
