@@ -198,7 +198,7 @@ pub fn check_daemon(bin: &Path, run_dir: &Path) -> Result<(), BenchError> {
         Some(line) => Err(BenchError::Usage(format!(
             "{}: {}",
             bin.display(),
-            line.trim()
+            line.trim().trim_start_matches("ringblk: ")
         ))),
         None => Ok(()),
     }
