@@ -124,6 +124,10 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
             "--ceph-cluster creates an RBD image: --image rbd:POOL/IMAGE, or no --image".into(),
         ));
     }
+    // Before a cluster is started for nothing.
+    if rbd && backends.iter().any(|b| matches!(b.kind, Kind::Ringblk(_))) {
+        rbd::check_daemon(&ringblk_bin, run_dir.path())?;
+    }
     // Started first, stopped last (on drop), whatever fails in between.
     let cluster = match &args.cmp.ceph_cluster {
         Some(dir) => Some(Cluster::start(dir)?),
@@ -143,9 +147,6 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
                 .map_or_else(|| args.cmp.ceph_conf.clone(), |c| c.conf.clone()),
             id: args.cmp.ceph_id.clone(),
         };
-        if backends.iter().any(|b| matches!(b.kind, Kind::Ringblk(_))) {
-            rbd::check_daemon(&ringblk_bin, run_dir.path())?;
-        }
         if cluster.is_some() {
             eprintln!(
                 "creating {} ({} MiB, written once)...",
