@@ -40,9 +40,10 @@ section "cargo fmt"
 cargo fmt --all -- --check
 
 section "cargo clippy"
-# Twice: without the RBD engine (what `cargo run` builds) and with it.
+# Twice: without the RBD engine (what `cargo run` builds) and with it
+# (ringblk-bench/rbd: the bench's RBD comparison test, for that daemon).
 cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo clippy --workspace --all-targets --locked --features ringblk/rbd -- -D warnings
+cargo clippy --workspace --all-targets --locked --features ringblk/rbd,ringblk-bench/rbd -- -D warnings
 
 # The daemon must not link the benchmark client's stack: that is why
 # ringblk-bench is a crate of its own. (blkio may stay a dev-dependency.)
@@ -54,9 +55,10 @@ if grep -E '^(blkio|plotters|indicatif|hdrhistogram) ' <<<"$tree"; then
 fi
 
 # --workspace: the bench's tests run its binary against the daemon's, and
-# need both built. With the RBD engine: its tests (tests/rbd.rs) start a
-# Ceph cluster of their own.
+# need both built. With the RBD engine: its tests (tests/rbd.rs, and the
+# bench's crates/ringblk-bench/tests/bench_rbd.rs) start a Ceph cluster of
+# their own.
 section "cargo test"
-RUST_BACKTRACE=${RUST_BACKTRACE:-1} cargo test --workspace --locked --features ringblk/rbd
+RUST_BACKTRACE=${RUST_BACKTRACE:-1} cargo test --workspace --locked --features ringblk/rbd,ringblk-bench/rbd
 
 section "done in $((SECONDS - started)) s"

@@ -5,8 +5,9 @@
 //! cluster that does not start fails every test that needs it, with the
 //! script's output: it is never a skip.
 //!
-//! Included with `#[path]` by the tests that need it (not from `mod.rs`:
-//! `crates/ringblk-bench` includes that one too).
+//! Included with `#[path]` by the tests that need it (not from `mod.rs`,
+//! which every test of `crates/ringblk-bench` includes), the RBD
+//! comparison's (`crates/ringblk-bench/tests/bench_rbd.rs`) among them.
 
 #![allow(dead_code)] // Each test binary uses its own subset.
 
@@ -26,8 +27,14 @@ static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
 static STOP_DIR: OnceLock<PathBuf> = OnceLock::new();
 static NEXT_IMAGE: AtomicU32 = AtomicU32::new(0);
 
+/// `scripts/ceph-cluster.sh` at the workspace root: the including crate's
+/// own directory (the daemon) or one above it (`crates/ringblk-bench`).
 fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/ceph-cluster.sh")
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    dir.ancestors()
+        .map(|d| d.join("scripts/ceph-cluster.sh"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| panic!("no scripts/ceph-cluster.sh at or above {}", dir.display()))
 }
 
 extern "C" fn stop_at_exit() {

@@ -104,7 +104,7 @@ pub struct BenchArgs {
     pub iodepth: Vec<u32>,
 
     /// Virtqueues, each driven by its own client thread. Default: 1
-    /// (single run), 1,2 (--compare).
+    /// (single run), 1,2 (--compare on a file), 1 (on an RBD image).
     #[arg(long, value_delimiter = ',')]
     pub queues: Vec<u16>,
 
@@ -185,17 +185,36 @@ pub struct CompareArgs {
     #[arg(long, requires = "compare")]
     pub quick: bool,
 
-    /// Image to serve. Default: a file filled with data is created in the
-    /// output directory (unwritten or sparse extents read as zeroes without
-    /// touching the disk) and removed afterwards.
+    /// Image to serve: a file or block device, or rbd:POOL/IMAGE, a Ceph
+    /// RBD image (ringblk built with --features rbd, qsd's rbd driver,
+    /// fio's rbd engine). Default: a file filled with data is created in
+    /// the output directory (unwritten or sparse extents read as zeroes
+    /// without touching the disk) and removed afterwards.
     #[arg(long, requires = "compare")]
     pub image: Option<PathBuf>,
 
-    /// Size of the created image. Default: 1G (64M with --quick).
+    /// Size of the created image (file, or RBD image with --ceph-cluster).
+    /// Default: 1G (64M with --quick).
     #[arg(long, requires = "compare", value_parser = parse_size)]
     pub image_size: Option<u64>,
 
-    /// O_DIRECT setting(s) of the backends. Default: on,off (off with --quick).
+    /// Ceph configuration of the cluster holding an rbd: --image.
+    #[arg(long, requires = "compare", default_value = "/etc/ceph/ceph.conf")]
+    pub ceph_conf: PathBuf,
+
+    /// Ceph user (client.NAME) for an rbd: --image.
+    #[arg(long, requires = "compare", default_value = "admin")]
+    pub ceph_id: String,
+
+    /// Start a throw-away single-node Ceph cluster in DIR
+    /// (scripts/ceph-cluster.sh, wiping DIR), create the RBD image there
+    /// (--image, default rbd:rbd/bench; --image-size), write it once, and
+    /// stop the cluster at the end. Replaces --ceph-conf.
+    #[arg(long, requires = "compare", value_name = "DIR")]
+    pub ceph_cluster: Option<PathBuf>,
+
+    /// O_DIRECT setting(s) of the backends. Default: on,off (off with
+    /// --quick); on an RBD image always on (no client cache).
     #[arg(long, value_enum, value_delimiter = ',', requires = "compare")]
     pub direct: Vec<OnOff>,
 

@@ -16,6 +16,7 @@ use super::BenchError;
 use super::args::{RwMode, default_queue_size};
 use super::fio::FioJob;
 use super::proc::{self, Guard};
+use super::rbd::RbdImage;
 use super::report::RunResult;
 
 /// One point of the matrix.
@@ -56,9 +57,31 @@ pub struct Backend {
     pub kind: Kind,
 }
 
+/// What the backends serve.
+#[derive(Clone, Debug)]
+pub enum Target {
+    /// An image file or block device.
+    File(PathBuf),
+    /// A Ceph RBD image: ringblk on `rbd:`, qsd's rbd driver, fio's rbd
+    /// engine. Always without a client cache (librbd's is off in ringblk).
+    Rbd(RbdImage),
+}
+
+impl Target {
+    /// How the report names it.
+    pub fn describe(&self) -> String {
+        match self {
+            Target::File(p) => p.display().to_string(),
+            Target::Rbd(r) => r.spec(),
+        }
+    }
+}
+
 /// Everything that stays the same over one comparison.
 pub struct Env {
-    pub image: PathBuf,
+    pub target: Target,
+    /// Its size in bytes.
+    pub image_bytes: u64,
     /// Sockets live here.
     pub run_dir: PathBuf,
     pub logs: PathBuf,
@@ -101,7 +124,8 @@ impl Backend {
                 let json = env.run_dir.join("fio.json");
                 let job = FioJob {
                     fio: &env.fio_bin,
-                    image: &env.image,
+                    target: &env.target,
+                    device_bytes: env.image_bytes,
                     rw: cfg.rw,
                     mix: env.mix,
                     bs: env.bs,
@@ -135,11 +159,20 @@ impl Backend {
         let mut cmd = pinned(env.backend_cpu, self.bin(env));
         match &self.kind {
             Kind::Ringblk(extra) => {
-                cmd.arg("serve")
-                    .arg("--socket")
-                    .arg(&sock)
-                    .arg("--image")
-                    .arg(&env.image);
+                cmd.arg("serve").arg("--socket").arg(&sock);
+                match &env.target {
+                    Target::File(image) => {
+                        cmd.arg("--image").arg(image);
+                        if cfg.direct {
+                            cmd.arg("--direct");
+                        }
+                    }
+                    // librbd's cache is always off in ringblk: `direct`.
+                    Target::Rbd(r) => {
+                        cmd.args(["--image", &r.spec(), "--ceph-id", &r.id]);
+                        cmd.arg("--ceph-conf").arg(&r.conf);
+                    }
+                }
                 cmd.args([
                     "--queues",
                     &cfg.queues.to_string(),
@@ -147,17 +180,24 @@ impl Backend {
                     &qsize.to_string(),
                 ]);
                 cmd.arg("--metrics").arg(&metrics);
-                if cfg.direct {
-                    cmd.arg("--direct");
-                }
                 cmd.args(&env.ringblk_args).args(extra);
             }
             Kind::Qsd => {
                 let direct = if cfg.direct { "on" } else { "off" };
-                cmd.arg("--blockdev").arg(format!(
-                    "driver=file,node-name=f,filename={},cache.direct={direct},aio=io_uring",
-                    env.image.display()
-                ));
+                cmd.arg("--blockdev").arg(match &env.target {
+                    Target::File(image) => format!(
+                        "driver=file,node-name=f,filename={},cache.direct={direct},aio=io_uring",
+                        image.display()
+                    ),
+                    // cache.direct=on turns librbd's cache off, as in ringblk.
+                    Target::Rbd(r) => format!(
+                        "driver=rbd,node-name=f,pool={},image={},conf={},user={},cache.direct={direct}",
+                        r.pool,
+                        r.image,
+                        r.conf.display(),
+                        r.id
+                    ),
+                });
                 cmd.arg("--export").arg(format!(
                     "type=vhost-user-blk,id=e,node-name=f,addr.type=unix,addr.path={},writable=on,num-queues={}",
                     sock.display(),

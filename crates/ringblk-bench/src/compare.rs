@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 
 use super::BenchError;
 use super::args::{BackendName, BenchArgs, OnOff, RwMode};
-use super::backends::{Backend, Config, Env, Kind};
+use super::backends::{Backend, Config, Env, Kind, Target};
+use super::rbd::{self, Cluster, RbdImage};
 use super::{plot, tables};
 
 /// Everything a comparison produced: `results.json`.
@@ -87,7 +88,19 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     }
     let io = |what: String| move |source| BenchError::Io { what, source };
     let quick = args.cmp.quick;
-    let configs = matrix(args);
+    let rbd = args.cmp.ceph_cluster.is_some()
+        || args
+            .cmp
+            .image
+            .as_deref()
+            .and_then(|p| p.to_str())
+            .is_some_and(|s| s.starts_with(rbd::RBD_PREFIX));
+    if rbd && args.cmp.direct.contains(&OnOff::Off) {
+        return Err(BenchError::Usage(
+            "--direct off: an RBD image is served without a client cache (librbd's is off in ringblk)".into(),
+        ));
+    }
+    let configs = matrix(args, rbd);
     let backends = backends(args)?;
     let self_exe = std::env::current_exe().map_err(io("finding this executable".into()))?;
     let ringblk_bin = ringblk_bin(args, &self_exe, &backends)?;
@@ -101,25 +114,72 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     // Sockets go to a short private directory: sun_path holds 108 bytes.
     let run_dir = run_dir().map_err(io("creating a temporary directory".into()))?;
 
-    let (image, made) = match &args.cmp.image {
-        Some(p) => (p.clone(), false),
-        None => {
-            let size = args
-                .cmp
-                .image_size
-                .unwrap_or(if quick { 64 << 20 } else { 1 << 30 });
-            let p = out.join("bench.img");
-            eprintln!("creating {} ({} MiB of data)...", p.display(), size >> 20);
-            make_image(&p, size).map_err(io(format!("creating {}", p.display())))?;
-            (p, true)
-        }
+    // An RBD image (`--image rbd:...` or `--ceph-cluster`), else a file.
+    let rbd_spec = match args.cmp.image.as_deref().map(|p| p.to_str()) {
+        Some(Some(s)) => RbdImage::parse(s).transpose()?,
+        _ => None,
     };
-    let image = std::fs::canonicalize(&image).map_err(io(format!("image {}", image.display())))?;
-    let image_bytes = std::fs::metadata(&image).map(|m| m.len()).unwrap_or(0);
+    if args.cmp.ceph_cluster.is_some() && args.cmp.image.is_some() && rbd_spec.is_none() {
+        return Err(BenchError::Usage(
+            "--ceph-cluster creates an RBD image: --image rbd:POOL/IMAGE, or no --image".into(),
+        ));
+    }
+    // Before a cluster is started for nothing.
+    if rbd && backends.iter().any(|b| matches!(b.kind, Kind::Ringblk(_))) {
+        rbd::check_daemon(&ringblk_bin, run_dir.path())?;
+    }
+    // Started first, stopped last (on drop), whatever fails in between.
+    let cluster = match &args.cmp.ceph_cluster {
+        Some(dir) => Some(Cluster::start(dir)?),
+        None => None,
+    };
+    let size = args
+        .cmp
+        .image_size
+        .unwrap_or(if quick { 64 << 20 } else { 1 << 30 });
+    let (target, image_bytes, made) = if rbd_spec.is_some() || cluster.is_some() {
+        let (pool, image) = rbd_spec.unwrap_or_else(|| ("rbd".into(), "bench".into()));
+        let img = RbdImage {
+            pool,
+            image,
+            conf: cluster
+                .as_ref()
+                .map_or_else(|| args.cmp.ceph_conf.clone(), |c| c.conf.clone()),
+            id: args.cmp.ceph_id.clone(),
+        };
+        if cluster.is_some() {
+            eprintln!(
+                "creating {} ({} MiB, written once)...",
+                img.spec(),
+                size >> 20
+            );
+            img.create_filled(size)?;
+        }
+        let (bytes, lock) = img.info()?;
+        if lock {
+            eprintln!("warning: {} {}", img.spec(), rbd::LOCK_WARNING);
+        }
+        (Target::Rbd(img), bytes, false)
+    } else {
+        let (image, made) = match &args.cmp.image {
+            Some(p) => (p.clone(), false),
+            None => {
+                let p = out.join("bench.img");
+                eprintln!("creating {} ({} MiB of data)...", p.display(), size >> 20);
+                make_image(&p, size).map_err(io(format!("creating {}", p.display())))?;
+                (p, true)
+            }
+        };
+        let image =
+            std::fs::canonicalize(&image).map_err(io(format!("image {}", image.display())))?;
+        let bytes = std::fs::metadata(&image).map(|m| m.len()).unwrap_or(0);
+        (Target::File(image), bytes, made)
+    };
 
     let pin = !args.no_pin;
     let env = Env {
-        image: image.clone(),
+        target: target.clone(),
+        image_bytes,
         run_dir: run_dir.path().to_path_buf(),
         logs,
         ringblk_bin,
@@ -210,8 +270,8 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
         }
     }
     bar.finish_and_clear();
-    if made {
-        let _ = std::fs::remove_file(&image);
+    if let (true, Target::File(image)) = (made, &target) {
+        let _ = std::fs::remove_file(image);
     }
 
     let doc = CompareDoc {
@@ -222,7 +282,7 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
                 .trim()
                 .into(),
             cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
-            image: image.display().to_string(),
+            image: target.describe(),
             image_bytes,
             bs: env.bs,
             mix: env.mix,
@@ -321,8 +381,10 @@ pub fn report(json: &Path, out: Option<&Path>) -> Result<(), BenchError> {
 }
 
 /// The configurations to run, in order: the defaults (or --quick's), each
-/// list narrowed by the corresponding flag.
-fn matrix(args: &BenchArgs) -> Vec<Config> {
+/// list narrowed by the corresponding flag. On an RBD image (`rbd`) only
+/// uncached, and one queue unless asked: with exclusive-lock, queues
+/// writing at once pass the image's lock between their handles.
+fn matrix(args: &BenchArgs, rbd: bool) -> Vec<Config> {
     let quick = args.cmp.quick;
     let rws = pick(
         &args.rw,
@@ -331,13 +393,17 @@ fn matrix(args: &BenchArgs) -> Vec<Config> {
         &[RwMode::Randread],
     );
     let depths = pick(&args.iodepth, quick, &[1, 16, 64], &[1, 16]);
-    let queues = pick(&args.queues, quick, &[1, 2], &[1]);
-    let directs = pick(
-        &args.cmp.direct,
-        quick,
-        &[OnOff::On, OnOff::Off],
-        &[OnOff::Off],
-    );
+    let queues = pick(&args.queues, quick || rbd, &[1, 2], &[1]);
+    let directs = if rbd {
+        vec![OnOff::On]
+    } else {
+        pick(
+            &args.cmp.direct,
+            quick,
+            &[OnOff::On, OnOff::Off],
+            &[OnOff::Off],
+        )
+    };
     let mut out = Vec::new();
     for &direct in &directs {
         for &queues in &queues {
@@ -528,17 +594,20 @@ mod tests {
 
     #[test]
     fn default_and_quick_matrix() {
-        assert_eq!(matrix(&args(&[])).len(), 24);
-        let q = matrix(&args(&["--quick"]));
+        assert_eq!(matrix(&args(&[]), false).len(), 24);
+        let q = matrix(&args(&["--quick"]), false);
         assert_eq!(q.len(), 2);
         assert!(
             q.iter()
                 .all(|c| !c.direct && c.queues == 1 && c.rw == RwMode::Randread)
         );
         assert_eq!(
-            matrix(&args(&["--iodepth", "1", "--direct", "on"])).len(),
+            matrix(&args(&["--iodepth", "1", "--direct", "on"]), false).len(),
             4
         );
+        let r = matrix(&args(&["--image", "rbd:rbd/bench"]), true);
+        assert_eq!(r.len(), 6, "{r:?}");
+        assert!(r.iter().all(|c| c.direct && c.queues == 1));
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! The host baseline: fio with io_uring directly on the image, i.e. the
-//! same I/O with no virtqueue, no vhost-user and no second process.
+//! The host baseline: fio with io_uring directly on the image (with its
+//! rbd engine on an RBD image), i.e. the same I/O with no virtqueue, no
+//! vhost-user and no second process.
 //!
 //! fio's own CPU report leaves out io_uring's kernel workers, so CPU time is
 //! sampled from /proc/PID/stat of the whole (single, `--thread`) process
@@ -13,14 +14,16 @@ use serde::Deserialize;
 
 use super::BenchError;
 use super::args::RwMode;
-use super::backends::spawn_logged;
+use super::backends::{Target, spawn_logged};
 use super::proc::{self, Guard};
 use super::report::{Latency, RunResult};
 
 /// How fio is to be run.
 pub struct FioJob<'a> {
     pub fio: &'a Path,
-    pub image: &'a Path,
+    pub target: &'a Target,
+    /// The image's size, for the result.
+    pub device_bytes: u64,
     pub rw: RwMode,
     pub mix: u8,
     pub bs: u64,
@@ -46,14 +49,23 @@ impl FioJob<'_> {
             }
             None => Command::new(self.fio),
         };
-        c.arg("--name=host")
-            .arg(format!("--filename={}", self.image.display()))
-            .args([
-                "--ioengine=io_uring",
-                "--thread",
-                "--group_reporting",
-                "--time_based",
-            ])
+        c.arg("--name=host");
+        match self.target {
+            Target::File(image) => {
+                c.arg(format!("--filename={}", image.display()))
+                    .arg("--ioengine=io_uring");
+            }
+            // The engine reads the configuration named by CEPH_CONF.
+            Target::Rbd(r) => {
+                c.env("CEPH_CONF", &r.conf).args([
+                    "--ioengine=rbd",
+                    &format!("--clientname={}", r.id),
+                    &format!("--pool={}", r.pool),
+                    &format!("--rbdname={}", r.image),
+                ]);
+            }
+        }
+        c.args(["--thread", "--group_reporting", "--time_based"])
             .arg(format!("--rw={}", self.rw.name()))
             .arg(format!("--rwmixread={}", self.mix))
             .arg(format!("--bs={}", self.bs))
@@ -210,7 +222,7 @@ fn convert(text: &str, job: &FioJob<'_>, cpu_rate: Option<f64>) -> Result<RunRes
         first_error: (j.error != 0).then(|| format!("fio error {}", j.error)),
         total_ios: ios,
         total_errors: u64::from(j.error != 0),
-        device_bytes: std::fs::metadata(job.image).map(|m| m.len()).unwrap_or(0),
+        device_bytes: job.device_bytes,
         backend_cpu_s: cpu_rate.map(|r| r * secs),
         backend_cpu_per_mio: cpu_per_mio,
         client_cpu_per_mio: None,
@@ -233,7 +245,8 @@ mod tests {
         let (p, e): (_, [String; 0]) = (Path::new("/nonexistent"), []);
         let job = FioJob {
             fio: p,
-            image: p,
+            target: &Target::File(p.to_path_buf()),
+            device_bytes: 0,
             rw: RwMode::Randread,
             mix: 70,
             bs: 4096,

@@ -13,6 +13,7 @@
 //! - [`compare`]: the matrix, run by [`backends`] one after the other
 //!   (fio for the host baseline in [`fio`]);
 //! - [`report`], [`tables`], [`plot`]: JSON, text, Markdown and the SVG;
+//! - [`rbd`]: an RBD image instead of a file, and `--ceph-cluster`;
 //! - [`proc`]: /proc CPU time, pinning, stopping children.
 
 mod args;
@@ -22,6 +23,7 @@ mod compare;
 mod fio;
 mod plot;
 mod proc;
+mod rbd;
 mod report;
 mod single;
 mod tables;

@@ -39,9 +39,16 @@ pub fn markdown(doc: &CompareDoc) -> String {
     };
     let _ = writeln!(
         o,
-        "Kernel {}, {} CPUs, image {} MiB, bs {}, {:.1} s measured after {:.1} s ramp per run, {pin}{}; {:.0} s in all; load average {} before, {} after.\n",
+        "Kernel {}, {} CPUs, image {}{} MiB, bs {}, {:.1} s measured after {:.1} s ramp per run, {pin}{}; {:.0} s in all; load average {} before, {} after.\n",
         m.kernel,
         m.cpus,
+        // A file's name is the output directory's; an RBD image's says
+        // what was measured.
+        if m.image.starts_with("rbd:") {
+            format!("{} ", m.image)
+        } else {
+            String::new()
+        },
         m.image_bytes >> 20,
         m.bs,
         m.runtime_s,
