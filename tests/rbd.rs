@@ -23,7 +23,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Client, Daemon, DaemonOptions, KIB, MIB, Op, assert_pattern, pattern, ringblk_bin};
+use common::{
+    Client, Daemon, DaemonOptions, KIB, MIB, assert_pattern, chunked, pattern, ringblk_bin,
+};
 
 const CHUNK: usize = 64 * 1024;
 
@@ -133,22 +135,10 @@ fn data_discard_write_zeroes_and_flush_under_seccomp() {
         let base = 12 * MIB;
         let data = pattern(seed, base, 8 * CHUNK);
         cl.buf()[..data.len()].copy_from_slice(&data);
-        let writes: Vec<Op> = (0..8)
-            .map(|i| Op::Write {
-                offset: base + (i * CHUNK) as u64,
-                buf_off: i * CHUNK,
-                len: CHUNK,
-            })
-            .collect();
+        let writes = chunked(true, base, 8, CHUNK);
         assert_eq!(cl.batch(&writes), vec![0; 8], "batched writes");
         cl.buf()[..8 * CHUNK].fill(0xee);
-        let reads: Vec<Op> = (0..8)
-            .map(|i| Op::Read {
-                offset: base + (i * CHUNK) as u64,
-                buf_off: i * CHUNK,
-                len: CHUNK,
-            })
-            .collect();
+        let reads = chunked(false, base, 8, CHUNK);
         assert_eq!(cl.batch(&reads), vec![0; 8], "batched reads");
         assert_pattern("batched read", seed, base, &cl.buf()[..8 * CHUNK]);
         assert_eq!(cl.flush(), 0, "flush");

@@ -10,7 +10,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    Client, Daemon, DaemonOptions, MIB, Op, assert_pattern, metric, pattern, sparse_image, test_dir,
+    Client, Daemon, DaemonOptions, MIB, assert_pattern, chunked, metric, pattern, sparse_image,
+    test_dir,
 };
 
 const IMAGE_SIZE: u64 = 64 * MIB;
@@ -56,14 +57,11 @@ fn enforce_filters_every_thread_and_serves_io() {
             let base = batch * 4 * CHUNK as u64;
             let data = pattern(seed, base, 4 * CHUNK);
             c.buf()[..data.len()].copy_from_slice(&data);
-            let ops: Vec<Op> = (0..4)
-                .map(|i| Op::Write {
-                    offset: base + (i * CHUNK) as u64,
-                    buf_off: i * CHUNK,
-                    len: CHUNK,
-                })
-                .collect();
-            assert_eq!(c.batch(&ops), vec![0; 4], "writes at {base}");
+            assert_eq!(
+                c.batch(&chunked(true, base, 4, CHUNK)),
+                vec![0; 4],
+                "writes at {base}"
+            );
         }
         assert_eq!(c.flush(), 0, "flush");
         for off in (0..4 * MIB).step_by(CHUNK) {

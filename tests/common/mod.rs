@@ -684,6 +684,28 @@ pub struct Client {
     pub request_alignment: i32,
 }
 
+/// `n` reads or writes of `chunk` bytes from `offset` on, the i-th from
+/// the i-th `chunk` of the client's buffer: one batch over a region.
+pub fn chunked(write: bool, offset: u64, n: usize, chunk: usize) -> Vec<Op> {
+    (0..n)
+        .map(|i| {
+            let (offset, buf_off) = (offset + (i * chunk) as u64, i * chunk);
+            match write {
+                true => Op::Write {
+                    offset,
+                    buf_off,
+                    len: chunk,
+                },
+                false => Op::Read {
+                    offset,
+                    buf_off,
+                    len: chunk,
+                },
+            }
+        })
+        .collect()
+}
+
 /// One request of a batch.
 #[derive(Clone, Copy, Debug)]
 pub enum Op {
