@@ -4,8 +4,9 @@
 //! exclusive for a read-write export and shared for a read-only one, so
 //! two read-only daemons may share an image but no writer may share it
 //! with anyone. QEMU's own image locking also takes OFD locks on the file
-//! (on bytes of their own), so a QEMU or qemu-storage-daemon that has the
-//! image open read-write and ringblk keep each other off it too.
+//! (on bytes of its own), which conflict with ours: with
+//! qemu-storage-daemon holding the image read-write, this lock fails
+//! (checked by hand, not by a test).
 //!
 //! The lock is held while the device runs, not while the daemon does: it
 //! is taken when a ring starts and released when the last running ring
