@@ -28,7 +28,7 @@ use crate::cli::{EngineKind, ServeArgs};
 use crate::engine::{Engine, EngineError, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
-use crate::qos::{Qos, QosLimits};
+use crate::qos::QosLimits;
 use crate::vhost::{BlkBackend, Device, ExitEvents, QueueWorker, WorkerConfig, proxy};
 use crate::virtio::config::{config_space, device_features};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
@@ -71,13 +71,9 @@ fn spawn_api(
         args.queue_size,
         features,
     );
-    let mut addr = path.display().to_string();
-    if !addr.contains('/') {
-        addr = format!("./{addr}");
-    }
     let endpoint = crate::api::spawn(
         crate::api::Bound::Unix(listener),
-        crate::metrics::MetricsAddr::parse(&addr),
+        crate::metrics::MetricsAddr::Unix(path.to_path_buf()),
         metrics.to_vec(),
         Some(Arc::new(control)),
     )
@@ -129,12 +125,10 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         None => None,
     };
     let worker_cfg = Arc::new(cfg.worker);
-    // The device's QoS handle: the workers share it through `worker_cfg`;
-    // the control API changes the limits at runtime with
-    // `Qos::set_limits` and reads them with `Qos::limits`.
-    let qos: Arc<Qos> = worker_cfg.qos.clone();
-    if qos.active() {
-        log::info!("QoS limits: {}", qos_summary(&qos.limits()));
+    // The device's QoS handle is `worker_cfg.qos`: the workers share it,
+    // and the control API changes the limits through it at runtime.
+    if worker_cfg.qos.active() {
+        log::info!("QoS limits: {}", qos_summary(&worker_cfg.qos.limits()));
     }
     let current: Current = Arc::default();
     let features = device_features(cfg.args.readonly);
