@@ -343,15 +343,9 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // over (SET_BACKEND_REQ_FD) is a Unix stream socket.
         (
             SYS_getsockopt,
-            [SO_DOMAIN, SO_TYPE]
-                .iter()
-                .map(|&opt| {
-                    SeccompRule::new(vec![
-                        SeccompCondition::new(1, Len::Dword, Op::Eq, SOL_SOCKET as u64)?,
-                        SeccompCondition::new(2, Len::Dword, Op::Eq, opt as u64)?,
-                    ])
-                })
-                .collect(),
+            either(
+                [SO_DOMAIN, SO_TYPE].map(|opt| args_eq(&[(1, SOL_SOCKET as u64), (2, opt as u64)])),
+            ),
         ),
         // The relay's read timeouts on a front-end that stalls mid-message,
         // and the back-end channel's wait for an answer (the RBD profile
