@@ -46,6 +46,10 @@ pub struct RingShadow {
     used_flags: Option<u16>,
     /// The `avail_event` value we last wrote (None: not written yet).
     avail_event: Option<u16>,
+    /// With EVENT_IDX: `avail_event` was last put behind `next_avail` by
+    /// `disable_kicks`, and stays out of the driver's way until
+    /// `enable_kicks` moves it.
+    kicks_off: bool,
     /// `next_used` when we last decided about a notification: the
     /// driver wants one if `used_event` lies in (signalled, next_used].
     signalled_used: Wrapping<u16>,
@@ -177,17 +181,28 @@ impl RingShadow {
     }
 
     /// Asks the driver not to kick while we drain the queue. With EVENT_IDX
-    /// nothing needs writing: `avail_event` stays behind `next_avail`, so the
-    /// driver kicks at most once until we move it.
+    /// `avail_event` goes one behind `next_avail`: the driver kicks only
+    /// when its index passes `avail_event`, which it cannot do before we
+    /// move it (it adds at most a ring's worth past `next_avail`). Left
+    /// where `enable_kicks` put it, the driver's next request after each
+    /// sleep would kick although we are polling: at depth 1 that is every
+    /// request. Written once per drain, like the flag without EVENT_IDX.
     pub fn disable_kicks<M: GuestMemory>(
         &mut self,
         queue: &Queue,
         mem: &M,
     ) -> Result<(), RingError> {
-        if !queue.event_idx_enabled() {
-            self.set_used_flags(queue, mem, VRING_USED_F_NO_NOTIFY as u16)?;
+        if queue.event_idx_enabled() {
+            if self.kicks_off {
+                // Still behind: popping only moved `next_avail` further on.
+                return Ok(());
+            }
+            self.set_avail_event(queue, mem, queue.next_avail().wrapping_sub(1))?;
+            self.kicks_off = true;
+            Ok(())
+        } else {
+            self.set_used_flags(queue, mem, VRING_USED_F_NO_NOTIFY as u16)
         }
-        Ok(())
     }
 
     /// Re-enables kicks before the worker sleeps and re-checks the ring.
@@ -200,15 +215,8 @@ impl RingShadow {
         mem: &M,
     ) -> Result<bool, RingError> {
         if queue.event_idx_enabled() {
-            let next_avail = queue.next_avail();
-            if self.avail_event != Some(next_avail) {
-                let addr = GuestAddress(queue.used_ring())
-                    .checked_add(RING_HEADER + USED_ELEM * u64::from(queue.size()))
-                    .ok_or(RingError::Memory)?;
-                mem.store(u16::to_le(next_avail), addr, Ordering::Relaxed)
-                    .map_err(|_| RingError::Memory)?;
-                self.avail_event = Some(next_avail);
-            }
+            self.set_avail_event(queue, mem, queue.next_avail())?;
+            self.kicks_off = false;
         } else {
             self.set_used_flags(queue, mem, 0)?;
         }
@@ -216,6 +224,25 @@ impl RingShadow {
         // driver writes avail->idx, full barrier, reads our flag/event.
         fence(Ordering::SeqCst);
         self.avail_pending(queue, mem)
+    }
+
+    /// Writes `avail_event` (the used ring's trailing field) unless it
+    /// already holds `value`.
+    fn set_avail_event<M: GuestMemory>(
+        &mut self,
+        queue: &Queue,
+        mem: &M,
+        value: u16,
+    ) -> Result<(), RingError> {
+        if self.avail_event != Some(value) {
+            let addr = GuestAddress(queue.used_ring())
+                .checked_add(RING_HEADER + USED_ELEM * u64::from(queue.size()))
+                .ok_or(RingError::Memory)?;
+            mem.store(u16::to_le(value), addr, Ordering::Relaxed)
+                .map_err(|_| RingError::Memory)?;
+            self.avail_event = Some(value);
+        }
+        Ok(())
     }
 
     /// Reads `avail->idx` (acquire) and tells whether it moved past `next_avail`.

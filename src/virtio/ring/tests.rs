@@ -256,19 +256,35 @@ fn kicks_with_event_idx_use_avail_event() {
     d.queue.set_event_idx(true);
     let mut shadow = RingShadow::default();
     shadow.reset(&d.queue);
-    mem.write_obj(0x5a5au16, d.avail_event_addr()).unwrap();
+    // The driver's vring_need_event(): kick iff avail_event is in [old, new).
+    let kicks = |d: &Driver, old: u16, new: u16| {
+        new.wrapping_sub(d.avail_event()).wrapping_sub(1) < new.wrapping_sub(old)
+    };
     shadow.disable_kicks(&d.queue, &mem).unwrap();
-    // Nothing written: used->flags stays clear, avail_event stays behind.
-    assert_eq!((d.used_flags(), d.avail_event()), (0, 0x5a5a));
+    // used->flags stays clear; avail_event goes one behind next_avail, so
+    // that no request the driver can add kicks, the first one included.
+    assert_eq!((d.used_flags(), d.avail_event()), (0, 0xffff));
+    assert!((1..=16).all(|n| !kicks(&d, 0, n)));
     post(&mut d, 3);
     pop_all(&mut shadow, &mut d);
     assert!(!shadow.enable_kicks(&d.queue, &mem).unwrap());
     assert_eq!(d.avail_event(), 3);
     assert_eq!(d.used_flags(), 0);
+    assert!(kicks(&d, 3, 4), "enabled: the next request kicks");
     // Unchanged next_avail: not written again.
     mem.write_obj(0x5a5au16, d.avail_event_addr()).unwrap();
     assert!(!shadow.enable_kicks(&d.queue, &mem).unwrap());
     assert_eq!(d.avail_event(), 0x5a5a);
+    mem.write_obj(3u16, d.avail_event_addr()).unwrap();
+    shadow.disable_kicks(&d.queue, &mem).unwrap();
+    assert_eq!(d.avail_event(), 2);
+    assert!(!kicks(&d, 3, 4) && !kicks(&d, 3, 19));
+    // Popping while off leaves it behind, unwritten.
+    post(&mut d, 2);
+    pop_all(&mut shadow, &mut d);
+    shadow.disable_kicks(&d.queue, &mem).unwrap();
+    assert_eq!(d.avail_event(), 2);
+    assert!(!kicks(&d, 5, 6));
 }
 
 /// The driver posts between the device's last pop and its re-enabling
