@@ -12,7 +12,9 @@
 //!    back to 1;
 //! 3. publish what completed inline (errors, GET_ID) and, with
 //!    `--signal late`, what the ring completed meanwhile;
-//! 4. when the ring is empty: busy-poll for `--poll-us`, else re-enable
+//! 4. when the ring is empty: busy-poll for up to `--poll-us` (a window
+//!    for the guest's next request when nothing is in flight, another for
+//!    the device while something is: [`super::poll`]), else re-enable
 //!    kicks, re-check the ring, and only then sleep.
 //!
 //! QoS ([`crate::qos`]) sits between parse and engine: a request the
@@ -27,8 +29,8 @@
 //! they cannot be put back on the avail ring.
 //!
 //! A worker whose thread serves other queues too (`--threads`) takes
-//! turns: after a pass has taken [`WorkerConfig::queue_size`] requests with
-//! more waiting, it writes its resume eventfd and returns, so the thread's
+//! turns: after a pass has taken [`TURN`] requests with more waiting, it
+//! writes its resume eventfd and returns, so the thread's
 //! epoll gets round to the other queues' events before it comes back. Such
 //! a worker does not busy-poll: spinning on one queue would hold back the
 //! others' events (polling all of a thread's queues together is not
@@ -70,7 +72,7 @@ use crate::virtio::{DeviceLimits, GuestMem, Request, RequestKind};
 use crate::{info_limited, warn_limited};
 
 use super::inflight::InflightQueue;
-use super::poll::{AdaptivePoll, CpuClaim, Outcome, PREEMPT_GAP};
+use super::poll::{AdaptivePoll, CpuClaim, Outcome, PREEMPT_GAP, Wait};
 use super::resubmit::Replay;
 
 pub type Vring = VringMutex<GuestMemoryAtomic<GuestMem>>;
@@ -81,6 +83,13 @@ pub type Vring = VringMutex<GuestMemoryAtomic<GuestMem>>;
 /// its successor waits for that rather than fail the requests it
 /// resubmits.
 const LOCK_WAIT: Duration = Duration::from_secs(3);
+
+/// Requests a worker whose thread serves other queues takes in one pass
+/// before it lets them have a turn. A queue waits at most this many of each
+/// thread-mate's requests: with a ring's worth (256) for a turn, two
+/// page-cache-fed queues on one thread saw a 1.2 ms p99 on a 16-CPU machine
+/// (docs/BENCHMARKS.md). The price is three syscalls per turn.
+pub const TURN: usize = 32;
 
 /// Settings shared by all workers of a device.
 #[derive(Debug)]
@@ -336,9 +345,9 @@ impl<E: Engine> QueueWorker<E> {
         let cfg = self.cfg.clone();
         let stopping = || cfg.stopping.load(Ordering::Relaxed);
         // Requests taken this pass: a worker that shares its thread yields
-        // once it has taken a ring's worth with more waiting.
+        // once it has taken a turn's worth with more waiting.
         let mut taken = 0usize;
-        let budget = usize::from(cfg.queue_size);
+        let budget = TURN.min(usize::from(cfg.queue_size));
         loop {
             if self.cfg.signal == SignalMode::Early {
                 self.complete(&mut state, &mem)?;
@@ -396,7 +405,7 @@ impl<E: Engine> QueueWorker<E> {
                 self.wait_engine();
                 continue;
             }
-            self.poll.sleeping();
+            self.poll.sleeping(self.awaiting());
             return Ok(());
         }
     }
@@ -525,13 +534,14 @@ impl<E: Engine> QueueWorker<E> {
         if self.resume.is_some() {
             return Ok(false);
         }
-        let Some(window) = self.poll.window() else {
+        let wait = self.awaiting();
+        let Some(window) = self.poll.window(wait) else {
             return Ok(false);
         };
         let checks = self.poll.checks();
         if checks && self.poll.preempted_since() {
             QueueMetrics::add(&self.metrics.poll_preempted, 1);
-            self.poll.ended(Outcome::Preempted);
+            self.poll.ended(wait, Outcome::Preempted);
             return Ok(false);
         }
         let _claim = if checks {
@@ -582,8 +592,17 @@ impl<E: Engine> QueueWorker<E> {
             Outcome::Preempted => QueueMetrics::add(&self.metrics.poll_preempted, 1),
             Outcome::Expired => {}
         }
-        self.poll.ended(outcome);
+        self.poll.ended(wait, outcome);
         Ok(outcome == Outcome::Found)
+    }
+
+    /// What this worker would poll or sleep for now.
+    fn awaiting(&self) -> Wait {
+        if self.engine.in_flight() > 0 {
+            Wait::Device
+        } else {
+            Wait::Guest
+        }
     }
 
     fn wait_engine(&mut self) {
