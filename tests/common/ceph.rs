@@ -45,10 +45,21 @@ extern "C" fn stop_at_exit() {
 
 /// Starts `scripts/ceph-cluster.sh start DIR`; the error has its output.
 pub fn start(dir: &Path) -> Result<Cluster, String> {
+    start_with(dir, &[])
+}
+
+/// Starts a cluster with cephx authentication (`start DIR --cephx`): its
+/// `ceph.conf` names `DIR/keyring`, which holds client.admin's key.
+pub fn start_cephx(dir: &Path) -> Result<Cluster, String> {
+    start_with(dir, &["--cephx"])
+}
+
+fn start_with(dir: &Path, flags: &[&str]) -> Result<Cluster, String> {
     let started = Instant::now();
     let out = Command::new(script())
         .arg("start")
         .arg(dir)
+        .args(flags)
         .output()
         .map_err(|e| format!("running {}: {e}", script().display()))?;
     if !out.status.success() {
@@ -61,7 +72,8 @@ pub fn start(dir: &Path) -> Result<Cluster, String> {
         ));
     }
     eprintln!(
-        "ceph cluster in {} started in {:.1} s",
+        "ceph cluster{} in {} started in {:.1} s",
+        flags.iter().map(|f| format!(" {f}")).collect::<String>(),
         dir.display(),
         started.elapsed().as_secs_f64()
     );
@@ -79,6 +91,16 @@ pub fn stop(dir: &Path) {
         .output()
         .expect("running ceph-cluster.sh stop");
     assert!(out.status.success(), "ceph-cluster.sh stop failed: {out:?}");
+}
+
+/// Stops the cluster in its directory when dropped: a test's own cluster
+/// does not outlive a failed assertion.
+pub struct StopOnDrop(pub PathBuf);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        let _ = Command::new(script()).arg("stop").arg(&self.0).output();
+    }
 }
 
 /// The binary's shared cluster, started on first use. Panics (failing the
@@ -117,6 +139,23 @@ impl Cluster {
             String::from_utf8_lossy(&out.stderr)
         );
         out
+    }
+
+    /// Runs `ceph -c CONF ARGS` (with a deadline); panics unless it
+    /// succeeds; returns its stdout.
+    pub fn ceph(&self, args: &[&str]) -> Vec<u8> {
+        let out = Command::new("timeout")
+            .args(["60", "ceph", "--connect-timeout", "30", "-c"])
+            .arg(&self.conf)
+            .args(args)
+            .output()
+            .expect("running ceph");
+        assert!(
+            out.status.success(),
+            "ceph {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
     }
 
     /// Creates an image of `size_mib` MiB with a name of its own; returns
