@@ -9,7 +9,10 @@
 //!   opens new ones under the filter;
 //! - bad input: a missing image or pool, a bad `rbd:` spec, a cluster that
 //!   does not answer (the daemon fails at start, in one line, within the
-//!   timeout instead of hanging).
+//!   timeout instead of hanging);
+//! - cephx (a cluster of its own with authentication on): a user without
+//!   caps on the image's pool, and a wrong key, fail at start in one line
+//!   that says permission denied; the admin serves the image.
 //!
 //! `RINGBLK_RBD_STRACE=FILE` runs the data tests with `--seccomp off` and
 //! `strace -f` attached to the daemon after start-up, writing FILE: how the
@@ -85,6 +88,13 @@ fn serve_fails(args: &[&str]) -> (String, Duration) {
     );
     assert!(!sock.exists(), "a failed start left its socket behind");
     (stderr, elapsed)
+}
+
+/// The daemon's stderr, which must be one line, its error.
+fn only_line(stderr: &str) -> &str {
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "not one line:\n{stderr}");
+    error_line(stderr)
 }
 
 /// The one line the daemon printed as its error.
@@ -359,4 +369,93 @@ fn a_cluster_that_goes_away_fails_requests_and_the_daemon_goes_on() {
     drop(cl);
     let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(40));
     assert_eq!(st.code(), Some(0), "exit after SIGTERM: {st}\n{}", d.log());
+}
+
+/// With cephx on: a user whose caps cover another pool only is refused
+/// the image, and a user with a wrong key is refused at connect; each gets
+/// one line saying permission denied, at once. The admin's key (the
+/// keyring `ceph.conf` names) serves the image, under the filter.
+#[test]
+fn permission_denied_and_a_wrong_key_fail_at_start_in_one_line() {
+    let dir = common::test_dir();
+    let cdir = dir.path().join("cluster");
+    let _stop = ceph::StopOnDrop(cdir.clone());
+    let own = ceph::start_cephx(&cdir).unwrap_or_else(|e| panic!("{e}"));
+    let image = own.create_image(8);
+    let spec = format!("rbd:{image}");
+    own.ceph(&["osd", "pool", "create", "otherpool", "8", "8"]);
+    let key = own.ceph(&[
+        "auth",
+        "get-or-create",
+        "client.limited",
+        "mon",
+        "profile rbd",
+        "osd",
+        "profile rbd pool=otherpool",
+    ]);
+    // A configuration for client.limited: the cluster's, with a keyring
+    // of its own.
+    let shared = std::fs::read_to_string(&own.conf).expect("reading ceph.conf");
+    let conf_with = |name: &str, keyring: &[u8]| {
+        let path = dir.path().join(format!("{name}.keyring"));
+        std::fs::write(&path, keyring).expect("writing a keyring");
+        let conf = dir.path().join(format!("{name}.conf"));
+        std::fs::write(
+            &conf,
+            format!("{shared}\n[client]\nkeyring = {}\n", path.display()),
+        )
+        .expect("writing ceph.conf");
+        conf
+    };
+
+    let limited = conf_with("limited", &key);
+    let (err, took) = serve_fails(&[
+        "--image",
+        &spec,
+        "--ceph-conf",
+        conf_str(&limited),
+        "--ceph-id",
+        "limited",
+    ]);
+    assert_eq!(
+        only_line(&err),
+        format!(
+            "ringblk: {spec}: permission denied by the cluster for client.limited (opening image '{image}'); check its key and caps"
+        )
+    );
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+
+    let wrong = Command::new("ceph-authtool")
+        .arg("--gen-print-key")
+        .output()
+        .expect("ceph-authtool");
+    assert!(wrong.status.success(), "{wrong:?}");
+    let wrong = String::from_utf8_lossy(&wrong.stdout);
+    let wrong_key = conf_with(
+        "wrong",
+        format!("[client.limited]\n\tkey = {}\n", wrong.trim()).as_bytes(),
+    );
+    let (err, took) = serve_fails(&[
+        "--image",
+        &spec,
+        "--ceph-conf",
+        conf_str(&wrong_key),
+        "--ceph-id",
+        "limited",
+    ]);
+    let line = only_line(&err);
+    assert!(
+        line.starts_with(&format!(
+            "ringblk: {spec}: permission denied by the cluster for client.limited: authentication failed"
+        )),
+        "{line}"
+    );
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+
+    // The admin may: cephx itself works for the daemon, under the filter.
+    let d = start_rbd_with(&own.conf, &image, &[]);
+    let mut cl = Client::connect(&d.socket, CHUNK);
+    let seed = 0xce9f;
+    assert_eq!(cl.write(MIB, &pattern(seed, MIB, CHUNK)), 0, "write");
+    assert_pattern("read back", seed, MIB, &cl.read(MIB, CHUNK));
 }
