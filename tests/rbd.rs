@@ -10,6 +10,8 @@
 //! - bad input: a missing image or pool, a bad `rbd:` spec, a cluster that
 //!   does not answer (the daemon fails at start, in one line, within the
 //!   timeout instead of hanging);
+//! - `--readonly`: the image opened read-only (no watch), VIRTIO_BLK_F_RO,
+//!   reads served, a write refused with IOERR and the image unchanged;
 //! - cephx (a cluster of its own with authentication on): a user without
 //!   caps on the image's pool, and a wrong key, fail at start in one line
 //!   that says permission denied; the admin serves the image.
@@ -21,6 +23,7 @@
 #[path = "common/ceph.rs"]
 mod ceph;
 mod common;
+mod frontend;
 
 use std::path::Path;
 use std::process::Command;
@@ -458,4 +461,55 @@ fn permission_denied_and_a_wrong_key_fail_at_start_in_one_line() {
     let seed = 0xce9f;
     assert_eq!(cl.write(MIB, &pattern(seed, MIB, CHUNK)), 0, "write");
     assert_pattern("read back", seed, MIB, &cl.read(MIB, CHUNK));
+}
+
+/// `--readonly` opens the image with rbd_open_read_only (no watch on its
+/// header, unlike a read-write open), offers VIRTIO_BLK_F_RO, serves
+/// reads, and answers a write with IOERR, leaving the image as it was.
+/// libblkio refuses writes on a read-only device itself (EBADF), so the
+/// write comes from the hand-written front-end (`frontend`).
+#[test]
+fn readonly_opens_the_image_read_only_and_refuses_writes() {
+    use ringblk::virtio::chain_writer::{readable as r, writable as w};
+    const F_RO: u64 = 1 << 5;
+    const T_OUT: u32 = 1;
+    const S_IOERR: u8 = 1;
+    let (ring, hdr, buf, status) = (0x10_0000, 0x20_0000, 0x20_1000, 0x20_3000);
+
+    let c = ceph::cluster();
+    let seed = 0x0440_0000;
+    let size = 8 * MIB as usize;
+    let data = pattern(seed, 0, size);
+    let image = c.import_image(&data);
+    let mut d = start_rbd(&image, &["--readonly"]);
+    assert_eq!(c.watchers(&image), None, "a read-only open watches nothing");
+    {
+        let mut cl = Client::connect_read_only(&d.socket, CHUNK);
+        assert_eq!(cl.capacity, size as u64);
+        assert_pattern("read", seed, MIB, &cl.read(MIB, CHUNK));
+        assert_eq!(cl.flush(), 0, "flush");
+    }
+    {
+        let g = frontend::Guest::new();
+        let conn = frontend::Conn::connect(&d.socket);
+        let features = conn.handshake(0);
+        assert_ne!(features & F_RO, 0, "VIRTIO_BLK_F_RO in {features:#x}");
+        g.share(&conn);
+        let mut vq = frontend::Vq::new(0, 64, ring);
+        vq.setup(&conn, &g);
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&T_OUT.to_le_bytes());
+        h[8..16].copy_from_slice(&(MIB >> 9).to_le_bytes());
+        g.write(hdr, &h);
+        g.write(buf, &pattern(!seed, MIB, 4096));
+        g.write(status, &[0xff]);
+        vq.post(&g, &[r(hdr, 16), r(buf, 4096), w(status, 1)]);
+        vq.one_used(&g);
+        assert_eq!(g.byte(status), S_IOERR, "a write to a read-only export");
+    }
+    let mut cl = Client::connect_read_only(&d.socket, CHUNK);
+    assert_pattern("read after the write", seed, MIB, &cl.read(MIB, CHUNK));
+    drop(cl);
+    d.assert_running();
+    assert!(c.read_image(&image, 0, size) == data, "the image changed");
 }

@@ -170,6 +170,30 @@ impl Cluster {
         name
     }
 
+    /// Creates an image holding `data` (`rbd import`); returns
+    /// `pool/name`.
+    pub fn import_image(&self, data: &[u8]) -> String {
+        let name = format!(
+            "rbd/t{}-{}",
+            std::process::id(),
+            NEXT_IMAGE.fetch_add(1, Ordering::Relaxed)
+        );
+        let file =
+            tempfile::NamedTempFile::new_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary file");
+        std::fs::write(file.path(), data).expect("writing the image's data");
+        let path = file.path().to_str().expect("UTF-8 path");
+        self.rbd(&["import", "--no-progress", path, &name]);
+        name
+    }
+
+    /// What `rbd status` says of the image's watchers: `None` when it has
+    /// none, else the watcher lines.
+    pub fn watchers(&self, image: &str) -> Option<String> {
+        let out = self.rbd(&["status", image]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        (!text.contains("Watchers: none")).then_some(text)
+    }
+
     /// The image's bytes `[off, off + len)`, read with `rbd export`: an
     /// independent check of what the daemon wrote.
     pub fn read_image(&self, image: &str, off: u64, len: usize) -> Vec<u8> {
