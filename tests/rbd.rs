@@ -12,6 +12,9 @@
 //!   timeout instead of hanging);
 //! - `--readonly`: the image opened read-only (no watch), VIRTIO_BLK_F_RO,
 //!   reads served, a write refused with IOERR and the image unchanged;
+//! - SIGTERM closes the image: no watcher is left, and a daemon started
+//!   on an exclusive-lock image at once writes without waiting for the
+//!   OSD to time the old watch out;
 //! - cephx (a cluster of its own with authentication on): a user without
 //!   caps on the image's pool, and a wrong key, fail at start in one line
 //!   that says permission denied; the admin serves the image.
@@ -512,4 +515,46 @@ fn readonly_opens_the_image_read_only_and_refuses_writes() {
     drop(cl);
     d.assert_running();
     assert!(c.read_image(&image, 0, size) == data, "the image changed");
+}
+
+/// SIGTERM closes the image handles and the cluster connection, while a
+/// front-end is connected and between connections: `rbd status` shows no
+/// watcher right after the exit, and a daemon started at once on the
+/// exclusive-lock image writes in well under the test cluster's `osd
+/// client watch timeout` (8 s), which a handle left open would cost it.
+#[test]
+fn sigterm_closes_the_image_so_a_restarted_daemon_writes_at_once() {
+    let c = ceph::cluster();
+    let image = c.create_image(8);
+    let seed = 0x51e7;
+    let mut d = start_rbd(&image, &[]);
+    let mut cl = Client::connect(&d.socket, CHUNK);
+    assert_eq!(cl.write(0, &pattern(seed, 0, CHUNK)), 0, "write");
+    assert!(c.watchers(&image).is_some(), "a read-write open watches");
+    // Stopped while the front-end is connected.
+    let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+    drop(cl);
+    assert_eq!(st.code(), Some(0), "exit after SIGTERM: {st}\n{}", d.log());
+    assert!(!d.log().contains("not allowed"), "trapped:\n{}", d.log());
+    let left = c.watchers(&image);
+
+    // The next daemon's first write: it takes the exclusive lock.
+    let mut d = start_rbd(&image, &[]);
+    let mut cl = Client::connect(&d.socket, 2 * CHUNK);
+    let started = Instant::now();
+    assert_eq!(
+        cl.write(CHUNK as u64, &pattern(seed, CHUNK as u64, CHUNK)),
+        0
+    );
+    let first = started.elapsed();
+    eprintln!("restarted daemon's first write took {first:?}; watchers left: {left:?}");
+    assert_eq!(left, None, "the stopped daemon left its watch");
+    assert!(first < Duration::from_secs(2), "first write took {first:?}");
+    assert_pattern("read back", seed, 0, &cl.read(0, 2 * CHUNK));
+    // Stopped between connections.
+    drop(cl);
+    let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+    assert_eq!(st.code(), Some(0), "exit after SIGTERM: {st}\n{}", d.log());
+    assert!(d.log().contains("image closed"), "{}", d.log());
+    assert_eq!(c.watchers(&image), None, "the watch after an idle SIGTERM");
 }
