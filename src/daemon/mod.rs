@@ -252,7 +252,6 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // code that gained control could not make a ring of its own. Each
     // connection borrows them and gives them back.
     let capacity = usize::from(cfg.args.queue_size);
-    let name = cfg.backing.name();
     match (cfg.args.engine, cfg.backing) {
         (EngineKind::Null, _) => {
             conn.serve(park(engines(&metrics, |_| Ok(NullEngine::new(capacity)))?))
@@ -265,6 +264,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         // filter; the filter then covers them as well (TSYNC).
         #[cfg(feature = "rbd")]
         (EngineKind::Uring, config::Backing::Rbd(disk)) => {
+            let name = disk.opts.spec.to_string();
             if cfg.args.queues > 1 && disk.exclusive_lock() {
                 log::warn!(
                     "{name} has the exclusive-lock feature: its {} queues each open it, and pass the lock between them when writing at once",
