@@ -5,9 +5,13 @@
 # No systemd, no root needed once the packages are installed
 # (scripts/ceph-deps.sh).
 #
-#   scripts/ceph-cluster.sh start DIR   stop whatever runs from DIR, wipe it,
+#   scripts/ceph-cluster.sh start DIR [--cephx]
+#                                       stop whatever runs from DIR, wipe it,
 #                                       start afresh; creates pool `rbd`;
-#                                       prints `conf=DIR/ceph.conf` last
+#                                       prints `conf=DIR/ceph.conf` last.
+#                                       --cephx: authentication on (cephx),
+#                                       keys in DIR/keyring (client.admin's
+#                                       among them), which ceph.conf names
 #   scripts/ceph-cluster.sh stop DIR    kill the daemons started from DIR
 #
 # CEPH_MON_PORT picks the monitor's port (default: a free one).
@@ -20,12 +24,19 @@ die() {
     exit 1
 }
 
-usage() { die "usage: $0 start|stop DIR"; }
-[ $# -eq 2 ] || usage
+usage() { die "usage: $0 start DIR [--cephx] | stop DIR"; }
+[ $# -ge 2 ] || usage
 cmd=$1
 mkdir -p "$2"
 dir=$(cd "$2" && pwd)
 conf=$dir/ceph.conf
+keyring=$dir/keyring
+auth=none
+case "$cmd ${3-}" in
+"start --cephx") [ $# -eq 3 ] || usage; auth=cephx ;;
+"start " | "stop ") [ $# -eq 2 ] || usage ;;
+*) usage ;;
+esac
 
 stop() {
     local pidfile pid n
@@ -62,23 +73,26 @@ free_port() {
 c() { timeout 30 ceph -c "$conf" --connect-timeout 20 "$@"; }
 
 start() {
-    for tool in ceph-mon ceph-mgr ceph-osd ceph monmaptool uuidgen ss; do
+    for tool in ceph-mon ceph-mgr ceph-osd ceph ceph-authtool monmaptool uuidgen ss; do
         command -v "$tool" >/dev/null || die "$tool is missing (scripts/ceph-deps.sh installs it)"
     done
     stop
-    rm -rf "${dir:?}"/{mon,mgr,osd,run,log,monmap,ceph.conf}
+    rm -rf "${dir:?}"/{mon,mgr,osd,run,log,monmap,ceph.conf,keyring}
     mkdir -p "$dir"/{mon,mgr,osd,run,log}
     local port fsid uuid
     port=${CEPH_MON_PORT:-$(free_port)}
     fsid=$(uuidgen)
+    local keyring_line=""
+    [ "$auth" = none ] || keyring_line="keyring = $keyring"
     cat >"$conf" <<EOF
 [global]
 fsid = $fsid
 mon host = v2:127.0.0.1:$port
 public network = 127.0.0.0/8
-auth cluster required = none
-auth service required = none
-auth client required = none
+auth cluster required = $auth
+auth service required = $auth
+auth client required = $auth
+$keyring_line
 auth allow insecure global id reclaim = false
 osd pool default size = 1
 osd pool default min size = 1
@@ -114,7 +128,20 @@ mgr initial modules =
 debug ms = 0
 EOF
     monmaptool --create --fsid "$fsid" --addv a "[v2:127.0.0.1:$port]" "$dir/monmap" >/dev/null
-    ceph-mon -c "$conf" -i a --mkfs --monmap "$dir/monmap" >>"$dir/log/setup.log" 2>&1 ||
+    local mkfs_keyring=()
+    if [ "$auth" = cephx ]; then
+        # One keyring for every daemon and the admin; the monitor imports
+        # all of it into its auth database at --mkfs. The OSD's key is
+        # added once its id is known.
+        ceph-authtool --create-keyring "$keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
+        ceph-authtool "$keyring" --gen-key -n client.admin \
+            --cap mon 'allow *' --cap osd 'allow *' --cap mgr 'allow *' --cap mds 'allow *' >/dev/null
+        ceph-authtool "$keyring" --gen-key -n mgr.x \
+            --cap mon 'allow profile mgr' --cap osd 'allow *' --cap mds 'allow *' >/dev/null
+        chmod 600 "$keyring"
+        mkfs_keyring=(--keyring "$keyring")
+    fi
+    ceph-mon -c "$conf" -i a --mkfs --monmap "$dir/monmap" "${mkfs_keyring[@]}" >>"$dir/log/setup.log" 2>&1 ||
         die "ceph-mon --mkfs failed (see $dir/log)"
     local status=0
     ceph-mon -c "$conf" -i a >>"$dir/log/setup.log" 2>&1 || status=$?
@@ -126,6 +153,10 @@ EOF
     local id
     id=$(c osd new "$uuid") || die "the monitor does not answer (see $dir/log)"
     mkdir -p "$dir/osd/osd.$id"
+    if [ "$auth" = cephx ]; then
+        c auth get-or-create "osd.$id" mon 'allow profile osd' mgr 'allow profile osd' \
+            osd 'allow *' >>"$keyring" || die "creating the key of osd.$id failed"
+    fi
     ceph-osd -c "$conf" -i "$id" --mkfs --osd-uuid "$uuid" >>"$dir/log/setup.log" 2>&1 ||
         die "ceph-osd --mkfs failed (see $dir/log)"
     ceph-osd -c "$conf" -i "$id" >>"$dir/log/setup.log" 2>&1 || die "ceph-osd failed (see $dir/log)"
@@ -147,5 +178,4 @@ EOF
 case $cmd in
 start) start ;;
 stop) stop ;;
-*) usage ;;
 esac

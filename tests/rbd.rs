@@ -9,7 +9,15 @@
 //!   opens new ones under the filter;
 //! - bad input: a missing image or pool, a bad `rbd:` spec, a cluster that
 //!   does not answer (the daemon fails at start, in one line, within the
-//!   timeout instead of hanging).
+//!   timeout instead of hanging);
+//! - `--readonly`: the image opened read-only (no watch), VIRTIO_BLK_F_RO,
+//!   reads served, a write refused with IOERR and the image unchanged;
+//! - SIGTERM closes the image: no watcher is left, and a daemon started
+//!   on an exclusive-lock image at once writes without waiting for the
+//!   OSD to time the old watch out;
+//! - cephx (a cluster of its own with authentication on): a user without
+//!   caps on the image's pool, and a wrong key, fail at start in one line
+//!   that says permission denied; the admin serves the image.
 //!
 //! `RINGBLK_RBD_STRACE=FILE` runs the data tests with `--seccomp off` and
 //! `strace -f` attached to the daemon after start-up, writing FILE: how the
@@ -18,6 +26,7 @@
 #[path = "common/ceph.rs"]
 mod ceph;
 mod common;
+mod frontend;
 
 use std::path::Path;
 use std::process::Command;
@@ -85,6 +94,13 @@ fn serve_fails(args: &[&str]) -> (String, Duration) {
     );
     assert!(!sock.exists(), "a failed start left its socket behind");
     (stderr, elapsed)
+}
+
+/// The daemon's stderr, which must be one line, its error.
+fn only_line(stderr: &str) -> &str {
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "not one line:\n{stderr}");
+    error_line(stderr)
 }
 
 /// The one line the daemon printed as its error.
@@ -359,4 +375,186 @@ fn a_cluster_that_goes_away_fails_requests_and_the_daemon_goes_on() {
     drop(cl);
     let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(40));
     assert_eq!(st.code(), Some(0), "exit after SIGTERM: {st}\n{}", d.log());
+}
+
+/// With cephx on: a user whose caps cover another pool only is refused
+/// the image, and a user with a wrong key is refused at connect; each gets
+/// one line saying permission denied, at once. The admin's key (the
+/// keyring `ceph.conf` names) serves the image, under the filter.
+#[test]
+fn permission_denied_and_a_wrong_key_fail_at_start_in_one_line() {
+    let dir = common::test_dir();
+    let cdir = dir.path().join("cluster");
+    let _stop = ceph::StopOnDrop(cdir.clone());
+    let own = ceph::start_cephx(&cdir).unwrap_or_else(|e| panic!("{e}"));
+    let image = own.create_image(8);
+    let spec = format!("rbd:{image}");
+    own.ceph(&["osd", "pool", "create", "otherpool", "8", "8"]);
+    let key = own.ceph(&[
+        "auth",
+        "get-or-create",
+        "client.limited",
+        "mon",
+        "profile rbd",
+        "osd",
+        "profile rbd pool=otherpool",
+    ]);
+    // A configuration for client.limited: the cluster's, with a keyring
+    // of its own.
+    let shared = std::fs::read_to_string(&own.conf).expect("reading ceph.conf");
+    let conf_with = |name: &str, keyring: &[u8]| {
+        let path = dir.path().join(format!("{name}.keyring"));
+        std::fs::write(&path, keyring).expect("writing a keyring");
+        let conf = dir.path().join(format!("{name}.conf"));
+        std::fs::write(
+            &conf,
+            format!("{shared}\n[client]\nkeyring = {}\n", path.display()),
+        )
+        .expect("writing ceph.conf");
+        conf
+    };
+
+    let limited = conf_with("limited", &key);
+    let (err, took) = serve_fails(&[
+        "--image",
+        &spec,
+        "--ceph-conf",
+        conf_str(&limited),
+        "--ceph-id",
+        "limited",
+    ]);
+    assert_eq!(
+        only_line(&err),
+        format!(
+            "ringblk: {spec}: permission denied by the cluster for client.limited (opening image '{image}'); check its key and caps"
+        )
+    );
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+
+    let wrong = Command::new("ceph-authtool")
+        .arg("--gen-print-key")
+        .output()
+        .expect("ceph-authtool");
+    assert!(wrong.status.success(), "{wrong:?}");
+    let wrong = String::from_utf8_lossy(&wrong.stdout);
+    let wrong_key = conf_with(
+        "wrong",
+        format!("[client.limited]\n\tkey = {}\n", wrong.trim()).as_bytes(),
+    );
+    let (err, took) = serve_fails(&[
+        "--image",
+        &spec,
+        "--ceph-conf",
+        conf_str(&wrong_key),
+        "--ceph-id",
+        "limited",
+    ]);
+    let line = only_line(&err);
+    assert!(
+        line.starts_with(&format!(
+            "ringblk: {spec}: permission denied by the cluster for client.limited: authentication failed"
+        )),
+        "{line}"
+    );
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+
+    // The admin may: cephx itself works for the daemon, under the filter.
+    let d = start_rbd_with(&own.conf, &image, &[]);
+    let mut cl = Client::connect(&d.socket, CHUNK);
+    let seed = 0xce9f;
+    assert_eq!(cl.write(MIB, &pattern(seed, MIB, CHUNK)), 0, "write");
+    assert_pattern("read back", seed, MIB, &cl.read(MIB, CHUNK));
+}
+
+/// `--readonly` opens the image with rbd_open_read_only (no watch on its
+/// header, unlike a read-write open), offers VIRTIO_BLK_F_RO, serves
+/// reads, and answers a write with IOERR, leaving the image as it was.
+/// libblkio refuses writes on a read-only device itself (EBADF), so the
+/// write comes from the hand-written front-end (`frontend`).
+#[test]
+fn readonly_opens_the_image_read_only_and_refuses_writes() {
+    use ringblk::virtio::chain_writer::{readable as r, writable as w};
+    const F_RO: u64 = 1 << 5;
+    const T_OUT: u32 = 1;
+    const S_IOERR: u8 = 1;
+    let (ring, hdr, buf, status) = (0x10_0000, 0x20_0000, 0x20_1000, 0x20_3000);
+
+    let c = ceph::cluster();
+    let seed = 0x0440_0000;
+    let size = 8 * MIB as usize;
+    let data = pattern(seed, 0, size);
+    let image = c.import_image(&data);
+    let mut d = start_rbd(&image, &["--readonly"]);
+    assert_eq!(c.watchers(&image), None, "a read-only open watches nothing");
+    {
+        let mut cl = Client::connect_read_only(&d.socket, CHUNK);
+        assert_eq!(cl.capacity, size as u64);
+        assert_pattern("read", seed, MIB, &cl.read(MIB, CHUNK));
+        assert_eq!(cl.flush(), 0, "flush");
+    }
+    {
+        let g = frontend::Guest::new();
+        let conn = frontend::Conn::connect(&d.socket);
+        let features = conn.handshake(0);
+        assert_ne!(features & F_RO, 0, "VIRTIO_BLK_F_RO in {features:#x}");
+        g.share(&conn);
+        let mut vq = frontend::Vq::new(0, 64, ring);
+        vq.setup(&conn, &g);
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&T_OUT.to_le_bytes());
+        h[8..16].copy_from_slice(&(MIB >> 9).to_le_bytes());
+        g.write(hdr, &h);
+        g.write(buf, &pattern(!seed, MIB, 4096));
+        g.write(status, &[0xff]);
+        vq.post(&g, &[r(hdr, 16), r(buf, 4096), w(status, 1)]);
+        vq.one_used(&g);
+        assert_eq!(g.byte(status), S_IOERR, "a write to a read-only export");
+    }
+    let mut cl = Client::connect_read_only(&d.socket, CHUNK);
+    assert_pattern("read after the write", seed, MIB, &cl.read(MIB, CHUNK));
+    drop(cl);
+    d.assert_running();
+    assert!(c.read_image(&image, 0, size) == data, "the image changed");
+}
+
+/// SIGTERM closes the image handles and the cluster connection, while a
+/// front-end is connected and between connections: `rbd status` shows no
+/// watcher right after the exit, and a daemon started at once on the
+/// exclusive-lock image writes in well under the test cluster's `osd
+/// client watch timeout` (8 s), which a handle left open would cost it.
+#[test]
+fn sigterm_closes_the_image_so_a_restarted_daemon_writes_at_once() {
+    let c = ceph::cluster();
+    let image = c.create_image(8);
+    let seed = 0x51e7;
+    let mut d = start_rbd(&image, &[]);
+    let mut cl = Client::connect(&d.socket, CHUNK);
+    assert_eq!(cl.write(0, &pattern(seed, 0, CHUNK)), 0, "write");
+    assert!(c.watchers(&image).is_some(), "a read-write open watches");
+    // Stopped while the front-end is connected.
+    let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+    drop(cl);
+    assert_eq!(st.code(), Some(0), "exit after SIGTERM: {st}\n{}", d.log());
+    assert!(!d.log().contains("not allowed"), "trapped:\n{}", d.log());
+    let left = c.watchers(&image);
+
+    // The next daemon's first write: it takes the exclusive lock.
+    let mut d = start_rbd(&image, &[]);
+    let mut cl = Client::connect(&d.socket, 2 * CHUNK);
+    let started = Instant::now();
+    assert_eq!(
+        cl.write(CHUNK as u64, &pattern(seed, CHUNK as u64, CHUNK)),
+        0
+    );
+    let first = started.elapsed();
+    eprintln!("restarted daemon's first write took {first:?}; watchers left: {left:?}");
+    assert_eq!(left, None, "the stopped daemon left its watch");
+    assert!(first < Duration::from_secs(2), "first write took {first:?}");
+    assert_pattern("read back", seed, 0, &cl.read(0, 2 * CHUNK));
+    // Stopped between connections.
+    drop(cl);
+    let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+    assert_eq!(st.code(), Some(0), "exit after SIGTERM: {st}\n{}", d.log());
+    assert!(d.log().contains("image closed"), "{}", d.log());
+    assert_eq!(c.watchers(&image), None, "the watch after an idle SIGTERM");
 }

@@ -108,6 +108,19 @@ pub enum DaemonError {
 /// the control API (`None` between connections).
 pub type Current = Arc<Mutex<Option<Arc<dyn Device>>>>;
 
+/// What the signal handler runs at shutdown, once the queues have drained,
+/// to release what the process exit alone would not (an RBD image's watch
+/// and exclusive lock); set once the engines exist.
+type Closer = Arc<Mutex<Option<Box<dyn FnOnce() + Send>>>>;
+
+/// The engines between connections; a connection takes them and puts them
+/// back. Shared with the [`Closer`], which drops them at shutdown.
+type Parked<E> = Arc<Mutex<Vec<E>>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Runs `ringblk serve` until SIGINT/SIGTERM.
 pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // First, while this is the only thread: it reads and clears the
@@ -200,10 +213,12 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         .chain(&inner.paths.removals)
         .map(Removal::dir_fd)
         .collect();
+    let closer = Closer::default();
     spawn_signal_handler(
         cfg.backing.file(),
         worker_cfg.clone(),
         current.clone(),
+        closer.clone(),
         files,
         inner.paths.clone(),
         notifier.try_clone().map_err(DaemonError::Signals)?,
@@ -237,20 +252,22 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // code that gained control could not make a ring of its own. Each
     // connection borrows them and gives them back.
     let capacity = usize::from(cfg.args.queue_size);
-    match (cfg.args.engine, &cfg.backing) {
-        (EngineKind::Null, _) => conn.serve(engines(&metrics, |_| Ok(NullEngine::new(capacity)))?),
+    match (cfg.args.engine, cfg.backing) {
+        (EngineKind::Null, _) => {
+            conn.serve(park(engines(&metrics, |_| Ok(NullEngine::new(capacity)))?))
+        }
         (EngineKind::Uring, config::Backing::File { uring, .. }) => conn
-            .serve(engines(&metrics, |m| {
+            .serve(park(engines(&metrics, |m| {
                 UringEngine::new(uring.clone(), m.clone())
-            })?),
+            })?)),
         // librbd's threads and sockets are made here too, before the
         // filter; the filter then covers them as well (TSYNC).
         #[cfg(feature = "rbd")]
         (EngineKind::Uring, config::Backing::Rbd(disk)) => {
+            let name = disk.opts.spec.to_string();
             if cfg.args.queues > 1 && disk.exclusive_lock() {
                 log::warn!(
-                    "{} has the exclusive-lock feature: its {} queues each open it, and pass the lock between them when writing at once",
-                    cfg.backing.name(),
+                    "{name} has the exclusive-lock feature: its {} queues each open it, and pass the lock between them when writing at once",
                     cfg.args.queues
                 );
             }
@@ -258,10 +275,28 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
                 .iter()
                 .map(|_| disk.engine(capacity))
                 .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| DaemonError::Config(format!("{}: {e}", cfg.backing.name())))?;
-            conn.serve(engines)
+                .map_err(|e| DaemonError::Config(format!("{name}: {e}")))?;
+            let parked = park(engines);
+            // At shutdown, after the drain: the image handles close
+            // (rbd_close gives up the watch and the exclusive lock, so a
+            // daemon started next on the image need not wait for the OSD
+            // to time the watch out), then the pool and the cluster
+            // connection, with the last handle holding them.
+            let (engines, current) = (parked.clone(), current.clone());
+            *lock(&closer) = Some(Box::new(move || {
+                if let Some(device) = lock(&current).as_ref() {
+                    device.close_engines();
+                }
+                drop(std::mem::take(&mut *lock(&engines)));
+                drop(disk);
+            }));
+            conn.serve(parked)
         }
     }
+}
+
+fn park<E>(engines: Vec<E>) -> Parked<E> {
+    Arc::new(Mutex::new(engines))
 }
 
 /// One engine per queue.
@@ -310,7 +345,7 @@ impl Connections<'_> {
     /// other, each with fresh workers over `engines`, until the process is
     /// stopped. What goes wrong with one connection is logged and the
     /// daemon waits for the next.
-    fn serve<E: Engine + 'static>(mut self, mut engines: Vec<E>) -> Result<(), DaemonError> {
+    fn serve<E: Engine + 'static>(mut self, engines: Parked<E>) -> Result<(), DaemonError> {
         // Before the filter: installing it calls rt_sigaction.
         crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
         seccomp::install(self.args.seccomp, self.profile, &self.unlink_dirs)?;
@@ -318,7 +353,7 @@ impl Connections<'_> {
         // in its backlog until the first accept, which comes next.
         self.notifier.notify("READY=1");
         loop {
-            match self.connection(&mut engines) {
+            match self.connection(&engines) {
                 Ok(()) => {}
                 Err(ConnectionError::Lost(e)) => {
                     warn_limited!(
@@ -336,13 +371,14 @@ impl Connections<'_> {
     /// and `engines` holds the engines again.
     fn connection<E: Engine + 'static>(
         &mut self,
-        engines: &mut Vec<E>,
+        engines: &Parked<E>,
     ) -> Result<(), ConnectionError> {
         let (args, worker_cfg) = (self.args, self.worker_cfg);
         let replaced = crate::vhost::sigbus::replaced_pages();
         let front = accept(self.listener, &mut self.log_limit)?;
-        let workers = engines
-            .drain(..)
+        await_exit_if_stopping(worker_cfg);
+        let workers = std::mem::take(&mut *lock(engines))
+            .into_iter()
             .zip(self.metrics)
             .enumerate()
             .map(|(i, (engine, m))| {
@@ -382,8 +418,15 @@ impl Connections<'_> {
                 "the front-end shrank its memory under its own guest: {replaced} page(s) past the end of their file were replaced with zero pages"
             );
         }
-        engines.extend(backend.take_engines());
-        if engines.len() != self.metrics.len() {
+        let back = backend.take_engines();
+        let parked = {
+            let mut engines = lock(engines);
+            engines.extend(back);
+            engines.len()
+        };
+        if parked != self.metrics.len() {
+            // The signal handler closed them and is ending the process.
+            await_exit_if_stopping(worker_cfg);
             return Err(ConnectionError::Fatal(DaemonError::Vhost(
                 "a connection's engines did not come back".into(),
             )));
@@ -459,6 +502,14 @@ impl Connections<'_> {
             }
             Err(e) => Err(DaemonError::Vhost(format!("connection ended: {e}"))),
         }
+    }
+}
+
+/// Once SIGINT/SIGTERM came, the signal handler owns the engines (it
+/// closes them) and ends the process: this thread only waits for that.
+fn await_exit_if_stopping(cfg: &WorkerConfig) {
+    while cfg.stopping.load(Ordering::Relaxed) {
+        std::thread::park();
     }
 }
 
@@ -568,11 +619,12 @@ impl Drop for InnerSocket {
 }
 
 /// SIGINT/SIGTERM: stop taking requests, finish what is in flight, make it
-/// durable, remove the socket, exit 0.
+/// durable, close what must be closed (`Closer`), remove the socket, exit 0.
 fn spawn_signal_handler(
     image: Option<&std::fs::File>,
     cfg: Arc<WorkerConfig>,
     current: Current,
+    closer: Closer,
     files: Vec<Removal>,
     inner: InnerPaths,
     notifier: Notifier,
@@ -596,6 +648,12 @@ fn spawn_signal_handler(
                 }
                 if let Some(Err(e)) = image.as_ref().map(std::fs::File::sync_data) {
                     log::error!("fdatasync of the image failed: {e}");
+                }
+                // Taken out first: the lock is not held while it runs.
+                let close = lock(&closer).take();
+                if let Some(close) = close {
+                    close();
+                    log::info!("image closed");
                 }
                 // process::exit skips destructors: remove what they would have.
                 files.iter().for_each(Removal::remove);

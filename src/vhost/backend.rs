@@ -126,6 +126,10 @@ pub trait Device: Send + Sync {
     /// capacity, after a resize). Ok(None): it gave us no back-end channel
     /// (it did not negotiate BACKEND_REQ), so it cannot be told; Ok(Some(acked)).
     fn config_changed(&self) -> io::Result<Option<bool>>;
+    /// Takes the engines out of the (drained) workers and drops them, so
+    /// that what they hold is released: at shutdown, an RBD image handle
+    /// is closed, which gives up its watch and exclusive lock.
+    fn close_engines(&self);
 }
 
 impl<E: Engine> BlkBackend<E> {
@@ -237,6 +241,12 @@ impl<E: Engine> Device for BlkBackend<E> {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         channel.map(|c| c.config_changed()).transpose()
+    }
+
+    fn close_engines(&self) {
+        for w in &self.workers {
+            drop(w.lock().unwrap_or_else(|p| p.into_inner()).take());
+        }
     }
 }
 

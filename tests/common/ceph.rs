@@ -45,10 +45,21 @@ extern "C" fn stop_at_exit() {
 
 /// Starts `scripts/ceph-cluster.sh start DIR`; the error has its output.
 pub fn start(dir: &Path) -> Result<Cluster, String> {
+    start_with(dir, &[])
+}
+
+/// Starts a cluster with cephx authentication (`start DIR --cephx`): its
+/// `ceph.conf` names `DIR/keyring`, which holds client.admin's key.
+pub fn start_cephx(dir: &Path) -> Result<Cluster, String> {
+    start_with(dir, &["--cephx"])
+}
+
+fn start_with(dir: &Path, flags: &[&str]) -> Result<Cluster, String> {
     let started = Instant::now();
     let out = Command::new(script())
         .arg("start")
         .arg(dir)
+        .args(flags)
         .output()
         .map_err(|e| format!("running {}: {e}", script().display()))?;
     if !out.status.success() {
@@ -61,7 +72,8 @@ pub fn start(dir: &Path) -> Result<Cluster, String> {
         ));
     }
     eprintln!(
-        "ceph cluster in {} started in {:.1} s",
+        "ceph cluster{} in {} started in {:.1} s",
+        flags.iter().map(|f| format!(" {f}")).collect::<String>(),
         dir.display(),
         started.elapsed().as_secs_f64()
     );
@@ -79,6 +91,16 @@ pub fn stop(dir: &Path) {
         .output()
         .expect("running ceph-cluster.sh stop");
     assert!(out.status.success(), "ceph-cluster.sh stop failed: {out:?}");
+}
+
+/// Stops the cluster in its directory when dropped: a test's own cluster
+/// does not outlive a failed assertion.
+pub struct StopOnDrop(pub PathBuf);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        let _ = Command::new(script()).arg("stop").arg(&self.0).output();
+    }
 }
 
 /// The binary's shared cluster, started on first use. Panics (failing the
@@ -119,6 +141,23 @@ impl Cluster {
         out
     }
 
+    /// Runs `ceph -c CONF ARGS` (with a deadline); panics unless it
+    /// succeeds; returns its stdout.
+    pub fn ceph(&self, args: &[&str]) -> Vec<u8> {
+        let out = Command::new("timeout")
+            .args(["60", "ceph", "--connect-timeout", "30", "-c"])
+            .arg(&self.conf)
+            .args(args)
+            .output()
+            .expect("running ceph");
+        assert!(
+            out.status.success(),
+            "ceph {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    }
+
     /// Creates an image of `size_mib` MiB with a name of its own; returns
     /// `pool/name`.
     pub fn create_image(&self, size_mib: u64) -> String {
@@ -129,6 +168,30 @@ impl Cluster {
         );
         self.rbd(&["create", "--size", &format!("{size_mib}M"), &name]);
         name
+    }
+
+    /// Creates an image holding `data` (`rbd import`); returns
+    /// `pool/name`.
+    pub fn import_image(&self, data: &[u8]) -> String {
+        let name = format!(
+            "rbd/t{}-{}",
+            std::process::id(),
+            NEXT_IMAGE.fetch_add(1, Ordering::Relaxed)
+        );
+        let file =
+            tempfile::NamedTempFile::new_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary file");
+        std::fs::write(file.path(), data).expect("writing the image's data");
+        let path = file.path().to_str().expect("UTF-8 path");
+        self.rbd(&["import", "--no-progress", path, &name]);
+        name
+    }
+
+    /// What `rbd status` says of the image's watchers: `None` when it has
+    /// none, else the watcher lines.
+    pub fn watchers(&self, image: &str) -> Option<String> {
+        let out = self.rbd(&["status", image]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        (!text.contains("Watchers: none")).then_some(text)
     }
 
     /// The image's bytes `[off, off + len)`, read with `rbd export`: an

@@ -26,6 +26,14 @@ pub enum RbdError {
     Unreachable(u64, String),
     #[error("permission denied by the cluster for client.{id} ({what}); check its key and caps")]
     Denied { id: String, what: String },
+    /// cephx refused us at connect: a key the cluster does not know.
+    #[error(
+        "permission denied by the cluster for client.{0}: authentication failed (a wrong key, or no such user); check the keyring {1} names"
+    )]
+    AuthFailed(String, String),
+    /// librados found no monitor to ask, or no key to ask with.
+    #[error("{1} names no monitor (mon host), or no keyring holding a key for client.{0}")]
+    NotConfigured(String, String),
     #[error("no pool '{0}' in the cluster")]
     NoPool(String),
     #[error("no image '{1}' in pool '{0}'")]
@@ -103,10 +111,8 @@ impl Cluster {
             libc::ETIMEDOUT | libc::ENOTCONN | libc::ECONNREFUSED => {
                 Err(RbdError::Unreachable(timeout.as_secs(), conf_str.into()))
             }
-            libc::EACCES | libc::EPERM => Err(RbdError::Denied {
-                id: id.into(),
-                what: "connecting".into(),
-            }),
+            libc::EACCES | libc::EPERM => Err(RbdError::AuthFailed(id.into(), conf_str.into())),
+            libc::ENOENT => Err(RbdError::NotConfigured(id.into(), conf_str.into())),
             errno => Err(RbdError::Call {
                 what: format!("connecting to the Ceph cluster of {conf_str}"),
                 errno,
