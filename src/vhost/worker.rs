@@ -12,8 +12,9 @@
 //!    back to 1;
 //! 3. publish what completed inline (errors, GET_ID) and, with
 //!    `--signal late`, what the ring completed meanwhile;
-//! 4. when the ring is empty: busy-poll for `--poll-us`, else re-enable
-//!    kicks, re-check the ring, and only then sleep.
+//! 4. when the ring is empty: busy-poll for `--poll-us` (unless the
+//!    engine says polling does not pay, [`Engine::polling_pays`]), else
+//!    re-enable kicks, re-check the ring, and only then sleep.
 //!
 //! QoS ([`crate::qos`]) sits between parse and engine: a request the
 //! device's token buckets refuse waits at the head of `deferred`, those
@@ -202,7 +203,13 @@ impl<E: Engine> QueueWorker<E> {
         index: usize,
         pin: Option<usize>,
     ) -> QueueWorker<E> {
-        let poll = AdaptivePoll::new(Duration::from_micros(cfg.poll_us), cfg.poll_checks);
+        // An engine whose completions polling does not catch: never poll.
+        let poll_us = if engine.polling_pays() {
+            cfg.poll_us
+        } else {
+            0
+        };
+        let poll = AdaptivePoll::new(Duration::from_micros(poll_us), cfg.poll_checks);
         let size = usize::from(cfg.queue_size);
         QueueWorker {
             cfg,

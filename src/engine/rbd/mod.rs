@@ -21,6 +21,8 @@
 //!   acknowledged write is on the OSDs, which is what kill -9, migration
 //!   and `--writethrough` need; a flush is then cheap.
 //! - Room: a fixed number of slots (the queue size), as with io_uring.
+//! - No busy-polling ([`Engine::polling_pays`]): librbd completes from its
+//!   own threads, tens to hundreds of µs apart, beyond a poll window.
 
 pub mod client;
 
@@ -364,6 +366,13 @@ impl Engine for RbdEngine {
     }
 
     fn must_poll(&self) -> bool {
+        false
+    }
+
+    /// librbd completes on its own threads, rarely within a poll window:
+    /// polling found work in at most 7 % of its windows and cost IOPS
+    /// (docs/BENCHMARKS.md, "Busy-polling does not pay on RBD").
+    fn polling_pays(&self) -> bool {
         false
     }
 
