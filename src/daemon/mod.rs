@@ -247,13 +247,6 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         // filter; the filter then covers them as well (TSYNC).
         #[cfg(feature = "rbd")]
         (EngineKind::Uring, config::Backing::Rbd(disk)) => {
-            if cfg.args.queues > 1 && disk.exclusive_lock() {
-                log::warn!(
-                    "{} has the exclusive-lock feature: its {} queues each open it, and pass the lock between them when writing at once",
-                    cfg.backing.name(),
-                    cfg.args.queues
-                );
-            }
             let engines = metrics
                 .iter()
                 .map(|_| disk.engine(capacity))
