@@ -308,6 +308,71 @@ fn queues_share_one_image_handle_and_one_lock_owner() {
     d.assert_running();
 }
 
+/// `PUT /api/v1/resize` on an RBD image: growing through the shared
+/// handle lets the same connection write past the old end at once;
+/// shrinking needs force; with no size, a size changed by `rbd resize`
+/// is re-read. All under the seccomp filter, on the API's thread.
+#[test]
+fn resize_through_the_api() {
+    let c = ceph::cluster();
+    let image = c.create_image(16);
+    let dir = common::test_dir();
+    let api = dir.path().join("api.sock");
+    let api_str = api.to_str().expect("UTF-8 path");
+    let mut d = start_rbd(&image, &["--api", api_str]);
+    let resize = |body: &str| {
+        let (status, _, answer) =
+            ringblk_metrics::request(api_str, "PUT", "/api/v1/resize", body.as_bytes())
+                .expect("PUT /api/v1/resize");
+        let json = serde_json::from_str(&answer).unwrap_or(serde_json::Value::Null);
+        (status, json)
+    };
+    let mut cl = Client::connect(&d.socket, CHUNK);
+    assert_eq!(cl.capacity, 16 * MIB);
+    let seed = 0x5151;
+    let data = pattern(seed, 16 * MIB, CHUNK);
+    assert_ne!(
+        cl.write(16 * MIB, &data),
+        0,
+        "a write past the end must fail"
+    );
+
+    let (status, answer) = resize(r#"{"size": 33554432}"#);
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["size"], 32 * MIB, "{answer}");
+    let info = c.rbd(&["info", "--format", "json", &image]);
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).expect("rbd info");
+    assert_eq!(info["size"], 32 * MIB, "rbd info: {info}");
+    // The same connection, past the old end: the queues' handle grew.
+    assert_eq!(cl.write(16 * MIB, &data), 0, "write past the old end");
+    assert_pattern("read back", seed, 16 * MIB, &cl.read(16 * MIB, CHUNK));
+    assert_pattern(
+        "rbd export",
+        seed,
+        16 * MIB,
+        &c.read_image(&image, 16 * MIB, CHUNK),
+    );
+
+    let (status, answer) = resize(r#"{"size": 8388608}"#);
+    assert_eq!(status, 409, "a shrink without force: {answer}");
+
+    // Grown by someone else; re-read.
+    c.rbd(&["resize", "--size", "48M", &image]);
+    let (status, answer) = resize("{}");
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["size"], 48 * MIB, "{answer}");
+    drop(cl);
+    let mut cl = Client::connect(&d.socket, CHUNK);
+    assert_eq!(cl.capacity, 48 * MIB);
+    assert_eq!(
+        cl.write(48 * MIB - CHUNK as u64, &data),
+        0,
+        "write at the new end"
+    );
+    drop(cl);
+    d.assert_running();
+}
+
 #[test]
 fn missing_image_or_pool_and_bad_specs_fail_at_start() {
     let c = ceph::cluster();

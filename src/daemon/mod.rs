@@ -51,11 +51,13 @@ fn spawn_api(
     let listener = socket::bind(path, 0o600).map_err(|e| err(e.to_string()))?;
     let image = crate::api::ControlImage {
         name: backing.name(),
-        file: backing
-            .file()
-            .map(std::fs::File::try_clone)
-            .transpose()
-            .map_err(|e| err(e.to_string()))?,
+        backing: match backing {
+            config::Backing::File { image, .. } => crate::api::ControlBacking::File(
+                image.file.try_clone().map_err(|e| err(e.to_string()))?,
+            ),
+            #[cfg(feature = "rbd")]
+            config::Backing::Rbd(disk) => crate::api::ControlBacking::Rbd(disk.image().clone()),
+        },
         is_block_device: matches!(
             backing,
             config::Backing::File { image, .. } if image.is_block_device

@@ -235,6 +235,16 @@ impl Image {
         Ok(size)
     }
 
+    /// Resizes the image to `size` bytes, growing or shrinking it, and
+    /// waits (synchronous: for the control API's thread, never a
+    /// worker's). Later I/O on this handle sees the new size.
+    pub fn resize(&self, size: u64) -> Result<(), RbdError> {
+        // SAFETY: the image is open; the call takes no buffers.
+        check("resizing the image", unsafe {
+            sys::rbd_resize(self.h, size)
+        })
+    }
+
     /// The image's id in its pool: the same on every host, unlike its
     /// name, which may be renamed.
     pub fn id(&self) -> Result<String, RbdError> {

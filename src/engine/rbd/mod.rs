@@ -89,6 +89,11 @@ impl RbdDisk {
         s
     }
 
+    /// The handle every queue shares (the control API resizes through it).
+    pub fn image(&self) -> &Arc<Image> {
+        &self.image
+    }
+
     /// An engine for one queue, on the shared handle, with room for
     /// `entries` requests.
     pub fn engine(&self, entries: usize) -> Result<RbdEngine, RbdError> {
