@@ -452,8 +452,9 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // and two queues wrote at once; now the daemon's one handle does
         // so from another process: a restarted daemon, a migration).
         // librbd's completion callback (`engine::rbd::client`) runs on
-        // librbd's threads too, and makes only futex and eventfd write(2)
-        // calls.
+        // librbd's threads too; its syscalls are a futex (the list's
+        // mutex), a write(2) to the queue's eventfd and, when it drops the
+        // last reference to a list, the allocator's.
         list.push((SYS_uname, any()));
         // librbd's asio timers (its io_context_pool thread) after the
         // daemon is restarted on an image a killed one held: found with
