@@ -33,7 +33,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{
-    Client, Daemon, DaemonOptions, KIB, MIB, assert_pattern, chunked, pattern, ringblk_bin,
+    Client, Daemon, DaemonOptions, KIB, MIB, Op, assert_pattern, chunked, pattern, ringblk_bin,
 };
 
 const CHUNK: usize = 64 * 1024;
@@ -261,25 +261,130 @@ fn reconnects_under_seccomp() {
     eprintln!("{injected} socket failures injected");
 }
 
+/// Four queues write at once to an image with exclusive-lock (Ceph's
+/// default): the daemon's one image handle serves them all, so the
+/// cluster sees one watcher and one lock holder (a handle per queue made
+/// four watchers, passing the lock between them), every write lands, and
+/// each queue gets its own completions back.
 #[test]
-fn two_queues_each_with_their_own_image_handle() {
+fn queues_share_one_image_handle_and_one_lock_owner() {
     let c = ceph::cluster();
     let image = c.create_image(16);
-    let mut d = start_rbd(&image, &["--queues", "2"]);
-    assert!(
-        d.log().contains("exclusive-lock"),
-        "the lock warning:\n{}",
-        d.log()
+    let info = String::from_utf8_lossy(&c.rbd(&["info", &image]).stdout).into_owned();
+    assert!(info.contains("exclusive-lock"), "rbd info:\n{info}");
+    const QUEUES: usize = 4;
+    const PER_QUEUE: usize = 8;
+    let mut d = start_rbd(&image, &["--queues", &QUEUES.to_string()]);
+    let mut cl = Client::connect_queues(&d.socket, QUEUES * PER_QUEUE * CHUNK, QUEUES);
+    let seed = 0x4444;
+    for round in 0..4u64 {
+        // Every queue's writes in flight together; queue q writes the
+        // chunks q, q + 4, q + 8, ... so the queues interleave on objects.
+        let mut ops = Vec::new();
+        for k in 0..QUEUES * PER_QUEUE {
+            let off = round * 4 * MIB + (k * CHUNK) as u64;
+            cl.buf()[k * CHUNK..(k + 1) * CHUNK].copy_from_slice(&pattern(seed, off, CHUNK));
+            let write = Op::Write {
+                offset: off,
+                buf_off: k * CHUNK,
+                len: CHUNK,
+            };
+            ops.push((k % QUEUES, write));
+        }
+        assert_eq!(
+            cl.batch_queues(&ops),
+            vec![0; ops.len()],
+            "writes of round {round}"
+        );
+    }
+    let status = c.rbd(&["status", "--format", "json", &image]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).expect("rbd status");
+    let watchers = status["watchers"].as_array().expect("watchers");
+    assert_eq!(watchers.len(), 1, "one client of the image: {status}");
+    let locks = c.rbd(&["lock", "ls", "--format", "json", &image]);
+    let locks: serde_json::Value = serde_json::from_slice(&locks.stdout).expect("rbd lock ls");
+    assert_eq!(
+        // An array since Ceph 13, an object keyed by lock id before.
+        locks
+            .as_array()
+            .map(Vec::len)
+            .or_else(|| locks.as_object().map(serde_json::Map::len)),
+        Some(1),
+        "one holder of the exclusive lock: {locks}"
     );
-    let seed = 0x2222;
+    for round in 0..4u64 {
+        let off = round * 4 * MIB;
+        let len = QUEUES * PER_QUEUE * CHUNK;
+        let reads = chunked(false, off, QUEUES * PER_QUEUE, CHUNK);
+        assert_eq!(cl.batch(&reads), vec![0; reads.len()], "reads");
+        assert_pattern("read back", seed, off, &cl.buf()[..len]);
+        assert_pattern("rbd export", seed, off, &c.read_image(&image, off, len));
+    }
+    drop(cl);
+    d.assert_running();
+}
+
+/// `PUT /api/v1/resize` on an RBD image: growing through the shared
+/// handle lets the same connection write past the old end at once;
+/// shrinking needs force; with no size, a size changed by `rbd resize`
+/// is re-read. All under the seccomp filter, on the API's thread.
+#[test]
+fn resize_through_the_api() {
+    let c = ceph::cluster();
+    let image = c.create_image(16);
+    let dir = common::test_dir();
+    let api = dir.path().join("api.sock");
+    let api_str = api.to_str().expect("UTF-8 path");
+    let mut d = start_rbd(&image, &["--api", api_str]);
+    let resize = |body: &str| {
+        let (status, _, answer) =
+            ringblk_metrics::request(api_str, "PUT", "/api/v1/resize", body.as_bytes())
+                .expect("PUT /api/v1/resize");
+        let json = serde_json::from_str(&answer).unwrap_or(serde_json::Value::Null);
+        (status, json)
+    };
     let mut cl = Client::connect(&d.socket, CHUNK);
-    for i in 0..16u64 {
-        let off = i * MIB;
-        assert_eq!(cl.write(off, &pattern(seed, off, CHUNK)), 0);
-    }
-    for i in 0..16u64 {
-        assert_pattern("read back", seed, i * MIB, &cl.read(i * MIB, CHUNK));
-    }
+    assert_eq!(cl.capacity, 16 * MIB);
+    let seed = 0x5151;
+    let data = pattern(seed, 16 * MIB, CHUNK);
+    assert_ne!(
+        cl.write(16 * MIB, &data),
+        0,
+        "a write past the end must fail"
+    );
+
+    let (status, answer) = resize(r#"{"size": 33554432}"#);
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["size"], 32 * MIB, "{answer}");
+    let info = c.rbd(&["info", "--format", "json", &image]);
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).expect("rbd info");
+    assert_eq!(info["size"], 32 * MIB, "rbd info: {info}");
+    // The same connection, past the old end: the queues' handle grew.
+    assert_eq!(cl.write(16 * MIB, &data), 0, "write past the old end");
+    assert_pattern("read back", seed, 16 * MIB, &cl.read(16 * MIB, CHUNK));
+    assert_pattern(
+        "rbd export",
+        seed,
+        16 * MIB,
+        &c.read_image(&image, 16 * MIB, CHUNK),
+    );
+
+    let (status, answer) = resize(r#"{"size": 8388608}"#);
+    assert_eq!(status, 409, "a shrink without force: {answer}");
+
+    // Grown by someone else; re-read.
+    c.rbd(&["resize", "--size", "48M", &image]);
+    let (status, answer) = resize("{}");
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["size"], 48 * MIB, "{answer}");
+    drop(cl);
+    let mut cl = Client::connect(&d.socket, CHUNK);
+    assert_eq!(cl.capacity, 48 * MIB);
+    assert_eq!(
+        cl.write(48 * MIB - CHUNK as u64, &data),
+        0,
+        "write at the new end"
+    );
     drop(cl);
     d.assert_running();
 }

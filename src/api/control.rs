@@ -32,8 +32,6 @@ pub enum ResizeError {
         "{0} is a block device, whose size is its own: grow it (lvextend, rbd resize), then resize with no size to re-read it"
     )]
     BlockDevice(String),
-    #[error("{0}: online resize of an RBD image is not supported yet")]
-    Rbd(String),
     #[error("the image is exported read-only (--readonly); it cannot be resized, only re-read")]
     ReadOnly,
     #[error("cannot {what} the image: {source}")]
@@ -91,11 +89,43 @@ pub struct Status {
 pub struct ControlImage {
     /// The image's path, or `rbd:POOL/IMAGE`.
     pub name: String,
-    /// A duplicate of the daemon's image fd; None for an RBD image.
-    pub file: Option<File>,
+    /// What a resize changes or re-reads.
+    pub backing: ControlBacking,
     pub is_block_device: bool,
     pub block_size: u32,
     pub readonly: bool,
+}
+
+/// What a resize changes or re-reads.
+pub enum ControlBacking {
+    /// A duplicate of the daemon's image fd.
+    File(File),
+    /// The RBD image's handle, the one every queue shares: `rbd_resize`
+    /// and `rbd_get_size` on it are synchronous, and run on the API's
+    /// thread, never a worker's. Growing it on that handle is what lets
+    /// the queues write past the old end at once.
+    #[cfg(feature = "rbd")]
+    Rbd(Arc<crate::engine::rbd::client::Image>),
+}
+
+impl ControlBacking {
+    /// The image's size now.
+    fn size(&self, is_block_device: bool) -> io::Result<u64> {
+        match self {
+            ControlBacking::File(file) => device_size(file, is_block_device),
+            #[cfg(feature = "rbd")]
+            ControlBacking::Rbd(image) => image.size().map_err(io::Error::other),
+        }
+    }
+
+    /// Makes the image `size` bytes long.
+    fn set_size(&self, size: u64) -> io::Result<()> {
+        match self {
+            ControlBacking::File(file) => file.set_len(size),
+            #[cfg(feature = "rbd")]
+            ControlBacking::Rbd(image) => image.resize(size).map_err(io::Error::other),
+        }
+    }
 }
 
 /// The daemon's state the control API reads and changes.
@@ -174,31 +204,31 @@ impl Control {
         Ok(new)
     }
 
-    /// Resizes to `size` bytes (a file image: ftruncate), or with `None`
-    /// re-reads the image's size (a block device that grew, a file grown
-    /// by someone else); then tells the front-end. A smaller size needs
-    /// `force`.
+    /// Resizes to `size` bytes (a file image: ftruncate; an RBD image:
+    /// `rbd_resize`), or with `None` re-reads the image's size (a block
+    /// device that grew, a file or RBD image grown by someone else); then
+    /// tells the front-end. A smaller size needs `force`.
     ///
-    /// Growing: the file grows before the capacity is published, so a
-    /// request a worker accepts against the new capacity finds the file
+    /// Growing: the image grows before the capacity is published, so a
+    /// request a worker accepts against the new capacity finds the image
     /// that long. Shrinking: the capacity is published first, so no new
     /// request reaches past the new end; requests already in flight there
-    /// complete against the file as they find it.
+    /// complete against the image as they find it.
     pub fn resize(&self, size: Option<u64>, force: bool) -> Result<Resized, ResizeError> {
         let _one = self.resizing.lock().unwrap_or_else(|p| p.into_inner());
         let img = &self.image;
         let old = self.size();
         let io = |what| move |source| ResizeError::Io { what, source };
-        let Some(file) = &img.file else {
-            return Err(ResizeError::Rbd(img.name.clone()));
-        };
         let new = match size {
             Some(_) if img.is_block_device => {
                 return Err(ResizeError::BlockDevice(img.name.clone()));
             }
             Some(_) if img.readonly => return Err(ResizeError::ReadOnly),
             Some(s) => s,
-            None => device_size(file, img.is_block_device).map_err(io("read the size of"))?,
+            None => img
+                .backing
+                .size(img.is_block_device)
+                .map_err(io("read the size of"))?,
         };
         if new == 0 {
             return Err(ResizeError::Zero);
@@ -224,7 +254,7 @@ impl Control {
             publish();
         }
         if size.is_some() {
-            file.set_len(new).map_err(io("resize"))?;
+            img.backing.set_size(new).map_err(io("resize"))?;
         }
         if new >= old {
             publish();

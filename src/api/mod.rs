@@ -36,7 +36,7 @@ use ringblk_metrics::prometheus;
 use ringblk_metrics::transport::MetricsAddr;
 use ringblk_metrics::{MetricsDoc, MetricsError, QueueMetrics};
 
-pub use control::{Control, ControlImage, ResizeError, Resized, Status};
+pub use control::{Control, ControlBacking, ControlImage, ResizeError, Resized, Status};
 
 /// The largest request body taken; a larger one gets 413.
 pub const MAX_BODY: usize = 64 << 10;

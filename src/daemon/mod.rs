@@ -51,11 +51,13 @@ fn spawn_api(
     let listener = socket::bind(path, 0o600).map_err(|e| err(e.to_string()))?;
     let image = crate::api::ControlImage {
         name: backing.name(),
-        file: backing
-            .file()
-            .map(std::fs::File::try_clone)
-            .transpose()
-            .map_err(|e| err(e.to_string()))?,
+        backing: match backing {
+            config::Backing::File { image, .. } => crate::api::ControlBacking::File(
+                image.file.try_clone().map_err(|e| err(e.to_string()))?,
+            ),
+            #[cfg(feature = "rbd")]
+            config::Backing::Rbd(disk) => crate::api::ControlBacking::Rbd(disk.image().clone()),
+        },
         is_block_device: matches!(
             backing,
             config::Backing::File { image, .. } if image.is_block_device
@@ -265,23 +267,17 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         #[cfg(feature = "rbd")]
         (EngineKind::Uring, config::Backing::Rbd(disk)) => {
             let name = disk.opts.spec.to_string();
-            if cfg.args.queues > 1 && disk.exclusive_lock() {
-                log::warn!(
-                    "{name} has the exclusive-lock feature: its {} queues each open it, and pass the lock between them when writing at once",
-                    cfg.args.queues
-                );
-            }
             let engines = metrics
                 .iter()
                 .map(|_| disk.engine(capacity))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| DaemonError::Config(format!("{name}: {e}")))?;
             let parked = park(engines);
-            // At shutdown, after the drain: the image handles close
-            // (rbd_close gives up the watch and the exclusive lock, so a
-            // daemon started next on the image need not wait for the OSD
-            // to time the watch out), then the pool and the cluster
-            // connection, with the last handle holding them.
+            // At shutdown, after the drain: the image handle closes when
+            // the last engine and the disk let go of it (rbd_close gives up
+            // the watch and the exclusive lock, so a daemon started next on
+            // the image need not wait for the OSD to time the watch out),
+            // then the pool and the cluster connection.
             let (engines, current) = (parked.clone(), current.clone());
             *lock(&closer) = Some(Box::new(move || {
                 if let Some(device) = lock(&current).as_ref() {

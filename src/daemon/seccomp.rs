@@ -447,9 +447,14 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // on its completion eventfd.
         list.push((SYS_poll, any()));
         list.push((SYS_getsockname, any()));
-        // librbd asks for the host name when one handle takes the
-        // exclusive lock from another (two queues writing, found by the
-        // RBD guest test with two queues under the filter).
+        // librbd asks for the host name when it takes the exclusive lock
+        // from another client (found when each queue had its own handle
+        // and two queues wrote at once; now the daemon's one handle does
+        // so from another process: a restarted daemon, a migration).
+        // librbd's completion callback (`engine::rbd::client`) runs on
+        // librbd's threads too; its syscalls are a futex (the list's
+        // mutex), a write(2) to the queue's eventfd and, when it drops the
+        // last reference to a list, the allocator's.
         list.push((SYS_uname, any()));
         // librbd's asio timers (its io_context_pool thread) after the
         // daemon is restarted on an image a killed one held: found with

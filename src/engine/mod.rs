@@ -130,6 +130,14 @@ pub trait Engine: Send {
     /// through the eventfd (io_uring IOPOLL).
     fn must_poll(&self) -> bool;
 
+    /// Whether busy-polling for completions can pay: false where they
+    /// come from another thread's work long after a poll window ends
+    /// (librbd), so that spinning only takes CPU from that thread. The
+    /// worker then never busy-polls, whatever `--poll-us` says.
+    fn polling_pays(&self) -> bool {
+        true
+    }
+
     /// Guest memory changed (SET_MEM_TABLE and friends). Requests in
     /// flight keep the snapshot in their [`Io`].
     fn set_memory(&mut self, mem: &Arc<GuestMem>);

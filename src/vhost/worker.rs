@@ -14,8 +14,9 @@
 //!    `--signal late`, what the ring completed meanwhile;
 //! 4. when the ring is empty: busy-poll for up to `--poll-us` (a window
 //!    for the guest's next request when nothing is in flight, another for
-//!    the device while something is: [`super::poll`]), else re-enable
-//!    kicks, re-check the ring, and only then sleep.
+//!    the device while something is: [`super::poll`]; none where the
+//!    engine says polling does not pay, [`Engine::polling_pays`]), else
+//!    re-enable kicks, re-check the ring, and only then sleep.
 //!
 //! QoS ([`crate::qos`]) sits between parse and engine: a request the
 //! device's token buckets refuse waits at the head of `deferred`, those
@@ -211,7 +212,13 @@ impl<E: Engine> QueueWorker<E> {
         index: usize,
         pin: Option<usize>,
     ) -> QueueWorker<E> {
-        let poll = AdaptivePoll::new(Duration::from_micros(cfg.poll_us), cfg.poll_checks);
+        // An engine whose completions polling does not catch: never poll.
+        let poll_us = if engine.polling_pays() {
+            cfg.poll_us
+        } else {
+            0
+        };
+        let poll = AdaptivePoll::new(Duration::from_micros(poll_us), cfg.poll_checks);
         let size = usize::from(cfg.queue_size);
         QueueWorker {
             cfg,

@@ -774,3 +774,70 @@ fn queues_map_onto_threads_and_listener_ids_round_trip() {
     }
     assert_eq!(b.listener(5), None);
 }
+
+/// An engine that says busy-polling does not pay (RBD) gets no poll
+/// window whatever `--poll-us` says; one that does not say so gets it.
+#[test]
+fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
+    use crate::engine::NullEngine;
+    use std::os::fd::RawFd;
+
+    struct NoPoll(NullEngine);
+    impl Engine for NoPoll {
+        fn submit(&mut self, io: Io) -> Result<(), Full> {
+            self.0.submit(io)
+        }
+        fn commit(&mut self) -> std::io::Result<u32> {
+            self.0.commit()
+        }
+        fn reap(&mut self, f: impl FnMut(Completion)) -> u32 {
+            self.0.reap(f)
+        }
+        fn room(&self) -> usize {
+            self.0.room()
+        }
+        fn in_flight(&self) -> usize {
+            self.0.in_flight()
+        }
+        fn wait(&mut self) -> std::io::Result<()> {
+            self.0.wait()
+        }
+        fn has_completions(&mut self) -> bool {
+            self.0.has_completions()
+        }
+        fn completion_fd(&self) -> Option<RawFd> {
+            self.0.completion_fd()
+        }
+        fn clear_completion_fd(&self) {
+            self.0.clear_completion_fd()
+        }
+        fn must_poll(&self) -> bool {
+            self.0.must_poll()
+        }
+        fn polling_pays(&self) -> bool {
+            false
+        }
+        fn set_memory(&mut self, mem: &Arc<GuestMem>) {
+            self.0.set_memory(mem)
+        }
+        fn make_durable(&mut self) -> std::io::Result<()> {
+            self.0.make_durable()
+        }
+        fn reset(&mut self) {
+            self.0.reset()
+        }
+    }
+
+    let mem = guest_memory();
+    let cfg = {
+        let rig = rig(&mem);
+        let cfg = rig.cfg.clone();
+        drop(rig);
+        Arc::try_unwrap(cfg).unwrap_or_else(|_| panic!("the rig's workers are gone"))
+    };
+    let cfg = Arc::new(WorkerConfig { poll_us: 32, ..cfg });
+    let polls = QueueWorker::new(cfg.clone(), Arc::default(), NullEngine::new(4), 0, None);
+    assert_eq!(polls.poll.window(), Some(Duration::from_micros(32)));
+    let never = QueueWorker::new(cfg, Arc::default(), NoPoll(NullEngine::new(4)), 0, None);
+    assert_eq!(never.poll.window(), None);
+}

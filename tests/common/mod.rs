@@ -793,19 +793,31 @@ impl Client {
     /// Submits `ops` together and waits for all of them. Returns each
     /// request's result (0 or a negative errno), in order.
     pub fn batch(&mut self, ops: &[Op]) -> Vec<i32> {
+        let on_first: Vec<(usize, Op)> = ops.iter().map(|&op| (0, op)).collect();
+        self.batch_queues(&on_first)
+    }
+
+    /// [`Client::batch`] over several queues: each `(queue, op)` goes to
+    /// its queue, all submitted before any is waited for.
+    pub fn batch_queues(&mut self, ops: &[(usize, Op)]) -> Vec<i32> {
         let base = self.region.addr;
         let cap = self.region.len;
-        for (i, op) in ops.iter().enumerate() {
+        let mut queues: Vec<&mut Blkioq> = std::iter::once(&mut self.queue)
+            .chain(self.more.iter_mut())
+            .collect();
+        let mut used = vec![false; queues.len()];
+        for (i, &(q, op)) in ops.iter().enumerate() {
             let f = ReqFlags::empty();
-            match *op {
+            used[q] = true;
+            let queue = &mut queues[q];
+            match op {
                 Op::Write {
                     offset,
                     buf_off,
                     len,
                 } => {
                     assert!(buf_off + len <= cap);
-                    self.queue
-                        .write(offset, (base + buf_off) as *const u8, len, i, f)
+                    queue.write(offset, (base + buf_off) as *const u8, len, i, f)
                 }
                 Op::Read {
                     offset,
@@ -813,12 +825,11 @@ impl Client {
                     len,
                 } => {
                     assert!(buf_off + len <= cap);
-                    self.queue
-                        .read(offset, (base + buf_off) as *mut u8, len, i, f)
+                    queue.read(offset, (base + buf_off) as *mut u8, len, i, f)
                 }
-                Op::Flush => self.queue.flush(i, f),
-                Op::Discard { offset, len } => self.queue.discard(offset, len, i, f),
-                Op::WriteZeroes { offset, len } => self.queue.write_zeroes(offset, len, i, f),
+                Op::Flush => queue.flush(i, f),
+                Op::Discard { offset, len } => queue.discard(offset, len, i, f),
+                Op::WriteZeroes { offset, len } => queue.write_zeroes(offset, len, i, f),
             }
         }
         let mut results = vec![None; ops.len()];
@@ -826,6 +837,7 @@ impl Client {
         let deadline = Instant::now() + IO_TIMEOUT;
         let mut completions: Vec<MaybeUninit<Completion>> =
             (0..ops.len()).map(|_| MaybeUninit::uninit()).collect();
+        let one_queue = used.iter().filter(|&&u| u).count() <= 1;
         while done < ops.len() {
             let left = deadline.saturating_duration_since(Instant::now());
             assert!(
@@ -834,17 +846,28 @@ impl Client {
                 ops.len() - done,
                 ops.len()
             );
-            let mut timeout = left;
-            let n = self
-                .queue
-                .do_io(&mut completions, 1, Some(&mut timeout), None)
-                .unwrap_or_else(|e| panic!("libblkio do_io: {e}"));
-            for c in &completions[..n] {
-                // SAFETY: do_io initialized the first n completions.
-                let c = unsafe { c.assume_init_read() };
-                assert!(results[c.user_data].is_none(), "completed twice");
-                results[c.user_data] = Some(c.ret);
-                done += 1;
+            let mut any = false;
+            for (q, queue) in queues.iter_mut().enumerate() {
+                if !used[q] {
+                    continue;
+                }
+                // One queue: sleep in do_io. Several: look at each in turn.
+                let (min, mut timeout) = if one_queue { (1, left) } else { (0, left) };
+                let timeout = (min > 0).then_some(&mut timeout);
+                let n = queue
+                    .do_io(&mut completions, min, timeout, None)
+                    .unwrap_or_else(|e| panic!("libblkio do_io: {e}"));
+                any |= n > 0;
+                for c in &completions[..n] {
+                    // SAFETY: do_io initialized the first n completions.
+                    let c = unsafe { c.assume_init_read() };
+                    assert!(results[c.user_data].is_none(), "completed twice");
+                    results[c.user_data] = Some(c.ret);
+                    done += 1;
+                }
+            }
+            if !any && !one_queue {
+                thread::sleep(Duration::from_micros(100));
             }
         }
         results.into_iter().map(|r| r.unwrap_or(i32::MIN)).collect()

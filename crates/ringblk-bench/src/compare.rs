@@ -382,8 +382,8 @@ pub fn report(json: &Path, out: Option<&Path>) -> Result<(), BenchError> {
 
 /// The configurations to run, in order: the defaults (or --quick's), each
 /// list narrowed by the corresponding flag. On an RBD image (`rbd`) only
-/// uncached, and one queue unless asked: with exclusive-lock, queues
-/// writing at once pass the image's lock between their handles.
+/// uncached, and one queue unless asked (the OSD shares the CPUs, and
+/// more queues mostly measure it).
 fn matrix(args: &BenchArgs, rbd: bool) -> Vec<Config> {
     let quick = args.cmp.quick;
     let rws = pick(

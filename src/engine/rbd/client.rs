@@ -3,17 +3,23 @@
 //! asynchronous calls stay `unsafe fn`s whose contract is the lifetime of
 //! the guest buffers.
 //!
+//! Completions come back through librbd's completion callback, which runs
+//! on one of librbd's threads and only hands the operation's key to the
+//! [`CompletionList`] its [`Aio`] names: one list per queue, so queues
+//! can share one image handle.
+//!
 //! Errors carry librados/librbd's negative errno, turned into a one-line
 //! message that says what to check.
 
 use std::ffi::{CString, c_void};
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::ptr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use rbd_sys as sys;
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 /// Why the cluster, the pool or the image cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -177,17 +183,23 @@ impl Drop for Pool {
     }
 }
 
-/// An open RBD image (`rbd_image_t`). Closed on drop; the engine that owns
-/// it waits for its I/O first.
+/// An open RBD image (`rbd_image_t`), shared by every queue's engine (an
+/// `Arc`). Closed on drop, when the last engine is gone; each engine waits
+/// for its own I/O first.
 #[derive(Debug)]
 pub struct Image {
     h: sys::rbd_image_t,
     _pool: Arc<Pool>,
 }
 
-// SAFETY: librbd image handles are thread-safe (an image context locks its
-// own state); each engine uses its handle from its queue's thread only.
+// SAFETY: librbd image handles are thread-safe: an ImageCtx guards its
+// state with its own locks, and librbd's C API may be called on one handle
+// from several threads at once (QEMU's multi-queue rbd driver and SPDK's
+// bdev_rbd do so).
 unsafe impl Send for Image {}
+// SAFETY: as for Send: every method takes `&self` and is one librbd call
+// on the handle, which librbd serializes where it must.
+unsafe impl Sync for Image {}
 
 impl Image {
     pub fn open(pool: &Arc<Pool>, name: &str, readonly: bool) -> Result<Image, RbdError> {
@@ -229,6 +241,16 @@ impl Image {
         Ok(size)
     }
 
+    /// Resizes the image to `size` bytes, growing or shrinking it, and
+    /// waits (synchronous: for the control API's thread, never a
+    /// worker's). Later I/O on this handle sees the new size.
+    pub fn resize(&self, size: u64) -> Result<(), RbdError> {
+        // SAFETY: the image is open; the call takes no buffers.
+        check("resizing the image", unsafe {
+            sys::rbd_resize(self.h, size)
+        })
+    }
+
     /// The image's id in its pool: the same on every host, unlike its
     /// name, which may be renamed.
     pub fn id(&self) -> Result<String, RbdError> {
@@ -240,34 +262,6 @@ impl Image {
         })?;
         let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
         Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
-    }
-
-    /// The image's feature bits (`RBD_FEATURE_*`).
-    pub fn features(&self) -> Result<u64, RbdError> {
-        let mut f = 0u64;
-        // SAFETY: the image is open; `f` is a valid out-pointer.
-        check("reading the image features", unsafe {
-            sys::rbd_get_features(self.h, &mut f)
-        })?;
-        Ok(f)
-    }
-
-    /// librbd writes to `fd` (an eventfd) each time an I/O of this handle
-    /// completes, and queues the completion for [`Image::poll_events`].
-    pub fn notify_eventfd(&self, fd: RawFd) -> Result<(), RbdError> {
-        // SAFETY: the image is open; librbd keeps the fd number and writes
-        // to it; the engine keeps the eventfd open for the image's life.
-        check("setting the completion eventfd", unsafe {
-            sys::rbd_set_image_notification(self.h, fd, sys::EVENT_TYPE_EVENTFD as i32)
-        })
-    }
-
-    /// Moves up to `out.len()` completed I/Os into `out`; returns how many.
-    pub fn poll_events(&self, out: &mut [sys::rbd_completion_t]) -> usize {
-        let n = i32::try_from(out.len()).unwrap_or(i32::MAX);
-        // SAFETY: `out` holds at least `n` writable completion slots.
-        let r = unsafe { sys::rbd_poll_io_events(self.h, out.as_mut_ptr(), n) };
-        usize::try_from(r).unwrap_or(0)
     }
 
     /// Flushes and waits (blocking).
@@ -335,29 +329,154 @@ impl Drop for Image {
     }
 }
 
+/// Where one queue's completions go. librbd's callback (on one of its own
+/// threads) appends the operation's [`Done`] and writes the eventfd when
+/// the list was empty: one wake-up for a burst of completions, where
+/// librbd's image notification wrote the eventfd once per I/O. The queue's
+/// worker watches the eventfd and takes the whole list ([`Self::take`]).
+#[derive(Debug)]
+pub struct CompletionList {
+    done: Mutex<Vec<Done>>,
+    eventfd: EventFd,
+}
+
+/// A finished operation: the key its [`Aio`] was tagged with, and which
+/// completion it was (checked against the slot's, see [`Aio::is`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Done {
+    pub key: usize,
+    handle: usize,
+}
+
+impl CompletionList {
+    /// A list with room for `capacity` completions without allocating
+    /// (the engine never has more in flight).
+    pub fn new(capacity: usize) -> Result<Arc<CompletionList>, RbdError> {
+        let eventfd = EventFd::new(EFD_NONBLOCK).map_err(|e| RbdError::Call {
+            what: "creating an eventfd".into(),
+            errno: e.raw_os_error().unwrap_or(libc::EIO),
+        })?;
+        Ok(Arc::new(CompletionList {
+            done: Mutex::new(Vec::with_capacity(capacity)),
+            eventfd,
+        }))
+    }
+
+    /// The eventfd written when the list becomes non-empty.
+    pub fn fd(&self) -> RawFd {
+        self.eventfd.as_raw_fd()
+    }
+
+    /// Consumes the eventfd's count.
+    pub fn clear_fd(&self) {
+        let _ = self.eventfd.read();
+    }
+
+    /// Whether a completion is waiting to be taken.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// Swaps the list's contents with `into` (which must be empty): the
+    /// list keeps `into`'s allocation, so neither side allocates.
+    pub fn take(&self, into: &mut Vec<Done>) {
+        debug_assert!(into.is_empty());
+        std::mem::swap(&mut *self.lock(), into);
+    }
+
+    /// A poisoned lock is taken as it is: nothing that holds it can panic
+    /// between two consistent states (a push or a swap).
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Done>> {
+        self.done.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// On librbd's thread: appends `done`, and wakes the worker when the
+    /// list was empty. A worker that takes the list between the push and
+    /// the write only gets a spurious wake-up; one that takes it before
+    /// the push leaves it empty, so this push writes.
+    fn push(&self, done: Done) {
+        let mut list = self.lock();
+        let was_empty = list.is_empty();
+        list.push(done);
+        drop(list);
+        if was_empty {
+            // Cannot fail but on overflow of the count (2^64 - 2 writes
+            // unread), which would still leave the eventfd readable.
+            let _ = self.eventfd.write(1);
+        }
+    }
+}
+
+/// What librbd's callback gets as its argument: which operation, and
+/// whose list. Owned by its [`Aio`] (a raw `Box`, freed on drop).
+struct Tag {
+    key: usize,
+    list: Arc<CompletionList>,
+}
+
+/// librbd's completion callback, run once per operation on one of
+/// librbd's threads (or the submitter's, when librbd fails an operation
+/// at once).
+///
+/// It cannot panic, so nothing unwinds into librbd: it copies two fields,
+/// clones an `Arc` (which aborts, not panics, on overflow), locks a mutex
+/// no one holds across a call that could re-enter it (poisoning is
+/// ignored), pushes onto a `Vec` whose capacity already covers every
+/// operation in flight, and writes an eventfd ignoring the result.
+///
+/// # Safety
+/// `arg` must be the live `Tag` of the operation's [`Aio`]: only librbd
+/// calls it, with the argument [`Aio::new`] gave it.
+unsafe extern "C" fn on_complete(c: sys::rbd_completion_t, arg: *mut c_void) {
+    let tag = arg.cast::<Tag>().cast_const();
+    // SAFETY: `arg` is the `Tag` that `Aio::new` leaked for this
+    // completion. It is freed only when the `Aio` is dropped, which is
+    // after the `Done` pushed below has been taken by the worker (`reap`)
+    // or after `rbd_aio_wait_for_complete`, which returns once this
+    // callback has returned (`Drop` of the engine): so it is live while
+    // these two fields are read. From the push on, `tag` may be freed and
+    // only the callback's own clone of the list is used.
+    let (key, list) = unsafe { ((*tag).key, Arc::clone(&(*tag).list)) };
+    list.push(Done {
+        key,
+        handle: c as usize,
+    });
+}
+
 /// One asynchronous operation's completion (`rbd_completion_t`), tagged
-/// with a key the engine gets back from [`Image::poll_events`].
+/// with a key that librbd's callback pushes onto a [`CompletionList`].
 #[derive(Debug)]
 pub struct Aio {
     h: sys::rbd_completion_t,
+    /// The callback's argument (a leaked `Box<Tag>`), freed on drop.
+    tag: *mut Tag,
 }
 
 impl Aio {
-    /// A completion tagged `key`, with no callback: completions are only
-    /// collected through the image's eventfd.
-    pub fn new(key: usize) -> Result<Aio, RbdError> {
+    /// A completion tagged `key` whose callback pushes onto `list`.
+    pub fn new(key: usize, list: &Arc<CompletionList>) -> Result<Aio, RbdError> {
+        let tag = Box::into_raw(Box::new(Tag {
+            key,
+            list: Arc::clone(list),
+        }));
         let mut h: sys::rbd_completion_t = ptr::null_mut();
-        // SAFETY: `h` is a valid out-pointer; the argument is an integer
-        // carried as a pointer and never dereferenced; no callback.
-        check("creating a completion", unsafe {
-            sys::rbd_aio_create_completion(key as *mut c_void, None, &mut h)
-        })?;
-        Ok(Aio { h })
+        // SAFETY: `h` is a valid out-pointer; `tag` stays allocated until
+        // the `Aio` is dropped, which the engine does only once the
+        // operation has completed (and the callback returned) or was
+        // never started; `on_complete` matches `rbd_callback_t`.
+        let r = unsafe { sys::rbd_aio_create_completion(tag.cast(), Some(on_complete), &mut h) };
+        if let Err(e) = check("creating a completion", r) {
+            // SAFETY: `tag` came from Box::into_raw above, and librbd has
+            // no completion that could call back with it.
+            drop(unsafe { Box::from_raw(tag) });
+            return Err(e);
+        }
+        Ok(Aio { h, tag })
     }
 
-    /// Whether `raw` (from [`Image::poll_events`]) is this completion.
-    pub fn is(&self, raw: sys::rbd_completion_t) -> bool {
-        self.h == raw
+    /// Whether `done` (from [`CompletionList::take`]) is this completion.
+    pub fn is(&self, done: &Done) -> bool {
+        self.h as usize == done.handle
     }
 
     /// The operation's result: bytes for a read or write, 0, or -errno.
@@ -367,39 +486,30 @@ impl Aio {
         r as isize
     }
 
-    /// Blocks until the operation completes.
+    /// Blocks until the operation completes (and its callback returned).
     pub fn wait(&self) {
         // SAFETY: `h` is a live completion.
         unsafe { sys::rbd_aio_wait_for_complete(self.h) };
     }
 }
 
-/// The key a raw completion from [`Image::poll_events`] was tagged with.
-///
-/// # Safety
-/// `raw` must be a completion [`Image::poll_events`] returned, whose
-/// [`Aio`] has not been dropped (released) yet.
-pub unsafe fn key_of(raw: sys::rbd_completion_t) -> usize {
-    // SAFETY: the caller passes a live completion; its argument is the
-    // integer `Aio::new` stored, read back without being dereferenced.
-    unsafe { sys::rbd_aio_get_arg(raw) as usize }
-}
-
 impl Drop for Aio {
     fn drop(&mut self) {
         // SAFETY: the engine drops an `Aio` only once its operation has
-        // completed (reaped, waited for, or never started), and librbd
-        // keeps its own reference while the operation runs.
+        // completed (its `Done` taken, or waited for) or was never
+        // started, and librbd keeps its own reference to the completion
+        // while its callback runs.
         unsafe { sys::rbd_aio_release(self.h) };
+        // SAFETY: `tag` came from Box::into_raw in `Aio::new` and is freed
+        // only here; the callback no longer reads it (see `on_complete`).
+        drop(unsafe { Box::from_raw(self.tag) });
     }
 }
 
 // SAFETY: a completion handle may be released and queried from any
-// thread; it moves with its engine to the queue's thread.
+// thread; the tag is only read by the callback (see `on_complete`) and
+// freed by the owner. It moves with its engine to the queue's thread.
 unsafe impl Send for Aio {}
-
-pub use sys::RBD_FEATURE_EXCLUSIVE_LOCK;
-pub use sys::rbd_completion_t as RawCompletion;
 
 fn check(what: &str, r: i32) -> Result<(), RbdError> {
     if r < 0 {

@@ -6,41 +6,42 @@
 //!   completion is reaped). Flush: `rbd_aio_flush`. Discard:
 //!   `rbd_aio_discard`. Write-zeroes: `rbd_aio_write_zeroes`, thick
 //!   (allocated) unless the guest set UNMAP.
-//! - Completions: librbd writes the engine's eventfd
-//!   (`rbd_set_image_notification`) and queues them on the image handle;
-//!   the worker watches the eventfd in its own epoll, and `reap` collects
-//!   them with `rbd_poll_io_events`. No callback runs our code on librbd's
-//!   threads, and no call on the request path waits for the cluster.
-//! - One image handle per queue, over one shared cluster connection and
-//!   pool: `rbd_poll_io_events` drains everything completed on a handle,
-//!   so handles shared between queues would hand one queue's completions
-//!   to another. The price: with the exclusive-lock feature, queues
-//!   writing at once pass the lock between their handles (a warning at
-//!   start says so; use one queue, or images without exclusive-lock).
+//! - One image handle per device, shared by every queue: one client of
+//!   the image, so with the exclusive-lock feature (Ceph's default) one
+//!   lock owner, however many queues write at once.
+//! - Completions: each operation's completion carries librbd's callback
+//!   (`rbd_aio_create_completion`), as in QEMU's and SPDK's rbd drivers.
+//!   It runs on a librbd thread and only appends the operation's key to
+//!   its queue's [`client::CompletionList`], writing the queue's eventfd
+//!   when the list was empty (one wake-up per burst); the worker watches
+//!   the eventfd in its own epoll and `reap` takes the list. Completions
+//!   of one queue never reach another's thread, and no call on the
+//!   request path waits for the cluster.
 //! - librbd's client cache is off (`client::Cluster::connect`): an
 //!   acknowledged write is on the OSDs, which is what kill -9, migration
 //!   and `--writethrough` need; a flush is then cheap.
 //! - Room: a fixed number of slots (the queue size), as with io_uring.
+//! - No busy-polling ([`Engine::polling_pays`]): librbd completes from its
+//!   own threads, tens to hundreds of µs apart, beyond a poll window.
 
 pub mod client;
 
 use std::collections::VecDeque;
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use slab::Slab;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
-use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::{Completion, Engine, Full, Io, Op};
 use crate::io::RbdSpec;
 use crate::metrics::RateLimiter;
 use crate::virtio::{GuestMem, RequestKind};
 use crate::warn_limited;
-use client::{Aio, Cluster, Image, Pool, RawCompletion, RbdError};
+use client::{Aio, Cluster, CompletionList, Done, Image, Pool, RbdError};
 
 /// How long connecting may take, and every monitor and OSD operation
 /// after it: past this a stopped cluster fails I/O (IOERR) rather than
@@ -56,17 +57,15 @@ pub struct RbdOptions {
     pub readonly: bool,
 }
 
-/// A connection to the image's pool, and what the image is: made once at
-/// start-up, before the seccomp filter; each queue's engine opens its own
-/// handle on it.
+/// The image, open once at start-up (before the seccomp filter) on one
+/// cluster connection; every queue's engine shares its handle.
 #[derive(Debug)]
 pub struct RbdDisk {
     pub opts: RbdOptions,
-    pool: Arc<Pool>,
+    image: Arc<Image>,
     pub size: u64,
     /// The image's id in its pool (the default serial derives from it).
     pub id: String,
-    features: u64,
 }
 
 impl RbdDisk {
@@ -77,9 +76,8 @@ impl RbdDisk {
         Ok(RbdDisk {
             size: image.size()?,
             id: image.id()?,
-            features: image.features()?,
             opts,
-            pool,
+            image: Arc::new(image),
         })
     }
 
@@ -91,26 +89,21 @@ impl RbdDisk {
         s
     }
 
-    /// Whether the image has the exclusive-lock feature.
-    pub fn exclusive_lock(&self) -> bool {
-        self.features & u64::from(client::RBD_FEATURE_EXCLUSIVE_LOCK) != 0
+    /// The handle every queue shares (the control API resizes through it).
+    pub fn image(&self) -> &Arc<Image> {
+        &self.image
     }
 
-    /// An engine for one queue, with room for `entries` requests.
+    /// An engine for one queue, on the shared handle, with room for
+    /// `entries` requests.
     pub fn engine(&self, entries: usize) -> Result<RbdEngine, RbdError> {
-        let image = Image::open(&self.pool, &self.opts.spec.image, self.opts.readonly)?;
-        let eventfd = EventFd::new(EFD_NONBLOCK).map_err(|e| RbdError::Call {
-            what: "creating an eventfd".into(),
-            errno: e.raw_os_error().unwrap_or(libc::EIO),
-        })?;
-        image.notify_eventfd(eventfd.as_raw_fd())?;
         Ok(RbdEngine {
-            image,
-            eventfd,
+            image: Arc::clone(&self.image),
+            completed: CompletionList::new(entries)?,
+            taken: Vec::with_capacity(entries),
             slots: Slab::with_capacity(entries),
             entries,
             done: VecDeque::with_capacity(entries),
-            polled: vec![std::ptr::null_mut(); entries.max(1)],
             log_limit: RateLimiter::new(10, Duration::from_secs(5)),
             unflushed: false,
         })
@@ -125,10 +118,14 @@ struct Slot {
 }
 
 pub struct RbdEngine {
-    /// Closed (dropped) only after `Drop` has waited for every slot.
-    image: Image,
-    /// Written by librbd on each completion of `image`.
-    eventfd: EventFd,
+    /// The device's handle, shared with the other queues' engines; closed
+    /// when the last of them is dropped, each after waiting for its slots.
+    image: Arc<Image>,
+    /// This queue's completions, pushed by librbd's callback; each slot's
+    /// `Aio` holds an `Arc` of it too.
+    completed: Arc<CompletionList>,
+    /// What `reap` took from `completed`, reused (swapped with it).
+    taken: Vec<Done>,
     /// Requests in librbd, keyed by the tag of their completion. Never
     /// holds more than `entries`.
     slots: Slab<Slot>,
@@ -136,17 +133,16 @@ pub struct RbdEngine {
     /// Finished without librbd (empty transfers, failures to start), not
     /// yet reaped; never longer than `entries`.
     done: VecDeque<Completion>,
-    /// Completions from `rbd_poll_io_events`, reused.
-    polled: Vec<RawCompletion>,
     log_limit: RateLimiter,
     /// Something changed on the image since the last completed flush.
     unflushed: bool,
 }
 
 // SAFETY: the raw pointers inside (iovecs of requests in flight, librbd
-// handles) point into memory each `Io` holds, or at librbd objects that
-// may be used from any thread; the engine is moved to its queue's thread
-// once and used only there.
+// completions and their callback tags) point into memory each `Io` holds,
+// at librbd objects that may be used from any thread, or at tags only
+// librbd's callback reads; the engine is moved to its queue's thread once
+// and used only there.
 unsafe impl Send for RbdEngine {}
 
 impl RbdEngine {
@@ -241,7 +237,7 @@ impl Engine for RbdEngine {
             return Ok(());
         }
         let entry = self.slots.vacant_entry();
-        let aio = match Aio::new(entry.key()) {
+        let aio = match Aio::new(entry.key(), &self.completed) {
             Ok(aio) => aio,
             Err(e) => {
                 warn_limited!(self.log_limit, "RBD: {e}");
@@ -273,40 +269,35 @@ impl Engine for RbdEngine {
     fn reap(&mut self, mut f: impl FnMut(Completion)) -> u32 {
         let mut n = self.done.len() as u32;
         self.done.drain(..).for_each(&mut f);
-        let mut polled = std::mem::take(&mut self.polled);
-        loop {
-            let got = self.image.poll_events(&mut polled);
-            for &raw in &polled[..got] {
-                // SAFETY: `raw` was just polled, and every completion of
-                // this image is an `Aio` of a slot, released only below
-                // (or in `Drop`), after it has been polled or waited for.
-                let key = unsafe { client::key_of(raw) };
-                let Some(slot) = self
-                    .slots
-                    .get(key)
-                    .is_some_and(|s| s.aio.is(raw))
-                    .then(|| self.slots.remove(key))
-                else {
-                    warn_limited!(self.log_limit, "RBD completion for unknown request {key}");
-                    continue;
-                };
-                let status = self.status(slot.op, &slot.io, slot.aio.result());
-                self.note_durability(&slot.io, status);
-                let written = written(&slot.io, status);
-                // The completion is released here, after librbd is done.
-                drop(slot.aio);
-                f(Completion {
-                    io: slot.io,
-                    status,
-                    written,
-                });
-                n += 1;
-            }
-            if got < polled.len() {
-                break;
-            }
+        let mut taken = std::mem::take(&mut self.taken);
+        self.completed.take(&mut taken);
+        for d in taken.drain(..) {
+            let Some(slot) = self
+                .slots
+                .get(d.key)
+                .is_some_and(|s| s.aio.is(&d))
+                .then(|| self.slots.remove(d.key))
+            else {
+                warn_limited!(
+                    self.log_limit,
+                    "RBD completion for unknown request {}",
+                    d.key
+                );
+                continue;
+            };
+            let status = self.status(slot.op, &slot.io, slot.aio.result());
+            self.note_durability(&slot.io, status);
+            let written = written(&slot.io, status);
+            // The completion is released here, after librbd is done.
+            drop(slot.aio);
+            f(Completion {
+                io: slot.io,
+                status,
+                written,
+            });
+            n += 1;
         }
-        self.polled = polled;
+        self.taken = taken;
         n
     }
 
@@ -318,13 +309,15 @@ impl Engine for RbdEngine {
         self.slots.len() + self.done.len()
     }
 
-    /// Sleeps on the eventfd until librbd signals a completion.
+    /// Sleeps on the eventfd until librbd's callback signals a completion.
     fn wait(&mut self) -> io::Result<()> {
-        if !self.done.is_empty() || self.slots.is_empty() {
+        if !self.done.is_empty() || self.slots.is_empty() || !self.completed.is_empty() {
             return Ok(());
         }
+        // Anything pushed from here on finds the list empty and writes
+        // the eventfd.
         let mut pfd = libc::pollfd {
-            fd: self.eventfd.as_raw_fd(),
+            fd: self.completed.fd(),
             events: libc::POLLIN,
             revents: 0,
         };
@@ -336,34 +329,32 @@ impl Engine for RbdEngine {
                 return Err(e);
             }
         }
-        // Consumed here: the caller reaps next, and librbd signals again
-        // for anything completing after that.
-        let _ = self.eventfd.read();
+        // Consumed here: the caller reaps next, and the callback signals
+        // again for anything completing after that.
+        self.completed.clear_fd();
         Ok(())
     }
 
     fn has_completions(&mut self) -> bool {
-        if !self.done.is_empty() {
-            return true;
-        }
-        let mut pfd = libc::pollfd {
-            fd: self.eventfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call; no wait.
-        unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
+        !self.done.is_empty() || !self.completed.is_empty()
     }
 
     fn completion_fd(&self) -> Option<RawFd> {
-        Some(self.eventfd.as_raw_fd())
+        Some(self.completed.fd())
     }
 
     fn clear_completion_fd(&self) {
-        let _ = self.eventfd.read();
+        self.completed.clear_fd();
     }
 
     fn must_poll(&self) -> bool {
+        false
+    }
+
+    /// librbd completes on its own threads, rarely within a poll window:
+    /// polling found work in at most 7 % of its windows and cost IOPS
+    /// (docs/BENCHMARKS.md, "Busy-polling does not pay on RBD").
+    fn polling_pays(&self) -> bool {
         false
     }
 
@@ -378,13 +369,15 @@ impl Engine for RbdEngine {
     }
 
     fn reset(&mut self) {
-        let _ = self.eventfd.read();
+        self.completed.clear_fd();
     }
 }
 
 impl Drop for RbdEngine {
     /// Waits for librbd to finish with every request still in it: their
-    /// guest buffers (held by each `Io`) must outlive the I/O.
+    /// guest buffers (held by each `Io`) must outlive the I/O, and each
+    /// `Aio`'s tag its callback. (The completion list outlives both: every
+    /// tag, and the callback itself, holds an `Arc` of it.)
     fn drop(&mut self) {
         for slot in self.slots.drain() {
             slot.aio.wait();
