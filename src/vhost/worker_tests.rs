@@ -836,8 +836,18 @@ fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
         Arc::try_unwrap(cfg).unwrap_or_else(|_| panic!("the rig's workers are gone"))
     };
     let cfg = Arc::new(WorkerConfig { poll_us: 32, ..cfg });
-    let polls = QueueWorker::new(cfg.clone(), Arc::default(), NullEngine::new(4), 0, None);
-    assert_eq!(polls.poll.window(), Some(Duration::from_micros(32)));
-    let never = QueueWorker::new(cfg, Arc::default(), NoPoll(NullEngine::new(4)), 0, None);
-    assert_eq!(never.poll.window(), None);
+    let mut polls = QueueWorker::new(cfg.clone(), Arc::default(), NullEngine::new(4), 0, None);
+    for wait in [Wait::Guest, Wait::Device] {
+        assert_eq!(polls.poll.window(wait), Some(Duration::from_micros(32)));
+    }
+    let mut never = QueueWorker::new(cfg, Arc::default(), NoPoll(NullEngine::new(4)), 0, None);
+    for wait in [Wait::Guest, Wait::Device] {
+        assert_eq!(never.poll.window(wait), None);
+    }
+    // Not even a probe, however long it slept without a window.
+    for _ in 0..2 * crate::vhost::poll::PROBE_EVERY {
+        never.poll.sleeping(Wait::Guest);
+        never.poll.woke_up();
+    }
+    assert_eq!(never.poll.window(Wait::Guest), None);
 }
