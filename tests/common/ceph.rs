@@ -127,35 +127,19 @@ pub fn cluster() -> &'static Cluster {
 impl Cluster {
     /// Runs `rbd -c CONF ARGS`; panics unless it succeeds.
     pub fn rbd(&self, args: &[&str]) -> Output {
-        let out = Command::new("rbd")
-            .arg("-c")
-            .arg(&self.conf)
-            .args(args)
-            .output()
-            .expect("running rbd");
-        assert!(
-            out.status.success(),
-            "rbd {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        out
+        let mut cmd = Command::new("rbd");
+        cmd.arg("-c").arg(&self.conf).args(args);
+        succeeded(cmd, "rbd", args)
     }
 
     /// Runs `ceph -c CONF ARGS` (with a deadline); panics unless it
     /// succeeds; returns its stdout.
     pub fn ceph(&self, args: &[&str]) -> Vec<u8> {
-        let out = Command::new("timeout")
-            .args(["60", "ceph", "--connect-timeout", "30", "-c"])
+        let mut cmd = Command::new("timeout");
+        cmd.args(["60", "ceph", "--connect-timeout", "30", "-c"])
             .arg(&self.conf)
-            .args(args)
-            .output()
-            .expect("running ceph");
-        assert!(
-            out.status.success(),
-            "ceph {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        out.stdout
+            .args(args);
+        succeeded(cmd, "ceph", args).stdout
     }
 
     /// Creates an image of `size_mib` MiB with a name of its own; returns
@@ -206,4 +190,18 @@ impl Cluster {
         );
         out.stdout[off..off + len].to_vec()
     }
+}
+
+/// Runs `cmd` (the `tool` with `args`) to its end; panics with its stderr
+/// unless it succeeded.
+fn succeeded(mut cmd: Command, tool: &str, args: &[&str]) -> Output {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("running {tool}: {e}"));
+    assert!(
+        out.status.success(),
+        "{tool} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
 }
