@@ -152,3 +152,59 @@ fn garbage_in_the_inflight_region() {
     drop(conn);
     assert_serves(&mut d, "a garbage inflight region", 8192, 1);
 }
+
+/// A daemon killed while draining leaves kicks off in guest memory
+/// (`avail_event` behind, or NO_NOTIFY), so the guest adds requests
+/// without kicking, and QEMU does not kick a ring it hands to the next
+/// daemon. That daemon must still resubmit what the region names and take
+/// what was added meanwhile, with no kick at all: here two requests in
+/// flight and one added after the kill. (vhost-user-backend runs each ring
+/// once when SET_VRING_ENABLE enables it; this holds us to it.)
+#[test]
+fn a_restarted_daemon_does_not_wait_for_a_kick() {
+    let mut d = Daemon::start(64 * MIB, &[]);
+    let conn = Conn::connect(&d.socket);
+    conn.handshake(0);
+    let mut log = vec![0u8; queue_region_size(MAX_QUEUE_SIZE)];
+    log[8..10].copy_from_slice(&1u16.to_le_bytes()); // version
+    for (h, counter) in [(0u16, 1u64), (4, 2)] {
+        let at = 16 + 16 * usize::from(h);
+        log[at] = 1;
+        log[at + 8..at + 16].copy_from_slice(&counter.to_le_bytes());
+    }
+    let f = memfd(log.len() as u64);
+    f.write_all_at(&log, 0).expect("writing the region");
+    seal(&f);
+    conn.ok(
+        SET_INFLIGHT_FD,
+        &inflight(log.len() as u64, 0, 1, MAX_QUEUE_SIZE),
+        &[f.as_raw_fd()],
+    );
+    let g = Guest::new();
+    g.share(&conn);
+    let mut vq = Vq::new(0, QUEUE_SIZE, RING);
+    g.write(vq.desc, &vec![0u8; 16 * usize::from(QUEUE_SIZE)]);
+    g.write(vq.avail, &vec![0u8; 6 + 2 * usize::from(QUEUE_SIZE)]);
+    g.write(vq.used, &vec![0u8; 6 + 8 * usize::from(QUEUE_SIZE)]);
+    for (first, sector) in [(0u16, 0u64), (4, 8), (8, 16)] {
+        write_chain(&vq, &g, first, sector);
+    }
+    // Heads 0 and 4 were taken by the killed daemon; 8 came after.
+    vq.publish_without_kick(&g, &[0, 4, 8]);
+    vq.attach(&conn, &g, 2, true);
+    let mut used = vq.take_used(&g, 3, Duration::from_secs(10));
+    used.sort_unstable();
+    assert_eq!(
+        used,
+        vec![(0, 1), (4, 1), (8, 1)],
+        "every request answered once"
+    );
+    for (first, sector) in [(0u16, 0u64), (4, 8), (8, 16)] {
+        let at = 0x20_0000 + 0x1_0000 * u64::from(first);
+        assert_eq!(g.byte(at + 0x3000), 0, "status of head {first}");
+        assert_eq!(d.read_image(sector * 512, 4096), vec![first as u8; 4096]);
+    }
+    d.assert_running();
+    drop(conn);
+    assert_serves(&mut d, "a ring started without a kick", 8192, 1);
+}

@@ -636,13 +636,19 @@ impl Vq {
 
     /// Puts `heads` on the avail ring, moves avail->idx once, and kicks.
     pub fn publish(&mut self, g: &Guest, heads: &[u16]) {
+        self.publish_without_kick(g, heads);
+        self.kick.write(1).expect("kick");
+    }
+
+    /// Makes `heads` available as [`Vq::publish`] does, without kicking:
+    /// what a driver does while the device has asked not to be kicked.
+    pub fn publish_without_kick(&mut self, g: &Guest, heads: &[u16]) {
         for &h in heads {
             let slot = u64::from(self.next_avail % self.size);
             g.write(self.avail + 4 + 2 * slot, &h.to_le_bytes());
             self.next_avail = self.next_avail.wrapping_add(1);
         }
         self.set_avail_idx(g, self.next_avail);
-        self.kick.write(1).expect("kick");
     }
 
     /// Stores avail->idx (release: the entries and descriptors first).
