@@ -267,6 +267,12 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         #[cfg(feature = "rbd")]
         (EngineKind::Uring, config::Backing::Rbd(disk)) => {
             let name = disk.opts.spec.to_string();
+            if cfg.args.poll_us > 0 {
+                log::info!(
+                    "{name}: no busy-polling (--poll-us {} ignored): librbd completes on its own threads, rarely within a window",
+                    cfg.args.poll_us
+                );
+            }
             let engines = metrics
                 .iter()
                 .map(|_| disk.engine(capacity))
