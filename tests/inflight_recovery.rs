@@ -103,6 +103,32 @@ fn garbage_log(region_queue_size: u16) -> Vec<u8> {
     b
 }
 
+/// A front-end handing daemon `d` the inflight region `log` (one queue's
+/// part) and sharing guest memory that holds three 4 KiB writes, heads 0,
+/// 4 and 8 to sectors 0, 8 and 16, on an empty ring not yet attached.
+fn restarted_with(d: &Daemon, log: &[u8]) -> (Conn, Guest, Vq) {
+    let conn = Conn::connect(&d.socket);
+    conn.handshake(0);
+    let f = memfd(log.len() as u64);
+    f.write_all_at(log, 0).expect("writing the region");
+    seal(&f);
+    conn.ok(
+        SET_INFLIGHT_FD,
+        &inflight(log.len() as u64, 0, 1, MAX_QUEUE_SIZE),
+        &[f.as_raw_fd()],
+    );
+    let g = Guest::new();
+    g.share(&conn);
+    let vq = Vq::new(0, QUEUE_SIZE, RING);
+    g.write(vq.desc, &vec![0u8; 16 * usize::from(QUEUE_SIZE)]);
+    g.write(vq.avail, &vec![0u8; 6 + 2 * usize::from(QUEUE_SIZE)]);
+    g.write(vq.used, &vec![0u8; 6 + 8 * usize::from(QUEUE_SIZE)]);
+    for (first, sector) in [(0u16, 0u64), (4, 8), (8, 16)] {
+        write_chain(&vq, &g, first, sector);
+    }
+    (conn, g, vq)
+}
+
 /// A restarted daemon handed a region full of garbage around three real
 /// requests in flight resubmits those three, each answered once, in
 /// counter order, ignores the heads its ring cannot have, and goes on
@@ -112,28 +138,9 @@ fn garbage_log(region_queue_size: u16) -> Vec<u8> {
 #[test]
 fn garbage_in_the_inflight_region() {
     let mut d = Daemon::start(64 * MIB, &[]);
-    let conn = Conn::connect(&d.socket);
-    conn.handshake(0);
-    let log = garbage_log(MAX_QUEUE_SIZE);
-    let f = memfd(log.len() as u64);
-    f.write_all_at(&log, 0).expect("writing the region");
-    seal(&f);
-    conn.ok(
-        SET_INFLIGHT_FD,
-        &inflight(log.len() as u64, 0, 1, MAX_QUEUE_SIZE),
-        &[f.as_raw_fd()],
-    );
-    let g = Guest::new();
-    g.share(&conn);
+    let (conn, g, mut vq) = restarted_with(&d, &garbage_log(MAX_QUEUE_SIZE));
     // The rings as the guest left them: heads 0, 4, 8 made available and
     // taken by the previous daemon, nothing used yet.
-    let mut vq = Vq::new(0, QUEUE_SIZE, RING);
-    g.write(vq.desc, &vec![0u8; 16 * usize::from(QUEUE_SIZE)]);
-    g.write(vq.avail, &vec![0u8; 6 + 2 * usize::from(QUEUE_SIZE)]);
-    g.write(vq.used, &vec![0u8; 6 + 8 * usize::from(QUEUE_SIZE)]);
-    for (first, sector) in [(0u16, 0u64), (4, 8), (8, 16)] {
-        write_chain(&vq, &g, first, sector);
-    }
     vq.publish(&g, &[0, 4, 8]);
     vq.attach(&conn, &g, 0, true);
     let used = vq.take_used(&g, 3, Duration::from_secs(10));
@@ -163,8 +170,6 @@ fn garbage_in_the_inflight_region() {
 #[test]
 fn a_restarted_daemon_does_not_wait_for_a_kick() {
     let mut d = Daemon::start(64 * MIB, &[]);
-    let conn = Conn::connect(&d.socket);
-    conn.handshake(0);
     let mut log = vec![0u8; queue_region_size(MAX_QUEUE_SIZE)];
     log[8..10].copy_from_slice(&1u16.to_le_bytes()); // version
     for (h, counter) in [(0u16, 1u64), (4, 2)] {
@@ -172,23 +177,7 @@ fn a_restarted_daemon_does_not_wait_for_a_kick() {
         log[at] = 1;
         log[at + 8..at + 16].copy_from_slice(&counter.to_le_bytes());
     }
-    let f = memfd(log.len() as u64);
-    f.write_all_at(&log, 0).expect("writing the region");
-    seal(&f);
-    conn.ok(
-        SET_INFLIGHT_FD,
-        &inflight(log.len() as u64, 0, 1, MAX_QUEUE_SIZE),
-        &[f.as_raw_fd()],
-    );
-    let g = Guest::new();
-    g.share(&conn);
-    let mut vq = Vq::new(0, QUEUE_SIZE, RING);
-    g.write(vq.desc, &vec![0u8; 16 * usize::from(QUEUE_SIZE)]);
-    g.write(vq.avail, &vec![0u8; 6 + 2 * usize::from(QUEUE_SIZE)]);
-    g.write(vq.used, &vec![0u8; 6 + 8 * usize::from(QUEUE_SIZE)]);
-    for (first, sector) in [(0u16, 0u64), (4, 8), (8, 16)] {
-        write_chain(&vq, &g, first, sector);
-    }
+    let (conn, g, mut vq) = restarted_with(&d, &log);
     // Heads 0 and 4 were taken by the killed daemon; 8 came after.
     vq.publish_without_kick(&g, &[0, 4, 8]);
     vq.attach(&conn, &g, 2, true);
