@@ -622,11 +622,15 @@ fn readonly_opens_the_image_read_only_and_refuses_writes() {
     assert!(c.read_image(&image, 0, size) == data, "the image changed");
 }
 
-/// SIGTERM closes the image handles and the cluster connection, while a
-/// front-end is connected and between connections: `rbd status` shows no
+/// SIGTERM closes the image handle and the cluster connection, while a
+/// front-end is connected and as one goes away: `rbd status` shows no
 /// watcher right after the exit, and a daemon started at once on the
 /// exclusive-lock image writes in well under the test cluster's `osd
 /// client watch timeout` (8 s), which a handle left open would cost it.
+/// The second daemon has a control API, which must not keep the image
+/// open either; its SIGTERM comes as its client leaves, so the engines
+/// may be on their way back from the connection (that once left the
+/// watch behind).
 #[test]
 fn sigterm_closes_the_image_so_a_restarted_daemon_writes_at_once() {
     let c = ceph::cluster();
@@ -644,7 +648,9 @@ fn sigterm_closes_the_image_so_a_restarted_daemon_writes_at_once() {
     let left = c.watchers(&image);
 
     // The next daemon's first write: it takes the exclusive lock.
-    let mut d = start_rbd(&image, &[]);
+    let api = tempfile::tempdir().expect("temporary directory");
+    let api_sock = api.path().join("api.sock");
+    let mut d = start_rbd(&image, &["--api", api_sock.to_str().expect("UTF-8 path")]);
     let mut cl = Client::connect(&d.socket, 2 * CHUNK);
     let started = Instant::now();
     assert_eq!(
@@ -656,7 +662,7 @@ fn sigterm_closes_the_image_so_a_restarted_daemon_writes_at_once() {
     assert_eq!(left, None, "the stopped daemon left its watch");
     assert!(first < Duration::from_secs(2), "first write took {first:?}");
     assert_pattern("read back", seed, 0, &cl.read(0, 2 * CHUNK));
-    // Stopped between connections.
+    // Stopped as the client goes away.
     drop(cl);
     let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
     assert_eq!(st.code(), Some(0), "exit after SIGTERM: {st}\n{}", d.log());

@@ -103,9 +103,21 @@ pub enum ControlBacking {
     /// The RBD image's handle, the one every queue shares: `rbd_resize`
     /// and `rbd_get_size` on it are synchronous, and run on the API's
     /// thread, never a worker's. Growing it on that handle is what lets
-    /// the queues write past the old end at once.
+    /// the queues write past the old end at once. Weak: the API must not
+    /// keep the image open when SIGTERM closes it (the handle closes when
+    /// its last strong holder lets go).
     #[cfg(feature = "rbd")]
-    Rbd(Arc<crate::engine::rbd::client::Image>),
+    Rbd(std::sync::Weak<crate::engine::rbd::client::Image>),
+}
+
+/// The RBD handle, unless the daemon has closed it (it is stopping).
+#[cfg(feature = "rbd")]
+fn open_image(
+    image: &std::sync::Weak<crate::engine::rbd::client::Image>,
+) -> io::Result<Arc<crate::engine::rbd::client::Image>> {
+    image
+        .upgrade()
+        .ok_or_else(|| io::Error::other("the image is closed: the daemon is stopping"))
 }
 
 impl ControlBacking {
@@ -114,7 +126,7 @@ impl ControlBacking {
         match self {
             ControlBacking::File(file) => device_size(file, is_block_device),
             #[cfg(feature = "rbd")]
-            ControlBacking::Rbd(image) => image.size().map_err(io::Error::other),
+            ControlBacking::Rbd(image) => open_image(image)?.size().map_err(io::Error::other),
         }
     }
 
@@ -123,7 +135,7 @@ impl ControlBacking {
         match self {
             ControlBacking::File(file) => file.set_len(size),
             #[cfg(feature = "rbd")]
-            ControlBacking::Rbd(image) => image.resize(size).map_err(io::Error::other),
+            ControlBacking::Rbd(image) => open_image(image)?.resize(size).map_err(io::Error::other),
         }
     }
 }

@@ -56,7 +56,9 @@ fn spawn_api(
                 image.file.try_clone().map_err(|e| err(e.to_string()))?,
             ),
             #[cfg(feature = "rbd")]
-            config::Backing::Rbd(disk) => crate::api::ControlBacking::Rbd(disk.image().clone()),
+            config::Backing::Rbd(disk) => {
+                crate::api::ControlBacking::Rbd(Arc::downgrade(disk.image()))
+            }
         },
         is_block_device: matches!(
             backing,
@@ -284,18 +286,39 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             // the watch and the exclusive lock, so a daemon started next on
             // the image need not wait for the OSD to time the watch out),
             // then the pool and the cluster connection.
+            // A connection ending as the signal came has its engines in
+            // neither place for a moment: wait (briefly) until the disk
+            // holds the last reference, so that dropping it closes.
             let (engines, current) = (parked.clone(), current.clone());
             *lock(&closer) = Some(Box::new(move || {
-                if let Some(device) = lock(&current).as_ref() {
-                    device.close_engines();
+                let deadline = std::time::Instant::now() + CLOSE_WAIT;
+                loop {
+                    if let Some(device) = lock(&current).as_ref() {
+                        device.close_engines();
+                    }
+                    drop(std::mem::take(&mut *lock(&engines)));
+                    if Arc::strong_count(disk.image()) == 1 || std::time::Instant::now() > deadline
+                    {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(5));
                 }
-                drop(std::mem::take(&mut *lock(&engines)));
+                if Arc::strong_count(disk.image()) > 1 {
+                    log::warn!(
+                        "{name}: still in use after {CLOSE_WAIT:?}; exiting without closing it (its lock waits for the watch timeout)"
+                    );
+                }
                 drop(disk);
             }));
             conn.serve(parked)
         }
     }
 }
+
+/// How long SIGTERM waits for the engines of a connection being torn
+/// down before it closes the RBD image.
+#[cfg(feature = "rbd")]
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 fn park<E>(engines: Vec<E>) -> Parked<E> {
     Arc::new(Mutex::new(engines))
