@@ -188,6 +188,15 @@ fn rw_two_queues_throttled() {
     let throttled = std::sync::atomic::AtomicU64::new(0);
     let done = AtomicBool::new(false);
     thread::scope(|s| {
+        // Whether `run` returns or panics, the scraper stops: a scope waits
+        // for its threads, so a scraper left looping after a failed boot
+        // would hang the test instead of failing it.
+        struct Stop<'a>(&'a AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
         s.spawn(|| {
             while !done.load(Ordering::Relaxed) {
                 thread::sleep(Duration::from_millis(500));
@@ -195,6 +204,7 @@ fn rw_two_queues_throttled() {
                     continue;
                 };
                 let mut text = String::new();
+                let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
                 if c.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").is_err()
                     || c.read_to_string(&mut text).is_err()
                 {
@@ -208,6 +218,7 @@ fn rw_two_queues_throttled() {
                 throttled.fetch_max(n, Ordering::Relaxed);
             }
         });
+        let _stop = Stop(&done);
         run(Scenario::rw(&[
             "--iops",
             "1500",
@@ -216,7 +227,6 @@ fn rw_two_queues_throttled() {
             "--metrics",
             m,
         ]));
-        done.store(true, Ordering::Relaxed);
     });
     let n = throttled.load(Ordering::Relaxed);
     eprintln!("requests throttled under the guest: {n}");
