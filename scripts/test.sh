@@ -58,7 +58,41 @@ fi
 # need both built. With the RBD engine: its tests (tests/rbd.rs, and the
 # bench's crates/ringblk-bench/tests/bench_rbd.rs) start a Ceph cluster of
 # their own.
+#
+# Every test bounds its own waits, but a test that hangs anyway must fail
+# the run, with where it hangs, rather than stall it: after
+# RINGBLK_TEST_TIMEOUT seconds (default 3600; a run here takes about 15
+# minutes) the processes still running and their threads' kernel stacks
+# are printed, and they are killed.
 section "cargo test"
-RUST_BACKTRACE=${RUST_BACKTRACE:-1} cargo test --workspace --locked --features ringblk/rbd,ringblk-bench/rbd
+limit=${RINGBLK_TEST_TIMEOUT:-3600}
+# In a session of its own, so that the watchdog can end all of it.
+RUST_BACKTRACE=${RUST_BACKTRACE:-1} setsid cargo test --workspace --locked \
+    --features ringblk/rbd,ringblk-bench/rbd &
+tests=$!
+trap 'kill -KILL -- -"$tests" 2>/dev/null' INT TERM
+deadline=$((SECONDS + limit))
+while kill -0 "$tests" 2>/dev/null; do
+    if ((SECONDS >= deadline)); then
+        echo "test.sh: cargo test still running after $limit s; what it runs:" >&2
+        ps -o pid,etimes,stat,wchan:24,args -s "$tests" >&2 || true
+        for pid in $(ps -o pid= -s "$tests"); do
+            for t in /proc/"$pid"/task/*; do
+                echo "== $t ($(cat "$t/comm" 2>/dev/null)) ==" >&2
+                cat "$t/stack" >&2 2>/dev/null || true
+            done
+        done
+        kill -KILL -- -"$tests" 2>/dev/null || true
+        break
+    fi
+    sleep 5
+done
+status=0
+wait "$tests" || status=$?
+trap - INT TERM
+if ((status != 0)); then
+    echo "test.sh: cargo test failed (exit $status)" >&2
+    exit "$status"
+fi
 
 section "done in $((SECONDS - started)) s"
