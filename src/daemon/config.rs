@@ -2,6 +2,7 @@
 
 mod rundir;
 
+use std::num::NonZeroUsize;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -44,13 +45,23 @@ pub struct Config {
 }
 
 /// `--threads`' default: a thread per queue, but no more threads than
-/// CPUs to run them on (the `--cpus` list, else the daemon's affinity
-/// mask), since two busy threads on one CPU take turns by preemption,
-/// which costs more than one thread taking turns between queues.
+/// CPUs to run them on, since two busy threads on one CPU take turns by
+/// preemption, which costs more than one thread taking turns between
+/// queues. The CPUs are the `--cpus` list, else the daemon's affinity
+/// mask, and no more than its cgroup's CPU quota allows
+/// (`available_parallelism` reads both: a systemd `CPUQuota=200%` or a
+/// container's `--cpus 2` is 2 CPUs whatever the mask says).
 pub fn default_threads(queues: usize, cpus: &[usize]) -> usize {
+    default_threads_within(queues, cpus, std::thread::available_parallelism().ok())
+}
+
+/// [`default_threads`] for a process that may use `available` CPUs
+/// (None: not known).
+fn default_threads_within(queues: usize, cpus: &[usize], available: Option<NonZeroUsize>) -> usize {
+    let available = available.map_or(usize::MAX, NonZeroUsize::get);
     let cpus = match cpus.len() {
-        0 => crate::cpu::allowed_cpus().map_or(queues, |c| c.len()),
-        n => n,
+        0 => available,
+        n => n.min(available),
     };
     queues.min(cpus).max(1)
 }
@@ -335,15 +346,31 @@ fn open_rbd(_args: &ServeArgs, spec: RbdSpec) -> Result<(Backing, u32, String), 
 
 #[cfg(test)]
 mod tests {
-    use super::default_threads;
+    use std::num::NonZeroUsize;
+
+    use super::{default_threads, default_threads_within};
 
     #[test]
     fn default_threads_are_bounded_by_queues_and_cpus() {
-        assert_eq!(default_threads(8, &[0, 1, 2]), 3);
-        assert_eq!(default_threads(2, &[0, 1, 2]), 2);
-        assert_eq!(default_threads(1, &[0]), 1);
-        let allowed = crate::cpu::allowed_cpus().unwrap().len();
-        assert_eq!(default_threads(64, &[]), allowed.min(64));
-        assert_eq!(default_threads(1, &[]), 1);
+        let four = NonZeroUsize::new(4);
+        assert_eq!(default_threads_within(8, &[0, 1, 2], four), 3);
+        assert_eq!(default_threads_within(2, &[0, 1, 2], four), 2);
+        assert_eq!(default_threads_within(1, &[0], four), 1);
+        assert_eq!(default_threads_within(64, &[], four), 4);
+        assert_eq!(default_threads_within(1, &[], four), 1);
+        assert_eq!(default_threads_within(8, &[], None), 8);
+    }
+
+    #[test]
+    fn a_cpu_quota_below_the_cpus_listed_bounds_the_threads() {
+        let one = NonZeroUsize::new(1);
+        assert_eq!(default_threads_within(8, &[0, 1, 2], one), 1);
+        assert_eq!(default_threads_within(8, &[], one), 1);
+    }
+
+    #[test]
+    fn the_default_follows_available_parallelism() {
+        let available = std::thread::available_parallelism().unwrap().get();
+        assert_eq!(default_threads(64, &[]), available.min(64));
     }
 }
