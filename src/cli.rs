@@ -142,8 +142,8 @@ pub struct ServeArgs {
     /// Worker threads serving the queues: queue q is served by thread
     /// q % N, which takes turns between its queues [default: the number of
     /// queues, but at most the length of --cpus, or without --cpus the
-    /// number of CPUs the daemon may run on]. A thread with more than one
-    /// queue does not busy-poll.
+    /// number of CPUs the daemon may run on, and at most its cgroup's CPU
+    /// quota]. A thread with more than one queue does not busy-poll.
     #[arg(long)]
     pub threads: Option<usize>,
 
