@@ -10,7 +10,7 @@
 mod common;
 
 use std::fs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use common::{Client, Daemon, DaemonOptions, MIB, Op, assert_pattern, is_root, pattern};
 
@@ -24,31 +24,34 @@ impl OneCpu {
         if !is_root() {
             return Err("making a cgroup needs root".into());
         }
-        let name = format!("ringblk-test-{}", std::process::id());
-        // cgroup v1: the cpu hierarchy.
-        let v1 = PathBuf::from("/sys/fs/cgroup/cpu");
-        if v1.join("cpu.cfs_quota_us").exists() {
-            let dir = v1.join(&name);
-            fs::create_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-            let cg = OneCpu { dir };
-            cg.write("cpu.cfs_period_us", "100000")?;
-            cg.write("cpu.cfs_quota_us", "100000")?;
-            return Ok(cg);
+        // cgroup v1's cpu hierarchy, else v2 with cpu enabled for the
+        // root's children: where to make the cgroup, and its one-CPU quota.
+        let v1_cpu = Path::new("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists();
+        let v2_cpu = fs::read_to_string("/sys/fs/cgroup/cgroup.subtree_control")
+            .is_ok_and(|c| c.split_whitespace().any(|c| c == "cpu"));
+        let (root, quota): (&str, &[(&str, &str)]) = if v1_cpu {
+            (
+                "/sys/fs/cgroup/cpu",
+                &[
+                    ("cpu.cfs_period_us", "100000"),
+                    ("cpu.cfs_quota_us", "100000"),
+                ],
+            )
+        } else if v2_cpu {
+            ("/sys/fs/cgroup", &[("cpu.max", "100000 100000")])
+        } else {
+            return Err(
+                "no cgroup cpu controller (v1 /sys/fs/cgroup/cpu, or cpu in v2's subtree_control)"
+                    .into(),
+            );
+        };
+        let dir = Path::new(root).join(format!("ringblk-test-{}", std::process::id()));
+        fs::create_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let cg = OneCpu { dir };
+        for (file, value) in quota {
+            cg.write(file, value)?;
         }
-        // cgroup v2, with cpu enabled for the root's children.
-        let v2 = PathBuf::from("/sys/fs/cgroup");
-        let controllers = fs::read_to_string(v2.join("cgroup.subtree_control")).unwrap_or_default();
-        if controllers.split_whitespace().any(|c| c == "cpu") {
-            let dir = v2.join(&name);
-            fs::create_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-            let cg = OneCpu { dir };
-            cg.write("cpu.max", "100000 100000")?;
-            return Ok(cg);
-        }
-        Err(
-            "no cgroup cpu controller (v1 /sys/fs/cgroup/cpu, or cpu in v2's subtree_control)"
-                .into(),
-        )
+        Ok(cg)
     }
 
     fn write(&self, file: &str, value: &str) -> Result<(), String> {
