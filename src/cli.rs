@@ -244,7 +244,7 @@ pub struct ServeArgs {
 }
 
 /// QoS limits of the device, shared by all its queues (qemu-storage-daemon's
-/// throttle-limits convention; see the README). Rates are per second;
+/// throttle-limits convention; see docs/qos.md). Rates are per second;
 /// 0 removes a limit; a limit not given keeps its value (none, at start).
 /// Bandwidths take size suffixes (K, M, G).
 #[derive(Clone, Debug, Default, Args)]

@@ -317,7 +317,7 @@ fn a_stop_does_not_wait_behind_throttling() {
 }
 
 /// Discard and write-zeroes count as one write each and draw no bytes; a
-/// flush draws nothing (README, QoS).
+/// flush draws nothing (docs/qos.md).
 #[test]
 fn discards_count_as_writes_without_bytes_and_flushes_are_free() {
     // A bandwidth limit that would hold 64 KiB discards to 16 a second if

@@ -3,7 +3,7 @@
 //!
 //! The convention is qemu-storage-daemon's throttle limits: a rate a
 //! second (`iops-total`, `bps-read`, ...), each with an optional burst
-//! rate `-max` sustained for `max-length` seconds. See the README's QoS
+//! rate `-max` sustained for `max-length` seconds. See docs/qos.md's QoS
 //! section for the semantics and the mapping to Firecracker's
 //! `RateLimiter`.
 //!

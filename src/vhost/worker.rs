@@ -92,7 +92,7 @@ const LOCK_WAIT: Duration = Duration::from_secs(3);
 /// machine. On 2 queues at depth 16 on one CPU of the 2-vCPU development
 /// machine, p99 was 137, 153 and 210-273 µs for turns of 8, 16 and 32
 /// requests (qsd: 92-162 µs), IOPS 1.34, 1.40 and 1.51-1.58× qsd's
-/// (docs/BENCHMARKS.md). The price is three syscalls per turn.
+/// (docs/benchmarks.md). The price is three syscalls per turn.
 pub const TURN: usize = 16;
 
 /// Settings shared by all workers of a device.

@@ -1,5 +1,5 @@
 //! The comparison as Markdown tables: readable in a terminal, pasteable
-//! into docs/BENCHMARKS.md.
+//! into docs/benchmarks.md.
 
 use std::fmt::Write;
 

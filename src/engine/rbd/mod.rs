@@ -353,7 +353,7 @@ impl Engine for RbdEngine {
 
     /// librbd completes on its own threads, rarely within a poll window:
     /// polling found work in at most 7 % of its windows and cost IOPS
-    /// (docs/BENCHMARKS.md, "Busy-polling does not pay on RBD").
+    /// (docs/benchmarks.md, "Busy-polling does not pay on RBD").
     fn polling_pays(&self) -> bool {
         false
     }
