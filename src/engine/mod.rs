@@ -40,7 +40,7 @@ pub use null::NullEngine;
 pub use ring::EngineError;
 pub use uring::{FALLOCATE_MODES, UringConfig, UringEngine};
 
-use crate::virtio::{DiscardRange, GuestMem, Request, RequestKind};
+use crate::virtio::{DiscardRange, GuestMem, Request, RequestKind, Status};
 
 /// What a request is to an engine. GET_ID is not I/O (the worker answers
 /// it), so it has no `Op`.
@@ -76,13 +76,13 @@ pub struct Io {
     pub mem: Arc<GuestMem>,
 }
 
-/// A finished request: `status` is a `VIRTIO_BLK_S_*` code, `written` the
+/// A finished request: its `status`, and `written` the
 /// bytes the device wrote into the guest's buffers (not counting the status
 /// byte): the data of a successful read, 0 otherwise.
 #[derive(Debug)]
 pub struct Completion {
     pub io: Io,
-    pub status: u8,
+    pub status: Status,
     pub written: u32,
 }
 

@@ -6,10 +6,8 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
-
 use super::{Completion, Engine, Full, Io};
-use crate::virtio::{GuestMem, RequestKind};
+use crate::virtio::{GuestMem, RequestKind, Status};
 
 pub struct NullEngine {
     /// Completed, not yet reaped; never grows past its first capacity.
@@ -44,7 +42,7 @@ impl Engine for NullEngine {
         };
         self.done.push_back(Completion {
             io,
-            status: VIRTIO_BLK_S_OK as u8,
+            status: Status::Ok,
             written,
         });
         Ok(())

@@ -25,14 +25,13 @@ use std::time::Duration;
 
 use io_uring::squeue;
 use slab::Slab;
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 use super::bounce::AlignedBuf;
 use super::ring::{EngineError, Ring, UringOptions, op};
 use super::{Completion, Engine, Full, Io, Op, sync};
 use crate::metrics::{QueueMetrics, RateLimiter};
-use crate::virtio::{GuestMem, RequestKind};
+use crate::virtio::{GuestMem, RequestKind, Status};
 use crate::warn_limited;
 
 /// How a queue's ring is set up, and the image it works on.
@@ -135,7 +134,7 @@ impl UringEngine {
         })
     }
 
-    fn finish_now(&mut self, io: Io, status: u8) {
+    fn finish_now(&mut self, io: Io, status: Status) {
         self.note_durability(&io, status);
         let written = written(&io, status);
         self.done.push_back(Completion {
@@ -157,7 +156,7 @@ impl UringEngine {
     }
 
     /// The blocking version of a flush, discard or write-zeroes.
-    fn run_blocking(&mut self, kind: Op) -> u8 {
+    fn run_blocking(&mut self, kind: Op) -> Status {
         let fd = self.cfg.image_fd;
         let res = match kind {
             Op::Flush => sync::flush(fd),
@@ -176,12 +175,12 @@ impl UringEngine {
             Op::Read | Op::Write => Ok(()),
         };
         match res {
-            Ok(()) => VIRTIO_BLK_S_OK as u8,
+            Ok(()) => Status::Ok,
             // Discard is a hint: a device that cannot do it has done it.
-            Err(e) if is_unsupported(&e) && matches!(kind, Op::Discard(_)) => VIRTIO_BLK_S_OK as u8,
+            Err(e) if is_unsupported(&e) && matches!(kind, Op::Discard(_)) => Status::Ok,
             Err(e) => {
                 warn_limited!(self.log_limit, "{kind:?} failed: {e}");
-                VIRTIO_BLK_S_IOERR as u8
+                Status::IoErr
             }
         }
     }
@@ -269,7 +268,7 @@ impl UringEngine {
                     // buffers mapped; the bounce buffer holds data_len bytes.
                     unsafe { data.scatter_from(&buf.as_slice()[..data_len as usize]) };
                 }
-                VIRTIO_BLK_S_OK as u8
+                Status::Ok
             }
             Op::WriteZeroes(r) if r.unmap && !slot.retried && is_unsupported_res(res) => {
                 // The file system or device cannot deallocate: zero instead.
@@ -278,7 +277,7 @@ impl UringEngine {
                     Ok(()) => return None,
                     Err(s) => {
                         slot = s;
-                        VIRTIO_BLK_S_IOERR as u8
+                        Status::IoErr
                     }
                 }
             }
@@ -289,8 +288,8 @@ impl UringEngine {
                 self.run_blocking(kind)
             }
             // Discard is a hint: a device that cannot do it has done it.
-            Op::Discard(_) if is_unsupported_res(res) => VIRTIO_BLK_S_OK as u8,
-            Op::Flush | Op::Discard(_) | Op::WriteZeroes(_) if res >= 0 => VIRTIO_BLK_S_OK as u8,
+            Op::Discard(_) if is_unsupported_res(res) => Status::Ok,
+            Op::Flush | Op::Discard(_) | Op::WriteZeroes(_) if res >= 0 => Status::Ok,
             _ => {
                 let err = if res < 0 {
                     io::Error::from_raw_os_error(-res).to_string()
@@ -302,7 +301,7 @@ impl UringEngine {
                     "{kind:?} at offset {} failed: {err}",
                     slot.io.req.offset()
                 );
-                VIRTIO_BLK_S_IOERR as u8
+                Status::IoErr
             }
         };
         if slot.bounce.is_some() {
@@ -326,7 +325,7 @@ impl Engine for UringEngine {
         let Some(kind) = Op::of(io.req.kind) else {
             // GET_ID is not I/O: the worker answers it and never hands one
             // over. Should one come, it is unsupported here, not guessed at.
-            self.finish_now(io, VIRTIO_BLK_S_UNSUPP as u8);
+            self.finish_now(io, Status::Unsupp);
             return Ok(());
         };
         if self.runs_blocking(kind) {
@@ -336,7 +335,7 @@ impl Engine for UringEngine {
         }
         let rw = matches!(kind, Op::Read | Op::Write);
         if rw && io.req.data_len == 0 {
-            self.finish_now(io, VIRTIO_BLK_S_OK as u8);
+            self.finish_now(io, Status::Ok);
             return Ok(());
         }
         let mut bounce = None;
@@ -355,12 +354,12 @@ impl Engine for UringEngine {
                     "a {len}-byte request needs more bounce buffer than the {} allowed",
                     self.cfg.bounce_limit
                 );
-                self.finish_now(io, VIRTIO_BLK_S_IOERR as u8);
+                self.finish_now(io, Status::IoErr);
                 return Ok(());
             }
             let Some(mut buf) = AlignedBuf::new(len) else {
                 warn_limited!(self.log_limit, "no memory for a {len}-byte bounce buffer");
-                self.finish_now(io, VIRTIO_BLK_S_IOERR as u8);
+                self.finish_now(io, Status::IoErr);
                 return Ok(());
             };
             if let Op::Write = kind {
@@ -498,9 +497,9 @@ impl Engine for UringEngine {
 impl UringEngine {
     /// Keeps `unflushed` true between a completed change to the image and
     /// the next completed flush.
-    fn note_durability(&mut self, io: &Io, status: u8) {
+    fn note_durability(&mut self, io: &Io, status: Status) {
         match io.req.kind {
-            RequestKind::Flush if u32::from(status) == VIRTIO_BLK_S_OK => self.unflushed = false,
+            RequestKind::Flush if status.is_ok() => self.unflushed = false,
             RequestKind::Write { .. } | RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => {
                 self.unflushed = true
             }
@@ -555,9 +554,9 @@ fn fallocate_mode(kind: Op, zero_fallback: bool) -> i32 {
 
 /// Bytes written into the guest's buffers by a request that ended with
 /// `status`.
-fn written(io: &Io, status: u8) -> u32 {
+fn written(io: &Io, status: Status) -> u32 {
     match io.req.kind {
-        RequestKind::Read { .. } if u32::from(status) == VIRTIO_BLK_S_OK => io.req.data_len,
+        RequestKind::Read { .. } if status.is_ok() => io.req.data_len,
         _ => 0,
     }
 }

@@ -54,9 +54,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use vhost_user_backend::{VringMutex, VringState, VringT};
-use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
-};
+use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestMemoryAtomic};
 use vmm_sys_util::eventfd::EventFd;
@@ -69,7 +67,7 @@ use crate::qos::{Direction, MAX_THROTTLE_SLEEP, Qos};
 use crate::virtio::RequestError;
 use crate::virtio::request::{Parser, Rejected};
 use crate::virtio::ring::{RingError, RingShadow};
-use crate::virtio::{DeviceLimits, GuestMem, Request, RequestKind};
+use crate::virtio::{DeviceLimits, GuestMem, Request, RequestKind, Status};
 use crate::{info_limited, warn_limited};
 
 use super::inflight::InflightQueue;
@@ -772,7 +770,7 @@ impl<E: Engine> QueueWorker<E> {
                 mem,
                 Completion {
                     io,
-                    status: VIRTIO_BLK_S_OK as u8,
+                    status: Status::Ok,
                     written,
                 },
             );
@@ -787,7 +785,7 @@ impl<E: Engine> QueueWorker<E> {
             // all this device can do without corrupting it.
             let c = Completion {
                 io,
-                status: VIRTIO_BLK_S_IOERR as u8,
+                status: Status::IoErr,
                 written: 0,
             };
             self.finish(queue, mem, c);
@@ -846,12 +844,8 @@ impl<E: Engine> QueueWorker<E> {
             // migration, can see the completion.
             io.req.data.mark_written(&io.mem, written);
         }
-        let _ = io.mem.write_obj(status, io.req.status);
-        let len = if u32::from(status) == VIRTIO_BLK_S_OK {
-            written + 1
-        } else {
-            1
-        };
+        let _ = io.mem.write_obj(status.byte(), io.req.status);
+        let len = if status.is_ok() { written + 1 } else { 1 };
         if let Err(e) = self.add_used(queue, mem, io.req.head, len) {
             warn_limited!(self.log_limit, "request {}: used ring: {e}", io.req.head);
         }
@@ -864,8 +858,8 @@ impl<E: Engine> QueueWorker<E> {
         let len = match rej.status {
             Some(addr) => {
                 let status = rej.error.status();
-                if mem.write_obj(status, addr).is_ok() {
-                    if u32::from(status) == VIRTIO_BLK_S_UNSUPP {
+                if mem.write_obj(status.byte(), addr).is_ok() {
+                    if status == Status::Unsupp {
                         QueueMetrics::add(&self.metrics.errors_unsupp, 1);
                         self.metrics.count_request(RequestType::Unsupported);
                     } else {
@@ -948,7 +942,7 @@ impl<E: Engine> QueueWorker<E> {
         Ok(())
     }
 
-    fn count_done(&self, req: &Request, status: u8) {
+    fn count_done(&self, req: &Request, status: Status) {
         let m = &self.metrics;
         let t = match req.kind {
             RequestKind::Read { .. } => RequestType::Read,
@@ -959,7 +953,7 @@ impl<E: Engine> QueueWorker<E> {
             RequestKind::WriteZeroes(_) => RequestType::WriteZeroes,
         };
         m.count_request(t);
-        if u32::from(status) == VIRTIO_BLK_S_OK {
+        if status.is_ok() {
             match t {
                 RequestType::Read => QueueMetrics::add(&m.read_bytes, u64::from(req.data_len)),
                 RequestType::Write => QueueMetrics::add(&m.write_bytes, u64::from(req.data_len)),

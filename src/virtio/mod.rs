@@ -14,12 +14,14 @@ mod error;
 pub mod fuzzing;
 pub mod request;
 pub mod ring;
+mod status;
 #[cfg(test)]
 pub(crate) mod testing;
 
 pub use dirty::DirtyLog;
 pub use error::RequestError;
 pub use request::{DeviceLimits, DiscardRange, Request, RequestKind};
+pub use status::Status;
 
 use vm_memory::GuestMemoryMmap;
 

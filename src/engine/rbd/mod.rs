@@ -34,12 +34,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use slab::Slab;
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
 
 use super::{Completion, Engine, Full, Io, Op};
 use crate::io::RbdSpec;
 use crate::metrics::RateLimiter;
-use crate::virtio::{GuestMem, RequestKind};
+use crate::virtio::{GuestMem, RequestKind, Status};
 use crate::warn_limited;
 use client::{Aio, Cluster, CompletionList, Done, Image, Pool, RbdError};
 
@@ -146,7 +145,7 @@ pub struct RbdEngine {
 unsafe impl Send for RbdEngine {}
 
 impl RbdEngine {
-    fn finish_now(&mut self, io: Io, status: u8) {
+    fn finish_now(&mut self, io: Io, status: Status) {
         self.note_durability(&io, status);
         let written = written(&io, status);
         self.done.push_back(Completion {
@@ -185,9 +184,9 @@ impl RbdEngine {
     /// The status of a request librbd finished with `res` (bytes, 0, or
     /// -errno). virtio-blk has three statuses; every errno is an I/O error
     /// except where the operation is a hint.
-    fn status(&mut self, op: Op, io: &Io, res: isize) -> u8 {
+    fn status(&mut self, op: Op, io: &Io, res: isize) -> Status {
         let data_len = io.req.data_len as isize;
-        let ok = VIRTIO_BLK_S_OK as u8;
+        let ok = Status::Ok;
         match (op, res) {
             // A read completes with the bytes read; a write with 0 (librbd
             // 16) or, in other versions, the bytes written.
@@ -207,14 +206,14 @@ impl RbdEngine {
                     "RBD {op:?} at offset {} failed: {err}",
                     io.req.offset()
                 );
-                VIRTIO_BLK_S_IOERR as u8
+                Status::IoErr
             }
         }
     }
 
-    fn note_durability(&mut self, io: &Io, status: u8) {
+    fn note_durability(&mut self, io: &Io, status: Status) {
         match io.req.kind {
-            RequestKind::Flush if u32::from(status) == VIRTIO_BLK_S_OK => self.unflushed = false,
+            RequestKind::Flush if status.is_ok() => self.unflushed = false,
             RequestKind::Write { .. } | RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => {
                 self.unflushed = true
             }
@@ -229,11 +228,11 @@ impl Engine for RbdEngine {
             return Err(Full(io));
         }
         let Some(op) = Op::of(io.req.kind) else {
-            self.finish_now(io, VIRTIO_BLK_S_UNSUPP as u8);
+            self.finish_now(io, Status::Unsupp);
             return Ok(());
         };
         if matches!(op, Op::Read | Op::Write) && io.req.data_len == 0 {
-            self.finish_now(io, VIRTIO_BLK_S_OK as u8);
+            self.finish_now(io, Status::Ok);
             return Ok(());
         }
         let entry = self.slots.vacant_entry();
@@ -241,7 +240,7 @@ impl Engine for RbdEngine {
             Ok(aio) => aio,
             Err(e) => {
                 warn_limited!(self.log_limit, "RBD: {e}");
-                self.finish_now(io, VIRTIO_BLK_S_IOERR as u8);
+                self.finish_now(io, Status::IoErr);
                 return Ok(());
             }
         };
@@ -256,7 +255,7 @@ impl Engine for RbdEngine {
                 "RBD {op:?} could not start: {}",
                 io::Error::from_raw_os_error(-r)
             );
-            self.finish_now(slot.io, VIRTIO_BLK_S_IOERR as u8);
+            self.finish_now(slot.io, Status::IoErr);
         }
         Ok(())
     }
@@ -387,9 +386,9 @@ impl Drop for RbdEngine {
 
 /// Bytes written into the guest's buffers by a request that ended with
 /// `status`.
-fn written(io: &Io, status: u8) -> u32 {
+fn written(io: &Io, status: Status) -> u32 {
     match io.req.kind {
-        RequestKind::Read { .. } if u32::from(status) == VIRTIO_BLK_S_OK => io.req.data_len,
+        RequestKind::Read { .. } if status.is_ok() => io.req.data_len,
         _ => 0,
     }
 }

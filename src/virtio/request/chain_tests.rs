@@ -3,7 +3,7 @@
 //! status byte (`Rejected::status`) matters as much as the error: with
 //! `None`, the used element carries length 0 and nothing is written.
 
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
 use vm_memory::GuestAddress;
 
 use super::*;
@@ -14,7 +14,7 @@ fn ill_formed(res: Result<Request, Rejected>, status: Option<u64>) {
     let rej = res.expect_err("chain should be refused");
     assert_eq!(rej.error, RequestError::IllFormedChain);
     assert_eq!(rej.status, status.map(GuestAddress));
-    assert_eq!(rej.error.status(), VIRTIO_BLK_S_IOERR as u8);
+    assert_eq!(rej.error.status(), crate::virtio::Status::IoErr);
 }
 
 fn setup(mem: &GuestMem) -> Driver<'_> {

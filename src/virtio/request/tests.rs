@@ -2,17 +2,18 @@
 //! rule checked against the device limits.
 
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH,
-    VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_SECURE_ERASE,
-    VIRTIO_BLK_T_WRITE_ZEROES, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
+    VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_SECURE_ERASE, VIRTIO_BLK_T_WRITE_ZEROES,
+    VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
 };
 use vm_memory::GuestAddress;
 
 use super::*;
+use crate::virtio::Status;
 use crate::virtio::testing::*;
 
-const IOERR: u8 = VIRTIO_BLK_S_IOERR as u8;
-const UNSUPP: u8 = VIRTIO_BLK_S_UNSUPP as u8;
+const IOERR: Status = Status::IoErr;
+const UNSUPP: Status = Status::Unsupp;
 
 /// Parses `descs` as one chain after writing a header of `req_type` at `sector`.
 fn parse(
