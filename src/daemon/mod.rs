@@ -30,7 +30,7 @@ use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
 use crate::qos::QosLimits;
 use crate::vhost::{BlkBackend, Device, ExitEvents, QueueWorker, WorkerConfig, proxy};
-use crate::virtio::config::{config_space, device_features};
+use crate::virtio::config::{VirtioBlkConfig, device_features};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
 use crate::warn_limited;
 use removal::Removal;
@@ -229,7 +229,12 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     )?;
     announce(&socket_name, &cfg.args, &cfg.backing, &worker_cfg, threads);
 
-    let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
+    let space = VirtioBlkConfig::new(
+        &worker_cfg.limits,
+        worker_cfg.limits.capacity_sectors,
+        cfg.args.queues,
+        !cfg.args.writethrough,
+    );
     let conn = Connections {
         args: &cfg.args,
         listener: &listener,
@@ -345,7 +350,7 @@ struct Connections<'a> {
     resume: &'a [Arc<EventFd>],
     current: &'a Current,
     inner: &'a mut InnerSocket,
-    space: [u8; crate::virtio::config::CONFIG_LEN],
+    space: VirtioBlkConfig,
     features: u64,
     /// Directory fds the daemon may remove files in after start-up.
     unlink_dirs: Vec<i32>,

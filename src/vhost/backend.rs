@@ -25,17 +25,12 @@ use vmm_sys_util::event::{
 use crate::engine::Engine;
 use crate::metrics::SharedRateLimiter;
 use crate::virtio::GuestMem;
-use crate::virtio::config::{CONFIG_LEN, read_config};
+use crate::virtio::config::VirtioBlkConfig;
 
 use super::backend_channel::BackendChannel;
 use super::inflight::{InflightQueue, InflightRegion};
 use super::proxy::InflightHost;
 use super::worker::{Event, QueueWorker, Vring, WorkerConfig};
-
-/// Offset of `wce` in the config space.
-const WCE_OFFSET: u32 = 32;
-/// Offset of `capacity` (le64) in the config space.
-const CAPACITY_OFFSET: usize = 0;
 
 /// The queue threads' exit events, one per thread, made once for the
 /// daemon's life and handed to every connection.
@@ -109,7 +104,7 @@ pub struct BlkBackend<E: Engine> {
     workers: Vec<Mutex<Option<QueueWorker<E>>>>,
     /// The configuration space but for the capacity, which GET_CONFIG
     /// reads from `cfg.capacity`.
-    config: Mutex<[u8; CONFIG_LEN]>,
+    config: Mutex<VirtioBlkConfig>,
     features: u64,
     exit_events: Arc<ExitEvents>,
     /// The back-end request channel, once the front-end handed one over.
@@ -136,7 +131,7 @@ impl<E: Engine> BlkBackend<E> {
     pub fn new(
         cfg: Arc<WorkerConfig>,
         workers: Vec<QueueWorker<E>>,
-        config: [u8; CONFIG_LEN],
+        config: VirtioBlkConfig,
         features: u64,
         threads: usize,
         exit_events: Arc<ExitEvents>,
@@ -354,19 +349,18 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
         let mut space = *self.config.lock().unwrap_or_else(|p| p.into_inner());
         // The capacity as it is now: a resize may have changed it.
-        let capacity = self.cfg.capacity.load(Ordering::Acquire);
-        space[CAPACITY_OFFSET..CAPACITY_OFFSET + 8].copy_from_slice(&capacity.to_le_bytes());
-        read_config(&space, offset, size)
+        space.capacity = self.cfg.capacity.load(Ordering::Acquire).to_le();
+        space.read(offset, size)
     }
 
     fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
         // Only `wce` is writable (VIRTIO_BLK_F_CONFIG_WCE).
-        if offset != WCE_OFFSET || buf.len() != 1 {
+        if offset as usize != VirtioBlkConfig::WCE_OFFSET || buf.len() != 1 {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         let wce = buf[0] != 0;
         self.cfg.writeback.store(wce, Ordering::Relaxed);
-        self.config.lock().unwrap_or_else(|p| p.into_inner())[WCE_OFFSET as usize] = u8::from(wce);
+        self.config.lock().unwrap_or_else(|p| p.into_inner()).wce = u8::from(wce);
         // The guest can toggle it as often as it likes.
         static TOGGLES: SharedRateLimiter = SharedRateLimiter::new(10, Duration::from_secs(5));
         crate::info_limited!(

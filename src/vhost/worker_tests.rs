@@ -391,7 +391,7 @@ fn a_refused_memory_table_never_reaches_the_workers() {
     let backend = BlkBackend::new(
         rig.cfg.clone(),
         vec![rig.worker],
-        [0; crate::virtio::config::CONFIG_LEN],
+        crate::virtio::config::VirtioBlkConfig::default(),
         0,
         1,
         Arc::new(ExitEvents::new(1).unwrap()),
@@ -756,7 +756,7 @@ fn queues_map_onto_threads_and_listener_ids_round_trip() {
     let b = BlkBackend::new(
         cfg,
         workers,
-        [0; crate::virtio::config::CONFIG_LEN],
+        crate::virtio::config::VirtioBlkConfig::default(),
         0,
         2,
         Arc::new(ExitEvents::new(2).unwrap()),
