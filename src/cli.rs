@@ -240,97 +240,7 @@ pub struct ServeArgs {
     pub seccomp: SeccompMode,
 
     #[command(flatten)]
-    pub qos: QosArgs,
-}
-
-/// QoS limits of the device, shared by all its queues (qemu-storage-daemon's
-/// throttle-limits convention; see docs/qos.md). Rates are per second;
-/// 0 removes a limit; a limit not given keeps its value (none, at start).
-/// Bandwidths take size suffixes (K, M, G).
-#[derive(Clone, Debug, Default, Args)]
-#[command(next_help_heading = "QoS (per device, 0 = no limit)")]
-pub struct QosArgs {
-    /// Requests a second, reads and writes together (qsd: iops-total).
-    #[arg(long, value_name = "N")]
-    pub iops: Option<u64>,
-    /// Burst rate for --iops, allowed for --qos-max-length seconds.
-    #[arg(long, value_name = "N")]
-    pub iops_max: Option<u64>,
-    /// Read requests a second (qsd: iops-read).
-    #[arg(long, value_name = "N")]
-    pub read_iops: Option<u64>,
-    #[arg(long, value_name = "N")]
-    /// Burst rate for --read-iops.
-    pub read_iops_max: Option<u64>,
-    /// Write requests a second (qsd: iops-write); discard and write-zeroes
-    /// count as writes.
-    #[arg(long, value_name = "N")]
-    pub write_iops: Option<u64>,
-    /// Burst rate for --write-iops.
-    #[arg(long, value_name = "N")]
-    pub write_iops_max: Option<u64>,
-    /// Bytes a second, reads and writes together (qsd: bps-total).
-    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
-    pub bps: Option<u64>,
-    /// Burst rate for --bps.
-    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
-    pub bps_max: Option<u64>,
-    /// Bytes read a second (qsd: bps-read).
-    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
-    pub read_bps: Option<u64>,
-    /// Burst rate for --read-bps.
-    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
-    pub read_bps_max: Option<u64>,
-    /// Bytes written a second (qsd: bps-write).
-    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
-    pub write_bps: Option<u64>,
-    /// Burst rate for --write-bps.
-    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
-    pub write_bps_max: Option<u64>,
-    /// Seconds a *-max burst lasts (qsd: the *-max-length of each limit).
-    #[arg(long, value_name = "SECONDS")]
-    pub qos_max_length: Option<u64>,
-}
-
-impl QosArgs {
-    /// The limits given here, by their `QosLimits` (JSON) names: what
-    /// `serve` starts with and what `ctl qos` asks the daemon to change.
-    pub fn changes(&self) -> serde_json::Map<String, serde_json::Value> {
-        [
-            ("iops_total", self.iops),
-            ("iops_total_max", self.iops_max),
-            ("iops_read", self.read_iops),
-            ("iops_read_max", self.read_iops_max),
-            ("iops_write", self.write_iops),
-            ("iops_write_max", self.write_iops_max),
-            ("bps_total", self.bps),
-            ("bps_total_max", self.bps_max),
-            ("bps_read", self.read_bps),
-            ("bps_read_max", self.read_bps_max),
-            ("bps_write", self.write_bps),
-            ("bps_write_max", self.write_bps_max),
-            ("max_length", self.qos_max_length),
-        ]
-        .into_iter()
-        .filter_map(|(name, v)| Some((name.to_string(), v?.into())))
-        .collect()
-    }
-
-    /// `base` with the limits given here replacing its own.
-    pub fn apply(
-        &self,
-        base: crate::qos::QosLimits,
-    ) -> Result<crate::qos::QosLimits, crate::qos::QosError> {
-        base.with_changes(&self.changes())
-    }
-}
-
-/// A bandwidth: a size (64K, 100M) a second, or 0 for no limit.
-fn parse_rate(s: &str) -> Result<u64, String> {
-    if s.trim() == "0" {
-        return Ok(0);
-    }
-    parse_size(s)
+    pub qos: crate::qos::QosChanges,
 }
 
 /// What the seccomp filter does with a syscall it does not allow.
@@ -396,14 +306,12 @@ mod tests {
         let Command::Serve(a) = cli.command else {
             panic!("not serve");
         };
-        let l = a
-            .qos
-            .apply(crate::qos::QosLimits {
-                bps_write: 5,
-                iops_read: 7,
-                ..Default::default()
-            })
-            .unwrap();
+        let l = crate::qos::QosLimits {
+            bps_write: 5,
+            iops_read: 7,
+            ..Default::default()
+        }
+        .with(&a.qos);
         assert_eq!(l.iops_total, 2000);
         assert_eq!(l.bps_read, 64 << 20);
         assert_eq!(l.bps_write, 0, "0 removes a limit");

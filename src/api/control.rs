@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use crate::daemon::Current;
 use crate::io::device_size;
-use crate::qos::{QosError, QosLimits};
+use crate::qos::{QosChanges, QosError, QosLimits};
 use crate::vhost::WorkerConfig;
 use crate::virtio::SECTOR_SHIFT;
 
@@ -205,12 +205,9 @@ impl Control {
 
     /// Changes the limits named in `changes` (the others stay; 0 removes
     /// one), effective for the next request every queue takes.
-    pub fn set_qos(
-        &self,
-        changes: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<QosLimits, QosError> {
+    pub fn set_qos(&self, changes: &QosChanges) -> Result<QosLimits, QosError> {
         let qos = &self.worker.qos;
-        let new = qos.limits().with_changes(changes)?;
+        let new = qos.limits().with(changes);
         qos.set_limits(new)?;
         log::info!("QoS limits changed to {}", serde_json::json!(new));
         Ok(new)

@@ -35,7 +35,7 @@ pub enum CtlVerb {
     /// Show the QoS limits, or change those given (0 removes a limit; the
     /// others stay), effective within a second. Prints the limits in
     /// force (JSON).
-    Qos(crate::cli::QosArgs),
+    Qos(crate::qos::QosChanges),
     /// The counters, as `ringblk stats` prints them.
     Stats {
         /// Print the raw JSON snapshot instead of a table.
@@ -86,12 +86,12 @@ pub fn ctl(args: &CtlArgs) -> Result<(), String> {
                 r["old_size"], r["size"]
             );
         }
-        CtlVerb::Qos(limits) => {
-            let changes = limits.changes();
+        CtlVerb::Qos(changes) => {
             let answer = if changes.is_empty() {
                 call(&addr, "GET", "/api/v1/qos", b"")?
             } else {
-                let body = serde_json::Value::Object(changes).to_string();
+                let body = serde_json::to_string(changes)
+                    .map_err(|e| format!("encoding the QoS changes: {e}"))?;
                 call(&addr, "PUT", "/api/v1/qos", body.as_bytes())?
             };
             print!("{answer}");

@@ -94,13 +94,24 @@ impl Ctx<'_> {
 
     /// The body as JSON of type `T`; an empty body is `{}`.
     fn json_body<T: serde::de::DeserializeOwned>(&self) -> Result<T, Reply> {
+        self.json_body_or(|e| format!("malformed JSON body: {e}"))
+    }
+
+    /// The body as a `T`; JSON that is well formed but not a `T` (an
+    /// unknown field, a value of the wrong type) is described by `data`.
+    fn json_body_or<T: serde::de::DeserializeOwned>(
+        &self,
+        data: impl FnOnce(serde_json::Error) -> String,
+    ) -> Result<T, Reply> {
         let body = if self.body.iter().all(u8::is_ascii_whitespace) {
             &b"{}"[..]
         } else {
             self.body
         };
-        serde_json::from_slice(body)
-            .map_err(|e| Reply::error(400, format!("malformed JSON body: {e}")))
+        serde_json::from_slice(body).map_err(|e| match e.classify() {
+            serde_json::error::Category::Data => Reply::error(400, data(e)),
+            _ => Reply::error(400, format!("malformed JSON body: {e}")),
+        })
     }
 }
 
@@ -225,7 +236,8 @@ fn resize(ctx: &Ctx<'_>) -> Reply {
 }
 
 /// GET /api/v1/qos: the limits. PUT (or POST) with a JSON object of
-/// `QosLimits` fields: those change, the others stay (0 removes a limit);
+/// limits by their JSON names (`QosChanges`): those change, the others
+/// stay (0 removes a limit);
 /// the answer is the limits now in force.
 fn qos(ctx: &Ctx<'_>) -> Reply {
     let run = || -> Result<crate::qos::QosLimits, Reply> {
@@ -233,7 +245,8 @@ fn qos(ctx: &Ctx<'_>) -> Reply {
         if *ctx.method == Method::Get {
             return Ok(c.qos());
         }
-        let changes: serde_json::Map<String, serde_json::Value> = ctx.json_body()?;
+        let changes: crate::qos::QosChanges =
+            ctx.json_body_or(|e| format!("QoS: {}", crate::qos::QosError::from_json(e)))?;
         c.set_qos(&changes)
             .map_err(|e| Reply::error(400, format!("QoS: {e}")))
     };

@@ -163,10 +163,8 @@ impl Config {
             }),
             (None, Some(_)) => None,
         };
-        let qos = args
-            .qos
-            .apply(QosLimits::default())
-            .and_then(|q| q.validate().map(|()| q))
+        let qos = QosLimits::default().with(&args.qos);
+        qos.validate()
             .map_err(|e| DaemonError::Config(format!("QoS: {e}")))?;
         // What is not given goes in a private directory, chosen and checked
         // only when needed.

@@ -28,7 +28,6 @@ use crate::cli::{EngineKind, ServeArgs};
 use crate::engine::{Engine, EngineError, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
-use crate::qos::QosLimits;
 use crate::vhost::{BlkBackend, Device, ExitEvents, QueueWorker, WorkerConfig, proxy};
 use crate::virtio::config::{VirtioBlkConfig, device_features};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
@@ -145,7 +144,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // The device's QoS handle is `worker_cfg.qos`: the workers share it,
     // and the control API changes the limits through it at runtime.
     if worker_cfg.qos.active() {
-        log::info!("QoS limits: {}", qos_summary(&worker_cfg.qos.limits()));
+        log::info!("QoS limits: {}", worker_cfg.qos.limits().summary());
     }
     let current: Current = Arc::default();
     let features = device_features(cfg.args.readonly);
@@ -694,19 +693,6 @@ fn spawn_signal_handler(
         })
         .map_err(DaemonError::Signals)?;
     Ok(())
-}
-
-/// The limits that are set, as `name=value` pairs.
-fn qos_summary(l: &QosLimits) -> String {
-    let json = serde_json::to_value(l).unwrap_or_default();
-    let Some(map) = json.as_object() else {
-        return String::new();
-    };
-    map.iter()
-        .filter(|(_, v)| v.as_u64().is_some_and(|n| n > 0))
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 /// Tells the user what is being served and how to connect.

@@ -85,7 +85,7 @@ impl Buckets {
             })
         };
         Buckets {
-            b: limits.pairs().map(make),
+            b: limits.pairs().map(|(_, avg, max)| make((avg, max))),
             last: now,
         }
     }

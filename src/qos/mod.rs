@@ -15,6 +15,7 @@
 //! through it at runtime ([`Qos::set_limits`]).
 
 mod bucket;
+mod limits;
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -22,141 +23,14 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
 use bucket::Buckets;
 pub use bucket::{Direction, VALUE_MAX};
+pub use limits::{QosChanges, QosError, QosLimits};
 
 /// The longest a throttled queue sleeps before it looks again, so that a
 /// limit raised or removed at runtime takes effect within this, whatever
 /// the old limit made it wait for.
 pub const MAX_THROTTLE_SLEEP: Duration = Duration::from_millis(100);
-
-/// A device's limits. Every value is a number a second (requests, or
-/// bytes); 0 is no limit. `*_max` is a burst rate, allowed for
-/// `max_length` seconds (0 is no burst beyond a tenth of a second's worth
-/// of the base rate).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct QosLimits {
-    pub iops_total: u64,
-    pub iops_total_max: u64,
-    pub iops_read: u64,
-    pub iops_read_max: u64,
-    pub iops_write: u64,
-    pub iops_write_max: u64,
-    pub bps_total: u64,
-    pub bps_total_max: u64,
-    pub bps_read: u64,
-    pub bps_read_max: u64,
-    pub bps_write: u64,
-    pub bps_write_max: u64,
-    /// Seconds a `*_max` burst lasts, for all of them (qsd has one per
-    /// limit). 0 counts as 1.
-    pub max_length: u64,
-}
-
-impl QosLimits {
-    /// (rate, burst) in the order of the buckets: IOPS total, read, write,
-    /// then bytes total, read, write.
-    fn pairs(&self) -> [(u64, u64); 6] {
-        [
-            (self.iops_total, self.iops_total_max),
-            (self.iops_read, self.iops_read_max),
-            (self.iops_write, self.iops_write_max),
-            (self.bps_total, self.bps_total_max),
-            (self.bps_read, self.bps_read_max),
-            (self.bps_write, self.bps_write_max),
-        ]
-    }
-
-    /// The names of [`QosLimits::pairs`], as the `serve` flags and the JSON
-    /// keys write them.
-    const NAMES: [&'static str; 6] = [
-        "iops_total",
-        "iops_read",
-        "iops_write",
-        "bps_total",
-        "bps_read",
-        "bps_write",
-    ];
-
-    /// These limits with the fields named in `changes` replaced (JSON
-    /// names and numbers, as `PUT /api/v1/qos` takes them); the others
-    /// stay. Not validated.
-    pub fn with_changes(
-        &self,
-        changes: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<QosLimits, QosError> {
-        let mut all = match serde_json::to_value(self) {
-            Ok(serde_json::Value::Object(m)) => m,
-            other => return Err(QosError::BadValue(format!("{other:?}"))),
-        };
-        for (name, value) in changes {
-            if !all.contains_key(name) {
-                return Err(QosError::Unknown(name.clone()));
-            }
-            all.insert(name.clone(), value.clone());
-        }
-        serde_json::from_value(serde_json::Value::Object(all))
-            .map_err(|e| QosError::BadValue(e.to_string()))
-    }
-
-    /// Whether any limit is set.
-    pub fn any(&self) -> bool {
-        self.pairs().iter().any(|&(avg, _)| avg > 0)
-    }
-
-    /// Refuses what qsd refuses: a burst without a rate, a burst below its
-    /// rate, values past [`VALUE_MAX`], a burst length with no burst.
-    pub fn validate(&self) -> Result<(), QosError> {
-        let mut any_max = false;
-        for (&(avg, max), name) in self.pairs().iter().zip(Self::NAMES) {
-            if avg > VALUE_MAX || max > VALUE_MAX {
-                return Err(QosError::TooLarge { name });
-            }
-            if max > 0 && avg == 0 {
-                return Err(QosError::MaxWithoutRate { name });
-            }
-            if max > 0 && max < avg {
-                return Err(QosError::MaxBelowRate { name, avg, max });
-            }
-            any_max |= max > 0;
-        }
-        if self.max_length > 1 && !any_max {
-            return Err(QosError::LengthWithoutMax);
-        }
-        if self.max_length > 86_400 {
-            return Err(QosError::LengthTooLong(self.max_length));
-        }
-        Ok(())
-    }
-}
-
-/// Why limits are refused. One line each.
-#[derive(Debug, thiserror::Error)]
-pub enum QosError {
-    #[error("unknown QoS limit {0:?}")]
-    Unknown(String),
-    #[error("bad QoS value: {0}")]
-    BadValue(String),
-    #[error("{name}_max needs {name} set too")]
-    MaxWithoutRate { name: &'static str },
-    #[error("{name}_max ({max}) cannot be lower than {name} ({avg})")]
-    MaxBelowRate {
-        name: &'static str,
-        avg: u64,
-        max: u64,
-    },
-    #[error("{name} and {name}_max are at most {VALUE_MAX}")]
-    TooLarge { name: &'static str },
-    #[error("max_length needs a *_max burst to apply to")]
-    LengthWithoutMax,
-    #[error("max_length is at most 86400 seconds, not {0}")]
-    LengthTooLong(u64),
-    #[error("QoS timer: {0}")]
-    Timer(io::Error),
-}
 
 /// A device's limits and token buckets, shared by its queues' workers and
 /// by whoever changes the limits. One per device for the daemon's life;
