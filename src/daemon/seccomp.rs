@@ -19,8 +19,9 @@
 //! What the filter cannot see: io_uring operations. They are constrained by
 //! the rings themselves (created disabled, restricted to the six opcodes of
 //! `engine::ring`, plus the discard command on a block device whose kernel
-//! has it, all on the registered image only). `io_uring_setup` must stay
-//! allowed because each connection creates its rings.
+//! has it, all on the registered image only). `io_uring_setup` is not
+//! allowed: every ring the daemon will use is made before the filter, and
+//! each connection borrows them.
 //!
 //! Profiles ([`Profile`]): a file or block device gets the list below; an
 //! RBD image (`--image rbd:...`) gets it plus what librbd's threads do
@@ -382,7 +383,7 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         (SYS_io_uring_enter, any()),
         (
             SYS_io_uring_register,
-            arg_in(1, &[IORING_REGISTER_BUFFERS, IORING_UNREGISTER_BUFFERS]),
+            arg_in(1, &crate::engine::REGISTER_OPS.map(u64::from)),
         ),
         // Worker threads, started per connection, and their exit.
         (SYS_clone3, any()),
@@ -475,10 +476,6 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
     }
     list
 }
-
-/// io_uring_register opcodes (linux/io_uring.h).
-const IORING_REGISTER_BUFFERS: u64 = 0;
-const IORING_UNREGISTER_BUFFERS: u64 = 1;
 
 /// Reports a trapped syscall and exits. Async-signal-safe: formats into a
 /// stack buffer and calls only write(2) and _exit(2), both allowed.

@@ -37,7 +37,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 pub use null::NullEngine;
-pub use ring::EngineError;
+pub use ring::{EngineError, REGISTER_OPS};
 pub use uring::{FALLOCATE_MODES, UringConfig, UringEngine};
 
 use crate::virtio::{DiscardRange, GuestMem, Request, RequestKind, Status};

@@ -33,6 +33,11 @@ const BLOCK_URING_CMD_DISCARD: u32 = 0x12 << 8;
 const IORING_REGISTER_BUFFERS: u8 = 0;
 const IORING_UNREGISTER_BUFFERS: u8 = 1;
 
+/// The io_uring_register opcodes used after a ring is enabled: guest
+/// memory as fixed buffers follows the front-end's memory table. The
+/// ring's restrictions allow only these, and so does the seccomp filter.
+pub const REGISTER_OPS: [u8; 2] = [IORING_REGISTER_BUFFERS, IORING_UNREGISTER_BUFFERS];
+
 /// The image, as fixed file 0.
 const IMAGE: types::Fixed = types::Fixed(0);
 
@@ -271,8 +276,7 @@ fn build(
     ));
     // Fixed buffers follow guest memory, which the front-end may change
     // while the ring runs.
-    res.push(Restriction::register_op(IORING_REGISTER_BUFFERS));
-    res.push(Restriction::register_op(IORING_UNREGISTER_BUFFERS));
+    res.extend(REGISTER_OPS.map(Restriction::register_op));
     sub.register_restrictions(&mut res)
         .map_err(|e| EngineError::Register("restrictions", e))?;
     sub.register_enable_rings()
