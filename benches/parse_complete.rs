@@ -52,10 +52,7 @@ fn setup(mem: &GuestMem, n: u16) -> Queue {
 
 fn bench(c: &mut Criterion) {
     let mem = GuestMem::from_ranges(&[(GuestAddress(0), 0x40_0000)]).unwrap();
-    let limits = DeviceLimits {
-        capacity_sectors: 1 << 21,
-        ..DeviceLimits::default()
-    };
+    let (limits, capacity) = (DeviceLimits::default(), 1 << 21);
     let mut g = c.benchmark_group("parse_complete");
     for batch in [1u16, 16, 64] {
         g.throughput(Throughput::Elements(u64::from(batch)));
@@ -66,7 +63,7 @@ fn bench(c: &mut Criterion) {
                     let mut reqs = Vec::with_capacity(usize::from(batch));
                     shadow
                         .pop(&mut q, &mem, usize::from(batch), |chain| {
-                            reqs.push(Request::parse(chain, &mem, &limits, QSIZE).unwrap())
+                            reqs.push(Request::parse(chain, &mem, &limits, capacity, QSIZE).unwrap())
                         })
                         .unwrap();
                     for r in &reqs {

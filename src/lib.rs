@@ -20,6 +20,7 @@ pub mod api;
 pub mod bench;
 pub mod cli;
 pub mod daemon;
+pub mod device;
 pub mod engine;
 pub mod io;
 pub mod metrics;

@@ -36,7 +36,8 @@ use ringblk_metrics::prometheus;
 use ringblk_metrics::transport::MetricsAddr;
 use ringblk_metrics::{MetricsDoc, MetricsError, QueueMetrics};
 
-pub use control::{Control, ControlBacking, ControlImage, ResizeError, Resized, Status};
+use crate::device::{ResizeError, Resized};
+pub use control::{Control, Status};
 
 /// The largest request body taken; a larger one gets 413.
 pub const MAX_BODY: usize = 64 << 10;

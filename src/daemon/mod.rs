@@ -14,7 +14,6 @@ mod socket;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,11 +24,11 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::cli::{EngineKind, ServeArgs};
+use crate::device::{Connection, Device};
 use crate::engine::{Engine, EngineError, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
-use crate::vhost::{BlkBackend, Device, ExitEvents, QueueWorker, WorkerConfig, proxy};
-use crate::virtio::config::{VirtioBlkConfig, device_features};
+use crate::vhost::{BlkBackend, ExitEvents, QueueWorker, Settings, proxy};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
 use crate::warn_limited;
 use removal::Removal;
@@ -40,45 +39,16 @@ use notify::Notifier;
 /// The control API on `path` (mode 0600, bound before the seccomp filter).
 fn spawn_api(
     path: &Path,
-    (args, backing): (&ServeArgs, &config::Backing),
-    worker: &Arc<WorkerConfig>,
-    current: &Current,
+    device: &Arc<Device>,
     metrics: &[Arc<QueueMetrics>],
-    features: u64,
 ) -> Result<crate::api::Endpoint, DaemonError> {
     let err = |e: String| DaemonError::Config(format!("--api {}: {e}", path.display()));
     let listener = socket::bind(path, 0o600).map_err(|e| err(e.to_string()))?;
-    let image = crate::api::ControlImage {
-        name: backing.name(),
-        backing: match backing {
-            config::Backing::File { image, .. } => crate::api::ControlBacking::File(
-                image.file.try_clone().map_err(|e| err(e.to_string()))?,
-            ),
-            #[cfg(feature = "rbd")]
-            config::Backing::Rbd(disk) => {
-                crate::api::ControlBacking::Rbd(Arc::downgrade(disk.image()))
-            }
-        },
-        is_block_device: matches!(
-            backing,
-            config::Backing::File { image, .. } if image.is_block_device
-        ),
-        block_size: worker.limits.block_size,
-        readonly: args.readonly,
-    };
-    let control = crate::api::Control::new(
-        image,
-        worker.clone(),
-        current.clone(),
-        args.queues,
-        args.queue_size,
-        features,
-    );
     let endpoint = crate::api::spawn(
         crate::api::Bound::Unix(listener),
         crate::metrics::MetricsAddr::Unix(path.to_path_buf()),
         metrics.to_vec(),
-        Some(Arc::new(control)),
+        Some(Arc::new(crate::api::Control::new(device.clone()))),
     )
     .map_err(|e| err(e.to_string()))?;
     log::info!(
@@ -106,10 +76,6 @@ pub enum DaemonError {
     #[error("seccomp: {0}")]
     Seccomp(String),
 }
-
-/// The device serving the current connection, for the signal handler and
-/// the control API (`None` between connections).
-pub type Current = Arc<Mutex<Option<Arc<dyn Device>>>>;
 
 /// What the signal handler runs at shutdown, once the queues have drained,
 /// to release what the process exit alone would not (an RBD image's watch
@@ -140,23 +106,13 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         ),
         None => None,
     };
-    let worker_cfg = Arc::new(cfg.worker);
-    // The device's QoS handle is `worker_cfg.qos`: the workers share it,
-    // and the control API changes the limits through it at runtime.
-    if worker_cfg.qos.active() {
-        log::info!("QoS limits: {}", worker_cfg.qos.limits().summary());
+    // The workers, the backend and the control API share the device.
+    let device = Arc::new(cfg.device);
+    if device.qos().active() {
+        log::info!("QoS limits: {}", device.qos().limits().summary());
     }
-    let current: Current = Arc::default();
-    let features = device_features(cfg.args.readonly);
     let _api = match &cfg.args.api {
-        Some(path) => Some(spawn_api(
-            path,
-            (&cfg.args, &cfg.backing),
-            &worker_cfg,
-            &current,
-            &metrics,
-            features,
-        )?),
+        Some(path) => Some(spawn_api(path, &device, &metrics)?),
         None => None,
     };
     // The vhost-user socket listens last: a front-end (or a script) that
@@ -219,33 +175,24 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     let closer = Closer::default();
     spawn_signal_handler(
         cfg.backing.file(),
-        worker_cfg.clone(),
-        current.clone(),
+        device.clone(),
         closer.clone(),
         files,
         inner.paths.clone(),
         notifier.try_clone().map_err(DaemonError::Signals)?,
     )?;
-    announce(&socket_name, &cfg.args, &cfg.backing, &worker_cfg, threads);
+    announce(&socket_name, &cfg.args, &cfg.backing, &device, threads);
 
-    let space = VirtioBlkConfig::new(
-        &worker_cfg.limits,
-        worker_cfg.limits.capacity_sectors,
-        cfg.args.queues,
-        !cfg.args.writethrough,
-    );
     let conn = Connections {
         args: &cfg.args,
         listener: &listener,
         metrics: &metrics,
-        worker_cfg: &worker_cfg,
+        device: &device,
+        settings: cfg.settings,
         threads,
         exit_events: &exit_events,
         resume: &resume,
-        current: &current,
         inner: &mut inner,
-        space,
-        features,
         unlink_dirs,
         profile: match &cfg.backing {
             config::Backing::File { .. } => seccomp::Profile::File,
@@ -266,7 +213,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         }
         (EngineKind::Uring, config::Backing::File { uring, .. }) => conn
             .serve(park(engines(&metrics, |m| {
-                UringEngine::new(uring.clone(), m.clone())
+                UringEngine::new(uring.clone(), device.clone(), m.clone())
             })?)),
         // librbd's threads and sockets are made here too, before the
         // filter; the filter then covers them as well (TSYNC).
@@ -293,12 +240,12 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             // A connection ending as the signal came has its engines in
             // neither place for a moment: wait (briefly) until the disk
             // holds the last reference, so that dropping it closes.
-            let (engines, current) = (parked.clone(), current.clone());
+            let (engines, device) = (parked.clone(), device.clone());
             *lock(&closer) = Some(Box::new(move || {
                 let deadline = std::time::Instant::now() + CLOSE_WAIT;
                 loop {
-                    if let Some(device) = lock(&current).as_ref() {
-                        device.close_engines();
+                    if let Some(c) = device.connection() {
+                        c.close_engines();
                     }
                     drop(std::mem::take(&mut *lock(&engines)));
                     if Arc::strong_count(disk.image()) == 1 || std::time::Instant::now() > deadline
@@ -341,16 +288,14 @@ struct Connections<'a> {
     args: &'a ServeArgs,
     listener: &'a UnixListener,
     metrics: &'a [Arc<QueueMetrics>],
-    worker_cfg: &'a Arc<WorkerConfig>,
+    device: &'a Arc<Device>,
+    settings: Settings,
     /// Worker threads (`--threads`).
     threads: usize,
     exit_events: &'a Arc<ExitEvents>,
     /// Each queue's resume eventfd, when threads serve several queues.
     resume: &'a [Arc<EventFd>],
-    current: &'a Current,
     inner: &'a mut InnerSocket,
-    space: VirtioBlkConfig,
-    features: u64,
     /// Directory fds the daemon may remove files in after start-up.
     unlink_dirs: Vec<i32>,
     /// What the seccomp filter allows besides the daemon's own syscalls.
@@ -402,10 +347,10 @@ impl Connections<'_> {
         &mut self,
         engines: &Parked<E>,
     ) -> Result<(), ConnectionError> {
-        let (args, worker_cfg) = (self.args, self.worker_cfg);
+        let (args, device) = (self.args, self.device);
         let replaced = crate::vhost::sigbus::replaced_pages();
         let front = accept(self.listener, &mut self.log_limit)?;
-        await_exit_if_stopping(worker_cfg);
+        await_exit_if_stopping(device);
         let workers = std::mem::take(&mut *lock(engines))
             .into_iter()
             .zip(self.metrics)
@@ -414,25 +359,18 @@ impl Connections<'_> {
                 // --cpus pins threads: queue i runs on thread i % threads.
                 let thread = i % self.threads;
                 let cpu = (!args.cpus.is_empty()).then(|| args.cpus[thread % args.cpus.len()]);
-                let mut w = QueueWorker::new(worker_cfg.clone(), m.clone(), engine, i, cpu);
+                let mut w =
+                    QueueWorker::new(device.clone(), self.settings, m.clone(), engine, i, cpu);
                 if let Some(fd) = self.resume.get(i) {
                     w.share_thread(fd.clone());
                 }
                 w
             })
             .collect();
-        // The guest may have turned the write cache off; a new connection
-        // starts from what we advertise.
-        worker_cfg
-            .writeback
-            .store(!args.writethrough, Ordering::Relaxed);
-        // Dirty-page logging is for the connection that asks for it.
-        worker_cfg.logging.store(false, Ordering::Relaxed);
+        device.new_connection();
         let backend = Arc::new(BlkBackend::new(
-            worker_cfg.clone(),
+            device.clone(),
             workers,
-            self.space,
-            self.features,
             self.threads,
             self.exit_events.clone(),
         ));
@@ -440,7 +378,7 @@ impl Connections<'_> {
         // Every worker stops taking kicks and finishes what it took (again,
         // if `run` did); then the engines come back for the next one.
         backend.drain_all();
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        device.set_connection(None);
         let replaced = crate::vhost::sigbus::replaced_pages() - replaced;
         if replaced > 0 {
             log::warn!(
@@ -455,7 +393,7 @@ impl Connections<'_> {
         };
         if parked != self.metrics.len() {
             // The signal handler closed them and is ending the process.
-            await_exit_if_stopping(worker_cfg);
+            await_exit_if_stopping(device);
             return Err(ConnectionError::Fatal(DaemonError::Vhost(
                 "a connection's engines did not come back".into(),
             )));
@@ -500,7 +438,7 @@ impl Connections<'_> {
                 }
             }
         }
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend.clone());
+        self.device.set_connection(Some(backend.clone()));
         // vhost-user-backend accepts its own connection; give it one end of
         // a private socket and relay the front-end's messages to it.
         let back = self.inner.connect()?;
@@ -536,8 +474,8 @@ impl Connections<'_> {
 
 /// Once SIGINT/SIGTERM came, the signal handler owns the engines (it
 /// closes them) and ends the process: this thread only waits for that.
-fn await_exit_if_stopping(cfg: &WorkerConfig) {
-    while cfg.stopping.load(Ordering::Relaxed) {
+fn await_exit_if_stopping(device: &Device) {
+    while device.stopping() {
         std::thread::park();
     }
 }
@@ -651,8 +589,7 @@ impl Drop for InnerSocket {
 /// durable, close what must be closed (`Closer`), remove the socket, exit 0.
 fn spawn_signal_handler(
     image: Option<&std::fs::File>,
-    cfg: Arc<WorkerConfig>,
-    current: Current,
+    device: Arc<Device>,
     closer: Closer,
     files: Vec<Removal>,
     inner: InnerPaths,
@@ -671,9 +608,9 @@ fn spawn_signal_handler(
             if let Some(sig) = signals.forever().next() {
                 log::info!("signal {sig}: finishing in-flight requests");
                 notifier.notify("STOPPING=1");
-                cfg.stopping.store(true, Ordering::Relaxed);
-                if let Some(b) = current.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-                    b.drain_all();
+                device.stop();
+                if let Some(c) = device.connection() {
+                    c.drain_all();
                 }
                 if let Some(Err(e)) = image.as_ref().map(std::fs::File::sync_data) {
                     log::error!("fdatasync of the image failed: {e}");
@@ -700,7 +637,7 @@ fn announce(
     socket: &str,
     args: &ServeArgs,
     backing: &config::Backing,
-    cfg: &WorkerConfig,
+    device: &Device,
     threads: usize,
 ) {
     if let config::Backing::File {
@@ -719,13 +656,13 @@ fn announce(
         "serving {} ({} sectors, {}-byte blocks{}{}) on {} with {} queue(s) of {}, serial {}",
         backing.name(),
         backing.size() >> SECTOR_SHIFT,
-        cfg.limits.block_size,
+        device.limits().block_size,
         if args.readonly { ", read-only" } else { "" },
         if args.direct { ", O_DIRECT" } else { "" },
         socket,
         args.queues,
         args.queue_size,
-        String::from_utf8_lossy(&cfg.serial).trim_end_matches('\0'),
+        String::from_utf8_lossy(device.serial()).trim_end_matches('\0'),
     );
     log::info!(
         "{} queue(s) on {threads} worker thread(s){}",

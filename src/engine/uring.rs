@@ -20,7 +20,6 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use io_uring::squeue;
@@ -30,6 +29,7 @@ use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use super::bounce::AlignedBuf;
 use super::ring::{EngineError, Ring, UringOptions, op};
 use super::{Completion, Engine, Full, Io, Op, sync};
+use crate::device::Device;
 use crate::metrics::{QueueMetrics, RateLimiter};
 use crate::virtio::{GuestMem, RequestKind, Status};
 use crate::warn_limited;
@@ -55,8 +55,6 @@ pub struct UringConfig {
     /// past it waits until bounced requests in flight complete.
     pub bounce_limit: usize,
     pub is_block_device: bool,
-    /// The guest-visible write cache; when off, writes carry RWF_DSYNC.
-    pub writeback: Arc<AtomicBool>,
 }
 
 /// io_uring refuses fixed buffers over 1 GiB; larger regions are split.
@@ -85,6 +83,8 @@ pub struct UringEngine {
     /// Reaped CQEs, reused across calls.
     cqes: Vec<(u64, i32)>,
     cfg: UringConfig,
+    /// Its write cache: when off, writes carry RWF_DSYNC.
+    device: Arc<Device>,
     metrics: Arc<QueueMetrics>,
     log_limit: RateLimiter,
     /// Block-device discard goes through io_uring; false for files, when
@@ -107,7 +107,11 @@ pub struct UringEngine {
 unsafe impl Send for UringEngine {}
 
 impl UringEngine {
-    pub fn new(cfg: UringConfig, metrics: Arc<QueueMetrics>) -> Result<UringEngine, EngineError> {
+    pub fn new(
+        cfg: UringConfig,
+        device: Arc<Device>,
+        metrics: Arc<QueueMetrics>,
+    ) -> Result<UringEngine, EngineError> {
         let ring = Ring::new(
             cfg.image_fd,
             UringOptions {
@@ -125,6 +129,7 @@ impl UringEngine {
             done: VecDeque::with_capacity(entries),
             cqes: Vec::with_capacity(2 * entries),
             cfg,
+            device,
             metrics,
             log_limit: RateLimiter::new(10, Duration::from_secs(5)),
             fixed: Vec::new(),
@@ -201,7 +206,7 @@ impl UringEngine {
             Some((_, iov)) => (iov as *const libc::iovec, 1),
             None => (req.data.0.as_ptr(), req.data.0.len() as u32),
         };
-        let dsync = !self.cfg.writeback.load(Ordering::Relaxed);
+        let dsync = !self.device.writeback();
         if n == 1 && slot.bounce.is_none() {
             if let Some(idx) = self.fixed_index(&req.data.0[0]) {
                 let (buf, len) = (req.data.0[0].iov_base.cast::<u8>(), req.data_len);

@@ -10,7 +10,6 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,6 +21,7 @@ use vmm_sys_util::event::{
     EventConsumer, EventFlag, EventNotifier, new_event_consumer_and_notifier,
 };
 
+use crate::device::{Connection, Device};
 use crate::engine::Engine;
 use crate::metrics::SharedRateLimiter;
 use crate::virtio::GuestMem;
@@ -30,7 +30,7 @@ use crate::virtio::config::VirtioBlkConfig;
 use super::backend_channel::BackendChannel;
 use super::inflight::{InflightQueue, InflightRegion};
 use super::proxy::InflightHost;
-use super::worker::{Event, QueueWorker, Vring, WorkerConfig};
+use super::worker::{Event, QueueWorker, Vring};
 
 /// The queue threads' exit events, one per thread, made once for the
 /// daemon's life and handed to every connection.
@@ -94,7 +94,7 @@ impl Listener {
 }
 
 pub struct BlkBackend<E: Engine> {
-    cfg: Arc<WorkerConfig>,
+    device: Arc<Device>,
     /// Worker threads: queue q is served by thread q % threads, where it
     /// is local queue q / threads.
     threads: usize,
@@ -102,46 +102,22 @@ pub struct BlkBackend<E: Engine> {
     /// by the protocol thread when the ring is stopped or reset. `None` once
     /// the connection is over and its engine went back to the daemon.
     workers: Vec<Mutex<Option<QueueWorker<E>>>>,
-    /// The configuration space but for the capacity, which GET_CONFIG
-    /// reads from `cfg.capacity`.
-    config: Mutex<VirtioBlkConfig>,
-    features: u64,
     exit_events: Arc<ExitEvents>,
     /// The back-end request channel, once the front-end handed one over.
     channel: Mutex<Option<Arc<BackendChannel>>>,
 }
 
-/// What the daemon (its signal handler, its control API) needs of the
-/// device of the current connection, whatever its engine.
-pub trait Device: Send + Sync {
-    /// Takes no more requests and completes everything in flight, on every
-    /// queue.
-    fn drain_all(&self);
-    /// Tells the front-end that the configuration space changed (the
-    /// capacity, after a resize). Ok(None): it gave us no back-end channel
-    /// (it did not negotiate BACKEND_REQ), so it cannot be told; Ok(Some(acked)).
-    fn config_changed(&self) -> io::Result<Option<bool>>;
-    /// Takes the engines out of the (drained) workers and drops them, so
-    /// that what they hold is released: at shutdown, an RBD image handle
-    /// is closed, which gives up its watch and exclusive lock.
-    fn close_engines(&self);
-}
-
 impl<E: Engine> BlkBackend<E> {
     pub fn new(
-        cfg: Arc<WorkerConfig>,
+        device: Arc<Device>,
         workers: Vec<QueueWorker<E>>,
-        config: VirtioBlkConfig,
-        features: u64,
         threads: usize,
         exit_events: Arc<ExitEvents>,
     ) -> BlkBackend<E> {
         BlkBackend {
-            cfg,
+            device,
             threads: threads.clamp(1, workers.len().max(1)),
             workers: workers.into_iter().map(|w| Mutex::new(Some(w))).collect(),
-            config: Mutex::new(config),
-            features,
             exit_events,
             channel: Mutex::new(None),
         }
@@ -222,7 +198,7 @@ impl<E: Engine> BlkBackend<E> {
     }
 }
 
-impl<E: Engine> Device for BlkBackend<E> {
+impl<E: Engine> Connection for BlkBackend<E> {
     fn drain_all(&self) {
         self.each_worker(|_, w| w.drain());
     }
@@ -247,7 +223,7 @@ impl<E: Engine> Device for BlkBackend<E> {
 
 impl<E: Engine + 'static> InflightHost for BlkBackend<E> {
     fn limits(&self) -> (u16, u16) {
-        (self.workers.len() as u16, self.cfg.queue_size)
+        (self.workers.len() as u16, self.device.queue_size())
     }
 
     fn set_inflight(&self, region: Arc<InflightRegion>) {
@@ -304,11 +280,11 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     }
 
     fn max_queue_size(&self) -> usize {
-        usize::from(self.cfg.queue_size)
+        usize::from(self.device.queue_size())
     }
 
     fn features(&self) -> u64 {
-        self.features
+        self.device.features()
             | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
             | VhostUserVirtioFeatures::LOG_ALL.bits()
     }
@@ -317,7 +293,7 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     /// mark what the engines write into guest memory.
     fn acked_features(&self, features: u64) {
         let on = features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0;
-        if self.cfg.logging.swap(on, Ordering::Relaxed) != on {
+        if self.device.set_logging(on) {
             // A front-end can toggle it at will.
             static LOGGING: SharedRateLimiter = SharedRateLimiter::new(10, Duration::from_secs(5));
             crate::info_limited!(
@@ -347,10 +323,9 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
-        let mut space = *self.config.lock().unwrap_or_else(|p| p.into_inner());
-        // The capacity as it is now: a resize may have changed it.
-        space.capacity = self.cfg.capacity.load(Ordering::Acquire).to_le();
-        space.read(offset, size)
+        // As it is now: a resize may have changed the capacity, the guest
+        // the write cache.
+        self.device.config().read(offset, size)
     }
 
     fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
@@ -359,8 +334,7 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         let wce = buf[0] != 0;
-        self.cfg.writeback.store(wce, Ordering::Relaxed);
-        self.config.lock().unwrap_or_else(|p| p.into_inner()).wce = u8::from(wce);
+        self.device.set_writeback(wce);
         // The guest can toggle it as often as it likes.
         static TOGGLES: SharedRateLimiter = SharedRateLimiter::new(10, Duration::from_secs(5));
         crate::info_limited!(

@@ -11,6 +11,6 @@ mod resubmit;
 pub mod sigbus;
 mod worker;
 
-pub use backend::{BlkBackend, Device, ExitEvents, Listener};
+pub use backend::{BlkBackend, ExitEvents, Listener};
 pub use backend_channel::BackendChannel;
-pub use worker::{Event, QueueWorker, Vring, WorkerConfig};
+pub use worker::{Event, QueueWorker, Settings, Vring};

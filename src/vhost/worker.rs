@@ -50,24 +50,23 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use vhost_user_backend::{VringMutex, VringState, VringT};
-use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestMemoryAtomic};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::cli::{NotifyMode, SignalMode};
+use crate::device::Device;
 use crate::engine::{Completion, Engine, Full, Io};
-use crate::io::ImageLock;
 use crate::metrics::{QueueMetrics, RateLimiter, RequestType};
-use crate::qos::{Direction, MAX_THROTTLE_SLEEP, Qos};
+use crate::qos::{Direction, MAX_THROTTLE_SLEEP};
 use crate::virtio::RequestError;
 use crate::virtio::request::{Parser, Rejected};
 use crate::virtio::ring::{RingError, RingShadow};
-use crate::virtio::{DeviceLimits, GuestMem, Request, RequestKind, Status};
+use crate::virtio::{GuestMem, Request, RequestKind, Status};
 use crate::{info_limited, warn_limited};
 
 use super::inflight::InflightQueue;
@@ -93,18 +92,10 @@ const LOCK_WAIT: Duration = Duration::from_secs(3);
 /// (docs/benchmarks.md). The price is three syscalls per turn.
 pub const TURN: usize = 16;
 
-/// Settings shared by all workers of a device.
-#[derive(Debug)]
-pub struct WorkerConfig {
-    /// What the device advertises, but for the capacity: its
-    /// `capacity_sectors` is the size at start-up only. Requests are
-    /// checked against [`WorkerConfig::limits`].
-    pub limits: DeviceLimits,
-    /// The capacity in 512-byte sectors now: an online resize changes it
-    /// while the workers run, and each pass reads it once.
-    pub capacity: AtomicU64,
-    /// GET_ID answer, zero-padded.
-    pub serial: [u8; VIRTIO_BLK_ID_BYTES as usize],
+/// How a device's queues are served (`serve`'s flags): the same for
+/// every worker.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
     pub notify: NotifyMode,
     pub signal: SignalMode,
     pub poll_us: u64,
@@ -113,30 +104,16 @@ pub struct WorkerConfig {
     pub poll_checks: bool,
     /// Most requests taken off the avail ring per submit (0: all there are).
     pub max_batch: usize,
-    pub queue_size: u16,
-    /// The guest-visible write cache (config `wce`), shared with the
-    /// engines: when off, every write is issued durable.
-    pub writeback: Arc<AtomicBool>,
-    /// Set on shutdown: take no new requests.
-    pub stopping: AtomicBool,
-    /// The front-end acked VHOST_F_LOG_ALL (a migration is under way):
-    /// what an engine writes into guest memory is marked in the dirty log.
-    pub logging: AtomicBool,
-    /// The image lock, taken while a ring runs (`--no-image-lock`: none).
-    pub image_lock: Option<Arc<ImageLock>>,
-    /// The device's QoS limits, shared by its queues (and changed at
-    /// runtime through this handle).
-    pub qos: Arc<Qos>,
 }
 
-impl WorkerConfig {
-    /// What requests are checked against now: the advertised limits with
-    /// the current capacity. Acquire: a resize that grew the file before
-    /// it published the capacity is seen whole.
-    pub fn limits(&self) -> DeviceLimits {
-        DeviceLimits {
-            capacity_sectors: self.capacity.load(Ordering::Acquire),
-            ..self.limits
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            notify: NotifyMode::Batched,
+            signal: SignalMode::Early,
+            poll_us: 0,
+            poll_checks: true,
+            max_batch: 0,
         }
     }
 }
@@ -156,7 +133,8 @@ pub enum Event {
 }
 
 pub struct QueueWorker<E: Engine> {
-    cfg: Arc<WorkerConfig>,
+    device: Arc<Device>,
+    cfg: Settings,
     metrics: Arc<QueueMetrics>,
     engine: E,
     shadow: RingShadow,
@@ -207,7 +185,8 @@ pub struct QueueWorker<E: Engine> {
 
 impl<E: Engine> QueueWorker<E> {
     pub fn new(
-        cfg: Arc<WorkerConfig>,
+        device: Arc<Device>,
+        cfg: Settings,
         metrics: Arc<QueueMetrics>,
         engine: E,
         index: usize,
@@ -220,8 +199,9 @@ impl<E: Engine> QueueWorker<E> {
             0
         };
         let poll = AdaptivePoll::new(Duration::from_micros(poll_us), cfg.poll_checks);
-        let size = usize::from(cfg.queue_size);
+        let size = usize::from(device.queue_size());
         QueueWorker {
+            device,
             cfg,
             metrics,
             engine,
@@ -250,11 +230,11 @@ impl<E: Engine> QueueWorker<E> {
 
     /// The QoS wake-up timer's fd, to be watched next to the kick.
     pub fn timer_fd(&self) -> Option<i32> {
-        self.cfg.qos.timer(self.index).map(|t| t.fd())
+        self.device.qos().timer(self.index).map(|t| t.fd())
     }
 
     fn clear_timer(&self) {
-        if let Some(t) = self.cfg.qos.timer(self.index) {
+        if let Some(t) = self.device.qos().timer(self.index) {
             t.clear();
         }
     }
@@ -350,12 +330,12 @@ impl<E: Engine> QueueWorker<E> {
             // flight still completes (and GET_VRING_BASE waits for it).
             return self.complete(&mut state, &mem);
         }
-        let cfg = self.cfg.clone();
-        let stopping = || cfg.stopping.load(Ordering::Relaxed);
+        let device = self.device.clone();
+        let stopping = || device.stopping();
         // Requests taken this pass: a worker that shares its thread yields
         // once it has taken a turn's worth with more waiting.
         let mut taken = 0usize;
-        let budget = TURN.min(usize::from(cfg.queue_size));
+        let budget = TURN.min(usize::from(device.queue_size()));
         loop {
             if self.cfg.signal == SignalMode::Early {
                 self.complete(&mut state, &mem)?;
@@ -470,7 +450,7 @@ impl<E: Engine> QueueWorker<E> {
             "queue: resubmitting {} request(s) left in flight by the previous back-end",
             rec.resubmit.len()
         );
-        let limits = self.cfg.limits();
+        let (limits, capacity) = (self.device.limits(), self.device.capacity());
         let mut parsed = std::mem::take(&mut self.parsed);
         let parser = &mut self.parser;
         let unbuilt = |head| {
@@ -487,7 +467,7 @@ impl<E: Engine> QueueWorker<E> {
                         .chains()
                         .into_iter()
                         .map(|(head, chain)| match chain {
-                            Some(c) => parser.parse(c, mem, &limits, size),
+                            Some(c) => parser.parse(c, mem, limits, capacity, size),
                             None => unbuilt(head),
                         }),
                 )
@@ -654,7 +634,7 @@ impl<E: Engine> QueueWorker<E> {
     /// set (and no request waiting), that is one relaxed load.
     #[inline]
     fn admit(&mut self, req: &Request, force: bool) -> bool {
-        if !self.cfg.qos.active() && self.throttled_since.is_none() {
+        if !self.device.qos().active() && self.throttled_since.is_none() {
             return true;
         }
         self.admit_limited(req, force)
@@ -675,7 +655,7 @@ impl<E: Engine> QueueWorker<E> {
             RequestKind::Flush | RequestKind::GetId => None,
         };
         let verdict = match cost {
-            Some((dir, bytes)) => self.cfg.qos.admit(dir, bytes, force),
+            Some((dir, bytes)) => self.device.qos().admit(dir, bytes, force),
             None => Ok(()),
         };
         match verdict {
@@ -691,7 +671,7 @@ impl<E: Engine> QueueWorker<E> {
                     self.throttled_since = Some(Instant::now());
                     QueueMetrics::add(&self.metrics.throttled_requests, 1);
                 }
-                let armed = match self.cfg.qos.timer(self.index) {
+                let armed = match self.device.qos().timer(self.index) {
                     Some(t) => t.arm(wait.min(MAX_THROTTLE_SLEEP)),
                     None => Err(std::io::Error::other("no timer for this queue")),
                 };
@@ -723,7 +703,7 @@ impl<E: Engine> QueueWorker<E> {
         };
         let mut parsed = std::mem::take(&mut self.parsed);
         let queue_size = state.get_queue().size();
-        let limits = self.cfg.limits();
+        let (limits, capacity) = (self.device.limits(), self.device.capacity());
         let journal = &mut self.journal;
         let parser = &mut self.parser;
         let popped = self
@@ -734,7 +714,7 @@ impl<E: Engine> QueueWorker<E> {
                 if let Some(log) = journal.as_mut() {
                     log.mark(chain.head_index());
                 }
-                parsed.push(parser.parse(chain, mem, &limits, queue_size));
+                parsed.push(parser.parse(chain, mem, limits, capacity, queue_size));
             });
         for p in parsed.drain(..) {
             match p {
@@ -759,7 +739,7 @@ impl<E: Engine> QueueWorker<E> {
         if req.kind == RequestKind::GetId {
             // SAFETY: `mem` is the snapshot the request was parsed against,
             // held for this call; GET_ID's buffers are device-writable.
-            unsafe { req.data.fill_from(&self.cfg.serial) };
+            unsafe { req.data.fill_from(self.device.serial()) };
             let written = req.written_len();
             let io = Io {
                 req,
@@ -838,7 +818,7 @@ impl<E: Engine> QueueWorker<E> {
             written,
         } = c;
         self.count_done(&io.req, status);
-        if written > 0 && self.cfg.logging.load(Ordering::Relaxed) {
+        if written > 0 && self.device.logging() {
             // The engine (the kernel, a bounce copy, a fill) wrote these
             // behind vm-memory's back: mark them before the guest, or the
             // migration, can see the completion.
@@ -996,7 +976,7 @@ impl<E: Engine> QueueWorker<E> {
         if self.holds_lock {
             return true;
         }
-        let Some(lock) = &self.cfg.image_lock else {
+        let Some(lock) = self.device.image_lock() else {
             return true;
         };
         let deadline = Instant::now() + wait;
@@ -1021,7 +1001,7 @@ impl<E: Engine> QueueWorker<E> {
     /// next daemon may take the image.
     fn unlock_image(&mut self) {
         if std::mem::take(&mut self.holds_lock) {
-            if let Some(lock) = &self.cfg.image_lock {
+            if let Some(lock) = self.device.image_lock() {
                 lock.release();
             }
         }

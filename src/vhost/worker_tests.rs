@@ -5,7 +5,6 @@
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::{Duration, Instant};
 
 use vhost_user_backend::VringT;
@@ -14,7 +13,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::*;
-use crate::cli::{NotifyMode, SignalMode};
+use crate::device::{Device, DeviceSpec};
 use crate::engine::{UringConfig, UringEngine};
 use crate::vhost::inflight::{InflightQueue, InflightRegion};
 use crate::virtio::testing::{self, DATA, Driver, HDR, STATUS, guest_memory, limits, r, w};
@@ -22,7 +21,7 @@ use crate::virtio::testing::{self, DATA, Driver, HDR, STATUS, guest_memory, limi
 const QSIZE: u16 = 16;
 
 struct Rig<'a> {
-    cfg: Arc<WorkerConfig>,
+    device: Arc<Device>,
     atomic: GuestMemoryAtomic<GuestMem>,
     driver: Driver<'a>,
     vring: Vring,
@@ -62,23 +61,16 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
         std::fs::File::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(dup))
     }));
 
-    let writeback = Arc::new(AtomicBool::new(true));
-    let cfg = Arc::new(WorkerConfig {
-        limits: limits(),
-        capacity: AtomicU64::new(limits().capacity_sectors),
-        serial: *b"worker-test-serial\0\0",
-        notify: NotifyMode::Batched,
-        signal: SignalMode::Early,
-        poll_us: 0,
-        poll_checks: true,
-        max_batch: 0,
-        queue_size: max_queue,
-        writeback: writeback.clone(),
-        stopping: AtomicBool::new(false),
-        logging: AtomicBool::new(false),
-        image_lock: None,
-        qos: Arc::new(crate::qos::Qos::new(crate::qos::QosLimits::default(), 1).unwrap()),
-    });
+    let device = Arc::new(
+        Device::new(DeviceSpec {
+            limits: limits(),
+            capacity_sectors: testing::CAPACITY,
+            queue_size: max_queue,
+            serial: *b"worker-test-serial\0\0",
+            ..DeviceSpec::default()
+        })
+        .unwrap(),
+    );
     let metrics: Arc<QueueMetrics> = Arc::default();
     let engine = UringEngine::new(
         UringConfig {
@@ -92,16 +84,23 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
             dio_align: 512,
             bounce_limit: 1 << 20,
             is_block_device: false,
-            writeback,
         },
+        device.clone(),
         metrics.clone(),
     )
     .unwrap();
-    let mut worker = QueueWorker::new(cfg.clone(), metrics, engine, 0, None);
+    let mut worker = QueueWorker::new(
+        device.clone(),
+        Settings::default(),
+        metrics,
+        engine,
+        0,
+        None,
+    );
     worker.set_memory(Arc::new(mem.clone()));
     let region = Arc::new(InflightRegion::create(1, QSIZE).unwrap());
     Rig {
-        cfg,
+        device,
         atomic,
         driver,
         vring,
@@ -389,10 +388,8 @@ fn a_refused_memory_table_never_reaches_the_workers() {
     let mem = guest_memory();
     let rig = rig(&mem);
     let backend = BlkBackend::new(
-        rig.cfg.clone(),
+        rig.device.clone(),
         vec![rig.worker],
-        crate::virtio::config::VirtioBlkConfig::default(),
-        0,
         1,
         Arc::new(ExitEvents::new(1).unwrap()),
     );
@@ -630,15 +627,15 @@ fn qos_limit_doubled_at_runtime_is_followed_within_a_second() {
     const N: u64 = 200;
     let mem = guest_memory();
     let mut rig = rig(&mem);
-    rig.cfg.qos.set_limits(iops(N)).unwrap();
+    rig.device.qos().set_limits(iops(N)).unwrap();
     let t0 = Instant::now();
     let mut lp = ClosedLoop::start(&mut rig, 4);
     let change = t0 + Duration::from_millis(2000);
     lp.run(&mut rig, change);
     // The burst (a tenth of a second's worth) is in the first 100 ms.
     let before = lp.rate(t0 + Duration::from_millis(500), change);
-    rig.cfg.qos.set_limits(iops(2 * N)).unwrap();
-    assert_eq!(rig.cfg.qos.limits(), iops(2 * N));
+    rig.device.qos().set_limits(iops(2 * N)).unwrap();
+    assert_eq!(rig.device.qos().limits(), iops(2 * N));
     lp.run(&mut rig, change + Duration::from_millis(1000));
     let after = lp.rate(
         change + Duration::from_millis(100),
@@ -673,8 +670,8 @@ fn qos_limit_doubled_at_runtime_is_followed_within_a_second() {
         lp.wakeups
     );
     // Removing the limit lets the queue run free again.
-    rig.cfg
-        .qos
+    rig.device
+        .qos()
         .set_limits(crate::qos::QosLimits::default())
         .unwrap();
     let t1 = Instant::now();
@@ -699,7 +696,7 @@ fn qos_stopping_the_ring_completes_throttled_requests_at_once() {
     rig.worker
         .set_inflight(InflightQueue::new(rig.region.clone(), 0));
     // One request a minute: the first goes (the debt model), the rest wait.
-    rig.cfg.qos.set_limits(iops(1)).unwrap();
+    rig.device.qos().set_limits(iops(1)).unwrap();
     for i in 0..4u16 {
         rig.post_rw(3 * i, true, 8 * u64::from(i), DATA);
     }
@@ -749,18 +746,21 @@ fn queues_map_onto_threads_and_listener_ids_round_trip() {
     use vhost_user_backend::VhostUserBackend;
 
     let mem = guest_memory();
-    let cfg = rig(&mem).cfg;
+    let device = rig(&mem).device;
     let workers = (0..5)
-        .map(|i| QueueWorker::new(cfg.clone(), Arc::default(), NullEngine::new(4), i, None))
+        .map(|i| {
+            let s = Settings::default();
+            QueueWorker::new(
+                device.clone(),
+                s,
+                Arc::default(),
+                NullEngine::new(4),
+                i,
+                None,
+            )
+        })
         .collect();
-    let b = BlkBackend::new(
-        cfg,
-        workers,
-        crate::virtio::config::VirtioBlkConfig::default(),
-        0,
-        2,
-        Arc::new(ExitEvents::new(2).unwrap()),
-    );
+    let b = BlkBackend::new(device, workers, 2, Arc::new(ExitEvents::new(2).unwrap()));
     assert_eq!(b.queues_per_thread(), vec![0b10101, 0b01010]);
     assert_eq!(b.thread_queues(1).collect::<Vec<_>>(), vec![1, 3]);
     assert!(b.shares_threads());
@@ -829,18 +829,30 @@ fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
     }
 
     let mem = guest_memory();
-    let cfg = {
-        let rig = rig(&mem);
-        let cfg = rig.cfg.clone();
-        drop(rig);
-        Arc::try_unwrap(cfg).unwrap_or_else(|_| panic!("the rig's workers are gone"))
+    let device = rig(&mem).device;
+    let s = Settings {
+        poll_us: 32,
+        ..Settings::default()
     };
-    let cfg = Arc::new(WorkerConfig { poll_us: 32, ..cfg });
-    let mut polls = QueueWorker::new(cfg.clone(), Arc::default(), NullEngine::new(4), 0, None);
+    let mut polls = QueueWorker::new(
+        device.clone(),
+        s,
+        Arc::default(),
+        NullEngine::new(4),
+        0,
+        None,
+    );
     for wait in [Wait::Guest, Wait::Device] {
         assert_eq!(polls.poll.window(wait), Some(Duration::from_micros(32)));
     }
-    let mut never = QueueWorker::new(cfg, Arc::default(), NoPoll(NullEngine::new(4)), 0, None);
+    let mut never = QueueWorker::new(
+        device,
+        s,
+        Arc::default(),
+        NoPoll(NullEngine::new(4)),
+        0,
+        None,
+    );
     for wait in [Wait::Guest, Wait::Device] {
         assert_eq!(never.poll.window(wait), None);
     }

@@ -120,7 +120,6 @@ mod tests {
 
     fn limits() -> DeviceLimits {
         DeviceLimits {
-            capacity_sectors: 2048,
             block_size: 4096,
             ..DeviceLimits::default()
         }

@@ -53,7 +53,7 @@ const MAX_SEGS: u64 = 64;
 /// and checks the result. Panics on a broken promise.
 pub fn parse_one(data: &[u8]) -> Vec<Outcome> {
     let mut input = Input(data);
-    let limits = pick_limits(&mut input);
+    let (limits, capacity) = pick_limits(&mut input);
     let queue_size = 16u16 << input.below(5);
     let mem = GuestMem::from_ranges(&[
         (GuestAddress(0), A_END as usize),
@@ -61,7 +61,7 @@ pub fn parse_one(data: &[u8]) -> Vec<Outcome> {
         (GuestAddress(C), (C_END - C) as usize),
     ])
     .expect("fixed, valid layout");
-    let mut generator = Generator::new(&mem, limits, queue_size);
+    let mut generator = Generator::new(&mem, (limits, capacity), queue_size);
     let n_chains = 1 + input.below(MAX_CHAINS as u32) as usize;
     let mut posted = Vec::new();
     for k in 0..n_chains {
@@ -88,8 +88,8 @@ pub fn parse_one(data: &[u8]) -> Vec<Outcome> {
         .into_iter()
         .zip(&posted)
         .map(|(chain, want)| {
-            let res = Request::parse(chain, &mem, &limits, queue_size);
-            check(&mem, &limits, want, res)
+            let res = Request::parse(chain, &mem, &limits, capacity, queue_size);
+            check(&mem, &limits, capacity, want, res)
         })
         .collect()
 }
@@ -98,6 +98,7 @@ pub fn parse_one(data: &[u8]) -> Vec<Outcome> {
 fn check(
     mem: &GuestMem,
     limits: &DeviceLimits,
+    capacity_sectors: u64,
     want: &Posted,
     res: Result<Request, super::request::Rejected>,
 ) -> Outcome {
@@ -148,7 +149,7 @@ fn check(
     let in_capacity = |sector: u64, sectors: u64| {
         sector
             .checked_add(sectors)
-            .is_some_and(|end| end <= limits.capacity_sectors)
+            .is_some_and(|end| end <= capacity_sectors)
             && sector % bs_sectors == 0
     };
     let expected_type = match req.kind {

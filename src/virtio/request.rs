@@ -23,11 +23,11 @@ const HEADER_LEN: u32 = 16;
 /// Size of `struct virtio_blk_discard_write_zeroes`.
 const RANGE_LEN: u32 = 16;
 
-/// What the device advertises, and so what every request is checked against.
+/// What the device advertises, and so what every request is checked
+/// against, the capacity aside: that changes at runtime
+/// ([`crate::device::Device::capacity`]) and is passed to each parse.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceLimits {
-    /// Capacity in 512-byte sectors.
-    pub capacity_sectors: u64,
     /// Logical block size in bytes (512 or 4096).
     pub block_size: u32,
     pub readonly: bool,
@@ -60,7 +60,6 @@ pub const MAX_RANGES: u32 = 1;
 impl Default for DeviceLimits {
     fn default() -> Self {
         DeviceLimits {
-            capacity_sectors: 0,
             block_size: 512,
             readonly: false,
             seg_max: 254,
@@ -249,13 +248,14 @@ impl Request {
         chain: DescriptorChain<M>,
         mem: &GuestMem,
         limits: &DeviceLimits,
+        capacity_sectors: u64,
         queue_size: u16,
     ) -> Result<Request, Rejected>
     where
         M: Deref,
         M::Target: GuestMemory,
     {
-        Parser::default().parse(chain, mem, limits, queue_size)
+        Parser::default().parse(chain, mem, limits, capacity_sectors, queue_size)
     }
 }
 
@@ -290,7 +290,8 @@ impl Parser {
         }
     }
 
-    /// Parses and validates the chain.
+    /// Parses and validates the chain, for a device of `limits` and (now)
+    /// `capacity_sectors`.
     ///
     /// A chain may hold at most `max(queue_size, seg_max + 2)` descriptors.
     /// Direct chains cannot exceed the queue size anyway; an indirect table
@@ -302,6 +303,7 @@ impl Parser {
         chain: DescriptorChain<M>,
         mem: &GuestMem,
         limits: &DeviceLimits,
+        capacity_sectors: u64,
         queue_size: u16,
     ) -> Result<Request, Rejected>
     where
@@ -378,7 +380,7 @@ impl Parser {
                 if len % limits.block_size != 0 {
                     return reject(RequestError::BadLength);
                 }
-                if let Err(e) = check_range(limits, sector, len >> SECTOR_SHIFT) {
+                if let Err(e) = check_range(limits, capacity_sectors, sector, len >> SECTOR_SHIFT) {
                     return reject(e);
                 }
                 let kind = if write {
@@ -403,7 +405,7 @@ impl Parser {
                 if limits.readonly {
                     return reject(RequestError::ReadOnly);
                 }
-                let range = match parse_range(mem, out, limits, zeroes) {
+                let range = match parse_range(mem, out, limits, capacity_sectors, zeroes) {
                     Ok(r) => r,
                     Err(e) => return reject(e),
                 };
@@ -534,13 +536,18 @@ fn read_prefix(
 }
 
 /// Checks `sector .. sector + sectors` against the capacity and alignment.
-fn check_range(limits: &DeviceLimits, sector: u64, sectors: u32) -> Result<(), RequestError> {
+fn check_range(
+    limits: &DeviceLimits,
+    capacity_sectors: u64,
+    sector: u64,
+    sectors: u32,
+) -> Result<(), RequestError> {
     let align = u64::from(limits.block_size >> SECTOR_SHIFT);
     if sector % align != 0 || u64::from(sectors) % align != 0 {
         return Err(RequestError::Misaligned);
     }
     match sector.checked_add(u64::from(sectors)) {
-        Some(end) if end <= limits.capacity_sectors => Ok(()),
+        Some(end) if end <= capacity_sectors => Ok(()),
         _ => Err(RequestError::OutOfRange),
     }
 }
@@ -552,6 +559,7 @@ fn parse_range(
     mem: &GuestMem,
     out: &[Buf],
     limits: &DeviceLimits,
+    capacity_sectors: u64,
     zeroes: bool,
 ) -> Result<DiscardRange, RequestError> {
     let max_sectors = if zeroes {
@@ -586,7 +594,7 @@ fn parse_range(
     if num_sectors > max_sectors {
         return Err(RequestError::RangeTooLong);
     }
-    check_range(limits, sector, num_sectors)?;
+    check_range(limits, capacity_sectors, sector, num_sectors)?;
     Ok(DiscardRange {
         sector,
         num_sectors,

@@ -44,10 +44,12 @@ pub fn guest_memory() -> GuestMem {
     .unwrap()
 }
 
-/// Limits most tests run against: 1 GiB, 512-byte blocks, 8 segments.
+/// The capacity most tests run against: 1 GiB.
+pub const CAPACITY: u64 = 1 << 21;
+
+/// Limits most tests run against: 512-byte blocks, 8 segments.
 pub fn limits() -> DeviceLimits {
     DeviceLimits {
-        capacity_sectors: 1 << 21,
         seg_max: 8,
         max_discard_sectors: 1024,
         max_write_zeroes_sectors: 2048,
@@ -165,10 +167,16 @@ impl<'a> Driver<'a> {
         self.queue.iter(self.mem).unwrap().next().unwrap()
     }
 
-    /// Pops the next chain and parses it.
+    /// Pops the next chain and parses it (the device's capacity is
+    /// [`CAPACITY`]).
     pub fn parse(&mut self, limits: &DeviceLimits) -> Result<Request, Rejected> {
+        self.parse_at(limits, CAPACITY)
+    }
+
+    /// Pops the next chain and parses it for a device of `capacity` sectors.
+    pub fn parse_at(&mut self, limits: &DeviceLimits, capacity: u64) -> Result<Request, Rejected> {
         let size = self.size();
-        Request::parse(self.pop(), self.mem, limits, size)
+        Request::parse(self.pop(), self.mem, limits, capacity, size)
     }
 
     /// Posts `descs` and parses them.

@@ -109,6 +109,20 @@ impl RbdDisk {
     }
 }
 
+/// Resizing goes through the handle the queues share: growing it there
+/// lets them write past the old end at once. `rbd_resize` and
+/// `rbd_get_size` are synchronous; the control API calls them on its own
+/// thread, never a worker's.
+impl crate::device::Resizable for Image {
+    fn size(&self) -> io::Result<u64> {
+        Image::size(self).map_err(io::Error::other)
+    }
+
+    fn set_size(&self, size: u64) -> io::Result<()> {
+        self.resize(size).map_err(io::Error::other)
+    }
+}
+
 /// A request librbd is executing.
 struct Slot {
     io: Io,

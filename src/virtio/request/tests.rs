@@ -22,10 +22,22 @@ fn parse(
     sector: u64,
     descs: &[Desc],
 ) -> Result<Request, Rejected> {
+    parse_at(limits, CAPACITY, req_type, sector, descs)
+}
+
+/// [`parse`] for a device of `capacity` sectors.
+fn parse_at(
+    limits: &DeviceLimits,
+    capacity: u64,
+    req_type: u32,
+    sector: u64,
+    descs: &[Desc],
+) -> Result<Request, Rejected> {
     let mem = guest_memory();
     let mut d = Driver::new(&mem, 16);
     d.header(req_type, sector);
-    d.parse_chain(limits, descs)
+    d.post(descs);
+    d.parse_at(limits, capacity)
 }
 
 /// Asserts a rejection with a status byte at `STATUS`, and returns its error.
@@ -194,11 +206,24 @@ fn parse_range(
     n: u32,
     flags: u32,
 ) -> Result<Request, Rejected> {
+    parse_range_at(limits, CAPACITY, req_type, sector, n, flags)
+}
+
+/// [`parse_range`] for a device of `capacity` sectors.
+fn parse_range_at(
+    limits: &DeviceLimits,
+    capacity: u64,
+    req_type: u32,
+    sector: u64,
+    n: u32,
+    flags: u32,
+) -> Result<Request, Rejected> {
     let mem = guest_memory();
     let mut d = Driver::new(&mem, 16);
     d.header(req_type, 0);
     d.range_at(RANGE, sector, n, flags);
-    d.parse_chain(limits, &[r(HDR, 16), r(RANGE, 16), status()])
+    d.post(&[r(HDR, 16), r(RANGE, 16), status()]);
+    d.parse_at(limits, capacity)
 }
 
 #[test]
@@ -264,7 +289,7 @@ fn unknown_types_are_unsupported() {
 #[test]
 fn range_must_fit_the_capacity() {
     let l = limits();
-    let cap = l.capacity_sectors;
+    let cap = CAPACITY;
     let read = |sector, len| {
         parse(
             &l,
@@ -285,27 +310,26 @@ fn range_must_fit_the_capacity() {
 #[test]
 fn sector_arithmetic_must_not_overflow() {
     // With the capacity at the maximum, only the overflow check can refuse.
-    let l = DeviceLimits {
-        capacity_sectors: u64::MAX,
-        ..limits()
-    };
-    let res = parse(
+    let (l, max) = (limits(), u64::MAX);
+    let res = parse_at(
         &l,
+        max,
         VIRTIO_BLK_T_OUT,
         u64::MAX,
         &[r(HDR, 16), r(DATA, 512), status()],
     );
     assert_eq!(rejected(res), RequestError::OutOfRange);
-    let res = parse(
+    let res = parse_at(
         &l,
+        max,
         VIRTIO_BLK_T_IN,
         u64::MAX - 1,
         &[r(HDR, 16), w(DATA, 1024), status()],
     );
     assert_eq!(rejected(res), RequestError::OutOfRange);
-    let res = parse_range(&l, VIRTIO_BLK_T_DISCARD, u64::MAX - 3, 8, 0);
+    let res = parse_range_at(&l, max, VIRTIO_BLK_T_DISCARD, u64::MAX - 3, 8, 0);
     assert_eq!(rejected(res), RequestError::OutOfRange);
-    let res = parse_range(&l, VIRTIO_BLK_T_WRITE_ZEROES, u64::MAX, 1, 0);
+    let res = parse_range_at(&l, max, VIRTIO_BLK_T_WRITE_ZEROES, u64::MAX, 1, 0);
     assert_eq!(rejected(res), RequestError::OutOfRange);
 }
 
@@ -523,7 +547,7 @@ fn ranges_are_bounded() {
     assert_eq!(rejected(res), RequestError::RangeTooLong);
     assert_eq!(RequestError::RangeTooLong.status(), IOERR);
     // Within the maximum but past the capacity.
-    let cap = l.capacity_sectors;
+    let cap = CAPACITY;
     assert_eq!(
         rejected(parse_range(&l, VIRTIO_BLK_T_DISCARD, cap - 4, 8, 0)),
         RequestError::OutOfRange

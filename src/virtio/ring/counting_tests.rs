@@ -138,7 +138,7 @@ fn pass(shadow: &mut RingShadow, d: &mut Driver, mem: &Counting) -> (usize, bool
     let mut reqs = Vec::new();
     let n = shadow
         .pop(&mut d.queue, mem, usize::from(size), |chain| {
-            reqs.push(Request::parse(chain, &mem.inner, &limits(), size).unwrap());
+            reqs.push(Request::parse(chain, &mem.inner, &limits(), CAPACITY, size).unwrap());
         })
         .unwrap();
     for req in &reqs {
