@@ -52,6 +52,8 @@ fn setup(mem: &GuestMem, n: u16) -> Queue {
 
 fn bench(c: &mut Criterion) {
     let mem = GuestMem::from_ranges(&[(GuestAddress(0), 0x40_0000)]).unwrap();
+    // The snapshot requests hold: the same regions.
+    let snapshot = std::sync::Arc::new(mem.clone());
     let (limits, capacity) = (DeviceLimits::default(), 1 << 21);
     let mut g = c.benchmark_group("parse_complete");
     for batch in [1u16, 16, 64] {
@@ -63,13 +65,15 @@ fn bench(c: &mut Criterion) {
                     let mut reqs = Vec::with_capacity(usize::from(batch));
                     shadow
                         .pop(&mut q, &mem, usize::from(batch), |chain| {
-                            reqs.push(Request::parse(chain, &mem, &limits, capacity, QSIZE).unwrap())
+                            reqs.push(
+                                Request::parse(chain, &snapshot, &limits, capacity, QSIZE).unwrap(),
+                            )
                         })
                         .unwrap();
                     for r in &reqs {
-                        mem.write_obj(0u8, r.status).unwrap();
+                        mem.write_obj(0u8, r.status_addr()).unwrap();
                         shadow
-                            .add_used(&mut q, &mem, r.head, r.written_len() + 1)
+                            .add_used(&mut q, &mem, r.head(), r.written_len() + 1)
                             .unwrap();
                     }
                     shadow.publish(&q, &mem).unwrap();

@@ -30,13 +30,11 @@ impl Engine for NullEngine {
         if self.done.len() >= self.capacity {
             return Err(Full(io));
         }
-        let written = match io.req.kind {
+        let written = match io.req.kind() {
             RequestKind::Read { .. } => {
-                // SAFETY: `io.mem` is the snapshot the buffers were parsed
-                // against, held for this call; a read's buffers are
-                // device-writable.
-                unsafe { io.req.data.zero() };
-                io.req.data_len
+                // A read's buffers are device-writable.
+                io.req.data().zero();
+                io.req.data_len()
             }
             _ => 0,
         };

@@ -204,12 +204,15 @@ impl UringEngine {
         let req = &slot.io.req;
         let (iov, n) = match &slot.bounce {
             Some((_, iov)) => (iov as *const libc::iovec, 1),
-            None => (req.data.0.as_ptr(), req.data.0.len() as u32),
+            None => (
+                req.data().iovecs().as_ptr(),
+                req.data().iovecs().len() as u32,
+            ),
         };
         let dsync = !self.device.writeback();
         if n == 1 && slot.bounce.is_none() {
-            if let Some(idx) = self.fixed_index(&req.data.0[0]) {
-                let (buf, len) = (req.data.0[0].iov_base.cast::<u8>(), req.data_len);
+            if let Some(idx) = self.fixed_index(&req.data().iovecs()[0]) {
+                let (buf, len) = (req.data().iovecs()[0].iov_base.cast::<u8>(), req.data_len());
                 match slot.op {
                     Op::Read => {
                         return op::read_fixed(buf, len, req.offset(), idx, key);
@@ -249,7 +252,7 @@ impl UringEngine {
         let key = self.slots.insert(slot);
         let entry = self.sqe(&self.slots[key], key as u64);
         // SAFETY: the SQE points at the request's iovec array (heap memory
-        // of its `HostBuffers`, which does not move), at guest memory kept
+        // of its `GuestBuffers`, which does not move), at guest memory kept
         // mapped by its `Io::mem`, or at the bounce buffer and the iovec in
         // its slot; the slab never reallocates (checked above), so the slot
         // does not move, and it stays in the slab until its CQE is reaped
@@ -264,14 +267,14 @@ impl UringEngine {
     /// What a CQE means for its request: a status, or a retry already on
     /// the ring.
     fn finish(&mut self, mut slot: Slot, res: i32) -> Option<Completion> {
-        let (kind, data_len) = (slot.op, slot.io.req.data_len);
+        let (kind, data_len) = (slot.op, slot.io.req.data_len());
         let status = match kind {
             Op::Read | Op::Write if res >= 0 && res as u32 == data_len => {
                 if let (Op::Read, Some((buf, _))) = (kind, &slot.bounce) {
-                    let data = &slot.io.req.data;
-                    // SAFETY: `slot.io.mem` keeps the read's device-writable
-                    // buffers mapped; the bounce buffer holds data_len bytes.
-                    unsafe { data.scatter_from(&buf.as_slice()[..data_len as usize]) };
+                    // The read's buffers are device-writable; the bounce
+                    // buffer holds data_len bytes.
+                    let data = slot.io.req.data();
+                    data.fill_from(&buf.as_slice()[..data_len as usize]);
                 }
                 Status::Ok
             }
@@ -327,7 +330,7 @@ impl Engine for UringEngine {
         if self.room() == 0 {
             return Err(Full(io));
         }
-        let Some(kind) = Op::of(io.req.kind) else {
+        let Some(kind) = Op::of(io.req.kind()) else {
             // GET_ID is not I/O: the worker answers it and never hands one
             // over. Should one come, it is unsupported here, not guessed at.
             self.finish_now(io, Status::Unsupp);
@@ -339,13 +342,13 @@ impl Engine for UringEngine {
             return Ok(());
         }
         let rw = matches!(kind, Op::Read | Op::Write);
-        if rw && io.req.data_len == 0 {
+        if rw && io.req.data_len() == 0 {
             self.finish_now(io, Status::Ok);
             return Ok(());
         }
         let mut bounce = None;
-        if self.cfg.direct && rw && !io.req.data.aligned_to(self.cfg.dio_align) {
-            let len = io.req.data_len as usize;
+        if self.cfg.direct && rw && !io.req.data().aligned_to(self.cfg.dio_align) {
+            let len = io.req.data_len() as usize;
             if self.bounce_in_use + len > self.cfg.bounce_limit {
                 if self.bounce_in_use > 0 {
                     // Its turn comes when bounced requests in flight finish.
@@ -368,9 +371,8 @@ impl Engine for UringEngine {
                 return Ok(());
             };
             if let Op::Write = kind {
-                // SAFETY: `io.mem` keeps the write's buffers mapped; buf
-                // holds their total length.
-                unsafe { io.req.data.gather_into(buf.as_mut_slice()) };
+                // buf holds their total length.
+                io.req.data().gather_into(buf.as_mut_slice());
             }
             let iov = libc::iovec {
                 iov_base: buf.as_mut_ptr().cast(),
@@ -503,7 +505,7 @@ impl UringEngine {
     /// Keeps `unflushed` true between a completed change to the image and
     /// the next completed flush.
     fn note_durability(&mut self, io: &Io, status: Status) {
-        match io.req.kind {
+        match io.req.kind() {
             RequestKind::Flush if status.is_ok() => self.unflushed = false,
             RequestKind::Write { .. } | RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => {
                 self.unflushed = true
@@ -560,8 +562,8 @@ fn fallocate_mode(kind: Op, zero_fallback: bool) -> i32 {
 /// Bytes written into the guest's buffers by a request that ended with
 /// `status`.
 fn written(io: &Io, status: Status) -> u32 {
-    match io.req.kind {
-        RequestKind::Read { .. } if status.is_ok() => io.req.data_len,
+    match io.req.kind() {
+        RequestKind::Read { .. } if status.is_ok() => io.req.data_len(),
         _ => 0,
     }
 }

@@ -648,9 +648,9 @@ impl<E: Engine> QueueWorker<E> {
     /// request arms the queue's timer.
     #[cold]
     fn admit_limited(&mut self, req: &Request, force: bool) -> bool {
-        let cost = match req.kind {
-            RequestKind::Read { .. } => Some((Direction::Read, u64::from(req.data_len))),
-            RequestKind::Write { .. } => Some((Direction::Write, u64::from(req.data_len))),
+        let cost = match req.kind() {
+            RequestKind::Read { .. } => Some((Direction::Read, u64::from(req.data_len()))),
+            RequestKind::Write { .. } => Some((Direction::Write, u64::from(req.data_len()))),
             RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => Some((Direction::Write, 0)),
             RequestKind::Flush | RequestKind::GetId => None,
         };
@@ -736,10 +736,9 @@ impl<E: Engine> QueueWorker<E> {
     /// Hands `req` to the engine (or behind the deferred ones), or answers
     /// it here when it needs no I/O (GET_ID).
     fn start(&mut self, queue: &mut Queue, mem: &Arc<GuestMem>, req: Request) {
-        if req.kind == RequestKind::GetId {
-            // SAFETY: `mem` is the snapshot the request was parsed against,
-            // held for this call; GET_ID's buffers are device-writable.
-            unsafe { req.data.fill_from(self.device.serial()) };
+        if req.kind() == RequestKind::GetId {
+            // GET_ID's buffers are device-writable.
+            req.data().fill_from(self.device.serial());
             let written = req.written_len();
             let io = Io {
                 req,
@@ -822,14 +821,14 @@ impl<E: Engine> QueueWorker<E> {
             // The engine (the kernel, a bounce copy, a fill) wrote these
             // behind vm-memory's back: mark them before the guest, or the
             // migration, can see the completion.
-            io.req.data.mark_written(&io.mem, written);
+            io.req.data().mark_written(written);
         }
-        let _ = io.mem.write_obj(status.byte(), io.req.status);
+        let _ = io.mem.write_obj(status.byte(), io.req.status_addr());
         let len = if status.is_ok() { written + 1 } else { 1 };
-        if let Err(e) = self.add_used(queue, mem, io.req.head, len) {
-            warn_limited!(self.log_limit, "request {}: used ring: {e}", io.req.head);
+        if let Err(e) = self.add_used(queue, mem, io.req.head(), len) {
+            warn_limited!(self.log_limit, "request {}: used ring: {e}", io.req.head());
         }
-        self.parser.recycle(io.req.data);
+        self.parser.recycle(io.req);
     }
 
     /// Answers a refused request: status byte if there is one, used length
@@ -924,7 +923,7 @@ impl<E: Engine> QueueWorker<E> {
 
     fn count_done(&self, req: &Request, status: Status) {
         let m = &self.metrics;
-        let t = match req.kind {
+        let t = match req.kind() {
             RequestKind::Read { .. } => RequestType::Read,
             RequestKind::Write { .. } => RequestType::Write,
             RequestKind::Flush => RequestType::Flush,
@@ -935,8 +934,8 @@ impl<E: Engine> QueueWorker<E> {
         m.count_request(t);
         if status.is_ok() {
             match t {
-                RequestType::Read => QueueMetrics::add(&m.read_bytes, u64::from(req.data_len)),
-                RequestType::Write => QueueMetrics::add(&m.write_bytes, u64::from(req.data_len)),
+                RequestType::Read => QueueMetrics::add(&m.read_bytes, u64::from(req.data_len())),
+                RequestType::Write => QueueMetrics::add(&m.write_bytes, u64::from(req.data_len())),
                 _ => {}
             }
         } else {

@@ -55,12 +55,14 @@ pub fn parse_one(data: &[u8]) -> Vec<Outcome> {
     let mut input = Input(data);
     let (limits, capacity) = pick_limits(&mut input);
     let queue_size = 16u16 << input.below(5);
-    let mem = GuestMem::from_ranges(&[
-        (GuestAddress(0), A_END as usize),
-        (GuestAddress(B), (C - B) as usize),
-        (GuestAddress(C), (C_END - C) as usize),
-    ])
-    .expect("fixed, valid layout");
+    let mem = std::sync::Arc::new(
+        GuestMem::from_ranges(&[
+            (GuestAddress(0), A_END as usize),
+            (GuestAddress(B), (C - B) as usize),
+            (GuestAddress(C), (C_END - C) as usize),
+        ])
+        .expect("fixed, valid layout"),
+    );
     let mut generator = Generator::new(&mem, (limits, capacity), queue_size);
     let n_chains = 1 + input.below(MAX_CHAINS as u32) as usize;
     let mut posted = Vec::new();
@@ -79,7 +81,7 @@ pub fn parse_one(data: &[u8]) -> Vec<Outcome> {
     queue.set_avail_ring_address(Some(AVAIL as u32), Some(0));
     queue.set_used_ring_address(Some(USED as u32), Some(0));
     queue.set_ready(true);
-    let chains: Vec<_> = match queue.iter(&mem) {
+    let chains: Vec<_> = match queue.iter(&*mem) {
         Ok(iter) => iter.collect(),
         Err(e) => panic!("queue refused a sane avail ring: {e}"),
     };
@@ -130,13 +132,13 @@ fn check(
             return Err(rej.error);
         }
     };
-    assert_eq!(req.head, want.head);
+    assert_eq!(req.head(), want.head);
     assert!(
-        mem.address_in_range(req.status),
+        mem.address_in_range(req.status_addr()),
         "status byte outside memory"
     );
     let mut total = 0u64;
-    for v in &req.data.0 {
+    for v in req.data().iovecs() {
         assert!(v.iov_len > 0, "empty iovec");
         assert!(
             in_host_memory(mem, v.iov_base as usize, v.iov_len),
@@ -144,7 +146,7 @@ fn check(
         );
         total += v.iov_len as u64;
     }
-    assert_eq!(total, u64::from(req.data_len));
+    assert_eq!(total, u64::from(req.data_len()));
     let bs_sectors = u64::from(limits.block_size >> SECTOR_SHIFT);
     let in_capacity = |sector: u64, sectors: u64| {
         sector
@@ -152,13 +154,16 @@ fn check(
             .is_some_and(|end| end <= capacity_sectors)
             && sector % bs_sectors == 0
     };
-    let expected_type = match req.kind {
+    let expected_type = match req.kind() {
         RequestKind::Read { sector } | RequestKind::Write { sector } => {
-            assert_eq!(req.data_len % limits.block_size, 0);
+            assert_eq!(req.data_len() % limits.block_size, 0);
             // A buffer crosses at most one boundary (B into C).
-            assert!(req.data.0.len() <= 2 * limits.seg_max as usize);
-            assert!(in_capacity(sector, u64::from(req.data_len) >> SECTOR_SHIFT));
-            if let RequestKind::Write { .. } = req.kind {
+            assert!(req.data().iovecs().len() <= 2 * limits.seg_max as usize);
+            assert!(in_capacity(
+                sector,
+                u64::from(req.data_len()) >> SECTOR_SHIFT
+            ));
+            if let RequestKind::Write { .. } = req.kind() {
                 assert!(!limits.readonly);
                 VIRTIO_BLK_T_OUT
             } else {
@@ -166,7 +171,7 @@ fn check(
             }
         }
         RequestKind::Flush => {
-            assert!(req.data.0.is_empty());
+            assert!(req.data().iovecs().is_empty());
             VIRTIO_BLK_T_FLUSH
         }
         RequestKind::GetId => {
@@ -175,9 +180,9 @@ fn check(
         }
         RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => {
             assert!(!limits.readonly);
-            assert!(req.data.0.is_empty());
+            assert!(req.data().iovecs().is_empty());
             assert!(in_capacity(r.sector, u64::from(r.num_sectors)));
-            if let RequestKind::Discard(_) = req.kind {
+            if let RequestKind::Discard(_) = req.kind() {
                 assert!(!r.unmap && r.num_sectors <= limits.max_discard_sectors);
                 VIRTIO_BLK_T_DISCARD
             } else {
@@ -189,7 +194,7 @@ fn check(
     if !want.corrupted {
         assert_eq!(expected_type, want.req_type, "parsed as another type");
     }
-    Ok(req.kind)
+    Ok(req.kind())
 }
 
 /// Whether `[base, base + len)` lies in one region's host mapping.

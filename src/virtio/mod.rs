@@ -4,6 +4,7 @@
 //! Nothing here does I/O on the image. Everything a guest controls is
 //! validated here, before the `io` layer sees it.
 
+mod buffers;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod chain_writer;
 pub mod config;
@@ -18,6 +19,7 @@ mod status;
 #[cfg(test)]
 pub(crate) mod testing;
 
+pub use buffers::GuestBuffers;
 pub use dirty::DirtyLog;
 pub use error::RequestError;
 pub use request::{DeviceLimits, DiscardRange, Request, RequestKind};

@@ -6,6 +6,7 @@
 //! between two regions) is refused before the I/O layer sees it.
 
 use std::ops::Deref;
+use std::sync::Arc;
 
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID,
@@ -14,9 +15,9 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_queue::DescriptorChain;
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryBackend, GuestMemoryRegion};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryBackend};
 
-use super::{GuestMem, RequestError, SECTOR_SHIFT};
+use super::{GuestBuffers, GuestMem, RequestError, SECTOR_SHIFT};
 
 /// Size of `struct virtio_blk_outhdr`: type (le32), reserved (le32), sector (le64).
 const HEADER_LEN: u32 = 16;
@@ -103,126 +104,20 @@ pub enum RequestKind {
     WriteZeroes(DiscardRange),
 }
 
-/// Data buffers as host iovecs, pointing into guest memory.
-///
-/// Raw pointers make `iovec` neither `Send` nor `Sync`; this wrapper is.
-/// Nothing here keeps the memory mapped: whoever dereferences the iovecs
-/// must hold the snapshot they were translated from (an
-/// [`crate::engine::Io`] does), which is what the `unsafe` methods below
-/// ask of their callers.
-#[derive(Debug, Default)]
-pub struct HostBuffers(pub Vec<libc::iovec>);
-
-// SAFETY: the vector holds plain addresses; moving it to another thread
-// changes neither what they point to nor who may dereference them (only
-// code that holds the mapping, see above).
-unsafe impl Send for HostBuffers {}
-
-impl HostBuffers {
-    /// Copies `src` into the buffers, as far as they reach.
-    ///
-    /// # Safety
-    /// Every iovec must point into guest memory that is still mapped and
-    /// device-writable (the caller holds the snapshot it was parsed
-    /// against).
-    pub unsafe fn fill_from(&self, src: &[u8]) {
-        let mut off = 0;
-        for v in &self.0 {
-            let n = v.iov_len.min(src.len() - off);
-            // SAFETY: the caller keeps `v` mapped and writable; src holds
-            // at least off + n bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src[off..].as_ptr(), v.iov_base.cast::<u8>(), n)
-            };
-            off += n;
-            if off == src.len() {
-                break;
-            }
-        }
-    }
-
-    /// Zero-fills the buffers.
-    ///
-    /// # Safety
-    /// As for [`HostBuffers::fill_from`].
-    pub unsafe fn zero(&self) {
-        for v in &self.0 {
-            // SAFETY: the caller keeps `v` mapped and writable.
-            unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
-        }
-    }
-
-    /// Copies the buffers, one after the other, into `dst`, which must
-    /// hold their total length.
-    ///
-    /// # Safety
-    /// Every iovec must point into guest memory that is still mapped.
-    pub unsafe fn gather_into(&self, dst: &mut [u8]) {
-        let mut off = 0;
-        for v in &self.0 {
-            let n = v.iov_len.min(dst.len() - off);
-            // SAFETY: the caller keeps `v` mapped for iov_len bytes; dst has
-            // room for n more at off.
-            unsafe {
-                std::ptr::copy_nonoverlapping(v.iov_base.cast::<u8>(), dst[off..].as_mut_ptr(), n)
-            };
-            off += n;
-        }
-    }
-
-    /// Copies `src` into the buffers, one after the other (the reverse of
-    /// [`HostBuffers::gather_into`]).
-    ///
-    /// # Safety
-    /// As for [`HostBuffers::fill_from`].
-    pub unsafe fn scatter_from(&self, src: &[u8]) {
-        // SAFETY: the same contract.
-        unsafe { self.fill_from(src) }
-    }
-
-    /// Marks the first `len` bytes of the buffers dirty in `mem`'s log (for
-    /// a migration): the pages of each buffer, found by its host address in
-    /// the region that maps it.
-    pub fn mark_written(&self, mem: &GuestMem, mut len: u32) {
-        use vm_memory::bitmap::Bitmap;
-        for v in &self.0 {
-            if len == 0 {
-                break;
-            }
-            let n = v.iov_len.min(len as usize);
-            let at = v.iov_base as usize;
-            let region = mem.iter().find(|r| {
-                let base = r.as_ptr() as usize;
-                at >= base && at - base < r.len() as usize
-            });
-            if let Some(r) = region {
-                r.bitmap().mark_dirty(at - r.as_ptr() as usize, n);
-            }
-            len -= n as u32;
-        }
-    }
-
-    /// Whether every buffer starts and ends on an `align` boundary.
-    pub fn aligned_to(&self, align: usize) -> bool {
-        self.0
-            .iter()
-            .all(|v| (v.iov_base as usize) % align == 0 && v.iov_len % align == 0)
-    }
-}
-
-/// A validated request, ready for the I/O layer.
+/// A validated request, ready for the engine. Only the parser makes one:
+/// its buffers were checked against the memory they hold, and its kind,
+/// length and status address against the device.
 #[derive(Debug)]
 pub struct Request {
     /// Head descriptor index: what goes back in the used element.
-    pub head: u16,
-    pub kind: RequestKind,
+    head: u16,
+    kind: RequestKind,
     /// Data buffers (device-writable for reads and GET_ID, device-readable
-    /// for writes; empty for the other kinds).
-    pub data: HostBuffers,
-    /// Total bytes in `data`.
-    pub data_len: u32,
+    /// for writes; empty for the other kinds), and the memory snapshot
+    /// they, and the status byte, are in.
+    data: GuestBuffers,
     /// Where the status byte goes.
-    pub status: GuestAddress,
+    status: GuestAddress,
 }
 
 /// A request refused before any I/O. `status` is `None` when the chain has
@@ -246,7 +141,7 @@ impl Request {
     /// of its own: for tests and one-off parses.
     pub fn parse<M>(
         chain: DescriptorChain<M>,
-        mem: &GuestMem,
+        mem: &Arc<GuestMem>,
         limits: &DeviceLimits,
         capacity_sectors: u64,
         queue_size: u16,
@@ -276,17 +171,15 @@ pub struct Parser {
     pool: Vec<Vec<libc::iovec>>,
 }
 
-// SAFETY: the pooled vectors are empty (cleared on recycle): they point to
-// nothing.
+// SAFETY: the pooled vectors are empty (cleared when a request gives its
+// back): they point to nothing.
 unsafe impl Send for Parser {}
 
 impl Parser {
     /// Gives a finished request's iovec vector back for the next one.
-    pub fn recycle(&mut self, data: HostBuffers) {
-        let mut v = data.0;
+    pub fn recycle(&mut self, req: Request) {
         if self.pool.len() < POOL_MAX {
-            v.clear();
-            self.pool.push(v);
+            self.pool.push(req.data.into_vec());
         }
     }
 
@@ -301,7 +194,7 @@ impl Parser {
     pub fn parse<M>(
         &mut self,
         chain: DescriptorChain<M>,
-        mem: &GuestMem,
+        mem: &Arc<GuestMem>,
         limits: &DeviceLimits,
         capacity_sectors: u64,
         queue_size: u16,
@@ -419,29 +312,66 @@ impl Parser {
             other => return reject(RequestError::UnsupportedType(other)),
         };
 
-        let data_len = total_len(data);
-        let mut iovecs = self.pool.pop().unwrap_or_default();
-        if let Err(e) = translate(mem, data, &mut iovecs) {
-            self.recycle(HostBuffers(iovecs));
-            return reject(e);
-        }
+        let iovecs = self.pool.pop().unwrap_or_default();
+        let data = if data.is_empty() {
+            GuestBuffers::none(mem, iovecs)
+        } else {
+            match GuestBuffers::translate(mem, data.iter().map(|b| (b.addr, b.len)), iovecs) {
+                Ok(d) => d,
+                Err((e, iovecs)) => {
+                    if self.pool.len() < POOL_MAX {
+                        self.pool.push(iovecs);
+                    }
+                    return reject(e);
+                }
+            }
+        };
         Ok(Request {
             head,
             kind,
-            data: HostBuffers(iovecs),
-            data_len,
+            data,
             status,
         })
     }
 }
 
 impl Request {
+    /// Head descriptor index: what goes back in the used element.
+    pub fn head(&self) -> u16 {
+        self.head
+    }
+
+    pub fn kind(&self) -> RequestKind {
+        self.kind
+    }
+
+    /// The data buffers, and the memory they are in.
+    pub fn data(&self) -> &GuestBuffers {
+        &self.data
+    }
+
+    /// Total bytes of data.
+    pub fn data_len(&self) -> u32 {
+        self.data.len()
+    }
+
+    /// Where the status byte goes, in [`Request::mem`].
+    pub fn status_addr(&self) -> GuestAddress {
+        self.status
+    }
+
+    /// The memory snapshot the request was parsed against: its buffers and
+    /// status byte are there, and stay mapped while the request lives.
+    pub fn mem(&self) -> &Arc<GuestMem> {
+        self.data.mem()
+    }
+
     /// Bytes the device writes into the guest's buffers on success, not
     /// counting the status byte.
     pub fn written_len(&self) -> u32 {
         match self.kind {
-            RequestKind::Read { .. } => self.data_len,
-            RequestKind::GetId => self.data_len.min(VIRTIO_BLK_ID_BYTES),
+            RequestKind::Read { .. } => self.data_len(),
+            RequestKind::GetId => self.data_len().min(VIRTIO_BLK_ID_BYTES),
             _ => 0,
         }
     }
@@ -600,26 +530,6 @@ fn parse_range(
         num_sectors,
         unmap: flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0,
     })
-}
-
-/// Translates guest buffers to host iovecs, one per contiguous piece of a
-/// memory region. Fails on any byte outside guest memory.
-fn translate(
-    mem: &GuestMem,
-    bufs: &[Buf],
-    iovecs: &mut Vec<libc::iovec>,
-) -> Result<(), RequestError> {
-    iovecs.clear();
-    for b in bufs {
-        for slice in GuestMemoryBackend::get_slices(mem, b.addr, b.len as usize) {
-            let slice = slice.map_err(|_| RequestError::BadAddress)?;
-            iovecs.push(libc::iovec {
-                iov_base: slice.ptr_guard_mut().as_ptr().cast(),
-                iov_len: slice.len(),
-            });
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -172,13 +172,13 @@ impl RbdEngine {
     /// Starts `op` in librbd; the result is 0 or -errno.
     fn start(&self, slot: &Slot) -> i32 {
         let req = &slot.io.req;
-        let (iov, n) = (req.data.0.as_ptr(), req.data.0.len());
+        let (iov, n) = (req.data().iovecs().as_ptr(), req.data().iovecs().len());
         let Ok(n) = i32::try_from(n) else {
             return -libc::EINVAL;
         };
         match slot.op {
             // SAFETY: the iovecs are the request's own (heap memory of its
-            // `HostBuffers`, which does not move) and point into guest
+            // `GuestBuffers`, which does not move) and point into guest
             // memory kept mapped by its `Io::mem`; the slot holding both
             // stays in the slab until librbd has completed the operation
             // (`reap`, or `Drop`, which waits for each). A read's buffers
@@ -199,7 +199,7 @@ impl RbdEngine {
     /// -errno). virtio-blk has three statuses; every errno is an I/O error
     /// except where the operation is a hint.
     fn status(&mut self, op: Op, io: &Io, res: isize) -> Status {
-        let data_len = io.req.data_len as isize;
+        let data_len = io.req.data_len() as isize;
         let ok = Status::Ok;
         match (op, res) {
             // A read completes with the bytes read; a write with 0 (librbd
@@ -226,7 +226,7 @@ impl RbdEngine {
     }
 
     fn note_durability(&mut self, io: &Io, status: Status) {
-        match io.req.kind {
+        match io.req.kind() {
             RequestKind::Flush if status.is_ok() => self.unflushed = false,
             RequestKind::Write { .. } | RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => {
                 self.unflushed = true
@@ -241,11 +241,11 @@ impl Engine for RbdEngine {
         if self.room() == 0 {
             return Err(Full(io));
         }
-        let Some(op) = Op::of(io.req.kind) else {
+        let Some(op) = Op::of(io.req.kind()) else {
             self.finish_now(io, Status::Unsupp);
             return Ok(());
         };
-        if matches!(op, Op::Read | Op::Write) && io.req.data_len == 0 {
+        if matches!(op, Op::Read | Op::Write) && io.req.data_len() == 0 {
             self.finish_now(io, Status::Ok);
             return Ok(());
         }
@@ -401,8 +401,8 @@ impl Drop for RbdEngine {
 /// Bytes written into the guest's buffers by a request that ended with
 /// `status`.
 fn written(io: &Io, status: Status) -> u32 {
-    match io.req.kind {
-        RequestKind::Read { .. } if status.is_ok() => io.req.data_len,
+    match io.req.kind() {
+        RequestKind::Read { .. } if status.is_ok() => io.req.data_len(),
         _ => 0,
     }
 }

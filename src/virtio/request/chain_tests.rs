@@ -125,7 +125,7 @@ fn chain_using_the_whole_table_is_fine() {
         ..limits()
     };
     let req = d.parse_chain(&l, &descs).unwrap();
-    assert_eq!(req.data.0.len(), 14);
+    assert_eq!(req.data().iovecs().len(), 14);
 }
 
 #[test]
@@ -149,10 +149,10 @@ fn indirect_table_is_followed() {
     let req = d
         .parse_chain(&limits(), &[indirect(TABLE, 4 * 16)])
         .unwrap();
-    assert_eq!(req.kind, RequestKind::Read { sector: 0 });
-    assert_eq!(req.data_len, 5120);
+    assert_eq!(req.kind(), RequestKind::Read { sector: 0 });
+    assert_eq!(req.data_len(), 5120);
     assert_iovecs(&mem, &req, &[(DATA, 4096), (DATA + 0x2000, 1024)]);
-    assert_eq!(req.status, GuestAddress(STATUS));
+    assert_eq!(req.status_addr(), GuestAddress(STATUS));
     // The indirect descriptor's WRITE flag is ignored (virtio 1.2, 2.7.5.3.2).
     let mut desc = indirect(TABLE, 4 * 16);
     desc.flags |= WRITE;
@@ -219,7 +219,7 @@ fn indirect_chain_longer_than_the_queue_within_seg_max() {
     let req = d
         .parse_chain(&l, &[indirect(TABLE, 66 * 16)])
         .expect("a valid request");
-    assert_eq!(req.data_len, 64 * 512);
+    assert_eq!(req.data_len(), 64 * 512);
 }
 
 /// Past both the queue size and seg_max + 2, the chain is ill-formed,

@@ -136,14 +136,15 @@ fn pass(shadow: &mut RingShadow, d: &mut Driver, mem: &Counting) -> (usize, bool
     let size = d.size();
     shadow.disable_kicks(&d.queue, mem).unwrap();
     let mut reqs = Vec::new();
+    let snapshot = d.snapshot.clone();
     let n = shadow
         .pop(&mut d.queue, mem, usize::from(size), |chain| {
-            reqs.push(Request::parse(chain, &mem.inner, &limits(), CAPACITY, size).unwrap());
+            reqs.push(Request::parse(chain, &snapshot, &limits(), CAPACITY, size).unwrap());
         })
         .unwrap();
     for req in &reqs {
         shadow
-            .add_used(&mut d.queue, mem, req.head, req.written_len() + 1)
+            .add_used(&mut d.queue, mem, req.head(), req.written_len() + 1)
             .unwrap();
     }
     shadow.publish(&d.queue, mem).unwrap();
