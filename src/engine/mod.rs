@@ -40,31 +40,8 @@ pub use null::NullEngine;
 pub use ring::{EngineError, REGISTER_OPS};
 pub use uring::{FALLOCATE_MODES, UringConfig, UringEngine};
 
-use crate::virtio::{DiscardRange, GuestMem, Request, RequestKind, Status};
-
-/// What a request is to an engine. GET_ID is not I/O (the worker answers
-/// it), so it has no `Op`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Op {
-    Read,
-    Write,
-    Flush,
-    Discard(DiscardRange),
-    WriteZeroes(DiscardRange),
-}
-
-impl Op {
-    pub(crate) fn of(kind: RequestKind) -> Option<Op> {
-        match kind {
-            RequestKind::Read { .. } => Some(Op::Read),
-            RequestKind::Write { .. } => Some(Op::Write),
-            RequestKind::Flush => Some(Op::Flush),
-            RequestKind::Discard(r) => Some(Op::Discard(r)),
-            RequestKind::WriteZeroes(r) => Some(Op::WriteZeroes(r)),
-            RequestKind::GetId => None,
-        }
-    }
-}
+pub use crate::virtio::Op;
+use crate::virtio::{GuestMem, Request, Status};
 
 /// A validated request on its way through an engine, with the guest
 /// memory snapshot its buffers point into. Holding the `Arc` keeps every

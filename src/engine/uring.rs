@@ -31,7 +31,7 @@ use super::ring::{EngineError, Ring, UringOptions, op};
 use super::{Completion, Engine, Full, Io, Op, sync};
 use crate::device::Device;
 use crate::metrics::{QueueMetrics, RateLimiter};
-use crate::virtio::{GuestMem, RequestKind, Status};
+use crate::virtio::{GuestMem, Status};
 use crate::warn_limited;
 
 /// How a queue's ring is set up, and the image it works on.
@@ -330,7 +330,7 @@ impl Engine for UringEngine {
         if self.room() == 0 {
             return Err(Full(io));
         }
-        let Some(kind) = Op::of(io.req.kind()) else {
+        let Some(kind) = io.req.kind().class().op else {
             // GET_ID is not I/O: the worker answers it and never hands one
             // over. Should one come, it is unsupported here, not guessed at.
             self.finish_now(io, Status::Unsupp);
@@ -505,13 +505,11 @@ impl UringEngine {
     /// Keeps `unflushed` true between a completed change to the image and
     /// the next completed flush.
     fn note_durability(&mut self, io: &Io, status: Status) {
-        match io.req.kind() {
-            RequestKind::Flush if status.is_ok() => self.unflushed = false,
-            RequestKind::Write { .. } | RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => {
-                self.unflushed = true
-            }
-            _ => {}
+        let class = io.req.kind().class();
+        if class.flushes && status.is_ok() {
+            self.unflushed = false;
         }
+        self.unflushed |= class.changes_image;
     }
 
     fn unregister_memory(&mut self) {
@@ -562,9 +560,10 @@ fn fallocate_mode(kind: Op, zero_fallback: bool) -> i32 {
 /// Bytes written into the guest's buffers by a request that ended with
 /// `status`.
 fn written(io: &Io, status: Status) -> u32 {
-    match io.req.kind() {
-        RequestKind::Read { .. } if status.is_ok() => io.req.data_len(),
-        _ => 0,
+    if status.is_ok() {
+        io.req.written_len()
+    } else {
+        0
     }
 }
 

@@ -12,6 +12,7 @@
 use std::time::{Duration, Instant};
 
 use super::QosLimits;
+pub use crate::virtio::Direction;
 
 /// The most tokens a bucket holds or owes, as QEMU's THROTTLE_VALUE_MAX:
 /// past this f64 would lose whole tokens.
@@ -49,13 +50,6 @@ impl Bucket {
             Duration::from_secs_f64(-self.level / self.rate)
         }
     }
-}
-
-/// Which way data goes: what a request draws on besides the totals.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Direction {
-    Read,
-    Write,
 }
 
 /// The buckets of one device: IOPS total/read/write, then bytes a second

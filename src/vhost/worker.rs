@@ -62,11 +62,11 @@ use crate::cli::{NotifyMode, SignalMode};
 use crate::device::Device;
 use crate::engine::{Completion, Engine, Full, Io};
 use crate::metrics::{QueueMetrics, RateLimiter, RequestType};
-use crate::qos::{Direction, MAX_THROTTLE_SLEEP};
+use crate::qos::MAX_THROTTLE_SLEEP;
 use crate::virtio::RequestError;
 use crate::virtio::request::{Parser, Rejected};
 use crate::virtio::ring::{RingError, RingShadow};
-use crate::virtio::{GuestMem, Request, RequestKind, Status};
+use crate::virtio::{Direction, GuestMem, Request, RequestKind, Status};
 use crate::{info_limited, warn_limited};
 
 use super::inflight::InflightQueue;
@@ -648,14 +648,11 @@ impl<E: Engine> QueueWorker<E> {
     /// request arms the queue's timer.
     #[cold]
     fn admit_limited(&mut self, req: &Request, force: bool) -> bool {
-        let cost = match req.kind() {
-            RequestKind::Read { .. } => Some((Direction::Read, u64::from(req.data_len()))),
-            RequestKind::Write { .. } => Some((Direction::Write, u64::from(req.data_len()))),
-            RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => Some((Direction::Write, 0)),
-            RequestKind::Flush | RequestKind::GetId => None,
-        };
-        let verdict = match cost {
-            Some((dir, bytes)) => self.device.qos().admit(dir, bytes, force),
+        let verdict = match req.kind().class().qos {
+            Some((dir, counts_bytes)) => {
+                let bytes = if counts_bytes { req.data_len() } else { 0 };
+                self.device.qos().admit(dir, u64::from(bytes), force)
+            }
             None => Ok(()),
         };
         match verdict {
@@ -923,20 +920,14 @@ impl<E: Engine> QueueWorker<E> {
 
     fn count_done(&self, req: &Request, status: Status) {
         let m = &self.metrics;
-        let t = match req.kind() {
-            RequestKind::Read { .. } => RequestType::Read,
-            RequestKind::Write { .. } => RequestType::Write,
-            RequestKind::Flush => RequestType::Flush,
-            RequestKind::GetId => RequestType::GetId,
-            RequestKind::Discard(_) => RequestType::Discard,
-            RequestKind::WriteZeroes(_) => RequestType::WriteZeroes,
-        };
-        m.count_request(t);
+        let class = req.kind().class();
+        m.count_request(class.metric);
         if status.is_ok() {
-            match t {
-                RequestType::Read => QueueMetrics::add(&m.read_bytes, u64::from(req.data_len())),
-                RequestType::Write => QueueMetrics::add(&m.write_bytes, u64::from(req.data_len())),
-                _ => {}
+            let bytes = u64::from(req.data_len());
+            match class.bytes {
+                Some(Direction::Read) => QueueMetrics::add(&m.read_bytes, bytes),
+                Some(Direction::Write) => QueueMetrics::add(&m.write_bytes, bytes),
+                None => {}
             }
         } else {
             QueueMetrics::add(&m.errors_ioerr, 1);

@@ -13,6 +13,7 @@ mod error;
 #[cfg(any(test, feature = "test-utils"))]
 #[doc(hidden)]
 pub mod fuzzing;
+mod kind;
 pub mod request;
 pub mod ring;
 mod status;
@@ -22,7 +23,8 @@ pub(crate) mod testing;
 pub use buffers::GuestBuffers;
 pub use dirty::DirtyLog;
 pub use error::RequestError;
-pub use request::{DeviceLimits, DiscardRange, Request, RequestKind};
+pub use kind::{Class, Direction, DiscardRange, Op, RequestKind};
+pub use request::{DeviceLimits, Request};
 pub use status::Status;
 
 use vm_memory::GuestMemoryMmap;

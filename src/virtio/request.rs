@@ -9,15 +9,14 @@ use std::ops::Deref;
 use std::sync::Arc;
 
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID,
-    VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
-    VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
+    VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
 };
 use virtio_queue::DescriptorChain;
 use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryBackend};
 
-use super::{GuestBuffers, GuestMem, RequestError, SECTOR_SHIFT};
+use super::{DiscardRange, GuestBuffers, GuestMem, RequestError, RequestKind, SECTOR_SHIFT};
 
 /// Size of `struct virtio_blk_outhdr`: type (le32), reserved (le32), sector (le64).
 const HEADER_LEN: u32 = 16;
@@ -69,39 +68,6 @@ impl Default for DeviceLimits {
             max_write_zeroes_sectors: 1 << 22,
         }
     }
-}
-
-/// One discard or write-zeroes range.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DiscardRange {
-    pub sector: u64,
-    pub num_sectors: u32,
-    /// Write-zeroes only: the device may deallocate the range.
-    pub unmap: bool,
-}
-
-impl DiscardRange {
-    pub fn offset(&self) -> u64 {
-        self.sector << SECTOR_SHIFT
-    }
-    pub fn len(&self) -> u64 {
-        u64::from(self.num_sectors) << SECTOR_SHIFT
-    }
-    /// A range of no sectors (valid: the device has nothing to do).
-    pub fn is_empty(&self) -> bool {
-        self.num_sectors == 0
-    }
-}
-
-/// The operation a request asks for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RequestKind {
-    Read { sector: u64 },
-    Write { sector: u64 },
-    Flush,
-    GetId,
-    Discard(DiscardRange),
-    WriteZeroes(DiscardRange),
 }
 
 /// A validated request, ready for the engine. Only the parser makes one:
@@ -369,11 +335,7 @@ impl Request {
     /// Bytes the device writes into the guest's buffers on success, not
     /// counting the status byte.
     pub fn written_len(&self) -> u32 {
-        match self.kind {
-            RequestKind::Read { .. } => self.data_len(),
-            RequestKind::GetId => self.data_len().min(VIRTIO_BLK_ID_BYTES),
-            _ => 0,
-        }
+        self.data_len().min(self.kind.class().fills)
     }
 
     /// Byte offset in the image of a read or write.

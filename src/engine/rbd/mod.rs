@@ -38,7 +38,7 @@ use slab::Slab;
 use super::{Completion, Engine, Full, Io, Op};
 use crate::io::RbdSpec;
 use crate::metrics::RateLimiter;
-use crate::virtio::{GuestMem, RequestKind, Status};
+use crate::virtio::{GuestMem, Status};
 use crate::warn_limited;
 use client::{Aio, Cluster, CompletionList, Done, Image, Pool, RbdError};
 
@@ -226,13 +226,11 @@ impl RbdEngine {
     }
 
     fn note_durability(&mut self, io: &Io, status: Status) {
-        match io.req.kind() {
-            RequestKind::Flush if status.is_ok() => self.unflushed = false,
-            RequestKind::Write { .. } | RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => {
-                self.unflushed = true
-            }
-            _ => {}
+        let class = io.req.kind().class();
+        if class.flushes && status.is_ok() {
+            self.unflushed = false;
         }
+        self.unflushed |= class.changes_image;
     }
 }
 
@@ -241,7 +239,7 @@ impl Engine for RbdEngine {
         if self.room() == 0 {
             return Err(Full(io));
         }
-        let Some(op) = Op::of(io.req.kind()) else {
+        let Some(op) = io.req.kind().class().op else {
             self.finish_now(io, Status::Unsupp);
             return Ok(());
         };
@@ -401,8 +399,9 @@ impl Drop for RbdEngine {
 /// Bytes written into the guest's buffers by a request that ended with
 /// `status`.
 fn written(io: &Io, status: Status) -> u32 {
-    match io.req.kind() {
-        RequestKind::Read { .. } if status.is_ok() => io.req.data_len(),
-        _ => 0,
+    if status.is_ok() {
+        io.req.written_len()
+    } else {
+        0
     }
 }
