@@ -25,7 +25,7 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::cli::{EngineKind, ServeArgs};
 use crate::device::{Connection, Device};
-use crate::engine::{Engine, EngineError, NullEngine, UringEngine};
+use crate::engine::{Core, Engine, EngineError, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
 use crate::vhost::{BlkBackend, ExitEvents, QueueWorker, Settings, proxy};
@@ -82,9 +82,10 @@ pub enum DaemonError {
 /// and exclusive lock); set once the engines exist.
 type Closer = Arc<Mutex<Option<Box<dyn FnOnce() + Send>>>>;
 
-/// The engines between connections; a connection takes them and puts them
-/// back. Shared with the [`Closer`], which drops them at shutdown.
-type Parked<E> = Arc<Mutex<Vec<E>>>;
+/// The engines (in their cores) between connections; a connection takes
+/// them and puts them back. Shared with the [`Closer`], which drops them at
+/// shutdown.
+type Parked<E> = Arc<Mutex<Vec<Core<E>>>>;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -208,13 +209,14 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // connection borrows them and gives them back.
     let capacity = usize::from(cfg.args.queue_size);
     match (cfg.args.engine, cfg.backing) {
-        (EngineKind::Null, _) => {
-            conn.serve(park(engines(&metrics, |_| Ok(NullEngine::new(capacity)))?))
-        }
-        (EngineKind::Uring, config::Backing::File { uring, .. }) => conn
-            .serve(park(engines(&metrics, |m| {
-                UringEngine::new(uring.clone(), device.clone(), m.clone())
-            })?)),
+        (EngineKind::Null, _) => conn.serve(park(
+            engines(&metrics, |_| Ok(NullEngine::new(capacity)))?,
+            &device,
+        )),
+        (EngineKind::Uring, config::Backing::File { uring, .. }) => conn.serve(park(
+            engines(&metrics, |m| UringEngine::new(uring.clone(), m.clone()))?,
+            &device,
+        )),
         // librbd's threads and sockets are made here too, before the
         // filter; the filter then covers them as well (TSYNC).
         #[cfg(feature = "rbd")]
@@ -231,7 +233,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
                 .map(|_| disk.engine(capacity))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| DaemonError::Config(format!("{name}: {e}")))?;
-            let parked = park(engines);
+            let parked = park(engines, &device);
             // At shutdown, after the drain: the image handle closes when
             // the last engine and the disk let go of it (rbd_close gives up
             // the watch and the exclusive lock, so a daemon started next on
@@ -271,8 +273,13 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
 #[cfg(feature = "rbd")]
 const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-fn park<E>(engines: Vec<E>) -> Parked<E> {
-    Arc::new(Mutex::new(engines))
+/// Each engine in its core, parked.
+fn park<E: Engine>(engines: Vec<E>, device: &Arc<Device>) -> Parked<E> {
+    let cores = engines
+        .into_iter()
+        .map(|e| Core::new(e, device.clone()))
+        .collect();
+    Arc::new(Mutex::new(cores))
 }
 
 /// One engine per queue.
@@ -385,7 +392,7 @@ impl Connections<'_> {
                 "the front-end shrank its memory under its own guest: {replaced} page(s) past the end of their file were replaced with zero pages"
             );
         }
-        let back = backend.take_engines();
+        let back = backend.take_cores();
         let parked = {
             let mut engines = lock(engines);
             engines.extend(back);

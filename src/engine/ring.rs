@@ -38,9 +38,6 @@ const IORING_UNREGISTER_BUFFERS: u8 = 1;
 /// ring's restrictions allow only these, and so does the seccomp filter.
 pub const REGISTER_OPS: [u8; 2] = [IORING_REGISTER_BUFFERS, IORING_UNREGISTER_BUFFERS];
 
-/// The image, as fixed file 0.
-const IMAGE: types::Fixed = types::Fixed(0);
-
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error("io_uring setup failed: {0}")]
@@ -129,12 +126,6 @@ impl Ring {
     /// SQ size, and the CQ (twice that) can never overflow.
     pub fn has_room(&self) -> bool {
         self.queued + self.in_flight < self.capacity
-    }
-
-    /// Whether the CQ holds completions not yet reaped (a cheap load of
-    /// the CQ tail; used while busy-polling).
-    pub fn has_completions(&mut self) -> bool {
-        !self.ring.completion().is_empty()
     }
 
     /// Registers `bufs` as the ring's fixed buffers, replacing any set
@@ -284,13 +275,20 @@ fn build(
     Ok((ring, uring_cmd))
 }
 
-/// SQE builders for the operations a request maps to. The entries carry
-/// raw pointers: see [`Ring::push`] for who keeps them alive.
+/// SQE builders for the operations a request maps to, on fixed file
+/// `file` (0: the image; the only file registered). The entries carry raw
+/// pointers: see [`Ring::push`] for who keeps them alive.
 pub mod op {
     use super::*;
 
-    pub fn readv(iov: *const libc::iovec, n: u32, offset: u64, user_data: u64) -> squeue::Entry {
-        opcode::Readv::new(IMAGE, iov, n)
+    pub fn readv(
+        file: u32,
+        iov: *const libc::iovec,
+        n: u32,
+        offset: u64,
+        user_data: u64,
+    ) -> squeue::Entry {
+        opcode::Readv::new(types::Fixed(file), iov, n)
             .offset(offset)
             .build()
             .user_data(user_data)
@@ -298,13 +296,14 @@ pub mod op {
 
     /// `dsync`: the write is durable when it completes (write-through).
     pub fn writev(
+        file: u32,
         iov: *const libc::iovec,
         n: u32,
         offset: u64,
         dsync: bool,
         user_data: u64,
     ) -> squeue::Entry {
-        opcode::Writev::new(IMAGE, iov, n)
+        opcode::Writev::new(types::Fixed(file), iov, n)
             .offset(offset)
             .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
             .build()
@@ -313,13 +312,14 @@ pub mod op {
 
     /// Read into registered buffer `index` (one contiguous segment).
     pub fn read_fixed(
+        file: u32,
         buf: *mut u8,
         len: u32,
         offset: u64,
         index: u16,
         user_data: u64,
     ) -> squeue::Entry {
-        opcode::ReadFixed::new(IMAGE, buf, len, index)
+        opcode::ReadFixed::new(types::Fixed(file), buf, len, index)
             .offset(offset)
             .build()
             .user_data(user_data)
@@ -327,6 +327,7 @@ pub mod op {
 
     /// Write from registered buffer `index` (one contiguous segment).
     pub fn write_fixed(
+        file: u32,
         buf: *const u8,
         len: u32,
         offset: u64,
@@ -334,7 +335,7 @@ pub mod op {
         dsync: bool,
         user_data: u64,
     ) -> squeue::Entry {
-        opcode::WriteFixed::new(IMAGE, buf, len, index)
+        opcode::WriteFixed::new(types::Fixed(file), buf, len, index)
             .offset(offset)
             .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
             .build()
@@ -342,8 +343,8 @@ pub mod op {
     }
 
     /// fdatasync of the image.
-    pub fn flush(user_data: u64) -> squeue::Entry {
-        opcode::Fsync::new(IMAGE)
+    pub fn flush(file: u32, user_data: u64) -> squeue::Entry {
+        opcode::Fsync::new(types::Fixed(file))
             .flags(types::FsyncFlags::DATASYNC)
             .build()
             .user_data(user_data)
@@ -351,8 +352,8 @@ pub mod op {
 
     /// fallocate(2) with `mode`; on block devices the kernel maps the
     /// zeroing modes we use to BLKZEROOUT (see `uring`).
-    pub fn fallocate(offset: u64, len: u64, mode: i32, user_data: u64) -> squeue::Entry {
-        opcode::Fallocate::new(IMAGE, len)
+    pub fn fallocate(file: u32, offset: u64, len: u64, mode: i32, user_data: u64) -> squeue::Entry {
+        opcode::Fallocate::new(types::Fixed(file), len)
             .offset(offset)
             .mode(mode)
             .build()
@@ -361,10 +362,10 @@ pub mod op {
 
     /// BLKDISCARD of a block device, asynchronously (Linux 6.12+; older
     /// kernels answer -EOPNOTSUPP). Needs [`Ring::uring_cmd`].
-    pub fn discard_block(offset: u64, len: u64, user_data: u64) -> squeue::Entry {
+    pub fn discard_block(file: u32, offset: u64, len: u64, user_data: u64) -> squeue::Entry {
         let mut cmd = [0u8; 16];
         cmd[..8].copy_from_slice(&len.to_ne_bytes()); // sqe->addr3
-        opcode::UringCmd16::new(IMAGE, BLOCK_URING_CMD_DISCARD)
+        opcode::UringCmd16::new(types::Fixed(file), BLOCK_URING_CMD_DISCARD)
             .addr(Some(offset))
             .cmd(cmd)
             .build()
@@ -395,7 +396,7 @@ mod tests {
             iov_len: buf.len(),
         };
         // SAFETY: buf and iov outlive the wait below, which reaps the CQE.
-        assert!(unsafe { u.push(&op::writev(&iov, 1, 4096, false, 7)) });
+        assert!(unsafe { u.push(&op::writev(0, &iov, 1, 4096, false, 7)) });
         assert_eq!(u.submit().unwrap(), 1);
         u.wait(1).unwrap();
         let mut got = vec![];
@@ -430,7 +431,7 @@ mod tests {
             iov_len: buf.len(),
         };
         // SAFETY: buf and iov outlive the wait below, which reaps the CQE.
-        assert!(unsafe { u.push(&op::readv(&iov, 1, 0, 3)) });
+        assert!(unsafe { u.push(&op::readv(0, &iov, 1, 0, 3)) });
         assert_eq!(u.submit().unwrap(), 1);
         assert_eq!(u.outstanding(), 1);
         // Reap by polling the CQ only, as the worker does, with no further

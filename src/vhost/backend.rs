@@ -22,7 +22,7 @@ use vmm_sys_util::event::{
 };
 
 use crate::device::{Connection, Device};
-use crate::engine::Engine;
+use crate::engine::{Core, Engine};
 use crate::metrics::SharedRateLimiter;
 use crate::virtio::GuestMem;
 use crate::virtio::config::VirtioBlkConfig;
@@ -179,19 +179,20 @@ impl<E: Engine> BlkBackend<E> {
 }
 
 impl<E: Engine> BlkBackend<E> {
-    /// The engines back from a finished connection's workers (each drained
+    /// The engines (in their cores) back from a finished connection's
+    /// workers (each drained
     /// and reset), for the next one. The workers are gone afterwards: an
     /// event that still reaches this device finds none.
     ///
     /// The daemon calls this once the crate's side of the connection is
     /// gone, so the connection's guest memory is then held by nothing but
     /// the SIGBUS table, which unmaps it here.
-    pub fn take_engines(&self) -> Vec<E> {
+    pub fn take_cores(&self) -> Vec<Core<E>> {
         let engines = self
             .workers
             .iter()
             .filter_map(|w| w.lock().unwrap_or_else(|p| p.into_inner()).take())
-            .map(QueueWorker::into_engine)
+            .map(QueueWorker::into_core)
             .collect();
         super::sigbus::release_unused();
         engines

@@ -15,7 +15,7 @@
 //! 4. when the ring is empty: busy-poll for up to `--poll-us` (a window
 //!    for the guest's next request when nothing is in flight, another for
 //!    the device while something is: [`super::poll`]; none where the
-//!    engine says polling does not pay, [`Engine::polling_pays`]), else
+//!    engine says polling does not pay, [`crate::engine::Completions`]), else
 //!    re-enable kicks, re-check the ring, and only then sleep.
 //!
 //! QoS ([`crate::qos`]) sits between parse and engine: a request the
@@ -60,13 +60,13 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::cli::{NotifyMode, SignalMode};
 use crate::device::Device;
-use crate::engine::{Completion, Engine, Full, Io};
+use crate::engine::{Completion, Core, Engine, Full};
 use crate::metrics::{QueueMetrics, RateLimiter, RequestType};
 use crate::qos::MAX_THROTTLE_SLEEP;
 use crate::virtio::RequestError;
 use crate::virtio::request::{Parser, Rejected};
 use crate::virtio::ring::{RingError, RingShadow};
-use crate::virtio::{Direction, GuestMem, Request, RequestKind, Status};
+use crate::virtio::{Direction, GuestMem, Request, Status};
 use crate::{info_limited, warn_limited};
 
 use super::inflight::InflightQueue;
@@ -136,7 +136,7 @@ pub struct QueueWorker<E: Engine> {
     device: Arc<Device>,
     cfg: Settings,
     metrics: Arc<QueueMetrics>,
-    engine: E,
+    core: Core<E>,
     shadow: RingShadow,
     /// The shadow matches the ring (reset after the ring was stopped).
     started: bool,
@@ -158,7 +158,7 @@ pub struct QueueWorker<E: Engine> {
     resume: Option<Arc<EventFd>>,
     /// Popped and parsed, but the engine had no room: they go to it first,
     /// oldest first, each with the memory it was parsed against.
-    deferred: VecDeque<Io>,
+    deferred: VecDeque<Request>,
     /// Parses chains with buffers it reuses; finished requests give their
     /// iovec vectors back to it, so the data path allocates nothing once
     /// warm.
@@ -188,12 +188,12 @@ impl<E: Engine> QueueWorker<E> {
         device: Arc<Device>,
         cfg: Settings,
         metrics: Arc<QueueMetrics>,
-        engine: E,
+        core: Core<E>,
         index: usize,
         pin: Option<usize>,
     ) -> QueueWorker<E> {
         // An engine whose completions polling does not catch: never poll.
-        let poll_us = if engine.polling_pays() {
+        let poll_us = if core.completions().polling_pays() {
             cfg.poll_us
         } else {
             0
@@ -204,7 +204,7 @@ impl<E: Engine> QueueWorker<E> {
             device,
             cfg,
             metrics,
-            engine,
+            core,
             shadow: RingShadow::default(),
             started: false,
             closed: false,
@@ -255,12 +255,12 @@ impl<E: Engine> QueueWorker<E> {
 
     /// The engine's completion eventfd, to be watched next to the kick.
     pub fn completion_fd(&self) -> Option<i32> {
-        self.engine.completion_fd()
+        self.core.completions().fd()
     }
 
     /// Guest memory the device accepted (see `mem`).
     pub fn set_memory(&mut self, mem: Arc<GuestMem>) {
-        self.engine.set_memory(&mem);
+        self.core.set_memory(&mem);
         self.mem = Some(mem);
     }
 
@@ -287,7 +287,7 @@ impl<E: Engine> QueueWorker<E> {
         }
         match event {
             Event::Kick => QueueMetrics::add(&self.metrics.kicks, 1),
-            Event::Completion => self.engine.clear_completion_fd(),
+            Event::Completion => self.core.completions().consume(),
             Event::Resume => {
                 if let Some(fd) = &self.resume {
                     // Nonblocking: EAGAIN when a pass already consumed it.
@@ -355,7 +355,7 @@ impl<E: Engine> QueueWorker<E> {
                 // Backpressure: resume when completions free room, or when
                 // the QoS timer says tokens are there (no polling then:
                 // a throttled queue must not spin).
-                if self.engine.must_poll() && self.engine.in_flight() > 0 {
+                if self.core.completions().must_poll() && self.core.in_flight() > 0 {
                     self.wait_engine();
                     continue;
                 }
@@ -369,11 +369,13 @@ impl<E: Engine> QueueWorker<E> {
                 }
                 continue;
             }
-            if self.engine.has_completions() {
+            if self.reap() > 0 {
                 // Requests that completed inside the submit call (page-cache
                 // hits) are signalled now, not after a trip through epoll
-                // for the eventfd they also rang.
-                self.engine.clear_completion_fd();
+                // for the eventfd they also rang. Consumed after this reap
+                // and before the next (in `complete`): what completes
+                // later rings it again.
+                self.core.completions().consume();
                 self.complete(&mut state, &mem)?;
             }
             if self.poll_for_work(&state, &mem)? {
@@ -388,7 +390,7 @@ impl<E: Engine> QueueWorker<E> {
                 }
                 continue;
             }
-            if self.engine.must_poll() && self.engine.in_flight() > 0 {
+            if self.core.completions().must_poll() && self.core.in_flight() > 0 {
                 // IOPOLL posts no completion (and no eventfd) unless polled.
                 self.wait_engine();
                 continue;
@@ -551,7 +553,7 @@ impl<E: Engine> QueueWorker<E> {
         let mut spins = 0u64;
         let outcome = loop {
             spins += 1;
-            if self.shadow.avail_pending(state.get_queue(), mem)? || self.engine.has_completions() {
+            if self.shadow.avail_pending(state.get_queue(), mem)? || self.reap() > 0 {
                 break Outcome::Found;
             }
             let now = Instant::now();
@@ -586,7 +588,7 @@ impl<E: Engine> QueueWorker<E> {
 
     /// What this worker would poll or sleep for now.
     fn awaiting(&self) -> Wait {
-        if self.engine.in_flight() > 0 {
+        if self.core.in_flight() > 0 {
             Wait::Device
         } else {
             Wait::Guest
@@ -594,14 +596,14 @@ impl<E: Engine> QueueWorker<E> {
     }
 
     fn wait_engine(&mut self) {
-        if let Err(err) = self.engine.wait() {
+        if let Err(err) = self.core.wait() {
             warn_limited!(self.log_limit, "waiting for I/O failed: {err}");
         }
     }
 
     /// Hands the batch to the kernel.
     fn commit(&mut self) {
-        match self.engine.commit() {
+        match self.core.commit() {
             Ok(0) => {}
             Ok(n) => {
                 QueueMetrics::add(&self.metrics.submit_calls, 1);
@@ -615,14 +617,14 @@ impl<E: Engine> QueueWorker<E> {
     /// admits them (all of them, with `force`) and the engine has room.
     /// Returns whether all of them went.
     fn start_deferred(&mut self, force: bool) -> bool {
-        while let Some(io) = self.deferred.pop_front() {
-            if !self.front_admitted && !self.admit(&io.req, force) {
-                self.deferred.push_front(io);
+        while let Some(req) = self.deferred.pop_front() {
+            if !self.front_admitted && !self.admit(&req, force) {
+                self.deferred.push_front(req);
                 return false;
             }
             self.front_admitted = true;
-            if let Err(Full(io)) = self.engine.submit(io) {
-                self.deferred.push_front(io);
+            if let Err(Full(req)) = self.core.submit(req) {
+                self.deferred.push_front(req);
                 return false;
             }
             self.front_admitted = false;
@@ -690,13 +692,13 @@ impl<E: Engine> QueueWorker<E> {
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
         mem: &Arc<GuestMem>,
     ) -> Result<(usize, bool), RingError> {
-        if !self.start_deferred(false) || self.engine.room() == 0 {
+        if !self.start_deferred(false) || self.core.room() == 0 {
             self.commit();
             return Ok((0, true));
         }
         let limit = match self.cfg.max_batch {
-            0 => self.engine.room(),
-            n => self.engine.room().min(n),
+            0 => self.core.room(),
+            n => self.core.room().min(n),
         };
         let mut parsed = std::mem::take(&mut self.parsed);
         let queue_size = state.get_queue().size();
@@ -725,69 +727,54 @@ impl<E: Engine> QueueWorker<E> {
         self.parsed = parsed;
         let popped = popped?;
         self.commit();
-        let full =
-            !self.deferred.is_empty() || (self.shadow.more_avail() && self.engine.room() == 0);
+        let full = !self.deferred.is_empty() || (self.shadow.more_avail() && self.core.room() == 0);
         Ok((popped, full))
     }
 
-    /// Hands `req` to the engine (or behind the deferred ones), or answers
-    /// it here when it needs no I/O (GET_ID).
-    fn start(&mut self, queue: &mut Queue, mem: &Arc<GuestMem>, req: Request) {
-        if req.kind() == RequestKind::GetId {
-            // GET_ID's buffers are device-writable.
-            req.data().fill_from(self.device.serial());
-            let written = req.written_len();
-            let io = Io {
-                req,
-                mem: mem.clone(),
-            };
-            self.finish(
-                queue,
-                mem,
-                Completion {
-                    io,
-                    status: Status::Ok,
-                    written,
-                },
-            );
-            return;
-        }
-        let io = Io {
-            req,
-            mem: mem.clone(),
-        };
-        if !self.lock_image(Duration::ZERO) {
+    /// Hands `req` to the engine (or behind the deferred ones).
+    fn start(&mut self, queue: &mut Queue, mem: &GuestMem, req: Request) {
+        // GET_ID does no I/O on the image.
+        let io = req.kind().class().op.is_some();
+        if io && !self.lock_image(Duration::ZERO) {
             // Another process writes the image: failing the request is
             // all this device can do without corrupting it.
             let c = Completion {
-                io,
+                req,
                 status: Status::IoErr,
                 written: 0,
             };
             self.finish(queue, mem, c);
             return;
         }
-        if !self.deferred.is_empty() || !self.admit(&io.req, false) {
-            self.deferred.push_back(io);
-        } else if let Err(Full(io)) = self.engine.submit(io) {
-            self.deferred.push_back(io);
+        if !self.deferred.is_empty() || !self.admit(&req, false) {
+            self.deferred.push_back(req);
+        } else if let Err(Full(req)) = self.core.submit(req) {
+            self.deferred.push_back(req);
             self.front_admitted = true;
         }
     }
 
-    /// Reaps the engine's completions, finishes their requests, and
-    /// publishes.
+    /// Takes the completions available now into `reaped`, where
+    /// `complete` finishes them. Returns how many.
+    fn reap(&mut self) -> u32 {
+        let reaped = &mut self.reaped;
+        let n = self.core.reap(|c| reaped.push(c));
+        if n > 0 {
+            QueueMetrics::add(&self.metrics.completion_passes, 1);
+            QueueMetrics::add(&self.metrics.completions, u64::from(n));
+        }
+        n
+    }
+
+    /// Reaps the engine's completions, finishes their requests (and those
+    /// reaped before), and publishes.
     fn complete(
         &mut self,
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
         mem: &GuestMem,
     ) -> Result<(), RingError> {
+        self.reap();
         let mut reaped = std::mem::take(&mut self.reaped);
-        let n = self.engine.reap(|c| reaped.push(c));
-        if n > 0 {
-            QueueMetrics::add(&self.metrics.completion_passes, 1);
-            QueueMetrics::add(&self.metrics.completions, u64::from(n));
-        }
         // Every reaped request is finished, whatever happens to the others.
         let mut published = Ok(());
         for c in reaped.drain(..) {
@@ -809,23 +796,18 @@ impl<E: Engine> QueueWorker<E> {
     /// request is done either way.
     fn finish(&mut self, queue: &mut Queue, mem: &GuestMem, c: Completion) {
         let Completion {
-            io,
+            req,
             status,
             written,
         } = c;
-        self.count_done(&io.req, status);
-        if written > 0 && self.device.logging() {
-            // The engine (the kernel, a bounce copy, a fill) wrote these
-            // behind vm-memory's back: mark them before the guest, or the
-            // migration, can see the completion.
-            io.req.data().mark_written(written);
-        }
-        let _ = io.mem.write_obj(status.byte(), io.req.status_addr());
+        self.count_done(&req, status);
+        let _ = req.mem().write_obj(status.byte(), req.status_addr());
         let len = if status.is_ok() { written + 1 } else { 1 };
-        if let Err(e) = self.add_used(queue, mem, io.req.head(), len) {
-            warn_limited!(self.log_limit, "request {}: used ring: {e}", io.req.head());
+        let head = req.head();
+        if let Err(e) = self.add_used(queue, mem, head, len) {
+            warn_limited!(self.log_limit, "request {head}: used ring: {e}");
         }
-        self.parser.recycle(io.req);
+        self.parser.recycle(req);
     }
 
     /// Answers a refused request: status byte if there is one, used length
@@ -941,7 +923,7 @@ impl<E: Engine> QueueWorker<E> {
     /// start again afterwards.
     pub fn stop(&mut self) {
         self.finish_all();
-        if let Err(e) = self.engine.make_durable() {
+        if let Err(e) = self.core.make_durable() {
             log::error!("making the image durable as the ring stops: {e}");
         }
         self.started = false;
@@ -997,11 +979,12 @@ impl<E: Engine> QueueWorker<E> {
         }
     }
 
-    /// The engine, drained and reset, for the next connection's worker.
-    pub fn into_engine(mut self) -> E {
+    /// The engine's core, drained and reset, for the next connection's
+    /// worker.
+    pub fn into_core(mut self) -> Core<E> {
         self.drain();
-        self.engine.reset();
-        self.engine
+        self.core.reset();
+        self.core
     }
 
     /// Runs every request taken off the ring to completion: deferred ones
@@ -1009,7 +992,7 @@ impl<E: Engine> QueueWorker<E> {
     /// its limits (and charged), and an error on one request (or on the
     /// ring) does not stop the others from finishing.
     fn finish_all(&mut self) {
-        if self.engine.in_flight() == 0 && self.deferred.is_empty() {
+        if self.core.in_flight() == 0 && self.deferred.is_empty() {
             return;
         }
         // Requests are only taken in `run`, which records both first.
@@ -1020,10 +1003,10 @@ impl<E: Engine> QueueWorker<E> {
         loop {
             self.start_deferred(true);
             self.commit();
-            if self.engine.in_flight() == 0 && self.deferred.is_empty() {
+            if self.core.in_flight() == 0 && self.deferred.is_empty() {
                 break;
             }
-            if let Err(e) = self.engine.wait() {
+            if let Err(e) = self.core.wait() {
                 warn_limited!(self.log_limit, "draining queue: {e}");
                 std::thread::sleep(Duration::from_millis(1));
             }

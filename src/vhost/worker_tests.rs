@@ -14,7 +14,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::*;
 use crate::device::{Device, DeviceSpec};
-use crate::engine::{UringConfig, UringEngine};
+use crate::engine::{Completions, Core, Engine, UringConfig, UringEngine};
 use crate::vhost::inflight::{InflightQueue, InflightRegion};
 use crate::virtio::testing::{self, DATA, Driver, HDR, STATUS, guest_memory, limits, r, w};
 
@@ -85,18 +85,11 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
             bounce_limit: 1 << 20,
             is_block_device: false,
         },
-        device.clone(),
         metrics.clone(),
     )
     .unwrap();
-    let mut worker = QueueWorker::new(
-        device.clone(),
-        Settings::default(),
-        metrics,
-        engine,
-        0,
-        None,
-    );
+    let core = Core::new(engine, device.clone());
+    let mut worker = QueueWorker::new(device.clone(), Settings::default(), metrics, core, 0, None);
     worker.set_memory(Arc::new(mem.clone()));
     let region = Arc::new(InflightRegion::create(1, QSIZE).unwrap());
     Rig {
@@ -754,7 +747,7 @@ fn queues_map_onto_threads_and_listener_ids_round_trip() {
                 device.clone(),
                 s,
                 Arc::default(),
-                NullEngine::new(4),
+                Core::new(NullEngine::new(4), device.clone()),
                 i,
                 None,
             )
@@ -780,17 +773,16 @@ fn queues_map_onto_threads_and_listener_ids_round_trip() {
 #[test]
 fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
     use crate::engine::NullEngine;
-    use std::os::fd::RawFd;
 
     struct NoPoll(NullEngine);
     impl Engine for NoPoll {
-        fn submit(&mut self, io: Io) -> Result<(), Full> {
-            self.0.submit(io)
+        fn start(&mut self, io: crate::engine::Io) -> crate::engine::Start {
+            self.0.start(io)
         }
         fn commit(&mut self) -> std::io::Result<u32> {
             self.0.commit()
         }
-        fn reap(&mut self, f: impl FnMut(Completion)) -> u32 {
+        fn reap(&mut self, f: impl FnMut(crate::engine::Io, Status)) -> u32 {
             self.0.reap(f)
         }
         fn room(&self) -> usize {
@@ -802,29 +794,14 @@ fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
         fn wait(&mut self) -> std::io::Result<()> {
             self.0.wait()
         }
-        fn has_completions(&mut self) -> bool {
-            self.0.has_completions()
+        fn completions(&self) -> Completions {
+            Completions::Signalled {
+                fd: -1,
+                polling_pays: false,
+            }
         }
-        fn completion_fd(&self) -> Option<RawFd> {
-            self.0.completion_fd()
-        }
-        fn clear_completion_fd(&self) {
-            self.0.clear_completion_fd()
-        }
-        fn must_poll(&self) -> bool {
-            self.0.must_poll()
-        }
-        fn polling_pays(&self) -> bool {
-            false
-        }
-        fn set_memory(&mut self, mem: &Arc<GuestMem>) {
-            self.0.set_memory(mem)
-        }
-        fn make_durable(&mut self) -> std::io::Result<()> {
-            self.0.make_durable()
-        }
-        fn reset(&mut self) {
-            self.0.reset()
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.0.flush()
         }
     }
 
@@ -838,7 +815,7 @@ fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
         device.clone(),
         s,
         Arc::default(),
-        NullEngine::new(4),
+        Core::new(NullEngine::new(4), device.clone()),
         0,
         None,
     );
@@ -846,10 +823,10 @@ fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
         assert_eq!(polls.poll.window(wait), Some(Duration::from_micros(32)));
     }
     let mut never = QueueWorker::new(
-        device,
+        device.clone(),
         s,
         Arc::default(),
-        NoPoll(NullEngine::new(4)),
+        Core::new(NoPoll(NullEngine::new(4)), device),
         0,
         None,
     );
