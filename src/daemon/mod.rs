@@ -28,7 +28,7 @@ use crate::device::{Connection, Device};
 use crate::engine::{Core, Engine, EngineError, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
-use crate::vhost::{BlkBackend, ExitEvents, QueueWorker, Settings, proxy};
+use crate::vhost::{BlkBackend, ExitEvents, QueueWorker, Settings, Timer, proxy};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
 use crate::warn_limited;
 use removal::Removal;
@@ -149,6 +149,12 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         .map(|_| EventFd::new(EFD_NONBLOCK).map(Arc::new))
         .collect::<std::io::Result<Vec<_>>>()
         .map_err(|e| DaemonError::Vhost(format!("resume eventfds: {e}")))?;
+    // Each queue's wake-up timer (QoS, the image lock), made once too:
+    // the filter forbids timerfd_create.
+    let timers = (0..num_queues)
+        .map(|_| Timer::new().map(Arc::new))
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(|e| DaemonError::Vhost(format!("queue timers: {e}")))?;
     // The sockets the daemon removes on its way out, by directory fd.
     let removal = |p: &std::path::Path| {
         Removal::file(p).map_err(|e| DaemonError::Socket(format!("{}: {e}", p.display())))
@@ -193,6 +199,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         threads,
         exit_events: &exit_events,
         resume: &resume,
+        timers: &timers,
         inner: &mut inner,
         unlink_dirs,
         profile: match &cfg.backing {
@@ -302,6 +309,8 @@ struct Connections<'a> {
     exit_events: &'a Arc<ExitEvents>,
     /// Each queue's resume eventfd, when threads serve several queues.
     resume: &'a [Arc<EventFd>],
+    /// Each queue's wake-up timer.
+    timers: &'a [Arc<Timer>],
     inner: &'a mut InnerSocket,
     /// Directory fds the daemon may remove files in after start-up.
     unlink_dirs: Vec<i32>,
@@ -360,14 +369,14 @@ impl Connections<'_> {
         await_exit_if_stopping(device);
         let workers = std::mem::take(&mut *lock(engines))
             .into_iter()
-            .zip(self.metrics)
+            .zip(self.metrics.iter().zip(self.timers))
             .enumerate()
-            .map(|(i, (engine, m))| {
+            .map(|(i, (core, (m, timer)))| {
                 // --cpus pins threads: queue i runs on thread i % threads.
                 let thread = i % self.threads;
                 let cpu = (!args.cpus.is_empty()).then(|| args.cpus[thread % args.cpus.len()]);
-                let mut w =
-                    QueueWorker::new(device.clone(), self.settings, m.clone(), engine, i, cpu);
+                let (s, m, t) = (self.settings, m.clone(), timer.clone());
+                let mut w = QueueWorker::new(device.clone(), s, m, core, t, cpu);
                 if let Some(fd) = self.resume.get(i) {
                     w.share_thread(fd.clone());
                 }

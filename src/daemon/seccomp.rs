@@ -370,8 +370,9 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         (SYS_epoll_wait, any()),
         (SYS_epoll_pwait, any()),
         (SYS_eventfd2, any()),
-        // QoS: a throttled queue arms its timerfd (made before the filter;
-        // read like the eventfds).
+        // A queue whose head request waits (QoS tokens, the image lock)
+        // arms its timerfd (made before the filter; read like the
+        // eventfds).
         (SYS_timerfd_settime, any()),
         (SYS_read, any()),
         (SYS_write, any()),

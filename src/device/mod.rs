@@ -149,7 +149,7 @@ pub struct Device {
 impl Device {
     pub fn new(spec: DeviceSpec) -> Result<Device, QosError> {
         Ok(Device {
-            qos: Qos::new(spec.qos, usize::from(spec.queues))?,
+            qos: Qos::new(spec.qos)?,
             name: spec.name,
             limits: spec.limits,
             queues: spec.queues,

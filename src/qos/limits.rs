@@ -179,8 +179,6 @@ pub enum QosError {
     LengthWithoutMax,
     #[error("max_length is at most 86400 seconds, not {0}")]
     LengthTooLong(u64),
-    #[error("QoS timer: {0}")]
-    Timer(std::io::Error),
 }
 
 impl QosError {

@@ -10,15 +10,13 @@
 //! The worker decides *when* a request goes to its engine: before it
 //! hands one over it asks [`Qos::admit`]; a refused request waits at the
 //! head of the queue's deferred list, everything behind it waits too, and
-//! the queue's [`Timer`] wakes the worker when the tokens should be there.
+//! the queue's timer wakes the worker when the tokens should be there.
 //! [`Qos`] is the device's handle: the control API changes the limits
 //! through it at runtime ([`Qos::set_limits`]).
 
 mod bucket;
 mod limits;
 
-use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -41,9 +39,6 @@ pub struct Qos {
     /// limits, the data path costs one relaxed load.
     active: AtomicBool,
     state: Mutex<State>,
-    /// One wake-up timer per queue, made before the seccomp filter (which
-    /// forbids timerfd_create) and reused by every connection.
-    timers: Vec<Timer>,
 }
 
 #[derive(Debug)]
@@ -53,20 +48,15 @@ struct State {
 }
 
 impl Qos {
-    /// `limits` for a device of `queues` queues.
-    pub fn new(limits: QosLimits, queues: usize) -> Result<Qos, QosError> {
+    /// A device's QoS, with `limits`.
+    pub fn new(limits: QosLimits) -> Result<Qos, QosError> {
         limits.validate()?;
-        let timers = (0..queues)
-            .map(|_| Timer::new())
-            .collect::<io::Result<_>>()
-            .map_err(QosError::Timer)?;
         Ok(Qos {
             active: AtomicBool::new(limits.any()),
             state: Mutex::new(State {
                 limits,
                 buckets: Buckets::new(&limits, Instant::now()),
             }),
-            timers,
         })
     }
 
@@ -104,73 +94,9 @@ impl Qos {
         s.buckets.admit(dir, bytes, Instant::now(), force)
     }
 
-    /// Queue `i`'s wake-up timer.
-    pub fn timer(&self, i: usize) -> Option<&Timer> {
-        self.timers.get(i)
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // The state is a few numbers, consistent after every statement.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-/// A one-shot monotonic timerfd, non-blocking: watched in a queue thread's
-/// epoll to end a throttled wait.
-#[derive(Debug)]
-pub struct Timer(OwnedFd);
-
-impl Timer {
-    fn new() -> io::Result<Timer> {
-        // SAFETY: plain syscall with constant arguments; no memory passed.
-        let fd = unsafe {
-            libc::timerfd_create(
-                libc::CLOCK_MONOTONIC,
-                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just returned to us by timerfd_create and is
-        // owned by nothing else.
-        Ok(Timer(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    pub fn fd(&self) -> RawFd {
-        self.0.as_raw_fd()
-    }
-
-    /// Fires once, `after` from now (at least a microsecond: zero would
-    /// disarm it). Re-arming replaces the previous expiry.
-    pub fn arm(&self, after: Duration) -> io::Result<()> {
-        let after = after.max(Duration::from_micros(1));
-        let spec = libc::itimerspec {
-            it_interval: libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            it_value: libc::timespec {
-                tv_sec: after.as_secs() as libc::time_t,
-                tv_nsec: after.subsec_nanos() as libc::c_long,
-            },
-        };
-        // SAFETY: `spec` is a valid itimerspec on our stack for the call;
-        // the old value is not asked for (null).
-        let r = unsafe { libc::timerfd_settime(self.fd(), 0, &spec, std::ptr::null_mut()) };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    /// Consumes an expiry, so that the fd stops being readable. Nothing to
-    /// consume (EAGAIN) is fine.
-    pub fn clear(&self) {
-        let mut count = 0u64;
-        // SAFETY: reads at most 8 bytes into `count`, which is 8 bytes on
-        // our stack; the fd is non-blocking.
-        let _ = unsafe { libc::read(self.fd(), (&raw mut count).cast(), 8) };
     }
 }
 
@@ -221,9 +147,9 @@ mod tests {
         ];
         for (l, msg) in bad {
             assert_eq!(l.validate().unwrap_err().to_string(), msg);
-            assert!(Qos::new(l, 1).is_err());
+            assert!(Qos::new(l).is_err());
         }
-        let qos = Qos::new(QosLimits::default(), 1).unwrap();
+        let qos = Qos::new(QosLimits::default()).unwrap();
         assert!(!qos.active());
         assert!(qos.set_limits(bad_one()).is_err());
         assert_eq!(
@@ -253,29 +179,5 @@ mod tests {
         assert!(serde_json::from_str::<QosLimits>(r#"{"iops": 1}"#).is_err());
         let back: QosLimits = serde_json::from_str(&serde_json::to_string(&l).unwrap()).unwrap();
         assert_eq!(back, l);
-    }
-
-    #[test]
-    fn timer_fires_once_and_clears() {
-        let qos = Qos::new(QosLimits::default(), 2).unwrap();
-        let t = qos.timer(1).unwrap();
-        assert!(qos.timer(2).is_none());
-        let readable = |ms| {
-            let mut p = libc::pollfd {
-                fd: t.fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd on our stack.
-            unsafe { libc::poll(&mut p, 1, ms) == 1 }
-        };
-        assert!(!readable(0));
-        let start = Instant::now();
-        t.arm(Duration::from_millis(20)).unwrap();
-        assert!(readable(2000));
-        assert!(start.elapsed() >= Duration::from_millis(20));
-        t.clear();
-        assert!(!readable(50), "one-shot: no second expiry");
-        t.clear();
     }
 }

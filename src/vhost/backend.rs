@@ -77,7 +77,8 @@ pub enum Listener {
     Completion,
     /// The worker's resume eventfd (threads with several queues).
     Resume,
-    /// The queue's QoS timerfd.
+    /// The queue's timerfd (a request waiting for QoS tokens or the
+    /// image lock).
     Timer,
 }
 
@@ -146,7 +147,7 @@ impl<E: Engine> BlkBackend<E> {
         self.with_worker(queue, |w| match kind {
             Listener::Completion => w.completion_fd(),
             Listener::Resume => w.resume_fd(),
-            Listener::Timer => w.timer_fd(),
+            Listener::Timer => Some(w.timer_fd()),
         })
         .flatten()
     }

@@ -9,8 +9,10 @@ mod poll;
 pub mod proxy;
 mod resubmit;
 pub mod sigbus;
+mod timer;
 mod worker;
 
 pub use backend::{BlkBackend, ExitEvents, Listener};
 pub use backend_channel::BackendChannel;
+pub use timer::Timer;
 pub use worker::{Event, QueueWorker, Settings, Vring};

@@ -72,6 +72,7 @@ use crate::{info_limited, warn_limited};
 use super::inflight::InflightQueue;
 use super::poll::{AdaptivePoll, CpuClaim, Outcome, PREEMPT_GAP, Wait};
 use super::resubmit::Replay;
+use super::timer::Timer;
 
 pub type Vring = VringMutex<GuestMemoryAtomic<GuestMem>>;
 
@@ -79,8 +80,13 @@ pub type Vring = VringMutex<GuestMemoryAtomic<GuestMem>>;
 /// fail. A daemon killed with -9 keeps its file, and the lock, until the
 /// kernel has torn down its io_uring, a moment after the process is gone;
 /// its successor waits for that rather than fail the requests it
-/// resubmits.
+/// resubmits. Waiting is not sleeping: the requests wait at the head of
+/// the queue, like throttled ones, and the queue's timer brings the worker
+/// back every [`LOCK_RETRY`] to try again.
 const LOCK_WAIT: Duration = Duration::from_secs(3);
+
+/// How often a queue waiting for the image lock tries again.
+const LOCK_RETRY: Duration = Duration::from_millis(10);
 
 /// Requests a worker whose thread serves other queues takes in one pass
 /// before it lets them have a turn. A queue waits at most this many of each
@@ -118,6 +124,15 @@ impl Default for Settings {
     }
 }
 
+/// Whether a request may go to the engine now (`QueueWorker::gate`).
+enum Gate {
+    Go,
+    /// Not yet: it waits at the head of the queue, and the timer is armed.
+    Wait,
+    /// Never: it fails (the image lock is another process's).
+    Refuse,
+}
+
 /// What woke a worker up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -142,8 +157,12 @@ pub struct QueueWorker<E: Engine> {
     started: bool,
     /// The connection is over (`drain`): no kick is taken any more.
     closed: bool,
-    /// This queue counts among the image lock's users (see `lock_image`).
+    /// This queue counts among the image lock's users (see `try_lock`).
     holds_lock: bool,
+    /// Until when requests wait for the image lock, rather than fail,
+    /// while another process holds it: set when the ring starts without
+    /// it.
+    lock_deadline: Option<Instant>,
     /// The guest memory this worker uses: the last table the device
     /// accepted. vhost-user-backend swaps a new table into the shared
     /// `GuestMemoryAtomic` before it asks the device, so the worker never
@@ -174,8 +193,9 @@ pub struct QueueWorker<E: Engine> {
     journal: Option<InflightQueue>,
     /// Heads added to the used ring since the last publish (for the log).
     unpublished_heads: Vec<u16>,
-    /// This worker's queue: which of the QoS timers is its own.
-    index: usize,
+    /// The queue's wake-up timer, for a request waiting at the head of
+    /// `deferred` (QoS tokens, the image lock).
+    timer: Arc<Timer>,
     /// The head of `deferred` was admitted by QoS (and charged) already;
     /// only the engine had no room for it.
     front_admitted: bool,
@@ -189,7 +209,7 @@ impl<E: Engine> QueueWorker<E> {
         cfg: Settings,
         metrics: Arc<QueueMetrics>,
         core: Core<E>,
-        index: usize,
+        timer: Arc<Timer>,
         pin: Option<usize>,
     ) -> QueueWorker<E> {
         // An engine whose completions polling does not catch: never poll.
@@ -222,21 +242,20 @@ impl<E: Engine> QueueWorker<E> {
             pin,
             journal: None,
             unpublished_heads: Vec::with_capacity(size),
-            index,
+            timer,
+            lock_deadline: None,
             front_admitted: false,
             throttled_since: None,
         }
     }
 
-    /// The QoS wake-up timer's fd, to be watched next to the kick.
-    pub fn timer_fd(&self) -> Option<i32> {
-        self.device.qos().timer(self.index).map(|t| t.fd())
+    /// The queue's timer's fd, to be watched next to the kick.
+    pub fn timer_fd(&self) -> i32 {
+        self.timer.fd()
     }
 
     fn clear_timer(&self) {
-        if let Some(t) = self.device.qos().timer(self.index) {
-            t.clear();
-        }
+        self.timer.clear();
     }
 
     /// The worker's thread serves other queues too: it takes turns with
@@ -322,7 +341,10 @@ impl<E: Engine> QueueWorker<E> {
         if !self.started {
             self.shadow.reset(state.get_queue());
             self.started = true;
-            self.lock_image(LOCK_WAIT);
+            if !self.try_lock() {
+                // Requests wait for it (see `gate`), for a while.
+                self.lock_deadline = Some(Instant::now() + LOCK_WAIT);
+            }
             self.recover(&mut state, &mem)?;
         }
         if !state.is_enabled() {
@@ -613,14 +635,24 @@ impl<E: Engine> QueueWorker<E> {
         }
     }
 
-    /// Gives deferred requests to the engine, oldest first, while QoS
-    /// admits them (all of them, with `force`) and the engine has room.
-    /// Returns whether all of them went.
-    fn start_deferred(&mut self, force: bool) -> bool {
+    /// Gives deferred requests to the engine, oldest first, while they
+    /// pass the gate (all of them, with `force`, but for those the image
+    /// lock refuses) and the engine has room. Returns whether all of them
+    /// went.
+    fn start_deferred(&mut self, queue: &mut Queue, mem: &GuestMem, force: bool) -> bool {
         while let Some(req) = self.deferred.pop_front() {
-            if !self.front_admitted && !self.admit(&req, force) {
-                self.deferred.push_front(req);
-                return false;
+            if !self.front_admitted {
+                match self.gate(&req, force) {
+                    Gate::Go => {}
+                    Gate::Wait => {
+                        self.deferred.push_front(req);
+                        return false;
+                    }
+                    Gate::Refuse => {
+                        self.fail(queue, mem, req);
+                        continue;
+                    }
+                }
             }
             self.front_admitted = true;
             if let Err(Full(req)) = self.core.submit(req) {
@@ -630,6 +662,57 @@ impl<E: Engine> QueueWorker<E> {
             self.front_admitted = false;
         }
         true
+    }
+
+    /// Whether `req` may go to the engine now: the image lock is held (or
+    /// the request does no I/O on the image), and QoS admits it. A request
+    /// that must wait arms the queue's timer.
+    #[inline]
+    fn gate(&mut self, req: &Request, force: bool) -> Gate {
+        if !self.holds_lock && req.kind().class().op.is_some() && !self.try_lock() {
+            return self.lock_wait(force);
+        }
+        if self.admit(req, force) {
+            Gate::Go
+        } else {
+            Gate::Wait
+        }
+    }
+
+    /// Another process holds the image lock: wait for it while the ring's
+    /// start allows (never when stopping: `force`), else refuse.
+    #[cold]
+    fn lock_wait(&mut self, force: bool) -> Gate {
+        if !force && self.lock_deadline.is_some_and(|d| Instant::now() < d) {
+            if let Err(e) = self.timer.arm(LOCK_RETRY) {
+                warn_limited!(
+                    self.log_limit,
+                    "queue timer: {e}; not waiting for the image lock"
+                );
+                return Gate::Refuse;
+            }
+            return Gate::Wait;
+        }
+        if self.lock_deadline.take().is_some() {
+            warn_limited!(
+                self.log_limit,
+                "{}: requests fail until it is released",
+                crate::io::Locked
+            );
+        }
+        Gate::Refuse
+    }
+
+    /// Answers a request that cannot go to the engine: IOERR. (Another
+    /// process writes the image: failing is all this device can do
+    /// without corrupting it.)
+    fn fail(&mut self, queue: &mut Queue, mem: &GuestMem, req: Request) {
+        let c = Completion {
+            req,
+            status: Status::IoErr,
+            written: 0,
+        };
+        self.finish(queue, mem, c);
     }
 
     /// Asks QoS whether `req` may go to the engine now. With no limits
@@ -670,11 +753,7 @@ impl<E: Engine> QueueWorker<E> {
                     self.throttled_since = Some(Instant::now());
                     QueueMetrics::add(&self.metrics.throttled_requests, 1);
                 }
-                let armed = match self.device.qos().timer(self.index) {
-                    Some(t) => t.arm(wait.min(MAX_THROTTLE_SLEEP)),
-                    None => Err(std::io::Error::other("no timer for this queue")),
-                };
-                if let Err(e) = armed {
+                if let Err(e) = self.timer.arm(wait.min(MAX_THROTTLE_SLEEP)) {
                     // Nothing would wake the queue: let the request go.
                     warn_limited!(self.log_limit, "QoS timer: {e}; request not throttled");
                     return true;
@@ -692,7 +771,7 @@ impl<E: Engine> QueueWorker<E> {
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
         mem: &Arc<GuestMem>,
     ) -> Result<(usize, bool), RingError> {
-        if !self.start_deferred(false) || self.core.room() == 0 {
+        if !self.start_deferred(state.get_queue_mut(), mem, false) || self.core.room() == 0 {
             self.commit();
             return Ok((0, true));
         }
@@ -731,26 +810,21 @@ impl<E: Engine> QueueWorker<E> {
         Ok((popped, full))
     }
 
-    /// Hands `req` to the engine (or behind the deferred ones).
+    /// Hands `req` to the engine, or behind the deferred ones.
     fn start(&mut self, queue: &mut Queue, mem: &GuestMem, req: Request) {
-        // GET_ID does no I/O on the image.
-        let io = req.kind().class().op.is_some();
-        if io && !self.lock_image(Duration::ZERO) {
-            // Another process writes the image: failing the request is
-            // all this device can do without corrupting it.
-            let c = Completion {
-                req,
-                status: Status::IoErr,
-                written: 0,
-            };
-            self.finish(queue, mem, c);
+        if !self.deferred.is_empty() {
+            self.deferred.push_back(req);
             return;
         }
-        if !self.deferred.is_empty() || !self.admit(&req, false) {
-            self.deferred.push_back(req);
-        } else if let Err(Full(req)) = self.core.submit(req) {
-            self.deferred.push_back(req);
-            self.front_admitted = true;
+        match self.gate(&req, false) {
+            Gate::Go => {
+                if let Err(Full(req)) = self.core.submit(req) {
+                    self.deferred.push_back(req);
+                    self.front_admitted = true;
+                }
+            }
+            Gate::Wait => self.deferred.push_back(req),
+            Gate::Refuse => self.fail(queue, mem, req),
         }
     }
 
@@ -941,37 +1015,27 @@ impl<E: Engine> QueueWorker<E> {
     }
 
     /// Counts this queue among the image lock's users, taking the lock if
-    /// it is the first; false while another process holds it, after
-    /// trying for `wait`. Called when the ring starts, and again for each
-    /// request until it succeeds.
-    fn lock_image(&mut self, wait: Duration) -> bool {
+    /// it is the first; false while another process holds it. Tried when
+    /// the ring starts, and for each request until it succeeds; never
+    /// waits.
+    fn try_lock(&mut self) -> bool {
         if self.holds_lock {
             return true;
         }
         let Some(lock) = self.device.image_lock() else {
             return true;
         };
-        let deadline = Instant::now() + wait;
-        loop {
-            match lock.acquire() {
-                Ok(()) => {
-                    self.holds_lock = true;
-                    return true;
-                }
-                Err(_) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                Err(e) => {
-                    warn_limited!(self.log_limit, "{e}: requests fail until it is released");
-                    return false;
-                }
-            }
+        self.holds_lock = lock.acquire().is_ok();
+        if self.holds_lock {
+            self.lock_deadline = None;
         }
+        self.holds_lock
     }
 
     /// The ring stopped: after its I/O completed and was made durable, the
     /// next daemon may take the image.
     fn unlock_image(&mut self) {
+        self.lock_deadline = None;
         if std::mem::take(&mut self.holds_lock) {
             if let Some(lock) = self.device.image_lock() {
                 lock.release();
@@ -1001,7 +1065,7 @@ impl<E: Engine> QueueWorker<E> {
         };
         let mut state = vring.get_mut();
         loop {
-            self.start_deferred(true);
+            self.start_deferred(state.get_queue_mut(), &mem, true);
             self.commit();
             if self.core.in_flight() == 0 && self.deferred.is_empty() {
                 break;

@@ -15,6 +15,7 @@ use vmm_sys_util::eventfd::EventFd;
 use super::*;
 use crate::device::{Device, DeviceSpec};
 use crate::engine::{Completions, Core, Engine, UringConfig, UringEngine};
+use crate::vhost::Timer;
 use crate::vhost::inflight::{InflightQueue, InflightRegion};
 use crate::virtio::testing::{self, DATA, Driver, HDR, STATUS, guest_memory, limits, r, w};
 
@@ -40,6 +41,16 @@ fn rig(mem: &GuestMem) -> Rig<'_> {
 /// A rig whose worker is configured for queues of at most `max_queue`
 /// (its engine has room for that many requests) over `image`.
 fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
+    rig_with_lock(mem, max_queue, image, None)
+}
+
+/// [`rig_with`], for a device whose image lock is `image_lock`.
+fn rig_with_lock(
+    mem: &GuestMem,
+    max_queue: u16,
+    image: std::fs::File,
+    image_lock: Option<crate::io::ImageLock>,
+) -> Rig<'_> {
     let driver = Driver::new(mem, QSIZE);
     let atomic = GuestMemoryAtomic::new(mem.clone());
     let vring = Vring::new(atomic.clone(), QSIZE).unwrap();
@@ -67,6 +78,7 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
             capacity_sectors: testing::CAPACITY,
             queue_size: max_queue,
             serial: *b"worker-test-serial\0\0",
+            image_lock,
             ..DeviceSpec::default()
         })
         .unwrap(),
@@ -89,7 +101,15 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
     )
     .unwrap();
     let core = Core::new(engine, device.clone());
-    let mut worker = QueueWorker::new(device.clone(), Settings::default(), metrics, core, 0, None);
+    let timer = Arc::new(Timer::new().unwrap());
+    let mut worker = QueueWorker::new(
+        device.clone(),
+        Settings::default(),
+        metrics,
+        core,
+        timer,
+        None,
+    );
     worker.set_memory(Arc::new(mem.clone()));
     let region = Arc::new(InflightRegion::create(1, QSIZE).unwrap());
     Rig {
@@ -548,7 +568,7 @@ impl ClosedLoop {
     fn run(&mut self, rig: &mut Rig<'_>, until: Instant) {
         let fds = [
             rig.worker.completion_fd().expect("io_uring has an eventfd"),
-            rig.worker.timer_fd().expect("queue 0 has a timer"),
+            rig.worker.timer_fd(),
         ];
         while Instant::now() < until {
             let mut p = fds.map(|fd| libc::pollfd {
@@ -741,14 +761,14 @@ fn queues_map_onto_threads_and_listener_ids_round_trip() {
     let mem = guest_memory();
     let device = rig(&mem).device;
     let workers = (0..5)
-        .map(|i| {
+        .map(|_| {
             let s = Settings::default();
             QueueWorker::new(
                 device.clone(),
                 s,
                 Arc::default(),
                 Core::new(NullEngine::new(4), device.clone()),
-                i,
+                Arc::new(Timer::new().unwrap()),
                 None,
             )
         })
@@ -816,7 +836,7 @@ fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
         s,
         Arc::default(),
         Core::new(NullEngine::new(4), device.clone()),
-        0,
+        Arc::new(Timer::new().unwrap()),
         None,
     );
     for wait in [Wait::Guest, Wait::Device] {
@@ -827,7 +847,7 @@ fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
         s,
         Arc::default(),
         Core::new(NoPoll(NullEngine::new(4)), device),
-        0,
+        Arc::new(Timer::new().unwrap()),
         None,
     );
     for wait in [Wait::Guest, Wait::Device] {
@@ -839,4 +859,54 @@ fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
         never.poll.woke_up();
     }
     assert_eq!(never.poll.window(Wait::Guest), None);
+}
+
+/// While another process holds the image lock, a starting ring's requests
+/// wait for it at the head of the queue, on the queue's timer: the queue's
+/// thread never sleeps (it serves other queues' events too), and the
+/// requests run once the lock is free. (The worker used to sleep on the
+/// thread for up to three seconds, then fail them.)
+#[test]
+fn waiting_for_the_image_lock_does_not_sleep_on_the_queue_thread() {
+    use crate::io::ImageLock;
+
+    let mem = guest_memory();
+    let image = tempfile::tempfile().unwrap();
+    image.set_len(1 << 30).unwrap();
+    // Another open file description of the same file: its OFD lock is
+    // another owner's, as another process's would be.
+    let path = format!("/proc/self/fd/{}", image.as_raw_fd());
+    let other = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let holder = ImageLock::new(&other, true).unwrap();
+    holder.acquire().unwrap();
+    let ours = ImageLock::new(&image, true).unwrap();
+    let mut rig = rig_with_lock(&mem, QSIZE, image, Some(ours));
+    mem.write_slice(&[0x77; 4096], GuestAddress(DATA)).unwrap();
+    rig.post_rw(0, true, 8, DATA);
+
+    let t = Instant::now();
+    rig.worker.handle_event(&rig.vring, Event::Kick);
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "slept {:?}",
+        t.elapsed()
+    );
+    assert_eq!(rig.driver.used_idx(), 0, "the write waits for the lock");
+
+    holder.release();
+    let mut p = libc::pollfd {
+        fd: rig.worker.timer_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd on our stack.
+    assert_eq!(unsafe { libc::poll(&mut p, 1, 2000) }, 1, "the timer fires");
+    rig.worker.handle_event(&rig.vring, Event::Timer);
+    rig.complete_until(1);
+    assert_eq!(rig.status(0), 0);
+    assert_eq!(rig.image_at(8 * 512, 4096), vec![0x77; 4096]);
 }
