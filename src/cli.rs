@@ -3,7 +3,10 @@
 
 use std::path::PathBuf;
 
+use clap::builder::PossibleValue;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+
+pub use crate::queue::{NotifyMode, SignalMode};
 pub use ringblk_metrics::parse_size;
 
 /// Where `ringblk serve` listens, and the image it creates, by default:
@@ -40,22 +43,37 @@ pub enum Command {
     Bench(crate::bench::BenchArgs),
 }
 
-/// How the used ring is published and the guest notified.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum NotifyMode {
-    /// Publish used->idx and decide on a notification once per completion pass.
-    Batched,
-    /// Publish and notify after every request (the naive baseline).
-    PerRequest,
+/// `--notify`: the queue's own enum, named for the command line here.
+impl ValueEnum for NotifyMode {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[NotifyMode::Batched, NotifyMode::PerRequest]
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(match self {
+            NotifyMode::Batched => PossibleValue::new("batched")
+                .help("Publish used->idx and decide on a notification once per completion pass"),
+            NotifyMode::PerRequest => PossibleValue::new("per-request")
+                .help("Publish and notify after every request (the naive baseline)"),
+        })
+    }
 }
 
-/// Whether finished requests are signalled before or after new submissions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum SignalMode {
-    /// Reap and signal completions before parsing new avail entries.
-    Early,
-    /// Submit new requests first, then reap and signal.
-    Late,
+/// `--signal`: the queue's own enum, named for the command line here.
+impl ValueEnum for SignalMode {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[SignalMode::Early, SignalMode::Late]
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(match self {
+            SignalMode::Early => PossibleValue::new("early")
+                .help("Reap and signal completions before parsing new avail entries"),
+            SignalMode::Late => {
+                PossibleValue::new("late").help("Submit new requests first, then reap and signal")
+            }
+        })
+    }
 }
 
 /// What executes requests.

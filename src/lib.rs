@@ -25,6 +25,7 @@ pub mod engine;
 pub mod io;
 pub mod metrics;
 pub mod qos;
+pub mod queue;
 pub mod unix_socket;
 pub mod vhost;
 pub mod virtio;

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::{Daemon, MIB};
 use frontend::*;
-use ringblk::vhost::inflight::queue_region_size;
+use ringblk::queue::inflight::queue_region_size;
 use ringblk::virtio::chain_writer::{link, readable as r, writable as w};
 
 /// The daemon's default maximum queue size.

@@ -13,7 +13,7 @@ use crate::device::{Backing as Resize, Device, DeviceSpec, Serial};
 use crate::engine::UringConfig;
 use crate::io::{Image, ImageLock, ImageOptions, RbdSpec};
 use crate::qos::QosLimits;
-use crate::vhost::Settings;
+use crate::queue::Settings;
 use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
 
 use super::DaemonError;

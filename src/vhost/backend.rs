@@ -28,9 +28,9 @@ use crate::virtio::GuestMem;
 use crate::virtio::config::VirtioBlkConfig;
 
 use super::backend_channel::BackendChannel;
-use super::inflight::{InflightQueue, InflightRegion};
 use super::proxy::InflightHost;
-use super::worker::{Event, QueueWorker, Vring};
+use crate::queue::inflight::{InflightQueue, InflightRegion};
+use crate::queue::{Event, QueueWorker, Vring};
 
 /// The queue threads' exit events, one per thread, made once for the
 /// daemon's life and handed to every connection.
@@ -414,6 +414,10 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+#[path = "backend_tests.rs"]
+mod worker_tests;
 
 #[cfg(test)]
 mod tests {

@@ -1,18 +1,12 @@
-//! The vhost-user layer: our device behind `vhost-user-backend`, one
-//! worker and one io_uring per queue, the workers spread over `--threads`
-//! threads.
+//! The vhost-user layer: our device behind `vhost-user-backend`, with one
+//! queue worker ([`crate::queue`]) per queue, the workers spread over
+//! `--threads` threads; the relay in front of the crate; SIGBUS
+//! containment for guest memory.
 
 mod backend;
 mod backend_channel;
-pub mod inflight;
-mod poll;
 pub mod proxy;
-mod resubmit;
 pub mod sigbus;
-mod timer;
-mod worker;
 
 pub use backend::{BlkBackend, ExitEvents, Listener};
 pub use backend_channel::BackendChannel;
-pub use timer::Timer;
-pub use worker::{Event, QueueWorker, Settings, Vring};

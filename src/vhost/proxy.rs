@@ -35,9 +35,9 @@ use vm_memory::ByteValued;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use super::backend_channel::BackendChannel;
-use super::inflight::InflightRegion;
 use super::sigbus::MEM_SLOTS;
 use crate::metrics::SharedRateLimiter;
+use crate::queue::inflight::InflightRegion;
 use crate::{info_limited, warn_limited};
 
 /// `struct VhostUserMsgHeader`: request, flags, payload size (le32 each).

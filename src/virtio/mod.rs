@@ -34,7 +34,7 @@ use vm_memory::GuestMemoryMmap;
 /// log when it sends SET_LOG_BASE (live migration): from then on every
 /// write through vm-memory (used ring, status bytes) marks its pages. What
 /// the kernel writes into guest memory behind vm-memory's back (io_uring
-/// reads) the worker marks itself (`vhost::worker`).
+/// reads) the engine core marks itself (`engine::core`).
 pub type GuestMem = GuestMemoryMmap<DirtyLog>;
 
 /// Virtio-blk sectors are always 512 bytes, whatever the block size.

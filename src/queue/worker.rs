@@ -58,7 +58,6 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestMemoryAtomic};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::cli::{NotifyMode, SignalMode};
 use crate::device::Device;
 use crate::engine::{Completion, Core, Engine, Full};
 use crate::metrics::{QueueMetrics, RateLimiter, RequestType};
@@ -97,6 +96,26 @@ const LOCK_RETRY: Duration = Duration::from_millis(10);
 /// requests (qsd: 92-162 µs), IOPS 1.34, 1.40 and 1.51-1.58× qsd's
 /// (docs/benchmarks.md). The price is three syscalls per turn.
 pub const TURN: usize = 16;
+
+/// How the used ring is published and the guest notified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotifyMode {
+    /// Publish used->idx and decide on a notification once per completion
+    /// pass.
+    Batched,
+    /// Publish and notify after every request (the naive baseline).
+    PerRequest,
+}
+
+/// Whether finished requests are signalled before or after new
+/// submissions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SignalMode {
+    /// Reap and signal completions before parsing new avail entries.
+    Early,
+    /// Submit new requests first, then reap and signal.
+    Late,
+}
 
 /// How a device's queues are served (`serve`'s flags): the same for
 /// every worker.
@@ -1083,4 +1102,4 @@ impl<E: Engine> QueueWorker<E> {
 
 #[cfg(test)]
 #[path = "worker_tests.rs"]
-mod tests;
+pub(crate) mod tests;

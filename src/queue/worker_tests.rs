@@ -15,24 +15,26 @@ use vmm_sys_util::eventfd::EventFd;
 use super::*;
 use crate::device::{Device, DeviceSpec};
 use crate::engine::{Completions, Core, Engine, UringConfig, UringEngine};
-use crate::vhost::Timer;
-use crate::vhost::inflight::{InflightQueue, InflightRegion};
+use crate::queue::Timer;
+use crate::queue::inflight::{InflightQueue, InflightRegion};
 use crate::virtio::testing::{self, DATA, Driver, HDR, STATUS, guest_memory, limits, r, w};
 
 const QSIZE: u16 = 16;
 
-struct Rig<'a> {
-    device: Arc<Device>,
-    atomic: GuestMemoryAtomic<GuestMem>,
-    driver: Driver<'a>,
-    vring: Vring,
-    worker: QueueWorker<UringEngine>,
+pub(crate) struct Rig<'a> {
+    pub(crate) device: Arc<Device>,
+    pub(crate) atomic: GuestMemoryAtomic<GuestMem>,
+    pub(crate) driver: Driver<'a>,
+    pub(crate) vring: Vring,
+    pub(crate) worker: QueueWorker<UringEngine>,
     image: std::fs::File,
     region: Arc<InflightRegion>,
     _call: EventFd,
 }
 
-fn rig(mem: &GuestMem) -> Rig<'_> {
+/// A worker over a real io_uring on a 1 GiB temporary image, its ring set
+/// up on `mem` by a mock driver.
+pub(crate) fn rig(mem: &GuestMem) -> Rig<'_> {
     let image = tempfile::tempfile().unwrap();
     image.set_len(1 << 30).unwrap();
     rig_with(mem, QSIZE, image)
@@ -385,50 +387,6 @@ fn a_disabled_ring_takes_no_requests() {
     assert_eq!(rig.status(3), 0);
 }
 
-/// vhost-user-backend swaps a new memory table into the shared
-/// `GuestMemoryAtomic` before the device may refuse it. A refused table
-/// (here: a region past the end of its file, which would SIGBUS when
-/// touched) must never reach a worker: a request pointing into it is
-/// refused as outside guest memory, not served.
-#[test]
-fn a_refused_memory_table_never_reaches_the_workers() {
-    use vhost_user_backend::VhostUserBackend;
-    use vm_memory::{FileOffset, GuestRegionMmap, MmapRegion};
-
-    use crate::vhost::{BlkBackend, ExitEvents};
-
-    const BAD: u64 = 0x100_0000;
-    let mem = guest_memory();
-    let rig = rig(&mem);
-    let backend = BlkBackend::new(
-        rig.device.clone(),
-        vec![rig.worker],
-        1,
-        Arc::new(ExitEvents::new(1).unwrap()),
-    );
-    backend.update_memory(rig.atomic.clone()).unwrap();
-    // One page of file behind a 1 MiB region.
-    let short = tempfile::tempfile().unwrap();
-    short.set_len(4096).unwrap();
-    let region = MmapRegion::from_file(FileOffset::new(short, 0), 1 << 20).unwrap();
-    let region = GuestRegionMmap::new(region, GuestAddress(BAD)).unwrap();
-    let bad = mem.insert_region(Arc::new(region)).unwrap();
-    // What the crate does: the new table is live before the device says no.
-    rig.atomic.lock().unwrap().replace(bad);
-    let e = backend.update_memory(rig.atomic.clone()).unwrap_err();
-    assert!(e.to_string().contains("past the end"), "{e}");
-
-    // A GET_ID whose buffer and status byte lie past the file's end.
-    let mut driver = rig.driver;
-    driver.header_at(HDR, VIRTIO_BLK_T_GET_ID, 0);
-    driver.post_at(0, &[r(HDR, 16), w(BAD + 0x2000, 20), w(BAD + 0x3000, 1)]);
-    backend.with_worker(0, |w| w.handle_event(&rig.vring, Event::Kick));
-    assert_eq!(driver.used_idx(), 1, "the request was not answered");
-    let used = driver.queue.used_ring() + 4;
-    let len: u32 = mem.read_obj(GuestAddress(used + 4)).unwrap();
-    assert_eq!(len, 0, "answered without a status byte it could write");
-}
-
 /// Requests resubmitted after a restart are parsed against guest memory
 /// only. The replay avail ring that recovery builds used to live in a page
 /// mapped right above guest memory, and parsing against that memory let
@@ -750,44 +708,6 @@ fn qos_stopping_the_ring_completes_throttled_requests_at_once() {
     assert_eq!(m.throttled_requests, 1, "{m:?}");
 }
 
-/// Five queues on two threads: queue q on thread q % 2, and every
-/// listener id is past the crate's and names its local queue and kind.
-#[test]
-fn queues_map_onto_threads_and_listener_ids_round_trip() {
-    use crate::engine::NullEngine;
-    use crate::vhost::{BlkBackend, ExitEvents, Listener};
-    use vhost_user_backend::VhostUserBackend;
-
-    let mem = guest_memory();
-    let device = rig(&mem).device;
-    let workers = (0..5)
-        .map(|_| {
-            let s = Settings::default();
-            QueueWorker::new(
-                device.clone(),
-                s,
-                Arc::default(),
-                Core::new(NullEngine::new(4), device.clone()),
-                Arc::new(Timer::new().unwrap()),
-                None,
-            )
-        })
-        .collect();
-    let b = BlkBackend::new(device, workers, 2, Arc::new(ExitEvents::new(2).unwrap()));
-    assert_eq!(b.queues_per_thread(), vec![0b10101, 0b01010]);
-    assert_eq!(b.thread_queues(1).collect::<Vec<_>>(), vec![1, 3]);
-    assert!(b.shares_threads());
-    for local in 0..3 {
-        for kind in Listener::ALL {
-            let id = b.listener_id(local, kind);
-            // The crate's ids are 0..=num_queues.
-            assert!(id > 5, "{id}");
-            assert_eq!(b.listener(id as u16), Some((local, kind)));
-        }
-    }
-    assert_eq!(b.listener(5), None);
-}
-
 /// An engine that says busy-polling does not pay (RBD) gets no poll
 /// window whatever `--poll-us` says; one that does not say so gets it.
 #[test]
@@ -854,7 +774,7 @@ fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
         assert_eq!(never.poll.window(wait), None);
     }
     // Not even a probe, however long it slept without a window.
-    for _ in 0..2 * crate::vhost::poll::PROBE_EVERY {
+    for _ in 0..2 * crate::queue::poll::PROBE_EVERY {
         never.poll.sleeping(Wait::Guest);
         never.poll.woke_up();
     }
