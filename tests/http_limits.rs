@@ -313,6 +313,64 @@ fn idle_connections_under_a_low_fd_limit_leave_room_for_a_front_end() {
     d.assert_running();
 }
 
+/// Out of fds while accepting: under a limit of 80 fds, 150 idle
+/// connections to the TCP `--metrics` run the daemon out before the
+/// endpoint's cap does. accept(2) fails with EMFILE; the endpoint logs it,
+/// backs off and goes on, and answers as soon as the clients are gone.
+/// (tiny_http's accept thread ended at the first accept error: the
+/// endpoint was gone for good.)
+#[test]
+fn an_accept_error_does_not_end_the_endpoint() {
+    const LIMIT: u64 = 80;
+    let dir = test_dir();
+    let limit = |cmd: &mut Command| {
+        // SAFETY: as in the test above.
+        unsafe {
+            cmd.pre_exec(|| {
+                let l = libc::rlimit {
+                    rlim_cur: LIMIT,
+                    rlim_max: LIMIT,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &l) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    };
+    let (mut d, _api, metrics) = start(dir.path(), Some(&limit));
+    assert!(
+        (fds(&d) as u64) < LIMIT - 10,
+        "the daemon starts with {} fds; the test needs it well under {LIMIT}",
+        fds(&d)
+    );
+    let idle: Vec<Conn> = (0..150)
+        .map(|i| Conn::open(&metrics).unwrap_or_else(|e| panic!("connection {i}: {e}")))
+        .collect();
+    d.wait_for_log("accept: Too many open files");
+    drop(idle);
+    let t = Instant::now();
+    loop {
+        match ringblk_metrics::get(&metrics, "/metrics") {
+            Ok(_) => break,
+            Err(e) => {
+                assert!(
+                    t.elapsed() < DEADLINE + SLACK,
+                    "the endpoint still fails {:?} after the clients left: {e}",
+                    t.elapsed()
+                );
+                thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+    eprintln!(
+        "the endpoint answers {:?} after the clients left",
+        t.elapsed()
+    );
+    serves_io(&d, 7);
+    d.assert_running();
+}
+
 /// A 128 MiB header line, on each endpoint: the daemon reads at most its
 /// 8 KiB head limit, answers 431 and closes; its RSS stays within a few
 /// MiB. (tiny_http read the whole line: RSS went from 6 to 137 MB.)
