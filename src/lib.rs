@@ -18,6 +18,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod bitmap;
 pub mod cli;
 pub mod daemon;
 pub mod engine;
