@@ -127,7 +127,11 @@ struct ClusterBits(Box<[AtomicU64]>);
 
 impl ClusterBits {
     fn new(clusters: u64) -> ClusterBits {
-        ClusterBits((0..clusters.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
+        ClusterBits(
+            (0..clusters.div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+        )
     }
     fn get(&self, c: u64) -> bool {
         self.0[(c / 64) as usize].load(Ordering::SeqCst) & (1 << (c % 64)) != 0

@@ -69,7 +69,8 @@ fn the_view_stays_at_its_instant_under_concurrent_writes() {
                 let off = rng.next() % (size / 512) * 512;
                 let len = ((rng.next() % 256 + 1) * 512).min(size - off);
                 store.before_write(off, len);
-                f.write_all_at(&pattern(0xB, off, len as usize), off).unwrap();
+                f.write_all_at(&pattern(0xB, off, len as usize), off)
+                    .unwrap();
                 n += 1;
             }
             n
@@ -148,8 +149,15 @@ fn allocation_of_the_view() {
     f.write_all_at(&[9u8; 4096], MIB).unwrap();
     f.sync_all().unwrap();
     assert_eq!(store.stats().copied_clusters, 2);
-    assert_eq!(store.stats().stored_bytes, DEFAULT_CLUSTER, "the zero cluster is not stored");
-    assert_eq!(store.allocation(2 * MIB, MIB).unwrap(), (DEFAULT_CLUSTER, hz));
+    assert_eq!(
+        store.stats().stored_bytes,
+        DEFAULT_CLUSTER,
+        "the zero cluster is not stored"
+    );
+    assert_eq!(
+        store.allocation(2 * MIB, MIB).unwrap(),
+        (DEFAULT_CLUSTER, hz)
+    );
     assert_eq!(store.allocation(MIB, MIB).unwrap(), (DEFAULT_CLUSTER, 0));
     let mut buf = vec![1u8; 8192];
     store.read(2 * MIB, &mut buf).unwrap();
@@ -181,7 +189,10 @@ impl Image for Failing {
 fn a_failed_copy_fails_the_view_not_the_guest() {
     let dir = tempfile::tempdir().unwrap();
     let (path, _) = image_with(dir.path(), MIB, 3);
-    let failing = Arc::new(Failing(FileImage::open(&path).unwrap(), AtomicBool::new(false)));
+    let failing = Arc::new(Failing(
+        FileImage::open(&path).unwrap(),
+        AtomicBool::new(false),
+    ));
     let store = CbwStore::new(failing.clone(), dir.path(), DEFAULT_CLUSTER).unwrap();
     failing.1.store(true, Ordering::Relaxed);
     store.before_write(0, 4096); // returns, does not hang
@@ -197,7 +208,10 @@ fn bad_cluster_sizes_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let (_p, image) = image_with(dir.path(), MIB, 0);
     for bad in [0, 512, 3 << 12, 128 << 20] {
-        assert!(CbwStore::new(image.clone(), dir.path(), bad).is_err(), "{bad}");
+        assert!(
+            CbwStore::new(image.clone(), dir.path(), bad).is_err(),
+            "{bad}"
+        );
     }
 }
 
@@ -220,5 +234,10 @@ fn the_view_exports_the_frozen_bitmap() {
         view.block_status(&ctx, MIB, 4 * MIB).unwrap(),
         (DEFAULT_CLUSTER, STATE_DIRTY)
     );
-    assert_eq!(view.block_status(&MetaContext::Allocation, 0, 4 * MIB).unwrap().1, 0);
+    assert_eq!(
+        view.block_status(&MetaContext::Allocation, 0, 4 * MIB)
+            .unwrap()
+            .1,
+        0
+    );
 }

@@ -104,7 +104,10 @@ pub fn check_name(name: &str) -> Result<(), BitmapError> {
 enum Words {
     Heap(Box<[AtomicU64]>),
     /// A shared, read-write mapping of at least `len` words of a file.
-    Mapped { map: MmapRaw, len: usize },
+    Mapped {
+        map: MmapRaw,
+        len: usize,
+    },
 }
 
 impl Words {
@@ -443,7 +446,16 @@ mod tests {
         for ok in ["a", "nightly", "backup-vda.1", "A_b-c.d", &"x".repeat(64)] {
             check_name(ok).unwrap();
         }
-        for bad in ["", ".hidden", "-opt", "a/b", "a b", "ä", "a:b", &"x".repeat(65)] {
+        for bad in [
+            "",
+            ".hidden",
+            "-opt",
+            "a/b",
+            "a b",
+            "ä",
+            "a:b",
+            &"x".repeat(65),
+        ] {
             assert!(check_name(bad).is_err(), "{bad:?} accepted");
         }
     }
@@ -460,10 +472,7 @@ mod tests {
         let dirty: Vec<u64> = (0..11).filter(|i| b.is_dirty(i * G)).collect();
         assert_eq!(dirty, [0, 1, 5, 10]);
         assert_eq!(b.dirty_bytes(), 3 * G + 512);
-        assert_eq!(
-            b.dirty_extents(),
-            [(0, 2 * G), (5 * G, G), (10 * G, 512)]
-        );
+        assert_eq!(b.dirty_extents(), [(0, 2 * G), (5 * G, G), (10 * G, 512)]);
     }
 
     #[test]
@@ -488,10 +497,7 @@ mod tests {
         assert_eq!(frozen.dirty_extents(), [(0, G), (70 * G, 3 * G)]);
         b.mark(10 * G, G);
         b.merge(&frozen).unwrap();
-        assert_eq!(
-            b.dirty_extents(),
-            [(0, G), (10 * G, G), (70 * G, 3 * G)]
-        );
+        assert_eq!(b.dirty_extents(), [(0, G), (10 * G, G), (70 * G, 3 * G)]);
         let other = DirtyBitmap::new(100 * G, 2 * G).unwrap();
         assert!(matches!(b.merge(&other), Err(BitmapError::Mismatch)));
         frozen.set_inconsistent();

@@ -152,13 +152,14 @@ impl SidecarStore {
     /// The store for `image`: sidecars next to it, or in `dir`. Names them
     /// after the image's file name.
     pub fn for_image(image: &Path, dir: Option<&Path>) -> Result<SidecarStore, BitmapError> {
-        let stem = image
-            .file_name()
-            .and_then(|n| n.to_str())
-            .ok_or_else(|| BitmapError::Corrupt {
-                path: image.display().to_string(),
-                why: "the image path has no UTF-8 file name".into(),
-            })?;
+        let stem =
+            image
+                .file_name()
+                .and_then(|n| n.to_str())
+                .ok_or_else(|| BitmapError::Corrupt {
+                    path: image.display().to_string(),
+                    why: "the image path has no UTF-8 file name".into(),
+                })?;
         let dir = match dir {
             Some(d) => d.to_path_buf(),
             None => match image.parent() {
@@ -242,11 +243,7 @@ impl SidecarStore {
     }
 
     /// Opens one sidecar and marks it in use.
-    fn open_one(
-        &mut self,
-        name: &str,
-        disk_size: u64,
-    ) -> Result<(DirtyBitmap, File), BitmapError> {
+    fn open_one(&mut self, name: &str, disk_size: u64) -> Result<(DirtyBitmap, File), BitmapError> {
         let path = self.path_of(name);
         let corrupt = |why: String| BitmapError::Corrupt {
             path: path.display().to_string(),
@@ -547,7 +544,10 @@ mod tests {
         s.update(name, b).unwrap();
         s.close(name, b).unwrap();
         let loaded = store(dir.path()).with_boot_id("third").open(SIZE).unwrap();
-        assert!(loaded[0].1.is_consistent(), "a cleared bitmap, closed cleanly");
+        assert!(
+            loaded[0].1.is_consistent(),
+            "a cleared bitmap, closed cleanly"
+        );
     }
 
     #[test]
@@ -566,7 +566,10 @@ mod tests {
         fs::write(dir.path().join(".disk.img.bitmap.y.new"), b"junk").unwrap();
         fs::write(dir.path().join("disk.img.bitmap.z"), vec![0u8; 8192]).unwrap();
         let e = s.open(1 << 20).unwrap_err().to_string();
-        assert!(e.contains("disk.img.bitmap.z") && e.contains("bad magic"), "{e}");
+        assert!(
+            e.contains("disk.img.bitmap.z") && e.contains("bad magic"),
+            "{e}"
+        );
         assert!(!dir.path().join(".disk.img.bitmap.y.new").exists());
         fs::remove_file(dir.path().join("disk.img.bitmap.z")).unwrap();
         let b = s.add("w", G, SIZE).unwrap();

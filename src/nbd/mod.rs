@@ -33,12 +33,20 @@ pub mod proto;
 mod server;
 mod session;
 
-
 use std::io;
+use std::os::unix::net::UnixListener;
+use std::path::Path;
 use std::time::Duration;
 
 pub use server::{Server, ServerStats};
 pub use session::{End, Transport, serve_connection};
+
+/// Binds the export's socket at `path`, mode 0600 whatever the umask,
+/// replacing a stale socket but never a live one.
+pub fn bind(path: &Path) -> io::Result<UnixListener> {
+    crate::unix_socket::remove_stale(path)?;
+    crate::unix_socket::bind_with_mode(path, 0o600)
+}
 
 /// A metadata context a client can select.
 #[derive(Clone, Debug, PartialEq, Eq)]

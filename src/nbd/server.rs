@@ -1,15 +1,15 @@
 //! The listener: an accept thread and a fixed pool of connection threads.
-//! A connection that finds no idle thread is closed at once, so the
-//! server never holds more than `max_connections` connections, threads
-//! or reply buffers, whatever clients do.
+//! A connection past `max_connections` is closed at once, so the server
+//! never holds more than that many connections, threads or reply buffers,
+//! whatever clients do.
 
 use std::collections::HashMap;
 use std::io;
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
@@ -39,6 +39,9 @@ struct Shared {
     served: AtomicU64,
     refused: AtomicU64,
     failed: AtomicU64,
+    /// Connections accepted and not yet ended (queued or served).
+    in_use: AtomicUsize,
+    max: usize,
     /// The live connections, to shut them down on stop.
     live: Mutex<HashMap<u64, UnixStream>>,
 }
@@ -66,8 +69,12 @@ impl Server {
         };
         listener.set_nonblocking(true)?;
         let (waker, wake_rx) = UnixStream::pair()?;
-        let shared = Arc::new(Shared::default());
-        let (tx, rx) = sync_channel::<(u64, UnixStream)>(0);
+        let shared = Arc::new(Shared {
+            max: limits.max_connections,
+            ..Shared::default()
+        });
+        // Never full: a connection is queued only under the cap.
+        let (tx, rx) = sync_channel::<(u64, UnixStream)>(limits.max_connections);
         let rx = Arc::new(Mutex::new(rx));
         let mut workers = Vec::with_capacity(limits.max_connections);
         for i in 0..limits.max_connections {
@@ -115,7 +122,13 @@ impl Server {
         }
         // The accept thread has dropped the sender: idle workers return.
         // Busy ones see their socket shut down.
-        for s in self.shared.live.lock().unwrap_or_else(|p| p.into_inner()).values() {
+        for s in self
+            .shared
+            .live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+        {
             let _ = s.shutdown(Shutdown::Both);
         }
         for w in self.workers.drain(..) {
@@ -166,19 +179,24 @@ fn accept_loop(
         }
         match listener.accept() {
             Ok((stream, _)) => {
+                let taken = shared
+                    .in_use
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                        (n < shared.max).then_some(n + 1)
+                    });
+                if taken.is_err() {
+                    // At the cap: the stream is dropped, which closes it.
+                    shared.refused.fetch_add(1, Ordering::Relaxed);
+                    crate::info_limited!(
+                        ENDS,
+                        "nbd: connection refused: {} connections already",
+                        shared.max
+                    );
+                    continue;
+                }
                 next_id += 1;
-                match tx.try_send((next_id, stream)) {
-                    Ok(()) => {}
-                    Err(TrySendError::Full(_)) => {
-                        // Every thread is busy: the stream is dropped,
-                        // which closes it.
-                        shared.refused.fetch_add(1, Ordering::Relaxed);
-                        crate::info_limited!(
-                            ENDS,
-                            "nbd: connection refused: all threads busy"
-                        );
-                    }
-                    Err(TrySendError::Disconnected(_)) => return,
+                if tx.send((next_id, stream)).is_err() {
+                    return;
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -202,35 +220,40 @@ fn worker(
     loop {
         let next = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
         let Ok((id, stream)) = next else { return };
-        shared.served.fetch_add(1, Ordering::Relaxed);
-        let Ok(clone) = stream.try_clone() else {
-            continue;
-        };
-        shared
-            .live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, clone);
-        // Registered first, checked second: a stop that began meanwhile
-        // either sees it in `live` or is seen here.
-        let end = if shared.stopping.load(Ordering::Acquire) {
-            End::Closed
-        } else {
-            serve_connection(stream, export, limits)
-        };
-        shared
-            .live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id);
-        match end {
-            End::Disconnect | End::Abort | End::Closed => {
-                log::debug!("nbd: connection {id}: {end}")
-            }
-            _ => {
-                shared.failed.fetch_add(1, Ordering::Relaxed);
-                crate::info_limited!(ENDS, "nbd: connection {id} ended: {end}");
-            }
+        serve_one(id, stream, shared, export, limits);
+        shared.in_use.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn serve_one(id: u64, stream: UnixStream, shared: &Shared, export: &dyn Export, limits: &Limits) {
+    shared.served.fetch_add(1, Ordering::Relaxed);
+    let Ok(clone) = stream.try_clone() else {
+        return;
+    };
+    shared
+        .live
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(id, clone);
+    // Registered first, checked second: a stop that began meanwhile
+    // either sees it in `live` or is seen here.
+    let end = if shared.stopping.load(Ordering::Acquire) {
+        End::Closed
+    } else {
+        serve_connection(stream, export, limits)
+    };
+    shared
+        .live
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&id);
+    match end {
+        End::Disconnect | End::Abort | End::Closed => {
+            log::debug!("nbd: connection {id}: {end}")
+        }
+        _ => {
+            shared.failed.fetch_add(1, Ordering::Relaxed);
+            crate::info_limited!(ENDS, "nbd: connection {id} ended: {end}");
         }
     }
 }

@@ -111,7 +111,8 @@ impl<'a> Cursor<'a> {
         self.bytes(2).map(|b| u16::from_be_bytes([b[0], b[1]]))
     }
     fn u32(&mut self) -> Option<u32> {
-        self.bytes(4).map(|b| u32::from_be_bytes(b.try_into().unwrap()))
+        self.bytes(4)
+            .map(|b| u32::from_be_bytes(b.try_into().unwrap()))
     }
     /// A length-prefixed string of at most MAX_STRING bytes.
     fn string(&mut self) -> Option<&'a str> {
@@ -274,8 +275,7 @@ impl<T: Transport> Session<'_, T> {
                 OPT_EXPORT_NAME => {
                     if !data.is_empty() {
                         return Err(End::Protocol(
-                            "NBD_OPT_EXPORT_NAME of an unknown export (only \"\" is served)"
-                                .into(),
+                            "NBD_OPT_EXPORT_NAME of an unknown export (only \"\" is served)".into(),
                         ));
                     }
                     self.out.extend_from_slice(&self.size.to_be_bytes());
@@ -397,7 +397,9 @@ impl<T: Transport> Session<'_, T> {
         let name = c
             .string()
             .ok_or_else(|| invalid("bad export name length"))?;
-        let n = c.u16().ok_or_else(|| invalid("missing information count"))?;
+        let n = c
+            .u16()
+            .ok_or_else(|| invalid("missing information count"))?;
         let mut wanted = Vec::with_capacity(usize::from(n));
         for _ in 0..n {
             wanted.push(c.u16().ok_or_else(|| invalid("short information list"))?);
@@ -559,7 +561,11 @@ impl<T: Transport> Session<'_, T> {
                     } else if flags & !(CMD_FLAG_FUA | CMD_FLAG_REQ_ONE) != 0 {
                         self.error(handle, EINVAL, "unknown flags for NBD_CMD_BLOCK_STATUS")?;
                     } else if len == 0 || !in_range {
-                        self.error(handle, EINVAL, "block status of an empty range or past the end")?;
+                        self.error(
+                            handle,
+                            EINVAL,
+                            "block status of an empty range or past the end",
+                        )?;
                     } else {
                         self.block_status(handle, offset, len, flags & CMD_FLAG_REQ_ONE != 0)?;
                     }
@@ -570,7 +576,8 @@ impl<T: Transport> Session<'_, T> {
     }
 
     fn simple(&mut self, handle: u64, error: u32) -> Res<()> {
-        self.out.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+        self.out
+            .extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
         self.out.extend_from_slice(&error.to_be_bytes());
         self.out.extend_from_slice(&handle.to_be_bytes());
         self.flush_out()
@@ -622,7 +629,11 @@ impl<T: Transport> Session<'_, T> {
         let start = HDR_ROOM - hdr_len;
         self.buf[start..HDR_ROOM].copy_from_slice(&self.out[..hdr_len]);
         self.out.clear();
-        Self::write_all(&mut self.io, self.deadline, &self.buf[start..HDR_ROOM + len])
+        Self::write_all(
+            &mut self.io,
+            self.deadline,
+            &self.buf[start..HDR_ROOM + len],
+        )
     }
 
     /// A structured read reply: one data chunk, streamed a piece at a
@@ -701,7 +712,8 @@ impl<T: Transport> Session<'_, T> {
             log::debug!("nbd: read at {offset} failed: {e}");
             return self.simple(handle, EIO);
         }
-        self.out.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+        self.out
+            .extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
         self.out.extend_from_slice(&0u32.to_be_bytes());
         self.out.extend_from_slice(&handle.to_be_bytes());
         self.send_with_header(16, first)?;
