@@ -81,7 +81,14 @@ impl Export for Fake {
         let run = (65536 - offset % 65536).min(max);
         let k = offset / 65536;
         Ok(match ctx {
-            MetaContext::Allocation => (run, if k % 2 == 1 { STATE_HOLE | STATE_ZERO } else { 0 }),
+            MetaContext::Allocation => (
+                run,
+                if k % 2 == 1 {
+                    STATE_HOLE | STATE_ZERO
+                } else {
+                    0
+                },
+            ),
             MetaContext::DirtyBitmap(_) => (run, u32::from(k % 3 == 0)),
         })
     }
@@ -126,7 +133,13 @@ impl Transport for Mem {
 enum Sent {
     Option(u32),
     ExportName,
-    Request { cmd: u16, flags: u16, handle: u64, offset: u64, len: u32 },
+    Request {
+        cmd: u16,
+        flags: u16,
+        handle: u64,
+        offset: u64,
+        len: u32,
+    },
 }
 
 const QUERIES: [&str; 6] = [
@@ -323,7 +336,11 @@ struct Out<'a>(&'a [u8]);
 
 impl Out<'_> {
     fn take(&mut self, n: usize) -> &[u8] {
-        assert!(self.0.len() >= n, "output ends {} bytes short", n - self.0.len());
+        assert!(
+            self.0.len() >= n,
+            "output ends {} bytes short",
+            n - self.0.len()
+        );
         let (a, b) = self.0.split_at(n);
         self.0 = b;
         a
@@ -406,7 +423,10 @@ fn check(output: &[u8], sent: &[Sent], flags: u32, export: &Fake, seen: &mut BTr
         match s {
             Sent::Option(opt) if !transmission => {
                 if !fixed {
-                    assert!(out.0.is_empty(), "option {opt} of a non-fixed client answered");
+                    assert!(
+                        out.0.is_empty(),
+                        "option {opt} of a non-fixed client answered"
+                    );
                     seen.insert("non-fixed-refused".into());
                     return;
                 }
@@ -424,7 +444,10 @@ fn check(output: &[u8], sent: &[Sent], flags: u32, export: &Fake, seen: &mut BTr
                             let info = u16::from_be_bytes([data[0], data[1]]);
                             if info == INFO_EXPORT {
                                 assert_eq!(data.len(), 12);
-                                assert_eq!(u64::from_be_bytes(data[2..10].try_into().unwrap()), export.size);
+                                assert_eq!(
+                                    u64::from_be_bytes(data[2..10].try_into().unwrap()),
+                                    export.size
+                                );
                                 let tf = u16::from_be_bytes([data[10], data[11]]);
                                 assert!(tf & FLAG_READ_ONLY != 0);
                                 got_export = true;
@@ -445,8 +468,13 @@ fn check(output: &[u8], sent: &[Sent], flags: u32, export: &Fake, seen: &mut BTr
                         }
                         t if t & (1 << 31) != 0 => {
                             assert!(
-                                [REP_ERR_UNSUP, REP_ERR_INVALID, REP_ERR_UNKNOWN, REP_ERR_TOO_BIG]
-                                    .contains(&t),
+                                [
+                                    REP_ERR_UNSUP,
+                                    REP_ERR_INVALID,
+                                    REP_ERR_UNKNOWN,
+                                    REP_ERR_TOO_BIG
+                                ]
+                                .contains(&t),
                                 "error reply {t:#x}"
                             );
                             if *opt == OPT_SET_META_CONTEXT {
@@ -460,7 +488,10 @@ fn check(output: &[u8], sent: &[Sent], flags: u32, export: &Fake, seen: &mut BTr
                         t => panic!("unknown option reply type {t}"),
                     }
                 }
-                assert!(got_export || !matches!(*opt, OPT_GO | OPT_INFO), "INFO_EXPORT missing");
+                assert!(
+                    got_export || !matches!(*opt, OPT_GO | OPT_INFO),
+                    "INFO_EXPORT missing"
+                );
                 match *opt {
                     OPT_STRUCTURED_REPLY => structured = true,
                     OPT_SET_META_CONTEXT => contexts = new_contexts,
@@ -488,11 +519,21 @@ fn check(output: &[u8], sent: &[Sent], flags: u32, export: &Fake, seen: &mut BTr
                 handle,
                 offset,
                 len,
-            } => check_reply(&mut out, (*cmd, *flags, *handle, *offset, *len), structured, &contexts, seen),
+            } => check_reply(
+                &mut out,
+                (*cmd, *flags, *handle, *offset, *len),
+                structured,
+                &contexts,
+                seen,
+            ),
             Sent::Option(_) => unreachable!(),
         }
     }
-    assert!(out.0.is_empty(), "{} bytes of output left over", out.0.len());
+    assert!(
+        out.0.is_empty(),
+        "{} bytes of output left over",
+        out.0.len()
+    );
 }
 
 fn check_reply(
@@ -507,13 +548,24 @@ fn check_reply(
         let error = out.u32();
         assert_eq!(out.u64(), handle);
         if cmd == CMD_READ && error == 0 {
-            assert!(!structured, "a simple reply to a read with structured replies on");
+            assert!(
+                !structured,
+                "a simple reply to a read with structured replies on"
+            );
             let data = out.take(len as usize);
             for (i, &b) in data.iter().enumerate() {
-                assert_eq!(b, Fake::byte_at(offset + i as u64), "read data at {}", offset + i as u64);
+                assert_eq!(
+                    b,
+                    Fake::byte_at(offset + i as u64),
+                    "read data at {}",
+                    offset + i as u64
+                );
             }
         }
-        assert!(!(cmd == CMD_BLOCK_STATUS && error == 0), "block status in a simple reply");
+        assert!(
+            !(cmd == CMD_BLOCK_STATUS && error == 0),
+            "block status in a simple reply"
+        );
         seen.insert(format!("{}:simple:{error}", cmd_name(cmd)));
         return;
     }
@@ -548,7 +600,10 @@ fn check_reply(
             REPLY_TYPE_BLOCK_STATUS => {
                 assert_eq!(cmd, CMD_BLOCK_STATUS);
                 let id = u32::from_be_bytes(payload[0..4].try_into().unwrap());
-                assert!(contexts.iter().any(|c| c.0 == id), "unknown context id {id}");
+                assert!(
+                    contexts.iter().any(|c| c.0 == id),
+                    "unknown context id {id}"
+                );
                 let descs = &payload[4..];
                 assert!(!descs.is_empty() && descs.len() % 8 == 0);
                 let n = descs.len() / 8;
@@ -579,12 +634,20 @@ fn check_reply(
         }
     }
     if cmd == CMD_READ {
-        assert!(covered >= u64::from(len), "read reply covers {covered} of {len}");
+        assert!(
+            covered >= u64::from(len),
+            "read reply covers {covered} of {len}"
+        );
         if !errored {
             assert_eq!(covered, u64::from(len), "chunks overlap");
             for (o, data) in chunks {
                 for (i, &b) in data.iter().enumerate() {
-                    assert_eq!(b, Fake::byte_at(o + i as u64), "read data at {}", o + i as u64);
+                    assert_eq!(
+                        b,
+                        Fake::byte_at(o + i as u64),
+                        "read data at {}",
+                        o + i as u64
+                    );
                 }
             }
         }
@@ -615,7 +678,13 @@ mod tests {
                 .collect();
             all.extend(session_one(&data));
         }
-        for want in ["read:data", "block-status", "end:disconnect", "end:closed", "corrupted"] {
+        for want in [
+            "read:data",
+            "block-status",
+            "end:disconnect",
+            "end:closed",
+            "corrupted",
+        ] {
             assert!(all.contains(want), "never saw {want}: {all:?}");
         }
     }
