@@ -49,7 +49,7 @@ fn have_tools() -> bool {
     }
     assert!(
         std::env::var_os("CI").is_none(),
-        "CI is set but nbdinfo, nbdcopy or qemy-img is missing (scripts/nbd-tools.sh installs them)"
+        "CI is set but nbdinfo, nbdcopy or qemu-img is missing (scripts/nbd-tools.sh installs them)"
     );
     eprintln!("skipped: nbdinfo, nbdcopy or qemu-img is missing (scripts/nbd-tools.sh)");
     false
