@@ -1,6 +1,7 @@
-//! Unix socket files shared by the vhost-user listener and the HTTP
-//! endpoints: a socket left by a crashed process is replaced, one a live
-//! process accepts on never is; a new one is born with its mode.
+//! Unix socket files shared by the vhost-user listener, the HTTP
+//! endpoints and the backup's NBD export: a socket left by a crashed
+//! process is replaced, one a live process accepts on never is, and a new
+//! one is born with the mode asked for.
 
 use std::fs;
 use std::io;

@@ -8,7 +8,6 @@ use std::os::unix::net::UnixListener;
 use std::path::Path;
 
 use super::DaemonError;
-use crate::unix_socket::bind_with_mode;
 
 /// Binds `path`, replacing a stale socket file but never one a live daemon
 /// still accepts on. The file is born with `mode`: nothing changes it by
@@ -25,7 +24,7 @@ pub fn bind(path: &Path, mode: u32) -> Result<UnixListener, DaemonError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         fs::create_dir_all(dir).map_err(|e| err(format!("cannot create its directory: {e}")))?;
     }
-    bind_with_mode(path, mode).map_err(|e| err(format!("cannot listen: {e}")))
+    crate::unix_socket::bind_with_mode(path, mode).map_err(|e| err(format!("cannot listen: {e}")))
 }
 
 /// The first descriptor systemd passes (SD_LISTEN_FDS_START).
