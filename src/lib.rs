@@ -18,7 +18,6 @@
 
 pub mod api;
 pub mod backup;
-pub mod bench;
 pub mod bitmap;
 pub mod cli;
 pub mod daemon;

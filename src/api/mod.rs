@@ -13,7 +13,6 @@
 //! their counters and the capacity, and a resize stores the capacity.
 
 mod control;
-pub mod ctl;
 mod server;
 
 use std::net::TcpListener;

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
-use crate::cli::{DEFAULT_IMAGE_NAME, DEFAULT_SOCKET_NAME, EngineKind, ServeArgs};
+use super::args::{DEFAULT_IMAGE_NAME, DEFAULT_SOCKET_NAME, EngineKind, ServeArgs};
 use crate::device::{Backing as Resize, Device, DeviceSpec, Serial};
 use crate::engine::UringConfig;
 use crate::io::{Image, ImageLock, ImageOptions, RbdSpec};

@@ -5,6 +5,7 @@
 //! the front-end goes away the daemon waits for the next one, so a VM
 //! reboot or a QEMU restart needs no daemon restart.
 
+mod args;
 mod config;
 mod fds;
 mod notify;
@@ -24,7 +25,6 @@ use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use crate::cli::{EngineKind, ServeArgs};
 use crate::device::{Connection, Device};
 use crate::engine::{Core, Engine, EngineError, NullEngine, UringEngine};
 use crate::io::ImageError;
@@ -33,6 +33,7 @@ use crate::queue::{QueueWorker, Settings, Timer};
 use crate::vhost::{BlkBackend, ExitEvents, proxy};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
 use crate::warn_limited;
+pub use args::{EngineKind, SeccompMode, ServeArgs};
 use removal::Removal;
 
 pub use config::{Config, Listen};

@@ -82,7 +82,7 @@ use seccompiler::{
 use libc::c_int;
 
 use super::DaemonError;
-use crate::cli::SeccompMode;
+use super::args::SeccompMode;
 
 /// Exit status after a syscall the filter does not allow (128 + SIGSYS,
 /// as if the signal had killed the process).

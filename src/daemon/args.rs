@@ -1,47 +1,19 @@
-//! Command-line definitions. Parsing only: validation that needs the file
-//! system happens in `daemon::config`.
+//! `ringblk serve`'s options. Parsing only: validation that needs the
+//! file system happens in [`super::config`].
 
 use std::path::PathBuf;
 
 use clap::builder::PossibleValue;
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, ValueEnum};
+use ringblk_metrics::parse_size;
 
 pub use crate::queue::{NotifyMode, SignalMode};
-pub use ringblk_metrics::parse_size;
 
 /// Where `ringblk serve` listens, and the image it creates, by default:
-/// these names in a private directory that `daemon::config` picks and
+/// these names in a private directory that [`super::config`] picks and
 /// checks.
 pub const DEFAULT_SOCKET_NAME: &str = "vhost.sock";
 pub const DEFAULT_IMAGE_NAME: &str = "disk.img";
-
-#[derive(Debug, Parser)]
-#[command(
-    name = "ringblk",
-    version,
-    about = "A vhost-user-blk backend built on io_uring"
-)]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Serve an image file or block device as a vhost-user-blk device.
-    Serve(Box<ServeArgs>),
-    /// Print the counters of a running daemon (started with --metrics or
-    /// --api); `ctl --api PATH stats` is the same.
-    Stats(crate::metrics::StatsArgs),
-    /// Control a running daemon over its --api socket: status, resize,
-    /// stats.
-    Ctl(crate::api::ctl::CtlArgs),
-    /// Load generator for any vhost-user-blk socket, and a side-by-side
-    /// comparison with qemu-storage-daemon and the host's own io_uring:
-    /// runs ringblk-bench with these arguments.
-    #[command(disable_help_flag = true)]
-    Bench(crate::bench::BenchArgs),
-}
 
 /// `--notify`: the queue's own enum, named for the command line here.
 impl ValueEnum for NotifyMode {
@@ -294,54 +266,5 @@ mod tests {
         assert!(parse_octal("800").is_err());
         assert_eq!(parse_block_size("4096"), Ok(4096));
         assert!(parse_block_size("1024").is_err());
-    }
-
-    #[test]
-    fn later_serve_options_override_earlier_ones() {
-        let cli =
-            Cli::try_parse_from(["ringblk", "serve", "--poll-us=0", "--poll-us", "50"]).unwrap();
-        match cli.command {
-            Command::Serve(a) => assert_eq!(a.poll_us, 50),
-            other => panic!("parsed as {other:?}"),
-        }
-    }
-
-    #[test]
-    fn qos_flags_fill_the_limits() {
-        let cli = Cli::try_parse_from([
-            "ringblk",
-            "serve",
-            "--iops",
-            "2000",
-            "--read-bps",
-            "64M",
-            "--write-bps",
-            "0",
-            "--write-iops-max",
-            "30",
-        ])
-        .unwrap();
-        let Command::Serve(a) = cli.command else {
-            panic!("not serve");
-        };
-        let l = crate::qos::QosLimits {
-            bps_write: 5,
-            iops_read: 7,
-            ..Default::default()
-        }
-        .with(&a.qos);
-        assert_eq!(l.iops_total, 2000);
-        assert_eq!(l.bps_read, 64 << 20);
-        assert_eq!(l.bps_write, 0, "0 removes a limit");
-        assert_eq!(l.iops_read, 7, "not given: kept");
-        assert_eq!(l.iops_write_max, 30);
-        assert!(Cli::try_parse_from(["ringblk", "serve", "--bps", "1X"]).is_err());
-        assert!(Cli::try_parse_from(["ringblk", "serve", "--iops", "-1"]).is_err());
-    }
-
-    #[test]
-    fn cli_is_consistent() {
-        use clap::CommandFactory;
-        Cli::command().debug_assert();
     }
 }

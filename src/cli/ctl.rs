@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 
-use crate::metrics::StatsArgs;
+use super::stats::StatsArgs;
 
 #[derive(Debug, Args)]
 pub struct CtlArgs {
@@ -65,7 +65,7 @@ pub fn ctl(args: &CtlArgs) -> Result<(), String> {
         CtlVerb::Resize { size, force } => {
             let mut body = serde_json::Map::new();
             if let Some(s) = size {
-                let bytes = crate::cli::parse_size(s).map_err(|e| format!("bad size: {e}"))?;
+                let bytes = ringblk_metrics::parse_size(s).map_err(|e| format!("bad size: {e}"))?;
                 body.insert("size".into(), bytes.into());
             }
             body.insert("force".into(), (*force).into());
@@ -101,7 +101,7 @@ pub fn ctl(args: &CtlArgs) -> Result<(), String> {
             prometheus,
             interval,
             count,
-        } => crate::metrics::stats(&StatsArgs {
+        } => super::stats::stats(&StatsArgs {
             metrics: addr,
             json: *json,
             prometheus: *prometheus,
