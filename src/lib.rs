@@ -1,20 +1,28 @@
 //! ringblk: a vhost-user-blk backend that does its I/O with io_uring.
 //!
-//! Layers, bottom to top:
-//! - [`virtio`]: the split ring as we drive it (shadowed indices, batched
-//!   used-ring publication, notification decisions) and the typed, validated
-//!   block [`virtio::Request`];
-//! - [`io`]: the image (opening, creating, probing it);
-//! - [`engine`]: the I/O engines behind one contract (io_uring, null): a
-//!   validated request in, a completion out; every engine-specific choice
-//!   (opcodes, bounce buffers, fallbacks, retries) stays there;
-//! - [`vhost`]: the glue to `vhost-user-backend`: one worker per queue,
-//!   which decides when to pop, submit, publish, notify and journal;
-//! - [`daemon`]: configuration, the socket, signals, the serve loop;
-//! - [`metrics`]: the counters, `ringblk stats`, rate-limited logging;
-//! - [`api`]: the HTTP endpoints (`--api`'s control verbs, `--metrics`)
-//!   and `ringblk ctl`;
-//! - [`bench`](mod@bench): `ringblk bench`, which runs the separate `ringblk-bench`.
+//! Layers, bottom to top; each imports only from layers below it
+//! (`scripts/layers.py` checks):
+//! - leaves: [`virtio`] (the split ring as we drive it, and the typed,
+//!   validated block [`virtio::Request`] with its guest buffers), [`io`]
+//!   (the image file: opening, creating, locking it), [`metrics`]
+//!   (counters, rate-limited logs), [`unix_socket`], [`bitmap`] (dirty
+//!   bitmaps);
+//! - [`qos`] (token buckets), [`nbd`] (the NBD server);
+//! - [`device`]: the device's runtime state, one object (capacity, write
+//!   cache, dirty logging, QoS, the image lock, the connection); and
+//!   [`backup`] (a bitmap's view, served over NBD);
+//! - [`engine`]: *how* a request becomes I/O: the engine core every engine
+//!   shares, the format seam (where), and the engines (io_uring, librbd,
+//!   null);
+//! - [`queue`]: *when*: one worker per queue pops, admits, batches,
+//!   publishes, notifies and journals;
+//! - [`vhost`]: the glue to `vhost-user-backend`, the relay in front of
+//!   it, SIGBUS containment;
+//! - [`api`]: the HTTP endpoints (`--api`'s control verbs, `--metrics`);
+//! - [`daemon`]: `serve`'s options and configuration, the socket, signals,
+//!   the seccomp filter, the serve loop;
+//! - [`cli`]: the command line, and the clients `ctl`, `stats` and
+//!   `bench`.
 
 pub mod api;
 pub mod backup;

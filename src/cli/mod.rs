@@ -3,7 +3,7 @@
 //! of a running daemon or of the benchmark, here:
 //! - [`ctl`]: `ringblk ctl`, the control API's client;
 //! - [`stats`]: `ringblk stats`, a table of a running daemon's counters;
-//! - [`bench`]: `ringblk bench`, which runs the separate `ringblk-bench`.
+//! - [`bench`](mod@bench): `ringblk bench`, which runs the separate `ringblk-bench`.
 
 pub mod bench;
 pub mod ctl;

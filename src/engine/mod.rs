@@ -7,7 +7,7 @@
 //!   a guest offset to itself in file 0 ([`Raw`]); an image format
 //!   (qcow2) maps it to a host offset in one of its chain's files, or
 //!   says it reads as zeroes, or that metadata must be read or allocated
-//!   first (see [`format`]);
+//!   first (see [`format`](mod@format));
 //! - an [`Engine`] turns an [`Io`] (what, where, how durable) into I/O:
 //!   io_uring ([`UringEngine`]), librbd (`rbd::RbdEngine`, feature `rbd`),
 //!   or nothing at all ([`NullEngine`], the ceiling of the ring path).
