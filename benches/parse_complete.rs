@@ -7,7 +7,7 @@
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use ringblk::virtio::chain_writer::{DescTable, readable, writable};
-use ringblk::virtio::ring::RingShadow;
+use ringblk::virtio::ring::{RingShadow, RingView};
 use ringblk::virtio::{DeviceLimits, GuestMem, Request};
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::{Queue, QueueT};
@@ -63,21 +63,22 @@ fn bench(c: &mut Criterion) {
                 || (setup(&mem, batch), RingShadow::default()),
                 |(mut q, mut shadow)| {
                     let mut reqs = Vec::with_capacity(usize::from(batch));
+                    let view = RingView::new(&q, &mem);
                     shadow
-                        .pop(&mut q, &mem, usize::from(batch), |chain| {
+                        .pop(&mut q, &view, usize::from(batch), |chain| {
                             reqs.push(
                                 Request::parse(chain, &snapshot, &limits, capacity, QSIZE).unwrap(),
                             )
                         })
                         .unwrap();
                     for r in &reqs {
-                        mem.write_obj(0u8, r.status_addr()).unwrap();
+                        assert!(ringblk::virtio::Status::Ok.write(&mem, r.status_addr()));
                         shadow
-                            .add_used(&mut q, &mem, r.head(), r.written_len() + 1)
+                            .add_used(&mut q, &view, r.head(), r.written_len() + 1)
                             .unwrap();
                     }
-                    shadow.publish(&q, &mem).unwrap();
-                    shadow.needs_notification(&q, &mem).unwrap()
+                    shadow.publish(&q, &view).unwrap();
+                    shadow.needs_notification(&q, &view).unwrap()
                 },
                 BatchSize::SmallInput,
             )

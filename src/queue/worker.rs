@@ -55,7 +55,7 @@ use std::time::{Duration, Instant};
 
 use vhost_user_backend::{VringMutex, VringState, VringT};
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Bytes, GuestMemoryAtomic};
+use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::device::Device;
@@ -64,7 +64,7 @@ use crate::metrics::{QueueMetrics, RateLimiter, RequestType};
 use crate::qos::MAX_THROTTLE_SLEEP;
 use crate::virtio::RequestError;
 use crate::virtio::request::{Parser, Rejected};
-use crate::virtio::ring::{RingError, RingShadow};
+use crate::virtio::ring::{RingError, RingShadow, RingView};
 use crate::virtio::{Direction, GuestMem, Request, Status};
 use crate::{info_limited, warn_limited};
 
@@ -357,6 +357,10 @@ impl<E: Engine> QueueWorker<E> {
             // Stopped ring: nothing to pop; completions are drained by stop().
             return Ok(());
         }
+        // The rings, translated once for this pass (the driver moves them
+        // only while the ring is stopped).
+        let view = RingView::new(state.get_queue(), &*mem);
+        let view = &view;
         if !self.started {
             self.shadow.reset(state.get_queue());
             self.started = true;
@@ -364,12 +368,12 @@ impl<E: Engine> QueueWorker<E> {
                 // Requests wait for it (see `gate`), for a while.
                 self.lock_deadline = Some(Instant::now() + LOCK_WAIT);
             }
-            self.recover(&mut state, &mem)?;
+            self.recover(&mut state, &mem, view)?;
         }
         if !state.is_enabled() {
             // SET_VRING_ENABLE 0: take nothing new off the ring. What is in
             // flight still completes (and GET_VRING_BASE waits for it).
-            return self.complete(&mut state, &mem);
+            return self.complete(&mut state, view);
         }
         let device = self.device.clone();
         let stopping = || device.stopping();
@@ -379,18 +383,18 @@ impl<E: Engine> QueueWorker<E> {
         let budget = TURN.min(usize::from(device.queue_size()));
         loop {
             if self.cfg.signal == SignalMode::Early {
-                self.complete(&mut state, &mem)?;
+                self.complete(&mut state, view)?;
             }
             let (popped, full) = if stopping() {
                 (0, false)
             } else {
-                self.shadow.disable_kicks(state.get_queue(), &*mem)?;
-                self.pop_and_start(&mut state, &mem)?
+                self.shadow.disable_kicks(state.get_queue(), view)?;
+                self.pop_and_start(&mut state, &mem, view)?
             };
             if self.cfg.signal == SignalMode::Late {
-                self.complete(&mut state, &mem)?;
+                self.complete(&mut state, view)?;
             } else {
-                self.publish(&mut state, &mem)?;
+                self.publish(&mut state, view)?;
             }
             if full {
                 // Backpressure: resume when completions free room, or when
@@ -417,15 +421,15 @@ impl<E: Engine> QueueWorker<E> {
                 // and before the next (in `complete`): what completes
                 // later rings it again.
                 self.core.completions().consume();
-                self.complete(&mut state, &mem)?;
+                self.complete(&mut state, view)?;
             }
-            if self.poll_for_work(&state, &mem)? {
+            if self.poll_for_work(&state, view)? {
                 continue;
             }
             if stopping() {
                 return Ok(());
             }
-            if self.shadow.enable_kicks(state.get_queue(), &*mem)? {
+            if self.shadow.enable_kicks(state.get_queue(), view)? {
                 if taken >= budget && self.yield_turn() {
                     return Ok(());
                 }
@@ -454,6 +458,7 @@ impl<E: Engine> QueueWorker<E> {
         &mut self,
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
         mem: &Arc<GuestMem>,
+        view: &RingView<'_>,
     ) -> Result<(), RingError> {
         let Some(log) = self.journal.as_mut() else {
             return Ok(());
@@ -529,13 +534,13 @@ impl<E: Engine> QueueWorker<E> {
         queue.set_next_avail(used.wrapping_add(rec.resubmit.len() as u16));
         for p in parsed.drain(..) {
             match p {
-                Ok(req) => self.start(state.get_queue_mut(), mem, req),
-                Err(rej) => self.reject(state.get_queue_mut(), mem, rej),
+                Ok(req) => self.start(state.get_queue_mut(), view, req),
+                Err(rej) => self.reject(state.get_queue_mut(), view, rej),
             }
         }
         self.parsed = parsed;
         self.commit();
-        self.publish(state, mem)
+        self.publish(state, view)
     }
 
     /// Ends this turn with work left, on a thread shared with other
@@ -560,7 +565,7 @@ impl<E: Engine> QueueWorker<E> {
     fn poll_for_work(
         &mut self,
         state: &VringState<GuestMemoryAtomic<GuestMem>>,
-        mem: &GuestMem,
+        view: &RingView<'_>,
     ) -> Result<bool, RingError> {
         if self.resume.is_some() {
             return Ok(false);
@@ -594,7 +599,7 @@ impl<E: Engine> QueueWorker<E> {
         let mut spins = 0u64;
         let outcome = loop {
             spins += 1;
-            if self.shadow.avail_pending(state.get_queue(), mem)? || self.reap() > 0 {
+            if self.shadow.avail_pending(state.get_queue(), view)? || self.reap() > 0 {
                 break Outcome::Found;
             }
             let now = Instant::now();
@@ -658,7 +663,7 @@ impl<E: Engine> QueueWorker<E> {
     /// pass the gate (all of them, with `force`, but for those the image
     /// lock refuses) and the engine has room. Returns whether all of them
     /// went.
-    fn start_deferred(&mut self, queue: &mut Queue, mem: &GuestMem, force: bool) -> bool {
+    fn start_deferred(&mut self, queue: &mut Queue, view: &RingView<'_>, force: bool) -> bool {
         while let Some(req) = self.deferred.pop_front() {
             if !self.front_admitted {
                 match self.gate(&req, force) {
@@ -668,7 +673,7 @@ impl<E: Engine> QueueWorker<E> {
                         return false;
                     }
                     Gate::Refuse => {
-                        self.fail(queue, mem, req);
+                        self.fail(queue, view, req);
                         continue;
                     }
                 }
@@ -725,13 +730,13 @@ impl<E: Engine> QueueWorker<E> {
     /// Answers a request that cannot go to the engine: IOERR. (Another
     /// process writes the image: failing is all this device can do
     /// without corrupting it.)
-    fn fail(&mut self, queue: &mut Queue, mem: &GuestMem, req: Request) {
+    fn fail(&mut self, queue: &mut Queue, view: &RingView<'_>, req: Request) {
         let c = Completion {
             req,
             status: Status::IoErr,
             written: 0,
         };
-        self.finish(queue, mem, c);
+        self.finish(queue, view, c);
     }
 
     /// Asks QoS whether `req` may go to the engine now. With no limits
@@ -789,8 +794,9 @@ impl<E: Engine> QueueWorker<E> {
         &mut self,
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
         mem: &Arc<GuestMem>,
+        view: &RingView<'_>,
     ) -> Result<(usize, bool), RingError> {
-        if !self.start_deferred(state.get_queue_mut(), mem, false) || self.core.room() == 0 {
+        if !self.start_deferred(state.get_queue_mut(), view, false) || self.core.room() == 0 {
             self.commit();
             return Ok((0, true));
         }
@@ -805,7 +811,7 @@ impl<E: Engine> QueueWorker<E> {
         let parser = &mut self.parser;
         let popped = self
             .shadow
-            .pop(state.get_queue_mut(), mem.as_ref(), limit, |chain| {
+            .pop(state.get_queue_mut(), view, limit, |chain| {
                 // Logged before anything is done with it: from here until
                 // its used element is published, a crash must resubmit it.
                 if let Some(log) = journal.as_mut() {
@@ -815,11 +821,11 @@ impl<E: Engine> QueueWorker<E> {
             });
         for p in parsed.drain(..) {
             match p {
-                Ok(req) => self.start(state.get_queue_mut(), mem, req),
-                Err(rej) => self.reject(state.get_queue_mut(), mem, rej),
+                Ok(req) => self.start(state.get_queue_mut(), view, req),
+                Err(rej) => self.reject(state.get_queue_mut(), view, rej),
             }
             if self.cfg.notify == NotifyMode::PerRequest {
-                self.publish(state, mem)?;
+                self.publish(state, view)?;
             }
         }
         self.parsed = parsed;
@@ -830,7 +836,7 @@ impl<E: Engine> QueueWorker<E> {
     }
 
     /// Hands `req` to the engine, or behind the deferred ones.
-    fn start(&mut self, queue: &mut Queue, mem: &GuestMem, req: Request) {
+    fn start(&mut self, queue: &mut Queue, view: &RingView<'_>, req: Request) {
         if !self.deferred.is_empty() {
             self.deferred.push_back(req);
             return;
@@ -843,7 +849,7 @@ impl<E: Engine> QueueWorker<E> {
                 }
             }
             Gate::Wait => self.deferred.push_back(req),
-            Gate::Refuse => self.fail(queue, mem, req),
+            Gate::Refuse => self.fail(queue, view, req),
         }
     }
 
@@ -864,40 +870,40 @@ impl<E: Engine> QueueWorker<E> {
     fn complete(
         &mut self,
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
-        mem: &GuestMem,
+        view: &RingView<'_>,
     ) -> Result<(), RingError> {
         self.reap();
         let mut reaped = std::mem::take(&mut self.reaped);
         // Every reaped request is finished, whatever happens to the others.
         let mut published = Ok(());
         for c in reaped.drain(..) {
-            self.finish(state.get_queue_mut(), mem, c);
+            self.finish(state.get_queue_mut(), view, c);
             if self.cfg.notify == NotifyMode::PerRequest && published.is_ok() {
-                published = self.publish(state, mem);
+                published = self.publish(state, view);
             }
         }
         self.reaped = reaped;
         // A retry the engine queued while reaping goes to the kernel now.
         self.commit();
         published?;
-        self.publish(state, mem)
+        self.publish(state, view)
     }
 
     /// Writes a finished request's status byte and used element. Its own
     /// memory snapshot takes the status; the used ring is in `mem`, the
     /// current one. A ring that cannot take the element is logged: the
     /// request is done either way.
-    fn finish(&mut self, queue: &mut Queue, mem: &GuestMem, c: Completion) {
+    fn finish(&mut self, queue: &mut Queue, view: &RingView<'_>, c: Completion) {
         let Completion {
             req,
             status,
             written,
         } = c;
         self.count_done(&req, status);
-        let _ = req.mem().write_obj(status.byte(), req.status_addr());
+        status.write(req.mem(), req.status_addr());
         let len = if status.is_ok() { written + 1 } else { 1 };
         let head = req.head();
-        if let Err(e) = self.add_used(queue, mem, head, len) {
+        if let Err(e) = self.add_used(queue, view, head, len) {
             warn_limited!(self.log_limit, "request {head}: used ring: {e}");
         }
         self.parser.recycle(req);
@@ -905,11 +911,11 @@ impl<E: Engine> QueueWorker<E> {
 
     /// Answers a refused request: status byte if there is one, used length
     /// 0 if not.
-    fn reject(&mut self, queue: &mut Queue, mem: &GuestMem, rej: Rejected) {
+    fn reject(&mut self, queue: &mut Queue, view: &RingView<'_>, rej: Rejected) {
         let len = match rej.status {
             Some(addr) => {
                 let status = rej.error.status();
-                if mem.write_obj(status.byte(), addr).is_ok() {
+                if status.write(view.mem(), addr) {
                     if status == Status::Unsupp {
                         QueueMetrics::add(&self.metrics.errors_unsupp, 1);
                         self.metrics.count_request(RequestType::Unsupported);
@@ -933,7 +939,7 @@ impl<E: Engine> QueueWorker<E> {
             rej.head,
             rej.error
         );
-        if let Err(e) = self.add_used(queue, mem, rej.head, len) {
+        if let Err(e) = self.add_used(queue, view, rej.head, len) {
             warn_limited!(self.log_limit, "request {}: used ring: {e}", rej.head);
         }
     }
@@ -942,7 +948,7 @@ impl<E: Engine> QueueWorker<E> {
     fn add_used(
         &mut self,
         queue: &mut Queue,
-        mem: &GuestMem,
+        view: &RingView<'_>,
         head: u16,
         len: u32,
     ) -> Result<(), RingError> {
@@ -957,7 +963,7 @@ impl<E: Engine> QueueWorker<E> {
             );
             return Ok(());
         }
-        self.shadow.add_used(queue, mem, head, len)?;
+        self.shadow.add_used(queue, view, head, len)?;
         if self.journal.is_some() {
             self.unpublished_heads.push(head);
         }
@@ -970,12 +976,12 @@ impl<E: Engine> QueueWorker<E> {
     fn publish(
         &mut self,
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
-        mem: &GuestMem,
+        view: &RingView<'_>,
     ) -> Result<(), RingError> {
         if let Some(log) = &self.journal {
             log.before_publish(&self.unpublished_heads);
         }
-        let n = self.shadow.publish(state.get_queue(), mem)?;
+        let n = self.shadow.publish(state.get_queue(), view)?;
         if let Some(log) = &self.journal {
             log.after_publish(&self.unpublished_heads, state.get_queue().next_used());
             self.unpublished_heads.clear();
@@ -983,7 +989,7 @@ impl<E: Engine> QueueWorker<E> {
         if n == 0 {
             return Ok(());
         }
-        if self.shadow.needs_notification(state.get_queue(), mem)? {
+        if self.shadow.needs_notification(state.get_queue(), view)? {
             if state.signal_used_queue().is_ok() {
                 QueueMetrics::add(&self.metrics.notifications, 1);
             }
@@ -1084,7 +1090,8 @@ impl<E: Engine> QueueWorker<E> {
         };
         let mut state = vring.get_mut();
         loop {
-            self.start_deferred(state.get_queue_mut(), &mem, true);
+            let view = RingView::new(state.get_queue(), &*mem);
+            self.start_deferred(state.get_queue_mut(), &view, true);
             self.commit();
             if self.core.in_flight() == 0 && self.deferred.is_empty() {
                 break;
@@ -1093,7 +1100,7 @@ impl<E: Engine> QueueWorker<E> {
                 warn_limited!(self.log_limit, "draining queue: {e}");
                 std::thread::sleep(Duration::from_millis(1));
             }
-            if let Err(e) = self.complete(&mut state, &mem) {
+            if let Err(e) = self.complete(&mut state, &view) {
                 warn_limited!(self.log_limit, "draining queue: {e}");
             }
         }

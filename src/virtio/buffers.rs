@@ -48,6 +48,18 @@ impl GuestBuffers {
         iovecs.clear();
         let mut len = 0u32;
         for (addr, n) in bufs {
+            // Most buffers lie in one region: one lookup.
+            if let Some(slice) = (n > 0)
+                .then(|| mem.get_slice(addr, n as usize).ok())
+                .flatten()
+            {
+                iovecs.push(libc::iovec {
+                    iov_base: slice.ptr_guard_mut().as_ptr().cast(),
+                    iov_len: slice.len(),
+                });
+                len = len.saturating_add(n);
+                continue;
+            }
             for slice in GuestMemoryBackend::get_slices(&**mem, addr, n as usize) {
                 let Ok(slice) = slice else {
                     return Err((RequestError::BadAddress, iovecs));

@@ -26,6 +26,8 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use self::generator::{Generator, Input, Posted, pick_limits, write};
+use super::request::Rejected;
+use super::ring::{RingShadow, RingView};
 use super::{DeviceLimits, GuestMem, Request, RequestError, RequestKind, SECTOR_SHIFT};
 
 /// What one chain came to.
@@ -86,14 +88,72 @@ pub fn parse_one(data: &[u8]) -> Vec<Outcome> {
         Err(e) => panic!("queue refused a sane avail ring: {e}"),
     };
     assert_eq!(chains.len(), posted.len());
-    chains
+    // Descriptor for descriptor, virtio-queue's walk and the worker's over
+    // the rings translated for its pass.
+    let view = RingView::new(&queue, &*mem);
+    for chain in &chains {
+        let limit = usize::from(queue_size) + 300;
+        let ours: Vec<_> = view
+            .chain(chain.head_index())
+            .take(limit)
+            .map(raw)
+            .collect();
+        let theirs: Vec<_> = chain.clone().take(limit).map(raw).collect();
+        assert_eq!(
+            ours,
+            theirs,
+            "the two walks of chain {} differ",
+            chain.head_index()
+        );
+    }
+    let parsed: Vec<_> = chains
+        .into_iter()
+        .map(|chain| Request::parse(chain, &mem, &limits, capacity, queue_size))
+        .collect();
+
+    // The worker pops and parses the same chains over the view: the same
+    // results.
+    queue.set_next_avail(0);
+    let mut walked = Vec::new();
+    RingShadow::default()
+        .pop(&mut queue, &view, MAX_CHAINS, |chain| {
+            walked.push(Request::parse(chain, &mem, &limits, capacity, queue_size));
+        })
+        .expect("the same avail ring");
+    assert_eq!(walked.len(), parsed.len());
+    for (a, b) in parsed.iter().zip(&walked) {
+        assert_eq!(summary(a), summary(b), "the two walks disagree");
+    }
+
+    parsed
         .into_iter()
         .zip(&posted)
-        .map(|(chain, want)| {
-            let res = Request::parse(chain, &mem, &limits, capacity, queue_size);
-            check(&mem, &limits, capacity, want, res)
-        })
+        .map(|(res, want)| check(&mem, &limits, capacity, want, res))
         .collect()
+}
+
+/// A descriptor's fields.
+fn raw(d: virtio_queue::desc::split::Descriptor) -> (u64, u32, u16, u16) {
+    (d.addr().0, d.len(), d.flags(), d.next())
+}
+
+/// What a parse came to, comparable.
+type Summary = Result<(u16, RequestKind, Vec<(usize, usize)>, GuestAddress), Rejected>;
+
+fn summary(res: &Result<Request, Rejected>) -> Summary {
+    match res {
+        Ok(r) => Ok((
+            r.head(),
+            r.kind(),
+            r.data()
+                .iovecs()
+                .iter()
+                .map(|v| (v.iov_base as usize, v.iov_len))
+                .collect(),
+            r.status_addr(),
+        )),
+        Err(rej) => Err(rej.clone()),
+    }
 }
 
 /// Checks one parse result against the promises of `Request::parse`.
@@ -102,7 +162,7 @@ fn check(
     limits: &DeviceLimits,
     capacity_sectors: u64,
     want: &Posted,
-    res: Result<Request, super::request::Rejected>,
+    res: Result<Request, Rejected>,
 ) -> Outcome {
     let req = match res {
         Ok(req) => req,

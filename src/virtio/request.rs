@@ -16,6 +16,7 @@ use virtio_queue::DescriptorChain;
 use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryBackend};
 
+use super::ring::ViewChain;
 use super::{DiscardRange, GuestBuffers, GuestMem, RequestError, RequestKind, SECTOR_SHIFT};
 
 /// Size of `struct virtio_blk_outhdr`: type (le32), reserved (le32), sector (le64).
@@ -70,6 +71,29 @@ impl Default for DeviceLimits {
     }
 }
 
+/// A descriptor chain the parser walks: virtio-queue's `DescriptorChain`
+/// (tests, resubmission), or a [`ViewChain`] over the rings translated for
+/// the pass (the worker). Both walk a chain the same way.
+pub trait Chain: Iterator<Item = Descriptor> {
+    fn head_index(&self) -> u16;
+}
+
+impl<M> Chain for DescriptorChain<M>
+where
+    M: Deref,
+    M::Target: GuestMemory,
+{
+    fn head_index(&self) -> u16 {
+        DescriptorChain::head_index(self)
+    }
+}
+
+impl<M: GuestMemory + ?Sized> Chain for ViewChain<'_, '_, M> {
+    fn head_index(&self) -> u16 {
+        ViewChain::head_index(self)
+    }
+}
+
 /// A validated request, ready for the engine. Only the parser makes one:
 /// its buffers were checked against the memory they hold, and its kind,
 /// length and status address against the device.
@@ -88,7 +112,7 @@ pub struct Request {
 
 /// A request refused before any I/O. `status` is `None` when the chain has
 /// no usable status byte: it is then returned with used length 0.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rejected {
     pub head: u16,
     pub status: Option<GuestAddress>,
@@ -105,17 +129,13 @@ struct Buf {
 impl Request {
     /// Parses and validates the chain (see [`Parser::parse`]), with buffers
     /// of its own: for tests and one-off parses.
-    pub fn parse<M>(
-        chain: DescriptorChain<M>,
+    pub fn parse(
+        chain: impl Chain,
         mem: &Arc<GuestMem>,
         limits: &DeviceLimits,
         capacity_sectors: u64,
         queue_size: u16,
-    ) -> Result<Request, Rejected>
-    where
-        M: Deref,
-        M::Target: GuestMemory,
-    {
+    ) -> Result<Request, Rejected> {
         Parser::default().parse(chain, mem, limits, capacity_sectors, queue_size)
     }
 }
@@ -157,18 +177,14 @@ impl Parser {
     /// may (Linux's virtio_ring allows it), and the front-end's queue size
     /// (QEMU's default is 128) is often below the seg_max we advertise, so
     /// a bound of the queue size alone would refuse legitimate large I/O.
-    pub fn parse<M>(
+    pub fn parse(
         &mut self,
-        chain: DescriptorChain<M>,
+        chain: impl Chain,
         mem: &Arc<GuestMem>,
         limits: &DeviceLimits,
         capacity_sectors: u64,
         queue_size: u16,
-    ) -> Result<Request, Rejected>
-    where
-        M: Deref,
-        M::Target: GuestMemory,
-    {
+    ) -> Result<Request, Rejected> {
         let head = chain.head_index();
         let max_descs = usize::from(queue_size).max(limits.seg_max as usize + 2);
         let (complete, ordered) =
@@ -355,16 +371,12 @@ type Bufs = Vec<Buf>;
 /// not complete when the chain broke (a loop, an index out of the table, a
 /// bad indirect table, more descriptors than allowed); not ordered when a
 /// readable descriptor follows a writable one.
-fn split_chain<M>(
-    chain: DescriptorChain<M>,
+fn split_chain(
+    chain: impl Chain,
     max_descs: usize,
     readable: &mut Bufs,
     writable: &mut Bufs,
-) -> (bool, bool)
-where
-    M: Deref,
-    M::Target: GuestMemory,
-{
+) -> (bool, bool) {
     readable.clear();
     writable.clear();
     let mut ordered = true;
@@ -409,8 +421,7 @@ fn read_prefix(
     for b in bufs {
         let take = (dst.len() - done).min(b.len as usize);
         if take > 0 {
-            mem.read_slice(&mut dst[done..done + take], b.addr)
-                .map_err(|_| RequestError::BadAddress)?;
+            read(mem, &mut dst[done..done + take], b.addr)?;
             done += take;
         }
         if (take as u32) < b.len {
@@ -425,6 +436,16 @@ fn read_prefix(
         }
     }
     Ok(done == dst.len())
+}
+
+/// Reads `dst.len()` bytes at `addr`: from one slice when they lie in one
+/// region (one lookup), else piece by piece.
+fn read(mem: &GuestMem, dst: &mut [u8], addr: GuestAddress) -> Result<(), RequestError> {
+    let done = match mem.get_slice(addr, dst.len()) {
+        Ok(s) => s.copy_to(dst) == dst.len(),
+        Err(_) => mem.read_slice(dst, addr).is_ok(),
+    };
+    done.then_some(()).ok_or(RequestError::BadAddress)
 }
 
 /// Checks `sector .. sector + sectors` against the capacity and alignment.

@@ -1,7 +1,12 @@
 //! How a request ended: the status byte the device writes last (virtio
 //! 1.2, 5.2.6).
 
+use std::sync::atomic::Ordering;
+
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
+
+use super::GuestMem;
 
 /// A virtio-blk request's status. The device has exactly these three;
 /// every way a request can end maps to one of them.
@@ -29,6 +34,14 @@ impl Status {
 
     pub fn is_ok(self) -> bool {
         self == Status::Ok
+    }
+
+    /// Writes the status byte at `addr` in `mem`: one region lookup and
+    /// one store, marked in the dirty log as any write through vm-memory
+    /// is. False when `addr` is not in `mem`.
+    pub fn write(self, mem: &GuestMem, addr: GuestAddress) -> bool {
+        mem.get_slice(addr, 1)
+            .is_ok_and(|s| s.store(self.byte(), 0, Ordering::Relaxed).is_ok())
     }
 }
 
