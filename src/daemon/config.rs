@@ -238,6 +238,7 @@ impl Config {
             queue_size: args.queue_size,
             writeback: writeback.clone(),
             stopping: AtomicBool::new(false),
+            intake_closed: AtomicBool::new(false),
             logging: AtomicBool::new(false),
             // An RBD image has exclusive-lock of its own (librbd's).
             image_lock: match (args.no_image_lock, backing.file()) {

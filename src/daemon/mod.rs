@@ -434,6 +434,14 @@ impl Connections<'_> {
             .store(!args.writethrough, Ordering::Relaxed);
         // Dirty-page logging is for the connection that asks for it.
         worker_cfg.logging.store(false, Ordering::Relaxed);
+        // The rings take requests again, unless the daemon is stopping.
+        // The signal handler stores `stopping`, then `intake_closed`; all
+        // four stores and loads are SeqCst, so if its store of
+        // `intake_closed` comes before ours, we see `stopping` after it.
+        worker_cfg.intake_closed.store(false, Ordering::SeqCst);
+        if worker_cfg.stopping.load(Ordering::SeqCst) {
+            worker_cfg.intake_closed.store(true, Ordering::SeqCst);
+        }
         let backend = Arc::new(BlkBackend::new(
             worker_cfg.clone(),
             workers,
@@ -677,7 +685,8 @@ fn spawn_signal_handler(
             if let Some(sig) = signals.forever().next() {
                 log::info!("signal {sig}: finishing in-flight requests");
                 notifier.notify("STOPPING=1");
-                cfg.stopping.store(true, Ordering::Relaxed);
+                cfg.stopping.store(true, Ordering::SeqCst);
+                cfg.intake_closed.store(true, Ordering::SeqCst);
                 if let Some(b) = current.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                     b.drain_all();
                 }

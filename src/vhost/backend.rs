@@ -262,6 +262,10 @@ impl<E: Engine + 'static> InflightHost for BlkBackend<E> {
     fn set_backend_channel(&self, channel: BackendChannel) {
         *self.channel.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(channel));
     }
+
+    fn close_intake(&self) {
+        self.cfg.intake_closed.store(true, Ordering::SeqCst);
+    }
 }
 
 /// Refuses guest memory the daemon cannot touch: a region that runs past

@@ -77,6 +77,10 @@ pub trait InflightHost: Send + Sync + 'static {
     fn set_inflight(&self, region: Arc<InflightRegion>);
     /// Keeps the back-end request channel the front-end handed over.
     fn set_backend_channel(&self, channel: BackendChannel);
+    /// The connection is over: from now on no ring takes a new request
+    /// (what was taken completes). Called before anything else when either
+    /// side's stream ends.
+    fn close_intake(&self);
 }
 
 struct Msg {
@@ -222,14 +226,20 @@ pub fn relay(
     let front_w = Arc::new(Mutex::new(front.try_clone()?));
     let (front_r, back_w, back_r) = (front.try_clone()?, back.try_clone()?, back);
     // Either direction ending ends both, so neither thread outlives the
-    // connection and the crate's handler sees the disconnect.
-    let ends = Arc::new((front.try_clone()?, back_w.try_clone()?));
+    // connection and the crate's handler sees the disconnect. First of
+    // all, the rings stop taking requests: the drain starts only once the
+    // crate's side has wound down, and until then a guest (or whoever
+    // else can write the shared rings) could still have requests executed
+    // for a front-end that is gone.
+    let ends = Arc::new((front.try_clone()?, back_w.try_clone()?, host.clone()));
     let ends2 = ends.clone();
     let shut = move || {
+        ends.2.close_intake();
         let _ = ends.0.shutdown(std::net::Shutdown::Both);
         let _ = ends.1.shutdown(std::net::Shutdown::Both);
     };
     let shut2 = move || {
+        ends2.2.close_intake();
         let _ = ends2.0.shutdown(std::net::Shutdown::Both);
         let _ = ends2.1.shutdown(std::net::Shutdown::Both);
     };
@@ -605,6 +615,7 @@ mod tests {
         }
         fn set_inflight(&self, _region: Arc<InflightRegion>) {}
         fn set_backend_channel(&self, _channel: BackendChannel) {}
+        fn close_intake(&self) {}
     }
 
     /// A relay between two socket pairs: (front-end's end, back-end's end).
