@@ -198,12 +198,23 @@ impl DirtyLog {
     }
 }
 
+impl DirtyLog {
+    /// [`Bitmap::mark_dirty`] with a log attached: out of line, so that
+    /// the check before it is all that callers inline.
+    #[cold]
+    #[inline(never)]
+    fn mark_attached(&self, offset: usize, len: usize) {
+        if let Some(p) = &*self.placed() {
+            p.log.mark(p.gpa.saturating_add(offset as u64), len);
+        }
+    }
+}
+
 impl Bitmap for DirtyLog {
+    #[inline]
     fn mark_dirty(&self, offset: usize, len: usize) {
         if self.0.set.load(Ordering::Relaxed) {
-            if let Some(p) = &*self.placed() {
-                p.log.mark(p.gpa.saturating_add(offset as u64), len);
-            }
+            self.mark_attached(offset, len);
         }
     }
 
