@@ -13,6 +13,7 @@ mod frontend;
 
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 
 use common::{Daemon, MIB};
 use frontend::{
@@ -194,4 +195,30 @@ fn regions_added_after_the_log_are_logged_too() {
         dirty.contains(&(STATUS / PAGE)),
         "the status byte, written through the new table: {dirty:x?}"
     );
+
+    // Neither the log nor any table outlives the connection.
+    drop(conn);
+    for (file, what) in [
+        (&log, "the log"),
+        (&g.file, "guest memory"),
+        (&dimm, "the DIMM"),
+    ] {
+        let ino = file.metadata().unwrap().ino().to_string();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let maps = std::fs::read_to_string(format!("/proc/{}/maps", d.pid())).unwrap();
+            let n = maps
+                .lines()
+                .filter(|l| l.split_whitespace().nth(4) == Some(ino.as_str()))
+                .count();
+            if n == 0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{what} is still mapped {n} times after the connection"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
 }

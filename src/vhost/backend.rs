@@ -118,32 +118,43 @@ pub struct BlkBackend<E: Engine> {
     dirty: Mutex<DirtyState>,
 }
 
-/// The front-end's dirty-page log and the last memory table the device
-/// accepted: every region of that table points at that log. Either may
+/// The front-end's dirty-page log and the regions of the last memory
+/// table the device accepted, each of which points at that log. Either may
 /// come first (SET_LOG_BASE, answered by the relay, and a table, applied
 /// by the crate, run on different threads); whichever comes second
-/// attaches the log to the table under this lock.
+/// attaches the log to the table under this lock. The regions' bitmaps
+/// only, not their memory: what maps guest memory must not outlive the
+/// requests and tables that use it (`sigbus::release_unused`).
 #[derive(Default)]
 struct DirtyState {
     log: Option<Arc<LogRegion>>,
-    mem: Option<Arc<GuestMem>>,
+    /// Each region's bitmap, its first guest address and its last.
+    regions: Vec<(DirtyLog, u64, u64)>,
 }
 
 impl DirtyState {
+    /// The table the workers are about to get.
+    fn set_table(&mut self, mem: &GuestMem) {
+        self.regions = mem
+            .iter()
+            .map(|region| {
+                // The mapping's own bitmap (the trait's `bitmap()` is a
+                // slice of it).
+                let mapping: &vm_memory::MmapRegion<DirtyLog> = region;
+                let bitmap = mapping.bitmap().clone();
+                (bitmap, region.start_addr().0, region.last_addr().0)
+            })
+            .collect();
+        self.attach();
+    }
+
     /// Points every region of the table at the log (or at none).
     fn attach(&self) {
-        let Some(mem) = &self.mem else {
-            return;
-        };
-        for region in mem.iter() {
-            // The mapping's own bitmap (the trait's `bitmap()` is a slice
-            // of it).
-            let mapping: &vm_memory::MmapRegion<DirtyLog> = region;
-            mapping
-                .bitmap()
-                .attach(self.log.as_ref(), region.start_addr().0);
+        for (bitmap, first, _) in &self.regions {
+            bitmap.attach(self.log.as_ref(), *first);
         }
-        let (Some(log), Some(last)) = (&self.log, mem.iter().map(|r| r.last_addr().0).max()) else {
+        let last = self.regions.iter().map(|&(_, _, last)| last).max();
+        let (Some(log), Some(last)) = (&self.log, last) else {
             return;
         };
         if last >= log.covers() {
@@ -447,8 +458,7 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
             // logged from their first request on. The crate gives new
             // regions bitmaps of their own, pointing nowhere.
             let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
-            dirty.mem = Some(snapshot.clone());
-            dirty.attach();
+            dirty.set_table(&snapshot);
         }
         self.each_worker(|_, w| w.set_memory(snapshot.clone()));
         // Regions of the previous memory that no request holds any more.
