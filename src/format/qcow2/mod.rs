@@ -392,7 +392,10 @@ impl Qcow2Image {
                 let generation = self.dirty.fetch_add(1, Ordering::AcqRel) + 1;
                 ticket = Some(Commit(generation));
             }
-            if must_commit {
+            // A new L2 table or refblock was hooked up, or a cluster freed:
+            // commit now, before anything can reuse a cluster the file still
+            // points to (the next allocation, or the engine's data write).
+            if must_commit || self.files[0].has_held() {
                 self.commit_locked()?;
             }
             // Cache the cluster's granules as writable data of the top.
@@ -501,6 +504,15 @@ impl Qcow2Image {
         }
         let _group = lock(&self.commit_lock);
         let _meta = lock(&self.meta);
+        rest.extend(self.zero_locked(first, last, unmap)?);
+        Ok(rest)
+    }
+
+    /// Zeroes the whole clusters `[first, last)` (see `write_zeroes`),
+    /// commits, and punches out the space with `unmap`. Returns what could
+    /// not be zeroed so (for the engine to write). Called under both locks.
+    fn zero_locked(&self, first: u64, last: u64, unmap: bool) -> Result<Vec<(u64, u64)>, FormatError> {
+        let mut rest = Vec::new();
         let gb = self.granule_bits;
         let mut g = first;
         while g < last {
@@ -566,19 +578,48 @@ impl Qcow2Image {
             return Ok(());
         }
         self.commit_locked()?;
-        let mode = if self.files.len() > 1 {
-            PreallocateMode::Zero
-        } else {
-            PreallocateMode::None
-        };
+        let old_size = self.size();
+        // No preallocation inside imago's grow: it would allocate L2 tables
+        // in the same operation that frees the old L1 table, and could
+        // reuse that table's cluster while the header on disk still points
+        // to it.
         self.top
-            .resize_grow(new_size, mode)
+            .resize_grow(new_size, PreallocateMode::None)
             .map_err(FormatError::io("growing"))?;
         self.dirty.fetch_add(1, Ordering::AcqRel);
         self.commit_locked()?;
         self.files[0]
             .sync_now()
             .map_err(FormatError::io("fdatasync"))?;
+        self.size.store(new_size, Ordering::Release);
+        // Where a backing file is longer than the image was, its data must
+        // not show through the new area (QEMU zeroes it too): zero clusters.
+        let longest = self.files[1..]
+            .iter()
+            .filter_map(|f| f.file().metadata().ok().map(|m| m.len()))
+            .max()
+            .unwrap_or(0);
+        if longest > old_size {
+            let csize = self.cluster_size();
+            let first = old_size.div_ceil(csize) * csize;
+            if first > old_size {
+                // The rest of the old last cluster: zeroes as data.
+                let head = (first.min(new_size) - old_size) as usize;
+                self.top
+                    .write(&vec![0u8; head][..], old_size)
+                    .map_err(FormatError::io("zeroing"))?;
+            }
+            let last = longest.min(new_size).div_ceil(csize) * csize;
+            if first < last.min(new_size) {
+                let rest = self.zero_locked(first, last.min(new_size), false)?;
+                if !rest.is_empty() {
+                    return Err(FormatError::Unsupported(format!(
+                        "cannot zero {rest:?} after growing"
+                    )));
+                }
+            }
+            self.commit_locked()?;
+        }
         self.size.store(new_size, Ordering::Release);
         Ok(())
     }

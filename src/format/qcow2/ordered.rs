@@ -318,23 +318,14 @@ impl FileState {
         Ok(())
     }
 
-    /// Whether writing `data` at `offset` over a refblock lowers any refcount.
-    fn lowers_refcount(&self, o: &Order, data: &[u8], offset: u64) -> io::Result<bool> {
+    /// For a refblock write of `data` at `offset`: the same block with only
+    /// the refcounts it raises (each entry the larger of old and new), or
+    /// `None` if it lowers none (then `data` itself is that block).
+    fn raises_only(&self, o: &Order, data: &[u8], offset: u64) -> io::Result<Option<Vec<u8>>> {
         let mut old = vec![0u8; data.len()];
         self.read_overlaid(Some(o), &mut old, offset)?;
-        let bits = 1u32 << o.refcount_order;
-        if bits >= 8 {
-            let width = (bits / 8) as usize;
-            Ok(old
-                .chunks_exact(width)
-                .zip(data.chunks_exact(width))
-                .any(|(a, b)| a > b))
-        } else {
-            let mask = (1u8 << bits) - 1;
-            Ok(old.iter().zip(data).any(|(&a, &b)| {
-                (0..8 / bits).any(|i| (b >> (i * bits)) & mask < (a >> (i * bits)) & mask)
-            }))
-        }
+        let merged = refcount_max(&old, data, 1 << o.refcount_order);
+        Ok((merged != data).then_some(merged))
     }
 
     /// A write of imago's, placed in the order described in the module docs.
@@ -361,8 +352,13 @@ impl FileState {
         match Self::classify(&o, offset) {
             Class::Header | Class::L1 | Class::RefTable => o.held.push((offset, data)),
             Class::RefBlock => {
-                if self.lowers_refcount(&o, &data, offset)? {
+                if let Some(raised) = self.raises_only(&o, &data, offset)? {
                     if !o.held.is_empty() {
+                        // The raised refcounts (e.g. of the new table the
+                        // held pointers point to) go now; the lowered ones
+                        // once the pointers are durable.
+                        self.pwrite(&raised, offset)?;
+                        o.unsynced |= UNSYNCED_RB;
                         o.held_frees.push((offset, data));
                         return Ok(());
                     }
@@ -420,6 +416,13 @@ impl FileState {
         Ok(true)
     }
 
+    /// Whether pointer writes are held back (a new table was hooked up).
+    pub fn has_held(&self) -> bool {
+        self.order
+            .as_ref()
+            .is_some_and(|o| !lock(o).held.is_empty())
+    }
+
     /// fdatasync, noting that nothing is unsynced any more.
     pub fn sync_now(&self) -> io::Result<()> {
         match &self.order {
@@ -438,6 +441,29 @@ impl FileState {
             }
             _ => self.file.write_all_at(data, offset),
         }
+    }
+}
+
+/// Entry by entry, the larger of two refblocks' refcounts (`bits` wide:
+/// big-endian from 8 bits on, packed from the low bits of a byte below).
+fn refcount_max(a: &[u8], b: &[u8], bits: u32) -> Vec<u8> {
+    if bits >= 8 {
+        let w = (bits / 8) as usize;
+        a.chunks(w)
+            .zip(b.chunks(w))
+            .flat_map(|(x, y)| if x > y { x } else { y }.to_vec())
+            .collect()
+    } else {
+        let mask = (1u8 << bits) - 1;
+        a.iter()
+            .zip(b)
+            .map(|(&x, &y)| {
+                (0..8 / bits).fold(0u8, |acc, i| {
+                    let sh = i * bits;
+                    acc | (((x >> sh) & mask).max((y >> sh) & mask) << sh)
+                })
+            })
+            .collect()
     }
 }
 
@@ -536,5 +562,22 @@ impl Storage for ChainFile {
         self.0.file.set_len(new_size)?;
         self.0.size.store(new_size, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refcount_max;
+
+    #[test]
+    fn refcount_max_by_width() {
+        // 16-bit entries: [1, 0] vs [0, 2] -> [1, 2]
+        assert_eq!(refcount_max(&[0, 1, 0, 0], &[0, 0, 0, 2], 16), vec![0, 1, 0, 2]);
+        // 8-bit entries compare as numbers, not bytes of the pair.
+        assert_eq!(refcount_max(&[5, 0], &[3, 9], 8), vec![5, 9]);
+        // 1-bit entries, LSB first: 0b0101 vs 0b0011 -> 0b0111
+        assert_eq!(refcount_max(&[0b0101], &[0b0011], 1), vec![0b0111]);
+        // 4-bit entries: 0x2f vs 0x31 -> 0x3f
+        assert_eq!(refcount_max(&[0x2f], &[0x31], 4), vec![0x3f]);
     }
 }
