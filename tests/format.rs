@@ -122,7 +122,7 @@ fn overlay_on_compressed_base() {
 /// no cluster allocated twice, no L2 or refcount update lost.
 fn concurrent_allocating_writes(threads: u64) {
     let dir = scratch(&format!("concurrent-{threads}"));
-    let size = 64 * MIB;
+    let size = 32 * MIB;
     let (top, _) = overlay_over(&dir, "qcow2", size);
     let img = Arc::new(open(&top, true));
     let blocks = size / 4096;
@@ -144,6 +144,10 @@ fn concurrent_allocating_writes(threads: u64) {
             });
         }
     });
+    let syncs = match &*img {
+        Image::Qcow2(q) => q.syncs(),
+        Image::Raw(_) => unreachable!(),
+    };
     flush(&img).unwrap();
     // The model: replay each thread's writes (deterministic).
     let mut model = vec![0u8; size as usize];
@@ -155,6 +159,21 @@ fn concurrent_allocating_writes(threads: u64) {
             let at = (block * 4096) as usize;
             fill(1000 + t, block * 4096, &mut model[at..at + 4096]);
         }
+    }
+    // At most one fdatasync per allocated cluster (its copy-on-write data
+    // and refcount before its L2 entry), fewer when commits group.
+    let clusters: std::collections::HashSet<u64> = (0..threads)
+        .flat_map(|t| {
+            let mut rng = Rng(0x1234 + t);
+            (0..per_thread)
+                .map(move |_| (rng.below(blocks / threads) * threads + t) * 4096 / 65536)
+        })
+        .collect();
+    let allocations = clusters.len() as u64;
+    eprintln!("{threads} threads: {syncs} fdatasyncs for {allocations} allocations (4096 writes)");
+    assert!(syncs <= allocations + 2, "{syncs} fdatasyncs for {allocations} allocations");
+    if threads >= 64 {
+        assert!(syncs < allocations, "no group commit: {syncs} fdatasyncs for {allocations} allocations");
     }
     drop(img);
     let leaks = check_clean(&top);

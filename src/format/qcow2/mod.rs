@@ -624,6 +624,12 @@ impl Qcow2Image {
         Ok(())
     }
 
+    /// fdatasyncs of the top so far: the ordering's cost, for tests and
+    /// the report.
+    pub fn syncs(&self) -> u64 {
+        self.files[0].syncs()
+    }
+
     /// A guest-data write of the test harness (the engine in phase 2): a
     /// pwrite of file 0, recorded in the journal when there is one.
     pub fn data_write(&self, data: &[u8], host: u64) -> io::Result<()> {

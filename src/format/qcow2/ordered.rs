@@ -133,6 +133,8 @@ pub struct FileState {
     helper: CommonStorageHelper,
     order: Option<Mutex<Order>>,
     journal: Option<Arc<Journal>>,
+    /// fdatasyncs of this file so far (ordering and flushes).
+    syncs: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -167,6 +169,7 @@ impl FileState {
             helper: CommonStorageHelper::default(),
             order: None,
             journal: None,
+            syncs: AtomicU64::new(0),
         })
     }
 
@@ -311,6 +314,7 @@ impl FileState {
 
     fn fdatasync(&self, o: &mut Order) -> io::Result<()> {
         self.file.sync_data()?;
+        self.syncs.fetch_add(1, Ordering::Relaxed);
         o.unsynced = 0;
         if let Some(j) = &self.journal {
             j.push(JournalOp::Sync);
@@ -414,6 +418,11 @@ impl FileState {
             o.unsynced |= UNSYNCED_RB;
         }
         Ok(true)
+    }
+
+    /// How many fdatasyncs this file has had.
+    pub fn syncs(&self) -> u64 {
+        self.syncs.load(Ordering::Relaxed)
     }
 
     /// Whether pointer writes are held back (a new table was hooked up).
