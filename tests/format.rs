@@ -24,12 +24,25 @@ fn overlay_over(dir: &Path, kind: &str, size: u64) -> (PathBuf, PathBuf) {
         "raw" => (raw.clone(), "raw"),
         "qcow2" => {
             let b = dir.join("base.qcow2");
-            qemu_img(&["convert", "-O", "qcow2", raw.to_str().unwrap(), b.to_str().unwrap()]);
+            qemu_img(&[
+                "convert",
+                "-O",
+                "qcow2",
+                raw.to_str().unwrap(),
+                b.to_str().unwrap(),
+            ]);
             (b, "qcow2")
         }
         "compressed" => {
             let b = dir.join("base.qcow2");
-            qemu_img(&["convert", "-c", "-O", "qcow2", raw.to_str().unwrap(), b.to_str().unwrap()]);
+            qemu_img(&[
+                "convert",
+                "-c",
+                "-O",
+                "qcow2",
+                raw.to_str().unwrap(),
+                b.to_str().unwrap(),
+            ]);
             (b, "qcow2")
         }
         other => panic!("{other}"),
@@ -37,7 +50,17 @@ fn overlay_over(dir: &Path, kind: &str, size: u64) -> (PathBuf, PathBuf) {
     let top = dir.join("top.qcow2");
     // A relative backing name: resolved against the overlay's directory.
     let name = base.file_name().unwrap().to_str().unwrap();
-    qemu_img(&["create", "-q", "-f", "qcow2", "-b", name, "-F", fmt, top.to_str().unwrap()]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        name,
+        "-F",
+        fmt,
+        top.to_str().unwrap(),
+    ]);
     (top, base)
 }
 
@@ -56,7 +79,10 @@ fn write_and_verify(kind: &str) {
         // Reads fall through to the base.
         let mut buf = vec![0u8; 3 * 65536 + 1000];
         read(&img, 12345, &mut buf).unwrap();
-        assert!(buf == model[12345..12345 + buf.len()], "base content read wrong");
+        assert!(
+            buf == model[12345..12345 + buf.len()],
+            "base content read wrong"
+        );
 
         let mut rng = Rng(0x5eed ^ kind.len() as u64);
         let shapes: Vec<(u64, u64)> = vec![
@@ -165,15 +191,20 @@ fn concurrent_allocating_writes(threads: u64) {
     let clusters: std::collections::HashSet<u64> = (0..threads)
         .flat_map(|t| {
             let mut rng = Rng(0x1234 + t);
-            (0..per_thread)
-                .map(move |_| (rng.below(blocks / threads) * threads + t) * 4096 / 65536)
+            (0..per_thread).map(move |_| (rng.below(blocks / threads) * threads + t) * 4096 / 65536)
         })
         .collect();
     let allocations = clusters.len() as u64;
     eprintln!("{threads} threads: {syncs} fdatasyncs for {allocations} allocations (4096 writes)");
-    assert!(syncs <= allocations + 2, "{syncs} fdatasyncs for {allocations} allocations");
+    assert!(
+        syncs <= allocations + 2,
+        "{syncs} fdatasyncs for {allocations} allocations"
+    );
     if threads >= 64 {
-        assert!(syncs < allocations, "no group commit: {syncs} fdatasyncs for {allocations} allocations");
+        assert!(
+            syncs < allocations,
+            "no group commit: {syncs} fdatasyncs for {allocations} allocations"
+        );
     }
     drop(img);
     let leaks = check_clean(&top);
@@ -249,7 +280,10 @@ fn zeroes_discard_and_grow() {
     drop(img);
     check_clean(&top);
     let info = qemu_img(&["info", "--output=json", top.to_str().unwrap()]);
-    assert!(info.contains(&format!("\"virtual-size\": {}", size + 4 * MIB)), "{info}");
+    assert!(
+        info.contains(&format!("\"virtual-size\": {}", size + 4 * MIB)),
+        "{info}"
+    );
     let reference = dir.join("expected.raw");
     std::fs::write(&reference, &model).unwrap();
     compare_identical(&top, &reference);
@@ -264,10 +298,26 @@ fn chain_of(dir: &Path, depth: usize) -> PathBuf {
     for i in 1..depth {
         let name = format!("l{i}.qcow2");
         let path = dir.join(&name);
-        qemu_img(&["create", "-q", "-f", "qcow2", "-b", &below.0, "-F", below.1, path.to_str().unwrap()]);
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            &below.0,
+            "-F",
+            below.1,
+            path.to_str().unwrap(),
+        ]);
         run(
             "qemu-io",
-            &["-f", "qcow2", "-c", &format!("write -P {} {} 4k", i, i as u64 * 65536), path.to_str().unwrap()],
+            &[
+                "-f",
+                "qcow2",
+                "-c",
+                &format!("write -P {} {} 4k", i, i as u64 * 65536),
+                path.to_str().unwrap(),
+            ],
         );
         below = (name, "qcow2");
     }
@@ -295,7 +345,17 @@ fn long_chains_and_loops() {
     }
     // One more is refused, with the bound in the message.
     let deeper = dir.join("deeper.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", "-b", top.file_name().unwrap().to_str().unwrap(), "-F", "qcow2", deeper.to_str().unwrap()]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        top.file_name().unwrap().to_str().unwrap(),
+        "-F",
+        "qcow2",
+        deeper.to_str().unwrap(),
+    ]);
     let err = open_err(&deeper);
     assert!(err.contains("deeper than 16"), "{err}");
 
@@ -303,12 +363,42 @@ fn long_chains_and_loops() {
     let a = dir.join("a.qcow2");
     let b = dir.join("b.qcow2");
     qemu_img(&["create", "-q", "-f", "qcow2", a.to_str().unwrap(), "1M"]);
-    qemu_img(&["create", "-q", "-f", "qcow2", "-b", "a.qcow2", "-F", "qcow2", b.to_str().unwrap()]);
-    qemu_img(&["rebase", "-u", "-f", "qcow2", "-b", "b.qcow2", "-F", "qcow2", a.to_str().unwrap()]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "a.qcow2",
+        "-F",
+        "qcow2",
+        b.to_str().unwrap(),
+    ]);
+    qemu_img(&[
+        "rebase",
+        "-u",
+        "-f",
+        "qcow2",
+        "-b",
+        "b.qcow2",
+        "-F",
+        "qcow2",
+        a.to_str().unwrap(),
+    ]);
     let err = open_err(&a);
     assert!(err.contains("loops"), "{err}");
     // An image that is its own backing file.
-    qemu_img(&["rebase", "-u", "-f", "qcow2", "-b", "a.qcow2", "-F", "qcow2", a.to_str().unwrap()]);
+    qemu_img(&[
+        "rebase",
+        "-u",
+        "-f",
+        "qcow2",
+        "-b",
+        "a.qcow2",
+        "-F",
+        "qcow2",
+        a.to_str().unwrap(),
+    ]);
     let err = open_err(&a);
     assert!(err.contains("loops"), "{err}");
 }
@@ -335,7 +425,15 @@ fn v2_is_read_only() {
     let raw = dir.join("r.raw");
     raw_base(&raw, 2 * MIB);
     let v2 = dir.join("v2.qcow2");
-    qemu_img(&["convert", "-O", "qcow2", "-o", "compat=0.10", raw.to_str().unwrap(), v2.to_str().unwrap()]);
+    qemu_img(&[
+        "convert",
+        "-O",
+        "qcow2",
+        "-o",
+        "compat=0.10",
+        raw.to_str().unwrap(),
+        v2.to_str().unwrap(),
+    ]);
     let err = open_err(&v2);
     assert!(err.contains("version 2"), "{err}");
     let img = open(&v2, false);
@@ -357,7 +455,18 @@ fn raw_is_never_probed() {
     std::fs::write(&secret, vec![0x5a; 65536]).unwrap();
     // A "guest" wrote a qcow2 header naming the secret into its raw disk.
     let disk = dir.join("disk.raw");
-    qemu_img(&["create", "-q", "-f", "qcow2", "-b", secret.to_str().unwrap(), "-F", "raw", disk.to_str().unwrap(), "64K"]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        secret.to_str().unwrap(),
+        "-F",
+        "raw",
+        disk.to_str().unwrap(),
+        "64K",
+    ]);
     let header = std::fs::read(&disk).unwrap();
     let img = Image::open(&disk, Format::Raw, &OpenOptions::default()).unwrap();
     assert_eq!(img.files().len(), 1);
@@ -377,7 +486,16 @@ fn bad_images() {
     let dir = scratch("bad");
     let good = dir.join("good.qcow2");
     qemu_img(&["create", "-q", "-f", "qcow2", good.to_str().unwrap(), "4M"]);
-    run("qemu-io", &["-f", "qcow2", "-c", "write -P 1 0 64k", good.to_str().unwrap()]);
+    run(
+        "qemu-io",
+        &[
+            "-f",
+            "qcow2",
+            "-c",
+            "write -P 1 0 64k",
+            good.to_str().unwrap(),
+        ],
+    );
     let bytes = std::fs::read(&good).unwrap();
     let be64 = |b: &[u8], at: usize| u64::from_be_bytes(b[at..at + 8].try_into().unwrap());
     let l1_off = be64(&bytes, 40) as usize;
@@ -390,35 +508,97 @@ fn bad_images() {
         std::fs::write(&p, &b).unwrap();
         p
     };
-    let put32 = |b: &mut Vec<u8>, at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_be_bytes());
-    let put64 = |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_be_bytes());
+    let put32 =
+        |b: &mut Vec<u8>, at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_be_bytes());
+    let put64 =
+        |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_be_bytes());
 
     // Refused at open, with what is wrong.
-    let cases: Vec<(&str, Box<dyn Fn(&mut Vec<u8>)>, &str)> = vec![
+    type Patch<'a> = Box<dyn Fn(&mut Vec<u8>) + 'a>;
+    let cases: Vec<(&str, Patch, &str)> = vec![
         ("magic", Box::new(|b| b[0] = b'X'), "qcow2"),
         ("version", Box::new(|b| put32(b, 4, 9)), "v9"),
-        ("cluster-bits-huge", Box::new(|b| put32(b, 20, 40)), "cluster size"),
-        ("cluster-bits-small", Box::new(|b| put32(b, 20, 4)), "cluster size"),
-        ("size-absurd", Box::new(|b| put64(b, 24, u64::MAX / 2)), "too small for its virtual size"),
-        ("l1-past-eof", Box::new(|b| put64(b, 40, 1 << 40)), "past the end"),
-        ("l1-unaligned", Box::new(|b| put64(b, 40, 4096 + 8)), "Unaligned"),
+        (
+            "cluster-bits-huge",
+            Box::new(|b| put32(b, 20, 40)),
+            "cluster size",
+        ),
+        (
+            "cluster-bits-small",
+            Box::new(|b| put32(b, 20, 4)),
+            "cluster size",
+        ),
+        (
+            "size-absurd",
+            Box::new(|b| put64(b, 24, u64::MAX / 2)),
+            "too small for its virtual size",
+        ),
+        (
+            "l1-past-eof",
+            Box::new(|b| put64(b, 40, 1 << 40)),
+            "past the end",
+        ),
+        (
+            "l1-unaligned",
+            Box::new(|b| put64(b, 40, 4096 + 8)),
+            "Unaligned",
+        ),
         ("l1-huge", Box::new(|b| put32(b, 36, u32::MAX)), "too big"),
-        ("reftable-past-eof", Box::new(|b| put64(b, 48, 1 << 40)), "past the end"),
-        ("incompatible-bit", Box::new(|b| put64(b, 72, 1 << 20)), "incompatible feature"),
-        ("dirty-bit", Box::new(|b| put64(b, 72, 1)), "incompatible feature"),
-        ("corrupt-bit", Box::new(|b| put64(b, 72, 2)), "incompatible feature"),
-        ("external-data", Box::new(|b| put64(b, 72, 4)), "external data file"),
-        ("backing-name-past-cluster", Box::new(|b| { put64(b, 8, 65530); put32(b, 16, 100); }), "Backing file name"),
-        ("backing-protocol", Box::new(|b| {
-            let name = b"nbd:localhost:10809";
-            let at = 4096usize;
-            b[at..at + name.len()].copy_from_slice(name);
-            put64(b, 8, at as u64);
-            put32(b, 16, name.len() as u32);
-        }), "protocol"),
+        (
+            "reftable-past-eof",
+            Box::new(|b| put64(b, 48, 1 << 40)),
+            "past the end",
+        ),
+        (
+            "incompatible-bit",
+            Box::new(|b| put64(b, 72, 1 << 20)),
+            "incompatible feature",
+        ),
+        (
+            "dirty-bit",
+            Box::new(|b| put64(b, 72, 1)),
+            "incompatible feature",
+        ),
+        (
+            "corrupt-bit",
+            Box::new(|b| put64(b, 72, 2)),
+            "incompatible feature",
+        ),
+        (
+            "external-data",
+            Box::new(|b| put64(b, 72, 4)),
+            "external data file",
+        ),
+        (
+            "backing-name-past-cluster",
+            Box::new(|b| {
+                put64(b, 8, 65530);
+                put32(b, 16, 100);
+            }),
+            "Backing file name",
+        ),
+        (
+            "backing-protocol",
+            Box::new(|b| {
+                let name = b"nbd:localhost:10809";
+                let at = 4096usize;
+                b[at..at + name.len()].copy_from_slice(name);
+                put64(b, 8, at as u64);
+                put32(b, 16, name.len() as u32);
+            }),
+            "protocol",
+        ),
         ("snapshots", Box::new(|b| put32(b, 60, 1)), "snapshots"),
-        ("header-length-huge", Box::new(|b| put32(b, 100, 1 << 20)), "header too big"),
-        ("refcount-order", Box::new(|b| put32(b, 96, 9)), "refcount width"),
+        (
+            "header-length-huge",
+            Box::new(|b| put32(b, 100, 1 << 20)),
+            "header too big",
+        ),
+        (
+            "refcount-order",
+            Box::new(|b| put32(b, 96, 9)),
+            "refcount width",
+        ),
     ];
     for (name, patch, want) in cases {
         let p = variant(name, &*patch);
@@ -431,7 +611,9 @@ fn bad_images() {
 
     // Opened, but the requests touching the bad part fail: an L2 table
     // pointing past the end of the file, and an L1 entry pointing there.
-    let p = variant("l2-entry-past-eof", &|b| put64(b, l2_off, (1u64 << 63) | (1 << 45)));
+    let p = variant("l2-entry-past-eof", &|b| {
+        put64(b, l2_off, (1u64 << 63) | (1 << 45))
+    });
     let img = open(&p, true);
     let mut buf = vec![0u8; 4096];
     let err = read(&img, 0, &mut buf).unwrap_err().to_string();
@@ -440,14 +622,26 @@ fn bad_images() {
     // Other clusters still work.
     read(&img, 2 * MIB, &mut buf).unwrap();
     drop(img);
-    let p = variant("l1-entry-past-eof", &|b| put64(b, l1_off, (1u64 << 63) | (1 << 44)));
+    let p = variant("l1-entry-past-eof", &|b| {
+        put64(b, l1_off, (1u64 << 63) | (1 << 44))
+    });
     let img = open(&p, false);
     let err = read(&img, 0, &mut buf).unwrap_err().to_string();
     assert!(err.contains("past the end"), "{err}");
 
     // A backing file whose format is not recorded: never probed.
     let nofmt = dir.join("nofmt.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", "-b", "good.qcow2", "-F", "qcow2", nofmt.to_str().unwrap()]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "good.qcow2",
+        "-F",
+        "qcow2",
+        nofmt.to_str().unwrap(),
+    ]);
     // (qemu-img no longer writes such images: turn the backing-format
     // extension into an unknown one.)
     let mut b = std::fs::read(&nofmt).unwrap();
@@ -461,7 +655,19 @@ fn bad_images() {
     assert!(err.contains("never probed"), "{err}");
     // A missing backing file.
     let missing = dir.join("missing.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", "-u", "-b", "nowhere.raw", "-F", "raw", missing.to_str().unwrap(), "1M"]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-u",
+        "-b",
+        "nowhere.raw",
+        "-F",
+        "raw",
+        missing.to_str().unwrap(),
+        "1M",
+    ]);
     let err = open_err(&missing);
     assert!(err.contains("nowhere.raw"), "{err}");
 }

@@ -92,5 +92,8 @@ fn qcow2_corpus_replays_cleanly() {
         }
     }
     assert!(files.len() >= 10, "only {} corpus files", files.len());
-    assert!(refused > 0 && served > 0 && failing > 0, "refused {refused}, served {served}, failing {failing}");
+    assert!(
+        refused > 0 && served > 0 && failing > 0,
+        "refused {refused}, served {served}, failing {failing}"
+    );
 }

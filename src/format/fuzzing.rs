@@ -28,12 +28,21 @@ pub enum Outcome {
 fn check_pieces(img: &Image, offset: u64, len: u64, dir: Dir, pieces: &[Piece]) {
     let mut pos = offset;
     for p in pieces {
-        assert_eq!(p.guest, pos, "pieces of {len}@{offset} skip or overlap: {pieces:?}");
+        assert_eq!(
+            p.guest, pos,
+            "pieces of {len}@{offset} skip or overlap: {pieces:?}"
+        );
         assert!(p.len > 0, "empty piece: {pieces:?}");
         pos = p.guest.checked_add(p.len).expect("piece overflows");
         if let Where::Data { file, offset } = p.at {
-            assert!(file < img.files().len(), "piece names file {file}: {pieces:?}");
-            assert!(offset.checked_add(p.len).is_some(), "host range overflows: {p:?}");
+            assert!(
+                file < img.files().len(),
+                "piece names file {file}: {pieces:?}"
+            );
+            assert!(
+                offset.checked_add(p.len).is_some(),
+                "host range overflows: {p:?}"
+            );
             if dir == Dir::Write {
                 assert_eq!(file, 0, "a write mapped to a backing file: {p:?}");
             }

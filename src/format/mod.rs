@@ -280,7 +280,10 @@ pub fn looks_like_qcow2(path: &Path) -> bool {
         .and_then(|mut f| f.read_exact(&mut head))
         .is_ok()
         && head[..4] == QCOW2_MAGIC
-        && matches!(u32::from_be_bytes([head[4], head[5], head[6], head[7]]), 2 | 3)
+        && matches!(
+            u32::from_be_bytes([head[4], head[5], head[6], head[7]]),
+            2 | 3
+        )
 }
 
 /// The warning for a raw image that starts with a qcow2 header, or `None`.

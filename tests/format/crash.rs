@@ -21,10 +21,25 @@ fn small_cluster_overlay(dir: &Path, size: u64) -> std::path::PathBuf {
     let raw = dir.join("base.raw");
     raw_base(&raw, size);
     let base = dir.join("base.qcow2");
-    qemu_img(&["convert", "-O", "qcow2", raw.to_str().unwrap(), base.to_str().unwrap()]);
+    qemu_img(&[
+        "convert",
+        "-O",
+        "qcow2",
+        raw.to_str().unwrap(),
+        base.to_str().unwrap(),
+    ]);
     let top = dir.join("top.qcow2");
     qemu_img(&[
-        "create", "-q", "-f", "qcow2", "-o", "cluster_size=4096", "-b", "base.qcow2", "-F", "qcow2",
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=4096",
+        "-b",
+        "base.qcow2",
+        "-F",
+        "qcow2",
         top.to_str().unwrap(),
     ]);
     top
@@ -74,7 +89,12 @@ impl Replayer {
 /// Runs the workload with a journal and checks power-loss images at up to
 /// `boundaries` fdatasyncs, `subsets` random subsets of the writes after
 /// each. Returns (images checked, images corrupt, most leaks).
-fn power_loss_replays(name: &str, ordered: bool, boundaries: usize, subsets: usize) -> (usize, usize, u64) {
+fn power_loss_replays(
+    name: &str,
+    ordered: bool,
+    boundaries: usize,
+    subsets: usize,
+) -> (usize, usize, u64) {
     let dir = scratch(name);
     let size = 48 * MIB;
     let top = small_cluster_overlay(&dir, size);
@@ -100,7 +120,11 @@ fn power_loss_replays(name: &str, ordered: bool, boundaries: usize, subsets: usi
         .filter(|(_, op)| matches!(op, JournalOp::Sync))
         .map(|(i, _)| i)
         .collect();
-    assert!(syncs.len() > 3, "only {} fdatasyncs in the journal", syncs.len());
+    assert!(
+        syncs.len() > 3,
+        "only {} fdatasyncs in the journal",
+        syncs.len()
+    );
     // Segments: [start, next sync) after each sync (and from the start).
     let mut starts = vec![0usize];
     starts.extend(syncs.iter().map(|&s| s + 1));
@@ -174,9 +198,14 @@ fn power_loss_replays(name: &str, ordered: bool, boundaries: usize, subsets: usi
 #[test]
 fn power_loss_leaves_no_corruption() {
     let (checked, corrupt, leaks) = power_loss_replays("power-loss", true, 120, 4);
-    eprintln!("power loss: {checked} images checked, {corrupt} corrupt, at most {leaks} leaked clusters");
+    eprintln!(
+        "power loss: {checked} images checked, {corrupt} corrupt, at most {leaks} leaked clusters"
+    );
     assert!(checked >= 100, "only {checked} images checked");
-    assert_eq!(corrupt, 0, "{corrupt} of {checked} power-loss images are corrupt");
+    assert_eq!(
+        corrupt, 0,
+        "{corrupt} of {checked} power-loss images are corrupt"
+    );
 }
 
 /// The checker finds what the ordering prevents: imago's writes in its own
@@ -186,7 +215,10 @@ fn power_loss_leaves_no_corruption() {
 fn power_loss_without_ordering_is_caught() {
     let (checked, corrupt, _) = power_loss_replays("power-loss-unordered", false, 40, 12);
     eprintln!("unordered: {checked} images checked, {corrupt} corrupt");
-    assert!(corrupt > 0, "the checker found no corruption in {checked} images without the ordering");
+    assert!(
+        corrupt > 0,
+        "the checker found no corruption in {checked} images without the ordering"
+    );
 }
 
 const CHILD_ENV: &str = "RINGBLK_FORMAT_CRASH_CHILD";
@@ -241,7 +273,12 @@ fn kill_9_loses_no_acknowledged_write() {
     for round in 0..5u64 {
         let threads = 4;
         let mut child = Command::new(&exe)
-            .args(["crash::crash_child", "--exact", "--nocapture", "--test-threads=1"])
+            .args([
+                "crash::crash_child",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(CHILD_ENV, format!("{},{round},{threads}", top.display()))
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -292,7 +329,10 @@ fn kill_9_loses_no_acknowledged_write() {
             read(&img, block * 4096, &mut got).unwrap();
             let mut want = vec![0u8; 4096];
             fill(seed, block * 4096, &mut want);
-            assert!(got == want, "round {round}: acknowledged block {block} lost");
+            assert!(
+                got == want,
+                "round {round}: acknowledged block {block} lost"
+            );
         }
         drop(img);
         // Inflight replay: the writes that may have been in flight are
@@ -314,6 +354,9 @@ fn kill_9_loses_no_acknowledged_write() {
         drop(img);
         check_clean(&top);
     }
-    eprintln!("kill -9: {} acknowledged writes, leaked clusters after each kill: {leak_counts:?}", acked.len());
+    eprintln!(
+        "kill -9: {} acknowledged writes, leaked clusters after each kill: {leak_counts:?}",
+        acked.len()
+    );
     let _ = std::fs::File::open(&top).unwrap().read_at(&mut [0u8; 1], 0);
 }

@@ -20,7 +20,10 @@ pub fn need_qemu_img() {
             return;
         }
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/format-deps.sh");
-        let out = Command::new("bash").arg(&script).output().expect("running format-deps.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .output()
+            .expect("running format-deps.sh");
         assert!(
             out.status.success(),
             "{} failed: {}",
@@ -81,7 +84,11 @@ pub fn check(path: &Path) -> (u64, u64) {
 pub fn check_clean(path: &Path) -> u64 {
     let (corruptions, leaks) = check(path);
     if corruptions != 0 {
-        let out = Command::new("qemu-img").arg("check").arg(path).output().unwrap();
+        let out = Command::new("qemu-img")
+            .arg("check")
+            .arg(path)
+            .output()
+            .unwrap();
         panic!(
             "qemu-img check: {corruptions} corruptions in {}:\n{}",
             path.display(),
@@ -119,7 +126,8 @@ pub fn sha256(path: &Path) -> String {
 
 /// A deterministic byte for `offset` of pattern `seed` (0: the base's).
 pub fn pattern(seed: u64, offset: u64) -> u8 {
-    let x = (offset / 8).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+    let x =
+        (offset / 8).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
     (x >> ((offset % 8) * 8)) as u8 ^ (x >> 56) as u8
 }
 
@@ -149,7 +157,9 @@ impl Rng {
 
 /// A directory under target/tmp, emptied first.
 pub fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("format").join(name);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("format")
+        .join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -203,7 +213,13 @@ pub fn read(img: &Image, offset: u64, buf: &mut [u8]) -> Result<(), FormatError>
     Ok(())
 }
 
-fn read_piece(img: &Image, base: u64, buf: &mut [u8], p: Piece, retry: bool) -> Result<(), FormatError> {
+fn read_piece(
+    img: &Image,
+    base: u64,
+    buf: &mut [u8],
+    p: Piece,
+    retry: bool,
+) -> Result<(), FormatError> {
     let at = (p.guest - base) as usize;
     let slice = &mut buf[at..at + p.len as usize];
     match p.at {
@@ -279,9 +295,11 @@ pub fn write_zeroes(img: &Image, offset: u64, len: u64, unmap: bool) -> Result<(
 
 /// Flush: the engine's fdatasync of the data, then the format's.
 pub fn flush(img: &Image) -> Result<(), FormatError> {
-    img.files()[0].sync_data().map_err(|source| FormatError::Io {
-        context: "fdatasync",
-        source,
-    })?;
+    img.files()[0]
+        .sync_data()
+        .map_err(|source| FormatError::Io {
+            context: "fdatasync",
+            source,
+        })?;
     img.flush()
 }

@@ -80,7 +80,10 @@ impl MapCache {
     }
 
     pub fn get(&self, granule: u64) -> Option<Loc> {
-        let shard = self.shard(granule).read().unwrap_or_else(|e| e.into_inner());
+        let shard = self
+            .shard(granule)
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
         shard.get(&granule).and_then(|&v| Loc::unpack(v))
     }
 
@@ -109,7 +112,7 @@ impl MapCache {
     }
 
     #[cfg(test)]
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.shards
             .iter()
             .map(|s| s.read().unwrap_or_else(|e| e.into_inner()).len())

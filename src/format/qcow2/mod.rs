@@ -115,7 +115,9 @@ pub fn resolve_backing(overlay: &Path, name: &str) -> Result<PathBuf, String> {
         && !proto.contains('/')
         && proto.chars().all(|c| c.is_ascii_alphanumeric() || c == '+')
     {
-        return Err(format!("backing file {name:?} names a protocol; only files are supported"));
+        return Err(format!(
+            "backing file {name:?} names a protocol; only files are supported"
+        ));
     }
     let p = Path::new(name);
     if p.is_absolute() {
@@ -230,7 +232,11 @@ impl Qcow2Image {
     /// (or hostile) table, and the request touching it fails.
     fn check_host(&self, file: usize, host: u64, len: u64) -> Result<(), FormatError> {
         const SLACK: u64 = 1 << 30;
-        let size = self.files[file].file().metadata().map(|m| m.len()).unwrap_or(0);
+        let size = self.files[file]
+            .file()
+            .metadata()
+            .map(|m| m.len())
+            .unwrap_or(0);
         if host.saturating_add(len) > size.saturating_add(SLACK) {
             return Err(FormatError::Io {
                 context: "mapping",
@@ -267,7 +273,10 @@ impl Qcow2Image {
             }
             let (at, loc) = match mapping {
                 Mapping::Raw {
-                    storage, offset: host, writable, ..
+                    storage,
+                    offset: host,
+                    writable,
+                    ..
                 } => {
                     let file = storage.0.index();
                     self.check_host(file, host, mlen)?;
@@ -438,7 +447,9 @@ impl Qcow2Image {
     /// Called under `meta`.
     fn commit_locked(&self) -> Result<(), FormatError> {
         let target = self.dirty.load(Ordering::Acquire);
-        self.top.flush().map_err(FormatError::io("writing metadata"))?;
+        self.top
+            .flush()
+            .map_err(FormatError::io("writing metadata"))?;
         self.files[0]
             .commit_pointers()
             .map_err(FormatError::io("writing metadata"))?;
@@ -491,7 +502,11 @@ impl Qcow2Image {
         let first = offset.div_ceil(csize) * csize;
         // The last cluster may be partial: it is whole if the range ends at
         // the image's end.
-        let last = if end == self.size() { end } else { end & !(csize - 1) };
+        let last = if end == self.size() {
+            end
+        } else {
+            end & !(csize - 1)
+        };
         if first >= last {
             return Ok(vec![(offset, len)]);
         }
@@ -511,7 +526,12 @@ impl Qcow2Image {
     /// Zeroes the whole clusters `[first, last)` (see `write_zeroes`),
     /// commits, and punches out the space with `unmap`. Returns what could
     /// not be zeroed so (for the engine to write). Called under both locks.
-    fn zero_locked(&self, first: u64, last: u64, unmap: bool) -> Result<Vec<(u64, u64)>, FormatError> {
+    fn zero_locked(
+        &self,
+        first: u64,
+        last: u64,
+        unmap: bool,
+    ) -> Result<Vec<(u64, u64)>, FormatError> {
         let mut rest = Vec::new();
         let gb = self.granule_bits;
         let mut g = first;
@@ -659,9 +679,16 @@ fn push_piece(out: &mut Vec<Piece>, guest: u64, len: u64, at: Where) {
     {
         let merged = match (last.at, at) {
             (Where::Zero, Where::Zero) | (Where::Slow, Where::Slow) => true,
-            (Where::Data { file: f1, offset: o1 }, Where::Data { file: f2, offset: o2 }) => {
-                f1 == f2 && o1 + last.len == o2
-            }
+            (
+                Where::Data {
+                    file: f1,
+                    offset: o1,
+                },
+                Where::Data {
+                    file: f2,
+                    offset: o2,
+                },
+            ) => f1 == f2 && o1 + last.len == o2,
             _ => false,
         };
         if merged {
@@ -709,7 +736,10 @@ fn open_qcow2(
         .map_err(|e| open_err(path, e))?;
     state.load_shadow().map_err(|e| open_err(path, e))?;
     if q.requires_external_data_file() {
-        return Err(open_err(path, "uses an external data file, which is not supported"));
+        return Err(open_err(
+            path,
+            "uses an external data file, which is not supported",
+        ));
     }
     let cluster_bits = be32(&header[20..24]);
     chain.min_cluster_bits = chain.min_cluster_bits.min(cluster_bits);
@@ -738,14 +768,16 @@ fn open_qcow2(
                             .map_err(|e| open_err(&bpath, e))?,
                     );
                     chain.files.push(Arc::clone(&st));
-                    let raw = Raw::open_image(ChainFile(st), false)
-                        .map_err(|e| open_err(&bpath, e))?;
+                    let raw =
+                        Raw::open_image(ChainFile(st), false).map_err(|e| open_err(&bpath, e))?;
                     FormatAccess::new(raw)
                 }
                 other => {
                     return Err(open_err(
                         path,
-                        format!("backing file {name:?} has format {other:?}; only raw and qcow2 are supported"),
+                        format!(
+                            "backing file {name:?} has format {other:?}; only raw and qcow2 are supported"
+                        ),
                     ));
                 }
             })
@@ -795,7 +827,9 @@ fn check_l1_covers(path: &Path, header: &[u8], size: u64) -> Result<(), FormatEr
     if u128::from(l1_size) * per_l1 < u128::from(size) {
         return Err(open_err(
             path,
-            format!("its L1 table ({l1_size} entries) is too small for its virtual size ({size} bytes)"),
+            format!(
+                "its L1 table ({l1_size} entries) is too small for its virtual size ({size} bytes)"
+            ),
         ));
     }
     Ok(())

@@ -581,7 +581,10 @@ mod tests {
     #[test]
     fn refcount_max_by_width() {
         // 16-bit entries: [1, 0] vs [0, 2] -> [1, 2]
-        assert_eq!(refcount_max(&[0, 1, 0, 0], &[0, 0, 0, 2], 16), vec![0, 1, 0, 2]);
+        assert_eq!(
+            refcount_max(&[0, 1, 0, 0], &[0, 0, 0, 2], 16),
+            vec![0, 1, 0, 2]
+        );
         // 8-bit entries compare as numbers, not bytes of the pair.
         assert_eq!(refcount_max(&[5, 0], &[3, 9], 8), vec![5, 9]);
         // 1-bit entries, LSB first: 0b0101 vs 0b0011 -> 0b0111
