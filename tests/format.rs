@@ -590,6 +590,22 @@ fn bad_images() {
         ),
         ("snapshots", Box::new(|b| put32(b, 60, 1)), "snapshots"),
         (
+            "l1-on-reftable",
+            Box::new(|b| {
+                let rt = u64::from_be_bytes(b[48..56].try_into().unwrap());
+                put64(b, 40, rt)
+            }),
+            "overlapping metadata",
+        ),
+        (
+            "l2-on-reftable",
+            Box::new(|b| {
+                let rt = u64::from_be_bytes(b[48..56].try_into().unwrap());
+                put64(b, l1_off, (1u64 << 63) | rt)
+            }),
+            "overlapping metadata",
+        ),
+        (
             "header-length-huge",
             Box::new(|b| put32(b, 100, 1 << 20)),
             "header too big",

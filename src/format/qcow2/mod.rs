@@ -394,6 +394,18 @@ impl Qcow2Image {
                             )),
                         });
                     }
+                    if self.files[0].is_metadata(host >> cb) {
+                        return Err(FormatError::Io {
+                            context: "allocating",
+                            source: io::Error::new(
+                                io::ErrorKind::InvalidData,
+                                format!(
+                                    "cluster {host:#x} was allocated for data but holds metadata: \
+                                     the refcounts are corrupt (qemu-img check -r all)"
+                                ),
+                            ),
+                        });
+                    }
                     (host, true, frees)
                 }
             };

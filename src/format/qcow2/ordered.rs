@@ -195,14 +195,29 @@ impl FileState {
         self.journal = journal;
     }
 
-    /// Reads the shadow layout, once imago has opened the image.
+    /// Reads the shadow layout, once imago has opened the image, and
+    /// refuses overlapping metadata (QEMU's overlap check, at open): the
+    /// header, the L1 table, the refcount table, the L2 tables and the
+    /// refblocks must each have clusters of their own.
     pub fn load_shadow(&self) -> io::Result<()> {
         if let Some(order) = &self.order {
             let mut o = lock(order);
             self.reload_shadow(&mut o, true, true, true)?;
             o.loaded = true;
+            check_layout(&o)?;
         }
         Ok(())
+    }
+
+    /// Whether host cluster `cluster` holds metadata (header or a table),
+    /// as the file has it. A data cluster allocated there means the
+    /// refcounts are corrupt: writing it would overwrite metadata.
+    pub fn is_metadata(&self, cluster: u64) -> bool {
+        let Some(order) = &self.order else {
+            return false;
+        };
+        let o = lock(order);
+        Self::classify(&o, cluster << o.cluster_bits) != Class::Other
     }
 
     pub fn index(&self) -> usize {
@@ -451,6 +466,42 @@ impl FileState {
             _ => self.file.write_all_at(data, offset),
         }
     }
+}
+
+/// Refuses a layout whose metadata structures share clusters.
+fn check_layout(o: &Order) -> io::Result<()> {
+    let cb = o.cluster_bits;
+    let range = |off: u64, len: u64| (off >> cb)..(off + len.max(1)).div_ceil(1 << cb);
+    let l1 = range(o.l1_offset, o.l1_len);
+    let rt = range(o.rt_offset, o.rt_len);
+    let bad = |what: &str| {
+        Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("overlapping metadata: {what}"),
+        ))
+    };
+    if l1.contains(&0) || rt.contains(&0) {
+        return bad("a table overlaps the header");
+    }
+    if l1.start < rt.end && rt.start < l1.end {
+        return bad("the L1 table overlaps the refcount table");
+    }
+    for (set, name) in [
+        (&o.l2_clusters, "an L2 table"),
+        (&o.rb_clusters, "a refblock"),
+    ] {
+        for &c in set {
+            if c == 0 || l1.contains(&c) || rt.contains(&c) {
+                return bad(&format!(
+                    "{name} at cluster {c} overlaps the header or a top table"
+                ));
+            }
+        }
+    }
+    if let Some(c) = o.l2_clusters.intersection(&o.rb_clusters).next() {
+        return bad(&format!("cluster {c} is both an L2 table and a refblock"));
+    }
+    Ok(())
 }
 
 /// Entry by entry, the larger of two refblocks' refcounts (`bits` wide:
