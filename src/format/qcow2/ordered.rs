@@ -205,6 +205,39 @@ impl FileState {
             self.reload_shadow(&mut o, true, true, true)?;
             o.loaded = true;
             check_layout(&o)?;
+            self.check_refcount_coverage(&o)?;
+        }
+        Ok(())
+    }
+
+    /// Refuses a refcount table with a hole below the end of the file.
+    /// QEMU keeps every cluster of the file covered by a refblock; with a
+    /// hole, imago's search for a cluster to hold a new refblock recurses
+    /// once per missing refblock (a stack overflow for a hostile image, as
+    /// the fuzz target found).
+    fn check_refcount_coverage(&self, o: &Order) -> io::Result<()> {
+        let file_len = self.file.metadata()?.len();
+        let clusters = file_len.div_ceil(1 << o.cluster_bits);
+        // Clusters one refblock covers: cluster_size * 8 / refcount_bits.
+        let per_rb = (1u64 << (o.cluster_bits + 3)) >> o.refcount_order;
+        let needed = clusters.div_ceil(per_rb);
+        if needed * 8 > o.rt_len {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the refcount table does not cover the file (qemu-img check -r all)",
+            ));
+        }
+        let mut t = vec![0u8; (needed * 8) as usize];
+        self.file.read_exact_at(&mut t, o.rt_offset)?;
+        if let Some(i) = t.chunks_exact(8).position(|e| be64(e, 0) == 0) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "the refcount table has no refblock for clusters {} to {} of the file (qemu-img check -r all)",
+                    i as u64 * per_rb,
+                    (i as u64 + 1) * per_rb - 1
+                ),
+            ));
         }
         Ok(())
     }
