@@ -687,3 +687,35 @@ fn bad_images() {
     let err = open_err(&missing);
     assert!(err.contains("nowhere.raw"), "{err}");
 }
+
+/// After `invalidate`, an image reads what another opener wrote meanwhile
+/// (a migration's destination taking the image over), rather than its
+/// stale cached mappings.
+#[test]
+fn invalidate_rereads_metadata() {
+    let dir = scratch("invalidate");
+    let (top, _) = overlay_over(&dir, "raw", 4 * MIB);
+    let reader = open(&top, false);
+    let mut buf = vec![0u8; 4096];
+    read(&reader, 65536, &mut buf).unwrap(); // caches "from the base"
+    {
+        let writer = open(&top, true);
+        let mut data = vec![0u8; 4096];
+        fill(42, 65536, &mut data);
+        write(&writer, 65536, &data).unwrap();
+        flush(&writer).unwrap();
+    }
+    let mut want = vec![0u8; 4096];
+    fill(42, 65536, &mut want);
+    read(&reader, 65536, &mut buf).unwrap();
+    assert!(
+        buf != want,
+        "the reader saw the write without invalidating (test is void)"
+    );
+    match &reader {
+        Image::Qcow2(q) => q.invalidate().unwrap(),
+        Image::Raw(_) => unreachable!(),
+    }
+    read(&reader, 65536, &mut buf).unwrap();
+    assert!(buf == want, "stale data after invalidate");
+}

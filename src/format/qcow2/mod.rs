@@ -656,6 +656,32 @@ impl Qcow2Image {
         Ok(())
     }
 
+    /// Makes everything durable, then forgets every cached mapping and
+    /// table, so that the next request reads the metadata fresh from the
+    /// file: for when another process may have written the image meanwhile
+    /// (the source of a migration before it stops, and the side that gets
+    /// the image back).
+    pub fn invalidate(&self) -> Result<(), FormatError> {
+        let _group = lock(&self.commit_lock);
+        let _meta = lock(&self.meta);
+        if self.writable {
+            self.commit_locked()?;
+            self.files[0]
+                .sync_now()
+                .map_err(FormatError::io("fdatasync"))?;
+        }
+        self.cache.clear();
+        // SAFETY: imago's contract for dropping its caches without writing
+        // them is that the on-disk state is consistent: everything was just
+        // written and synced above (a read-only image has nothing to
+        // write), and `meta` keeps every other metadata operation out.
+        unsafe { self.top.invalidate_cache() }.map_err(FormatError::io("rereading metadata"))?;
+        self.size.store(self.top.size(), Ordering::Release);
+        self.files[0]
+            .load_shadow()
+            .map_err(FormatError::io("rereading metadata"))
+    }
+
     /// fdatasyncs of the top so far: the ordering's cost, for tests and
     /// the report.
     pub fn syncs(&self) -> u64 {
