@@ -669,6 +669,20 @@ fn bad_images() {
     std::fs::write(&nofmt, &b).unwrap();
     let err = open_err(&nofmt);
     assert!(err.contains("never probed"), "{err}");
+    // zstd-compressed images: imago reads zlib only; refused, not misread.
+    let zstd = dir.join("zstd.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "compression_type=zstd",
+        zstd.to_str().unwrap(),
+        "1M",
+    ]);
+    let err = open_err(&zstd);
+    assert!(err.contains("incompatible feature"), "{err}");
     // A missing backing file.
     let missing = dir.join("missing.qcow2");
     qemu_img(&[
