@@ -33,8 +33,9 @@
 //!   worst, which `qemu-img check` counts but does not call corruption).
 //!
 //! So a group of allocations costs one fdatasync (copy-on-write data and
-//! refblocks, then the L2 tables), plus one per pointer write when a new
-//! L2 table, refblock or L1 table was needed.
+//! refblocks, then the L2 tables); when a new L2 table, refblock or L1
+//! table was hooked up, one more before the pointer writes and one after
+//! each of them.
 //!
 //! With a [`Journal`] attached (tests), every pwrite and fdatasync that
 //! reaches the file is recorded in order, so a test can rebuild the image
