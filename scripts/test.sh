@@ -33,8 +33,17 @@ fi
 
 # librbd/librados for `--features rbd`, and the Ceph daemons of the
 # single-node cluster the RBD tests start (scripts/ceph-cluster.sh).
+# qemu-img and qemu-io: the oracle of the image-format tests (tests/format.rs).
+section "format test tools"
+scripts/format-deps.sh
+
 section "ceph packages"
 scripts/ceph-deps.sh
+
+# nbdinfo, nbdcopy and qemu-img: the independent clients of the backup
+# tests (tests/backup.rs).
+section "nbd tools"
+scripts/nbd-tools.sh
 
 section "cargo fmt"
 cargo fmt --all -- --check
