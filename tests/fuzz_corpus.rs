@@ -115,7 +115,6 @@ fn nbd_corpus_replays_cleanly() {
     }
 }
 
-
 /// Replays the `qcow2` fuzz corpus (fuzz/corpus/qcow2) through the format
 /// layer's fuzz logic: images refused at open, served, and served with
 /// requests failing on a corrupt table all stay covered.

@@ -28,9 +28,37 @@ pub enum Listen {
     /// Bind this path: `--socket`, else the default in the private
     /// directory. The daemon removes it on exit.
     Bind(PathBuf),
-    /// A listening socket passed in, checked when it is taken; the daemon
-    /// does not remove it.
-    Fd { fd: i32, from: &'static str },
+    /// A listening socket passed in, checked and taken ([`Listen::passed`]);
+    /// the daemon does not remove it.
+    Fd {
+        listener: std::os::unix::net::UnixListener,
+        fd: i32,
+        from: &'static str,
+    },
+}
+
+impl Listen {
+    /// The listening socket passed in, taken: `--socket-fd N`, or
+    /// systemd's when no socket is named. `serve` calls this first, before
+    /// the daemon opens any descriptor of its own, so the number can only
+    /// name one it inherited: the daemon's API socket, its image or its
+    /// notification socket do not exist yet, and a number they would get
+    /// is refused as not open. (Adopted later, `--socket-fd` could name
+    /// the API's listener, and the relay would then serve the API's
+    /// clients.) It reads and clears LISTEN_PID/LISTEN_FDS, so it runs
+    /// while `serve` is the only thread.
+    pub fn passed(args: &ServeArgs) -> Result<Option<Listen>, DaemonError> {
+        let (fd, from) = match (args.socket_fd, &args.socket) {
+            (Some(fd), _) => (fd, "--socket-fd"),
+            (None, None) => match super::socket::systemd_fd()? {
+                Some(fd) => (fd, "systemd (LISTEN_FDS)"),
+                None => return Ok(None),
+            },
+            (None, Some(_)) => return Ok(None),
+        };
+        let listener = super::socket::adopt(fd, from)?;
+        Ok(Some(Listen::Fd { listener, fd, from }))
+    }
 }
 
 /// Everything `serve` needs, checked.
@@ -112,7 +140,9 @@ impl Backing {
 }
 
 impl Config {
-    pub fn from_args(args: ServeArgs) -> Result<Config, DaemonError> {
+    /// Checks `args`; `passed` is the socket [`Listen::passed`] took, if
+    /// any.
+    pub fn from_args(args: ServeArgs, passed: Option<Listen>) -> Result<Config, DaemonError> {
         if args.queues == 0 || args.queues > MAX_QUEUES {
             return Err(DaemonError::Config(format!(
                 "--queues must be between 1 and {MAX_QUEUES}, not {}",
@@ -149,19 +179,6 @@ impl Config {
             }
             Some(n) => n,
             None => default_threads(queues, &args.cpus),
-        };
-        // A socket passed in (--socket-fd, or systemd's when no socket is
-        // named) is served as it is.
-        let passed = match (args.socket_fd, &args.socket) {
-            (Some(fd), _) => Some(Listen::Fd {
-                fd,
-                from: "--socket-fd",
-            }),
-            (None, None) => super::socket::systemd_fd()?.map(|fd| Listen::Fd {
-                fd,
-                from: "systemd (LISTEN_FDS)",
-            }),
-            (None, Some(_)) => None,
         };
         let qos = args
             .qos
@@ -221,6 +238,7 @@ impl Config {
             queue_size: args.queue_size,
             writeback: writeback.clone(),
             stopping: AtomicBool::new(false),
+            intake_closed: AtomicBool::new(false),
             logging: AtomicBool::new(false),
             // An RBD image has exclusive-lock of its own (librbd's).
             image_lock: match (args.no_image_lock, backing.file()) {

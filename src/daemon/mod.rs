@@ -128,15 +128,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Runs `ringblk serve` until SIGINT/SIGTERM.
 pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
-    // First, while this is the only thread: it reads and clears the
-    // environment (LISTEN_FDS, NOTIFY_SOCKET).
+    // First, while this is the only thread (both read and clear the
+    // environment: LISTEN_FDS, NOTIFY_SOCKET), and before the daemon opens
+    // anything: the socket passed in, so that its number cannot name a
+    // descriptor the daemon made itself (see `Listen::passed`).
+    let passed = Listen::passed(&args)?;
     let notifier = Notifier::from_env().map_err(DaemonError::Config)?;
     // The fds a front-end needs must not run out before the hard limit
     // does (see `fds` for the share no HTTP client can take).
     if let Err(e) = fds::raise_limit() {
         log::warn!("cannot raise the fd limit to its hard limit: {e}");
     }
-    let cfg = Config::from_args(args)?;
+    let cfg = Config::from_args(args, passed)?;
     let num_queues = usize::from(cfg.args.queues);
     let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
     // Bound before the seccomp filter: binding probes for a stale socket.
@@ -168,13 +171,20 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     };
     // The vhost-user socket listens last: a front-end (or a script) that
     // finds it can use the API and the metrics endpoint at once.
-    let (listener, socket_name) = match &cfg.listen {
-        Listen::Bind(path) => (
-            socket::bind(path, cfg.args.socket_mode)?,
-            path.display().to_string(),
-        ),
-        Listen::Fd { fd, from } => {
-            let l = socket::adopt(*fd, from)?;
+    // The path the daemon bound, and removes on its way out.
+    let mut bound = None;
+    let (listener, socket_name) = match cfg.listen {
+        Listen::Bind(path) => {
+            let l = socket::bind(&path, cfg.args.socket_mode)?;
+            let name = path.display().to_string();
+            bound = Some(path);
+            (l, name)
+        }
+        Listen::Fd {
+            listener: l,
+            fd,
+            from,
+        } => {
             let name = match l
                 .local_addr()
                 .ok()
@@ -204,7 +214,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         Removal::file(p).map_err(|e| DaemonError::Socket(format!("{}: {e}", p.display())))
     };
     let mut files = Vec::new();
-    if let Listen::Bind(path) = &cfg.listen {
+    if let Some(path) = &bound {
         files.push(removal(path)?);
     }
     if let Some(crate::metrics::MetricsAddr::Unix(p)) = cfg
@@ -433,6 +443,14 @@ impl Connections<'_> {
             .store(!args.writethrough, Ordering::Relaxed);
         // Dirty-page logging is for the connection that asks for it.
         worker_cfg.logging.store(false, Ordering::Relaxed);
+        // The rings take requests again, unless the daemon is stopping.
+        // The signal handler stores `stopping`, then `intake_closed`; all
+        // four stores and loads are SeqCst, so if its store of
+        // `intake_closed` comes before ours, we see `stopping` after it.
+        worker_cfg.intake_closed.store(false, Ordering::SeqCst);
+        if worker_cfg.stopping.load(Ordering::SeqCst) {
+            worker_cfg.intake_closed.store(true, Ordering::SeqCst);
+        }
         let backend = Arc::new(BlkBackend::new(
             worker_cfg.clone(),
             workers,
@@ -676,7 +694,8 @@ fn spawn_signal_handler(
             if let Some(sig) = signals.forever().next() {
                 log::info!("signal {sig}: finishing in-flight requests");
                 notifier.notify("STOPPING=1");
-                cfg.stopping.store(true, Ordering::Relaxed);
+                cfg.stopping.store(true, Ordering::SeqCst);
+                cfg.intake_closed.store(true, Ordering::SeqCst);
                 if let Some(b) = current.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                     b.drain_all();
                 }

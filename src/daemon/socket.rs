@@ -42,7 +42,7 @@ pub fn systemd_fd() -> Result<Option<RawFd>, DaemonError> {
     let names = var("LISTEN_FDNAMES");
     for name in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
         // SAFETY: called from `serve` before the daemon starts any thread
-        // (Config::from_args is its first step), so no other thread reads
+        // (`Listen::passed` is its first step), so no other thread reads
         // the environment meanwhile.
         unsafe { std::env::remove_var(name) };
     }
