@@ -38,7 +38,7 @@ use super::backend_channel::BackendChannel;
 use super::inflight::InflightRegion;
 use super::sigbus::MEM_SLOTS;
 use crate::metrics::SharedRateLimiter;
-use crate::{info_limited, warn_limited};
+use crate::{log_limited, warn_limited};
 
 /// `struct VhostUserMsgHeader`: request, flags, payload size (le32 each).
 const HDR: usize = 12;
@@ -514,7 +514,9 @@ fn get_inflight(msg: &Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> i
     match region {
         Some(Ok(r)) => {
             let out = VhostUserInflight::new(r.size() as u64, 0, r.num_queues, r.queue_size);
-            info_limited!(
+            // Developer detail: at DEBUG, like every ring start.
+            log_limited!(
+                log::Level::Debug,
                 GET_INFLIGHT,
                 "inflight tracking: {} bytes for {} queue(s) of {}",
                 r.size(),
@@ -567,7 +569,8 @@ fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -
     };
     let ok = match result {
         Ok(region) => {
-            info_limited!(
+            log_limited!(
+                log::Level::Debug,
                 SET_INFLIGHT,
                 "inflight region installed ({} queue(s) of {})",
                 region.num_queues,

@@ -355,7 +355,7 @@ impl Daemon {
                 let rest = &log[log.find(start).expect("announced") + start.len()..];
                 PathBuf::from(&rest[..rest.find(end).expect("field ends")])
             };
-            self.socket = field("chardev socket,id=rb0,path=", ' ');
+            self.socket = field("chardev socket,id=rb0,path=", ',');
             self.image = field("] serving ", ' ');
         }
         self.wait_until_accepting();

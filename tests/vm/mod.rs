@@ -313,6 +313,14 @@ pub fn daemon_command(spec: &DaemonSpec<'_>, backend: Backend) -> (Command, &'st
             c.arg("--serial").arg(SERIAL).args(spec.extra);
             // Killed daemons leave their private directory in the test's.
             c.env("TMPDIR", spec.dir);
+            // The relay's ring starts ("inflight region installed") are
+            // DEBUG lines; the migration tests count them.
+            if std::env::var_os("RUST_LOG").is_none() {
+                c.env(
+                    "RUST_LOG",
+                    "info,virtio_queue=off,ringblk::vhost::proxy=debug",
+                );
+            }
             (c, SERIAL)
         }
         Backend::Qsd => {
