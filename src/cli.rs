@@ -150,7 +150,7 @@ pub struct ServeArgs {
 
     /// Number of virtqueues, 1 to 64. QEMU's vhost-user-blk-pci asks for
     /// one per vCPU unless given num-queues: serve at least as many.
-    #[arg(long, default_value_t = 1, value_parser = parse_queues)]
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_queues)]
     pub queues: u16,
 
     /// Worker threads serving the queues: queue q is served by thread
@@ -162,7 +162,7 @@ pub struct ServeArgs {
     pub threads: Option<usize>,
 
     /// Maximum size of each virtqueue (a power of two, 2 to 32768).
-    #[arg(long, default_value_t = 256, value_parser = parse_queue_size)]
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = parse_queue_size)]
     pub queue_size: u16,
 
     /// Serial number reported by GET_ID (at most 20 bytes). Defaults to one

@@ -490,12 +490,10 @@ impl Connections<'_> {
         front: UnixStream,
         backend: &Arc<BlkBackend<E>>,
     ) -> Result<(), DaemonError> {
-        let mut daemon = VhostUserDaemon::new(
-            "ringblk".into(),
-            backend.clone(),
-            GuestMemoryAtomic::new(GuestMem::new()),
-        )
-        .map_err(|e| DaemonError::Vhost(e.to_string()))?;
+        let mem = GuestMemoryAtomic::new(GuestMem::new());
+        let hints = crate::vhost::hints::SetupHints::new(self.metrics.to_vec(), mem.clone());
+        let mut daemon = VhostUserDaemon::new("ringblk".into(), backend.clone(), mem)
+            .map_err(|e| DaemonError::Vhost(e.to_string()))?;
         for (t, h) in daemon.get_epoll_handlers().iter().enumerate() {
             for (local, q) in backend.thread_queues(t).enumerate() {
                 for kind in crate::vhost::Listener::ALL {
@@ -516,7 +514,7 @@ impl Connections<'_> {
         daemon
             .start(&mut self.inner.listener)
             .map_err(|e| DaemonError::Vhost(e.to_string()))?;
-        let relay = proxy::relay(front, back, backend.clone())
+        let relay = proxy::relay(front, back, backend.clone(), hints)
             .map_err(|e| DaemonError::Vhost(format!("relay: {e}")))?;
         log::info!("front-end connected");
         let ended = daemon.wait();
