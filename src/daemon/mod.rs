@@ -541,7 +541,7 @@ impl Connections<'_> {
     }
 }
 
-/// Once SIGINT/SIGTERM came, the signal handler owns the engines (it
+/// Once SIGINT, SIGTERM or SIGHUP came, the signal handler owns the engines (it
 /// closes them) and ends the process: this thread only waits for that.
 fn await_exit_if_stopping(cfg: &WorkerConfig) {
     while cfg.stopping.load(Ordering::Relaxed) {
