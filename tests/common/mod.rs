@@ -291,7 +291,11 @@ impl Daemon {
         };
         cmd.arg("serve");
         if opts.default_paths {
-            cmd.arg("--size").arg(opts.size.to_string());
+            // --size is for the default image; with an --image of the
+            // test's own it would be refused.
+            if !opts.args.contains(&"--image") {
+                cmd.arg("--size").arg(opts.size.to_string());
+            }
         } else {
             cmd.arg("--socket").arg(&socket).arg("--image").arg(&image);
         }
