@@ -187,8 +187,8 @@ pub struct ServeArgs {
     pub engine: EngineKind,
 
     /// Serve Prometheus metrics on this address: HOST:PORT for TCP, or a
-    /// path for a Unix socket. Read-only: the control verbs are on --api
-    /// only.
+    /// path for a Unix socket (created with mode 0600). Read-only: the
+    /// control verbs are on --api only.
     #[arg(long)]
     pub metrics: Option<String>,
 

@@ -20,7 +20,9 @@
 //!   [`generate`]: man pages and shell completions.
 
 pub mod api;
+pub mod backup;
 pub mod bench;
+pub mod bitmap;
 pub mod cli;
 pub mod daemon;
 pub mod engine;
@@ -29,6 +31,7 @@ pub mod generate;
 pub mod io;
 pub mod logging;
 pub mod metrics;
+pub mod nbd;
 pub mod qos;
 pub mod unix_socket;
 pub mod vhost;

@@ -6,6 +6,7 @@
 //! reboot or a QEMU restart needs no daemon restart.
 
 mod config;
+mod fds;
 mod notify;
 mod removal;
 mod seccomp;
@@ -143,6 +144,11 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // First, while this is the only thread: it reads and clears the
     // environment (LISTEN_FDS, NOTIFY_SOCKET).
     let notifier = Notifier::from_env().map_err(DaemonError::Config)?;
+    // The fds a front-end needs must not run out before the hard limit
+    // does (see `fds` for the share no HTTP client can take).
+    if let Err(e) = fds::raise_limit() {
+        log::warn!("cannot raise the fd limit to its hard limit: {e}");
+    }
     let cfg = Config::from_args(args)?;
     let num_queues = usize::from(cfg.args.queues);
     let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
@@ -386,6 +392,9 @@ impl Connections<'_> {
     fn serve<E: Engine + 'static>(mut self, engines: Parked<E>) -> Result<(), DaemonError> {
         // Before the filter: installing it calls rt_sigaction.
         crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
+        let endpoints =
+            usize::from(self.args.api.is_some()) + usize::from(self.args.metrics.is_some());
+        fds::check_reserve(endpoints);
         seccomp::install(self.args.seccomp, self.profile, &self.unlink_dirs)?;
         // The socket has been listening since start-up; connections queue
         // in its backlog until the first accept, which comes next.
