@@ -181,4 +181,16 @@ fn a_correct_set_up_gets_no_hint() {
     assert!(!log.contains("needs share=on"), "{log}");
     assert!(!log.contains("this daemon serves"), "{log}");
     assert!(!log.contains(" WARN "), "{log}");
+    // And the normal path is quiet at INFO: the developer's detail (the
+    // inflight region's size, the seccomp filter, the thread layout) is
+    // DEBUG. It used to log "inflight tracking: 4224 bytes ..." and
+    // "inflight region installed" at every ring start.
+    for detail in ["inflight", "seccomp filter", "worker thread(s)"] {
+        assert!(!log.contains(detail), "{detail:?} at INFO:\n{log}");
+    }
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains(" INFO ")).collect();
+    assert!(
+        lines.len() <= 5,
+        "more than what it serves, its endpoints and the connection:\n{log}"
+    );
 }
