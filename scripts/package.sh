@@ -43,6 +43,9 @@ dev) bin=$dir/debug ;;
 esac
 rm -rf target/generated
 "$bin/ringblk" generate --out target/generated
+# ringblk-bench's own page replaces the one of the `ringblk bench`
+# pass-through, which only says where its options are.
+"$bin/ringblk-bench" --generate-man target/generated/man
 
 out=$(cargo deb --locked --no-build --profile "$profile" -p ringblk 2>&1) || die "cargo deb failed: $out"
 deb=$(tail -n1 <<<"$out")

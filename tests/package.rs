@@ -177,6 +177,9 @@ fn the_package_installs_serves_and_uninstalls() {
         &man[..80.min(man.len())]
     );
     assert!(man.contains("queue\\-size"), "--queue-size not in the page");
+    // ringblk-bench's page is its own (its options), not the pass-through's.
+    let bench = run_ok("sh", &["-c", "zcat /usr/share/man/man1/ringblk-bench.1.gz"]);
+    assert!(bench.contains("\\-\\-compare"), "ringblk-bench.1:\n{bench}");
     let bash = fs::read_to_string("/usr/share/bash-completion/completions/ringblk").unwrap();
     assert!(bash.contains("--queue-size"), "bash completion");
     // The dedicated user, and the directories it owns.
