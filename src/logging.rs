@@ -6,7 +6,8 @@
 //! its syslog priority (`<3>` error, `<4>` warning, `<6>` info, `<7>`
 //! debug and trace), which journald strips and records, so that
 //! `journalctl -p warning` finds the warnings; and it carries no timestamp
-//! of its own, since the journal stamps every line. Elsewhere a line is
+//! of its own, since the journal stamps every line. A command's own error
+//! lines (`main`) are `<3>` there too. Elsewhere a line is
 //! `[TIME LEVEL TARGET] MESSAGE`.
 
 use std::io::Write;
@@ -20,7 +21,7 @@ pub const DEFAULT_FILTER: &str = "info,virtio_queue=off";
 pub fn init() {
     let mut builder =
         env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(DEFAULT_FILTER));
-    if stderr_is_journal() {
+    if under_journal() {
         builder
             .format(|buf, record| writeln!(buf, "<{}>{}", priority(record.level()), record.args()));
     }
@@ -36,6 +37,13 @@ pub fn priority(level: log::Level) -> u8 {
         log::Level::Info => 6,
         log::Level::Debug | log::Level::Trace => 7,
     }
+}
+
+/// Whether stderr is the journal's stream (see [`stderr_is_journal`]),
+/// worked out once: then a command's own error lines carry `<3>` too.
+pub fn under_journal() -> bool {
+    static JOURNAL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *JOURNAL.get_or_init(stderr_is_journal)
 }
 
 /// Whether stderr is the stream systemd connected to the journal:

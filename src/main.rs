@@ -17,7 +17,10 @@ fn main() {
         );
     }
     // Usage errors clap finds exit with 2, --help and --version with 0.
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => usage(e),
+    };
     let (name, result) = match cli.command {
         Command::Serve(args) => (
             "serve",
@@ -45,12 +48,32 @@ fn finish(subcommand: &str, result: Result<(), Failure>) -> ! {
             let sub = cmd
                 .find_subcommand_mut(subcommand)
                 .expect("every subcommand is in the CLI");
-            sub.error(clap::error::ErrorKind::ValueValidation, message)
-                .exit()
+            usage(sub.error(clap::error::ErrorKind::ValueValidation, message))
         }
         Err(Failure::Runtime(message)) => {
-            eprintln!("ringblk: {message}");
+            eprintln!("{}ringblk: {message}", error_priority());
             std::process::exit(1)
         }
+    }
+}
+
+/// Prints clap's error (or help) and exits as clap does; under the
+/// journal, each line of an error carries its priority.
+fn usage(e: clap::Error) -> ! {
+    if !e.use_stderr() || !ringblk::logging::under_journal() {
+        e.exit()
+    }
+    for line in e.render().to_string().lines().filter(|l| !l.is_empty()) {
+        eprintln!("{}{line}", error_priority());
+    }
+    std::process::exit(e.exit_code())
+}
+
+/// `<3>` (syslog's LOG_ERR) when stderr is the journal (`ringblk::logging`).
+fn error_priority() -> &'static str {
+    if ringblk::logging::under_journal() {
+        "<3>"
+    } else {
+        ""
     }
 }

@@ -413,6 +413,38 @@ fn journald_lines_carry_priorities() {
     }
     assert!(text.lines().any(|l| l.starts_with("<4>--iopoll")), "{text}");
 
+    // A command's own error, under the journal: `<3>`, as errors are.
+    let out = Command::new(ringblk_bin())
+        .args(["serve", "--image", "/nonexistent.img", "--socket"])
+        .arg(&socket)
+        .env("JOURNAL_STREAM", &stream)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stderr(file.try_clone().unwrap())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let text = fs::read_to_string(&log).unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l == "<3>ringblk: image /nonexistent.img does not exist"),
+        "{text}"
+    );
+    let out = Command::new(ringblk_bin())
+        .args(["serve", "--queues", "0"])
+        .env("JOURNAL_STREAM", &stream)
+        .stdin(Stdio::null())
+        .stderr(file.try_clone().unwrap())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let text = fs::read_to_string(&log).unwrap();
+    assert!(
+        text.lines().any(|l| l
+            == "<3>error: invalid value '0' for '--queues <N>': must be a number from 1 to 64"),
+        "{text}"
+    );
+
     // Another stream (stderr redirected elsewhere): the usual format.
     let out = Command::new(ringblk_bin())
         .args(["serve", "--image", "/nonexistent.img", "--socket"])
