@@ -33,6 +33,10 @@ fi
 
 # librbd/librados for `--features rbd`, and the Ceph daemons of the
 # single-node cluster the RBD tests start (scripts/ceph-cluster.sh).
+# qemu-img and qemu-io: the oracle of the image-format tests (tests/format.rs).
+section "format test tools"
+scripts/format-deps.sh
+
 section "ceph packages"
 scripts/ceph-deps.sh
 

@@ -5,6 +5,9 @@
 //!   used-ring publication, notification decisions) and the typed, validated
 //!   block [`virtio::Request`];
 //! - [`io`]: the image (opening, creating, probing it);
+//! - [`format`]: where a guest offset lives (raw: itself; qcow2: a host
+//!   offset in a file of its backing chain), and the metadata work that
+//!   takes; independent of the engine;
 //! - [`engine`]: the I/O engines behind one contract (io_uring, null): a
 //!   validated request in, a completion out; every engine-specific choice
 //!   (opcodes, bounce buffers, fallbacks, retries) stays there;
@@ -27,6 +30,7 @@ pub mod cli;
 pub mod daemon;
 pub mod engine;
 pub mod exit;
+pub mod format;
 pub mod generate;
 pub mod io;
 pub mod logging;
