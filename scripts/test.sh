@@ -63,6 +63,18 @@ if grep -E '^(blkio|plotters|indicatif|hdrhistogram) ' <<<"$tree"; then
     exit 1
 fi
 
+# The Debian package (cargo-deb, installed here if missing), from the
+# debug build: tests/package.rs installs it, serves a client through its
+# unit's command line and removes it. (A release package is
+# `scripts/package.sh` alone.)
+section "package"
+deb=$(RINGBLK_DEB_PROFILE=dev scripts/package.sh | sed -n 's/^deb=//p')
+[ -n "$deb" ] || {
+    echo "test.sh: scripts/package.sh built no package" >&2
+    exit 1
+}
+export RINGBLK_DEB=$deb
+
 # --workspace: the bench's tests run its binary against the daemon's, and
 # need both built. With the RBD engine: its tests (tests/rbd.rs, and the
 # bench's crates/ringblk-bench/tests/bench_rbd.rs) start a Ceph cluster of

@@ -17,7 +17,10 @@
 //! - [`metrics`]: the counters, `ringblk stats`, rate-limited logging;
 //! - [`api`]: the HTTP endpoints (`--api`'s control verbs, `--metrics`)
 //!   and `ringblk ctl`;
-//! - [`bench`](mod@bench): `ringblk bench`, which runs the separate `ringblk-bench`.
+//! - [`bench`](mod@bench): `ringblk bench`, which runs the separate `ringblk-bench`;
+//! - [`exit`]: how every subcommand ends (exit status, error lines);
+//!   [`logging`]: the log's format (journald's priorities under systemd);
+//!   [`generate`]: man pages and shell completions.
 
 pub mod api;
 pub mod backup;
@@ -26,8 +29,11 @@ pub mod bitmap;
 pub mod cli;
 pub mod daemon;
 pub mod engine;
+pub mod exit;
 pub mod format;
+pub mod generate;
 pub mod io;
+pub mod logging;
 pub mod metrics;
 pub mod nbd;
 pub mod qos;

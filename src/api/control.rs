@@ -25,7 +25,7 @@ pub enum ResizeError {
     #[error("size {0} is larger than a file can be")]
     TooLarge(u64),
     #[error(
-        "shrinking from {from} to {to} bytes cuts off data under a running guest; give force to do it anyway"
+        "shrinking from {from} to {to} bytes cuts off data under a running guest; to do it anyway, pass --force (ringblk ctl resize --force; \"force\": true in the API)"
     )]
     Shrink { from: u64, to: u64 },
     #[error(

@@ -126,7 +126,7 @@ pub fn install(
         }
         Err(e) => return Err(DaemonError::Seccomp(e.to_string())),
     }
-    log::info!(
+    log::debug!(
         "seccomp filter installed ({:?} profile, {} syscalls allowed, {})",
         profile,
         allowed(profile, unlink_dirs).len(),

@@ -36,11 +36,12 @@ use vm_memory::ByteValued;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use super::backend_channel::BackendChannel;
+use super::hints::SetupHints;
 use super::inflight::InflightRegion;
 use super::sigbus::MEM_SLOTS;
 use crate::metrics::SharedRateLimiter;
 use crate::virtio::LogRegion;
-use crate::{info_limited, warn_limited};
+use crate::{info_limited, log_limited, warn_limited};
 
 /// `struct VhostUserMsgHeader`: request, flags, payload size (le32 each).
 const HDR: usize = 12;
@@ -97,7 +98,7 @@ struct Msg {
 }
 
 /// The payload's first bytes as a `T`; `None` if it is shorter than one.
-fn payload_as<T: ByteValued + Default>(p: &[u8]) -> Option<T> {
+pub(super) fn payload_as<T: ByteValued + Default>(p: &[u8]) -> Option<T> {
     let mut v = T::default();
     let bytes = p.get(..std::mem::size_of::<T>())?;
     v.as_mut_slice().copy_from_slice(bytes);
@@ -223,11 +224,13 @@ fn read_msg(from: &UnixStream, limits: Limits) -> io::Result<Option<Msg>> {
     }))
 }
 
-/// Relays `front` <-> `back` until either side closes.
+/// Relays `front` <-> `back` until either side closes; `hints` follows the
+/// front-end's messages for set-up mistakes to explain.
 pub fn relay(
     front: UnixStream,
     back: UnixStream,
     host: Arc<dyn InflightHost>,
+    mut hints: SetupHints,
 ) -> io::Result<Vec<JoinHandle<()>>> {
     let front_w = Arc::new(Mutex::new(front.try_clone()?));
     let (front_r, back_w, back_r) = (front.try_clone()?, back.try_clone()?, back);
@@ -260,10 +263,23 @@ pub fn relay(
     let to_back = std::thread::Builder::new()
         .name("vu-relay-in".into())
         .spawn(move || {
+            let mut first = true;
             loop {
+                if !first {
+                    // Between messages the front-end may be silent as long
+                    // as it likes; the hints may want a look meanwhile.
+                    limits.start = hints.wait();
+                }
                 let msg = match read_msg(&front_r, limits) {
                     Ok(Some(m)) => m,
-                    Ok(None) => break,
+                    Ok(None) => {
+                        hints.hung_up();
+                        break;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock && !first => {
+                        hints.check();
+                        continue;
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         warn_limited!(
                             DISCONNECTS,
@@ -283,14 +299,16 @@ pub fn relay(
                         break;
                     }
                 };
-                // After the first message, silence between messages is fine.
-                limits.start = None;
+                first = false;
                 log::debug!(
                     "front-end request {} ({} bytes, {} fds)",
                     msg.request,
                     msg.payload.len(),
                     msg.fds.len()
                 );
+                if let Some(code) = msg.code() {
+                    hints.follow(code, &msg.payload);
+                }
                 let r = match msg.code() {
                     Some(FrontendReq::GET_INFLIGHT_FD) => get_inflight(&msg, &*host, &fw),
                     Some(FrontendReq::SET_INFLIGHT_FD) => set_inflight(msg, &*host, &fw),
@@ -553,7 +571,9 @@ fn get_inflight(msg: &Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> i
     match region {
         Some(Ok(r)) => {
             let out = VhostUserInflight::new(r.size() as u64, 0, r.num_queues, r.queue_size);
-            info_limited!(
+            // Developer detail: at DEBUG, like every ring start.
+            log_limited!(
+                log::Level::Debug,
                 GET_INFLIGHT,
                 "inflight tracking: {} bytes for {} queue(s) of {}",
                 r.size(),
@@ -635,7 +655,8 @@ fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -
     };
     let ok = match result {
         Ok(region) => {
-            info_limited!(
+            log_limited!(
+                log::Level::Debug,
                 SET_INFLIGHT,
                 "inflight region installed ({} queue(s) of {})",
                 region.num_queues,
@@ -684,7 +705,11 @@ mod tests {
         for s in [&front, &back] {
             s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         }
-        let threads = relay(relay_front, relay_back, Arc::new(NoDevice)).unwrap();
+        let hints = SetupHints::new(
+            vec![Arc::default()],
+            vm_memory::GuestMemoryAtomic::new(crate::virtio::GuestMem::new()),
+        );
+        let threads = relay(relay_front, relay_back, Arc::new(NoDevice), hints).unwrap();
         (front, back, threads)
     }
 
