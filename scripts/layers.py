@@ -18,8 +18,9 @@ import sys
 
 LAYERS = [
     # Leaves: the split ring and typed requests; the image file; counters
-    # and rate-limited logs; socket files; dirty bitmaps.
-    ["virtio", "io", "metrics", "unix_socket", "bitmap"],
+    # and rate-limited logs; socket files; dirty bitmaps; image formats
+    # (where a guest offset lives: raw, qcow2).
+    ["virtio", "io", "metrics", "unix_socket", "bitmap", "format"],
     # QoS (token buckets over virtio's Direction); the NBD server.
     ["qos", "nbd"],
     # The device's runtime state; the backup view (a bitmap, served over

@@ -11,6 +11,10 @@
 //! - [`device`]: the device's runtime state, one object (capacity, write
 //!   cache, dirty logging, QoS, the image lock, the connection); and
 //!   [`backup`] (a bitmap's view, served over NBD);
+//! - [`format`]: where a guest offset lives (raw: itself; qcow2: a host
+//!   offset in a file of its backing chain), and the metadata work that
+//!   takes; independent of the engine (it plugs into the engine core's
+//!   format seam, [`engine::Format`]);
 //! - [`engine`]: *how* a request becomes I/O: the engine core every engine
 //!   shares, the format seam (where), and the engines (io_uring, librbd,
 //!   null);
@@ -21,8 +25,9 @@
 //! - [`api`]: the HTTP endpoints (`--api`'s control verbs, `--metrics`);
 //! - [`daemon`]: `serve`'s options and configuration, the socket, signals,
 //!   the seccomp filter, the serve loop;
-//! - [`cli`]: the command line, and the clients `ctl`, `stats` and
-//!   `bench`.
+//! - [`cli`]: the command line: its clients `ctl`, `stats` and `bench`,
+//!   `generate` (man pages, completions), how every subcommand ends
+//!   (exit status, error lines) and the log's format.
 
 pub mod api;
 pub mod backup;
@@ -31,6 +36,7 @@ pub mod cli;
 pub mod daemon;
 pub mod device;
 pub mod engine;
+pub mod format;
 pub mod io;
 pub mod metrics;
 pub mod nbd;

@@ -3,10 +3,18 @@
 //! of a running daemon or of the benchmark, here:
 //! - [`ctl`]: `ringblk ctl`, the control API's client;
 //! - [`stats`]: `ringblk stats`, a table of a running daemon's counters;
-//! - [`bench`](mod@bench): `ringblk bench`, which runs the separate `ringblk-bench`.
+//! - [`bench`](mod@bench): `ringblk bench`, which runs the separate `ringblk-bench`;
+//! - [`generate`]: `ringblk generate`, the man pages and completions.
+//!
+//! How every subcommand ends (exit status, error lines) is [`exit`]'s;
+//! the log's format (journald's priorities under systemd) is
+//! [`logging`]'s.
 
 pub mod bench;
 pub mod ctl;
+pub mod exit;
+pub mod generate;
+pub mod logging;
 pub mod stats;
 
 use clap::{Parser, Subcommand};
@@ -39,16 +47,10 @@ pub enum Command {
     /// runs ringblk-bench with these arguments.
     #[command(disable_help_flag = true)]
     Bench(bench::BenchArgs),
-}
-
-/// Runs the subcommand.
-pub fn run(cli: Cli) -> Result<(), String> {
-    match cli.command {
-        Command::Serve(args) => crate::daemon::serve(*args).map_err(|e| e.to_string()),
-        Command::Stats(args) => stats::stats(&args),
-        Command::Ctl(args) => ctl::ctl(&args),
-        Command::Bench(args) => bench::exec(&args),
-    }
+    /// Write the man pages and shell completions (bash, zsh, fish) made
+    /// from these definitions: what the Debian package installs, for a
+    /// `cargo install` to install too.
+    Generate(generate::GenerateArgs),
 }
 
 #[cfg(test)]

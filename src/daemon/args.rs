@@ -14,6 +14,13 @@ pub use crate::queue::{NotifyMode, SignalMode};
 /// checks.
 pub const DEFAULT_SOCKET_NAME: &str = "vhost.sock";
 pub const DEFAULT_IMAGE_NAME: &str = "disk.img";
+/// Size of the default image when `serve` creates it without `--size`.
+pub const DEFAULT_IMAGE_SIZE: u64 = 1 << 30;
+
+/// vhost-user-backend maps queues to threads with a 64-bit mask.
+pub const MAX_QUEUES: u16 = 64;
+/// The largest split virtqueue (virtio 1.x: 32768 entries).
+pub const MAX_QUEUE_SIZE: u16 = 32768;
 
 /// `--notify`: the queue's own enum, named for the command line here.
 impl ValueEnum for NotifyMode {
@@ -105,9 +112,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "NAME", default_value = "admin")]
     pub ceph_id: String,
 
-    /// Size of the default image when it has to be created (e.g. 1G, 512M).
-    #[arg(long, default_value = "1G", value_parser = parse_size)]
-    pub size: u64,
+    /// Size of the default image when it has to be created (e.g. 1G, 512M),
+    /// a multiple of the block size [default: 1G]. Not with --image, which
+    /// is served at its own size; an existing default image keeps its size.
+    #[arg(long, value_parser = parse_size)]
+    pub size: Option<u64>,
 
     /// Export read-only: writes, discards and write-zeroes fail.
     #[arg(long)]
@@ -125,8 +134,9 @@ pub struct ServeArgs {
     #[arg(long)]
     pub no_image_lock: bool,
 
-    /// Number of virtqueues.
-    #[arg(long, default_value_t = 1)]
+    /// Number of virtqueues, 1 to 64. QEMU's vhost-user-blk-pci asks for
+    /// one per vCPU unless given num-queues: serve at least as many.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_queues)]
     pub queues: u16,
 
     /// Worker threads serving the queues: queue q is served by thread
@@ -137,8 +147,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub threads: Option<usize>,
 
-    /// Maximum size of each virtqueue (a power of two, up to 32768).
-    #[arg(long, default_value_t = 256)]
+    /// Maximum size of each virtqueue (a power of two, 2 to 32768).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = parse_queue_size)]
     pub queue_size: u16,
 
     /// Serial number reported by GET_ID (at most 20 bytes). Defaults to one
@@ -218,10 +228,11 @@ pub struct ServeArgs {
     #[arg(long, hide = true)]
     pub no_uring_cmd: bool,
 
-    /// Pin worker thread N to CPU list[N % len] (comma-separated CPU
-    /// numbers). Threads, not queues: see --threads.
-    #[arg(long, value_delimiter = ',')]
-    pub cpus: Vec<usize>,
+    /// Pin worker thread N to CPU list[N % len]. A CPU list as taskset and
+    /// cpusets write it: numbers and ranges, comma-separated (0-3,8,10-11).
+    /// Threads, not queues: see --threads.
+    #[arg(long, value_name = "LIST", value_parser = CpuList::parse, default_value = "", hide_default_value = true)]
+    pub cpus: CpuList,
 
     /// Seccomp filter on the daemon's threads after start-up: `enforce`
     /// kills the process on a syscall outside the allow-list, `log` only
@@ -239,6 +250,42 @@ pub enum SeccompMode {
     Enforce,
     Log,
     Off,
+}
+
+/// `--queues`: 1 to [`MAX_QUEUES`].
+fn parse_queues(s: &str) -> Result<u16, String> {
+    s.trim()
+        .parse::<u16>()
+        .ok()
+        .filter(|n| (1..=MAX_QUEUES).contains(n))
+        .ok_or_else(|| format!("must be a number from 1 to {MAX_QUEUES}"))
+}
+
+/// `--queue-size`: a power of two, 2 to [`MAX_QUEUE_SIZE`].
+fn parse_queue_size(s: &str) -> Result<u16, String> {
+    s.trim()
+        .parse::<u16>()
+        .ok()
+        .filter(|n| (2..=MAX_QUEUE_SIZE).contains(n) && n.is_power_of_two())
+        .ok_or_else(|| format!("must be a power of two from 2 to {MAX_QUEUE_SIZE}"))
+}
+
+/// A CPU list as taskset(1) and cpuset(7) write it: `0-3,8,10-11`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CpuList(pub Vec<usize>);
+
+impl CpuList {
+    /// Parses a list; the empty string is the empty list (no pinning).
+    pub fn parse(s: &str) -> Result<CpuList, String> {
+        crate::cpu::parse_list(s).map(CpuList)
+    }
+}
+
+impl std::ops::Deref for CpuList {
+    type Target = [usize];
+    fn deref(&self) -> &[usize] {
+        &self.0
+    }
 }
 
 fn parse_octal(s: &str) -> Result<u32, String> {

@@ -127,7 +127,7 @@ pub fn install(
         }
         Err(e) => return Err(DaemonError::Seccomp(e.to_string())),
     }
-    log::info!(
+    log::debug!(
         "seccomp filter installed ({:?} profile, {} syscalls allowed, {})",
         profile,
         allowed(profile, unlink_dirs).len(),
@@ -290,7 +290,12 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
             (1, (SOCK_STREAM | SOCK_CLOEXEC) as u64),
         ])
     };
-    let rcvtimeo = || args_eq(&[(1, SOL_SOCKET as u64), (2, SO_RCVTIMEO as u64)]);
+    let rcvtimeo = || {
+        either(
+            [SO_RCVTIMEO, SO_SNDTIMEO]
+                .map(|opt| args_eq(&[(1, SOL_SOCKET as u64), (2, opt as u64)])),
+        )
+    };
     let (socket_rules, setsockopt_rules) = if rbd {
         // librbd's messenger: O_NONBLOCK on each new connection.
         fcntl_cmds.push(F_SETFL as u64);
@@ -352,8 +357,8 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
             ),
         ),
         // The relay's read timeouts on a front-end that stalls mid-message,
-        // and the back-end channel's wait for an answer (the RBD profile
-        // adds TCP_NODELAY).
+        // and the back-end channel's deadline for sending and for an answer
+        // (the RBD profile adds TCP_NODELAY).
         (SYS_setsockopt, setsockopt_rules),
         // Guest memory, the vrings and io_uring's rings; thread stacks; malloc.
         (SYS_mmap, no_exec()),

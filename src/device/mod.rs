@@ -9,7 +9,9 @@
 //! - dirty-page logging (the front-end acked LOG_ALL: a migration);
 //! - the QoS limits and their token buckets ([`crate::qos::Qos`]);
 //! - the image lock ([`crate::io::ImageLock`]);
-//! - stopping (SIGTERM: take no new requests);
+//! - stopping (SIGTERM), and the intake: whether the rings take new
+//!   requests (not once the front-end's socket has closed, nor while
+//!   stopping);
 //! - the connection being served, if any ([`Connection`]).
 //!
 //! The configuration space the driver reads is derived from these
@@ -135,8 +137,14 @@ pub struct Device {
     /// The front-end acked VHOST_F_LOG_ALL (a migration is under way):
     /// what an engine writes into guest memory is marked in the dirty log.
     logging: AtomicBool,
-    /// Set on shutdown: take no new requests.
+    /// Set on shutdown (and kept): the daemon is stopping.
     stopping: AtomicBool,
+    /// No ring takes a new request: the front-end's socket closed (the
+    /// relay sets it first thing when it reads the end of the stream), or
+    /// the daemon is stopping. Each pass reads it (relaxed) before each
+    /// pop; what was taken before completes. Cleared when the next
+    /// connection starts.
+    intake_closed: AtomicBool,
     qos: Qos,
     image_lock: Option<ImageLock>,
     /// The connection being served (`None` between connections).
@@ -160,6 +168,7 @@ impl Device {
             writeback: AtomicBool::new(spec.writeback),
             logging: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
+            intake_closed: AtomicBool::new(false),
             image_lock: spec.image_lock,
             connection: Mutex::new(None),
             backing: spec.backing,
@@ -242,22 +251,41 @@ impl Device {
 
     /// A new connection starts from what the device advertises: the guest
     /// may have turned the write cache off, and dirty-page logging is for
-    /// the connection that asked for it.
+    /// the connection that asked for it. Its rings take requests, unless
+    /// the daemon is stopping: [`Device::stop`] stores `stopping`, then
+    /// closes the intake; all four stores and loads are SeqCst, so if its
+    /// close comes before our opening, we see `stopping` after it.
     pub fn new_connection(&self) {
         self.writeback
             .store(self.writeback_default, Ordering::Relaxed);
         self.logging.store(false, Ordering::Relaxed);
+        self.intake_closed.store(false, Ordering::SeqCst);
+        if self.stopping.load(Ordering::SeqCst) {
+            self.intake_closed.store(true, Ordering::SeqCst);
+        }
     }
 
-    /// Whether the daemon is stopping: no new requests.
-    #[inline]
+    /// Whether the daemon is stopping.
     pub fn stopping(&self) -> bool {
-        self.stopping.load(Ordering::Relaxed)
+        self.stopping.load(Ordering::SeqCst)
     }
 
-    /// SIGTERM: take no new requests from now on.
+    /// SIGTERM: the daemon stops, and no ring takes a new request.
     pub fn stop(&self) {
-        self.stopping.store(true, Ordering::Relaxed);
+        self.stopping.store(true, Ordering::SeqCst);
+        self.intake_closed.store(true, Ordering::SeqCst);
+    }
+
+    /// The front-end's socket closed: no ring takes a new request (until
+    /// the next connection).
+    pub fn close_intake(&self) {
+        self.intake_closed.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the rings take no new requests (read before each pop).
+    #[inline]
+    pub fn intake_closed(&self) -> bool {
+        self.intake_closed.load(Ordering::Relaxed)
     }
 
     /// The device's QoS limits, shared by its queues (and changed at

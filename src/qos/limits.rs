@@ -56,6 +56,15 @@ macro_rules! qos_limits {
             pub fn is_empty(&self) -> bool {
                 true $(&& self.$field.is_none())*
             }
+
+            /// The flag that sets the limit named `name` (its field and
+            /// JSON name); `name` itself for any other.
+            pub fn flag(name: &str) -> &str {
+                match name {
+                    $(stringify!($field) => concat!("--", $flag),)*
+                    other => other,
+                }
+            }
         }
     };
 }
@@ -181,7 +190,47 @@ pub enum QosError {
     LengthTooLong(u64),
 }
 
+impl QosChanges {
+    /// `base` with the limits given here, checked; an error names the
+    /// flags, not the JSON fields (for `serve` and `ctl qos`).
+    pub fn check(&self, base: QosLimits) -> Result<QosLimits, String> {
+        let limits = base.with(self);
+        limits.validate().map_err(|e| e.in_flags())?;
+        Ok(limits)
+    }
+}
+
 impl QosError {
+    /// This error as the command line says it: `--iops-max needs --iops
+    /// set too`.
+    pub fn in_flags(&self) -> String {
+        let flag = QosChanges::flag;
+        let max = |name: &str| flag(&format!("{name}_max")).to_string();
+        match self {
+            QosError::MaxWithoutRate { name } => {
+                format!("{} needs {} set too", max(name), flag(name))
+            }
+            QosError::MaxBelowRate { name, avg, max: m } => format!(
+                "{} ({m}) cannot be lower than {} ({avg})",
+                max(name),
+                flag(name)
+            ),
+            QosError::TooLarge { name } => format!(
+                "{} and {} are at most {VALUE_MAX}",
+                flag(name),
+                max(name)
+            ),
+            QosError::LengthWithoutMax => {
+                "--qos-max-length needs a burst rate to apply to (--iops-max, --bps-max, ...)"
+                    .into()
+            }
+            QosError::LengthTooLong(n) => {
+                format!("--qos-max-length is at most 86400 seconds, not {n}")
+            }
+            other => other.to_string(),
+        }
+    }
+
     /// Why JSON of the right syntax is not a [`QosChanges`]: a name that
     /// is not a limit, or a value that is not a count.
     pub fn from_json(e: serde_json::Error) -> QosError {

@@ -376,7 +376,7 @@ impl<E: Engine> QueueWorker<E> {
             return self.complete(&mut state, view);
         }
         let device = self.device.clone();
-        let stopping = || device.stopping();
+        let stopping = || device.intake_closed();
         // Requests taken this pass: a worker that shares its thread yields
         // once it has taken a turn's worth with more waiting.
         let mut taken = 0usize;
@@ -423,11 +423,13 @@ impl<E: Engine> QueueWorker<E> {
                 self.core.completions().consume();
                 self.complete(&mut state, view)?;
             }
-            if self.poll_for_work(&state, view)? {
-                continue;
-            }
+            // Before polling: a poll would find the requests left on the
+            // ring and come back here at once, again and again.
             if stopping() {
                 return Ok(());
+            }
+            if self.poll_for_work(&state, view)? {
+                continue;
             }
             if self.shadow.enable_kicks(state.get_queue(), view)? {
                 if taken >= budget && self.yield_turn() {

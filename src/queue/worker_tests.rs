@@ -830,3 +830,28 @@ fn waiting_for_the_image_lock_does_not_sleep_on_the_queue_thread() {
     assert_eq!(rig.status(0), 0);
     assert_eq!(rig.image_at(8 * 512, 4096), vec![0x77; 4096]);
 }
+
+/// Once the intake is closed (the front-end's socket closed), a kick takes
+/// nothing more off the ring, and what was taken before completes.
+#[test]
+fn a_closed_intake_takes_nothing_new_and_completes_what_it_took() {
+    let mem = guest_memory();
+    let mut rig = rig(&mem);
+    mem.write_slice(&[0x11; 4096], GuestAddress(DATA)).unwrap();
+    mem.write_slice(&[0x22; 4096], GuestAddress(DATA + 0x1000))
+        .unwrap();
+    rig.post_rw(0, true, 8, DATA);
+    rig.worker.handle_event(&rig.vring, Event::Kick);
+    rig.device.close_intake();
+    rig.post_rw(3, true, 16, DATA + 0x1000);
+    rig.complete_until(1);
+    for _ in 0..20 {
+        rig.worker.handle_event(&rig.vring, Event::Kick);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    rig.worker.drain();
+    assert_eq!(rig.driver.used_idx(), 1, "a request posted after the close");
+    assert_eq!(rig.status(0), 0);
+    assert_eq!(rig.image_at(8 * 512, 4096), vec![0x11; 4096]);
+    assert_eq!(rig.image_at(16 * 512, 4096), vec![0; 4096]);
+}

@@ -5,6 +5,7 @@
 
 mod backend;
 mod backend_channel;
+pub mod hints;
 pub mod proxy;
 pub mod sigbus;
 
