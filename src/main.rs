@@ -1,6 +1,6 @@
 use clap::{CommandFactory, Parser};
-use ringblk::cli::{Cli, Command};
 use ringblk::cli::exit::Failure;
+use ringblk::cli::{Cli, Command};
 
 fn main() {
     ringblk::cli::logging::init();

@@ -31,7 +31,7 @@ use crate::engine::{Core, Engine, EngineError, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
 use crate::queue::{QueueWorker, Settings, Timer};
-use crate::vhost::{BlkBackend, ExitEvents, proxy};
+use crate::vhost::{BlkBackend, ExitEvents, relay};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
 use crate::warn_limited;
 pub use args::{EngineKind, SeccompMode, ServeArgs};
@@ -484,7 +484,7 @@ impl Connections<'_> {
         daemon
             .start(&mut self.inner.listener)
             .map_err(|e| DaemonError::Vhost(e.to_string()))?;
-        let relay = proxy::relay(front, back, backend.clone(), hints)
+        let relay = relay::relay(front, back, backend.clone(), hints)
             .map_err(|e| DaemonError::Vhost(format!("relay: {e}")))?;
         log::info!("front-end connected");
         let ended = daemon.wait();

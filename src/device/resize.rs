@@ -101,7 +101,7 @@ impl Device {
     ///
     /// The front-end is told after the resize lock is let go: a front-end
     /// that does not read its back-end channel holds this call for the
-    /// channel's deadline (`vhost::backend_channel::DEADLINE`), and no
+    /// channel's deadline (`vhost::relay::channel::DEADLINE`), and no
     /// other resize.
     pub fn resize(&self, size: Option<u64>, force: bool) -> Result<Resized, ResizeError> {
         let (old, new) = self.set_size(size, force)?;

@@ -215,11 +215,9 @@ impl QosError {
                 max(name),
                 flag(name)
             ),
-            QosError::TooLarge { name } => format!(
-                "{} and {} are at most {VALUE_MAX}",
-                flag(name),
-                max(name)
-            ),
+            QosError::TooLarge { name } => {
+                format!("{} and {} are at most {VALUE_MAX}", flag(name), max(name))
+            }
             QosError::LengthWithoutMax => {
                 "--qos-max-length needs a burst rate to apply to (--iops-max, --bps-max, ...)"
                     .into()

@@ -27,8 +27,8 @@ use crate::metrics::SharedRateLimiter;
 use crate::virtio::config::VirtioBlkConfig;
 use crate::virtio::{DirtyLog, GuestMem, LogRegion};
 
-use super::backend_channel::BackendChannel;
-use super::proxy::InflightHost;
+use super::relay::InflightHost;
+use super::relay::channel::BackendChannel;
 use crate::queue::inflight::{InflightQueue, InflightRegion};
 use crate::queue::{Event, QueueWorker, Vring};
 
