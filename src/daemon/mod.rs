@@ -1,9 +1,11 @@
 //! The daemon: configuration, the socket, signals and the serve loop.
 //!
 //! One vhost-user connection at a time. Each connection gets a fresh
-//! backend (rings, workers, io_urings); the counters live across them. When
-//! the front-end goes away the daemon waits for the next one, so a VM
-//! reboot or a QEMU restart needs no daemon restart.
+//! backend and fresh workers; the engines (with their io_urings, made once
+//! before the seccomp filter), the device and the counters live across
+//! them: a connection borrows the engines and gives them back. When the
+//! front-end goes away the daemon waits for the next one, so a VM reboot
+//! or a QEMU restart needs no daemon restart.
 
 mod args;
 mod config;

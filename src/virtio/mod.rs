@@ -2,7 +2,7 @@
 //! block request parsed from a descriptor chain.
 //!
 //! Nothing here does I/O on the image. Everything a guest controls is
-//! validated here, before the `io` layer sees it.
+//! validated here, before the engine ([`crate::engine`]) sees it.
 
 mod buffers;
 #[cfg(any(test, feature = "test-utils"))]

@@ -3,7 +3,7 @@
 //!
 //! The chain is walked once. Its data buffers are translated to host
 //! addresses here, so a descriptor outside guest memory (or across a hole
-//! between two regions) is refused before the I/O layer sees it.
+//! between two regions) is refused before the engine sees it.
 
 use std::ops::Deref;
 use std::sync::Arc;
