@@ -25,6 +25,13 @@
 //!
 //! Flush maps to nothing: it covers every file of the chain (and, for a
 //! format, its metadata caches first).
+//!
+//! The format layer ([`crate::format`]) answers in these terms already:
+//! its `Image::map` gives pieces whose `Where` is `Data { file, offset }`
+//! ([`Mapping::Host`]), `Zero` or `Slow` (metadata work). Plugging it in is
+//! a `Format` over its `Image`, the two more `Mapping` cases, and a
+//! `Core` that handles them; the worker above and the engines below stay
+//! as they are.
 
 use crate::virtio::Op;
 

@@ -1,6 +1,6 @@
 //! How a validated request becomes I/O on the image.
 //!
-//! A queue's worker ([`crate::vhost`]'s, the *when*) hands each request to
+//! A queue's worker ([`crate::queue`], the *when*) hands each request to
 //! its queue's [`Core`], and takes completions back from it. Below the
 //! core, two seams:
 //! - a [`Format`] decides *where* a request's bytes are: a raw image maps
