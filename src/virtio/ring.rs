@@ -96,6 +96,11 @@ impl RingShadow {
         if !queue.ready() || queue.avail_ring() == 0 {
             return Err(RingError::Queue(virtio_queue::Error::QueueNotReady));
         }
+        if view.size() == 0 {
+            // virtio-queue never sets a size of 0; refused rather than
+            // divided by.
+            return Err(RingError::Memory);
+        }
         let next = queue.next_avail();
         let waiting = view.avail_idx()?.wrapping_sub(next);
         if waiting > view.size() {
@@ -127,7 +132,10 @@ impl RingShadow {
         head: u16,
         len: u32,
     ) -> Result<(), RingError> {
-        let slot = queue.next_used() % view.size();
+        let slot = queue
+            .next_used()
+            .checked_rem(view.size())
+            .ok_or(RingError::Memory)?;
         view.set_used_elem(slot, head, len)?;
         queue.set_next_used(queue.next_used().wrapping_add(1));
         self.unpublished += 1;
