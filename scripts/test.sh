@@ -55,9 +55,10 @@ if grep -E '^(blkio|plotters|indicatif|hdrhistogram) ' <<<"$tree"; then
 fi
 
 # --workspace: the bench's tests run its binary against the daemon's, and
-# need both built. With the RBD engine: its tests (tests/rbd.rs, and the
-# bench's crates/ringblk-bench/tests/bench_rbd.rs) start a Ceph cluster of
-# their own.
+# need both built. With the RBD engine: its tests (the `rbd` area,
+# tests/rbd/, which needs the feature, and the bench's
+# crates/ringblk-bench/tests/bench_rbd.rs) start a Ceph cluster of their
+# own, one per test binary.
 #
 # Every test bounds its own waits, but a test that hangs anyway must fail
 # the run, with where it hangs, rather than stall it: after

@@ -1,0 +1,57 @@
+//! The socket area: `ringblk serve` driven over its vhost-user socket by
+//! libblkio or the kit's raw front-end, its control API, metrics and
+//! signals, and the other checks that need nothing but the daemon. Fast;
+//! runs anywhere (one control API test needs root for a loop device).
+//!
+//! One binary over the test kit (`crates/ringblk-testkit`); each file is a
+//! module, so a test is `FILE::NAME`:
+//!
+//! ```sh
+//! cargo test --test socket                         # the whole area
+//! cargo test --test socket qos::                   # one file
+//! cargo test --test socket -- --exact blkio_client::queue_counts_1_to_64
+//! ```
+//!
+//! The tests of all files share one process and run on parallel threads:
+//! none may change what the process shares (umask, rlimits, environment,
+//! cwd, signal dispositions, its own seccomp or Landlock state). What a
+//! daemon needs changed is changed in the child (a `pre_exec` hook or a
+//! wrapper such as `prlimit`), and the kit's daemons inherit no other
+//! test's descriptors. docs/testing.md says what goes where.
+
+mod activation;
+mod bench_launcher;
+mod blkio_client;
+mod bounce_limit;
+mod churn;
+mod config_change;
+mod control_api;
+mod dirty_log;
+mod durability;
+mod fuzz_corpus;
+mod hostile_frontend;
+mod image_lock;
+mod inflight_recovery;
+mod log_limits;
+mod lost_interrupt;
+mod memory_slots;
+mod qos;
+mod seccomp;
+mod socket_mode;
+
+use std::path::Path;
+
+/// The kit runs the daemon that Cargo built for these tests: it finds it
+/// from the test binary's own place, since a library is not told
+/// `CARGO_BIN_EXE_ringblk`.
+#[test]
+fn the_kit_runs_the_daemon_cargo_built() {
+    let canonical = |p: &Path| {
+        p.canonicalize()
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    };
+    assert_eq!(
+        canonical(&ringblk_testkit::ringblk_bin()),
+        canonical(Path::new(env!("CARGO_BIN_EXE_ringblk")))
+    );
+}
