@@ -9,7 +9,7 @@
 //! ```sh
 //! cargo test --test socket                         # the whole area
 //! cargo test --test socket qos::                   # one file
-//! cargo test --test socket -- --exact blkio_client::queue_counts_1_to_64
+//! cargo test --test socket -- --exact blkio_client::readonly_export
 //! ```
 //!
 //! The tests of all files share one process and run on parallel threads:
@@ -32,26 +32,10 @@ mod fuzz_corpus;
 mod hostile_frontend;
 mod image_lock;
 mod inflight_recovery;
+mod kit;
 mod log_limits;
 mod lost_interrupt;
 mod memory_slots;
 mod qos;
 mod seccomp;
 mod socket_mode;
-
-use std::path::Path;
-
-/// The kit runs the daemon that Cargo built for these tests: it finds it
-/// from the test binary's own place, since a library is not told
-/// `CARGO_BIN_EXE_ringblk`.
-#[test]
-fn the_kit_runs_the_daemon_cargo_built() {
-    let canonical = |p: &Path| {
-        p.canonicalize()
-            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-    };
-    assert_eq!(
-        canonical(&ringblk_testkit::ringblk_bin()),
-        canonical(Path::new(env!("CARGO_BIN_EXE_ringblk")))
-    );
-}

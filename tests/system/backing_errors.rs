@@ -5,14 +5,15 @@
 //!
 //! The image is a 64 MiB sparse file on a 1 MiB tmpfs, so the guest-visible
 //! disk is far larger than the space behind it (a thin-provisioned pool
-//! running dry). Needs root for the mount; skipped otherwise.
+//! running dry). Needs root for the mount; skipped otherwise, except
+//! where `CI` is set: there it fails.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use ringblk_testkit::{
-    Client, Daemon, DaemonOptions, KIB, MIB, assert_pattern, is_root, metric, pattern,
+    Client, Daemon, DaemonOptions, KIB, MIB, assert_pattern, is_root, metric, pattern, skip,
     sparse_image, test_dir,
 };
 
@@ -65,13 +66,13 @@ fn enospc_fails_the_request_and_the_daemon_goes_on() {
     let mnt = dir.path().join("small");
     std::fs::create_dir(&mnt).expect("mount point");
     if !is_root() {
-        eprintln!("skipped: mounting a tmpfs needs root");
+        skip("mounting a tmpfs needs root");
         return;
     }
     let _fs = match Tmpfs::mount(&mnt, "1M") {
         Ok(m) => m,
         Err(e) => {
-            eprintln!("skipped: cannot mount a tmpfs ({e})");
+            skip(&format!("cannot mount a tmpfs ({e})"));
             return;
         }
     };

@@ -5,7 +5,7 @@
 //!
 //! The tests that switch users (a daemon as `nobody`, a directory of
 //! another owner) need root and setpriv (util-linux); they are skipped
-//! otherwise.
+//! otherwise, except where `CI` is set: there they fail.
 
 use std::ffi::OsStr;
 use std::fs;
@@ -16,7 +16,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use ringblk_testkit::{
-    Client, Daemon, DaemonOptions, MIB, assert_pattern, is_root, pattern, ringblk_bin, test_dir,
+    Client, Daemon, DaemonOptions, MIB, assert_pattern, is_root, pattern, ringblk_bin, skip,
+    test_dir,
 };
 
 const NOBODY: u32 = 65534;
@@ -56,11 +57,11 @@ fn runtime_dir(root: &Path) -> PathBuf {
 /// Whether the tests that switch users can run; says why not otherwise.
 fn can_switch_users() -> bool {
     if !is_root() {
-        eprintln!("skipped: switching to an unprivileged user needs root");
+        skip("switching to an unprivileged user needs root");
         return false;
     }
     if Command::new("setpriv").arg("--version").output().is_err() {
-        eprintln!("skipped: setpriv (util-linux) is not installed");
+        skip("setpriv (util-linux) is not installed");
         return false;
     }
     true

@@ -162,6 +162,19 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
+/// Says why a test cannot run on this machine, for the test to return
+/// (skip) next. Where `CI` is set, fails the test instead: CI provides
+/// what the tests need (root, loop devices, QEMU), so a test that cannot
+/// run there is a failure, never a silent pass.
+#[track_caller]
+pub fn skip(why: &str) {
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "cannot run where CI is set: {why}"
+    );
+    eprintln!("skipped: {why}");
+}
+
 /// The bytes of the test pattern at absolute offset `off`: every 8-byte
 /// word holds its own offset xor `seed`, so misplaced data is caught.
 pub fn pattern(seed: u64, off: u64, len: usize) -> Vec<u8> {
