@@ -36,6 +36,11 @@ fi
 section "ceph packages"
 scripts/ceph-deps.sh
 
+# nbdinfo, nbdcopy and qemu-img: the independent clients of the backup
+# tests (tests/backup.rs).
+section "nbd tools"
+scripts/nbd-tools.sh
+
 section "cargo fmt"
 cargo fmt --all -- --check
 

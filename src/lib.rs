@@ -17,12 +17,15 @@
 //! - [`bench`](mod@bench): `ringblk bench`, which runs the separate `ringblk-bench`.
 
 pub mod api;
+pub mod backup;
 pub mod bench;
+pub mod bitmap;
 pub mod cli;
 pub mod daemon;
 pub mod engine;
 pub mod io;
 pub mod metrics;
+pub mod nbd;
 pub mod qos;
 pub mod unix_socket;
 pub mod vhost;

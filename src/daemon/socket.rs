@@ -24,33 +24,7 @@ pub fn bind(path: &Path, mode: u32) -> Result<UnixListener, DaemonError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         fs::create_dir_all(dir).map_err(|e| err(format!("cannot create its directory: {e}")))?;
     }
-    bind_with_mode(path, mode).map_err(|e| err(format!("cannot listen: {e}")))
-}
-
-/// `UnixListener::bind`, with the socket file created as `mode` whatever
-/// the process umask. Linux creates the file with the mode of the socket's
-/// own inode (0777, or what an fchmod of the fd set before bind) minus the
-/// umask, so fchmod alone cannot grant what the umask takes away (660
-/// under umask 022 would give 640). The umask is set in a thread of its
-/// own instead, after unshare(CLONE_FS) has given that thread private
-/// file-system attributes: no other thread ever sees it changed.
-fn bind_with_mode(path: &Path, mode: u32) -> io::Result<UnixListener> {
-    std::thread::scope(|s| {
-        let bind = std::thread::Builder::new().name("bind".into());
-        bind.spawn_scoped(s, || {
-            // SAFETY: unshare takes no pointers; CLONE_FS gives this
-            // thread its own copy of cwd, root and umask, nothing else.
-            if unsafe { libc::unshare(libc::CLONE_FS) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // SAFETY: umask takes no pointers and cannot fail; after the
-            // unshare it is this thread's alone.
-            unsafe { libc::umask(!mode & 0o777) };
-            UnixListener::bind(path)
-        })?
-        .join()
-        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-    })
+    crate::unix_socket::bind_with_mode(path, mode).map_err(|e| err(format!("cannot listen: {e}")))
 }
 
 /// The first descriptor systemd passes (SD_LISTEN_FDS_START).
