@@ -37,7 +37,7 @@ section "ceph packages"
 scripts/ceph-deps.sh
 
 # nbdinfo, nbdcopy and qemu-img: the independent clients of the backup
-# tests (tests/backup.rs).
+# tests (tests/socket/backup.rs).
 section "nbd tools"
 scripts/nbd-tools.sh
 

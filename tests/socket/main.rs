@@ -1,7 +1,9 @@
 //! The socket area: `ringblk serve` driven over its vhost-user socket by
 //! libblkio or the kit's raw front-end, its control API, metrics and
-//! signals, and the other checks that need nothing but the daemon. Fast;
-//! runs anywhere (one control API test needs root for a loop device).
+//! signals; the backup's NBD server under real NBD clients; and the other
+//! checks that need neither root, nor a guest, nor Ceph (the fuzz
+//! corpora's replay). Fast; runs anywhere (one control API test needs
+//! root for a loop device).
 //!
 //! One binary over the test kit (`crates/ringblk-testkit`); each file is a
 //! module, so a test is `FILE::NAME`:
@@ -20,6 +22,7 @@
 //! test's descriptors. docs/testing.md says what goes where.
 
 mod activation;
+mod backup;
 mod bench_launcher;
 mod blkio_client;
 mod bounce_limit;

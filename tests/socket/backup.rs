@@ -21,9 +21,7 @@ use std::time::{Duration, Instant};
 use ringblk::backup::{CbwStore, DEFAULT_CLUSTER, FileImage, Image, View};
 use ringblk::bitmap::{BitmapStore, DirtyBitmap, SidecarStore};
 use ringblk::nbd::{self, Limits, Server};
-
-const KIB: u64 = 1 << 10;
-const MIB: u64 = 1 << 20;
+use ringblk_testkit::{KIB, MIB, skip};
 
 /// Whether the NBD clients are here, installing them once if they are not.
 fn have_tools() -> bool {
@@ -40,25 +38,21 @@ fn have_tools() -> bool {
     };
     INSTALL.call_once(|| {
         if !present() {
-            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/nbd-tools.sh");
+            let script = ringblk_testkit::workspace_root().join("scripts/nbd-tools.sh");
             let _ = Command::new(script).status();
         }
     });
     if present() {
         return true;
     }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "CI is set but nbdinfo, nbdcopy or qemu-img is missing (scripts/nbd-tools.sh installs them)"
-    );
-    eprintln!("skipped: nbdinfo, nbdcopy or qemu-img is missing (scripts/nbd-tools.sh)");
+    skip("nbdinfo, nbdcopy or qemu-img is missing (scripts/nbd-tools.sh installs them)");
     false
 }
 
 fn test_dir() -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix("ringblk-backup-")
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .tempdir_in(ringblk_testkit::tmp_dir())
         .unwrap()
 }
 
@@ -571,8 +565,12 @@ fn bitmap_writer_child() {
 #[test]
 fn a_bitmap_survives_kill_9_and_a_host_stop_marks_it_inconsistent() {
     let dir = test_dir();
+    // This binary again, running only the child: its test name is its
+    // module's path in the binary (the crate's name left out).
+    let module = module_path!().split_once("::").map_or("", |(_, m)| m);
+    let child_test = format!("{module}::bitmap_writer_child");
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "bitmap_writer_child", "--nocapture"])
+        .args(["--exact", &child_test, "--nocapture"])
         .env(CHILD_ENV, dir.path())
         .stdout(Stdio::null())
         .spawn()
