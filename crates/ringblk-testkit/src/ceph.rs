@@ -1,7 +1,7 @@
 //! A single-node Ceph cluster for the RBD tests, started once per test
 //! binary with `scripts/ceph-cluster.sh` (one mon, one mgr, one memstore
 //! OSD on 127.0.0.1, in the binary's own directory under the kit's
-//! [`tmp_dir`](crate::tmp_dir)) and stopped when the binary exits
+//! [`tmp_dir`]) and stopped when the binary exits
 //! (atexit). A cluster that does not start fails every test that needs
 //! it, with the script's output: it is never a skip.
 //!
