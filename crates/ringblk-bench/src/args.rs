@@ -133,6 +133,14 @@ pub struct BenchArgs {
     #[arg(long, value_parser = parse_size)]
     pub size: Option<u64>,
 
+    /// Random patterns: send every request to a different SIZE-sized
+    /// region (at a random bs-aligned offset in it), the regions in a
+    /// random order, until each has had one; then the order starts over.
+    /// With the qcow2 cluster size, every write to an empty overlay
+    /// allocates a cluster (--compare does that on copy-on-write rows).
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub distinct: Option<u64>,
+
     /// CPU the client threads are pinned to.
     #[arg(long, default_value_t = 1)]
     pub client_cpu: usize,
