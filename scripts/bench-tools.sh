@@ -3,7 +3,8 @@
 # what its tests (crates/ringblk-bench/tests/bench_smoke.rs) need:
 # qemu-storage-daemon (Debian qemu-system-common), fio (the host baseline)
 # and qemu-img (qemu-utils: makes and checks the qcow2 images of
-# --format qcow2). Root or sudo; does nothing when they are there.
+# --format qcow2; qemu-io, from the same package, writes into one in a
+# test). Root or sudo; does nothing when they are there.
 #
 #   scripts/bench-tools.sh
 set -euo pipefail
@@ -17,6 +18,6 @@ die() {
 . "$repo/scripts/lib/packages.sh"
 
 ensure_packages qemu-system-common qemu-utils fio
-for tool in qemu-storage-daemon qemu-img fio; do
+for tool in qemu-storage-daemon qemu-img qemu-io fio; do
     command -v "$tool" >/dev/null || die "$tool is missing after the install"
 done

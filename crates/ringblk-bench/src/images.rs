@@ -463,4 +463,84 @@ mod tests {
         let clean: CheckJson = serde_json::from_str(r#"{"check-errors": 0}"#).expect("parses");
         assert_eq!(clean.allocated_clusters, 0);
     }
+
+    /// Whether qemu-img and qemu-io run; under CI they must
+    /// (scripts/bench-tools.sh installs them).
+    fn qemu_tools() -> bool {
+        let ok = ["qemu-img", "qemu-io"].iter().all(|t| {
+            Command::new(t)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        });
+        assert!(
+            ok || std::env::var_os("CI").is_none(),
+            "CI is set but qemu-img or qemu-io is missing (scripts/bench-tools.sh)"
+        );
+        ok
+    }
+
+    /// Every run gets an empty overlay: what one run wrote into it is gone
+    /// for the next, and the allocated qcow2 holds every cluster.
+    #[test]
+    fn a_fresh_overlay_for_every_run() {
+        if !qemu_tools() {
+            eprintln!("skipped: qemu-img or qemu-io is missing");
+            return;
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let raw = dir.path().join("bench.img");
+        std::fs::write(&raw, vec![0x5a; 1 << 20]).expect("raw image");
+        let cow = Image::Qcow2(Qcow2Kind::Cow);
+        let all = [Image::Raw, Image::Qcow2(Qcow2Kind::Allocated), cow];
+        let images = Images::new(
+            Path::new("qemu-img"),
+            &raw,
+            dir.path(),
+            &all,
+            CowBase::Qcow2,
+        )
+        .expect("images made");
+        let alloc = images
+            .prepare(Image::Qcow2(Qcow2Kind::Allocated))
+            .expect("prepared")
+            .expect("a qcow2");
+        assert_eq!(images.check(alloc).expect("checked").allocated_clusters, 16);
+        let overlay = images
+            .prepare(cow)
+            .expect("prepared")
+            .expect("a qcow2")
+            .clone();
+        assert_eq!(
+            overlay.backing,
+            Some((dir.path().join("bench.qcow2"), CowBase::Qcow2))
+        );
+        assert_eq!(images.data_file(cow), dir.path().join("bench.qcow2"));
+        let write = Command::new("qemu-io")
+            .args([
+                "-f",
+                "qcow2",
+                "-c",
+                "write -P 7 0 4k",
+                "-c",
+                "write -P 7 512k 4k",
+            ])
+            .arg(&overlay.file)
+            .output()
+            .expect("qemu-io runs");
+        assert!(write.status.success(), "{write:?}");
+        let c = images.check(&overlay).expect("checked");
+        assert_eq!((c.allocated_clusters, c.verdict().as_str()), (2, "clean"));
+        images.prepare(cow).expect("prepared again");
+        assert_eq!(
+            images.check(&overlay).expect("checked").allocated_clusters,
+            0
+        );
+        drop(images);
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("readdir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(left, ["bench.img"], "the qcow2 images are removed");
+    }
 }
