@@ -402,8 +402,8 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
 }
 
 /// One run of backend `b` on `cfg`: the image made ready (a fresh overlay
-/// for copy-on-write rows), the run, and for a qcow2 row that wrote,
-/// `qemu-img check` of the image.
+/// for copy-on-write rows), the run, and for a qcow2 row that wrote (or
+/// died trying), `qemu-img check` of the image.
 fn run_one(env: &Env, images: Option<&Images>, cfg: &Config, b: &Backend, rep: u32) -> Record {
     let mut rec = Record {
         config: *cfg,
@@ -421,14 +421,24 @@ fn run_one(env: &Env, images: Option<&Images>, cfg: &Config, b: &Backend, rep: u
             return rec;
         }
     };
-    match b.run(env, cfg, qcow2) {
+    // Whether the backend got as far as serving the image.
+    let served = match b.run(env, cfg, qcow2) {
         Ok(run) => {
             rec.result = Some(run.result);
             rec.note = run.note;
+            true
         }
-        Err(e) => rec.error = Some(e.to_string()),
-    }
-    if let (Some(images), Some(q), true) = (images, qcow2, cfg.writes()) {
+        Err(e) => {
+            rec.error = Some(e.to_string());
+            !matches!(
+                e,
+                BenchError::Spawn { .. }
+                    | BenchError::StartupExit { .. }
+                    | BenchError::NoSocket { .. }
+            )
+        }
+    };
+    if let (Some(images), Some(q), true, true) = (images, qcow2, cfg.writes(), served) {
         match images.check(q) {
             Ok(c) => rec.check = Some(c),
             Err(e) => {

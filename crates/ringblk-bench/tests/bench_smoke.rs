@@ -440,15 +440,14 @@ fn compare_format_axis_serves_qcow2_and_reports_a_refusing_daemon() {
         assert!(!o.status.success());
         assert!(stderr.contains("2 of"), "{stderr}");
         for kind in ["allocated", "cow"] {
-            let err = find("ringblk", "qcow2", Some(kind))["error"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string();
+            let r = find("ringblk", "qcow2", Some(kind));
+            let err = r["error"].as_str().unwrap_or_default();
             assert!(
                 err.contains("exited at start-up")
                     && err.contains("unexpected argument '--format'"),
                 "{err}"
             );
+            assert!(r["check"].is_null(), "nothing served, nothing checked: {r}");
         }
         assert!(started.elapsed() < Duration::from_secs(45));
     }
