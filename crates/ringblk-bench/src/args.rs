@@ -168,8 +168,8 @@ pub struct BenchArgs {
 
     /// Random patterns: send every request to a different SIZE-sized
     /// region (at a random bs-aligned offset in it), the regions in a
-    /// random order, until each has had one; then the order starts over.
-    /// With the qcow2 cluster size, every write to an empty overlay
+    /// random order, and end the measured window early once each has had
+    /// one. With the qcow2 cluster size, every write to an empty overlay
     /// allocates a cluster (--compare does that on copy-on-write rows).
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     pub distinct: Option<u64>,

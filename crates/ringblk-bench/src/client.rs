@@ -60,7 +60,8 @@ pub struct Workload {
     /// Use only the first `size` bytes of the device.
     pub size: Option<u64>,
     /// Random patterns: one request per region of this many bytes, the
-    /// regions in a random order, each once before any again.
+    /// regions in a random order; the window ends when a queue has none
+    /// left.
     pub distinct: Option<u64>,
     /// Pin every client thread to this CPU.
     pub cpu: Option<usize>,
