@@ -33,6 +33,10 @@ fi
 
 # librbd/librados for `--features rbd`, and the Ceph daemons of the
 # single-node cluster the RBD tests start (scripts/ceph-cluster.sh).
+# qemu-img and qemu-io: the oracle of the image-format tests (tests/format.rs).
+section "format test tools"
+scripts/format-deps.sh
+
 section "ceph packages"
 scripts/ceph-deps.sh
 
@@ -64,6 +68,18 @@ if grep -E '^(blkio|plotters|indicatif|hdrhistogram) ' <<<"$tree"; then
     echo "test.sh: the daemon depends on the above; they belong to ringblk-bench" >&2
     exit 1
 fi
+
+# The Debian package (cargo-deb, installed here if missing), from the
+# debug build: tests/package.rs installs it, serves a client through its
+# unit's command line and removes it. (A release package is
+# `scripts/package.sh` alone.)
+section "package"
+deb=$(RINGBLK_DEB_PROFILE=dev scripts/package.sh | sed -n 's/^deb=//p')
+[ -n "$deb" ] || {
+    echo "test.sh: scripts/package.sh built no package" >&2
+    exit 1
+}
+export RINGBLK_DEB=$deb
 
 # --workspace: the bench's tests run its binary against the daemon's, and
 # need both built. With the RBD engine: its tests (tests/rbd.rs, and the
