@@ -519,7 +519,8 @@ fn compare_setup_acts_on_the_daemon_before_measuring() {
         .expect("a refused record");
     let err = refused["error"].as_str().unwrap_or_default();
     assert!(
-        err.contains("setup `ringblk ctl --api") && err.contains("give force"),
+        err.contains("setup `ringblk ctl --api")
+            && err.contains("shrinking from 16777216 to 1048576 bytes"),
         "{refused}"
     );
     let md = std::fs::read_to_string(out.join("results.md")).expect("results.md");
