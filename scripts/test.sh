@@ -45,6 +45,12 @@ scripts/ceph-deps.sh
 section "nbd tools"
 scripts/nbd-tools.sh
 
+# qemu-storage-daemon, fio and qemu-img: the peers and the qcow2 images of
+# `bench --compare`, whose tests run them (guest-assets.sh, which installs
+# the first two as well, may fail without failing the run).
+section "bench tools"
+scripts/bench-tools.sh
+
 section "cargo fmt"
 cargo fmt --all -- --check
 
