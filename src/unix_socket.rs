@@ -1,5 +1,5 @@
-//! Unix socket files shared by the vhost-user listener, the metrics
-//! endpoint and the backup's NBD export: a socket left by a crashed
+//! Unix socket files shared by the vhost-user listener, the HTTP
+//! endpoints and the backup's NBD export: a socket left by a crashed
 //! process is replaced, one a live process accepts on never is, and a new
 //! one is born with the mode asked for.
 

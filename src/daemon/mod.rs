@@ -6,11 +6,13 @@
 //! reboot or a QEMU restart needs no daemon restart.
 
 mod config;
+mod fds;
 mod notify;
 mod removal;
 mod seccomp;
 mod socket;
 
+use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -92,6 +94,9 @@ fn spawn_api(
 /// Why the daemon cannot start or go on. Messages are one line.
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
+    /// The command line is wrong in itself (exit status 2).
+    #[error("{0}")]
+    Usage(String),
     #[error("{0}")]
     Config(String),
     #[error(transparent)]
@@ -106,6 +111,15 @@ pub enum DaemonError {
     Signals(std::io::Error),
     #[error("seccomp: {0}")]
     Seccomp(String),
+}
+
+impl From<DaemonError> for crate::exit::Failure {
+    fn from(e: DaemonError) -> Self {
+        match e {
+            DaemonError::Usage(m) => crate::exit::Failure::Usage(m),
+            other => crate::exit::Failure::Runtime(other.to_string()),
+        }
+    }
 }
 
 /// The device serving the current connection, for the signal handler and
@@ -125,12 +139,20 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Runs `ringblk serve` until SIGINT/SIGTERM.
+/// Runs `ringblk serve` until SIGINT, SIGTERM or SIGHUP.
 pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
-    // First, while this is the only thread: it reads and clears the
-    // environment (LISTEN_FDS, NOTIFY_SOCKET).
+    // First, while this is the only thread (both read and clear the
+    // environment: LISTEN_FDS, NOTIFY_SOCKET), and before the daemon opens
+    // anything: the socket passed in, so that its number cannot name a
+    // descriptor the daemon made itself (see `Listen::passed`).
+    let passed = Listen::passed(&args)?;
     let notifier = Notifier::from_env().map_err(DaemonError::Config)?;
-    let cfg = Config::from_args(args)?;
+    // The fds a front-end needs must not run out before the hard limit
+    // does (see `fds` for the share no HTTP client can take).
+    if let Err(e) = fds::raise_limit() {
+        log::warn!("cannot raise the fd limit to its hard limit: {e}");
+    }
+    let cfg = Config::from_args(args, passed)?;
     let num_queues = usize::from(cfg.args.queues);
     let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
     // Bound before the seccomp filter: binding probes for a stale socket.
@@ -162,13 +184,20 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     };
     // The vhost-user socket listens last: a front-end (or a script) that
     // finds it can use the API and the metrics endpoint at once.
-    let (listener, socket_name) = match &cfg.listen {
-        Listen::Bind(path) => (
-            socket::bind(path, cfg.args.socket_mode)?,
-            path.display().to_string(),
-        ),
-        Listen::Fd { fd, from } => {
-            let l = socket::adopt(*fd, from)?;
+    // The path the daemon bound, and removes on its way out.
+    let mut bound = None;
+    let (listener, socket_name) = match cfg.listen {
+        Listen::Bind(path) => {
+            let l = socket::bind(&path, cfg.args.socket_mode)?;
+            let name = path.display().to_string();
+            bound = Some(path);
+            (l, name)
+        }
+        Listen::Fd {
+            listener: l,
+            fd,
+            from,
+        } => {
             let name = match l
                 .local_addr()
                 .ok()
@@ -198,7 +227,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         Removal::file(p).map_err(|e| DaemonError::Socket(format!("{}: {e}", p.display())))
     };
     let mut files = Vec::new();
-    if let Listen::Bind(path) = &cfg.listen {
+    if let Some(path) = &bound {
         files.push(removal(path)?);
     }
     if let Some(crate::metrics::MetricsAddr::Unix(p)) = cfg
@@ -373,6 +402,9 @@ impl Connections<'_> {
     fn serve<E: Engine + 'static>(mut self, engines: Parked<E>) -> Result<(), DaemonError> {
         // Before the filter: installing it calls rt_sigaction.
         crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
+        let endpoints =
+            usize::from(self.args.api.is_some()) + usize::from(self.args.metrics.is_some());
+        fds::check_reserve(endpoints);
         seccomp::install(self.args.seccomp, self.profile, &self.unlink_dirs)?;
         // The socket has been listening since start-up; connections queue
         // in its backlog until the first accept, which comes next.
@@ -424,6 +456,14 @@ impl Connections<'_> {
             .store(!args.writethrough, Ordering::Relaxed);
         // Dirty-page logging is for the connection that asks for it.
         worker_cfg.logging.store(false, Ordering::Relaxed);
+        // The rings take requests again, unless the daemon is stopping.
+        // The signal handler stores `stopping`, then `intake_closed`; all
+        // four stores and loads are SeqCst, so if its store of
+        // `intake_closed` comes before ours, we see `stopping` after it.
+        worker_cfg.intake_closed.store(false, Ordering::SeqCst);
+        if worker_cfg.stopping.load(Ordering::SeqCst) {
+            worker_cfg.intake_closed.store(true, Ordering::SeqCst);
+        }
         let backend = Arc::new(BlkBackend::new(
             worker_cfg.clone(),
             workers,
@@ -477,12 +517,10 @@ impl Connections<'_> {
         front: UnixStream,
         backend: &Arc<BlkBackend<E>>,
     ) -> Result<(), DaemonError> {
-        let mut daemon = VhostUserDaemon::new(
-            "ringblk".into(),
-            backend.clone(),
-            GuestMemoryAtomic::new(GuestMem::new()),
-        )
-        .map_err(|e| DaemonError::Vhost(e.to_string()))?;
+        let mem = GuestMemoryAtomic::new(GuestMem::new());
+        let hints = crate::vhost::hints::SetupHints::new(self.metrics.to_vec(), mem.clone());
+        let mut daemon = VhostUserDaemon::new("ringblk".into(), backend.clone(), mem)
+            .map_err(|e| DaemonError::Vhost(e.to_string()))?;
         for (t, h) in daemon.get_epoll_handlers().iter().enumerate() {
             for (local, q) in backend.thread_queues(t).enumerate() {
                 for kind in crate::vhost::Listener::ALL {
@@ -503,7 +541,7 @@ impl Connections<'_> {
         daemon
             .start(&mut self.inner.listener)
             .map_err(|e| DaemonError::Vhost(e.to_string()))?;
-        let relay = proxy::relay(front, back, backend.clone())
+        let relay = proxy::relay(front, back, backend.clone(), hints)
             .map_err(|e| DaemonError::Vhost(format!("relay: {e}")))?;
         log::info!("front-end connected");
         let ended = daemon.wait();
@@ -530,7 +568,7 @@ impl Connections<'_> {
     }
 }
 
-/// Once SIGINT/SIGTERM came, the signal handler owns the engines (it
+/// Once SIGINT, SIGTERM or SIGHUP came, the signal handler owns the engines (it
 /// closes them) and ends the process: this thread only waits for that.
 fn await_exit_if_stopping(cfg: &WorkerConfig) {
     while cfg.stopping.load(Ordering::Relaxed) {
@@ -643,8 +681,11 @@ impl Drop for InnerSocket {
     }
 }
 
-/// SIGINT/SIGTERM: stop taking requests, finish what is in flight, make it
-/// durable, close what must be closed (`Closer`), remove the socket, exit 0.
+/// SIGINT, SIGTERM and SIGHUP (a closed terminal, or a `kill -HUP` that
+/// meant "reload": qemu-storage-daemon also stops cleanly on it; there is
+/// nothing to reload): stop taking requests, finish what is in flight,
+/// make it durable, close what must be closed (`Closer`), remove the
+/// socket, exit 0.
 fn spawn_signal_handler(
     image: Option<&std::fs::File>,
     cfg: Arc<WorkerConfig>,
@@ -654,9 +695,9 @@ fn spawn_signal_handler(
     inner: InnerPaths,
     notifier: Notifier,
 ) -> Result<(), DaemonError> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    let mut signals =
-        signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).map_err(DaemonError::Signals)?;
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+        .map_err(DaemonError::Signals)?;
     let image = image
         .map(std::fs::File::try_clone)
         .transpose()
@@ -667,7 +708,8 @@ fn spawn_signal_handler(
             if let Some(sig) = signals.forever().next() {
                 log::info!("signal {sig}: finishing in-flight requests");
                 notifier.notify("STOPPING=1");
-                cfg.stopping.store(true, Ordering::Relaxed);
+                cfg.stopping.store(true, Ordering::SeqCst);
+                cfg.intake_closed.store(true, Ordering::SeqCst);
                 if let Some(b) = current.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                     b.drain_all();
                 }
@@ -736,7 +778,7 @@ fn announce(
         args.queue_size,
         String::from_utf8_lossy(&cfg.serial).trim_end_matches('\0'),
     );
-    log::info!(
+    log::debug!(
         "{} queue(s) on {threads} worker thread(s){}",
         args.queues,
         if threads < usize::from(args.queues) {
@@ -745,11 +787,19 @@ fn announce(
             ""
         }
     );
-    println!(
+    // Absolute, so that the line works from any directory; reconnect=1,
+    // so that QEMU reconnects to a restarted daemon (an upgrade) and the
+    // guest sees nothing (inflight tracking resubmits what was taken).
+    let path = std::path::absolute(socket)
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| socket.to_string());
+    // Written, not println!: a closed stdout must not stop the daemon.
+    let _ = writeln!(
+        std::io::stdout(),
         "Connect QEMU with:\n  qemu-system-x86_64 -m 1G -object memory-backend-memfd,id=mem,size=1G,share=on \
-         -numa node,memdev=mem -chardev socket,id=rb0,path={} \
+         -numa node,memdev=mem -chardev socket,id=rb0,path={path},reconnect=1 \
          -device vhost-user-blk-pci,chardev=rb0,num-queues={} ...",
-        socket, args.queues
+        args.queues
     );
 }
 

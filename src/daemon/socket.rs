@@ -10,7 +10,7 @@ use std::path::Path;
 use super::DaemonError;
 
 /// Binds `path`, replacing a stale socket file but never one a live daemon
-/// still accepts on. The file is born with `mode`: nothing changes it by
+/// still accepts on. Its directory must exist. The file is born with `mode`: nothing changes it by
 /// path afterwards, because a chmod by path after bind follows whatever
 /// the path leads to by then (a directory swapped for a symlink sends it to
 /// a file of the swapper's choosing), and until then the socket would have
@@ -21,8 +21,21 @@ pub fn bind(path: &Path, mode: u32) -> Result<UnixListener, DaemonError> {
         io::ErrorKind::AddrInUse => err("in use by a running daemon".into()),
         _ => err(e.to_string()),
     })?;
+    // The directory must be there: a mistyped path is refused rather than
+    // created (the default directory is made, and checked, by
+    // `config::rundir`, before this).
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        fs::create_dir_all(dir).map_err(|e| err(format!("cannot create its directory: {e}")))?;
+        match fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(err(format!("{} is not a directory", dir.display()))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(err(format!(
+                    "the directory {} does not exist (create it first)",
+                    dir.display()
+                )));
+            }
+            Err(e) => return Err(err(format!("{}: {e}", dir.display()))),
+        }
     }
     crate::unix_socket::bind_with_mode(path, mode).map_err(|e| err(format!("cannot listen: {e}")))
 }
@@ -42,7 +55,7 @@ pub fn systemd_fd() -> Result<Option<RawFd>, DaemonError> {
     let names = var("LISTEN_FDNAMES");
     for name in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
         // SAFETY: called from `serve` before the daemon starts any thread
-        // (Config::from_args is its first step), so no other thread reads
+        // (`Listen::passed` is its first step), so no other thread reads
         // the environment meanwhile.
         unsafe { std::env::remove_var(name) };
     }

@@ -1,5 +1,6 @@
 //! The guest area: a real Linux guest under QEMU (TCG) on a disk ringblk
-//! serves; two QEMUs for live migration. Each guest keeps both cores of a
+//! serves; two QEMUs for live migration; QEMU set up wrong, for the
+//! daemon's hints. Each guest keeps both cores of a
 //! small machine busy, so guests run one at a time (the kit's
 //! `vm::one_guest` lock, across threads and binaries); a test takes
 //! 10-60 s.
@@ -15,3 +16,4 @@
 mod guest;
 mod guest_resize;
 mod migration;
+mod setup_hints;

@@ -1,9 +1,8 @@
-//! The socket area: `ringblk serve` driven over its vhost-user socket by
-//! libblkio or the kit's raw front-end, its control API, metrics and
-//! signals; the backup's NBD server under real NBD clients; and the other
-//! checks that need neither root, nor a guest, nor Ceph (the fuzz
-//! corpora's replay). Fast; runs anywhere (one control API test needs
-//! root for a loop device).
+//! The socket area: a `ringblk` process driven from outside: `serve` over
+//! its vhost-user socket by libblkio or the kit's raw front-end, its
+//! control API and metrics endpoints, its signals and socket activation,
+//! the command line's errors. Fast; needs neither root, nor a guest, nor
+//! Ceph (one control API test needs root for a loop device).
 //!
 //! One binary over the test kit (`crates/ringblk-testkit`); each file is a
 //! module, so a test is `FILE::NAME`:
@@ -22,17 +21,18 @@
 //! test's descriptors. docs/testing.md says what goes where.
 
 mod activation;
-mod backup;
 mod bench_launcher;
 mod blkio_client;
 mod bounce_limit;
 mod churn;
+mod cli_errors;
 mod config_change;
 mod control_api;
 mod dirty_log;
+mod disconnect;
 mod durability;
-mod fuzz_corpus;
 mod hostile_frontend;
+mod http_limits;
 mod image_lock;
 mod inflight_recovery;
 mod kit;
@@ -41,4 +41,5 @@ mod lost_interrupt;
 mod memory_slots;
 mod qos;
 mod seccomp;
+mod sighup;
 mod socket_mode;

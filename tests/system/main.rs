@@ -1,5 +1,6 @@
 //! The system area: tests that need root or change the machine: loop
-//! devices, a tmpfs mount, a cgroup, other users. Without root they skip,
+//! devices, a tmpfs mount, a cgroup, other users, the Debian package
+//! installed and removed. Without root they skip,
 //! except where `CI` is set (CI runs as root): there they fail.
 //!
 //! One binary over the test kit (`crates/ringblk-testkit`); each file is a
@@ -13,4 +14,5 @@ mod backing_errors;
 mod block_device;
 mod cpu_quota;
 mod default_paths;
+mod package;
 mod unprivileged;

@@ -1,7 +1,7 @@
 //! ringblk's test kit: what the integration tests of the daemon
-//! (`tests/socket`, `tests/system`, `tests/guest`, `tests/rbd`) and of
-//! `crates/ringblk-bench` share, compiled once (cloud-hypervisor keeps its
-//! `test_infra` crate the same way):
+//! (`tests/socket`, `tests/layers`, `tests/system`, `tests/guest`,
+//! `tests/rbd`) and of `crates/ringblk-bench` share, compiled once
+//! (cloud-hypervisor keeps its `test_infra` crate the same way):
 //!
 //! - [`Daemon`]: a `ringblk serve` process on a private socket and image,
 //!   killed when dropped, with a watchdog;
