@@ -6,6 +6,9 @@
 //! reboot or a QEMU restart needs no daemon restart.
 
 mod config;
+mod connector;
+mod crash;
+mod landlock;
 mod notify;
 mod removal;
 mod seccomp;
@@ -106,6 +109,12 @@ pub enum DaemonError {
     Signals(std::io::Error),
     #[error("seccomp: {0}")]
     Seccomp(String),
+    #[error("landlock: {0}")]
+    Landlock(String),
+    /// The relay's connection to vhost-user-backend cannot be made (see
+    /// `connector`): no front-end can be served any more.
+    #[error("inner socket {0}")]
+    Inner(String),
 }
 
 /// The device serving the current connection, for the signal handler and
@@ -130,6 +139,11 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // First, while this is the only thread: it reads and clears the
     // environment (LISTEN_FDS, NOTIFY_SOCKET).
     let notifier = Notifier::from_env().map_err(DaemonError::Config)?;
+    crash::install();
+    warn_if_root();
+    // Early, while the daemon has few descriptors and threads: it forks the
+    // connector process (`connector`).
+    let mut inner = InnerSocket::new()?;
     let cfg = Config::from_args(args)?;
     let num_queues = usize::from(cfg.args.queues);
     let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
@@ -181,7 +195,6 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             (l, name)
         }
     };
-    let mut inner = InnerSocket::new()?;
     // `--threads` queue threads (`BlkBackend::queues_per_thread`).
     let threads = cfg.threads;
     let exit_events = Arc::new(
@@ -217,6 +230,18 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         .chain(&inner.paths.removals)
         .map(Removal::dir_fd)
         .collect();
+    // What Landlock leaves the daemon after start-up.
+    let sandbox = landlock::Allowed {
+        image: cfg
+            .backing
+            .file()
+            .map(|f| f.try_clone().map(|f| (f, !cfg.args.readonly)))
+            .transpose()
+            .map_err(|e| DaemonError::Landlock(format!("the image: {e}")))?,
+        // A qcow2 backing chain goes here, read-only.
+        backing: Vec::new(),
+        removals: files.iter().chain(&inner.paths.removals).cloned().collect(),
+    };
     let closer = Closer::default();
     spawn_signal_handler(
         cfg.backing.file(),
@@ -243,6 +268,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         space,
         features,
         unlink_dirs,
+        sandbox,
         profile: match &cfg.backing {
             config::Backing::File { .. } => seccomp::Profile::File,
             #[cfg(feature = "rbd")]
@@ -315,6 +341,20 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     }
 }
 
+/// Running as root gives a bug that a front-end or an image reaches all of
+/// root's reach; the daemon needs none of it.
+fn warn_if_root() {
+    // SAFETY: geteuid takes no arguments and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        log::warn!(
+            "running as root (effective uid 0): the daemon needs no privileges. Run it as a \
+             dedicated user that owns the image and the socket directory (systemd: User= or \
+             DynamicUser=; by hand: setpriv --reuid=ringblk --regid=ringblk --clear-groups); \
+             see docs/security.md"
+        );
+    }
+}
+
 /// How long SIGTERM waits for the engines of a connection being torn
 /// down before it closes the RBD image.
 #[cfg(feature = "rbd")]
@@ -349,6 +389,8 @@ struct Connections<'a> {
     features: u64,
     /// Directory fds the daemon may remove files in after start-up.
     unlink_dirs: Vec<i32>,
+    /// What Landlock allows after start-up; taken when it is applied.
+    sandbox: landlock::Allowed,
     /// What the seccomp filter allows besides the daemon's own syscalls.
     profile: seccomp::Profile,
     log_limit: RateLimiter,
@@ -373,7 +415,18 @@ impl Connections<'_> {
     fn serve<E: Engine + 'static>(mut self, engines: Parked<E>) -> Result<(), DaemonError> {
         // Before the filter: installing it calls rt_sigaction.
         crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
+        // What the filter needs done first reads files Landlock then denies.
+        seccomp::prepare(self.args.seccomp);
+        // Landlock, then the filter, which has no Landlock syscalls.
+        landlock::restrict(
+            self.args.landlock,
+            self.profile,
+            std::mem::take(&mut self.sandbox),
+        )?;
         seccomp::install(self.args.seccomp, self.profile, &self.unlink_dirs)?;
+        if self.args.seccomp != crate::cli::SeccompMode::Off {
+            connector::filter_installed();
+        }
         // The socket has been listening since start-up; connections queue
         // in its backlog until the first accept, which comes next.
         self.notifier.notify("READY=1");
@@ -466,7 +519,10 @@ impl Connections<'_> {
                 Arc::strong_count(&backend) - 1
             );
         }
-        served.map_err(ConnectionError::Lost)
+        served.map_err(|e| match e {
+            DaemonError::Inner(_) => ConnectionError::Fatal(e),
+            e => ConnectionError::Lost(e),
+        })
     }
 
     /// The connection's vhost-user side: the crate's daemon and its queue
@@ -573,10 +629,13 @@ fn accept(
 
 /// The socket between the relay and vhost-user-backend, in a private
 /// directory (mode 0700) so only this user can connect to it. Bound once,
-/// before the seccomp filter; each connection accepts on it again.
+/// before the seccomp filter; each connection accepts on it again. The
+/// relay's end of each connection is made by the connector process
+/// (`connector`): the daemon itself connects to nothing after start-up.
 struct InnerSocket {
     paths: InnerPaths,
     listener: Listener,
+    connector: connector::Connector,
 }
 
 /// Where the inner socket lives, and its removal on exit.
@@ -619,21 +678,31 @@ impl InnerSocket {
             Removal::file(&sock).map_err(err)?,
             Removal::dir(&dir).map_err(err)?,
         ];
+        let paths = InnerPaths {
+            #[cfg(test)]
+            dir: dir.clone(),
+            sock,
+            removals,
+        };
+        let connector = match connector::Connector::spawn(&paths.sock) {
+            Ok(c) => c,
+            Err(e) => {
+                paths.remove();
+                return Err(DaemonError::Socket(format!("connector process: {e}")));
+            }
+        };
         Ok(InnerSocket {
-            paths: InnerPaths {
-                #[cfg(test)]
-                dir,
-                sock,
-                removals,
-            },
+            paths,
             listener,
+            connector,
         })
     }
 
     /// The stream the relay writes to; the crate accepts its other end.
     fn connect(&self) -> Result<UnixStream, DaemonError> {
-        UnixStream::connect(&self.paths.sock)
-            .map_err(|e| DaemonError::Socket(format!("{}: {e}", self.paths.sock.display())))
+        self.connector
+            .connect()
+            .map_err(|e| DaemonError::Inner(format!("{}: {e}", self.paths.sock.display())))
     }
 }
 
