@@ -219,9 +219,9 @@ unsafe fn serve(
     (addr, addr_len): &(libc::sockaddr_un, libc::socklen_t),
     prog: &libc::sock_fprog,
 ) -> ! {
-    // SAFETY (the whole body): raw syscalls on this process's own state,
-    // with pointers to locals and to memory copied at the fork, which live
-    // until the process exits.
+    // SAFETY: raw syscalls on this process's own state, with pointers to
+    // locals and to memory copied at the fork, which live until the
+    // process exits; `chan` is the connector's end of the socketpair.
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
         if libc::getppid() != parent {

@@ -140,7 +140,6 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // environment (LISTEN_FDS, NOTIFY_SOCKET).
     let notifier = Notifier::from_env().map_err(DaemonError::Config)?;
     crash::install();
-    warn_if_root();
     // Early, while the daemon has few descriptors and threads: it forks the
     // connector process (`connector`).
     let mut inner = InnerSocket::new()?;
@@ -252,6 +251,8 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         inner.paths.clone(),
         notifier.try_clone().map_err(DaemonError::Signals)?,
     )?;
+    // Once start-up has worked: a start that fails prints its error alone.
+    warn_if_root();
     announce(&socket_name, &cfg.args, &cfg.backing, &worker_cfg, threads);
 
     let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);

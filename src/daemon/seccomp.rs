@@ -260,7 +260,7 @@ fn compile_no_clone3() -> Result<BpfProgram, DaemonError> {
 /// syscall of ours. A fork (no CLONE_VM), a vfork (CLONE_VFORK), a new
 /// namespace (CLONE_NEW*) or a thread in another process's group
 /// (CLONE_PARENT) is any other value, and is refused.
-pub const THREAD_CLONE_FLAGS: u64 = (libc::CLONE_VM
+const THREAD_CLONE_FLAGS: u64 = (libc::CLONE_VM
     | libc::CLONE_FS
     | libc::CLONE_FILES
     | libc::CLONE_SIGHAND
