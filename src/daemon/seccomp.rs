@@ -42,8 +42,9 @@
 //! What the filter cannot see: io_uring operations. They are constrained by
 //! the rings themselves (created disabled, restricted to the six opcodes of
 //! `engine::ring`, plus the discard command on a block device whose kernel
-//! has it, all on the registered image only). `io_uring_setup` must stay
-//! allowed because each connection creates its rings.
+//! has it, all on the registered image only). `io_uring_setup` is not on
+//! the list: every ring the daemon will use is made before the filter,
+//! and each connection borrows them.
 //!
 //! Profiles ([`Profile`]): a file or block device gets the list below; an
 //! RBD image (`--image rbd:...`) gets it plus what librbd's threads do
