@@ -33,8 +33,23 @@ fi
 
 # librbd/librados for `--features rbd`, and the Ceph daemons of the
 # single-node cluster the RBD tests start (scripts/ceph-cluster.sh).
+# qemu-img and qemu-io: the oracle of the image-format tests (tests/format.rs).
+section "format test tools"
+scripts/format-deps.sh
+
 section "ceph packages"
 scripts/ceph-deps.sh
+
+# nbdinfo, nbdcopy and qemu-img: the independent clients of the backup
+# tests (tests/backup.rs).
+section "nbd tools"
+scripts/nbd-tools.sh
+
+# qemu-storage-daemon, fio and qemu-img: the peers and the qcow2 images of
+# `bench --compare`, whose tests run them (guest-assets.sh, which installs
+# the first two as well, may fail without failing the run).
+section "bench tools"
+scripts/bench-tools.sh
 
 section "cargo fmt"
 cargo fmt --all -- --check
@@ -53,6 +68,18 @@ if grep -E '^(blkio|plotters|indicatif|hdrhistogram) ' <<<"$tree"; then
     echo "test.sh: the daemon depends on the above; they belong to ringblk-bench" >&2
     exit 1
 fi
+
+# The Debian package (cargo-deb, installed here if missing), from the
+# debug build: tests/package.rs installs it, serves a client through its
+# unit's command line and removes it. (A release package is
+# `scripts/package.sh` alone.)
+section "package"
+deb=$(RINGBLK_DEB_PROFILE=dev scripts/package.sh | sed -n 's/^deb=//p')
+[ -n "$deb" ] || {
+    echo "test.sh: scripts/package.sh built no package" >&2
+    exit 1
+}
+export RINGBLK_DEB=$deb
 
 # --workspace: the bench's tests run its binary against the daemon's, and
 # need both built. With the RBD engine: its tests (tests/rbd.rs, and the

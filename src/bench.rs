@@ -22,8 +22,8 @@ pub struct BenchArgs {
 }
 
 /// Replaces this process with `ringblk-bench ARGS`: the one next to this
-/// executable (where `cargo build --workspace` puts it), else the first on
-/// PATH. RINGBLK_BIN tells it to serve `--compare` runs with this daemon.
+/// executable (where `cargo build --workspace` puts it, and where the
+/// Debian package installs both: /usr/bin), else the first on PATH. RINGBLK_BIN tells it to serve `--compare` runs with this daemon.
 /// Returns only if that fails.
 pub fn exec(args: &BenchArgs) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| format!("finding this executable: {e}"))?;
@@ -39,7 +39,7 @@ pub fn exec(args: &BenchArgs) -> Result<(), String> {
         .exec();
     Err(if err.kind() == io::ErrorKind::NotFound {
         format!(
-            "ringblk-bench not found next to {} or on PATH (cargo build --release -p ringblk-bench)",
+            "ringblk-bench not found next to {} or on PATH: install the ringblk package, or build it (cargo build --release -p ringblk-bench, or cargo install --locked --path crates/ringblk-bench)",
             exe.display()
         )
     } else {

@@ -11,6 +11,13 @@ pub use ringblk_metrics::parse_size;
 /// checks.
 pub const DEFAULT_SOCKET_NAME: &str = "vhost.sock";
 pub const DEFAULT_IMAGE_NAME: &str = "disk.img";
+/// Size of the default image when `serve` creates it without `--size`.
+pub const DEFAULT_IMAGE_SIZE: u64 = 1 << 30;
+
+/// vhost-user-backend maps queues to threads with a 64-bit mask.
+pub const MAX_QUEUES: u16 = 64;
+/// The largest split virtqueue (virtio 1.x: 32768 entries).
+pub const MAX_QUEUE_SIZE: u16 = 32768;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -38,6 +45,10 @@ pub enum Command {
     /// runs ringblk-bench with these arguments.
     #[command(disable_help_flag = true)]
     Bench(crate::bench::BenchArgs),
+    /// Write the man pages and shell completions (bash, zsh, fish) made
+    /// from these definitions: what the Debian package installs, for a
+    /// `cargo install` to install too.
+    Generate(crate::generate::GenerateArgs),
 }
 
 /// How the used ring is published and the guest notified.
@@ -115,9 +126,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "NAME", default_value = "admin")]
     pub ceph_id: String,
 
-    /// Size of the default image when it has to be created (e.g. 1G, 512M).
-    #[arg(long, default_value = "1G", value_parser = parse_size)]
-    pub size: u64,
+    /// Size of the default image when it has to be created (e.g. 1G, 512M),
+    /// a multiple of the block size [default: 1G]. Not with --image, which
+    /// is served at its own size; an existing default image keeps its size.
+    #[arg(long, value_parser = parse_size)]
+    pub size: Option<u64>,
 
     /// Export read-only: writes, discards and write-zeroes fail.
     #[arg(long)]
@@ -135,8 +148,9 @@ pub struct ServeArgs {
     #[arg(long)]
     pub no_image_lock: bool,
 
-    /// Number of virtqueues.
-    #[arg(long, default_value_t = 1)]
+    /// Number of virtqueues, 1 to 64. QEMU's vhost-user-blk-pci asks for
+    /// one per vCPU unless given num-queues: serve at least as many.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_queues)]
     pub queues: u16,
 
     /// Worker threads serving the queues: queue q is served by thread
@@ -147,8 +161,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub threads: Option<usize>,
 
-    /// Maximum size of each virtqueue (a power of two, up to 32768).
-    #[arg(long, default_value_t = 256)]
+    /// Maximum size of each virtqueue (a power of two, 2 to 32768).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = parse_queue_size)]
     pub queue_size: u16,
 
     /// Serial number reported by GET_ID (at most 20 bytes). Defaults to one
@@ -173,8 +187,8 @@ pub struct ServeArgs {
     pub engine: EngineKind,
 
     /// Serve Prometheus metrics on this address: HOST:PORT for TCP, or a
-    /// path for a Unix socket. Read-only: the control verbs are on --api
-    /// only.
+    /// path for a Unix socket (created with mode 0600). Read-only: the
+    /// control verbs are on --api only.
     #[arg(long)]
     pub metrics: Option<String>,
 
@@ -228,10 +242,11 @@ pub struct ServeArgs {
     #[arg(long, hide = true)]
     pub no_uring_cmd: bool,
 
-    /// Pin worker thread N to CPU list[N % len] (comma-separated CPU
-    /// numbers). Threads, not queues: see --threads.
-    #[arg(long, value_delimiter = ',')]
-    pub cpus: Vec<usize>,
+    /// Pin worker thread N to CPU list[N % len]. A CPU list as taskset and
+    /// cpusets write it: numbers and ranges, comma-separated (0-3,8,10-11).
+    /// Threads, not queues: see --threads.
+    #[arg(long, value_name = "LIST", value_parser = CpuList::parse, default_value = "", hide_default_value = true)]
+    pub cpus: CpuList,
 
     /// Seccomp filter on the daemon's threads after start-up: `enforce`
     /// kills the process on a syscall outside the allow-list, `log` only
@@ -299,28 +314,51 @@ pub struct QosArgs {
     pub qos_max_length: Option<u64>,
 }
 
+/// Each QoS flag and the `QosLimits` (JSON) field it sets, in the order
+/// of [`QosArgs::values`].
+const QOS_FLAGS: [(&str, &str); 13] = [
+    ("iops_total", "--iops"),
+    ("iops_total_max", "--iops-max"),
+    ("iops_read", "--read-iops"),
+    ("iops_read_max", "--read-iops-max"),
+    ("iops_write", "--write-iops"),
+    ("iops_write_max", "--write-iops-max"),
+    ("bps_total", "--bps"),
+    ("bps_total_max", "--bps-max"),
+    ("bps_read", "--read-bps"),
+    ("bps_read_max", "--read-bps-max"),
+    ("bps_write", "--write-bps"),
+    ("bps_write_max", "--write-bps-max"),
+    ("max_length", "--qos-max-length"),
+];
+
 impl QosArgs {
+    fn values(&self) -> [Option<u64>; 13] {
+        [
+            self.iops,
+            self.iops_max,
+            self.read_iops,
+            self.read_iops_max,
+            self.write_iops,
+            self.write_iops_max,
+            self.bps,
+            self.bps_max,
+            self.read_bps,
+            self.read_bps_max,
+            self.write_bps,
+            self.write_bps_max,
+            self.qos_max_length,
+        ]
+    }
+
     /// The limits given here, by their `QosLimits` (JSON) names: what
     /// `serve` starts with and what `ctl qos` asks the daemon to change.
     pub fn changes(&self) -> serde_json::Map<String, serde_json::Value> {
-        [
-            ("iops_total", self.iops),
-            ("iops_total_max", self.iops_max),
-            ("iops_read", self.read_iops),
-            ("iops_read_max", self.read_iops_max),
-            ("iops_write", self.write_iops),
-            ("iops_write_max", self.write_iops_max),
-            ("bps_total", self.bps),
-            ("bps_total_max", self.bps_max),
-            ("bps_read", self.read_bps),
-            ("bps_read_max", self.read_bps_max),
-            ("bps_write", self.write_bps),
-            ("bps_write_max", self.write_bps_max),
-            ("max_length", self.qos_max_length),
-        ]
-        .into_iter()
-        .filter_map(|(name, v)| Some((name.to_string(), v?.into())))
-        .collect()
+        QOS_FLAGS
+            .iter()
+            .zip(self.values())
+            .filter_map(|((name, _), v)| Some((name.to_string(), v?.into())))
+            .collect()
     }
 
     /// `base` with the limits given here replacing its own.
@@ -329,6 +367,49 @@ impl QosArgs {
         base: crate::qos::QosLimits,
     ) -> Result<crate::qos::QosLimits, crate::qos::QosError> {
         base.with_changes(&self.changes())
+    }
+
+    /// `base` with the limits given here, checked; an error names the
+    /// flags, not the JSON fields.
+    pub fn check(&self, base: crate::qos::QosLimits) -> Result<crate::qos::QosLimits, String> {
+        self.apply(base)
+            .and_then(|l| l.validate().map(|()| l))
+            .map_err(|e| qos_error_in_flags(&e))
+    }
+}
+
+/// The flag that sets the `QosLimits` field `name`.
+fn qos_flag(name: &str) -> &str {
+    QOS_FLAGS
+        .iter()
+        .find(|(json, _)| *json == name)
+        .map_or(name, |(_, flag)| flag)
+}
+
+/// A QoS error as the command line says it: `--iops-max needs --iops`.
+pub fn qos_error_in_flags(e: &crate::qos::QosError) -> String {
+    use crate::qos::QosError as E;
+    let max = |name: &str| qos_flag(&format!("{name}_max")).to_string();
+    match e {
+        E::MaxWithoutRate { name } => {
+            format!("{} needs {} set too", max(name), qos_flag(name))
+        }
+        E::MaxBelowRate { name, avg, max: m } => format!(
+            "{} ({m}) cannot be lower than {} ({avg})",
+            max(name),
+            qos_flag(name)
+        ),
+        E::TooLarge { name } => format!(
+            "{} and {} are at most {}",
+            qos_flag(name),
+            max(name),
+            crate::qos::VALUE_MAX
+        ),
+        E::LengthWithoutMax => {
+            "--qos-max-length needs a burst rate to apply to (--iops-max, --bps-max, ...)".into()
+        }
+        E::LengthTooLong(n) => format!("--qos-max-length is at most 86400 seconds, not {n}"),
+        other => other.to_string(),
     }
 }
 
@@ -353,6 +434,42 @@ pub enum SeccompMode {
 pub enum LandlockMode {
     On,
     Off,
+}
+
+/// `--queues`: 1 to [`MAX_QUEUES`].
+fn parse_queues(s: &str) -> Result<u16, String> {
+    s.trim()
+        .parse::<u16>()
+        .ok()
+        .filter(|n| (1..=MAX_QUEUES).contains(n))
+        .ok_or_else(|| format!("must be a number from 1 to {MAX_QUEUES}"))
+}
+
+/// `--queue-size`: a power of two, 2 to [`MAX_QUEUE_SIZE`].
+fn parse_queue_size(s: &str) -> Result<u16, String> {
+    s.trim()
+        .parse::<u16>()
+        .ok()
+        .filter(|n| (2..=MAX_QUEUE_SIZE).contains(n) && n.is_power_of_two())
+        .ok_or_else(|| format!("must be a power of two from 2 to {MAX_QUEUE_SIZE}"))
+}
+
+/// A CPU list as taskset(1) and cpuset(7) write it: `0-3,8,10-11`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CpuList(pub Vec<usize>);
+
+impl CpuList {
+    /// Parses a list; the empty string is the empty list (no pinning).
+    pub fn parse(s: &str) -> Result<CpuList, String> {
+        crate::cpu::parse_list(s).map(CpuList)
+    }
+}
+
+impl std::ops::Deref for CpuList {
+    type Target = [usize];
+    fn deref(&self) -> &[usize] {
+        &self.0
+    }
 }
 
 fn parse_octal(s: &str) -> Result<u32, String> {

@@ -1,20 +1,79 @@
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use ringblk::cli::{Cli, Command};
+use ringblk::exit::Failure;
 
 fn main() {
-    env_logger::Builder::from_env(
-        env_logger::Env::default().default_filter_or("info,virtio_queue=off"),
-    )
-    .init();
-    let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Serve(args) => ringblk::daemon::serve(*args).map_err(|e| e.to_string()),
-        Command::Stats(args) => ringblk::metrics::stats(&args),
-        Command::Ctl(args) => ringblk::api::ctl::ctl(&args),
-        Command::Bench(args) => ringblk::bench::exec(&args),
+    ringblk::logging::init();
+    // `ringblk help bench` is ringblk-bench's own help, as `ringblk bench
+    // --help` is: clap's would only describe the pass-through.
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if argv.len() == 3 && argv[1] == "help" && argv[2] == "bench" {
+        let help = ringblk::bench::BenchArgs {
+            args: vec!["--help".into()],
+        };
+        finish(
+            "bench",
+            ringblk::bench::exec(&help).map_err(Failure::Runtime),
+        );
+    }
+    // Usage errors clap finds exit with 2, --help and --version with 0.
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => usage(e),
     };
-    if let Err(e) = result {
-        eprintln!("ringblk: {e}");
-        std::process::exit(1);
+    let (name, result) = match cli.command {
+        Command::Serve(args) => (
+            "serve",
+            ringblk::daemon::serve(*args).map_err(Failure::from),
+        ),
+        Command::Stats(args) => ("stats", ringblk::metrics::stats(&args)),
+        Command::Ctl(args) => ("ctl", ringblk::api::ctl::ctl(&args)),
+        Command::Bench(args) => (
+            "bench",
+            ringblk::bench::exec(&args).map_err(Failure::Runtime),
+        ),
+        Command::Generate(args) => ("generate", ringblk::generate::run(&args)),
+    };
+    finish(name, result);
+}
+
+/// Exits with `result`'s status (see `ringblk::exit`): a usage error the
+/// way clap prints its own, against the subcommand's usage line.
+fn finish(subcommand: &str, result: Result<(), Failure>) -> ! {
+    match result {
+        Ok(()) | Err(Failure::Closed) => std::process::exit(0),
+        Err(Failure::Usage(message)) => {
+            let mut cmd = Cli::command();
+            cmd.build();
+            let sub = cmd
+                .find_subcommand_mut(subcommand)
+                .expect("every subcommand is in the CLI");
+            usage(sub.error(clap::error::ErrorKind::ValueValidation, message))
+        }
+        Err(Failure::Runtime(message)) => {
+            eprintln!("{}ringblk: {message}", error_priority());
+            std::process::exit(1)
+        }
+    }
+}
+
+/// Prints clap's error (or help) and exits as clap does; under the
+/// journal, each line of an error carries its priority.
+fn usage(e: clap::Error) -> ! {
+    if !e.use_stderr() || !ringblk::logging::under_journal() {
+        e.exit()
+    }
+    for line in e.render().to_string().lines().filter(|l| !l.is_empty()) {
+        eprintln!("{}{line}", error_priority());
+    }
+    std::process::exit(e.exit_code())
+}
+
+/// `<3>` (syslog's LOG_ERR) when stderr is the journal (`ringblk::logging`).
+fn error_priority() -> &'static str {
+    if ringblk::logging::under_journal() {
+        "<3>"
+    } else {
+        ""
     }
 }

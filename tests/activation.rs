@@ -180,3 +180,82 @@ fn a_bad_socket_fd_is_refused_clearly() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
 }
+
+/// `--socket-fd` names a socket the daemon was given, never one it made:
+/// the numbers its own descriptors get (the API's listener, the metrics
+/// socket, the image, the notification socket) are refused with one line.
+/// The fd used to be adopted after the API was bound, so the number of
+/// the API's listener was taken, and the relay served the API's clients
+/// as vhost-user front-ends.
+#[test]
+fn socket_fd_cannot_name_a_descriptor_of_the_daemons_own() {
+    let dir = test_dir();
+    let image = sparse_image(dir.path(), "d.img", SIZE);
+    let notify = UnixDatagram::bind(dir.path().join("notify.sock")).unwrap();
+    // Every number the daemon's first descriptors could get.
+    for fd in 3..24 {
+        let api = dir.path().join(format!("api-{fd}.sock"));
+        let metrics = dir.path().join(format!("metrics-{fd}.sock"));
+        let mut cmd = Command::new(ringblk_bin());
+        // What the test's own process left inheritable (cargo's jobserver
+        // pipes) is not passed on: the daemon starts with 0-2 only.
+        // SAFETY: the closure runs in the child between fork and exec and
+        // makes one raw syscall, which is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .args(["serve", "--image", image.to_str().unwrap()])
+            .arg("--api")
+            .arg(&api)
+            .arg("--metrics")
+            .arg(&metrics)
+            .arg("--socket-fd")
+            .arg(fd.to_string())
+            .env("NOTIFY_SOCKET", dir.path().join("notify.sock"))
+            .env("TMPDIR", dir.path())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "--socket-fd {fd}: the daemon took a descriptor of its own ({}) and served it",
+                    if api.exists() {
+                        "its API socket is bound"
+                    } else {
+                        "still running"
+                    }
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(1), "--socket-fd {fd}: {err}");
+        assert_eq!(
+            err.lines().count(),
+            1,
+            "--socket-fd {fd}: not one line: {err}"
+        );
+        assert!(
+            err.starts_with("ringblk: ") && err.contains("not an open file descriptor"),
+            "--socket-fd {fd}: {err}"
+        );
+        assert!(!api.exists(), "--socket-fd {fd}: the API was bound first");
+    }
+    drop(notify);
+}

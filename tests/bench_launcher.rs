@@ -23,7 +23,7 @@ fn bench_without_ringblk_bench_says_what_to_build() {
     assert_eq!(
         err.trim_end(),
         format!(
-            "ringblk: ringblk-bench not found next to {} or on PATH (cargo build --release -p ringblk-bench)",
+            "ringblk: ringblk-bench not found next to {} or on PATH: install the ringblk package, or build it (cargo build --release -p ringblk-bench, or cargo install --locked --path crates/ringblk-bench)",
             exe.display()
         )
     );

@@ -3,8 +3,10 @@
 //! (SET_BACKEND_REQ_FD, through the daemon's relay); a resize through the
 //! control API then sends VHOST_USER_BACKEND_CONFIG_CHANGE_MSG on it, and
 //! GET_CONFIG answers the new capacity. A front-end that never answers
-//! delays the resize by the ack timeout only, and one without a channel
-//! is reported as not told.
+//! delays the resize by the channel's deadline only, so does one that
+//! never reads the channel (its socket buffer full), and neither holds
+//! up the API's other requests; one without a channel is reported as not
+//! told.
 
 mod common;
 mod frontend;
@@ -15,7 +17,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, DaemonOptions, MIB, test_dir};
+use common::{Daemon, DaemonOptions, MIB, ringblk_bin, test_dir};
 use frontend::*;
 
 const SIZE: u64 = 64 * MIB;
@@ -117,5 +119,128 @@ fn without_a_channel_the_resize_says_the_guest_was_not_told() {
     assert_not_told(resize_async(&api, 2 * SIZE).join().unwrap(), "BACKEND_REQ");
     // GET_CONFIG has the new capacity all the same.
     assert_eq!(capacity(&c), 2 * SIZE / 512);
+    d.assert_running();
+}
+
+/// A front-end whose back-end channel is wedged: it never reads it, and
+/// the channel's socket buffer is full, so the daemon's send cannot go
+/// out. Returns the connection and the front-end's end of the channel
+/// (both kept open: a closed one would fail the send at once).
+fn connect_wedged(d: &Daemon) -> (Conn, UnixStream) {
+    let c = Conn::connect(&d.socket);
+    c.handshake_with(0, P_BACKEND_REQ);
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    c.ok(SET_BACKEND_REQ_FD, &[], &[theirs.as_raw_fd()]);
+    // The daemon's end is `theirs`: what we write into it fills the
+    // buffer its own sends would go to.
+    let junk = [0u8; 4096];
+    let mut filled = 0;
+    // SAFETY: send reads at most junk.len() bytes from `junk`; the fd is
+    // `theirs`, open for the call.
+    while unsafe {
+        libc::send(
+            theirs.as_raw_fd(),
+            junk.as_ptr().cast(),
+            junk.len(),
+            libc::MSG_DONTWAIT,
+        )
+    } > 0
+    {
+        filled += junk.len();
+    }
+    assert!(filled > 0, "the channel's buffer took nothing");
+    drop(theirs);
+    (c, ours)
+}
+
+/// `ringblk ctl --api API ARGS...` on a thread: (exit code, stdout,
+/// stderr, how long it took).
+fn ctl_async(
+    api: &Path,
+    args: &[&str],
+) -> std::sync::mpsc::Receiver<(Option<i32>, String, String, Duration)> {
+    let mut cmd = std::process::Command::new(ringblk_bin());
+    cmd.arg("ctl").arg("--api").arg(api).args(args);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let started = Instant::now();
+        let out = cmd.output().unwrap();
+        let _ = tx.send((
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+            started.elapsed(),
+        ));
+    });
+    rx
+}
+
+/// The channel's deadline (`vhost::backend_channel::DEADLINE`).
+const DEADLINE: Duration = Duration::from_secs(2);
+
+/// A wedged channel delays `ctl resize` by the deadline and no more, and
+/// the resize says the guest was not told. CONFIG_CHANGE_MSG used to be
+/// written with no deadline, so the resize waited until the front-end
+/// closed the channel (`ctl` gave up after 3 s, the daemon's API never).
+#[test]
+fn a_wedged_backend_channel_delays_a_resize_by_the_deadline_only() {
+    let dir = test_dir();
+    let (mut d, api) = start(dir.path());
+    let (c, _channel) = connect_wedged(&d);
+    let resize = ctl_async(&api, &["resize", &(2 * SIZE).to_string()]);
+    let (code, out, err, took) = resize
+        .recv_timeout(Duration::from_secs(10))
+        .expect("ctl resize never returned");
+    assert_eq!(code, Some(0), "ctl resize failed after {took:?}: {err}");
+    assert!(
+        out.contains("could NOT be told") && out.contains("did not read"),
+        "{out}"
+    );
+    assert!(
+        took < DEADLINE + Duration::from_millis(800),
+        "ctl resize took {took:?}"
+    );
+    assert_eq!(capacity(&c), 2 * SIZE / 512);
+    // The next resize is not stuck behind the first: it waits its own
+    // deadline, and the API still answers everything else.
+    let (code, _, err, took) = ctl_async(&api, &["resize", &(3 * SIZE).to_string()])
+        .recv_timeout(Duration::from_secs(10))
+        .expect("second ctl resize never returned");
+    assert_eq!(code, Some(0), "second resize: {err}");
+    assert!(took < DEADLINE + Duration::from_millis(800), "{took:?}");
+    let (code, out, err, _) = ctl_async(&api, &["status"])
+        .recv_timeout(Duration::from_secs(10))
+        .expect("ctl status");
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains(&format!("\"size\": {}", 3 * SIZE)), "{out}");
+    d.assert_running();
+}
+
+/// While a resize waits on a wedged channel, `ctl status` and `ctl qos`
+/// answer at once: the resize holds none of the API's locks while it
+/// sends, and the API serves requests side by side. (An API that answers
+/// one request at a time makes them wait for the resize's deadline.)
+#[test]
+fn status_and_qos_answer_at_once_while_a_resize_waits_on_a_wedged_channel() {
+    let dir = test_dir();
+    let (mut d, api) = start(dir.path());
+    let (_c, _channel) = connect_wedged(&d);
+    let resize = ctl_async(&api, &["resize", &(2 * SIZE).to_string()]);
+    // Well inside the resize's wait.
+    std::thread::sleep(Duration::from_millis(300));
+    for args in [&["status"][..], &["qos"][..]] {
+        let (code, _, err, took) = ctl_async(&api, args)
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("ctl {args:?} never returned"));
+        assert_eq!(code, Some(0), "ctl {args:?}: {err}");
+        assert!(
+            took < Duration::from_millis(500),
+            "ctl {args:?} took {took:?} while a resize waited on the front-end"
+        );
+    }
+    let (code, _, err, _) = resize
+        .recv_timeout(Duration::from_secs(10))
+        .expect("ctl resize never returned");
+    assert_eq!(code, Some(0), "{err}");
     d.assert_running();
 }

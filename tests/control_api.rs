@@ -47,6 +47,20 @@ fn assert_fails(o: &Output, what: &str) {
     assert!(err.contains(what), "'{what}' not in: {err}");
 }
 
+/// A usage error: exit status 2, clap's `error: ...` first line.
+fn assert_usage(o: &Output, what: &str) {
+    let err = stderr(o);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "stdout {} stderr {err}",
+        stdout(o)
+    );
+    let first = err.lines().next().unwrap_or_default();
+    assert!(first.starts_with("error: "), "{err}");
+    assert!(first.contains(what), "'{what}' not in: {err}");
+}
+
 /// A raw request to the API socket: (status, body).
 fn http(api: &Path, method: &str, path: &str, body: &[u8]) -> (u16, String) {
     let (status, _, body) =
@@ -155,7 +169,7 @@ fn io_past_the_old_end_fails_before_a_resize_and_succeeds_after() {
 
     // Shrinking: refused without --force, and nothing changes...
     let o = ctl(&api, &["resize", "32M"]);
-    assert_fails(&o, "give force");
+    assert_fails(&o, "pass --force");
     assert_eq!(std::fs::metadata(&d.image).unwrap().len(), 2 * SIZE);
     assert_eq!(c.read(SIZE, data.len()), data);
     // ...done with it.
@@ -229,7 +243,7 @@ fn bad_input_gets_a_clear_error_and_the_daemon_goes_on() {
             "/api/v1/resize",
             b"{\"size\": 4096}",
             409,
-            "give force",
+            "\"force\": true",
         ),
         (
             "PUT",
@@ -288,20 +302,27 @@ fn bad_input_gets_a_clear_error_and_the_daemon_goes_on() {
 
     // The client: one line, exit status 1.
     assert_fails(&ctl(&api, &["resize", "1000"]), "not a multiple");
-    assert_fails(&ctl(&api, &["resize", "12Q"]), "bad size");
-    assert_fails(&ctl(&api, &["resize", "4K"]), "give force");
-    assert_fails(
+    assert_usage(
+        &ctl(&api, &["resize", "12Q"]),
+        "'12Q': unknown size suffix 'Q'",
+    );
+    assert_fails(&ctl(&api, &["resize", "4K"]), "pass --force");
+    assert_usage(
         &ctl(&api, &["qos", "--bps", "1M", "--bps-max", "64K"]),
-        "cannot be lower",
+        "--bps-max (65536) cannot be lower than --bps (1048576)",
     );
     assert_eq!(
         self::status(&api)["qos"]["bps_total"],
         0,
         "a refused change changed something"
     );
+    let nothing = dir.path().join("nothing.sock");
     assert_fails(
-        &ctl(&dir.path().join("nothing.sock"), &["status"]),
-        "connect",
+        &ctl(&nothing, &["status"]),
+        &format!(
+            "no daemon is listening on {0} (is it running? started with --api {0}?)",
+            nothing.display()
+        ),
     );
     d.assert_running();
 }

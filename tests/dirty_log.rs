@@ -11,13 +11,15 @@
 mod common;
 mod frontend;
 
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 
 use common::{Daemon, MIB};
 use frontend::{
-    Conn, F_LOG_ALL, F_PROTOCOL_FEATURES, F_VERSION_1, FLAG_VERSION, Guest, P_LOG_SHMFD,
-    REGION1_END, SET_FEATURES, SET_LOG_BASE, Vq, memfd, u64_payload,
+    ADD_MEM_REG, Conn, F_LOG_ALL, F_PROTOCOL_FEATURES, F_VERSION_1, FLAG_VERSION, Guest,
+    P_LOG_SHMFD, REGION1, REGION1_END, SET_FEATURES, SET_LOG_BASE, Vq, memfd, region, seal,
+    single_region, u64_payload,
 };
 use ringblk::virtio::chain_writer::{readable as r, writable as w};
 
@@ -34,6 +36,13 @@ fn dirty_pages(log: &mut std::fs::File) -> Vec<u64> {
     (0..bytes.len() as u64 * 8)
         .filter(|p| bytes[(p / 8) as usize] & (1 << (p % 8)) != 0)
         .collect()
+}
+
+/// Clears the log, as the front-end does each time it has read it.
+fn clear(log: &mut std::fs::File) {
+    let len = log.metadata().unwrap().len();
+    log.seek(SeekFrom::Start(0)).unwrap();
+    log.write_all(&vec![0; len as usize]).unwrap();
 }
 
 /// Posts a request of `len` bytes at `data` (IN or OUT) and waits for it.
@@ -64,6 +73,8 @@ fn reads_mark_exactly_their_pages_while_logging_is_on() {
     // One bit per page of all guest addresses.
     let log_len = (REGION1_END / PAGE / 8).next_multiple_of(PAGE);
     let mut log = memfd(log_len);
+    // As QEMU's: a log that could shrink is refused.
+    seal(&log);
     let mut base = u64_payload(log_len);
     base.extend_from_slice(&0u64.to_le_bytes()); // mmap_offset
     // With LOG_SHMFD the back-end always replies (QEMU checks only the
@@ -123,4 +134,91 @@ fn reads_mark_exactly_their_pages_while_logging_is_on() {
         !dirty.contains(&0x80),
         "marked with logging off: {dirty:x?}"
     );
+}
+
+/// Memory hot-plugged during a migration: a region added after the log
+/// was handed over (ADD_MEM_REG), and a whole new memory table
+/// (SET_MEM_TABLE, as a front-end without CONFIGURE_MEM_SLOTS sends), are
+/// logged too. QEMU grows its log before it adds memory, and sends
+/// SET_LOG_BASE again only when the log must grow. vhost-user-backend gave
+/// the log only to the regions of the table it had when the log came, so
+/// reads into newer regions reached the destination stale.
+#[test]
+fn regions_added_after_the_log_are_logged_too() {
+    let d = Daemon::start(64 * MIB, &[]);
+    let conn = Conn::connect(&d.socket);
+    conn.handshake_with(F_LOG_ALL, P_LOG_SHMFD);
+    let g = Guest::new();
+    g.share(&conn);
+    // Room for 64 MiB of guest addresses, hot-plugged memory included.
+    let log_len = (64 * MIB / PAGE / 8).next_multiple_of(PAGE);
+    let mut log = memfd(log_len);
+    seal(&log);
+    let mut base = u64_payload(log_len);
+    base.extend_from_slice(&0u64.to_le_bytes());
+    match conn.ask_flags(SET_LOG_BASE, FLAG_VERSION, &base, &[log.as_raw_fd()]) {
+        frontend::Outcome::Reply(m) => assert_eq!(m.request, SET_LOG_BASE),
+        frontend::Outcome::Closed => panic!("SET_LOG_BASE: the daemon hung up"),
+    }
+    let mut vq = Vq::new(0, 64, RING);
+    vq.setup(&conn, &g);
+
+    // A DIMM plugged in at 32 MiB.
+    const DIMM: u64 = 32 * MIB;
+    let dimm = memfd(4 * MIB);
+    conn.ok(
+        ADD_MEM_REG,
+        &single_region(&region(DIMM, 4 * MIB, 0x7200_0000_0000, 0)),
+        &[dimm.as_raw_fd()],
+    );
+    io(&mut vq, &g, 0, DIMM + 0x1800, 8192);
+    let dirty = dirty_pages(&mut log);
+    for p in (DIMM / PAGE + 1)..=(DIMM / PAGE + 3) {
+        assert!(
+            dirty.contains(&p),
+            "page {p:#x} of a read into the added region is not marked: {dirty:x?}"
+        );
+    }
+    assert!(!dirty.contains(&(DIMM / PAGE + 4)), "{dirty:x?}");
+
+    // A new table (the same regions, mapped afresh), and a log the
+    // front-end has read and cleared.
+    g.share(&conn);
+    clear(&mut log);
+    io(&mut vq, &g, 0, REGION1 + 0x8000, 4096);
+    let dirty = dirty_pages(&mut log);
+    assert!(
+        dirty.contains(&((REGION1 + 0x8000) / PAGE)),
+        "a read into a region of a table sent after the log is not marked: {dirty:x?}"
+    );
+    assert!(
+        dirty.contains(&(STATUS / PAGE)),
+        "the status byte, written through the new table: {dirty:x?}"
+    );
+
+    // Neither the log nor any table outlives the connection.
+    drop(conn);
+    for (file, what) in [
+        (&log, "the log"),
+        (&g.file, "guest memory"),
+        (&dimm, "the DIMM"),
+    ] {
+        let ino = file.metadata().unwrap().ino().to_string();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let maps = std::fs::read_to_string(format!("/proc/{}/maps", d.pid())).unwrap();
+            let n = maps
+                .lines()
+                .filter(|l| l.split_whitespace().nth(4) == Some(ino.as_str()))
+                .count();
+            if n == 0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{what} is still mapped {n} times after the connection"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
 }

@@ -1009,6 +1009,72 @@ fn memory_shrunk_after_the_table() {
     assert_serves(&mut d, "memory shrunk after the table", 8192, 1);
 }
 
+/// How a dirty-page log that a mark could fault on is handed over.
+#[derive(Clone, Copy, Debug)]
+enum BadLog {
+    /// An unsealed, empty memfd for a log of 4 KiB.
+    ShortUnsealed,
+    /// An unsealed memfd of the right size, shrunk once it was taken.
+    ShrunkAfter,
+    /// A sealed, empty memfd for a log of 4 KiB.
+    ShortSealed,
+    /// A sealed 4 KiB memfd, mapped from offset 4 KiB.
+    OffsetPastEnd,
+}
+
+/// SET_LOG_BASE with a log a mark could fault on. If the daemon takes it,
+/// a read (logging on) marks its pages in it. The daemon must refuse the
+/// log (vhost-user-backend mapped it unchecked, and the mark killed the
+/// daemon with SIGBUS), and serve the next front-end.
+fn log_past_eof(how: BadLog) -> String {
+    let mut d = Daemon::start(64 * MIB, &[]);
+    let conn = Conn::connect(&d.socket);
+    conn.handshake_with(F_LOG_ALL, P_LOG_SHMFD);
+    let g = Guest::new();
+    g.share(&conn);
+    let (file, offset) = match how {
+        BadLog::ShortUnsealed => (memfd(0), 0),
+        BadLog::ShrunkAfter => (memfd(4096), 0),
+        BadLog::ShortSealed => (sealed(0), 0),
+        BadLog::OffsetPastEnd => (sealed(4096), 4096),
+    };
+    let mut base = u64_payload(4096);
+    base.extend_from_slice(&u64_payload(offset));
+    let out = conn.ask_flags(SET_LOG_BASE, FLAG_VERSION, &base, &[file.as_raw_fd()]);
+    let answer = out.describe();
+    if let Outcome::Reply(_) = out {
+        if let BadLog::ShrunkAfter = how {
+            file.set_len(0).expect("shrinking the log");
+        }
+        // Taken: a read now marks guest page 0x40 in the log's byte 8.
+        let mut q = Vq::new(0, 64, 0);
+        q.setup(&conn, &g);
+        g.write(0x5000, &[0xff]);
+        q.post(&g, &[r(0x1_0000, 16), w(0x4_0000, 4096), w(0x5000, 1)]);
+        let used = q.take_used(&g, 1, Duration::from_secs(3));
+        thread::sleep(Duration::from_millis(200));
+        d.assert_running();
+        assert_eq!(used.len(), 1, "{how:?}: the read never completed");
+    }
+    drop(conn);
+    assert_serves(&mut d, &format!("SET_LOG_BASE, {how:?}"), 8192, 1);
+    answer
+}
+
+#[test]
+fn a_log_that_can_be_shorter_than_its_size_is_refused() {
+    for how in [
+        BadLog::ShortUnsealed,
+        BadLog::ShrunkAfter,
+        BadLog::ShortSealed,
+        BadLog::OffsetPastEnd,
+    ] {
+        let answer = log_past_eof(how);
+        eprintln!("SET_LOG_BASE, {how:?}: {answer}");
+        assert_eq!(answer, "disconnect", "{how:?}: the log was taken");
+    }
+}
+
 /// A ring that starts in guest memory and runs past its end: the crate
 /// checks only the rings' first bytes at SET_VRING_ADDR. A kick must not
 /// make the daemon touch what lies past the region.

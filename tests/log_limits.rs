@@ -94,7 +94,7 @@ fn refused_set_inflight_fd() {
     assert_limited("SET_INFLIGHT_FD refused", n);
 }
 
-/// Accepted inflight messages log at info level, once per message.
+/// Accepted inflight messages log at debug level, once per message.
 #[test]
 fn accepted_inflight_messages() {
     let mut d = Daemon::start(64 * MIB, &[]);

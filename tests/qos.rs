@@ -262,10 +262,11 @@ fn bad_qos_flags_get_a_one_line_error() {
         .args(["serve", "--iops", "100", "--iops-max", "50"])
         .output()
         .expect("runs");
-    assert!(!out.status.success());
+    // A usage error (exit status 2) that names the flags, not the JSON.
+    assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("iops_total_max (50) cannot be lower than iops_total (100)"),
+        err.starts_with("error: --iops-max (50) cannot be lower than --iops (100)\n"),
         "{err}"
     );
     assert!(!err.contains("panicked"), "{err}");
@@ -273,7 +274,7 @@ fn bad_qos_flags_get_a_one_line_error() {
         .args(["serve", "--bps", "lots"])
         .output()
         .expect("runs");
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(2));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("invalid value 'lots' for '--bps <SIZE>'")
     );

@@ -70,9 +70,23 @@ fn start_rbd_with(conf: &Path, image: &str, extra: &[&str]) -> Daemon {
     d
 }
 
-/// Runs `ringblk serve ARGS`, which must fail; returns its stderr and how
-/// long it took.
+/// Runs `ringblk serve ARGS`, which must fail with a runtime error (exit
+/// status 1); returns its stderr and how long it took.
 fn serve_fails(args: &[&str]) -> (String, Duration) {
+    serve_exits(args, 1)
+}
+
+/// Runs `ringblk serve ARGS`, a wrong command line (exit status 2);
+/// returns the first line of its error, `error: ...`.
+fn serve_refuses(args: &[&str]) -> String {
+    let (stderr, _) = serve_exits(args, 2);
+    let first = stderr.lines().next().unwrap_or_default().to_string();
+    assert!(first.starts_with("error: "), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    first
+}
+
+fn serve_exits(args: &[&str], status: i32) -> (String, Duration) {
     let dir = common::test_dir();
     let sock = dir.path().join("vhost.sock");
     let started = Instant::now();
@@ -89,8 +103,8 @@ fn serve_fails(args: &[&str]) -> (String, Duration) {
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(
         out.status.code(),
-        Some(1),
-        "serve {args:?} should fail with status 1:\n{stderr}"
+        Some(status),
+        "serve {args:?} should fail with status {status}:\n{stderr}"
     );
     assert!(!sock.exists(), "a failed start left its socket behind");
     (stderr, elapsed)
@@ -403,9 +417,9 @@ fn missing_image_or_pool_and_bad_specs_fail_at_start() {
         error_line(&err),
         "ringblk: rbd:nopool/x: no pool 'nopool' in the cluster"
     );
+    // A malformed spec is a wrong command line (exit status 2).
     for bad in ["rbd:", "rbd:pool", "rbd:/img", "rbd:pool/", "rbd:p/i@snap"] {
-        let (err, _) = serve_fails(&["--image", bad, "--ceph-conf", conf]);
-        let line = error_line(&err);
+        let line = serve_refuses(&["--image", bad, "--ceph-conf", conf]);
         assert!(
             line.contains(bad) && line.contains("expected rbd:POOL/IMAGE"),
             "{line}"
@@ -417,14 +431,14 @@ fn missing_image_or_pool_and_bad_specs_fail_at_start() {
         "{err}"
     );
     let image = c.create_image(4);
-    let (err, _) = serve_fails(&[
+    let line = serve_refuses(&[
         "--image",
         &format!("rbd:{image}"),
         "--ceph-conf",
         conf,
         "--direct",
     ]);
-    assert!(error_line(&err).contains("--direct"), "{err}");
+    assert!(line.contains("--direct"), "{line}");
 }
 
 #[test]

@@ -25,7 +25,7 @@ pub enum ResizeError {
     #[error("size {0} is larger than a file can be")]
     TooLarge(u64),
     #[error(
-        "shrinking from {from} to {to} bytes cuts off data under a running guest; give force to do it anyway"
+        "shrinking from {from} to {to} bytes cuts off data under a running guest; to do it anyway, pass --force (ringblk ctl resize --force; \"force\": true in the API)"
     )]
     Shrink { from: u64, to: u64 },
     #[error(
@@ -226,7 +226,40 @@ impl Control {
     /// that long. Shrinking: the capacity is published first, so no new
     /// request reaches past the new end; requests already in flight there
     /// complete against the image as they find it.
+    ///
+    /// The front-end is told after the resize lock is let go: a front-end
+    /// that does not read its back-end channel holds this call for the
+    /// channel's deadline (`vhost::backend_channel::DEADLINE`), and no
+    /// other request of the API.
     pub fn resize(&self, size: Option<u64>, force: bool) -> Result<Resized, ResizeError> {
+        let (old, new) = self.set_size(size, force)?;
+        let device = self
+            .current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let (guest_notified, notify_error) = match device.map(|d| d.config_changed()) {
+            None => (None, None),
+            Some(Ok(Some(_))) => (Some(true), None),
+            Some(Ok(None)) => (
+                Some(false),
+                Some("the front-end did not negotiate BACKEND_REQ".to_string()),
+            ),
+            Some(Err(e)) => {
+                log::warn!("telling the front-end about the resize: {e}");
+                (Some(false), Some(e.to_string()))
+            }
+        };
+        Ok(Resized {
+            old_size: old,
+            size: new,
+            guest_notified,
+            notify_error,
+        })
+    }
+
+    /// The resize itself, one at a time: returns the old size and the new.
+    fn set_size(&self, size: Option<u64>, force: bool) -> Result<(u64, u64), ResizeError> {
         let _one = self.resizing.lock().unwrap_or_else(|p| p.into_inner());
         let img = &self.image;
         let old = self.size();
@@ -274,28 +307,6 @@ impl Control {
         if new != old {
             log::info!("resized from {old} to {new} bytes");
         }
-        let device = self
-            .current
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let (guest_notified, notify_error) = match device.map(|d| d.config_changed()) {
-            None => (None, None),
-            Some(Ok(Some(_))) => (Some(true), None),
-            Some(Ok(None)) => (
-                Some(false),
-                Some("the front-end did not negotiate BACKEND_REQ".to_string()),
-            ),
-            Some(Err(e)) => {
-                log::warn!("telling the front-end about the resize: {e}");
-                (Some(false), Some(e.to_string()))
-            }
-        };
-        Ok(Resized {
-            old_size: old,
-            size: new,
-            guest_notified,
-            notify_error,
-        })
+        Ok((old, new))
     }
 }

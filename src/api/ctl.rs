@@ -1,11 +1,12 @@
 //! `ringblk ctl --api PATH VERB`: the control API's client. Prints what
 //! the daemon answers; an error is one line (the daemon's own message)
-//! and exit status 1.
+//! and exit status 1 (`crate::exit`).
 
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 
+use crate::exit::{Failure, out};
 use crate::metrics::StatsArgs;
 
 #[derive(Debug, Args)]
@@ -27,7 +28,8 @@ pub enum CtlVerb {
     /// image's size (a block device that grew). Shrinking needs --force.
     Resize {
         /// The new size; none: re-read the image's size.
-        size: Option<String>,
+        #[arg(value_parser = crate::cli::parse_size)]
+        size: Option<u64>,
         /// Allow shrinking: data past the new end is gone for the guest.
         #[arg(long)]
         force: bool,
@@ -45,7 +47,7 @@ pub enum CtlVerb {
         #[arg(long)]
         prometheus: bool,
         /// Print what happened in each interval of this many seconds.
-        #[arg(long, value_name = "SECS")]
+        #[arg(long, value_name = "SECS", value_parser = crate::metrics::parse_interval)]
         interval: Option<f64>,
         /// With --interval: stop after this many intervals.
         #[arg(long, requires = "interval")]
@@ -54,19 +56,18 @@ pub enum CtlVerb {
 }
 
 /// Runs one verb against the daemon.
-pub fn ctl(args: &CtlArgs) -> Result<(), String> {
+pub fn ctl(args: &CtlArgs) -> Result<(), Failure> {
     // A path without '/' would be taken for HOST:PORT.
     let mut addr = args.api.to_string_lossy().into_owned();
     if !addr.contains('/') {
         addr = format!("./{addr}");
     }
     match &args.verb {
-        CtlVerb::Status => print!("{}", call(&addr, "GET", "/api/v1/status", b"")?),
+        CtlVerb::Status => out(&call(&addr, "GET", "/api/v1/status", b"")?)?,
         CtlVerb::Resize { size, force } => {
             let mut body = serde_json::Map::new();
-            if let Some(s) = size {
-                let bytes = crate::cli::parse_size(s).map_err(|e| format!("bad size: {e}"))?;
-                body.insert("size".into(), bytes.into());
+            if let Some(bytes) = size {
+                body.insert("size".into(), (*bytes).into());
             }
             body.insert("force".into(), (*force).into());
             let body = serde_json::Value::Object(body).to_string();
@@ -81,20 +82,26 @@ pub fn ctl(args: &CtlArgs) -> Result<(), String> {
                 ),
                 None => "no front-end connected".to_string(),
             };
-            println!(
-                "resized from {} to {} bytes; {notified}",
+            out(&format!(
+                "resized from {} to {} bytes; {notified}\n",
                 r["old_size"], r["size"]
-            );
+            ))?;
         }
         CtlVerb::Qos(limits) => {
+            let current = call(&addr, "GET", "/api/v1/qos", b"")?;
             let changes = limits.changes();
             let answer = if changes.is_empty() {
-                call(&addr, "GET", "/api/v1/qos", b"")?
+                current
             } else {
+                // Checked here first, against the limits in force, so that
+                // an error names the flags (the daemon's names its JSON).
+                let base = serde_json::from_str(&current)
+                    .map_err(|e| format!("{}: bad answer: {e}", args.api.display()))?;
+                limits.check(base).map_err(Failure::Usage)?;
                 let body = serde_json::Value::Object(changes).to_string();
                 call(&addr, "PUT", "/api/v1/qos", body.as_bytes())?
             };
-            print!("{answer}");
+            out(&answer)?;
         }
         CtlVerb::Stats {
             json,
@@ -115,8 +122,8 @@ pub fn ctl(args: &CtlArgs) -> Result<(), String> {
 /// The body of a 200 answer; otherwise the daemon's `error`, or the
 /// status line.
 fn call(addr: &str, method: &str, path: &str, body: &[u8]) -> Result<String, String> {
-    let (status, line, body) =
-        ringblk_metrics::request(addr, method, path, body).map_err(|e| e.to_string())?;
+    let (status, line, body) = ringblk_metrics::request(addr, method, path, body)
+        .map_err(|e| crate::metrics::explain(&e, "--api"))?;
     if status == 200 {
         return Ok(body);
     }

@@ -1,42 +1,35 @@
-//! The daemon's HTTP endpoints, on tiny_http: the control API
-//! (`--api PATH`, a Unix socket of mode 0600) and the read-only metrics
-//! endpoint (`--metrics ADDR`, TCP or Unix).
+//! The daemon's HTTP endpoints: the control API (`--api PATH`, a Unix
+//! socket of mode 0600) and the read-only metrics endpoint (`--metrics
+//! ADDR`, TCP or a Unix socket, also 0600).
 //!
 //! Both serve the same table of verbs ([`VERBS`]); the metrics endpoint
 //! has no [`Control`], so a verb that needs one is not found there: no
 //! control verb is reachable over `--metrics`, over TCP in particular.
 //! Adding a verb is one function and one line in the table.
 //!
-//! tiny_http accepts on a thread of its own and reads each connection on
-//! a small pool of threads; requests are answered one at a time on the
-//! endpoint's own thread, which never touches the queue workers: it loads
+//! The server ([`server`]: hyper on a tokio current-thread runtime) bounds
+//! what any client can make it spend: threads, connections, head and body
+//! sizes, and time. The verbs never touch the queue workers: they load
 //! their counters and the capacity, and a resize stores the capacity.
-//! Under the daemon's seccomp filter it needs accept4, recvfrom/sendto,
-//! clone3 and futex for the pool's threads, and getpeername (tiny_http
-//! asks each connection for its peer), all on the filter's list.
-//!
-//! What tiny_http does not bound: a connection that stays open and idle
-//! holds one of the pool's threads until its client closes it, and an
-//! accept error (the daemon out of fds) ends the endpoint (logged).
 
 mod control;
 pub mod ctl;
+mod server;
 
-use std::io::{self, Read};
 use std::net::TcpListener;
-use std::os::unix::net::UnixListener;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 
+use hyper::Method;
 use serde::Deserialize;
-use tiny_http::{Header, Method, Request, Response, Server};
 
 use ringblk_metrics::prometheus;
 use ringblk_metrics::transport::MetricsAddr;
 use ringblk_metrics::{MetricsDoc, MetricsError, QueueMetrics};
 
 pub use control::{Control, ControlBacking, ControlImage, ResizeError, Resized, Status};
+pub use server::{
+    ANSWER_DEADLINE, Bound, ENDPOINT_FDS, MAX_CONNECTIONS, MAX_HEAD, REQUEST_DEADLINE, VERB_THREADS,
+};
 
 /// The largest request body taken; a larger one gets 413.
 pub const MAX_BODY: usize = 64 << 10;
@@ -104,45 +97,55 @@ impl Ctx<'_> {
     }
 }
 
-/// One verb: a method (or two), a path, and whether it needs the control
-/// side (then it exists on `--api` only).
+/// One verb: a method (or two), a path, whether it needs the control
+/// side (then it exists on `--api` only), and whether it may block (then
+/// it runs on the endpoint's verb threads, so that the others are
+/// answered meanwhile). A GET takes no body; PUT and POST take JSON.
 pub struct Verb {
     methods: &'static [Method],
     path: &'static str,
     control: bool,
+    slow: bool,
     run: fn(&Ctx<'_>) -> Reply,
 }
 
 /// Every verb, on every endpoint that has what it needs.
 pub const VERBS: &[Verb] = &[
     Verb {
-        methods: &[Method::Get],
+        methods: &[Method::GET],
         path: "/metrics",
         control: false,
+        slow: false,
         run: metrics_text,
     },
     Verb {
-        methods: &[Method::Get],
+        methods: &[Method::GET],
         path: "/metrics.json",
         control: false,
+        slow: false,
         run: metrics_json,
     },
     Verb {
-        methods: &[Method::Get],
+        methods: &[Method::GET],
         path: "/api/v1/status",
         control: true,
+        slow: false,
         run: status,
     },
     Verb {
-        methods: &[Method::Put, Method::Post],
+        methods: &[Method::PUT, Method::POST],
         path: "/api/v1/resize",
         control: true,
+        // Image I/O (an RBD resize is a round trip to the cluster), and
+        // telling the front-end, which may be slow to read.
+        slow: true,
         run: resize,
     },
     Verb {
-        methods: &[Method::Get, Method::Put, Method::Post],
+        methods: &[Method::GET, Method::PUT, Method::POST],
         path: "/api/v1/qos",
         control: true,
+        slow: false,
         run: qos,
     },
 ];
@@ -230,7 +233,7 @@ fn resize(ctx: &Ctx<'_>) -> Reply {
 fn qos(ctx: &Ctx<'_>) -> Reply {
     let run = || -> Result<crate::qos::QosLimits, Reply> {
         let c = control(ctx)?;
-        if *ctx.method == Method::Get {
+        if *ctx.method == Method::GET {
             return Ok(c.qos());
         }
         let changes: serde_json::Map<String, serde_json::Value> = ctx.json_body()?;
@@ -243,59 +246,78 @@ fn qos(ctx: &Ctx<'_>) -> Reply {
     }
 }
 
-/// The answer to `method path` with `body`, on an endpoint with or
-/// without the control side.
-pub fn dispatch(
-    method: &Method,
-    url: &str,
-    body: &[u8],
-    queues: &[Arc<QueueMetrics>],
-    control: Option<&Control>,
-) -> Reply {
-    let path = url.split('?').next().unwrap_or_default();
-    let here = |v: &&Verb| !v.control || control.is_some();
-    let Some(verb) = VERBS.iter().filter(here).find(|v| v.path == path) else {
-        let known: Vec<String> = VERBS
-            .iter()
-            .filter(here)
-            .map(|v| {
-                let m: Vec<&str> = v.methods.iter().map(Method::as_str).collect();
-                format!("{} {}", m.join("|"), v.path)
-            })
-            .collect();
-        return Reply::error(
-            404,
-            format!("unknown verb {path}; here: {}", known.join(", ")),
-        );
-    };
-    if !verb.methods.contains(method) {
-        let m: Vec<&str> = verb.methods.iter().map(Method::as_str).collect();
-        return Reply::error(
-            405,
-            format!("{path} takes {}, not {method}", m.join(" or ")),
-        );
+/// What an endpoint serves: the counters of `queues`, and with `control`
+/// the control verbs too, from a table of `verbs` ([`VERBS`]).
+pub struct Api {
+    verbs: &'static [Verb],
+    queues: Vec<Arc<QueueMetrics>>,
+    control: Option<Arc<Control>>,
+}
+
+impl Api {
+    pub fn new(queues: Vec<Arc<QueueMetrics>>, control: Option<Arc<Control>>) -> Api {
+        Api {
+            verbs: VERBS,
+            queues,
+            control,
+        }
     }
-    (verb.run)(&Ctx {
-        method,
-        queues,
-        control,
-        body,
-    })
+
+    /// The verb `method path` names here, or the answer (404, 405) that it
+    /// names none.
+    fn route(&self, method: &Method, path: &str) -> Result<&'static Verb, Reply> {
+        let here = |v: &&Verb| !v.control || self.control.is_some();
+        let Some(verb) = self.verbs.iter().filter(here).find(|v| v.path == path) else {
+            let known: Vec<String> = self
+                .verbs
+                .iter()
+                .filter(here)
+                .map(|v| {
+                    let m: Vec<&str> = v.methods.iter().map(Method::as_str).collect();
+                    format!("{} {}", m.join("|"), v.path)
+                })
+                .collect();
+            return Err(Reply::error(
+                404,
+                format!("unknown verb {path}; here: {}", known.join(", ")),
+            ));
+        };
+        if !verb.methods.contains(method) {
+            let m: Vec<&str> = verb.methods.iter().map(Method::as_str).collect();
+            return Err(Reply::error(
+                405,
+                format!("{path} takes {}, not {method}", m.join(" or ")),
+            ));
+        }
+        Ok(verb)
+    }
+
+    /// Runs `verb` (found by [`Api::route`]) on `body`.
+    fn run(&self, verb: &Verb, method: &Method, body: &[u8]) -> Reply {
+        (verb.run)(&Ctx {
+            method,
+            queues: &self.queues,
+            control: self.control.as_deref(),
+            body,
+        })
+    }
+
+    /// The answer to `method url` with `body` (a query string is ignored).
+    #[cfg(test)]
+    fn dispatch(&self, method: &Method, url: &str, body: &[u8]) -> Reply {
+        let path = url.split('?').next().unwrap_or_default();
+        match self.route(method, path) {
+            Ok(verb) => self.run(verb, method, body),
+            Err(r) => r,
+        }
+    }
 }
 
 /// A running endpoint. Dropping it (or [`Endpoint::shutdown`]) stops its
-/// thread; the Unix socket file is removed.
+/// thread.
 pub struct Endpoint {
     addr: MetricsAddr,
-    stop: Arc<AtomicBool>,
-    server: Arc<Server>,
-    thread: Option<JoinHandle<()>>,
-}
-
-/// Where an endpoint listens.
-pub enum Bound {
-    Tcp(TcpListener),
-    Unix(UnixListener),
+    server: server::Server,
 }
 
 /// Binds `addr` for the read-only metrics endpoint (see
@@ -304,10 +326,11 @@ pub enum Bound {
 ///
 /// A Unix socket path that exists but has no listener (left by a crashed
 /// daemon) is replaced; one with a live listener is `AddrInUse`; anything
-/// else at that path is left alone and is an error. A TCP address that is
-/// not loopback is allowed (Prometheus usually scrapes from another host)
-/// but logged as a warning, since the counters reveal the guest's I/O
-/// pattern.
+/// else at that path is left alone and is an error. A new socket file is
+/// born with mode 0600, whatever the umask, like `--api`'s: the counters
+/// reveal the guest's I/O pattern. A TCP address that is not loopback is
+/// allowed (Prometheus usually scrapes from another host) but logged as a
+/// warning, for the same reason.
 pub fn bind_metrics(addr: &str) -> Result<(Bound, MetricsAddr), MetricsError> {
     let parsed = MetricsAddr::parse(addr);
     let bind_err = |source| MetricsError::Bind {
@@ -318,7 +341,7 @@ pub fn bind_metrics(addr: &str) -> Result<(Bound, MetricsAddr), MetricsError> {
         MetricsAddr::Unix(path) => {
             crate::unix_socket::remove_stale(path).map_err(bind_err)?;
             Ok((
-                Bound::Unix(UnixListener::bind(path).map_err(bind_err)?),
+                Bound::Unix(crate::unix_socket::bind_with_mode(path, 0o600).map_err(bind_err)?),
                 parsed.clone(),
             ))
         }
@@ -352,89 +375,14 @@ pub fn spawn(
     queues: Vec<Arc<QueueMetrics>>,
     control: Option<Arc<Control>>,
 ) -> Result<Endpoint, MetricsError> {
-    let err = |e: Box<dyn std::error::Error + Send + Sync>| MetricsError::Bind {
-        addr: addr.to_string(),
-        source: io::Error::other(e.to_string()),
-    };
-    let server = Arc::new(
-        match bound {
-            Bound::Tcp(l) => Server::from_listener(l, None),
-            Bound::Unix(l) => Server::from_listener(l, None),
-        }
-        .map_err(err)?,
-    );
-    let stop = Arc::new(AtomicBool::new(false));
     let name = if control.is_some() { "api" } else { "metrics" };
-    let thread = {
-        let (server, stop) = (server.clone(), stop.clone());
-        std::thread::Builder::new()
-            .name(name.into())
-            .spawn(move || serve(&server, &queues, control.as_deref(), &stop))
-            .map_err(|e| MetricsError::Bind {
-                addr: addr.to_string(),
-                source: e,
-            })?
-    };
-    Ok(Endpoint {
-        addr,
-        stop,
-        server,
-        thread: Some(thread),
-    })
-}
-
-fn serve(
-    server: &Server,
-    queues: &[Arc<QueueMetrics>],
-    control: Option<&Control>,
-    stop: &AtomicBool,
-) {
-    loop {
-        let rq = server.recv();
-        if stop.load(Ordering::Relaxed) {
-            return;
+    let server = server::Server::spawn(name, bound, Api::new(queues, control)).map_err(|e| {
+        MetricsError::Bind {
+            addr: addr.to_string(),
+            source: e,
         }
-        match rq {
-            Ok(rq) => answer(rq, queues, control),
-            Err(e) => {
-                // tiny_http's accept thread ends on an accept error.
-                log::error!("HTTP endpoint stopped: {e}");
-                return;
-            }
-        }
-    }
-}
-
-/// Reads the body (at most [`MAX_BODY`]) and answers one request.
-fn answer(mut rq: Request, queues: &[Arc<QueueMetrics>], control: Option<&Control>) {
-    let reply = match read_body(&mut rq) {
-        Ok(body) => dispatch(rq.method(), rq.url(), &body, queues, control),
-        Err(r) => r,
-    };
-    let header = Header::from_bytes(&b"Content-Type"[..], reply.content_type.as_bytes());
-    let mut response = Response::from_string(reply.body).with_status_code(reply.status);
-    if let Ok(h) = header {
-        response = response.with_header(h);
-    }
-    if let Err(e) = rq.respond(response) {
-        log::debug!("HTTP answer: {e}");
-    }
-}
-
-fn read_body(rq: &mut Request) -> Result<Vec<u8>, Reply> {
-    let too_large = || Reply::error(413, format!("request body over {MAX_BODY} bytes"));
-    if rq.body_length().is_some_and(|n| n > MAX_BODY) {
-        return Err(too_large());
-    }
-    let mut body = Vec::new();
-    rq.as_reader()
-        .take(MAX_BODY as u64 + 1)
-        .read_to_end(&mut body)
-        .map_err(|e| Reply::error(400, format!("reading the body: {e}")))?;
-    if body.len() > MAX_BODY {
-        return Err(too_large());
-    }
-    Ok(body)
+    })?;
+    Ok(Endpoint { addr, server })
 }
 
 impl Endpoint {
@@ -443,26 +391,15 @@ impl Endpoint {
         self.addr.to_string()
     }
 
-    /// Stops the thread and waits for it.
+    /// Stops the thread, waits for it, and removes a Unix socket file.
+    /// (Not on drop: the daemon never drops its endpoints before it exits,
+    /// and removes its socket files by directory fd, the only way its
+    /// seccomp filter allows.)
     pub fn shutdown(mut self) {
-        self.stop_thread();
-    }
-
-    fn stop_thread(&mut self) {
-        let Some(thread) = self.thread.take() else {
-            return;
-        };
-        self.stop.store(true, Ordering::Relaxed);
-        self.server.unblock();
-        let _ = thread.join();
-        // The server itself (its accept thread) stops when the last Arc
-        // goes, which removes a Unix socket file.
-    }
-}
-
-impl Drop for Endpoint {
-    fn drop(&mut self) {
-        self.stop_thread();
+        self.server.stop();
+        if let MetricsAddr::Unix(path) = &self.addr {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 

@@ -10,7 +10,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
-use crate::cli::{DEFAULT_IMAGE_NAME, DEFAULT_SOCKET_NAME, EngineKind, ServeArgs};
+use crate::cli::{
+    DEFAULT_IMAGE_NAME, DEFAULT_IMAGE_SIZE, DEFAULT_SOCKET_NAME, EngineKind, ServeArgs,
+};
 use crate::engine::UringConfig;
 use crate::io::{Image, ImageLock, ImageOptions, RbdSpec};
 use crate::qos::{Qos, QosLimits};
@@ -19,18 +21,42 @@ use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
 
 use super::DaemonError;
 
-/// vhost-user-backend maps queues to threads with a 64-bit mask.
-pub const MAX_QUEUES: u16 = 64;
-pub const MAX_QUEUE_SIZE: u16 = 32768;
-
 /// Where the vhost-user socket comes from.
 pub enum Listen {
     /// Bind this path: `--socket`, else the default in the private
     /// directory. The daemon removes it on exit.
     Bind(PathBuf),
-    /// A listening socket passed in, checked when it is taken; the daemon
-    /// does not remove it.
-    Fd { fd: i32, from: &'static str },
+    /// A listening socket passed in, checked and taken ([`Listen::passed`]);
+    /// the daemon does not remove it.
+    Fd {
+        listener: std::os::unix::net::UnixListener,
+        fd: i32,
+        from: &'static str,
+    },
+}
+
+impl Listen {
+    /// The listening socket passed in, taken: `--socket-fd N`, or
+    /// systemd's when no socket is named. `serve` calls this first, before
+    /// the daemon opens any descriptor of its own, so the number can only
+    /// name one it inherited: the daemon's API socket, its image or its
+    /// notification socket do not exist yet, and a number they would get
+    /// is refused as not open. (Adopted later, `--socket-fd` could name
+    /// the API's listener, and the relay would then serve the API's
+    /// clients.) It reads and clears LISTEN_PID/LISTEN_FDS, so it runs
+    /// while `serve` is the only thread.
+    pub fn passed(args: &ServeArgs) -> Result<Option<Listen>, DaemonError> {
+        let (fd, from) = match (args.socket_fd, &args.socket) {
+            (Some(fd), _) => (fd, "--socket-fd"),
+            (None, None) => match super::socket::systemd_fd()? {
+                Some(fd) => (fd, "systemd (LISTEN_FDS)"),
+                None => return Ok(None),
+            },
+            (None, Some(_)) => return Ok(None),
+        };
+        let listener = super::socket::adopt(fd, from)?;
+        Ok(Some(Listen::Fd { listener, fd, from }))
+    }
 }
 
 /// Everything `serve` needs, checked.
@@ -112,62 +138,37 @@ impl Backing {
 }
 
 impl Config {
-    pub fn from_args(args: ServeArgs) -> Result<Config, DaemonError> {
-        if args.queues == 0 || args.queues > MAX_QUEUES {
-            return Err(DaemonError::Config(format!(
-                "--queues must be between 1 and {MAX_QUEUES}, not {}",
-                args.queues
-            )));
-        }
-        if args.queue_size < 2
-            || args.queue_size > MAX_QUEUE_SIZE
-            || !args.queue_size.is_power_of_two()
-        {
-            return Err(DaemonError::Config(format!(
-                "--queue-size must be a power of two between 2 and {MAX_QUEUE_SIZE}, not {}",
-                args.queue_size
-            )));
-        }
+    /// Checks `args`; `passed` is the socket [`Listen::passed`] took, if
+    /// any.
+    pub fn from_args(args: ServeArgs, passed: Option<Listen>) -> Result<Config, DaemonError> {
+        // --queues and --queue-size are checked as they are parsed (cli).
         if let Some(s) = &args.serial {
             if s.len() > VIRTIO_BLK_ID_BYTES as usize {
-                return Err(DaemonError::Config(format!(
+                return Err(DaemonError::Usage(format!(
                     "--serial is at most 20 bytes, '{s}' has {}",
                     s.len()
                 )));
             }
         }
         if args.iopoll && !args.direct {
-            return Err(DaemonError::Config("--iopoll needs --direct".into()));
+            return Err(DaemonError::Usage("--iopoll needs --direct".into()));
         }
-        crate::cpu::check_cpus(&args.cpus).map_err(DaemonError::Config)?;
+        crate::cpu::check_cpus(&args.cpus).map_err(DaemonError::Usage)?;
         let queues = usize::from(args.queues);
         let threads = match args.threads {
             Some(n) if n == 0 || n > queues => {
-                return Err(DaemonError::Config(format!(
+                return Err(DaemonError::Usage(format!(
                     "--threads must be between 1 and --queues ({queues}), not {n}"
                 )));
             }
             Some(n) => n,
             None => default_threads(queues, &args.cpus),
         };
-        // A socket passed in (--socket-fd, or systemd's when no socket is
-        // named) is served as it is.
-        let passed = match (args.socket_fd, &args.socket) {
-            (Some(fd), _) => Some(Listen::Fd {
-                fd,
-                from: "--socket-fd",
-            }),
-            (None, None) => super::socket::systemd_fd()?.map(|fd| Listen::Fd {
-                fd,
-                from: "systemd (LISTEN_FDS)",
-            }),
-            (None, Some(_)) => None,
-        };
         let qos = args
             .qos
-            .apply(QosLimits::default())
-            .and_then(|q| q.validate().map(|()| q))
-            .map_err(|e| DaemonError::Config(format!("QoS: {e}")))?;
+            .check(QosLimits::default())
+            .map_err(DaemonError::Usage)?;
+        check_size(&args)?;
         // What is not given goes in a private directory, chosen and checked
         // only when needed.
         let (socket, path) = match (&args.socket, &args.image, &passed) {
@@ -192,7 +193,7 @@ impl Config {
             .as_deref()
             .and_then(RbdSpec::from_image_arg)
             .transpose()
-            .map_err(DaemonError::Config)?;
+            .map_err(DaemonError::Usage)?;
         let writeback = Arc::new(AtomicBool::new(!args.writethrough));
         let (backing, block_size, default_serial) = match rbd {
             Some(spec) => open_rbd(&args, spec)?,
@@ -221,6 +222,7 @@ impl Config {
             queue_size: args.queue_size,
             writeback: writeback.clone(),
             stopping: AtomicBool::new(false),
+            intake_closed: AtomicBool::new(false),
             logging: AtomicBool::new(false),
             // An RBD image has exclusive-lock of its own (librbd's).
             image_lock: match (args.no_image_lock, backing.file()) {
@@ -245,6 +247,29 @@ impl Config {
     }
 }
 
+/// `--size` is the size of the default image, which it creates: with
+/// `--image` it would be ignored, so it is refused; and it must be a size
+/// the image can have, checked before anything is created (a default image
+/// of 1000 bytes would fail this start and every later one).
+fn check_size(args: &ServeArgs) -> Result<(), DaemonError> {
+    let Some(size) = args.size else {
+        return Ok(());
+    };
+    if let Some(image) = &args.image {
+        return Err(DaemonError::Usage(format!(
+            "--size is for the default image, which serve creates; --image {} is served at its own size (create it with `truncate -s SIZE`, grow it online with `ringblk ctl resize`)",
+            image.display()
+        )));
+    }
+    let block = args.block_size.unwrap_or(512);
+    if size % u64::from(block) != 0 {
+        return Err(DaemonError::Usage(format!(
+            "--size {size} is not a multiple of the {block}-byte block size"
+        )));
+    }
+    Ok(())
+}
+
 /// Opens the image file or block device at `path` (creating the default
 /// one if missing). Returns it with its block size and default serial.
 fn open_file(
@@ -254,9 +279,9 @@ fn open_file(
 ) -> Result<(Backing, u32, String), DaemonError> {
     let created = match &args.image {
         Some(_) => false,
-        None => Image::create_if_missing(&path, args.size)?,
+        None => Image::create_if_missing(&path, args.size.unwrap_or(DEFAULT_IMAGE_SIZE))?,
     };
-    let image = Image::open(
+    let opened = Image::open(
         &path,
         ImageOptions {
             readonly: args.readonly,
@@ -265,7 +290,25 @@ fn open_file(
             // The default is ours to pick, and never a link.
             nofollow: args.image.is_none(),
         },
-    )?;
+    );
+    let image = match opened {
+        Ok(image) => image,
+        Err(e) => {
+            // An image that cannot be served (--direct needing a larger
+            // block size, say) must not stay behind to fail the next start.
+            if created {
+                let _ = std::fs::remove_file(&path);
+            }
+            return Err(e.into());
+        }
+    };
+    if let Some(size) = args.size.filter(|&s| !created && s != image.size) {
+        log::warn!(
+            "--size {size}: {} exists already and is served at its own size, {} bytes; --size applies when it is created (remove it to start afresh, or resize it online with `ringblk ctl resize`)",
+            image.path.display(),
+            image.size
+        );
+    }
     let uring = UringConfig {
         image_fd: image.file.as_raw_fd(),
         // Room for every request of a full ring.
@@ -314,7 +357,7 @@ fn open_rbd(args: &ServeArgs, spec: RbdSpec) -> Result<(Backing, u32, String), D
         (args.fixed_buffers, "--fixed-buffers"),
     ] {
         if set {
-            return Err(DaemonError::Config(format!(
+            return Err(DaemonError::Usage(format!(
                 "{flag} is for io_uring on a file or block device, not an rbd: image"
             )));
         }

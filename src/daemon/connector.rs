@@ -103,16 +103,25 @@ impl Connector {
     }
 
     /// A new stream connected to the socket, or why not.
-    pub fn connect(&self) -> io::Result<UnixStream> {
-        let gone = |what: &str| {
-            io::Error::new(
-                io::ErrorKind::BrokenPipe,
-                format!("the connector process (pid {}) {what}", self.pid),
+    pub fn connect(&self) -> Result<UnixStream, ConnectError> {
+        let gone = |what: String| {
+            ConnectError::Gone(format!("the connector process (pid {}) {what}", self.pid))
+        };
+        let broken = |e: &io::Error| {
+            matches!(
+                e.kind(),
+                io::ErrorKind::BrokenPipe
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::WouldBlock
+                    | io::ErrorKind::TimedOut
             )
         };
-        (&self.chan)
-            .write_all(&[1])
-            .map_err(|e| gone(&format!("cannot be asked: {e}")))?;
+        if let Err(e) = (&self.chan).write_all(&[1]) {
+            return Err(match broken(&e) {
+                true => gone(format!("cannot be asked: {e}")),
+                false => ConnectError::Failed(e),
+            });
+        }
         let mut errno = [0u8; 4];
         let mut iov = [libc::iovec {
             iov_base: errno.as_mut_ptr().cast(),
@@ -122,22 +131,45 @@ impl Connector {
         // SAFETY: the iovec points at `errno`, which outlives the call;
         // `fds` has room for the one descriptor asked for.
         let got = unsafe { self.chan.recv_with_fds(&mut iov, &mut fds) };
+        // Out of fds here (EMFILE, or ENOBUFS: the kernel could not pass
+        // the descriptor and dropped it) fails this connection only.
         let (n, nfds) = got.map_err(|e| match io::Error::from(e) {
             e if e.kind() == io::ErrorKind::WouldBlock => {
-                gone(&format!("did not answer within {ANSWER_TIMEOUT:?}"))
+                gone(format!("did not answer within {ANSWER_TIMEOUT:?}"))
             }
-            e => gone(&format!("failed: {e}")),
+            e if broken(&e) => gone(format!("failed: {e}")),
+            e => ConnectError::Failed(e),
         })?;
         // SAFETY: the kernel installed `nfds` (at most one) new descriptor
         // that this process now owns.
         let stream = (nfds == 1).then(|| unsafe { UnixStream::from_raw_fd(fds[0]) });
         match (n, stream) {
-            (0, _) => Err(gone("exited")),
+            (0, _) => Err(gone("exited".into())),
             (4, Some(s)) if errno == [0; 4] => Ok(s),
-            (4, None) if errno != [0; 4] => {
-                Err(io::Error::from_raw_os_error(i32::from_ne_bytes(errno)))
-            }
-            _ => Err(gone("answered out of turn")),
+            (4, None) if errno != [0; 4] => Err(ConnectError::Failed(
+                io::Error::from_raw_os_error(i32::from_ne_bytes(errno)),
+            )),
+            _ => Err(gone("answered out of turn".into())),
+        }
+    }
+}
+
+/// Why [`Connector::connect`] brought no stream.
+#[derive(Debug)]
+pub enum ConnectError {
+    /// The connector is gone or does not answer: no stream will come
+    /// again, and the daemon cannot serve another front-end.
+    Gone(String),
+    /// This one failed (the daemon out of fds as the stream came, the
+    /// connect refused); the next may work.
+    Failed(io::Error),
+}
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConnectError::Gone(m) => f.write_str(m),
+            ConnectError::Failed(e) => write!(f, "{e}"),
         }
     }
 }
@@ -350,8 +382,10 @@ mod tests {
             assert_eq!(got, [i]);
         }
         std::fs::remove_file(&path).unwrap();
-        let e = c.connect().expect_err("no socket there");
-        assert_eq!(e.raw_os_error(), Some(libc::ENOENT), "{e}");
+        match c.connect() {
+            Err(ConnectError::Failed(e)) => assert_eq!(e.raw_os_error(), Some(libc::ENOENT), "{e}"),
+            other => panic!("no socket there: {other:?}"),
+        }
         // Still alive, still serving.
         drop(listener);
         let _l = UnixListener::bind(&path).unwrap();

@@ -76,7 +76,12 @@ pub fn restrict(mode: LandlockMode, profile: Profile, allowed: Allowed) -> Resul
         .and_then(|r| r.all_threads(true))
         .and_then(RulesetCreated::restrict_self)
         .map_err(err)?;
-    log::info!("{}", describe(&status, &tcp(profile)));
+    // Detail when it works (as the seccomp filter's line); a warning when
+    // the kernel has no Landlock.
+    match status.ruleset {
+        RulesetStatus::NotEnforced => log::warn!("{}", describe(&status, &tcp(profile))),
+        _ => log::debug!("{}", describe(&status, &tcp(profile))),
+    }
     Ok(())
 }
 

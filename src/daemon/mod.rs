@@ -8,12 +8,14 @@
 mod config;
 mod connector;
 mod crash;
+mod fds;
 mod landlock;
 mod notify;
 mod removal;
 mod seccomp;
 mod socket;
 
+use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -95,6 +97,9 @@ fn spawn_api(
 /// Why the daemon cannot start or go on. Messages are one line.
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
+    /// The command line is wrong in itself (exit status 2).
+    #[error("{0}")]
+    Usage(String),
     #[error("{0}")]
     Config(String),
     #[error(transparent)]
@@ -117,6 +122,15 @@ pub enum DaemonError {
     Inner(String),
 }
 
+impl From<DaemonError> for crate::exit::Failure {
+    fn from(e: DaemonError) -> Self {
+        match e {
+            DaemonError::Usage(m) => crate::exit::Failure::Usage(m),
+            other => crate::exit::Failure::Runtime(other.to_string()),
+        }
+    }
+}
+
 /// The device serving the current connection, for the signal handler and
 /// the control API (`None` between connections).
 pub type Current = Arc<Mutex<Option<Arc<dyn Device>>>>;
@@ -134,16 +148,24 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Runs `ringblk serve` until SIGINT/SIGTERM.
+/// Runs `ringblk serve` until SIGINT, SIGTERM or SIGHUP.
 pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
-    // First, while this is the only thread: it reads and clears the
-    // environment (LISTEN_FDS, NOTIFY_SOCKET).
+    // First, while this is the only thread (both read and clear the
+    // environment: LISTEN_FDS, NOTIFY_SOCKET), and before the daemon opens
+    // anything: the socket passed in, so that its number cannot name a
+    // descriptor the daemon made itself (see `Listen::passed`).
+    let passed = Listen::passed(&args)?;
     let notifier = Notifier::from_env().map_err(DaemonError::Config)?;
     crash::install();
+    // The fds a front-end needs must not run out before the hard limit
+    // does (see `fds` for the share no HTTP client can take).
+    if let Err(e) = fds::raise_limit() {
+        log::warn!("cannot raise the fd limit to its hard limit: {e}");
+    }
     // Early, while the daemon has few descriptors and threads: it forks the
     // connector process (`connector`).
     let mut inner = InnerSocket::new()?;
-    let cfg = Config::from_args(args)?;
+    let cfg = Config::from_args(args, passed)?;
     let num_queues = usize::from(cfg.args.queues);
     let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
     // Bound before the seccomp filter: binding probes for a stale socket.
@@ -175,13 +197,20 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     };
     // The vhost-user socket listens last: a front-end (or a script) that
     // finds it can use the API and the metrics endpoint at once.
-    let (listener, socket_name) = match &cfg.listen {
-        Listen::Bind(path) => (
-            socket::bind(path, cfg.args.socket_mode)?,
-            path.display().to_string(),
-        ),
-        Listen::Fd { fd, from } => {
-            let l = socket::adopt(*fd, from)?;
+    // The path the daemon bound, and removes on its way out.
+    let mut bound = None;
+    let (listener, socket_name) = match cfg.listen {
+        Listen::Bind(path) => {
+            let l = socket::bind(&path, cfg.args.socket_mode)?;
+            let name = path.display().to_string();
+            bound = Some(path);
+            (l, name)
+        }
+        Listen::Fd {
+            listener: l,
+            fd,
+            from,
+        } => {
             let name = match l
                 .local_addr()
                 .ok()
@@ -210,7 +239,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         Removal::file(p).map_err(|e| DaemonError::Socket(format!("{}: {e}", p.display())))
     };
     let mut files = Vec::new();
-    if let Listen::Bind(path) = &cfg.listen {
+    if let Some(path) = &bound {
         files.push(removal(path)?);
     }
     if let Some(crate::metrics::MetricsAddr::Unix(p)) = cfg
@@ -416,6 +445,10 @@ impl Connections<'_> {
     fn serve<E: Engine + 'static>(mut self, engines: Parked<E>) -> Result<(), DaemonError> {
         // Before the filter: installing it calls rt_sigaction.
         crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
+        let endpoints =
+            usize::from(self.args.api.is_some()) + usize::from(self.args.metrics.is_some());
+        // Reads /proc/self/fd: before Landlock and the filter.
+        fds::check_reserve(endpoints);
         // What the filter needs done first reads files Landlock then denies.
         seccomp::prepare(self.args.seccomp);
         // Landlock, then the filter, which has no Landlock syscalls.
@@ -478,6 +511,14 @@ impl Connections<'_> {
             .store(!args.writethrough, Ordering::Relaxed);
         // Dirty-page logging is for the connection that asks for it.
         worker_cfg.logging.store(false, Ordering::Relaxed);
+        // The rings take requests again, unless the daemon is stopping.
+        // The signal handler stores `stopping`, then `intake_closed`; all
+        // four stores and loads are SeqCst, so if its store of
+        // `intake_closed` comes before ours, we see `stopping` after it.
+        worker_cfg.intake_closed.store(false, Ordering::SeqCst);
+        if worker_cfg.stopping.load(Ordering::SeqCst) {
+            worker_cfg.intake_closed.store(true, Ordering::SeqCst);
+        }
         let backend = Arc::new(BlkBackend::new(
             worker_cfg.clone(),
             workers,
@@ -534,12 +575,10 @@ impl Connections<'_> {
         front: UnixStream,
         backend: &Arc<BlkBackend<E>>,
     ) -> Result<(), DaemonError> {
-        let mut daemon = VhostUserDaemon::new(
-            "ringblk".into(),
-            backend.clone(),
-            GuestMemoryAtomic::new(GuestMem::new()),
-        )
-        .map_err(|e| DaemonError::Vhost(e.to_string()))?;
+        let mem = GuestMemoryAtomic::new(GuestMem::new());
+        let hints = crate::vhost::hints::SetupHints::new(self.metrics.to_vec(), mem.clone());
+        let mut daemon = VhostUserDaemon::new("ringblk".into(), backend.clone(), mem)
+            .map_err(|e| DaemonError::Vhost(e.to_string()))?;
         for (t, h) in daemon.get_epoll_handlers().iter().enumerate() {
             for (local, q) in backend.thread_queues(t).enumerate() {
                 for kind in crate::vhost::Listener::ALL {
@@ -560,7 +599,7 @@ impl Connections<'_> {
         daemon
             .start(&mut self.inner.listener)
             .map_err(|e| DaemonError::Vhost(e.to_string()))?;
-        let relay = proxy::relay(front, back, backend.clone())
+        let relay = proxy::relay(front, back, backend.clone(), hints)
             .map_err(|e| DaemonError::Vhost(format!("relay: {e}")))?;
         log::info!("front-end connected");
         let ended = daemon.wait();
@@ -587,7 +626,7 @@ impl Connections<'_> {
     }
 }
 
-/// Once SIGINT/SIGTERM came, the signal handler owns the engines (it
+/// Once SIGINT, SIGTERM or SIGHUP came, the signal handler owns the engines (it
 /// closes them) and ends the process: this thread only waits for that.
 fn await_exit_if_stopping(cfg: &WorkerConfig) {
     while cfg.stopping.load(Ordering::Relaxed) {
@@ -700,10 +739,35 @@ impl InnerSocket {
     }
 
     /// The stream the relay writes to; the crate accepts its other end.
+    /// A connector that is gone is [`DaemonError::Inner`] (the daemon
+    /// cannot go on); anything else fails this connection only.
     fn connect(&self) -> Result<UnixStream, DaemonError> {
-        self.connector
-            .connect()
-            .map_err(|e| DaemonError::Inner(format!("{}: {e}", self.paths.sock.display())))
+        let err = |e: &dyn std::fmt::Display| format!("{}: {e}", self.paths.sock.display());
+        self.drop_stale()
+            .map_err(|e| DaemonError::Socket(err(&e)))?;
+        self.connector.connect().map_err(|e| match e {
+            connector::ConnectError::Gone(_) => DaemonError::Inner(err(&e)),
+            connector::ConnectError::Failed(_) => DaemonError::Socket(err(&e)),
+        })
+    }
+
+    /// Removes from the backlog the connections whose stream never reached
+    /// the relay (the daemon was out of fds as it came, or the crate could
+    /// not accept): the crate would take one of them for the next
+    /// front-end's, and every connection after would be paired with the
+    /// one before it.
+    fn drop_stale(&self) -> std::io::Result<()> {
+        let io = |e: vhost::vhost_user::Error| std::io::Error::other(e.to_string());
+        self.listener.set_nonblocking(true).map_err(io)?;
+        let drained = loop {
+            match self.listener.accept() {
+                Ok(Some(stale)) => drop(stale),
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(io(e)),
+            }
+        };
+        self.listener.set_nonblocking(false).map_err(io)?;
+        drained
     }
 }
 
@@ -713,8 +777,11 @@ impl Drop for InnerSocket {
     }
 }
 
-/// SIGINT/SIGTERM: stop taking requests, finish what is in flight, make it
-/// durable, close what must be closed (`Closer`), remove the socket, exit 0.
+/// SIGINT, SIGTERM and SIGHUP (a closed terminal, or a `kill -HUP` that
+/// meant "reload": qemu-storage-daemon also stops cleanly on it; there is
+/// nothing to reload): stop taking requests, finish what is in flight,
+/// make it durable, close what must be closed (`Closer`), remove the
+/// socket, exit 0.
 fn spawn_signal_handler(
     image: Option<&std::fs::File>,
     cfg: Arc<WorkerConfig>,
@@ -724,9 +791,9 @@ fn spawn_signal_handler(
     inner: InnerPaths,
     notifier: Notifier,
 ) -> Result<(), DaemonError> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    let mut signals =
-        signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).map_err(DaemonError::Signals)?;
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+        .map_err(DaemonError::Signals)?;
     let image = image
         .map(std::fs::File::try_clone)
         .transpose()
@@ -737,7 +804,8 @@ fn spawn_signal_handler(
             if let Some(sig) = signals.forever().next() {
                 log::info!("signal {sig}: finishing in-flight requests");
                 notifier.notify("STOPPING=1");
-                cfg.stopping.store(true, Ordering::Relaxed);
+                cfg.stopping.store(true, Ordering::SeqCst);
+                cfg.intake_closed.store(true, Ordering::SeqCst);
                 if let Some(b) = current.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                     b.drain_all();
                 }
@@ -806,7 +874,7 @@ fn announce(
         args.queue_size,
         String::from_utf8_lossy(&cfg.serial).trim_end_matches('\0'),
     );
-    log::info!(
+    log::debug!(
         "{} queue(s) on {threads} worker thread(s){}",
         args.queues,
         if threads < usize::from(args.queues) {
@@ -815,11 +883,19 @@ fn announce(
             ""
         }
     );
-    println!(
+    // Absolute, so that the line works from any directory; reconnect=1,
+    // so that QEMU reconnects to a restarted daemon (an upgrade) and the
+    // guest sees nothing (inflight tracking resubmits what was taken).
+    let path = std::path::absolute(socket)
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| socket.to_string());
+    // Written, not println!: a closed stdout must not stop the daemon.
+    let _ = writeln!(
+        std::io::stdout(),
         "Connect QEMU with:\n  qemu-system-x86_64 -m 1G -object memory-backend-memfd,id=mem,size=1G,share=on \
-         -numa node,memdev=mem -chardev socket,id=rb0,path={} \
+         -numa node,memdev=mem -chardev socket,id=rb0,path={path},reconnect=1 \
          -device vhost-user-blk-pci,chardev=rb0,num-queues={} ...",
-        socket, args.queues
+        args.queues
     );
 }
 
@@ -830,6 +906,25 @@ mod tests {
     /// Two inner sockets of one process (one pid) must not share, or
     /// remove, each other's directory: the name is not derived from the
     /// pid, which a later daemon of another user may get again.
+    /// A stream the connector made that never reached the relay is not
+    /// what the crate accepts for the next front-end: each accept gets the
+    /// relay's own stream.
+    #[test]
+    fn a_stale_inner_connection_is_not_paired_with_the_next_front_end() {
+        use std::io::{Read, Write};
+        let inner = InnerSocket::new().expect("inner socket");
+        // As if the daemon had run out of fds as the stream came.
+        drop(inner.connector.connect().expect("a stream"));
+        for i in 0..3u8 {
+            let mut ours = inner.connect().expect("connects");
+            ours.write_all(&[i]).unwrap();
+            let mut theirs = inner.listener.accept().unwrap().expect("accepted");
+            let mut got = [0u8];
+            theirs.read_exact(&mut got).expect("the relay's own stream");
+            assert_eq!(got, [i]);
+        }
+    }
+
     #[test]
     fn inner_sockets_get_private_directories_of_their_own() {
         let a = InnerSocket::new().expect("first inner socket");

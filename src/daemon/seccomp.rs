@@ -7,7 +7,9 @@
 //! The allow-list was found empirically: `strace -f` of the daemon from the
 //! end of start-up through two QEMU guest runs (fio write+verify, discard,
 //! write-zeroes, reconnect through the inflight relay), metrics scrapes
-//! over TCP and a Unix socket, SIGTERM shutdown, and `--direct`,
+//! over TCP and a Unix socket, the control API's verbs (a resize on a verb
+//! thread that then exits idle; slow, oversized, over-the-cap and
+//! pipelining HTTP clients), SIGTERM shutdown, and `--direct`,
 //! `--poll-us`, `--cpus`, `--writethrough`, `--iopoll`, `--fixed-buffers`,
 //! `--engine null`, `--readonly`; then each of those again under
 //! `--seccomp enforce`. A few entries no trace showed are kept on purpose;
@@ -158,7 +160,7 @@ pub fn install(
     }
     seccompiler::apply_filter_all_threads(&program)
         .map_err(|e| DaemonError::Seccomp(e.to_string()))?;
-    log::info!(
+    log::debug!(
         "seccomp filter installed ({:?} profile, {} syscalls allowed, {})",
         profile,
         allowed(profile, unlink_dirs, pid).len(),
@@ -374,7 +376,12 @@ fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)>
         // start and stop.
         F_OFD_SETLK as u64,
     ];
-    let rcvtimeo = || args_eq(&[(1, SOL_SOCKET as u64), (2, SO_RCVTIMEO as u64)]);
+    let rcvtimeo = || {
+        either(
+            [SO_RCVTIMEO, SO_SNDTIMEO]
+                .map(|opt| args_eq(&[(1, SOL_SOCKET as u64), (2, opt as u64)])),
+        )
+    };
     let setsockopt_rules = if rbd {
         // librbd's messenger: O_NONBLOCK on each new connection.
         fcntl_cmds.push(F_SETFL as u64);
@@ -393,11 +400,12 @@ fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)>
         (SYS_shutdown, any()),
         (SYS_close, any()),
         (SYS_fcntl, arg_in(1, &fcntl_cmds)),
-        // FIONBIO: std's set_nonblocking, which the old hand-written
-        // metrics endpoint used; tiny_http does not, but the vhost crate's
-        // Listener::set_nonblocking would, so it stays until a trace shows
-        // nothing needs it. Discard of a block device whose kernel cannot
-        // do it through io_uring.
+        // FIONBIO: std's set_nonblocking. The HTTP endpoints' listeners
+        // are made non-blocking before the filter (their connections are
+        // accepted non-blocking, by accept4's flags), but the vhost crate's
+        // Listener::set_nonblocking would make the call, so it stays until
+        // a trace shows nothing needs it. Discard of a block device whose
+        // kernel cannot do it through io_uring.
         (
             SYS_ioctl,
             arg_in(
@@ -426,8 +434,8 @@ fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)>
             ),
         ),
         // The relay's read timeouts on a front-end that stalls mid-message,
-        // and the back-end channel's wait for an answer (the RBD profile
-        // adds TCP_NODELAY).
+        // and the back-end channel's deadline for sending and for an answer
+        // (the RBD profile adds TCP_NODELAY).
         (SYS_setsockopt, setsockopt_rules),
         // Guest memory, the vrings and io_uring's rings; thread stacks; malloc.
         (SYS_mmap, no_exec()),
@@ -441,7 +449,9 @@ fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)>
         // The inflight region for reconnects (GET_INFLIGHT_FD).
         (SYS_memfd_create, any()),
         (SYS_ftruncate, any()),
-        // Event loops: one epoll and a few eventfds per connection.
+        // Event loops: one epoll and a few eventfds per connection; each
+        // HTTP endpoint's runtime waits in epoll_wait (its epoll and
+        // eventfd are made before the filter).
         (SYS_epoll_create1, any()),
         (SYS_epoll_ctl, any()),
         (SYS_epoll_wait, any()),
@@ -462,10 +472,12 @@ fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)>
             SYS_io_uring_register,
             arg_in(1, &[IORING_REGISTER_BUFFERS, IORING_UNREGISTER_BUFFERS]),
         ),
-        // Worker threads, started per connection, and their exit. clone3
-        // is allowed here and answered ENOSYS by the second filter
-        // (`compile_no_clone3`); glibc then calls clone, allowed only with
-        // the flags of a new thread.
+        // Worker threads, started per connection, and the control API's
+        // verb threads (tokio's blocking pool: at most
+        // `api::VERB_THREADS`, started when a slow verb comes, gone after
+        // 10 s idle); and their exit. clone3 is allowed here and answered
+        // ENOSYS by the second filter (`compile_no_clone3`); glibc then
+        // calls clone, allowed only with the flags of a new thread.
         (SYS_clone3, any()),
         (SYS_clone, arg64_eq(0, THREAD_CLONE_FLAGS)),
         (SYS_set_robust_list, any()),
@@ -495,15 +507,16 @@ fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)>
         // thread::sleep: a starting ring waiting for the image lock, a
         // drain backing off after an engine error.
         (SYS_clock_nanosleep, any()),
-        // The signal-hook self-pipe and the metrics endpoint's connections;
-        // returning from signal handlers. send(2) is sendto with no
-        // address (argument 4, a pointer, NULL): with one, the sd_notify
-        // datagram socket could send to any datagram socket path.
+        // The signal-hook self-pipe, and the HTTP endpoints' connections
+        // (read with recv; answered with write, since hyper is told not
+        // to use writev); returning from signal handlers. (getpeername,
+        // which tiny_http made on each connection, is no longer needed:
+        // nothing else makes it, librbd and librados included.) send(2)
+        // is sendto with no address (argument 4, a pointer, NULL): with
+        // one, the sd_notify datagram socket could send to any datagram
+        // socket path.
         (SYS_recvfrom, any()),
         (SYS_sendto, arg64_eq(4, 0)),
-        // tiny_http (the control API and the metrics endpoint) asks each
-        // accepted connection for its peer's address.
-        (SYS_getpeername, any()),
         (SYS_rt_sigreturn, any()),
         // Rust's SIGSEGV/SIGBUS handler (stack-overflow detection) resets
         // the signal to its default and returns, so that a real fault kills

@@ -10,7 +10,7 @@ use std::path::Path;
 use super::DaemonError;
 
 /// Binds `path`, replacing a stale socket file but never one a live daemon
-/// still accepts on. The file is born with `mode`: nothing changes it by
+/// still accepts on. Its directory must exist. The file is born with `mode`: nothing changes it by
 /// path afterwards, because a chmod by path after bind follows whatever
 /// the path leads to by then (a directory swapped for a symlink sends it to
 /// a file of the swapper's choosing), and until then the socket would have
@@ -21,36 +21,23 @@ pub fn bind(path: &Path, mode: u32) -> Result<UnixListener, DaemonError> {
         io::ErrorKind::AddrInUse => err("in use by a running daemon".into()),
         _ => err(e.to_string()),
     })?;
+    // The directory must be there: a mistyped path is refused rather than
+    // created (the default directory is made, and checked, by
+    // `config::rundir`, before this).
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        fs::create_dir_all(dir).map_err(|e| err(format!("cannot create its directory: {e}")))?;
-    }
-    bind_with_mode(path, mode).map_err(|e| err(format!("cannot listen: {e}")))
-}
-
-/// `UnixListener::bind`, with the socket file created as `mode` whatever
-/// the process umask. Linux creates the file with the mode of the socket's
-/// own inode (0777, or what an fchmod of the fd set before bind) minus the
-/// umask, so fchmod alone cannot grant what the umask takes away (660
-/// under umask 022 would give 640). The umask is set in a thread of its
-/// own instead, after unshare(CLONE_FS) has given that thread private
-/// file-system attributes: no other thread ever sees it changed.
-fn bind_with_mode(path: &Path, mode: u32) -> io::Result<UnixListener> {
-    std::thread::scope(|s| {
-        let bind = std::thread::Builder::new().name("bind".into());
-        bind.spawn_scoped(s, || {
-            // SAFETY: unshare takes no pointers; CLONE_FS gives this
-            // thread its own copy of cwd, root and umask, nothing else.
-            if unsafe { libc::unshare(libc::CLONE_FS) } != 0 {
-                return Err(io::Error::last_os_error());
+        match fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(err(format!("{} is not a directory", dir.display()))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(err(format!(
+                    "the directory {} does not exist (create it first)",
+                    dir.display()
+                )));
             }
-            // SAFETY: umask takes no pointers and cannot fail; after the
-            // unshare it is this thread's alone.
-            unsafe { libc::umask(!mode & 0o777) };
-            UnixListener::bind(path)
-        })?
-        .join()
-        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-    })
+            Err(e) => return Err(err(format!("{}: {e}", dir.display()))),
+        }
+    }
+    crate::unix_socket::bind_with_mode(path, mode).map_err(|e| err(format!("cannot listen: {e}")))
 }
 
 /// The first descriptor systemd passes (SD_LISTEN_FDS_START).
@@ -68,7 +55,7 @@ pub fn systemd_fd() -> Result<Option<RawFd>, DaemonError> {
     let names = var("LISTEN_FDNAMES");
     for name in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
         // SAFETY: called from `serve` before the daemon starts any thread
-        // (Config::from_args is its first step), so no other thread reads
+        // (`Listen::passed` is its first step), so no other thread reads
         // the environment meanwhile.
         unsafe { std::env::remove_var(name) };
     }

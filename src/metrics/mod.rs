@@ -19,4 +19,4 @@ pub use ringblk_metrics::{
     MetricsAddr, MetricsDoc, MetricsError, QueueMetrics, QueueSnapshot, REQUEST_TYPES, Ratios,
     RequestType, fetch, get,
 };
-pub use stats::{StatsArgs, render as render_table, stats};
+pub use stats::{StatsArgs, explain, parse_interval, render as render_table, stats};

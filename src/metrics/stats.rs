@@ -8,6 +8,8 @@ use ringblk_metrics::{
     COUNTERS, Counter, Kind, MetricsError, QueueSnapshot, REQUEST_TYPES, Ratios, fetch, get,
 };
 
+use crate::exit::{Failure, out};
+
 /// `ringblk stats` arguments.
 #[derive(Clone, Debug, clap::Args)]
 pub struct StatsArgs {
@@ -26,7 +28,7 @@ pub struct StatsArgs {
 
     /// Print what happened in each interval of this many seconds instead of
     /// the totals since the daemon started.
-    #[arg(long, value_name = "SECS")]
+    #[arg(long, value_name = "SECS", value_parser = parse_interval)]
     pub interval: Option<f64>,
 
     /// With --interval: stop after this many intervals (default: until
@@ -35,44 +37,63 @@ pub struct StatsArgs {
     pub count: Option<u64>,
 }
 
-/// Prints the counters of a running daemon.
-pub fn stats(args: &StatsArgs) -> Result<(), String> {
-    run(args).map_err(|e| e.to_string())
+/// `--interval`: a positive number of seconds.
+pub fn parse_interval(s: &str) -> Result<f64, String> {
+    s.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|secs| Duration::try_from_secs_f64(*secs).is_ok_and(|d| !d.is_zero()))
+        .ok_or_else(|| "not a positive number of seconds".into())
 }
 
-fn run(args: &StatsArgs) -> Result<(), MetricsError> {
-    if args.prometheus {
-        print!("{}", get(&args.metrics, "/metrics")?);
-        return Ok(());
+/// An error talking to a daemon's endpoint, in one line; when nothing
+/// listens at the address, says so, and how the daemon would have been
+/// told to (`flag`: `--api` or `--metrics`).
+pub fn explain(e: &MetricsError, flag: &str) -> String {
+    use std::io::ErrorKind;
+    match e {
+        MetricsError::Fetch { addr, what, source }
+            if what == "connect"
+                && matches!(
+                    source.kind(),
+                    ErrorKind::NotFound | ErrorKind::ConnectionRefused
+                ) =>
+        {
+            let started = match flag {
+                "--api" => format!("--api {addr}"),
+                _ => format!("--metrics {addr} or --api {addr}"),
+            };
+            format!("no daemon is listening on {addr} (is it running? started with {started}?)")
+        }
+        other => other.to_string(),
     }
-    let mut prev = fetch(&args.metrics)?;
+}
+
+/// Prints the counters of a running daemon.
+pub fn stats(args: &StatsArgs) -> Result<(), Failure> {
+    let failed = |e: MetricsError| Failure::Runtime(explain(&e, "--metrics"));
+    if args.prometheus {
+        return out(&get(&args.metrics, "/metrics").map_err(failed)?);
+    }
+    let mut prev = fetch(&args.metrics).map_err(failed)?;
     let Some(secs) = args.interval else {
         if args.json {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&prev)
-                    .map_err(|e| MetricsError::Protocol(e.to_string()))?
-            );
+            let json =
+                serde_json::to_string_pretty(&prev).map_err(|e| Failure::Runtime(e.to_string()))?;
+            out(&format!("{json}\n"))?;
         } else {
-            print!(
-                "{}",
-                render(&prev.queues, &format!("since start ({})", args.metrics))
-            );
+            out(&render(
+                &prev.queues,
+                &format!("since start ({})", args.metrics),
+            ))?;
         }
         return Ok(());
     };
-    let interval = Duration::try_from_secs_f64(secs)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            MetricsError::Protocol(format!(
-                "--interval {secs}: not a positive number of seconds"
-            ))
-        })?;
+    let interval = Duration::from_secs_f64(secs);
     let mut n = 0;
     while args.count.is_none_or(|c| n < c) {
         std::thread::sleep(interval);
-        let now = fetch(&args.metrics)?;
+        let now = fetch(&args.metrics).map_err(failed)?;
         let delta: Vec<QueueSnapshot> = now
             .queues
             .iter()
@@ -80,12 +101,11 @@ fn run(args: &StatsArgs) -> Result<(), MetricsError> {
             .map(|(a, b)| a.since(b))
             .collect();
         if args.json {
-            println!(
-                "{}",
-                serde_json::to_string(&delta).map_err(|e| MetricsError::Protocol(e.to_string()))?
-            );
+            let json =
+                serde_json::to_string(&delta).map_err(|e| Failure::Runtime(e.to_string()))?;
+            out(&format!("{json}\n"))?;
         } else {
-            println!("{}", render(&delta, &format!("last {secs} s")));
+            out(&format!("{}\n", render(&delta, &format!("last {secs} s"))))?;
         }
         prev = now;
         n += 1;

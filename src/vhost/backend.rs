@@ -24,8 +24,8 @@ use vmm_sys_util::event::{
 
 use crate::engine::Engine;
 use crate::metrics::SharedRateLimiter;
-use crate::virtio::GuestMem;
 use crate::virtio::config::{CONFIG_LEN, read_config};
+use crate::virtio::{DirtyLog, GuestMem, LogRegion};
 
 use super::backend_channel::BackendChannel;
 use super::inflight::{InflightQueue, InflightRegion};
@@ -114,6 +114,61 @@ pub struct BlkBackend<E: Engine> {
     exit_events: Arc<ExitEvents>,
     /// The back-end request channel, once the front-end handed one over.
     channel: Mutex<Option<Arc<BackendChannel>>>,
+    /// The dirty-page log, once the front-end handed one over.
+    dirty: Mutex<DirtyState>,
+}
+
+/// The front-end's dirty-page log and the regions of the last memory
+/// table the device accepted, each of which points at that log. Either may
+/// come first (SET_LOG_BASE, answered by the relay, and a table, applied
+/// by the crate, run on different threads); whichever comes second
+/// attaches the log to the table under this lock. The regions' bitmaps
+/// only, not their memory: what maps guest memory must not outlive the
+/// requests and tables that use it (`sigbus::release_unused`).
+#[derive(Default)]
+struct DirtyState {
+    log: Option<Arc<LogRegion>>,
+    /// Each region's bitmap, its first guest address and its last.
+    regions: Vec<(DirtyLog, u64, u64)>,
+}
+
+impl DirtyState {
+    /// The table the workers are about to get.
+    fn set_table(&mut self, mem: &GuestMem) {
+        self.regions = mem
+            .iter()
+            .map(|region| {
+                // The mapping's own bitmap (the trait's `bitmap()` is a
+                // slice of it).
+                let mapping: &vm_memory::MmapRegion<DirtyLog> = region;
+                let bitmap = mapping.bitmap().clone();
+                (bitmap, region.start_addr().0, region.last_addr().0)
+            })
+            .collect();
+        self.attach();
+    }
+
+    /// Points every region of the table at the log (or at none).
+    fn attach(&self) {
+        for (bitmap, first, _) in &self.regions {
+            bitmap.attach(self.log.as_ref(), *first);
+        }
+        let last = self.regions.iter().map(|&(_, _, last)| last).max();
+        let (Some(log), Some(last)) = (&self.log, last) else {
+            return;
+        };
+        if last >= log.covers() {
+            // QEMU sizes its log for all of guest memory, and grows it
+            // before it adds memory; a front-end that does not loses the
+            // marks of the pages past its log's end, nothing more.
+            static SHORT: SharedRateLimiter = SharedRateLimiter::new(10, Duration::from_secs(5));
+            crate::warn_limited!(
+                SHORT,
+                "the dirty-page log covers guest memory up to {:#x}, the memory reaches {last:#x}: pages past its end are not logged",
+                log.covers()
+            );
+        }
+    }
 }
 
 /// What the daemon (its signal handler, its control API) needs of the
@@ -149,6 +204,7 @@ impl<E: Engine> BlkBackend<E> {
             features,
             exit_events,
             channel: Mutex::new(None),
+            dirty: Mutex::default(),
         }
     }
 
@@ -261,6 +317,16 @@ impl<E: Engine + 'static> InflightHost for BlkBackend<E> {
 
     fn set_backend_channel(&self, channel: BackendChannel) {
         *self.channel.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(channel));
+    }
+
+    fn close_intake(&self) {
+        self.cfg.intake_closed.store(true, Ordering::SeqCst);
+    }
+
+    fn set_log(&self, log: LogRegion) {
+        let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
+        dirty.log = Some(Arc::new(log));
+        dirty.attach();
     }
 }
 
@@ -386,6 +452,13 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
         if let Err(e) = accepted {
             log::warn!("memory table refused: {e}");
             return Err(e);
+        }
+        {
+            // Before the workers see the table: what they write into it is
+            // logged from their first request on. The crate gives new
+            // regions bitmaps of their own, pointing nowhere.
+            let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
+            dirty.set_table(&snapshot);
         }
         self.each_worker(|_, w| w.set_memory(snapshot.clone()));
         // Regions of the previous memory that no request holds any more.

@@ -4,6 +4,7 @@
 
 mod backend;
 mod backend_channel;
+pub mod hints;
 pub mod inflight;
 mod poll;
 pub mod proxy;

@@ -1,6 +1,7 @@
 //! A relay between the front-end's connection and vhost-user-backend's,
 //! which answers the two messages the crate does not implement:
-//! GET_INFLIGHT_FD and SET_INFLIGHT_FD, and refuses the SET_VRING_NUM the
+//! GET_INFLIGHT_FD and SET_INFLIGHT_FD, and one it implements unsafely:
+//! SET_LOG_BASE (see `virtio::dirty`); and refuses the SET_VRING_NUM the
 //! crate would acknowledge without applying. Everything else, fds
 //! included, passes through untouched, so the rest of the protocol stays
 //! the crate's.
@@ -28,17 +29,19 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use vhost::vhost_user::message::{
-    FrontendReq, VhostUserHeaderFlag, VhostUserInflight, VhostUserMemory, VhostUserU64,
-    VhostUserVringState,
+    FrontendReq, VhostUserHeaderFlag, VhostUserInflight, VhostUserLog, VhostUserMemory,
+    VhostUserProtocolFeatures, VhostUserU64, VhostUserVringState,
 };
 use vm_memory::ByteValued;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use super::backend_channel::BackendChannel;
+use super::hints::SetupHints;
 use super::inflight::InflightRegion;
 use super::sigbus::MEM_SLOTS;
 use crate::metrics::SharedRateLimiter;
-use crate::{info_limited, warn_limited};
+use crate::virtio::LogRegion;
+use crate::{info_limited, log_limited, warn_limited};
 
 /// `struct VhostUserMsgHeader`: request, flags, payload size (le32 each).
 const HDR: usize = 12;
@@ -63,13 +66,14 @@ static GET_INFLIGHT: SharedRateLimiter = limiter();
 static GET_INFLIGHT_REFUSED: SharedRateLimiter = limiter();
 static SET_INFLIGHT: SharedRateLimiter = limiter();
 static SET_INFLIGHT_REFUSED: SharedRateLimiter = limiter();
+static SET_LOG_BASE: SharedRateLimiter = limiter();
 
 const fn limiter() -> SharedRateLimiter {
     SharedRateLimiter::new(10, Duration::from_secs(5))
 }
 
-/// Where the relay gets and puts inflight regions, and the back-end
-/// request channel: the device.
+/// Where the relay gets and puts inflight regions, the back-end request
+/// channel and the dirty-page log: the device.
 pub trait InflightHost: Send + Sync + 'static {
     /// The device's queue count and maximum queue size.
     fn limits(&self) -> (u16, u16);
@@ -77,6 +81,13 @@ pub trait InflightHost: Send + Sync + 'static {
     fn set_inflight(&self, region: Arc<InflightRegion>);
     /// Keeps the back-end request channel the front-end handed over.
     fn set_backend_channel(&self, channel: BackendChannel);
+    /// Points guest memory, now and in every later table, at the
+    /// front-end's dirty-page log.
+    fn set_log(&self, log: LogRegion);
+    /// The connection is over: from now on no ring takes a new request
+    /// (what was taken completes). Called before anything else when either
+    /// side's stream ends.
+    fn close_intake(&self);
 }
 
 struct Msg {
@@ -87,7 +98,7 @@ struct Msg {
 }
 
 /// The payload's first bytes as a `T`; `None` if it is shorter than one.
-fn payload_as<T: ByteValued + Default>(p: &[u8]) -> Option<T> {
+pub(super) fn payload_as<T: ByteValued + Default>(p: &[u8]) -> Option<T> {
     let mut v = T::default();
     let bytes = p.get(..std::mem::size_of::<T>())?;
     v.as_mut_slice().copy_from_slice(bytes);
@@ -213,23 +224,31 @@ fn read_msg(from: &UnixStream, limits: Limits) -> io::Result<Option<Msg>> {
     }))
 }
 
-/// Relays `front` <-> `back` until either side closes.
+/// Relays `front` <-> `back` until either side closes; `hints` follows the
+/// front-end's messages for set-up mistakes to explain.
 pub fn relay(
     front: UnixStream,
     back: UnixStream,
     host: Arc<dyn InflightHost>,
+    mut hints: SetupHints,
 ) -> io::Result<Vec<JoinHandle<()>>> {
     let front_w = Arc::new(Mutex::new(front.try_clone()?));
     let (front_r, back_w, back_r) = (front.try_clone()?, back.try_clone()?, back);
     // Either direction ending ends both, so neither thread outlives the
-    // connection and the crate's handler sees the disconnect.
-    let ends = Arc::new((front.try_clone()?, back_w.try_clone()?));
+    // connection and the crate's handler sees the disconnect. First of
+    // all, the rings stop taking requests: the drain starts only once the
+    // crate's side has wound down, and until then a guest (or whoever
+    // else can write the shared rings) could still have requests executed
+    // for a front-end that is gone.
+    let ends = Arc::new((front.try_clone()?, back_w.try_clone()?, host.clone()));
     let ends2 = ends.clone();
     let shut = move || {
+        ends.2.close_intake();
         let _ = ends.0.shutdown(std::net::Shutdown::Both);
         let _ = ends.1.shutdown(std::net::Shutdown::Both);
     };
     let shut2 = move || {
+        ends2.2.close_intake();
         let _ = ends2.0.shutdown(std::net::Shutdown::Both);
         let _ = ends2.1.shutdown(std::net::Shutdown::Both);
     };
@@ -240,14 +259,27 @@ pub fn relay(
         rest: Some(REST_OF_MESSAGE),
     };
     let mut slots = MemSlots::default();
-    let mut channel = ChannelFollower::default();
+    let mut negotiated = Negotiated::default();
     let to_back = std::thread::Builder::new()
         .name("vu-relay-in".into())
         .spawn(move || {
+            let mut first = true;
             loop {
+                if !first {
+                    // Between messages the front-end may be silent as long
+                    // as it likes; the hints may want a look meanwhile.
+                    limits.start = hints.wait();
+                }
                 let msg = match read_msg(&front_r, limits) {
                     Ok(Some(m)) => m,
-                    Ok(None) => break,
+                    Ok(None) => {
+                        hints.hung_up();
+                        break;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock && !first => {
+                        hints.check();
+                        continue;
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         warn_limited!(
                             DISCONNECTS,
@@ -267,17 +299,35 @@ pub fn relay(
                         break;
                     }
                 };
-                // After the first message, silence between messages is fine.
-                limits.start = None;
+                first = false;
                 log::debug!(
                     "front-end request {} ({} bytes, {} fds)",
                     msg.request,
                     msg.payload.len(),
                     msg.fds.len()
                 );
+                if let Some(code) = msg.code() {
+                    hints.follow(code, &msg.payload);
+                }
                 let r = match msg.code() {
                     Some(FrontendReq::GET_INFLIGHT_FD) => get_inflight(&msg, &*host, &fw),
                     Some(FrontendReq::SET_INFLIGHT_FD) => set_inflight(msg, &*host, &fw),
+                    Some(FrontendReq::SET_LOG_BASE) => {
+                        match set_log_base(&msg, &*host, &negotiated) {
+                            // With LOG_SHMFD the back-end always answers,
+                            // with the message's own payload (as the
+                            // crate does; QEMU checks the request code).
+                            Ok(log) => reply(&fw, msg.request, log.as_slice(), &[]),
+                            Err(e) => {
+                                warn_limited!(
+                                    DISCONNECTS,
+                                    "SET_LOG_BASE refused: {e}; disconnecting"
+                                );
+                                let _ = refuse(&msg, &fw);
+                                break;
+                            }
+                        }
+                    }
                     Some(FrontendReq::ADD_MEM_REG) if slots.full() => {
                         warn_limited!(
                             DISCONNECTS,
@@ -299,7 +349,7 @@ pub fn relay(
                         if let Some(code) = code {
                             calls.follow(code, &msg);
                             slots.follow(code, &msg);
-                            channel.follow(code, &msg, &*host);
+                            negotiated.follow(code, &msg, &*host);
                         }
                     }),
                 };
@@ -366,20 +416,27 @@ impl MemSlots {
     }
 }
 
-/// The back-end request channel, followed from the messages the relay
-/// passes on: SET_PROTOCOL_FEATURES says whether REPLY_ACK applies to it,
-/// and SET_BACKEND_REQ_FD hands it over. The crate gets the fd as it came
-/// (it checks that BACKEND_REQ was acked, and answers); the device gets a
-/// duplicate, to send CONFIG_CHANGE_MSG on after a resize. The crate ends
-/// the connection on a message it fails, so one it took was applied.
+/// The protocol features the front-end acked, and the back-end request
+/// channel, followed from the messages the relay passes on:
+/// SET_PROTOCOL_FEATURES says whether the relay may take SET_LOG_BASE
+/// (LOG_SHMFD) and whether REPLY_ACK applies to the channel, and
+/// SET_BACKEND_REQ_FD hands the channel over. The crate gets the fd as it
+/// came (it checks that BACKEND_REQ was acked, and answers); the device
+/// gets a duplicate, to send CONFIG_CHANGE_MSG on after a resize. The
+/// crate ends the connection on a message it fails, so one it took was
+/// applied.
 #[derive(Default)]
-struct ChannelFollower {
+struct Negotiated {
     acked: u64,
 }
 
-impl ChannelFollower {
+impl Negotiated {
+    fn has(&self, feature: VhostUserProtocolFeatures) -> bool {
+        self.acked & feature.bits() != 0
+    }
+
     fn follow(&mut self, code: FrontendReq, msg: &Msg, host: &dyn InflightHost) {
-        use vhost::vhost_user::message::VhostUserProtocolFeatures as F;
+        use VhostUserProtocolFeatures as F;
         match code {
             FrontendReq::SET_PROTOCOL_FEATURES => {
                 if let Some(v) = payload_as::<VhostUserU64>(&msg.payload) {
@@ -514,7 +571,9 @@ fn get_inflight(msg: &Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> i
     match region {
         Some(Ok(r)) => {
             let out = VhostUserInflight::new(r.size() as u64, 0, r.num_queues, r.queue_size);
-            info_limited!(
+            // Developer detail: at DEBUG, like every ring start.
+            log_limited!(
+                log::Level::Debug,
                 GET_INFLIGHT,
                 "inflight tracking: {} bytes for {} queue(s) of {}",
                 r.size(),
@@ -536,6 +595,35 @@ fn get_inflight(msg: &Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> i
             reply(to, request, VhostUserInflight::default().as_slice(), &[])
         }
     }
+}
+
+/// SET_LOG_BASE: maps the front-end's log, if it cannot shrink under us
+/// (`LogRegion::from_front_end`), and hands it to the device. The crate
+/// would map any file at any size, and a mark past the file's end would
+/// kill the daemon; it would also log only the regions of the memory table
+/// of the moment (see `virtio::dirty`). Returns the message's payload for
+/// the answer.
+fn set_log_base(
+    msg: &Msg,
+    host: &dyn InflightHost,
+    negotiated: &Negotiated,
+) -> io::Result<VhostUserLog> {
+    let invalid = |m: &str| io::Error::new(io::ErrorKind::InvalidInput, m.to_string());
+    if !negotiated.has(VhostUserProtocolFeatures::LOG_SHMFD) {
+        return Err(invalid("LOG_SHMFD was not negotiated"));
+    }
+    let (Some(log), [file]) = (payload_as::<VhostUserLog>(&msg.payload), &msg.fds[..]) else {
+        return Err(invalid("malformed (a log and one fd)"));
+    };
+    let region = LogRegion::from_front_end(file, log.mmap_size, log.mmap_offset)?;
+    info_limited!(
+        SET_LOG_BASE,
+        "dirty-page log installed: {} bytes, for guest memory up to {:#x}",
+        log.mmap_size,
+        region.covers()
+    );
+    host.set_log(region);
+    Ok(log)
 }
 
 fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -> io::Result<()> {
@@ -567,7 +655,8 @@ fn set_inflight(mut msg: Msg, host: &dyn InflightHost, to: &Mutex<UnixStream>) -
     };
     let ok = match result {
         Ok(region) => {
-            info_limited!(
+            log_limited!(
+                log::Level::Debug,
                 SET_INFLIGHT,
                 "inflight region installed ({} queue(s) of {})",
                 region.num_queues,
@@ -605,6 +694,8 @@ mod tests {
         }
         fn set_inflight(&self, _region: Arc<InflightRegion>) {}
         fn set_backend_channel(&self, _channel: BackendChannel) {}
+        fn close_intake(&self) {}
+        fn set_log(&self, _log: LogRegion) {}
     }
 
     /// A relay between two socket pairs: (front-end's end, back-end's end).
@@ -614,7 +705,11 @@ mod tests {
         for s in [&front, &back] {
             s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         }
-        let threads = relay(relay_front, relay_back, Arc::new(NoDevice)).unwrap();
+        let hints = SetupHints::new(
+            vec![Arc::default()],
+            vm_memory::GuestMemoryAtomic::new(crate::virtio::GuestMem::new()),
+        );
+        let threads = relay(relay_front, relay_back, Arc::new(NoDevice), hints).unwrap();
         (front, back, threads)
     }
 

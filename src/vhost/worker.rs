@@ -119,8 +119,14 @@ pub struct WorkerConfig {
     /// The guest-visible write cache (config `wce`), shared with the
     /// engines: when off, every write is issued durable.
     pub writeback: Arc<AtomicBool>,
-    /// Set on shutdown: take no new requests.
+    /// Set on shutdown (and kept): the daemon is stopping.
     pub stopping: AtomicBool,
+    /// No ring takes a new request: the front-end's socket closed (the
+    /// relay sets it first thing when it reads the end of the stream), or
+    /// the daemon is stopping. Each pass reads it (relaxed) before each pop;
+    /// what was taken before completes. Cleared when the next connection
+    /// starts.
+    pub intake_closed: AtomicBool,
     /// The front-end acked VHOST_F_LOG_ALL (a migration is under way):
     /// what an engine writes into guest memory is marked in the dirty log.
     pub logging: AtomicBool,
@@ -353,7 +359,7 @@ impl<E: Engine> QueueWorker<E> {
             return self.complete(&mut state, &mem);
         }
         let cfg = self.cfg.clone();
-        let stopping = || cfg.stopping.load(Ordering::Relaxed);
+        let stopping = || cfg.intake_closed.load(Ordering::Relaxed);
         // Requests taken this pass: a worker that shares its thread yields
         // once it has taken a turn's worth with more waiting.
         let mut taken = 0usize;
@@ -398,11 +404,13 @@ impl<E: Engine> QueueWorker<E> {
                 self.engine.clear_completion_fd();
                 self.complete(&mut state, &mem)?;
             }
-            if self.poll_for_work(&state, &mem)? {
-                continue;
-            }
+            // Before polling: a poll would find the requests left on the
+            // ring and come back here at once, again and again.
             if stopping() {
                 return Ok(());
+            }
+            if self.poll_for_work(&state, &mem)? {
+                continue;
             }
             if self.shadow.enable_kicks(state.get_queue(), &*mem)? {
                 if taken >= budget && self.yield_turn() {

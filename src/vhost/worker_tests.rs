@@ -75,6 +75,7 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
         queue_size: max_queue,
         writeback: writeback.clone(),
         stopping: AtomicBool::new(false),
+        intake_closed: AtomicBool::new(false),
         logging: AtomicBool::new(false),
         image_lock: None,
         qos: Arc::new(crate::qos::Qos::new(crate::qos::QosLimits::default(), 1).unwrap()),
@@ -850,4 +851,29 @@ fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
         never.poll.woke_up();
     }
     assert_eq!(never.poll.window(Wait::Guest), None);
+}
+
+/// Once the intake is closed (the front-end's socket closed), a kick takes
+/// nothing more off the ring, and what was taken before completes.
+#[test]
+fn a_closed_intake_takes_nothing_new_and_completes_what_it_took() {
+    let mem = guest_memory();
+    let mut rig = rig(&mem);
+    mem.write_slice(&[0x11; 4096], GuestAddress(DATA)).unwrap();
+    mem.write_slice(&[0x22; 4096], GuestAddress(DATA + 0x1000))
+        .unwrap();
+    rig.post_rw(0, true, 8, DATA);
+    rig.worker.handle_event(&rig.vring, Event::Kick);
+    rig.cfg.intake_closed.store(true, Ordering::Relaxed);
+    rig.post_rw(3, true, 16, DATA + 0x1000);
+    rig.complete_until(1);
+    for _ in 0..20 {
+        rig.worker.handle_event(&rig.vring, Event::Kick);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    rig.worker.drain();
+    assert_eq!(rig.driver.used_idx(), 1, "a request posted after the close");
+    assert_eq!(rig.status(0), 0);
+    assert_eq!(rig.image_at(8 * 512, 4096), vec![0x11; 4096]);
+    assert_eq!(rig.image_at(16 * 512, 4096), vec![0; 4096]);
 }

@@ -17,18 +17,19 @@ pub mod ring;
 #[cfg(test)]
 pub(crate) mod testing;
 
-pub use dirty::DirtyLog;
+pub use dirty::{DirtyLog, LogRegion};
 pub use error::RequestError;
 pub use request::{DeviceLimits, DiscardRange, Request, RequestKind};
 
 use vm_memory::GuestMemoryMmap;
 
 /// Guest memory as the daemon maps it. Each region carries a dirty-page
-/// bitmap ([`DirtyLog`]) that vhost-user-backend points at the front-end's
-/// log when it sends SET_LOG_BASE (live migration): from then on every
-/// write through vm-memory (used ring, status bytes) marks its pages. What
-/// the kernel writes into guest memory behind vm-memory's back (io_uring
-/// reads) the worker marks itself (`vhost::worker`).
+/// bitmap ([`DirtyLog`]) that the device points at the front-end's log
+/// ([`LogRegion`]) once it sends SET_LOG_BASE (live migration), in every
+/// memory table from then on: every write through vm-memory (used ring,
+/// status bytes) marks its pages. What the kernel writes into guest memory
+/// behind vm-memory's back (io_uring reads) the worker marks itself
+/// (`vhost::worker`).
 pub type GuestMem = GuestMemoryMmap<DirtyLog>;
 
 /// Virtio-blk sectors are always 512 bytes, whatever the block size.

@@ -291,7 +291,11 @@ impl Daemon {
         };
         cmd.arg("serve");
         if opts.default_paths {
-            cmd.arg("--size").arg(opts.size.to_string());
+            // --size is for the default image; with an --image of the
+            // test's own it would be refused.
+            if !opts.args.contains(&"--image") {
+                cmd.arg("--size").arg(opts.size.to_string());
+            }
         } else {
             cmd.arg("--socket").arg(&socket).arg("--image").arg(&image);
         }
@@ -355,7 +359,7 @@ impl Daemon {
                 let rest = &log[log.find(start).expect("announced") + start.len()..];
                 PathBuf::from(&rest[..rest.find(end).expect("field ends")])
             };
-            self.socket = field("chardev socket,id=rb0,path=", ' ');
+            self.socket = field("chardev socket,id=rb0,path=", ',');
             self.image = field("] serving ", ' ');
         }
         self.wait_until_accepting();

@@ -313,6 +313,14 @@ pub fn daemon_command(spec: &DaemonSpec<'_>, backend: Backend) -> (Command, &'st
             c.arg("--serial").arg(SERIAL).args(spec.extra);
             // Killed daemons leave their private directory in the test's.
             c.env("TMPDIR", spec.dir);
+            // The relay's ring starts ("inflight region installed") are
+            // DEBUG lines; the migration tests count them.
+            if std::env::var_os("RUST_LOG").is_none() {
+                c.env(
+                    "RUST_LOG",
+                    "info,virtio_queue=off,ringblk::vhost::proxy=debug",
+                );
+            }
             (c, SERIAL)
         }
         Backend::Qsd => {
@@ -381,10 +389,26 @@ pub struct QemuSpec<'a> {
     pub console: &'a Path,
 }
 
+/// Guest memory as QEMU gets it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum GuestMemory {
+    /// A memfd backend with share=on: what vhost-user needs.
+    Shared,
+    /// The same with share=off: QEMU maps it privately.
+    Private,
+    /// No memory backend at all: anonymous RAM, no fd to pass.
+    Anonymous,
+}
+
 /// QEMU under TCG with shared memory (vhost-user maps it), the
 /// disk, the guest's kernel and initramfs, the serial console in a file,
 /// and nothing else; it exits when the guest powers off.
 pub fn qemu_command(spec: &QemuSpec<'_>) -> Command {
+    qemu_command_with(spec, GuestMemory::Shared)
+}
+
+/// [`qemu_command`] with guest memory as `memory` says.
+pub fn qemu_command_with(spec: &QemuSpec<'_>, memory: GuestMemory) -> Command {
     let mut cmd = Command::new(QEMU);
     cmd.args(["-accel", "tcg", "-m", spec.memory, "-smp"])
         .arg(spec.vcpus.to_string())
@@ -395,14 +419,21 @@ pub fn qemu_command(spec: &QemuSpec<'_>) -> Command {
             "none",
             "-monitor",
             "none",
-        ])
-        .arg("-object")
-        .arg(format!(
-            "memory-backend-memfd,id=mem,size={},share=on",
-            spec.memory
-        ))
-        .args(["-numa", "node,memdev=mem"])
-        .arg("-chardev")
+        ]);
+    if memory != GuestMemory::Anonymous {
+        let share = if memory == GuestMemory::Shared {
+            "on"
+        } else {
+            "off"
+        };
+        cmd.arg("-object")
+            .arg(format!(
+                "memory-backend-memfd,id=mem,size={},share={share}",
+                spec.memory
+            ))
+            .args(["-numa", "node,memdev=mem"]);
+    }
+    cmd.arg("-chardev")
         .arg(format!(
             "socket,id=c0,path={}{}",
             spec.socket.display(),

@@ -61,6 +61,43 @@ pub fn check_cpus(cpus: &[usize]) -> Result<(), String> {
     }
 }
 
+/// Parses a CPU list as taskset(1) and cpuset(7) write it: numbers and
+/// inclusive ranges, comma-separated (`0-3,8,10-11`), in any order; the
+/// empty string is the empty list. The CPUs come out in the order given,
+/// a range's in ascending order, each once.
+pub fn parse_list(s: &str) -> Result<Vec<usize>, String> {
+    let mut cpus: Vec<usize> = Vec::new();
+    if s.trim().is_empty() {
+        return Ok(cpus);
+    }
+    let bad = || format!("'{s}' is not a CPU list like 0-3,8,10-11");
+    for item in s.split(',') {
+        let item = item.trim();
+        let (first, last) = match item.split_once('-') {
+            Some((a, b)) => (a.trim(), b.trim()),
+            None => (item, item),
+        };
+        let (Ok(first), Ok(last)) = (first.parse::<usize>(), last.parse::<usize>()) else {
+            return Err(bad());
+        };
+        if first > last {
+            return Err(format!("'{s}': the range {item} runs backwards"));
+        }
+        if last >= libc::CPU_SETSIZE as usize {
+            return Err(format!(
+                "'{s}': CPU {last} is past the {} a CPU set holds",
+                libc::CPU_SETSIZE
+            ));
+        }
+        for c in first..=last {
+            if !cpus.contains(&c) {
+                cpus.push(c);
+            }
+        }
+    }
+    Ok(cpus)
+}
+
 /// `0-3,8,10-11`.
 fn ranges(cpus: &[usize]) -> String {
     let mut out: Vec<String> = Vec::new();
@@ -93,6 +130,17 @@ mod tests {
         assert!(check_cpus(&allowed).is_ok());
         let e = check_cpus(&[allowed[0], 4096]).unwrap_err();
         assert!(e.contains("CPU 4096 is not one"), "{e}");
+    }
+
+    #[test]
+    fn lists_take_numbers_and_ranges() {
+        assert_eq!(parse_list("0-1"), Ok(vec![0, 1]));
+        assert_eq!(parse_list("3,0-2,8"), Ok(vec![3, 0, 1, 2, 8]));
+        assert_eq!(parse_list(" 2 , 2-3 "), Ok(vec![2, 3]));
+        assert_eq!(parse_list(""), Ok(vec![]));
+        for bad in ["a", "1-", "-1", "3-1", "1,,2", "0-99999"] {
+            assert!(parse_list(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -4,8 +4,14 @@
 /// Parses a byte size with an optional binary suffix: 4096, 64K, 512M, 1G, 2T.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
+    let not_a_size = || format!("'{s}' is not a size like 4096, 64K, 512M or 1G");
     let (num, shift) = match t.char_indices().last() {
+        // A suffix only after a number: `garbage` is not a size with the
+        // unknown suffix 'e'.
         Some((i, c)) if c.is_ascii_alphabetic() => {
+            if t[..i].trim().parse::<u64>().is_err() {
+                return Err(not_a_size());
+            }
             let shift = match c.to_ascii_uppercase() {
                 'K' => 10,
                 'M' => 20,
@@ -21,9 +27,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         }
         _ => (t, 0),
     };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("'{s}' is not a size like 4096, 64K, 512M or 1G"))?;
+    let n: u64 = num.trim().parse().map_err(|_| not_a_size())?;
     n.checked_mul(1u64 << shift)
         .filter(|v| *v > 0)
         .ok_or_else(|| format!("'{s}' is not a usable size"))
@@ -42,5 +46,13 @@ mod tests {
         assert!(parse_size("1X").is_err());
         assert!(parse_size("99999999999T").is_err());
         assert!(parse_size("").is_err());
+        assert_eq!(
+            parse_size("garbage"),
+            Err("'garbage' is not a size like 4096, 64K, 512M or 1G".into())
+        );
+        assert_eq!(
+            parse_size("1X"),
+            Err("'1X': unknown size suffix 'X' (use K, M, G or T)".into())
+        );
     }
 }

@@ -1,0 +1,243 @@
+use std::fs::OpenOptions;
+use std::sync::atomic::AtomicBool;
+use std::thread;
+
+use super::*;
+
+const MIB: u64 = 1 << 20;
+
+/// Every 8-byte word holds its offset xor `seed`.
+fn pattern(seed: u64, off: u64, len: usize) -> Vec<u8> {
+    (0..len as u64 / 8)
+        .flat_map(|i| ((off + i * 8) ^ seed).to_le_bytes())
+        .collect()
+}
+
+/// A small xorshift, so the tests need no crate.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// An image that waits a little before each read, which widens the window
+/// between a view's check of a cluster and its read of the image.
+struct Slow(FileImage);
+impl Image for Slow {
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        thread::sleep(std::time::Duration::from_micros(200));
+        self.0.read_at(buf, offset)
+    }
+    fn allocation(&self, offset: u64, max_len: u64) -> io::Result<(u64, u32)> {
+        self.0.allocation(offset, max_len)
+    }
+}
+
+fn image_with(dir: &Path, size: u64, seed: u64) -> (std::path::PathBuf, Arc<dyn Image>) {
+    let path = dir.join("disk.img");
+    std::fs::write(&path, pattern(seed, 0, size as usize)).unwrap();
+    let image: Arc<dyn Image> = Arc::new(FileImage::open(&path).unwrap());
+    (path, image)
+}
+
+/// A guest thread overwrites the image at random (each write through
+/// `before_write` first) while reader threads read the view at random
+/// ranges: every read returns the content of the instant the view was
+/// taken, and so does a full read afterwards.
+#[test]
+fn the_view_stays_at_its_instant_under_concurrent_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 8 * MIB + 4096; // a partial last cluster
+    let (path, _) = image_with(dir.path(), size, 0xA);
+    let image: Arc<dyn Image> = Arc::new(Slow(FileImage::open(&path).unwrap()));
+    let store = Arc::new(CbwStore::new(image, dir.path(), DEFAULT_CLUSTER).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let guest = {
+        let (store, stop, path) = (store.clone(), stop.clone(), path.clone());
+        thread::spawn(move || {
+            let f = OpenOptions::new().write(true).open(&path).unwrap();
+            let mut rng = Rng(7);
+            let mut n = 0;
+            while !stop.load(Ordering::Relaxed) || n < 200 {
+                let off = rng.next() % (size / 512) * 512;
+                let len = ((rng.next() % 256 + 1) * 512).min(size - off);
+                store.before_write(off, len);
+                f.write_all_at(&pattern(0xB, off, len as usize), off)
+                    .unwrap();
+                n += 1;
+            }
+            n
+        })
+    };
+    let readers: Vec<_> = (0..2)
+        .map(|t| {
+            let store = store.clone();
+            thread::spawn(move || {
+                let mut rng = Rng(100 + t);
+                for _ in 0..1000 {
+                    let off = rng.next() % (size / 8) * 8;
+                    let len = ((rng.next() % (96 << 10)) / 8 * 8 + 8).min(size - off) as usize;
+                    let mut buf = vec![0u8; len];
+                    store.read(off, &mut buf).unwrap();
+                    assert!(buf == pattern(0xA, off, len), "view changed at {off}+{len}");
+                }
+            })
+        })
+        .collect();
+    for r in readers {
+        r.join().unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    let writes = guest.join().unwrap();
+    let mut all = vec![0u8; size as usize];
+    store.read(0, &mut all).unwrap();
+    assert!(all == pattern(0xA, 0, size as usize), "final view differs");
+    let stats = store.stats();
+    assert!(stats.copied_clusters > 10, "{writes} writes, {stats:?}");
+    // The image itself took the writes.
+    assert!(std::fs::read(&path).unwrap() != pattern(0xA, 0, size as usize));
+}
+
+/// Two writers to the same clusters: one copies, the other waits, and
+/// the old data is copied exactly once.
+#[test]
+fn one_copy_per_cluster_under_racing_writers() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 4 * MIB;
+    let (_path, image) = image_with(dir.path(), size, 1);
+    let store = Arc::new(CbwStore::new(image, dir.path(), DEFAULT_CLUSTER).unwrap());
+    let ts: Vec<_> = (0..4)
+        .map(|_| {
+            let store = store.clone();
+            thread::spawn(move || store.before_write(0, size))
+        })
+        .collect();
+    for t in ts {
+        t.join().unwrap();
+    }
+    assert_eq!(store.stats().copied_clusters, size / DEFAULT_CLUSTER);
+    assert_eq!(store.stats().stored_bytes, size);
+}
+
+/// Holes stay holes in the view, even after the guest writes into them,
+/// and read as zeroes; the copy of a zero cluster costs no store space.
+#[test]
+fn allocation_of_the_view() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sparse.img");
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(4 * MIB).unwrap();
+    f.write_all_at(&[7u8; 4096 * 16], MIB).unwrap(); // data at 1 MiB
+    f.sync_all().unwrap();
+    let image: Arc<dyn Image> = Arc::new(FileImage::open(&path).unwrap());
+    let store = CbwStore::new(image, dir.path(), DEFAULT_CLUSTER).unwrap();
+    let hz = STATE_HOLE | STATE_ZERO;
+    assert_eq!(store.allocation(0, 4 * MIB).unwrap(), (MIB, hz));
+    assert_eq!(store.allocation(MIB, 4 * MIB).unwrap().1, 0);
+
+    // The guest writes into the hole at 2 MiB and over the data.
+    store.before_write(2 * MIB, 4096);
+    f.write_all_at(&[9u8; 4096], 2 * MIB).unwrap();
+    store.before_write(MIB, 4096);
+    f.write_all_at(&[9u8; 4096], MIB).unwrap();
+    f.sync_all().unwrap();
+    assert_eq!(store.stats().copied_clusters, 2);
+    assert_eq!(
+        store.stats().stored_bytes,
+        DEFAULT_CLUSTER,
+        "the zero cluster is not stored"
+    );
+    assert_eq!(
+        store.allocation(2 * MIB, MIB).unwrap(),
+        (DEFAULT_CLUSTER, hz)
+    );
+    assert_eq!(store.allocation(MIB, MIB).unwrap(), (DEFAULT_CLUSTER, 0));
+    let mut buf = vec![1u8; 8192];
+    store.read(2 * MIB, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
+    store.read(MIB, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 7));
+}
+
+/// An image whose reads fail after the view is taken.
+struct Failing(FileImage, AtomicBool);
+impl Image for Failing {
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        if self.1.load(Ordering::Relaxed) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        self.0.read_at(buf, offset)
+    }
+    fn allocation(&self, offset: u64, max_len: u64) -> io::Result<(u64, u32)> {
+        self.0.allocation(offset, max_len)
+    }
+}
+
+/// A failed copy lets the guest's write go on, and fails the view's reads
+/// of what it could not keep.
+#[test]
+fn a_failed_copy_fails_the_view_not_the_guest() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = image_with(dir.path(), MIB, 3);
+    let failing = Arc::new(Failing(
+        FileImage::open(&path).unwrap(),
+        AtomicBool::new(false),
+    ));
+    let store = CbwStore::new(failing.clone(), dir.path(), DEFAULT_CLUSTER).unwrap();
+    failing.1.store(true, Ordering::Relaxed);
+    store.before_write(0, 4096); // returns, does not hang
+    store.before_write(0, 4096); // already "copied": returns at once
+    assert!(store.has_failed());
+    let mut buf = vec![0u8; 4096];
+    let e = store.read(0, &mut buf).unwrap_err();
+    assert!(e.to_string().contains("incomplete"), "{e}");
+}
+
+#[test]
+fn bad_cluster_sizes_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_p, image) = image_with(dir.path(), MIB, 0);
+    for bad in [0, 512, 3 << 12, 128 << 20] {
+        assert!(
+            CbwStore::new(image.clone(), dir.path(), bad).is_err(),
+            "{bad}"
+        );
+    }
+}
+
+/// The view's export: the bitmap context answers from the frozen bits,
+/// base:allocation from the store.
+#[test]
+fn the_view_exports_the_frozen_bitmap() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_p, image) = image_with(dir.path(), 4 * MIB, 0);
+    let store = Arc::new(CbwStore::new(image, dir.path(), DEFAULT_CLUSTER).unwrap());
+    let live = DirtyBitmap::new(4 * MIB, DEFAULT_CLUSTER).unwrap();
+    live.mark(MIB, 1);
+    let frozen = Arc::new(live.take());
+    live.mark(0, 1); // after the instant: not in the export
+    let view = View::new(store, Some(("nightly".into(), frozen)));
+    assert_eq!(view.bitmaps(), ["nightly"]);
+    let ctx = MetaContext::DirtyBitmap("nightly".into());
+    assert_eq!(view.block_status(&ctx, 0, 4 * MIB).unwrap(), (MIB, 0));
+    assert_eq!(
+        view.block_status(&ctx, MIB, 4 * MIB).unwrap(),
+        (DEFAULT_CLUSTER, STATE_DIRTY)
+    );
+    assert_eq!(
+        view.block_status(&MetaContext::Allocation, 0, 4 * MIB)
+            .unwrap()
+            .1,
+        0
+    );
+}

@@ -1,0 +1,538 @@
+//! Dirty bitmaps: changed-block tracking for incremental backup
+//! (docs/backup.md).
+//!
+//! A [`DirtyBitmap`] has one bit per `granularity` bytes of the disk (64 KiB
+//! by default, a power of two of at least 512, as qcow2 allows). Any thread
+//! marks a byte range with [`DirtyBitmap::mark`]: one relaxed load per 64
+//! bits, and an atomic OR only where a bit is still clear, so a write to an
+//! already dirty cluster does not dirty a cache line other queues share.
+//!
+//! The bits live either on the heap ([`DirtyBitmap::new`]: the frozen copy a
+//! backup exports) or in a shared file mapping
+//! ([`sidecar`]: the persistent bitmaps of a raw image or block device),
+//! where a set bit is in the page cache the moment `mark` returns: a kill -9
+//! of the daemon loses nothing it acknowledged. What survives a host crash
+//! is decided by the [`BitmapStore`] that persists them; qcow2's own bitmap
+//! extension plugs in behind the same trait.
+//!
+//! This module stands alone: it knows nothing of the worker or the engine.
+//! Phase 2 calls `mark` where a write, discard or write-zeroes is admitted,
+//! before it is submitted, so that no completion the guest sees can be
+//! missing from a bitmap.
+
+pub mod sidecar;
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use memmap2::MmapRaw;
+
+pub use sidecar::SidecarStore;
+
+/// The default granularity: 64 KiB, as QEMU's.
+pub const DEFAULT_GRANULARITY: u64 = 64 << 10;
+/// The smallest granularity: one sector.
+pub const MIN_GRANULARITY: u64 = 512;
+/// The largest granularity qcow2's bitmap extension allows (2 GiB).
+pub const MAX_GRANULARITY: u64 = 1 << 31;
+/// The longest bitmap name.
+pub const MAX_NAME_LEN: usize = 64;
+
+/// What can go wrong with a bitmap or its store.
+#[derive(Debug, thiserror::Error)]
+pub enum BitmapError {
+    /// A granularity that is not a power of two in 512 B..=2 GiB.
+    #[error("granularity {0} is not a power of two between 512 and 2 GiB")]
+    Granularity(u64),
+    /// A name outside the allowed alphabet or length.
+    #[error(
+        "bitmap name '{0}' is not 1 to 64 characters of A-Z a-z 0-9 . _ - (not starting with . or -)"
+    )]
+    Name(String),
+    /// `add` of a name that exists.
+    #[error("bitmap '{0}' already exists")]
+    Exists(String),
+    /// `remove` or `open` of a name that does not.
+    #[error("no bitmap '{0}'")]
+    NotFound(String),
+    /// A disk too large for a bitmap held in memory at this granularity.
+    #[error("a bitmap of a {size}-byte disk at granularity {granularity} is too large")]
+    TooLarge { size: u64, granularity: u64 },
+    /// Two bitmaps that cannot be merged.
+    #[error("bitmaps of different sizes or granularities cannot be merged")]
+    Mismatch,
+    /// A stored bitmap that cannot be loaded.
+    #[error("{path}: {why}")]
+    Corrupt { path: String, why: String },
+    /// The store's I/O.
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Checks a granularity and returns its log2.
+pub fn granularity_shift(granularity: u64) -> Result<u32, BitmapError> {
+    if !granularity.is_power_of_two() || !(MIN_GRANULARITY..=MAX_GRANULARITY).contains(&granularity)
+    {
+        return Err(BitmapError::Granularity(granularity));
+    }
+    Ok(granularity.trailing_zeros())
+}
+
+/// Checks a bitmap name: 1 to 64 bytes of `A-Z a-z 0-9 . _ -`, not starting
+/// with `.` or `-`. The name becomes part of a file name (the sidecar) and
+/// of an NBD metadata context (`qemu:dirty-bitmap:NAME`), so nothing that
+/// could be a path, an option or a separator gets in.
+pub fn check_name(name: &str) -> Result<(), BitmapError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && !name.starts_with(['.', '-'])
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(BitmapError::Name(name.escape_debug().to_string()))
+    }
+}
+
+/// Where a bitmap's words live.
+enum Words {
+    Heap(Box<[AtomicU64]>),
+    /// A shared, read-write mapping of at least `len` words of a file.
+    Mapped {
+        map: MmapRaw,
+        len: usize,
+    },
+}
+
+impl Words {
+    fn heap(len: usize) -> Words {
+        Words::Heap((0..len).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    fn as_slice(&self) -> &[AtomicU64] {
+        match self {
+            Words::Heap(w) => w,
+            // SAFETY: `map` is a live MAP_SHARED read-write mapping of at
+            // least `len * 8` bytes (checked where it is made, in
+            // sidecar.rs), page-aligned and so aligned for AtomicU64, which
+            // has u64's size and layout; it lives as long as `self`, which
+            // the slice borrows. The memory is only ever accessed through
+            // atomics here; a write to the file by another process is
+            // a change of the bits' values, not a data race in this one's
+            // terms (the kernel keeps the page cache coherent).
+            Words::Mapped { map, len } => unsafe {
+                std::slice::from_raw_parts(map.as_ptr().cast::<AtomicU64>(), *len)
+            },
+        }
+    }
+}
+
+/// One dirty bitmap of a disk: a bit per granule, set by [`mark`](Self::mark)
+/// from any thread.
+pub struct DirtyBitmap {
+    shift: u32,
+    disk_size: u64,
+    bits: u64,
+    words: Words,
+    /// False when the bitmap may lack changes (the host stopped while it
+    /// was in use): a backup tool must then copy everything.
+    consistent: AtomicBool,
+}
+
+impl fmt::Debug for DirtyBitmap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DirtyBitmap")
+            .field("granularity", &self.granularity())
+            .field("disk_size", &self.disk_size)
+            .field("consistent", &self.is_consistent())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The number of granules (bits) of a disk, and of u64 words holding them.
+fn geometry(disk_size: u64, shift: u32) -> (u64, u64) {
+    let bits = disk_size.div_ceil(1 << shift);
+    (bits, bits.div_ceil(64))
+}
+
+impl DirtyBitmap {
+    /// A clean, consistent bitmap of a `disk_size`-byte disk, on the heap.
+    pub fn new(disk_size: u64, granularity: u64) -> Result<DirtyBitmap, BitmapError> {
+        let shift = granularity_shift(granularity)?;
+        let (bits, words) = geometry(disk_size, shift);
+        // 1 TiB at 512 B is 256 MiB of bits; refuse what cannot be a
+        // sensible allocation rather than abort on it.
+        let words = usize::try_from(words)
+            .ok()
+            .filter(|&w| w <= (1 << 30))
+            .ok_or(BitmapError::TooLarge {
+                size: disk_size,
+                granularity,
+            })?;
+        Ok(DirtyBitmap {
+            shift,
+            disk_size,
+            bits,
+            words: Words::heap(words),
+            consistent: AtomicBool::new(true),
+        })
+    }
+
+    /// A bitmap over a mapping the caller made (the sidecar store).
+    fn mapped(
+        disk_size: u64,
+        shift: u32,
+        map: MmapRaw,
+        consistent: bool,
+    ) -> Result<DirtyBitmap, String> {
+        let (bits, words) = geometry(disk_size, shift);
+        let len = usize::try_from(words).map_err(|_| "too many words".to_string())?;
+        if map.len() < len * 8 || map.as_ptr().align_offset(8) != 0 {
+            return Err(format!(
+                "mapping of {} bytes is short of {} words",
+                map.len(),
+                len
+            ));
+        }
+        Ok(DirtyBitmap {
+            shift,
+            disk_size,
+            bits,
+            words: Words::Mapped { map, len },
+            consistent: AtomicBool::new(consistent),
+        })
+    }
+
+    /// Bytes per bit.
+    pub fn granularity(&self) -> u64 {
+        1 << self.shift
+    }
+
+    /// The size of the disk the bitmap covers.
+    pub fn disk_size(&self) -> u64 {
+        self.disk_size
+    }
+
+    /// Whether every change since the bitmap was added (or last cleared) is
+    /// in it.
+    pub fn is_consistent(&self) -> bool {
+        self.consistent.load(Ordering::Acquire)
+    }
+
+    /// Marks the bitmap as possibly missing changes. It stays so until
+    /// [`clear`](Self::clear).
+    pub fn set_inconsistent(&self) {
+        self.consistent.store(false, Ordering::Release);
+    }
+
+    /// Marks every granule that `[offset, offset + len)` touches. Ranges
+    /// past the disk's end are clipped (the request layer refuses them
+    /// before this is reached). The hot path: a load per 64 granules, and
+    /// an atomic OR only for words that gain a bit.
+    #[inline]
+    pub fn mark(&self, offset: u64, len: u64) {
+        if len == 0 || offset >= self.disk_size {
+            return;
+        }
+        let end = offset.saturating_add(len).min(self.disk_size);
+        let first = offset >> self.shift;
+        let last = (end - 1) >> self.shift;
+        let words = self.words.as_slice();
+        let (mut w, last_w) = ((first / 64) as usize, (last / 64) as usize);
+        let mut lo = first % 64;
+        while w <= last_w {
+            let hi = if w == last_w { last % 64 } else { 63 };
+            // Bits lo..=hi.
+            let mask = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
+            let word = &words[w];
+            if word.load(Ordering::Relaxed) & mask != mask {
+                word.fetch_or(mask, Ordering::Relaxed);
+            }
+            lo = 0;
+            w += 1;
+        }
+    }
+
+    /// Whether the granule holding `offset` is dirty.
+    pub fn is_dirty(&self, offset: u64) -> bool {
+        if offset >= self.disk_size {
+            return false;
+        }
+        let bit = offset >> self.shift;
+        self.words.as_slice()[(bit / 64) as usize].load(Ordering::Relaxed) & (1 << (bit % 64)) != 0
+    }
+
+    /// Dirty bytes: dirty granules times the granularity, the last granule
+    /// counted only up to the disk's end.
+    pub fn dirty_bytes(&self) -> u64 {
+        let words = self.words.as_slice();
+        let count: u64 = words
+            .iter()
+            .map(|w| u64::from(w.load(Ordering::Relaxed).count_ones()))
+            .sum();
+        let mut bytes = count << self.shift;
+        if let Some(last) = self.bits.checked_sub(1)
+            && words[(last / 64) as usize].load(Ordering::Relaxed) & (1 << (last % 64)) != 0
+        {
+            bytes -= (self.bits << self.shift) - self.disk_size;
+        }
+        bytes
+    }
+
+    /// The run of granules in the same state as the one at `offset`:
+    /// `(length, dirty)`, the length at most `max_len` and never past the
+    /// disk's end. `offset` must be inside the disk.
+    pub fn extent_at(&self, offset: u64, max_len: u64) -> (u64, bool) {
+        debug_assert!(offset < self.disk_size);
+        let words = self.words.as_slice();
+        let limit = offset.saturating_add(max_len).min(self.disk_size);
+        let limit_bit = (limit - 1) >> self.shift;
+        let mut bit = offset >> self.shift;
+        let dirty = words[(bit / 64) as usize].load(Ordering::Relaxed) & (1 << (bit % 64)) != 0;
+        // Find the first bit past `bit` whose state differs.
+        loop {
+            let w = words[(bit / 64) as usize].load(Ordering::Relaxed);
+            let w = if dirty { !w } else { w };
+            let rest = w >> (bit % 64);
+            if rest != 0 {
+                bit += u64::from(rest.trailing_zeros());
+                break;
+            }
+            bit = (bit / 64 + 1) * 64;
+            if bit > limit_bit {
+                break;
+            }
+        }
+        let end = (bit << self.shift).min(limit);
+        (end - offset, dirty)
+    }
+
+    /// Dirty extents of the whole disk, in order: `(offset, length)`.
+    pub fn dirty_extents(&self) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let mut off = 0;
+        while off < self.disk_size {
+            let (len, dirty) = self.extent_at(off, u64::MAX);
+            if dirty {
+                out.push((off, len));
+            }
+            off += len;
+        }
+        out
+    }
+
+    /// Clears every bit and makes the bitmap consistent: it records
+    /// afresh from now on.
+    pub fn clear(&self) {
+        for w in self.words.as_slice() {
+            w.store(0, Ordering::Relaxed);
+        }
+        self.consistent.store(true, Ordering::Release);
+    }
+
+    /// Moves the bits into a new heap bitmap and clears them here, word by
+    /// word: a concurrent `mark` lands in exactly one of the two. This is
+    /// how a backup freezes what it exports while the bitmap records
+    /// afresh; the copy keeps this bitmap's consistency.
+    pub fn take(&self) -> DirtyBitmap {
+        let copy = DirtyBitmap {
+            shift: self.shift,
+            disk_size: self.disk_size,
+            bits: self.bits,
+            words: Words::Heap(
+                self.words
+                    .as_slice()
+                    .iter()
+                    .map(|w| AtomicU64::new(w.swap(0, Ordering::Relaxed)))
+                    .collect(),
+            ),
+            consistent: AtomicBool::new(self.is_consistent()),
+        };
+        self.consistent.store(true, Ordering::Release);
+        copy
+    }
+
+    /// ORs `other`'s bits into this one (`backup stop --failed` puts the
+    /// exported bits back). An inconsistent `other` makes this one
+    /// inconsistent too.
+    pub fn merge(&self, other: &DirtyBitmap) -> Result<(), BitmapError> {
+        if other.shift != self.shift || other.disk_size != self.disk_size {
+            return Err(BitmapError::Mismatch);
+        }
+        for (w, o) in self.words.as_slice().iter().zip(other.words.as_slice()) {
+            let bits = o.load(Ordering::Relaxed);
+            if bits != 0 {
+                w.fetch_or(bits, Ordering::Relaxed);
+            }
+        }
+        if !other.is_consistent() {
+            self.set_inconsistent();
+        }
+        Ok(())
+    }
+
+    /// Writes a mapped bitmap's bits to its file (msync); nothing for one
+    /// on the heap.
+    pub fn sync(&self) -> std::io::Result<()> {
+        match &self.words {
+            Words::Heap(_) => Ok(()),
+            Words::Mapped { map, .. } => map.flush(),
+        }
+    }
+}
+
+/// What `bitmap list` shows of one bitmap.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct BitmapInfo {
+    pub name: String,
+    pub granularity: u64,
+    pub dirty_bytes: u64,
+    pub consistent: bool,
+}
+
+/// Where a disk's bitmaps persist: a sidecar file per bitmap for raw images
+/// and block devices ([`SidecarStore`]), qcow2's bitmap extension for qcow2
+/// images (phase 2, on the format layer).
+///
+/// The contract that makes "complete, or marked inconsistent" hold:
+/// - [`open`](Self::open) loads every stored bitmap, and before returning
+///   records durably that they are in use; a bitmap found in use (the
+///   previous owner did not [`close`](Self::close) it) comes back
+///   inconsistent unless the store can prove it complete;
+/// - every bit [`DirtyBitmap::mark`] sets on a bitmap the store made is
+///   found by the next `open` after a kill -9 of this process, or that
+///   bitmap is reported inconsistent;
+/// - `close` makes the bits durable and only then records that the bitmap
+///   is no longer in use.
+pub trait BitmapStore: Send {
+    /// Loads the stored bitmaps of a `disk_size`-byte disk, sorted by name,
+    /// and marks them in use.
+    fn open(&mut self, disk_size: u64) -> Result<Vec<(String, DirtyBitmap)>, BitmapError>;
+    /// Creates a new, clean, consistent bitmap, in use.
+    fn add(
+        &mut self,
+        name: &str,
+        granularity: u64,
+        disk_size: u64,
+    ) -> Result<DirtyBitmap, BitmapError>;
+    /// Deletes a bitmap's stored form.
+    fn remove(&mut self, name: &str) -> Result<(), BitmapError>;
+    /// Records durably that a bitmap's state changed without a write to its
+    /// bits: it became inconsistent, or consistent again after a clear.
+    fn update(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError>;
+    /// Clean stop: the bits durable, then the bitmap no longer in use.
+    fn close(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: u64 = 64 << 10;
+
+    #[test]
+    fn granularity_and_names_are_checked() {
+        assert!(granularity_shift(512).is_ok());
+        assert!(granularity_shift(G).is_ok());
+        assert!(granularity_shift(256).is_err());
+        assert!(granularity_shift(3 << 10).is_err());
+        assert!(granularity_shift(1 << 32).is_err());
+        for ok in ["a", "nightly", "backup-vda.1", "A_b-c.d", &"x".repeat(64)] {
+            check_name(ok).unwrap();
+        }
+        for bad in [
+            "",
+            ".hidden",
+            "-opt",
+            "a/b",
+            "a b",
+            "ä",
+            "a:b",
+            &"x".repeat(65),
+        ] {
+            assert!(check_name(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn marks_cover_every_touched_granule() {
+        let size = 10 * G + 512; // a partial last granule
+        let b = DirtyBitmap::new(size, G).unwrap();
+        b.mark(G - 1, 2); // straddles granules 0 and 1
+        b.mark(5 * G, G); // exactly granule 5
+        b.mark(10 * G + 100, 1 << 40); // clipped at the end
+        b.mark(size, 4096); // past the end: nothing
+        b.mark(3 * G, 0); // empty: nothing
+        let dirty: Vec<u64> = (0..11).filter(|i| b.is_dirty(i * G)).collect();
+        assert_eq!(dirty, [0, 1, 5, 10]);
+        assert_eq!(b.dirty_bytes(), 3 * G + 512);
+        assert_eq!(b.dirty_extents(), [(0, 2 * G), (5 * G, G), (10 * G, 512)]);
+    }
+
+    #[test]
+    fn marks_across_words() {
+        let b = DirtyBitmap::new(300 * G, G).unwrap();
+        b.mark(60 * G, 140 * G); // bits 60..=199, over four words
+        assert_eq!(b.dirty_extents(), [(60 * G, 140 * G)]);
+        assert_eq!(b.dirty_bytes(), 140 * G);
+        assert_eq!(b.extent_at(0, u64::MAX), (60 * G, false));
+        assert_eq!(b.extent_at(61 * G + 7, 10 * G), (10 * G, true));
+        assert_eq!(b.extent_at(199 * G, u64::MAX), (G, true));
+        assert_eq!(b.extent_at(200 * G, u64::MAX), (100 * G, false));
+    }
+
+    #[test]
+    fn take_moves_bits_and_merge_puts_them_back() {
+        let b = DirtyBitmap::new(100 * G, G).unwrap();
+        b.mark(0, G);
+        b.mark(70 * G, 3 * G);
+        let frozen = b.take();
+        assert_eq!(b.dirty_bytes(), 0);
+        assert_eq!(frozen.dirty_extents(), [(0, G), (70 * G, 3 * G)]);
+        b.mark(10 * G, G);
+        b.merge(&frozen).unwrap();
+        assert_eq!(b.dirty_extents(), [(0, G), (10 * G, G), (70 * G, 3 * G)]);
+        let other = DirtyBitmap::new(100 * G, 2 * G).unwrap();
+        assert!(matches!(b.merge(&other), Err(BitmapError::Mismatch)));
+        frozen.set_inconsistent();
+        b.merge(&frozen).unwrap();
+        assert!(!b.is_consistent());
+        b.clear();
+        assert!(b.is_consistent());
+        assert_eq!(b.dirty_bytes(), 0);
+    }
+
+    /// Marks from several threads at once, on shared words: none is lost.
+    #[test]
+    fn concurrent_marks_are_not_lost() {
+        let b = std::sync::Arc::new(DirtyBitmap::new(4096 * 512, 512).unwrap());
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let b = b.clone();
+                std::thread::spawn(move || {
+                    for i in (t..4096).step_by(4) {
+                        b.mark(i * 512, 512);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(b.dirty_bytes(), 4096 * 512);
+    }
+
+    #[test]
+    fn a_huge_disk_at_a_tiny_granularity_is_refused() {
+        assert!(matches!(
+            DirtyBitmap::new(u64::MAX, 512),
+            Err(BitmapError::TooLarge { .. })
+        ));
+    }
+}

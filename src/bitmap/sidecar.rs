@@ -1,0 +1,600 @@
+//! Persistent bitmaps of raw images and block devices: one sidecar file per
+//! bitmap, `DIR/STEM.bitmap.NAME` (by default the image's directory and
+//! file name), its bits mapped MAP_SHARED so that a set bit is in the page
+//! cache as soon as [`DirtyBitmap::mark`] returns.
+//!
+//! The format (docs/backup.md has it for other tools), little-endian:
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 8 | magic `RINGBMAP` |
+//! | 8 | 4 | version, 1 |
+//! | 12 | 4 | flags: bit 0 IN_USE, bit 1 INCONSISTENT; others zero |
+//! | 16 | 8 | size in bytes of the disk it covers |
+//! | 24 | 4 | log2 of the granularity (9 to 31) |
+//! | 28 | 4 | zero |
+//! | 32 | 8 | offset of the bits: 4096 |
+//! | 40 | 8 | length of the bits in bytes: 8 × ⌈⌈size / granularity⌉ / 64⌉ |
+//! | 48 | 36 | boot id (`/proc/sys/kernel/random/boot_id`) of the boot that last set IN_USE |
+//! | 84 | 4 | zero |
+//! | 88 | 2 | length of the name |
+//! | 90 | ≤ 64 | the name (as in the file name) |
+//!
+//! The bits start at 4096: bit `i` (granule `i`, bytes `i × granularity` on)
+//! is bit `i % 8` of byte `i / 8`, as in qcow2's bitmap extension. The file
+//! is allocated in full when the bitmap is created, so that a write to the
+//! mapping never needs a block the file system might not have (which would
+//! be a SIGBUS, not an error).
+//!
+//! Why a bitmap is complete, or marked inconsistent:
+//! - [`open`](BitmapStore::open) writes IN_USE and the current boot id and
+//!   fsyncs before it returns a bitmap; [`close`](BitmapStore::close)
+//!   msyncs the bits, and only then clears IN_USE and fsyncs.
+//! - Found IN_USE with the current boot id: the owner died (kill -9, a
+//!   crash) but the host did not, and the page cache holds every bit it
+//!   set: complete.
+//! - Found IN_USE with another boot id: the host stopped while the bitmap
+//!   was in use, and bits still in the page cache may be lost: the bitmap
+//!   is marked INCONSISTENT (a backup tool then copies everything), and
+//!   stays so until it is cleared.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use memmap2::MmapOptions;
+
+use super::{BitmapError, BitmapStore, DirtyBitmap, check_name, geometry, granularity_shift};
+
+const MAGIC: &[u8; 8] = b"RINGBMAP";
+const VERSION: u32 = 1;
+/// Where the bits start; the header's size.
+pub const HEADER_SIZE: u64 = 4096;
+const FLAG_IN_USE: u32 = 1 << 0;
+const FLAG_INCONSISTENT: u32 = 1 << 1;
+const BOOT_ID_LEN: usize = 36;
+
+/// The boot id of the running kernel, which changes at every boot.
+pub fn current_boot_id() -> io::Result<[u8; BOOT_ID_LEN]> {
+    let s = fs::read_to_string("/proc/sys/kernel/random/boot_id")?;
+    s.trim()
+        .as_bytes()
+        .try_into()
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "unexpected boot_id format"))
+}
+
+/// The fields of a sidecar header.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Header {
+    flags: u32,
+    disk_size: u64,
+    shift: u32,
+    boot_id: [u8; BOOT_ID_LEN],
+    name: String,
+}
+
+impl Header {
+    fn bits_len(&self) -> u64 {
+        geometry(self.disk_size, self.shift).1 * 8
+    }
+
+    /// The file's length: header, then the bits rounded up to a page (at
+    /// least one word, so that the mapping is never empty).
+    fn file_len(&self) -> u64 {
+        HEADER_SIZE + self.bits_len().max(8).next_multiple_of(4096)
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut h = vec![0u8; HEADER_SIZE as usize];
+        h[0..8].copy_from_slice(MAGIC);
+        h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        h[12..16].copy_from_slice(&self.flags.to_le_bytes());
+        h[16..24].copy_from_slice(&self.disk_size.to_le_bytes());
+        h[24..28].copy_from_slice(&self.shift.to_le_bytes());
+        h[32..40].copy_from_slice(&HEADER_SIZE.to_le_bytes());
+        h[40..48].copy_from_slice(&self.bits_len().to_le_bytes());
+        h[48..84].copy_from_slice(&self.boot_id);
+        h[88..90].copy_from_slice(&(self.name.len() as u16).to_le_bytes());
+        h[90..90 + self.name.len()].copy_from_slice(self.name.as_bytes());
+        h
+    }
+
+    fn decode(h: &[u8]) -> Result<Header, String> {
+        let u32_at = |o: usize| u32::from_le_bytes(h[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().unwrap());
+        if h.len() < HEADER_SIZE as usize || &h[0..8] != MAGIC {
+            return Err("not a ringblk bitmap (bad magic)".into());
+        }
+        if u32_at(8) != VERSION {
+            return Err(format!("version {} (this ringblk reads 1)", u32_at(8)));
+        }
+        let flags = u32_at(12);
+        if flags & !(FLAG_IN_USE | FLAG_INCONSISTENT) != 0 {
+            return Err(format!("unknown flags {flags:#x}"));
+        }
+        let shift = u32_at(24);
+        granularity_shift(1u64.checked_shl(shift).unwrap_or(0))
+            .map_err(|_| format!("granularity 2^{shift} out of range"))?;
+        let name_len = usize::from(u16::from_le_bytes([h[88], h[89]]));
+        if name_len > super::MAX_NAME_LEN {
+            return Err(format!("name length {name_len}"));
+        }
+        let name = std::str::from_utf8(&h[90..90 + name_len])
+            .map_err(|_| "name is not UTF-8".to_string())?
+            .to_string();
+        let header = Header {
+            flags,
+            disk_size: u64_at(16),
+            shift,
+            boot_id: h[48..84].try_into().unwrap(),
+            name,
+        };
+        if u64_at(32) != HEADER_SIZE || u64_at(40) != header.bits_len() {
+            return Err("bits offset or length do not match the size".into());
+        }
+        Ok(header)
+    }
+}
+
+/// The bitmaps of one image, each in its sidecar file.
+pub struct SidecarStore {
+    dir: PathBuf,
+    stem: String,
+    boot_id: [u8; BOOT_ID_LEN],
+    /// Open sidecars by bitmap name (kept open for the header updates).
+    files: HashMap<String, File>,
+}
+
+impl SidecarStore {
+    /// The store for `image`: sidecars next to it, or in `dir`. Names them
+    /// after the image's file name.
+    pub fn for_image(image: &Path, dir: Option<&Path>) -> Result<SidecarStore, BitmapError> {
+        let stem =
+            image
+                .file_name()
+                .and_then(|n| n.to_str())
+                .ok_or_else(|| BitmapError::Corrupt {
+                    path: image.display().to_string(),
+                    why: "the image path has no UTF-8 file name".into(),
+                })?;
+        let dir = match dir {
+            Some(d) => d.to_path_buf(),
+            None => match image.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                _ => PathBuf::from("."),
+            },
+        };
+        SidecarStore::new(&dir, stem)
+    }
+
+    /// The store of sidecars `dir/stem.bitmap.NAME`.
+    pub fn new(dir: &Path, stem: &str) -> Result<SidecarStore, BitmapError> {
+        let boot_id = current_boot_id().map_err(|source| BitmapError::Io {
+            path: "/proc/sys/kernel/random/boot_id".into(),
+            source,
+        })?;
+        Ok(SidecarStore {
+            dir: dir.to_path_buf(),
+            stem: stem.to_string(),
+            boot_id,
+            files: HashMap::new(),
+        })
+    }
+
+    /// Pretends to run in the boot `boot_id`: how a test simulates the
+    /// host stopping and starting again.
+    pub fn with_boot_id(mut self, boot_id: &str) -> SidecarStore {
+        let mut id = [b'0'; BOOT_ID_LEN];
+        let n = boot_id.len().min(BOOT_ID_LEN);
+        id[..n].copy_from_slice(&boot_id.as_bytes()[..n]);
+        self.boot_id = id;
+        self
+    }
+
+    /// The sidecar of bitmap `name`.
+    pub fn path_of(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{}.bitmap.{name}", self.stem))
+    }
+
+    fn temp_path_of(&self, name: &str) -> PathBuf {
+        self.dir.join(format!(".{}.bitmap.{name}.new", self.stem))
+    }
+
+    fn io_err(path: &Path) -> impl FnOnce(io::Error) -> BitmapError + '_ {
+        move |source| BitmapError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    }
+
+    fn sync_dir(&self) -> Result<(), BitmapError> {
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(Self::io_err(&self.dir))
+    }
+
+    fn write_header(file: &File, path: &Path, header: &Header) -> Result<(), BitmapError> {
+        file.write_all_at(&header.encode(), 0)
+            .and_then(|()| file.sync_data())
+            .map_err(Self::io_err(path))
+    }
+
+    /// Maps a sidecar's bits and makes the bitmap.
+    fn map(
+        file: &File,
+        path: &Path,
+        header: &Header,
+        consistent: bool,
+    ) -> Result<DirtyBitmap, BitmapError> {
+        let map = MmapOptions::new()
+            .offset(HEADER_SIZE)
+            .len(header.bits_len().max(8) as usize)
+            .map_raw(file)
+            .map_err(Self::io_err(path))?;
+        DirtyBitmap::mapped(header.disk_size, header.shift, map, consistent).map_err(|why| {
+            BitmapError::Corrupt {
+                path: path.display().to_string(),
+                why,
+            }
+        })
+    }
+
+    /// Opens one sidecar and marks it in use.
+    fn open_one(&mut self, name: &str, disk_size: u64) -> Result<(DirtyBitmap, File), BitmapError> {
+        let path = self.path_of(name);
+        let corrupt = |why: String| BitmapError::Corrupt {
+            path: path.display().to_string(),
+            why,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(Self::io_err(&path))?;
+        let meta = file.metadata().map_err(Self::io_err(&path))?;
+        if !meta.is_file() {
+            return Err(corrupt("not a regular file".into()));
+        }
+        let mut raw = vec![0u8; HEADER_SIZE as usize];
+        file.read_exact_at(&mut raw, 0)
+            .map_err(|e| corrupt(format!("reading the header: {e}")))?;
+        let mut header = Header::decode(&raw).map_err(corrupt)?;
+        if header.name != name {
+            return Err(corrupt(format!(
+                "holds bitmap '{}', not '{name}'",
+                header.name.escape_debug()
+            )));
+        }
+        if header.disk_size != disk_size {
+            return Err(corrupt(format!(
+                "covers a disk of {} bytes, this one has {disk_size}",
+                header.disk_size
+            )));
+        }
+        if meta.len() < header.file_len() {
+            return Err(corrupt(format!(
+                "{} bytes long, short of {}",
+                meta.len(),
+                header.file_len()
+            )));
+        }
+        let crashed_host = header.flags & FLAG_IN_USE != 0 && header.boot_id != self.boot_id;
+        if crashed_host {
+            log::warn!(
+                "bitmap '{name}' ({}) was in use when the host stopped: marked inconsistent",
+                path.display()
+            );
+            header.flags |= FLAG_INCONSISTENT;
+        }
+        let consistent = header.flags & FLAG_INCONSISTENT == 0;
+        header.flags |= FLAG_IN_USE;
+        header.boot_id = self.boot_id;
+        Self::write_header(&file, &path, &header)?;
+        let bitmap = Self::map(&file, &path, &header, consistent)?;
+        Ok((bitmap, file))
+    }
+
+    fn header_of(&self, name: &str, bitmap: &DirtyBitmap, in_use: bool) -> Header {
+        let mut flags = if in_use { FLAG_IN_USE } else { 0 };
+        if !bitmap.is_consistent() {
+            flags |= FLAG_INCONSISTENT;
+        }
+        Header {
+            flags,
+            disk_size: bitmap.disk_size(),
+            shift: bitmap.granularity().trailing_zeros(),
+            boot_id: self.boot_id,
+            name: name.to_string(),
+        }
+    }
+}
+
+/// Allocates `len` bytes of `file` (zeroes), so that no later write to its
+/// mapping needs a block.
+fn allocate(file: &File, len: u64) -> io::Result<()> {
+    let l = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    // SAFETY: fallocate takes no pointers; the fd is open for writing.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, l) } == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
+        return Err(e);
+    }
+    // A file system without fallocate: write the zeroes.
+    let zeroes = vec![0u8; 1 << 20];
+    let mut off = 0;
+    while off < len {
+        let n = (len - off).min(zeroes.len() as u64) as usize;
+        file.write_all_at(&zeroes[..n], off)?;
+        off += n as u64;
+    }
+    Ok(())
+}
+
+impl BitmapStore for SidecarStore {
+    fn open(&mut self, disk_size: u64) -> Result<Vec<(String, DirtyBitmap)>, BitmapError> {
+        let prefix = format!("{}.bitmap.", self.stem);
+        let stale = format!(".{prefix}");
+        let mut names = Vec::new();
+        let entries = fs::read_dir(&self.dir).map_err(Self::io_err(&self.dir))?;
+        for entry in entries {
+            let entry = entry.map_err(Self::io_err(&self.dir))?;
+            let Some(file_name) = entry.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            if file_name.starts_with(&stale) && file_name.ends_with(".new") {
+                // An `add` that did not finish: never a bitmap.
+                let _ = fs::remove_file(entry.path());
+            } else if let Some(name) = file_name.strip_prefix(&prefix)
+                && check_name(name).is_ok()
+            {
+                names.push(name.to_string());
+            }
+        }
+        names.sort();
+        let mut out = Vec::new();
+        for name in names {
+            let (bitmap, file) = self.open_one(&name, disk_size)?;
+            self.files.insert(name.clone(), file);
+            out.push((name, bitmap));
+        }
+        Ok(out)
+    }
+
+    fn add(
+        &mut self,
+        name: &str,
+        granularity: u64,
+        disk_size: u64,
+    ) -> Result<DirtyBitmap, BitmapError> {
+        check_name(name)?;
+        let shift = granularity_shift(granularity)?;
+        let path = self.path_of(name);
+        if self.files.contains_key(name) || fs::symlink_metadata(&path).is_ok() {
+            return Err(BitmapError::Exists(name.to_string()));
+        }
+        let header = Header {
+            flags: FLAG_IN_USE,
+            disk_size,
+            shift,
+            boot_id: self.boot_id,
+            name: name.to_string(),
+        };
+        // Written whole under a temporary name, then renamed: a crash
+        // leaves either no bitmap or a complete one.
+        let temp = self.temp_path_of(name);
+        let _ = fs::remove_file(&temp);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&temp)
+            .map_err(Self::io_err(&temp))?;
+        let made = allocate(&file, header.file_len())
+            .and_then(|()| file.write_all_at(&header.encode(), 0))
+            .and_then(|()| file.sync_all())
+            .and_then(|()| fs::rename(&temp, &path));
+        if let Err(e) = made {
+            let _ = fs::remove_file(&temp);
+            return Err(Self::io_err(&path)(e));
+        }
+        self.sync_dir()?;
+        let bitmap = Self::map(&file, &path, &header, true)?;
+        self.files.insert(name.to_string(), file);
+        Ok(bitmap)
+    }
+
+    fn remove(&mut self, name: &str) -> Result<(), BitmapError> {
+        check_name(name)?;
+        let path = self.path_of(name);
+        match fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(BitmapError::NotFound(name.to_string()));
+            }
+            Err(e) => return Err(Self::io_err(&path)(e)),
+        }
+        self.files.remove(name);
+        self.sync_dir()
+    }
+
+    fn update(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError> {
+        let path = self.path_of(name);
+        let file = self
+            .files
+            .get(name)
+            .ok_or_else(|| BitmapError::NotFound(name.to_string()))?;
+        if bitmap.is_consistent() {
+            // Consistent again (a clear): the cleared bits must be on disk
+            // before the header says they can be trusted.
+            bitmap.sync().map_err(Self::io_err(&path))?;
+        }
+        Self::write_header(file, &path, &self.header_of(name, bitmap, true))
+    }
+
+    fn close(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError> {
+        let path = self.path_of(name);
+        let file = self
+            .files
+            .remove(name)
+            .ok_or_else(|| BitmapError::NotFound(name.to_string()))?;
+        bitmap.sync().map_err(Self::io_err(&path))?;
+        Self::write_header(&file, &path, &self.header_of(name, bitmap, false))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: u64 = 64 << 10;
+    const SIZE: u64 = 1000 * G + 4096;
+
+    fn store(dir: &Path) -> SidecarStore {
+        SidecarStore::new(dir, "disk.img").unwrap()
+    }
+
+    #[test]
+    fn header_round_trips_and_rejects_garbage() {
+        let h = Header {
+            flags: FLAG_IN_USE,
+            disk_size: SIZE,
+            shift: 16,
+            boot_id: *b"0f4ab3c9-b975-43b8-9f11-06ed0dc3a861",
+            name: "nightly".into(),
+        };
+        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        let mut bad = h.encode();
+        bad[0] = b'X';
+        assert!(Header::decode(&bad).is_err());
+        let mut bad = h.encode();
+        bad[12] = 0x80;
+        assert!(Header::decode(&bad).is_err(), "unknown flag accepted");
+        let mut bad = h.encode();
+        bad[24] = 8; // 256-byte granularity
+        assert!(Header::decode(&bad).is_err());
+        let mut bad = h.encode();
+        bad[40] ^= 8; // bits length off by a word
+        assert!(Header::decode(&bad).is_err());
+        let mut bad = h.encode();
+        bad[88] = 200; // name too long
+        assert!(Header::decode(&bad).is_err());
+        assert!(Header::decode(&[0u8; 100]).is_err());
+    }
+
+    #[test]
+    fn clean_close_and_reopen_keeps_bits() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(dir.path());
+        let b = s.add("nightly", G, SIZE).unwrap();
+        b.mark(3 * G, 1);
+        b.mark(999 * G, 2 * G); // includes the partial last granule
+        assert!(matches!(
+            s.add("nightly", G, SIZE),
+            Err(BitmapError::Exists(_))
+        ));
+        s.close("nightly", &b).unwrap();
+        drop(b);
+
+        let mut s = store(dir.path());
+        let loaded = s.open(SIZE).unwrap();
+        assert_eq!(loaded.len(), 1);
+        let (name, b) = &loaded[0];
+        assert_eq!(name, "nightly");
+        assert!(b.is_consistent());
+        assert_eq!(b.dirty_extents(), [(3 * G, G), (999 * G, G + 4096)]);
+    }
+
+    /// In use, same boot (the process died): complete. In use, another
+    /// boot (the host died): inconsistent, and it stays so across a clean
+    /// close until cleared.
+    #[test]
+    fn in_use_is_complete_in_the_same_boot_and_inconsistent_after_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(dir.path());
+        let b = s.add("a", G, SIZE).unwrap();
+        b.mark(0, G);
+        drop(b);
+        drop(s); // no close: as after kill -9
+
+        let mut s = store(dir.path());
+        let loaded = s.open(SIZE).unwrap();
+        assert!(loaded[0].1.is_consistent(), "same boot: complete");
+        assert_eq!(loaded[0].1.dirty_bytes(), G);
+        drop(loaded);
+        drop(s); // again no close
+
+        let mut s = store(dir.path()).with_boot_id("another-boot");
+        let loaded = s.open(SIZE).unwrap();
+        let (name, b) = &loaded[0];
+        assert!(!b.is_consistent(), "another boot: inconsistent");
+        s.close(name, b).unwrap();
+        let mut s = store(dir.path());
+        let loaded = s.open(SIZE).unwrap();
+        let (name, b) = &loaded[0];
+        assert!(!b.is_consistent(), "inconsistency is sticky");
+        b.clear();
+        s.update(name, b).unwrap();
+        s.close(name, b).unwrap();
+        let loaded = store(dir.path()).with_boot_id("third").open(SIZE).unwrap();
+        assert!(
+            loaded[0].1.is_consistent(),
+            "a cleared bitmap, closed cleanly"
+        );
+    }
+
+    #[test]
+    fn remove_and_bad_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(dir.path());
+        let b = s.add("x", 512, 1 << 20).unwrap();
+        s.close("x", &b).unwrap();
+        s.remove("x").unwrap();
+        assert!(matches!(s.remove("x"), Err(BitmapError::NotFound(_))));
+        assert!(matches!(s.add("../x", G, SIZE), Err(BitmapError::Name(_))));
+        assert!(s.open(1 << 20).unwrap().is_empty());
+
+        // A stale temporary file is removed, a foreign file is refused
+        // with its name, and a wrong disk size is refused.
+        fs::write(dir.path().join(".disk.img.bitmap.y.new"), b"junk").unwrap();
+        fs::write(dir.path().join("disk.img.bitmap.z"), vec![0u8; 8192]).unwrap();
+        let e = s.open(1 << 20).unwrap_err().to_string();
+        assert!(
+            e.contains("disk.img.bitmap.z") && e.contains("bad magic"),
+            "{e}"
+        );
+        assert!(!dir.path().join(".disk.img.bitmap.y.new").exists());
+        fs::remove_file(dir.path().join("disk.img.bitmap.z")).unwrap();
+        let b = s.add("w", G, SIZE).unwrap();
+        s.close("w", &b).unwrap();
+        let e = store(dir.path()).open(SIZE + G).unwrap_err().to_string();
+        assert!(e.contains("covers a disk of"), "{e}");
+        // Truncated: refused, never mapped short.
+        let f = OpenOptions::new()
+            .write(true)
+            .open(dir.path().join("disk.img.bitmap.w"))
+            .unwrap();
+        f.set_len(HEADER_SIZE + 100).unwrap();
+        let e = store(dir.path()).open(SIZE).unwrap_err().to_string();
+        assert!(e.contains("short of"), "{e}");
+    }
+
+    #[test]
+    fn sidecars_are_fully_allocated_and_private() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(dir.path());
+        let _b = s.add("big", 512, 1 << 30).unwrap();
+        let meta = fs::metadata(s.path_of("big")).unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o600);
+        // 2^21 bits: 256 KiB of bits, all allocated.
+        assert!(meta.blocks() * 512 >= HEADER_SIZE + (256 << 10), "{meta:?}");
+    }
+}

@@ -1,0 +1,126 @@
+//! The logic of the `qcow2` fuzz target (fuzz/fuzz_targets/qcow2.rs),
+//! here so that tests/fuzz_corpus.rs replays its corpus under a plain
+//! `cargo test`.
+//!
+//! The input is an image file: the first byte holds flags (bit 0: open it
+//! writable), the rest is the file. It is opened as qcow2 with a chain
+//! bound of 1 (a backing file named in the input is never opened: the
+//! input may name any host file), then the whole guest range is mapped
+//! and resolved in a few pieces, compressed data read, and, when writable,
+//! one write and one write-zeroes done. The promises checked beyond "no
+//! panic": an open failure is one line; the pieces of a range cover it
+//! exactly, in order; a data piece names a file of the chain and does not
+//! overflow; a write never maps to a backing file.
+
+use std::io::Write;
+
+use super::{Dir, Format, FormatError, Image, OpenOptions, Piece, Where};
+
+/// What one input led to (for the corpus test's coverage check).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Refused at open; the message.
+    Refused(String),
+    /// Opened; how many requests failed and succeeded.
+    Served { ok: usize, failed: usize },
+}
+
+fn check_pieces(img: &Image, offset: u64, len: u64, dir: Dir, pieces: &[Piece]) {
+    let mut pos = offset;
+    for p in pieces {
+        assert_eq!(
+            p.guest, pos,
+            "pieces of {len}@{offset} skip or overlap: {pieces:?}"
+        );
+        assert!(p.len > 0, "empty piece: {pieces:?}");
+        pos = p.guest.checked_add(p.len).expect("piece overflows");
+        if let Where::Data { file, offset } = p.at {
+            assert!(
+                file < img.files().len(),
+                "piece names file {file}: {pieces:?}"
+            );
+            assert!(
+                offset.checked_add(p.len).is_some(),
+                "host range overflows: {p:?}"
+            );
+            if dir == Dir::Write {
+                assert_eq!(file, 0, "a write mapped to a backing file: {p:?}");
+            }
+        }
+        if dir == Dir::Write {
+            assert!(p.at != Where::Zero, "a write mapped to zeroes: {p:?}");
+        }
+    }
+    assert_eq!(pos, offset + len, "pieces of {len}@{offset} end at {pos}");
+}
+
+/// Runs one input. Panics only on a broken promise.
+pub fn run_one(data: &[u8]) -> Outcome {
+    let (flags, image) = data.split_first().map_or((0, &[][..]), |(f, r)| (*f, r));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("image.qcow2");
+    std::fs::File::create(&path)
+        .and_then(|mut f| f.write_all(image))
+        .expect("writing the input");
+    let options = OpenOptions {
+        writable: flags & 1 != 0,
+        max_chain: 1,
+        map_cache_entries: 64,
+        ..OpenOptions::default()
+    };
+    let img = match Image::open(&path, Format::Qcow2, &options) {
+        Ok(img) => img,
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(!msg.contains('\n'), "multi-line open error: {msg}");
+            return Outcome::Refused(msg);
+        }
+    };
+    let (mut ok, mut failed) = (0, 0);
+    let mut tally = |r: Result<(), FormatError>| match r {
+        Ok(()) => ok += 1,
+        Err(_) => failed += 1,
+    };
+    let size = img.size();
+    // A few ranges across the disk (bounded work for absurd sizes).
+    let step = (size / 4).max(512);
+    let mut offset = 0u64;
+    for _ in 0..4 {
+        if offset >= size {
+            break;
+        }
+        let len = (size - offset).min(256 << 10);
+        for dir in [Dir::Read, Dir::Write] {
+            let mut pieces = Vec::new();
+            img.map(offset, len, dir, &mut pieces);
+            check_pieces(&img, offset, len, dir, &pieces);
+        }
+        let mut pieces = Vec::new();
+        let r = img.resolve(offset, len, Dir::Read, &mut pieces).map(|_| ());
+        if r.is_ok() {
+            check_pieces(&img, offset, len, Dir::Read, &pieces);
+            for p in &pieces {
+                if p.at == Where::Slow {
+                    let mut buf = vec![0u8; p.len.min(1 << 20) as usize];
+                    tally(img.read_slow(p.guest, &mut buf));
+                }
+            }
+        }
+        tally(r);
+        offset = offset.saturating_add(step);
+    }
+    if img.writable() && size >= 4096 {
+        let mut pieces = Vec::new();
+        let r = img.resolve(0, 4096, Dir::Write, &mut pieces);
+        if let Ok(ticket) = &r {
+            check_pieces(&img, 0, 4096, Dir::Write, &pieces);
+            if let Some(t) = ticket {
+                tally(img.commit(*t));
+            }
+        }
+        tally(r.map(|_| ()));
+        tally(img.write_zeroes(0, size.min(1 << 20), true).map(|_| ()));
+        tally(img.flush());
+    }
+    Outcome::Served { ok, failed }
+}

@@ -1,0 +1,874 @@
+//! qcow2 images and their backing chains, on top of `imago`.
+//!
+//! imago parses the headers, keeps the L2 and refcount caches, allocates
+//! clusters, copies on write (from any layer of the chain, compressed
+//! clusters included) and zeroes clusters. Around it:
+//! - [`ordered`]: every metadata write of imago's goes through our
+//!   `Storage`, which puts the writes in a crash-safe order;
+//! - [`map_cache`]: the mappings the queue threads look up without I/O;
+//! - this module: opening the chain (paths resolved like QEMU, formats
+//!   never probed, depth bounded, loops refused), the slow path (one
+//!   metadata operation at a time under `meta`), and group commit.
+
+pub mod map_cache;
+pub mod ordered;
+
+use std::collections::HashSet;
+use std::fs::{self, File};
+use std::io;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use imago::format::PreallocateMode;
+use imago::format::drivers::FormatDriverInstance;
+use imago::qcow2::Qcow2;
+use imago::raw::Raw;
+use imago::{FormatAccess, Mapping};
+
+use super::{Commit, Dir, FormatError, Piece, Where};
+use map_cache::{Loc, MAX_FILES, MapCache};
+pub use ordered::{ChainFile, FileState, Journal, JournalOp};
+
+/// How deep a chain may be, the top included. QEMU has no fixed bound; a
+/// chain of snapshots this deep is already slow to read through.
+pub const MAX_CHAIN: usize = 16;
+
+/// Options for opening a qcow2 image.
+#[derive(Clone, Debug)]
+pub struct OpenOptions {
+    /// Open the top read-write (the backing files are always read-only).
+    pub writable: bool,
+    /// The chain's depth bound, the top included (at most [`MAX_CHAIN`]...
+    /// or less, for tests).
+    pub max_chain: usize,
+    /// Entries of the queue threads' mapping cache.
+    pub map_cache_entries: usize,
+    /// Tests only: `false` lets imago's writes through in its own order, to
+    /// show what the ordering prevents.
+    pub ordered: bool,
+    /// Tests only: record every write and fdatasync of the top.
+    pub journal: Option<Arc<Journal>>,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            writable: true,
+            max_chain: MAX_CHAIN,
+            map_cache_entries: 1 << 16,
+            ordered: true,
+            journal: None,
+        }
+    }
+}
+
+pub struct Qcow2Image {
+    top: FormatAccess<ChainFile>,
+    /// The chain's files, top first; `Where::Data::file` indexes them.
+    files: Vec<Arc<FileState>>,
+    writable: bool,
+    size: AtomicU64,
+    /// log2 of the top's cluster size (allocation unit).
+    cluster_bits: u32,
+    /// log2 of the smallest cluster size of the chain (the cache's unit).
+    granule_bits: u32,
+    /// Whether the top is v3 (zero clusters); v2 is served read-only.
+    v3: bool,
+    cache: MapCache,
+    /// One imago operation at a time: an allocation and the commit that
+    /// writes its metadata must not interleave (see `ordered`).
+    meta: Mutex<()>,
+    /// Generation of the newest metadata change in memory.
+    dirty: AtomicU64,
+    /// Generation up to which metadata is in the file.
+    committed: AtomicU64,
+    /// Held by the committer of a group; waiters find their generation done.
+    commit_lock: Mutex<()>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn open_err(path: &Path, reason: impl ToString) -> FormatError {
+    FormatError::Open {
+        path: path.display().to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+fn be32(b: &[u8]) -> u32 {
+    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// Where QEMU looks for a backing file named `name` in the header of the
+/// image at `overlay`: an absolute name as it is, a relative one relative
+/// to the overlay's directory (not the current directory). Protocol names
+/// (`nbd:`, `json:`, ...) are refused rather than opened as files.
+pub fn resolve_backing(overlay: &Path, name: &str) -> Result<PathBuf, String> {
+    if name.is_empty() {
+        return Err("empty backing file name".into());
+    }
+    if let Some((proto, _)) = name.split_once(':')
+        && !proto.contains('/')
+        && proto.chars().all(|c| c.is_ascii_alphanumeric() || c == '+')
+    {
+        return Err(format!(
+            "backing file {name:?} names a protocol; only files are supported"
+        ));
+    }
+    let p = Path::new(name);
+    if p.is_absolute() {
+        return Ok(p.to_path_buf());
+    }
+    let dir = overlay.parent().unwrap_or(Path::new(""));
+    Ok(dir.join(p))
+}
+
+/// What opening one layer found out, for the next one down.
+struct Chain {
+    files: Vec<Arc<FileState>>,
+    seen: HashSet<(u64, u64)>,
+    min_cluster_bits: u32,
+}
+
+impl Qcow2Image {
+    pub fn open(path: &Path, options: &OpenOptions) -> Result<Qcow2Image, FormatError> {
+        let mut chain = Chain {
+            files: Vec::new(),
+            seen: HashSet::new(),
+            min_cluster_bits: 21,
+        };
+        let max_chain = options.max_chain.clamp(1, MAX_FILES);
+        let (top, header) = open_qcow2(path, options, max_chain, &mut chain)?;
+        let version = be32(&header[4..8]);
+        let cluster_bits = be32(&header[20..24]);
+        let size = top.size();
+        Ok(Qcow2Image {
+            top,
+            files: chain.files,
+            writable: options.writable,
+            size: AtomicU64::new(size),
+            cluster_bits,
+            granule_bits: chain.min_cluster_bits,
+            v3: version >= 3,
+            cache: MapCache::new(options.map_cache_entries),
+            meta: Mutex::new(()),
+            dirty: AtomicU64::new(0),
+            committed: AtomicU64::new(0),
+            commit_lock: Mutex::new(()),
+        })
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size.load(Ordering::Acquire)
+    }
+
+    pub fn writable(&self) -> bool {
+        self.writable
+    }
+
+    pub fn files(&self) -> Vec<&File> {
+        self.files.iter().map(|f| f.file()).collect()
+    }
+
+    /// The chain's paths, top first (for `ctl status`).
+    pub fn chain(&self) -> Vec<PathBuf> {
+        self.files.iter().map(|f| f.path().to_path_buf()).collect()
+    }
+
+    pub fn cluster_size(&self) -> u64 {
+        1 << self.cluster_bits
+    }
+
+    fn check(&self, offset: u64, len: u64, dir: Dir) -> Result<(), FormatError> {
+        if dir == Dir::Write && !self.writable {
+            return Err(FormatError::ReadOnly);
+        }
+        let size = self.size();
+        match offset.checked_add(len) {
+            Some(end) if end <= size => Ok(()),
+            _ => Err(FormatError::OutOfRange { offset, len, size }),
+        }
+    }
+
+    /// The fast path: see [`super::Image::map`].
+    pub fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>) {
+        let gb = self.granule_bits;
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let granule = pos >> gb;
+            let next = ((granule + 1) << gb).min(end);
+            let within = pos - (granule << gb);
+            let at = match (self.cache.get(granule), dir) {
+                (Some(Loc::Data { file, offset, .. }), Dir::Read) => Where::Data {
+                    file,
+                    offset: offset + within,
+                },
+                (
+                    Some(Loc::Data {
+                        file: 0,
+                        offset,
+                        writable: true,
+                    }),
+                    Dir::Write,
+                ) => Where::Data {
+                    file: 0,
+                    offset: offset + within,
+                },
+                (Some(Loc::Zero), Dir::Read) => Where::Zero,
+                _ => Where::Slow,
+            };
+            push_piece(out, pos, next - pos, at);
+            pos = next;
+        }
+    }
+
+    /// Checks that a data location taken from the image's metadata is
+    /// plausible: a host offset far past the end of its file is a corrupt
+    /// (or hostile) table, and the request touching it fails.
+    fn check_host(&self, file: usize, host: u64, len: u64) -> Result<(), FormatError> {
+        const SLACK: u64 = 1 << 30;
+        let size = self.files[file]
+            .file()
+            .metadata()
+            .map(|m| m.len())
+            .unwrap_or(0);
+        if host.saturating_add(len) > size.saturating_add(SLACK) {
+            return Err(FormatError::Io {
+                context: "mapping",
+                source: io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{}: data at {host:#x} is past the end of the file ({size} bytes)",
+                        self.files[file].path().display()
+                    ),
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Pieces for `[offset, end)` as imago maps them now, caching whole
+    /// granules. Called under `meta`.
+    fn resolve_read(&self, offset: u64, end: u64, out: &mut Vec<Piece>) -> Result<(), FormatError> {
+        let gb = self.granule_bits;
+        let gsize = 1u64 << gb;
+        let mut pos = offset & !(gsize - 1);
+        let aligned_end = end.div_ceil(gsize).saturating_mul(gsize).min(self.size());
+        while pos < aligned_end {
+            let (mapping, mlen) = self
+                .top
+                .get_mapping(pos, aligned_end - pos)
+                .map_err(FormatError::io("reading metadata"))?;
+            if mlen == 0 {
+                return Err(FormatError::OutOfRange {
+                    offset: pos,
+                    len: end - pos,
+                    size: self.size(),
+                });
+            }
+            let (at, loc) = match mapping {
+                Mapping::Raw {
+                    storage,
+                    offset: host,
+                    writable,
+                    ..
+                } => {
+                    let file = storage.0.index();
+                    self.check_host(file, host, mlen)?;
+                    let writable = writable && file == 0 && self.writable;
+                    (
+                        Where::Data { file, offset: host },
+                        Some((file, host, writable)),
+                    )
+                }
+                Mapping::Zero { .. } => (Where::Zero, None),
+                Mapping::Special { .. } => (Where::Slow, None),
+                _ => {
+                    return Err(FormatError::Io {
+                        context: "mapping",
+                        source: io::Error::other(format!("unexpected mapping at {pos:#x}")),
+                    });
+                }
+            };
+            // Cache the whole granules of this run.
+            let run_end = pos + mlen;
+            let mut g = pos;
+            while g + gsize <= run_end || (g < run_end && run_end == self.size()) {
+                let loc = match (&at, loc) {
+                    (Where::Zero, _) => Some(Loc::Zero),
+                    (Where::Data { .. }, Some((file, host, writable))) if (host & 511) == 0 => {
+                        Some(Loc::Data {
+                            file,
+                            offset: host + (g - pos),
+                            writable,
+                        })
+                    }
+                    _ => None,
+                };
+                match loc {
+                    Some(l) => self.cache.insert(g >> gb, l),
+                    None => self.cache.remove(g >> gb),
+                }
+                g += gsize;
+            }
+            // The part of the run the request covers.
+            let from = pos.max(offset);
+            let to = run_end.min(end);
+            if from < to {
+                let at = match at {
+                    Where::Data { file, offset: host } => Where::Data {
+                        file,
+                        offset: host + (from - pos),
+                    },
+                    other => other,
+                };
+                push_piece(out, from, to - from, at);
+            }
+            pos = run_end;
+        }
+        Ok(())
+    }
+
+    /// The slow path: see [`super::Image::resolve`].
+    pub fn resolve(
+        &self,
+        offset: u64,
+        len: u64,
+        dir: Dir,
+        out: &mut Vec<Piece>,
+    ) -> Result<Option<Commit>, FormatError> {
+        self.check(offset, len, dir)?;
+        let end = offset + len;
+        let _meta = lock(&self.meta);
+        if dir == Dir::Read {
+            self.resolve_read(offset, end, out)?;
+            return Ok(None);
+        }
+        let cb = self.cluster_bits;
+        let csize = 1u64 << cb;
+        let mut ticket = None;
+        let mut pos = offset;
+        while pos < end {
+            let cstart = pos & !(csize - 1);
+            let cend = (cstart + csize).min(self.size());
+            let wend = end.min(cend);
+            let (mapping, mlen) = self
+                .top
+                .get_mapping(cstart, cend - cstart)
+                .map_err(FormatError::io("reading metadata"))?;
+            let (host, fresh, must_commit) = match mapping {
+                Mapping::Raw {
+                    storage,
+                    offset: host,
+                    writable: true,
+                    ..
+                } if storage.0.index() == 0 && mlen >= cend - cstart => {
+                    self.check_host(0, host, csize)?;
+                    (host, false, false)
+                }
+                other => {
+                    // Replacing a compressed or shared cluster of the top
+                    // frees it; it must not be reused before the new mapping
+                    // is durable, so commit before anyone allocates again.
+                    let frees = match other {
+                        Mapping::Special { layer, .. } => std::ptr::eq(layer, &self.top),
+                        Mapping::Raw { storage, .. } => storage.0.index() == 0,
+                        _ => false,
+                    };
+                    let overwrite = pos == cstart && wend == cend;
+                    let (_, host, got) = self
+                        .top
+                        .ensure_data_mapping(cstart, cend - cstart, overwrite)
+                        .map_err(FormatError::io("allocating"))?;
+                    if got < cend - cstart {
+                        return Err(FormatError::Io {
+                            context: "allocating",
+                            source: io::Error::other(format!(
+                                "allocated {got} of {} bytes at {cstart:#x}",
+                                cend - cstart
+                            )),
+                        });
+                    }
+                    if self.files[0].is_metadata(host >> cb) {
+                        return Err(FormatError::Io {
+                            context: "allocating",
+                            source: io::Error::new(
+                                io::ErrorKind::InvalidData,
+                                format!(
+                                    "cluster {host:#x} was allocated for data but holds metadata: \
+                                     the refcounts are corrupt (qemu-img check -r all)"
+                                ),
+                            ),
+                        });
+                    }
+                    (host, true, frees)
+                }
+            };
+            if fresh {
+                let generation = self.dirty.fetch_add(1, Ordering::AcqRel) + 1;
+                ticket = Some(Commit(generation));
+            }
+            // A new L2 table or refblock was hooked up, or a cluster freed:
+            // commit now, before anything can reuse a cluster the file still
+            // points to (the next allocation, or the engine's data write).
+            if must_commit || self.files[0].has_held() {
+                self.commit_locked()?;
+            }
+            // Cache the cluster's granules as writable data of the top.
+            let gb = self.granule_bits;
+            let mut g = cstart;
+            while g < cend {
+                self.cache.insert(
+                    g >> gb,
+                    Loc::Data {
+                        file: 0,
+                        offset: host + (g - cstart),
+                        writable: true,
+                    },
+                );
+                g += 1 << gb;
+            }
+            push_piece(
+                out,
+                pos,
+                wend - pos,
+                Where::Data {
+                    file: 0,
+                    offset: host + (pos - cstart),
+                },
+            );
+            pos = wend;
+        }
+        Ok(ticket)
+    }
+
+    /// Reads `buf` at guest `offset` through imago (compressed clusters).
+    pub fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        self.check(offset, buf.len() as u64, Dir::Read)?;
+        self.top
+            .read(buf, offset)
+            .map_err(FormatError::io("reading compressed data"))
+    }
+
+    /// Writes imago's dirty metadata, then the pointer writes held back.
+    /// Called under `meta`.
+    fn commit_locked(&self) -> Result<(), FormatError> {
+        let target = self.dirty.load(Ordering::Acquire);
+        self.top
+            .flush()
+            .map_err(FormatError::io("writing metadata"))?;
+        self.files[0]
+            .commit_pointers()
+            .map_err(FormatError::io("writing metadata"))?;
+        self.committed.fetch_max(target, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// See [`super::Image::commit`].
+    pub fn commit(&self, ticket: Commit) -> Result<(), FormatError> {
+        if self.committed.load(Ordering::Acquire) >= ticket.0 {
+            return Ok(());
+        }
+        let _group = lock(&self.commit_lock);
+        if self.committed.load(Ordering::Acquire) >= ticket.0 {
+            return Ok(());
+        }
+        let _meta = lock(&self.meta);
+        self.commit_locked()
+    }
+
+    /// See [`super::Image::flush`].
+    pub fn flush(&self) -> Result<(), FormatError> {
+        if !self.writable {
+            return Ok(());
+        }
+        let _group = lock(&self.commit_lock);
+        let _meta = lock(&self.meta);
+        self.commit_locked()?;
+        self.files[0]
+            .sync_now()
+            .map_err(FormatError::io("fdatasync"))
+    }
+
+    /// See [`super::Image::write_zeroes`]: whole clusters become zero
+    /// clusters, keeping their allocation (so a cluster is never freed and
+    /// reused while a request may still be in flight to it); with `unmap`
+    /// their space is punched out of the file.
+    pub fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+    ) -> Result<Vec<(u64, u64)>, FormatError> {
+        self.check(offset, len, Dir::Write)?;
+        if !self.v3 {
+            return Ok(vec![(offset, len)]);
+        }
+        let csize = self.cluster_size();
+        let end = offset + len;
+        let first = offset.div_ceil(csize) * csize;
+        // The last cluster may be partial: it is whole if the range ends at
+        // the image's end.
+        let last = if end == self.size() {
+            end
+        } else {
+            end & !(csize - 1)
+        };
+        if first >= last {
+            return Ok(vec![(offset, len)]);
+        }
+        let mut rest = Vec::new();
+        if offset < first {
+            rest.push((offset, first - offset));
+        }
+        if last < end {
+            rest.push((last, end - last));
+        }
+        let _group = lock(&self.commit_lock);
+        let _meta = lock(&self.meta);
+        rest.extend(self.zero_locked(first, last, unmap)?);
+        Ok(rest)
+    }
+
+    /// Zeroes the whole clusters `[first, last)` (see `write_zeroes`),
+    /// commits, and punches out the space with `unmap`. Returns what could
+    /// not be zeroed so (for the engine to write). Called under both locks.
+    fn zero_locked(
+        &self,
+        first: u64,
+        last: u64,
+        unmap: bool,
+    ) -> Result<Vec<(u64, u64)>, FormatError> {
+        let mut rest = Vec::new();
+        let gb = self.granule_bits;
+        let mut g = first;
+        while g < last {
+            self.cache.remove(g >> gb);
+            g += 1 << gb;
+        }
+        // The top's own clusters in the range, to punch out afterwards.
+        let mut punch = Vec::new();
+        if unmap {
+            let mut pos = first;
+            while pos < last {
+                let (mapping, mlen) = self
+                    .top
+                    .get_mapping(pos, last - pos)
+                    .map_err(FormatError::io("reading metadata"))?;
+                if let Mapping::Raw {
+                    storage,
+                    offset: host,
+                    writable: true,
+                    ..
+                } = mapping
+                    && storage.0.index() == 0
+                {
+                    punch.push((host, mlen));
+                }
+                pos += mlen.max(1);
+            }
+        }
+        let mut pos = first;
+        while pos < last {
+            let (zofs, zlen) = self
+                .top
+                .inner()
+                .ensure_zero_mapping(pos, last - pos)
+                .map_err(FormatError::io("zeroing"))?;
+            if zlen == 0 {
+                rest.push((pos, last - pos));
+                break;
+            }
+            if zofs > pos {
+                rest.push((pos, zofs - pos));
+            }
+            pos = zofs + zlen;
+        }
+        self.dirty.fetch_add(1, Ordering::AcqRel);
+        // The zero flags reach the file before the request completes.
+        self.commit_locked()?;
+        for (host, hlen) in punch {
+            punch_hole(self.files[0].file(), host, hlen);
+        }
+        Ok(rest)
+    }
+
+    /// Grows the image to `new_size` (see [`super::Image::grow`]); the new
+    /// area reads as zeroes even where a backing file is longer.
+    pub fn grow(&self, new_size: u64) -> Result<(), FormatError> {
+        if !self.writable {
+            return Err(FormatError::ReadOnly);
+        }
+        let _group = lock(&self.commit_lock);
+        let _meta = lock(&self.meta);
+        if new_size <= self.size() {
+            return Ok(());
+        }
+        self.commit_locked()?;
+        let old_size = self.size();
+        // No preallocation inside imago's grow: it would allocate L2 tables
+        // in the same operation that frees the old L1 table, and could
+        // reuse that table's cluster while the header on disk still points
+        // to it.
+        self.top
+            .resize_grow(new_size, PreallocateMode::None)
+            .map_err(FormatError::io("growing"))?;
+        self.dirty.fetch_add(1, Ordering::AcqRel);
+        self.commit_locked()?;
+        self.files[0]
+            .sync_now()
+            .map_err(FormatError::io("fdatasync"))?;
+        self.size.store(new_size, Ordering::Release);
+        // Where a backing file is longer than the image was, its data must
+        // not show through the new area (QEMU zeroes it too): zero clusters.
+        let longest = self.files[1..]
+            .iter()
+            .filter_map(|f| f.file().metadata().ok().map(|m| m.len()))
+            .max()
+            .unwrap_or(0);
+        if longest > old_size {
+            let csize = self.cluster_size();
+            let first = old_size.div_ceil(csize) * csize;
+            if first > old_size {
+                // The rest of the old last cluster: zeroes as data.
+                let head = (first.min(new_size) - old_size) as usize;
+                self.top
+                    .write(&vec![0u8; head][..], old_size)
+                    .map_err(FormatError::io("zeroing"))?;
+            }
+            let last = longest.min(new_size).div_ceil(csize) * csize;
+            if first < last.min(new_size) {
+                let rest = self.zero_locked(first, last.min(new_size), false)?;
+                if !rest.is_empty() {
+                    return Err(FormatError::Unsupported(format!(
+                        "cannot zero {rest:?} after growing"
+                    )));
+                }
+            }
+            self.commit_locked()?;
+        }
+        self.size.store(new_size, Ordering::Release);
+        Ok(())
+    }
+
+    /// Makes everything durable, then forgets every cached mapping and
+    /// table, so that the next request reads the metadata fresh from the
+    /// file: for when another process may have written the image meanwhile
+    /// (the source of a migration before it stops, and the side that gets
+    /// the image back).
+    pub fn invalidate(&self) -> Result<(), FormatError> {
+        let _group = lock(&self.commit_lock);
+        let _meta = lock(&self.meta);
+        if self.writable {
+            self.commit_locked()?;
+            self.files[0]
+                .sync_now()
+                .map_err(FormatError::io("fdatasync"))?;
+        }
+        self.cache.clear();
+        // SAFETY: imago's contract for dropping its caches without writing
+        // them is that the on-disk state is consistent: everything was just
+        // written and synced above (a read-only image has nothing to
+        // write), and `meta` keeps every other metadata operation out.
+        unsafe { self.top.invalidate_cache() }.map_err(FormatError::io("rereading metadata"))?;
+        self.size.store(self.top.size(), Ordering::Release);
+        self.files[0]
+            .load_shadow()
+            .map_err(FormatError::io("rereading metadata"))
+    }
+
+    /// fdatasyncs of the top so far: the ordering's cost, for tests and
+    /// the report.
+    pub fn syncs(&self) -> u64 {
+        self.files[0].syncs()
+    }
+
+    /// A guest-data write of the test harness (the engine in phase 2): a
+    /// pwrite of file 0, recorded in the journal when there is one.
+    pub fn data_write(&self, data: &[u8], host: u64) -> io::Result<()> {
+        self.files[0].data_write(data, host)
+    }
+}
+
+fn punch_hole(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fallocate(2) on a descriptor the image owns; no memory is
+    // passed. Failing only leaves the space allocated (it reads as zeroes
+    // through the zero flag either way).
+    unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset as libc::off_t,
+            len as libc::off_t,
+        );
+    }
+}
+
+/// Appends a piece, merging it into the last one when it continues it.
+fn push_piece(out: &mut Vec<Piece>, guest: u64, len: u64, at: Where) {
+    if let Some(last) = out.last_mut()
+        && last.guest + last.len == guest
+    {
+        let merged = match (last.at, at) {
+            (Where::Zero, Where::Zero) | (Where::Slow, Where::Slow) => true,
+            (
+                Where::Data {
+                    file: f1,
+                    offset: o1,
+                },
+                Where::Data {
+                    file: f2,
+                    offset: o2,
+                },
+            ) => f1 == f2 && o1 + last.len == o2,
+            _ => false,
+        };
+        if merged {
+            last.len += len;
+            return;
+        }
+    }
+    out.push(Piece { guest, len, at });
+}
+
+/// Opens the qcow2 image at `path` and, below it, its backing chain.
+/// Returns imago's handle and the first bytes of the header.
+fn open_qcow2(
+    path: &Path,
+    options: &OpenOptions,
+    max_chain: usize,
+    chain: &mut Chain,
+) -> Result<(FormatAccess<ChainFile>, Vec<u8>), FormatError> {
+    let index = chain.files.len();
+    let writable = options.writable && index == 0;
+    let (file, header) = open_file(path, writable, max_chain, chain)?;
+    if header.len() < 104 || header[..4] != super::QCOW2_MAGIC {
+        return Err(open_err(path, "not a qcow2 image (no qcow2 magic)"));
+    }
+    let version = be32(&header[4..8]);
+    if writable && version < 3 {
+        return Err(open_err(
+            path,
+            "qcow2 version 2 is served read-only (--read-only), or upgrade it: qemu-img amend -o compat=1.1",
+        ));
+    }
+    if writable && be32(&header[60..64]) != 0 {
+        return Err(open_err(
+            path,
+            "has internal snapshots; writing to it is not supported (--read-only, or qemu-img snapshot -d)",
+        ));
+    }
+    let mut state = FileState::new(file, path, index).map_err(|e| open_err(path, e))?;
+    if writable {
+        state.make_ordered(options.ordered, options.journal.clone());
+    }
+    let state = Arc::new(state);
+    chain.files.push(Arc::clone(&state));
+    let mut q = Qcow2::<ChainFile>::open_image(ChainFile(Arc::clone(&state)), writable)
+        .map_err(|e| open_err(path, e))?;
+    state.load_shadow().map_err(|e| open_err(path, e))?;
+    if q.requires_external_data_file() {
+        return Err(open_err(
+            path,
+            "uses an external data file, which is not supported",
+        ));
+    }
+    let cluster_bits = be32(&header[20..24]);
+    chain.min_cluster_bits = chain.min_cluster_bits.min(cluster_bits);
+    check_l1_covers(path, &header, q.size())?;
+    let backing = match q.implicit_backing_file() {
+        None => None,
+        Some(name) => {
+            let name = name.clone();
+            let Some(format) = q.implicit_backing_format().cloned() else {
+                return Err(open_err(
+                    path,
+                    format!(
+                        "the format of backing file {name:?} is not recorded and is never probed; \
+                         record it: qemu-img rebase -u -b {name} -F raw|qcow2 {}",
+                        path.display()
+                    ),
+                ));
+            };
+            let bpath = resolve_backing(path, &name).map_err(|e| open_err(path, e))?;
+            Some(match format.as_str() {
+                "qcow2" => open_qcow2(&bpath, options, max_chain, chain)?.0,
+                "raw" => {
+                    let (file, _) = open_file(&bpath, false, max_chain, chain)?;
+                    let st = Arc::new(
+                        FileState::new(file, &bpath, chain.files.len())
+                            .map_err(|e| open_err(&bpath, e))?,
+                    );
+                    chain.files.push(Arc::clone(&st));
+                    let raw =
+                        Raw::open_image(ChainFile(st), false).map_err(|e| open_err(&bpath, e))?;
+                    FormatAccess::new(raw)
+                }
+                other => {
+                    return Err(open_err(
+                        path,
+                        format!(
+                            "backing file {name:?} has format {other:?}; only raw and qcow2 are supported"
+                        ),
+                    ));
+                }
+            })
+        }
+    };
+    q.set_backing(backing);
+    Ok((FormatAccess::new(q), header))
+}
+
+/// Opens one file of the chain, refusing loops and chains past the bound,
+/// and reads the first bytes of its header.
+fn open_file(
+    path: &Path,
+    writable: bool,
+    max_chain: usize,
+    chain: &mut Chain,
+) -> Result<(File, Vec<u8>), FormatError> {
+    if chain.files.len() >= max_chain {
+        return Err(open_err(
+            path,
+            format!("the backing chain is deeper than {max_chain} images"),
+        ));
+    }
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(writable)
+        .open(path)
+        .map_err(|e| open_err(path, e))?;
+    let meta = file.metadata().map_err(|e| open_err(path, e))?;
+    if !chain.seen.insert((meta.dev(), meta.ino())) {
+        return Err(open_err(path, "the backing chain loops back to this file"));
+    }
+    let mut header = vec![0u8; 104.min(meta.len() as usize)];
+    file.read_exact_at(&mut header, 0)
+        .map_err(|e| open_err(path, e))?;
+    Ok((file, header))
+}
+
+/// Refuses an L1 table too small for the virtual size (QEMU does too): the
+/// image would need its L1 table grown on a write, which is not done at
+/// run time.
+fn check_l1_covers(path: &Path, header: &[u8], size: u64) -> Result<(), FormatError> {
+    let cluster_bits = u64::from(be32(&header[20..24]));
+    let l1_size = u64::from(be32(&header[36..40]));
+    // Each L1 entry covers cluster_size / 8 clusters.
+    let per_l1 = 1u128 << (2 * cluster_bits - 3);
+    if u128::from(l1_size) * per_l1 < u128::from(size) {
+        return Err(open_err(
+            path,
+            format!(
+                "its L1 table ({l1_size} entries) is too small for its virtual size ({size} bytes)"
+            ),
+        ));
+    }
+    Ok(())
+}

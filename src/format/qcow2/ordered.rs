@@ -1,0 +1,680 @@
+//! The files of a qcow2 chain as imago sees them ([`ChainFile`], an
+//! `imago::Storage`), and the write ordering that makes the writable top
+//! crash-consistent.
+//!
+//! imago orders its metadata *writes* the way QEMU does (refcount blocks
+//! before the L2 tables that need them when allocating, the other way round
+//! when freeing), but it never syncs between them, and it writes a new L1
+//! entry, refcount-table entry or header field as soon as the table it
+//! points to is written, while the refcount of that table is still in its
+//! cache. A crash at the wrong instant then leaves an image that
+//! `qemu-img check` finds corrupt. Every metadata write of imago passes
+//! through [`ChainFile`], so the order is enforced here, where the writes
+//! are seen, rather than in a fork of imago:
+//!
+//! - Each write is classified by where it lands, from a shadow of the
+//!   on-disk layout (the header's table offsets, the L1 table's L2
+//!   clusters, the refcount table's refblock clusters): header, L1,
+//!   refcount table, L2 table, refblock, or other (guest data,
+//!   copy-on-write data, the contents of a table nothing points to yet).
+//! - **Pointer writes** (header, L1, refcount table) are held back until
+//!   the next [`ChainFile::commit_pointers`], which the format layer calls
+//!   after imago has written its caches: fdatasync, then each pointer write
+//!   followed by fdatasync. Reads see them meanwhile.
+//! - **An L2 table** is written only once everything it may point to is
+//!   durable: an fdatasync first if copy-on-write data or refblocks were
+//!   written since the last one (QEMU: `qcow2_cache_depends_on_flush`,
+//!   refcount cache before L2 cache).
+//! - **A refblock that lowers a refcount** (a cluster freed) waits for the
+//!   L2 tables that dropped the reference: an fdatasync first if L2 tables
+//!   were written since the last one; and while pointer writes are held
+//!   back it is held back too, and written after them. A refblock that
+//!   only raises refcounts is written at once (a crash then leaks at
+//!   worst, which `qemu-img check` counts but does not call corruption).
+//!
+//! So a group of allocations costs one fdatasync (copy-on-write data and
+//! refblocks, then the L2 tables); when a new L2 table, refblock or L1
+//! table was hooked up, one more before the pointer writes and one after
+//! each of them.
+//!
+//! With a [`Journal`] attached (tests), every pwrite and fdatasync that
+//! reaches the file is recorded in order, so a test can rebuild the image
+//! as a power loss could have left it.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use imago::Storage;
+use imago::io_buffers::{IoVector, IoVectorMut};
+use imago::storage::drivers::CommonStorageHelper;
+
+/// One operation that reached an image file, as a [`Journal`] records it.
+#[derive(Clone, Debug)]
+pub enum JournalOp {
+    /// A pwrite of these bytes at this offset.
+    Write { offset: u64, data: Vec<u8> },
+    /// An fdatasync: everything before it is durable.
+    Sync,
+}
+
+/// The ordered record of what reached the writable top's file.
+#[derive(Default, Debug)]
+pub struct Journal {
+    ops: Mutex<Vec<JournalOp>>,
+}
+
+impl Journal {
+    pub fn ops(&self) -> Vec<JournalOp> {
+        lock(&self.ops).clone()
+    }
+
+    fn push(&self, op: JournalOp) {
+        lock(&self.ops).push(op);
+    }
+}
+
+/// Where a write lands, from the shadow of the on-disk layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Class {
+    Header,
+    L1,
+    RefTable,
+    L2,
+    RefBlock,
+    Other,
+}
+
+const UNSYNCED_OTHER: u8 = 1;
+const UNSYNCED_RB: u8 = 2;
+const UNSYNCED_L2: u8 = 4;
+
+/// The writable top's ordering state. One mutex: the metadata writes come
+/// from one imago operation at a time, and the decision to sync and the
+/// write it guards must not be split by another write.
+struct Order {
+    /// False only in tests that show what imago's own order does.
+    enabled: bool,
+    /// The shadow is read once imago has opened (and checked) the image;
+    /// until then (imago clearing autoclear bits at open) writes go through.
+    loaded: bool,
+    cluster_bits: u32,
+    refcount_order: u32,
+    l1_offset: u64,
+    l1_len: u64,
+    rt_offset: u64,
+    rt_len: u64,
+    l2_clusters: HashSet<u64>,
+    rb_clusters: HashSet<u64>,
+    unsynced: u8,
+    /// Pointer writes held back until `commit_pointers`, in issue order.
+    held: Vec<(u64, Vec<u8>)>,
+    /// Refblock writes that free clusters, held back behind `held`.
+    held_frees: Vec<(u64, Vec<u8>)>,
+}
+
+/// One file of a chain as imago holds it; the format layer keeps another
+/// handle on the same [`FileState`].
+#[derive(Clone)]
+pub struct ChainFile(pub Arc<FileState>);
+
+/// One file of a chain: the writable top (with [`Order`]) or a read-only
+/// backing file. `index` is its place in the chain, 0 being the top; the
+/// engine gets the same index in a mapping.
+pub struct FileState {
+    file: File,
+    path: PathBuf,
+    index: usize,
+    size: AtomicU64,
+    helper: CommonStorageHelper,
+    order: Option<Mutex<Order>>,
+    journal: Option<Arc<Journal>>,
+    /// fdatasyncs of this file so far (ordering and flushes).
+    syncs: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks is a bug; the state is still
+    // the best there is, so go on with it rather than poison every request.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn be64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_be_bytes(a)
+}
+
+fn be32(b: &[u8], at: usize) -> u32 {
+    let mut a = [0u8; 4];
+    a.copy_from_slice(&b[at..at + 4]);
+    u32::from_be_bytes(a)
+}
+
+/// Offset bits of an L1 or refcount-table entry.
+const TABLE_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+
+impl FileState {
+    pub fn new(file: File, path: &Path, index: usize) -> io::Result<Self> {
+        let size = file.metadata()?.len();
+        Ok(FileState {
+            file,
+            path: path.to_path_buf(),
+            index,
+            size: AtomicU64::new(size),
+            helper: CommonStorageHelper::default(),
+            order: None,
+            journal: None,
+            syncs: AtomicU64::new(0),
+        })
+    }
+
+    /// Makes this the writable top: its writes are ordered from now on.
+    /// `enabled` false passes imago's writes through as they come (tests).
+    pub fn make_ordered(&mut self, enabled: bool, journal: Option<Arc<Journal>>) {
+        let order = Order {
+            enabled,
+            loaded: false,
+            cluster_bits: 16,
+            refcount_order: 4,
+            l1_offset: 0,
+            l1_len: 0,
+            rt_offset: 0,
+            rt_len: 0,
+            l2_clusters: HashSet::new(),
+            rb_clusters: HashSet::new(),
+            unsynced: 0,
+            held: Vec::new(),
+            held_frees: Vec::new(),
+        };
+        self.order = Some(Mutex::new(order));
+        self.journal = journal;
+    }
+
+    /// Reads the shadow layout, once imago has opened the image, and
+    /// refuses overlapping metadata (QEMU's overlap check, at open): the
+    /// header, the L1 table, the refcount table, the L2 tables and the
+    /// refblocks must each have clusters of their own.
+    pub fn load_shadow(&self) -> io::Result<()> {
+        if let Some(order) = &self.order {
+            let mut o = lock(order);
+            self.reload_shadow(&mut o, true, true, true)?;
+            o.loaded = true;
+            check_layout(&o)?;
+            self.check_refcount_coverage(&o)?;
+        }
+        Ok(())
+    }
+
+    /// Refuses a refcount table with a hole below the end of the file.
+    /// QEMU keeps every cluster of the file covered by a refblock; with a
+    /// hole, imago's search for a cluster to hold a new refblock recurses
+    /// once per missing refblock (a stack overflow for a hostile image, as
+    /// the fuzz target found).
+    fn check_refcount_coverage(&self, o: &Order) -> io::Result<()> {
+        let file_len = self.file.metadata()?.len();
+        let clusters = file_len.div_ceil(1 << o.cluster_bits);
+        // Clusters one refblock covers: cluster_size * 8 / refcount_bits.
+        let per_rb = (1u64 << (o.cluster_bits + 3)) >> o.refcount_order;
+        let needed = clusters.div_ceil(per_rb);
+        if needed * 8 > o.rt_len {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the refcount table does not cover the file (qemu-img check -r all)",
+            ));
+        }
+        let mut t = vec![0u8; (needed * 8) as usize];
+        self.file.read_exact_at(&mut t, o.rt_offset)?;
+        if let Some(i) = t.chunks_exact(8).position(|e| be64(e, 0) == 0) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "the refcount table has no refblock for clusters {} to {} of the file (qemu-img check -r all)",
+                    i as u64 * per_rb,
+                    (i as u64 + 1) * per_rb - 1
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether host cluster `cluster` holds metadata (header or a table),
+    /// as the file has it. A data cluster allocated there means the
+    /// refcounts are corrupt: writing it would overwrite metadata.
+    pub fn is_metadata(&self, cluster: u64) -> bool {
+        let Some(order) = &self.order else {
+            return false;
+        };
+        let o = lock(order);
+        Self::classify(&o, cluster << o.cluster_bits) != Class::Other
+    }
+
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Rereads the parts of the shadow layout that a write may have changed.
+    /// Only called on an image imago opened, so the header's values passed
+    /// its checks; the table sizes are bounded again here all the same.
+    fn reload_shadow(&self, o: &mut Order, header: bool, l1: bool, rt: bool) -> io::Result<()> {
+        if header {
+            let mut h = [0u8; 104];
+            self.file.read_exact_at(&mut h[..72], 0)?;
+            let version = be32(&h, 4);
+            o.cluster_bits = be32(&h, 20).clamp(9, 21);
+            o.l1_offset = be64(&h, 40);
+            o.l1_len = u64::from(be32(&h, 36)) * 8;
+            o.rt_offset = be64(&h, 48);
+            o.rt_len = u64::from(be32(&h, 56)) << o.cluster_bits;
+            o.refcount_order = if version >= 3 {
+                self.file.read_exact_at(&mut h[72..104], 72)?;
+                be32(&h, 96).min(6)
+            } else {
+                4
+            };
+        }
+        // 32 MiB is imago's own bound on either table.
+        const MAX_TABLE: u64 = 32 << 20;
+        if l1 || header {
+            let mut t = vec![0u8; o.l1_len.min(MAX_TABLE) as usize];
+            self.file.read_exact_at(&mut t, o.l1_offset)?;
+            o.l2_clusters = t
+                .chunks_exact(8)
+                .map(|e| be64(e, 0) & TABLE_OFFSET_MASK)
+                .filter(|&off| off != 0)
+                .map(|off| off >> o.cluster_bits)
+                .collect();
+        }
+        if rt || header {
+            let mut t = vec![0u8; o.rt_len.min(MAX_TABLE) as usize];
+            self.file.read_exact_at(&mut t, o.rt_offset)?;
+            o.rb_clusters = t
+                .chunks_exact(8)
+                .map(|e| be64(e, 0) & !((1u64 << o.cluster_bits) - 1))
+                .filter(|&off| off != 0)
+                .map(|off| off >> o.cluster_bits)
+                .collect();
+        }
+        Ok(())
+    }
+
+    fn classify(o: &Order, offset: u64) -> Class {
+        let cluster = offset >> o.cluster_bits;
+        if cluster == 0 {
+            Class::Header
+        } else if offset >= o.l1_offset && offset - o.l1_offset < o.l1_len {
+            Class::L1
+        } else if offset >= o.rt_offset && offset - o.rt_offset < o.rt_len {
+            Class::RefTable
+        } else if o.l2_clusters.contains(&cluster) {
+            Class::L2
+        } else if o.rb_clusters.contains(&cluster) {
+            Class::RefBlock
+        } else {
+            Class::Other
+        }
+    }
+
+    /// Reads at `offset`, with the writes held back laid over what the file has.
+    fn read_overlaid(&self, o: Option<&Order>, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], offset + done as u64)? {
+                0 => {
+                    buf[done..].fill(0);
+                    break;
+                }
+                n => done += n,
+            }
+        }
+        if let Some(o) = o {
+            for (at, data) in o.held.iter().chain(o.held_frees.iter()) {
+                overlay(buf, offset, data, *at);
+            }
+        }
+        Ok(())
+    }
+
+    fn pwrite(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(data, offset)?;
+        let end = offset + data.len() as u64;
+        self.size.fetch_max(end, Ordering::Relaxed);
+        if let Some(j) = &self.journal {
+            j.push(JournalOp::Write {
+                offset,
+                data: data.to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    fn fdatasync(&self, o: &mut Order) -> io::Result<()> {
+        self.file.sync_data()?;
+        self.syncs.fetch_add(1, Ordering::Relaxed);
+        o.unsynced = 0;
+        if let Some(j) = &self.journal {
+            j.push(JournalOp::Sync);
+        }
+        Ok(())
+    }
+
+    /// For a refblock write of `data` at `offset`: the same block with only
+    /// the refcounts it raises (each entry the larger of old and new), or
+    /// `None` if it lowers none (then `data` itself is that block).
+    fn raises_only(&self, o: &Order, data: &[u8], offset: u64) -> io::Result<Option<Vec<u8>>> {
+        let mut old = vec![0u8; data.len()];
+        self.read_overlaid(Some(o), &mut old, offset)?;
+        let merged = refcount_max(&old, data, 1 << o.refcount_order);
+        Ok((merged != data).then_some(merged))
+    }
+
+    /// A write of imago's, placed in the order described in the module docs.
+    fn ordered_write(&self, data: Vec<u8>, offset: u64) -> io::Result<()> {
+        let Some(order) = &self.order else {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "write to a read-only file of the chain",
+            ));
+        };
+        let mut o = lock(order);
+        if !o.loaded {
+            return self.pwrite(&data, offset);
+        }
+        if !o.enabled {
+            self.pwrite(&data, offset)?;
+            let class = Self::classify(&o, offset);
+            if matches!(class, Class::Header | Class::L1 | Class::RefTable) {
+                let header = class == Class::Header;
+                self.reload_shadow(&mut o, header, class == Class::L1, class == Class::RefTable)?;
+            }
+            return Ok(());
+        }
+        match Self::classify(&o, offset) {
+            Class::Header | Class::L1 | Class::RefTable => o.held.push((offset, data)),
+            Class::RefBlock => {
+                if let Some(raised) = self.raises_only(&o, &data, offset)? {
+                    if !o.held.is_empty() {
+                        // The raised refcounts (e.g. of the new table the
+                        // held pointers point to) go now; the lowered ones
+                        // once the pointers are durable.
+                        self.pwrite(&raised, offset)?;
+                        o.unsynced |= UNSYNCED_RB;
+                        o.held_frees.push((offset, data));
+                        return Ok(());
+                    }
+                    if o.unsynced & UNSYNCED_L2 != 0 {
+                        self.fdatasync(&mut o)?;
+                    }
+                }
+                self.pwrite(&data, offset)?;
+                o.unsynced |= UNSYNCED_RB;
+            }
+            Class::L2 => {
+                if o.unsynced & (UNSYNCED_OTHER | UNSYNCED_RB) != 0 {
+                    self.fdatasync(&mut o)?;
+                }
+                self.pwrite(&data, offset)?;
+                o.unsynced |= UNSYNCED_L2;
+            }
+            Class::Other => {
+                self.pwrite(&data, offset)?;
+                o.unsynced |= UNSYNCED_OTHER;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the pointer writes held back (and the frees behind them), each
+    /// after an fdatasync, once imago has written its caches. True if there
+    /// were any.
+    pub fn commit_pointers(&self) -> io::Result<bool> {
+        let Some(order) = &self.order else {
+            return Ok(false);
+        };
+        let mut o = lock(order);
+        if o.held.is_empty() && o.held_frees.is_empty() {
+            return Ok(false);
+        }
+        let held = std::mem::take(&mut o.held);
+        for (offset, data) in held {
+            self.fdatasync(&mut o)?;
+            self.pwrite(&data, offset)?;
+            let class = Self::classify(&o, offset);
+            self.reload_shadow(
+                &mut o,
+                class == Class::Header,
+                class == Class::L1,
+                class == Class::RefTable,
+            )?;
+        }
+        self.fdatasync(&mut o)?;
+        let frees = std::mem::take(&mut o.held_frees);
+        for (offset, data) in frees {
+            self.pwrite(&data, offset)?;
+            o.unsynced |= UNSYNCED_RB;
+        }
+        Ok(true)
+    }
+
+    /// How many fdatasyncs this file has had.
+    pub fn syncs(&self) -> u64 {
+        self.syncs.load(Ordering::Relaxed)
+    }
+
+    /// Whether pointer writes are held back (a new table was hooked up).
+    pub fn has_held(&self) -> bool {
+        self.order
+            .as_ref()
+            .is_some_and(|o| !lock(o).held.is_empty())
+    }
+
+    /// fdatasync, noting that nothing is unsynced any more.
+    pub fn sync_now(&self) -> io::Result<()> {
+        match &self.order {
+            Some(order) => self.fdatasync(&mut lock(order)),
+            None => self.file.sync_data(),
+        }
+    }
+
+    /// A guest-data pwrite of the harness or engine, recorded in the journal
+    /// when there is one (tests), in order with imago's writes.
+    pub fn data_write(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        match (&self.order, &self.journal) {
+            (Some(order), Some(_)) => {
+                let _o = lock(order);
+                self.pwrite(data, offset)
+            }
+            _ => self.file.write_all_at(data, offset),
+        }
+    }
+}
+
+/// Refuses a layout whose metadata structures share clusters.
+fn check_layout(o: &Order) -> io::Result<()> {
+    let cb = o.cluster_bits;
+    let range = |off: u64, len: u64| (off >> cb)..(off + len.max(1)).div_ceil(1 << cb);
+    let l1 = range(o.l1_offset, o.l1_len);
+    let rt = range(o.rt_offset, o.rt_len);
+    let bad = |what: &str| {
+        Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("overlapping metadata: {what}"),
+        ))
+    };
+    if l1.contains(&0) || rt.contains(&0) {
+        return bad("a table overlaps the header");
+    }
+    if l1.start < rt.end && rt.start < l1.end {
+        return bad("the L1 table overlaps the refcount table");
+    }
+    for (set, name) in [
+        (&o.l2_clusters, "an L2 table"),
+        (&o.rb_clusters, "a refblock"),
+    ] {
+        for &c in set {
+            if c == 0 || l1.contains(&c) || rt.contains(&c) {
+                return bad(&format!(
+                    "{name} at cluster {c} overlaps the header or a top table"
+                ));
+            }
+        }
+    }
+    if let Some(c) = o.l2_clusters.intersection(&o.rb_clusters).next() {
+        return bad(&format!("cluster {c} is both an L2 table and a refblock"));
+    }
+    Ok(())
+}
+
+/// Entry by entry, the larger of two refblocks' refcounts (`bits` wide:
+/// big-endian from 8 bits on, packed from the low bits of a byte below).
+fn refcount_max(a: &[u8], b: &[u8], bits: u32) -> Vec<u8> {
+    if bits >= 8 {
+        let w = (bits / 8) as usize;
+        a.chunks(w)
+            .zip(b.chunks(w))
+            .flat_map(|(x, y)| if x > y { x } else { y }.to_vec())
+            .collect()
+    } else {
+        let mask = (1u8 << bits) - 1;
+        a.iter()
+            .zip(b)
+            .map(|(&x, &y)| {
+                (0..8 / bits).fold(0u8, |acc, i| {
+                    let sh = i * bits;
+                    acc | (((x >> sh) & mask).max((y >> sh) & mask) << sh)
+                })
+            })
+            .collect()
+    }
+}
+
+/// Copies the part of `data` (at file offset `at`) that falls within `buf`
+/// (at file offset `offset`) into `buf`.
+fn overlay(buf: &mut [u8], offset: u64, data: &[u8], at: u64) {
+    let start = offset.max(at);
+    let end = (offset + buf.len() as u64).min(at + data.len() as u64);
+    if start < end {
+        let (b, d) = ((start - offset) as usize, (start - at) as usize);
+        let n = (end - start) as usize;
+        buf[b..b + n].copy_from_slice(&data[d..d + n]);
+    }
+}
+
+impl fmt::Debug for ChainFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChainFile")
+            .field("path", &self.0.path)
+            .field("index", &self.0.index)
+            .finish()
+    }
+}
+
+impl fmt::Display for ChainFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0.path.display())
+    }
+}
+
+impl Storage for ChainFile {
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.0.size.load(Ordering::Relaxed))
+    }
+
+    fn get_filename(&self) -> Option<PathBuf> {
+        Some(self.0.path.clone())
+    }
+
+    unsafe fn pure_readv(&self, bufv: IoVectorMut<'_>, mut offset: u64) -> io::Result<()> {
+        // A table or cluster that starts past the end of the file is a
+        // corrupt (or hostile) pointer: an error, not zeroes. (A read that
+        // only ends past it, e.g. a compressed cluster's rounded length,
+        // gets zeroes for the tail.)
+        if offset >= self.0.size.load(Ordering::Relaxed) {
+            let len = self.0.file.metadata()?.len();
+            self.0.size.fetch_max(len, Ordering::Relaxed);
+            if offset >= len && !bufv.is_empty() {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{}: read at {offset:#x} is past the end of the file ({len} bytes)",
+                        self.0.path.display()
+                    ),
+                ));
+            }
+        }
+        let guard = self.0.order.as_ref().map(lock);
+        for mut slice in bufv.into_inner() {
+            let buf: &mut [u8] = &mut slice;
+            self.0.read_overlaid(guard.as_deref(), buf, offset)?;
+            offset += buf.len() as u64;
+        }
+        Ok(())
+    }
+
+    unsafe fn pure_writev(&self, bufv: IoVector<'_>, offset: u64) -> io::Result<()> {
+        let mut data = vec![0u8; bufv.len() as usize];
+        bufv.copy_into_slice(&mut data);
+        self.0.ordered_write(data, offset)
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        self.0.sync_now()
+    }
+
+    unsafe fn invalidate_cache(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn get_storage_helper(&self) -> &CommonStorageHelper {
+        &self.0.helper
+    }
+
+    fn resize(&self, new_size: u64, _prealloc: imago::storage::PreallocateMode) -> io::Result<()> {
+        if self.0.order.is_none() {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "resize of a read-only file of the chain",
+            ));
+        }
+        self.0.file.set_len(new_size)?;
+        self.0.size.store(new_size, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refcount_max;
+
+    #[test]
+    fn refcount_max_by_width() {
+        // 16-bit entries: [1, 0] vs [0, 2] -> [1, 2]
+        assert_eq!(
+            refcount_max(&[0, 1, 0, 0], &[0, 0, 0, 2], 16),
+            vec![0, 1, 0, 2]
+        );
+        // 8-bit entries compare as numbers, not bytes of the pair.
+        assert_eq!(refcount_max(&[5, 0], &[3, 9], 8), vec![5, 9]);
+        // 1-bit entries, LSB first: 0b0101 vs 0b0011 -> 0b0111
+        assert_eq!(refcount_max(&[0b0101], &[0b0011], 1), vec![0b0111]);
+        // 4-bit entries: 0x2f vs 0x31 -> 0x3f
+        assert_eq!(refcount_max(&[0x2f], &[0x31], 4), vec![0x3f]);
+    }
+}

@@ -1,0 +1,111 @@
+//! Raw images: guest offset N is file offset N of file 0.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{Dir, FormatError};
+
+pub struct RawImage {
+    file: File,
+    size: AtomicU64,
+    writable: bool,
+}
+
+impl RawImage {
+    pub fn open(path: &Path, writable: bool) -> Result<RawImage, FormatError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .open(path)
+            .map_err(|e| FormatError::Open {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+        let size = file.metadata().map_err(FormatError::io("stat"))?.len();
+        Ok(RawImage {
+            file,
+            size: AtomicU64::new(size),
+            writable,
+        })
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size.load(Ordering::Acquire)
+    }
+
+    pub fn writable(&self) -> bool {
+        self.writable
+    }
+
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    pub(super) fn check(&self, offset: u64, len: u64, dir: Dir) -> Result<(), FormatError> {
+        if dir == Dir::Write && !self.writable {
+            return Err(FormatError::ReadOnly);
+        }
+        let size = self.size();
+        match offset.checked_add(len) {
+            Some(end) if end <= size => Ok(()),
+            _ => Err(FormatError::OutOfRange { offset, len, size }),
+        }
+    }
+
+    pub(super) fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        self.check(offset, buf.len() as u64, Dir::Read)?;
+        self.file
+            .read_exact_at(buf, offset)
+            .map_err(FormatError::io("read"))
+    }
+
+    pub(super) fn flush(&self) -> Result<(), FormatError> {
+        self.file.sync_data().map_err(FormatError::io("fdatasync"))
+    }
+
+    pub(super) fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+    ) -> Result<Vec<(u64, u64)>, FormatError> {
+        self.check(offset, len, Dir::Write)?;
+        let mode = if unmap {
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+        } else {
+            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+        };
+        // SAFETY: fallocate(2) on a descriptor this image owns; no memory
+        // is passed.
+        let rc = unsafe {
+            libc::fallocate(
+                self.file.as_raw_fd(),
+                mode,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if rc == 0 {
+            Ok(Vec::new())
+        } else {
+            // Not supported here: the engine writes the zeroes.
+            Ok(vec![(offset, len)])
+        }
+    }
+
+    pub(super) fn grow(&self, new_size: u64) -> Result<(), FormatError> {
+        if !self.writable {
+            return Err(FormatError::ReadOnly);
+        }
+        if new_size > self.size() {
+            self.file
+                .set_len(new_size)
+                .map_err(FormatError::io("grow"))?;
+            self.size.store(new_size, Ordering::Release);
+        }
+        Ok(())
+    }
+}

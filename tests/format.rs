@@ -1,0 +1,735 @@
+//! The format layer (src/format) driven directly, with qemu-img and
+//! qemu-io as the oracle: overlays over raw, qcow2 and compressed bases,
+//! many threads allocating at once, zeroes and growth, backing chains, bad
+//! images, and crashes (kill -9 and simulated power loss).
+
+#[path = "format/harness.rs"]
+mod harness;
+
+#[path = "format/crash.rs"]
+mod crash;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use harness::*;
+use ringblk::format::{self, Format, FormatError, Image, OpenOptions};
+
+/// An overlay over a base with known content (pattern 0), in `dir`.
+/// `kind`: "raw", "qcow2" or "compressed" (`qemu-img convert -c`).
+fn overlay_over(dir: &Path, kind: &str, size: u64) -> (PathBuf, PathBuf) {
+    let raw = dir.join("base.raw");
+    raw_base(&raw, size);
+    let (base, fmt) = match kind {
+        "raw" => (raw.clone(), "raw"),
+        "qcow2" => {
+            let b = dir.join("base.qcow2");
+            qemu_img(&[
+                "convert",
+                "-O",
+                "qcow2",
+                raw.to_str().unwrap(),
+                b.to_str().unwrap(),
+            ]);
+            (b, "qcow2")
+        }
+        "compressed" => {
+            let b = dir.join("base.qcow2");
+            qemu_img(&[
+                "convert",
+                "-c",
+                "-O",
+                "qcow2",
+                raw.to_str().unwrap(),
+                b.to_str().unwrap(),
+            ]);
+            (b, "qcow2")
+        }
+        other => panic!("{other}"),
+    };
+    let top = dir.join("top.qcow2");
+    // A relative backing name: resolved against the overlay's directory.
+    let name = base.file_name().unwrap().to_str().unwrap();
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        name,
+        "-F",
+        fmt,
+        top.to_str().unwrap(),
+    ]);
+    (top, base)
+}
+
+/// Writes of every shape (inside one cluster, across clusters, whole
+/// clusters, the last bytes) over an overlay, checked against a model.
+fn write_and_verify(kind: &str) {
+    let dir = scratch(&format!("overlay-{kind}"));
+    let size = 16 * MIB;
+    let (top, base) = overlay_over(&dir, kind, size);
+    let base_sum = sha256(&base);
+    let mut model = vec![0u8; size as usize];
+    fill(0, 0, &mut model);
+    {
+        let img = open(&top, true);
+        assert_eq!(img.size(), size);
+        // Reads fall through to the base.
+        let mut buf = vec![0u8; 3 * 65536 + 1000];
+        read(&img, 12345, &mut buf).unwrap();
+        assert!(
+            buf == model[12345..12345 + buf.len()],
+            "base content read wrong"
+        );
+
+        let mut rng = Rng(0x5eed ^ kind.len() as u64);
+        let shapes: Vec<(u64, u64)> = vec![
+            (512, 4096),
+            (65536 - 512, 1024),
+            (2 * 65536, 65536),
+            (5 * 65536 + 4096, 3 * 65536),
+            (size - 4096, 4096),
+            (0, 512),
+        ];
+        let mut writes = shapes;
+        for _ in 0..60 {
+            let len = 512 * (1 + rng.below(256));
+            let off = 512 * rng.below((size - len) / 512);
+            writes.push((off, len));
+        }
+        for (i, &(off, len)) in writes.iter().enumerate() {
+            let seed = 100 + i as u64;
+            let mut data = vec![0u8; len as usize];
+            fill(seed, off, &mut data);
+            write(&img, off, &data).unwrap_or_else(|e| panic!("write {len}@{off}: {e}"));
+            model[off as usize..(off + len) as usize].copy_from_slice(&data);
+            // Read back through both paths.
+            let mut back = vec![0u8; len as usize];
+            read(&img, off, &mut back).unwrap();
+            assert!(back == data, "write {i} ({len}@{off}) read back wrong");
+        }
+        let mut all = vec![0u8; size as usize];
+        read(&img, 0, &mut all).unwrap();
+        assert!(all == model, "image differs from the model");
+        flush(&img).unwrap();
+    }
+    assert_eq!(sha256(&base), base_sum, "the base changed");
+    check_clean(&top);
+    let reference = dir.join("expected.raw");
+    std::fs::write(&reference, &model).unwrap();
+    compare_identical(&top, &reference);
+    // qemu-io reads the first write back.
+    let out = run(
+        "qemu-io",
+        &["-f", "qcow2", "-c", "read -v 512 16", top.to_str().unwrap()],
+    );
+    let want: Vec<String> = model[512..528].iter().map(|b| format!("{b:02x}")).collect();
+    assert!(out.contains(&want[..8].join(" ")), "qemu-io read: {out}");
+}
+
+#[test]
+fn overlay_on_raw_base() {
+    write_and_verify("raw");
+}
+
+#[test]
+fn overlay_on_qcow2_base() {
+    write_and_verify("qcow2");
+}
+
+#[test]
+fn overlay_on_compressed_base() {
+    write_and_verify("compressed");
+}
+
+/// Many threads allocating random 4 KiB writes at once on one overlay:
+/// no cluster allocated twice, no L2 or refcount update lost.
+fn concurrent_allocating_writes(threads: u64) {
+    let dir = scratch(&format!("concurrent-{threads}"));
+    let size = 32 * MIB;
+    let (top, _) = overlay_over(&dir, "qcow2", size);
+    let img = Arc::new(open(&top, true));
+    let blocks = size / 4096;
+    let per_thread = 4096 / threads.max(1);
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let img = Arc::clone(&img);
+            s.spawn(move || {
+                let mut rng = Rng(0x1234 + t);
+                for _ in 0..per_thread {
+                    // Thread t owns the blocks equal to t modulo `threads`,
+                    // so the expected content is known, while clusters are
+                    // shared between threads.
+                    let block = rng.below(blocks / threads) * threads + t;
+                    let mut data = vec![0u8; 4096];
+                    fill(1000 + t, block * 4096, &mut data);
+                    write(&img, block * 4096, &data).unwrap();
+                }
+            });
+        }
+    });
+    let syncs = match &*img {
+        Image::Qcow2(q) => q.syncs(),
+        Image::Raw(_) => unreachable!(),
+    };
+    flush(&img).unwrap();
+    // The model: replay each thread's writes (deterministic).
+    let mut model = vec![0u8; size as usize];
+    fill(0, 0, &mut model);
+    for t in 0..threads {
+        let mut rng = Rng(0x1234 + t);
+        for _ in 0..per_thread {
+            let block = rng.below(blocks / threads) * threads + t;
+            let at = (block * 4096) as usize;
+            fill(1000 + t, block * 4096, &mut model[at..at + 4096]);
+        }
+    }
+    // At most one fdatasync per allocated cluster (its copy-on-write data
+    // and refcount before its L2 entry), fewer when commits group.
+    let clusters: std::collections::HashSet<u64> = (0..threads)
+        .flat_map(|t| {
+            let mut rng = Rng(0x1234 + t);
+            (0..per_thread).map(move |_| (rng.below(blocks / threads) * threads + t) * 4096 / 65536)
+        })
+        .collect();
+    let allocations = clusters.len() as u64;
+    eprintln!("{threads} threads: {syncs} fdatasyncs for {allocations} allocations (4096 writes)");
+    assert!(
+        syncs <= allocations + 2,
+        "{syncs} fdatasyncs for {allocations} allocations"
+    );
+    if threads >= 64 {
+        assert!(
+            syncs < allocations,
+            "no group commit: {syncs} fdatasyncs for {allocations} allocations"
+        );
+    }
+    drop(img);
+    let leaks = check_clean(&top);
+    assert_eq!(leaks, 0, "a clean run leaked {leaks} clusters");
+    let reference = dir.join("expected.raw");
+    std::fs::write(&reference, &model).unwrap();
+    compare_identical(&top, &reference);
+}
+
+#[test]
+fn concurrent_2_threads() {
+    concurrent_allocating_writes(2);
+}
+
+#[test]
+fn concurrent_8_threads() {
+    concurrent_allocating_writes(8);
+}
+
+#[test]
+fn concurrent_64_threads() {
+    concurrent_allocating_writes(64);
+}
+
+/// Write-zeroes and discard: whole clusters become zero clusters (reading
+/// zeroes, not the base), their space is punched out of the file, the
+/// unaligned edges are written; grow: the new area reads zeroes.
+#[test]
+fn zeroes_discard_and_grow() {
+    let dir = scratch("zeroes");
+    let size = 8 * MIB;
+    let (top, _) = overlay_over(&dir, "raw", size);
+    let mut model = vec![0u8; size as usize];
+    fill(0, 0, &mut model);
+    let img = open(&top, true);
+    // Allocate 2 MiB of the top.
+    let mut data = vec![0u8; 2 * MIB as usize];
+    fill(7, MIB, &mut data);
+    write(&img, MIB, &data).unwrap();
+    model[MIB as usize..3 * MIB as usize].copy_from_slice(&data);
+    flush(&img).unwrap();
+    let allocated = std::fs::metadata(&top).unwrap();
+    let blocks_before = std::os::unix::fs::MetadataExt::blocks(&allocated);
+
+    // Discard (unmap) most of it, unaligned at both ends.
+    let (off, len) = (MIB + 1000, MIB + 5000);
+    write_zeroes(&img, off, len, true).unwrap();
+    model[off as usize..(off + len) as usize].fill(0);
+    // Write-zeroes without unmap over the base (unallocated in the top).
+    let (off2, len2) = (5 * MIB, 3 * 65536);
+    write_zeroes(&img, off2, len2, false).unwrap();
+    model[off2 as usize..(off2 + len2) as usize].fill(0);
+    let mut all = vec![0u8; size as usize];
+    read(&img, 0, &mut all).unwrap();
+    assert!(all == model, "zeroed image differs from the model");
+    flush(&img).unwrap();
+    let blocks_after = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&top).unwrap());
+    assert!(
+        blocks_after + 1500 < blocks_before,
+        "discard gave no space back: {blocks_before} -> {blocks_after} blocks"
+    );
+
+    // Grow: the new area reads zeroes (the base is not longer, but the
+    // rule holds either way), and can be written.
+    img.grow(size + 4 * MIB).unwrap();
+    assert_eq!(img.size(), size + 4 * MIB);
+    model.resize((size + 4 * MIB) as usize, 0);
+    let mut tail = vec![0u8; 4096];
+    fill(9, size + MIB, &mut tail);
+    write(&img, size + MIB, &tail).unwrap();
+    model[(size + MIB) as usize..(size + MIB) as usize + 4096].copy_from_slice(&tail);
+    flush(&img).unwrap();
+    drop(img);
+    check_clean(&top);
+    let info = qemu_img(&["info", "--output=json", top.to_str().unwrap()]);
+    assert!(
+        info.contains(&format!("\"virtual-size\": {}", size + 4 * MIB)),
+        "{info}"
+    );
+    let reference = dir.join("expected.raw");
+    std::fs::write(&reference, &model).unwrap();
+    compare_identical(&top, &reference);
+}
+
+/// A chain `depth` images deep (raw at the bottom), each layer with one
+/// cluster of its own; returns the top.
+fn chain_of(dir: &Path, depth: usize) -> PathBuf {
+    let raw = dir.join("l0.raw");
+    raw_base(&raw, 4 * MIB);
+    let mut below = ("l0.raw".to_string(), "raw");
+    for i in 1..depth {
+        let name = format!("l{i}.qcow2");
+        let path = dir.join(&name);
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            &below.0,
+            "-F",
+            below.1,
+            path.to_str().unwrap(),
+        ]);
+        run(
+            "qemu-io",
+            &[
+                "-f",
+                "qcow2",
+                "-c",
+                &format!("write -P {} {} 4k", i, i as u64 * 65536),
+                path.to_str().unwrap(),
+            ],
+        );
+        below = (name, "qcow2");
+    }
+    dir.join(below.0)
+}
+
+#[test]
+fn long_chains_and_loops() {
+    let dir = scratch("chains");
+    // 16 images deep: served, each layer's cluster visible.
+    let top = chain_of(&dir, format::qcow2::MAX_CHAIN);
+    {
+        let img = open(&top, true);
+        assert_eq!(img.files().len(), format::qcow2::MAX_CHAIN);
+        for i in 1..format::qcow2::MAX_CHAIN as u64 {
+            let mut b = [0u8; 16];
+            read(&img, i * 65536, &mut b).unwrap();
+            assert_eq!(b, [i as u8; 16], "layer {i}'s data");
+        }
+        let mut b = [0u8; 16];
+        read(&img, 0, &mut b).unwrap();
+        let mut want = [0u8; 16];
+        fill(0, 0, &mut want);
+        assert_eq!(b, want, "the raw bottom's data");
+    }
+    // One more is refused, with the bound in the message.
+    let deeper = dir.join("deeper.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        top.file_name().unwrap().to_str().unwrap(),
+        "-F",
+        "qcow2",
+        deeper.to_str().unwrap(),
+    ]);
+    let err = open_err(&deeper);
+    assert!(err.contains("deeper than 16"), "{err}");
+
+    // A loop: a's backing is b, b's backing is a.
+    let a = dir.join("a.qcow2");
+    let b = dir.join("b.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", a.to_str().unwrap(), "1M"]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "a.qcow2",
+        "-F",
+        "qcow2",
+        b.to_str().unwrap(),
+    ]);
+    qemu_img(&[
+        "rebase",
+        "-u",
+        "-f",
+        "qcow2",
+        "-b",
+        "b.qcow2",
+        "-F",
+        "qcow2",
+        a.to_str().unwrap(),
+    ]);
+    let err = open_err(&a);
+    assert!(err.contains("loops"), "{err}");
+    // An image that is its own backing file.
+    qemu_img(&[
+        "rebase",
+        "-u",
+        "-f",
+        "qcow2",
+        "-b",
+        "a.qcow2",
+        "-F",
+        "qcow2",
+        a.to_str().unwrap(),
+    ]);
+    let err = open_err(&a);
+    assert!(err.contains("loops"), "{err}");
+}
+
+fn open_err(path: &Path) -> String {
+    open_err_with(path, &OpenOptions::default())
+}
+
+fn open_err_with(path: &Path, options: &OpenOptions) -> String {
+    match Image::open(path, Format::Qcow2, options) {
+        Ok(_) => panic!("{} opened", path.display()),
+        Err(e) => {
+            let s = e.to_string();
+            assert!(!s.contains('\n'), "a multi-line error: {s}");
+            s
+        }
+    }
+}
+
+/// Version 2: served read-only; a write is refused.
+#[test]
+fn v2_is_read_only() {
+    let dir = scratch("v2");
+    let raw = dir.join("r.raw");
+    raw_base(&raw, 2 * MIB);
+    let v2 = dir.join("v2.qcow2");
+    qemu_img(&[
+        "convert",
+        "-O",
+        "qcow2",
+        "-o",
+        "compat=0.10",
+        raw.to_str().unwrap(),
+        v2.to_str().unwrap(),
+    ]);
+    let err = open_err(&v2);
+    assert!(err.contains("version 2"), "{err}");
+    let img = open(&v2, false);
+    let mut b = vec![0u8; 8192];
+    read(&img, 4096, &mut b).unwrap();
+    let mut want = vec![0u8; 8192];
+    fill(0, 4096, &mut want);
+    assert!(b == want);
+    let r = write(&img, 0, &[1u8; 512]);
+    assert!(matches!(r, Err(FormatError::ReadOnly)), "{r:?}");
+}
+
+/// The format is never probed: a raw image holding a qcow2 header is raw
+/// (its "backing file" is never opened), with one warning naming --format.
+#[test]
+fn raw_is_never_probed() {
+    let dir = scratch("probe");
+    let secret = dir.join("secret.raw");
+    std::fs::write(&secret, vec![0x5a; 65536]).unwrap();
+    // A "guest" wrote a qcow2 header naming the secret into its raw disk.
+    let disk = dir.join("disk.raw");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        secret.to_str().unwrap(),
+        "-F",
+        "raw",
+        disk.to_str().unwrap(),
+        "64K",
+    ]);
+    let header = std::fs::read(&disk).unwrap();
+    let img = Image::open(&disk, Format::Raw, &OpenOptions::default()).unwrap();
+    assert_eq!(img.files().len(), 1);
+    let mut b = vec![0u8; 4];
+    read(&img, 0, &mut b).unwrap();
+    assert_eq!(b, &header[..4], "raw must read the file's own bytes");
+    let warning = format::raw_qcow2_warning(&disk, Format::Raw).expect("no warning");
+    assert!(warning.contains("--format qcow2"), "{warning}");
+    assert!(format::raw_qcow2_warning(&disk, Format::Qcow2).is_none());
+    assert!(format::raw_qcow2_warning(&secret, Format::Raw).is_none());
+}
+
+/// Each kind of bad image: a one-line error at open, or an error for the
+/// requests touching the bad part; never a panic.
+#[test]
+fn bad_images() {
+    let dir = scratch("bad");
+    let good = dir.join("good.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", good.to_str().unwrap(), "4M"]);
+    run(
+        "qemu-io",
+        &[
+            "-f",
+            "qcow2",
+            "-c",
+            "write -P 1 0 64k",
+            good.to_str().unwrap(),
+        ],
+    );
+    let bytes = std::fs::read(&good).unwrap();
+    let be64 = |b: &[u8], at: usize| u64::from_be_bytes(b[at..at + 8].try_into().unwrap());
+    let l1_off = be64(&bytes, 40) as usize;
+    let l2_off = (be64(&bytes, l1_off) & 0x00ff_ffff_ffff_fe00) as usize;
+
+    let variant = |name: &str, patch: &dyn Fn(&mut Vec<u8>)| -> PathBuf {
+        let mut b = bytes.clone();
+        patch(&mut b);
+        let p = dir.join(name);
+        std::fs::write(&p, &b).unwrap();
+        p
+    };
+    let put32 =
+        |b: &mut Vec<u8>, at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_be_bytes());
+    let put64 =
+        |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_be_bytes());
+
+    // Refused at open, with what is wrong.
+    type Patch<'a> = Box<dyn Fn(&mut Vec<u8>) + 'a>;
+    let cases: Vec<(&str, Patch, &str)> = vec![
+        ("magic", Box::new(|b| b[0] = b'X'), "qcow2"),
+        ("version", Box::new(|b| put32(b, 4, 9)), "v9"),
+        (
+            "cluster-bits-huge",
+            Box::new(|b| put32(b, 20, 40)),
+            "cluster size",
+        ),
+        (
+            "cluster-bits-small",
+            Box::new(|b| put32(b, 20, 4)),
+            "cluster size",
+        ),
+        (
+            "size-absurd",
+            Box::new(|b| put64(b, 24, u64::MAX / 2)),
+            "too small for its virtual size",
+        ),
+        (
+            "l1-past-eof",
+            Box::new(|b| put64(b, 40, 1 << 40)),
+            "past the end",
+        ),
+        (
+            "l1-unaligned",
+            Box::new(|b| put64(b, 40, 4096 + 8)),
+            "Unaligned",
+        ),
+        ("l1-huge", Box::new(|b| put32(b, 36, u32::MAX)), "too big"),
+        (
+            "reftable-past-eof",
+            Box::new(|b| put64(b, 48, 1 << 40)),
+            "past the end",
+        ),
+        (
+            "incompatible-bit",
+            Box::new(|b| put64(b, 72, 1 << 20)),
+            "incompatible feature",
+        ),
+        (
+            "dirty-bit",
+            Box::new(|b| put64(b, 72, 1)),
+            "incompatible feature",
+        ),
+        (
+            "corrupt-bit",
+            Box::new(|b| put64(b, 72, 2)),
+            "incompatible feature",
+        ),
+        (
+            "external-data",
+            Box::new(|b| put64(b, 72, 4)),
+            "external data file",
+        ),
+        (
+            "backing-name-past-cluster",
+            Box::new(|b| {
+                put64(b, 8, 65530);
+                put32(b, 16, 100);
+            }),
+            "Backing file name",
+        ),
+        (
+            "backing-protocol",
+            Box::new(|b| {
+                let name = b"nbd:localhost:10809";
+                let at = 4096usize;
+                b[at..at + name.len()].copy_from_slice(name);
+                put64(b, 8, at as u64);
+                put32(b, 16, name.len() as u32);
+            }),
+            "protocol",
+        ),
+        ("snapshots", Box::new(|b| put32(b, 60, 1)), "snapshots"),
+        (
+            "l1-on-reftable",
+            Box::new(|b| {
+                let rt = u64::from_be_bytes(b[48..56].try_into().unwrap());
+                put64(b, 40, rt)
+            }),
+            "overlapping metadata",
+        ),
+        (
+            "l2-on-reftable",
+            Box::new(|b| {
+                let rt = u64::from_be_bytes(b[48..56].try_into().unwrap());
+                put64(b, l1_off, (1u64 << 63) | rt)
+            }),
+            "overlapping metadata",
+        ),
+        (
+            "header-length-huge",
+            Box::new(|b| put32(b, 100, 1 << 20)),
+            "header too big",
+        ),
+        (
+            "refcount-order",
+            Box::new(|b| put32(b, 96, 9)),
+            "refcount width",
+        ),
+    ];
+    for (name, patch, want) in cases {
+        let p = variant(name, &*patch);
+        let err = open_err(&p);
+        assert!(
+            err.to_lowercase().contains(&want.to_lowercase()),
+            "{name}: error {err:?} does not say {want:?}"
+        );
+    }
+
+    // Opened, but the requests touching the bad part fail: an L2 table
+    // pointing past the end of the file, and an L1 entry pointing there.
+    let p = variant("l2-entry-past-eof", &|b| {
+        put64(b, l2_off, (1u64 << 63) | (1 << 45))
+    });
+    let img = open(&p, true);
+    let mut buf = vec![0u8; 4096];
+    let err = read(&img, 0, &mut buf).unwrap_err().to_string();
+    assert!(err.contains("past the end"), "{err}");
+    assert!(write(&img, 0, &[1u8; 4096]).is_err());
+    // Other clusters still work.
+    read(&img, 2 * MIB, &mut buf).unwrap();
+    drop(img);
+    let p = variant("l1-entry-past-eof", &|b| {
+        put64(b, l1_off, (1u64 << 63) | (1 << 44))
+    });
+    let img = open(&p, false);
+    let err = read(&img, 0, &mut buf).unwrap_err().to_string();
+    assert!(err.contains("past the end"), "{err}");
+
+    // A backing file whose format is not recorded: never probed.
+    let nofmt = dir.join("nofmt.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "good.qcow2",
+        "-F",
+        "qcow2",
+        nofmt.to_str().unwrap(),
+    ]);
+    // (qemu-img no longer writes such images: turn the backing-format
+    // extension into an unknown one.)
+    let mut b = std::fs::read(&nofmt).unwrap();
+    let at = b[..65536]
+        .windows(4)
+        .position(|w| w == [0xe2, 0x79, 0x2a, 0xca])
+        .expect("no backing-format extension");
+    b[at..at + 4].copy_from_slice(&[0x12, 0x34, 0x56, 0x78]);
+    std::fs::write(&nofmt, &b).unwrap();
+    let err = open_err(&nofmt);
+    assert!(err.contains("never probed"), "{err}");
+    // zstd-compressed images: imago reads zlib only; refused, not misread.
+    let zstd = dir.join("zstd.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "compression_type=zstd",
+        zstd.to_str().unwrap(),
+        "1M",
+    ]);
+    let err = open_err(&zstd);
+    assert!(err.contains("incompatible feature"), "{err}");
+    // A missing backing file.
+    let missing = dir.join("missing.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-u",
+        "-b",
+        "nowhere.raw",
+        "-F",
+        "raw",
+        missing.to_str().unwrap(),
+        "1M",
+    ]);
+    let err = open_err(&missing);
+    assert!(err.contains("nowhere.raw"), "{err}");
+}
+
+/// After `invalidate`, an image reads what another opener wrote meanwhile
+/// (a migration's destination taking the image over), rather than its
+/// stale cached mappings.
+#[test]
+fn invalidate_rereads_metadata() {
+    let dir = scratch("invalidate");
+    let (top, _) = overlay_over(&dir, "raw", 4 * MIB);
+    let reader = open(&top, false);
+    let mut buf = vec![0u8; 4096];
+    read(&reader, 65536, &mut buf).unwrap(); // caches "from the base"
+    {
+        let writer = open(&top, true);
+        let mut data = vec![0u8; 4096];
+        fill(42, 65536, &mut data);
+        write(&writer, 65536, &data).unwrap();
+        flush(&writer).unwrap();
+    }
+    let mut want = vec![0u8; 4096];
+    fill(42, 65536, &mut want);
+    read(&reader, 65536, &mut buf).unwrap();
+    assert!(
+        buf != want,
+        "the reader saw the write without invalidating (test is void)"
+    );
+    match &reader {
+        Image::Qcow2(q) => q.invalidate().unwrap(),
+        Image::Raw(_) => unreachable!(),
+    }
+    read(&reader, 65536, &mut buf).unwrap();
+    assert!(buf == want, "stale data after invalidate");
+}
