@@ -18,9 +18,9 @@
 //! nowhere else.
 //!
 //! The connector:
-//! - is forked with only the daemon's main thread's syscalls to worry
-//!   about, and runs nothing but raw syscalls (no allocation, no locks), so
-//!   forking a daemon that already has threads is sound;
+//! - runs nothing but raw syscalls after the fork (no allocation, no
+//!   locks), so it would be sound to fork even a daemon with threads (it
+//!   is forked early in start-up, before the daemon opens its image);
 //! - closes every descriptor but its end of the socketpair, ignores
 //!   SIGINT, SIGTERM and SIGHUP, and dies with the thread that forked it
 //!   (`PR_SET_PDEATHSIG`), the daemon's main thread, which lives as long as
