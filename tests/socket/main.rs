@@ -40,6 +40,7 @@ mod log_limits;
 mod lost_interrupt;
 mod memory_slots;
 mod qos;
+mod sandbox;
 mod seccomp;
 mod sighup;
 mod socket_mode;

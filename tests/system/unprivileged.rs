@@ -1,8 +1,9 @@
 //! The daemon needs no privileges: run as `nobody` (no capabilities, no
 //! supplementary groups) on an image and socket directory that user owns,
-//! it serves I/O, under its default seccomp filter. Needs root to switch
-//! users (with setpriv from util-linux); skipped otherwise, except where
-//! `CI` is set: there it fails.
+//! it serves I/O, under its default seccomp filter and Landlock ruleset,
+//! and does not warn about root. Needs root to switch users (with setpriv
+//! from util-linux); skipped otherwise, except where `CI` is set: there it
+//! fails.
 
 use std::os::unix::fs::{MetadataExt, chown};
 use std::process::Command;
@@ -41,6 +42,11 @@ fn serves_io_as_nobody() {
         },
     );
     d.wait_for_log("seccomp filter");
+    let log = d.log();
+    assert!(!log.contains("running as root"), "{log}");
+    if std::env::var_os("CI").is_some() || !log.contains("Landlock is not available") {
+        assert!(log.contains("Landlock ABI "), "Landlock is not on:\n{log}");
+    }
 
     let status = |name| d.proc_status(None, name).unwrap_or_default();
     assert!(

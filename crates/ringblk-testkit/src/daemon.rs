@@ -234,7 +234,10 @@ impl Daemon {
     /// where it serves from what it prints.
     pub fn wait_until_ready(&mut self) {
         if self.default_paths {
+            // Two lines, on two streams (stdout, stderr) read by two
+            // threads: wait for each, not for one and then the other's.
             self.wait_for_log("Connect QEMU with");
+            self.wait_for_log("] serving ");
             let log = self.log();
             let field = |start: &str, end: char| -> PathBuf {
                 let rest = &log[log.find(start).expect("announced") + start.len()..];
