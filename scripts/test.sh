@@ -89,7 +89,7 @@ export RINGBLK_DEB=$deb
 #
 # Every test bounds its own waits, but a test that hangs anyway must fail
 # the run, with where it hangs, rather than stall it: after
-# RINGBLK_TEST_TIMEOUT seconds (default 3600; a run here takes about 15
+# RINGBLK_TEST_TIMEOUT seconds (default 3600; a run here takes about 17
 # minutes) the processes still running and their threads' kernel stacks
 # are printed, and they are killed.
 section "cargo test"
