@@ -577,7 +577,7 @@ fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)>
         list.push((SYS_uname, any()));
         // librbd's asio timers (its io_context_pool thread) after the
         // daemon is restarted on an image a killed one held: found with
-        // `--seccomp log` through tests/guest_rbd.rs's kills.
+        // `--seccomp log` through tests/rbd/guest_rbd.rs's kills.
         // (timerfd_settime is on every profile: the QoS timers.)
         list.push((SYS_timerfd_create, any()));
         // The same run: a timed wait of librbd's timer threads that a

@@ -6,16 +6,13 @@
 //! The daemon is the `ringblk` next to `ringblk-bench`, which
 //! `cargo test --workspace` builds.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, DaemonOptions, MIB, ringblk_bin, test_dir};
 use ringblk_bench::RunResult;
 use ringblk_metrics::{MetricsDoc, QueueSnapshot};
+use ringblk_testkit::{Daemon, DaemonOptions, MIB, ringblk_bin, test_dir};
 
 /// Longest a bench or stats process may take before the test fails.
 const TIMEOUT: Duration = Duration::from_secs(60);
