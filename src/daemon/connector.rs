@@ -128,9 +128,16 @@ impl Connector {
             iov_len: errno.len(),
         }];
         let mut fds = [-1 as RawFd; 1];
-        // SAFETY: the iovec points at `errno`, which outlives the call;
-        // `fds` has room for the one descriptor asked for.
-        let got = unsafe { self.chan.recv_with_fds(&mut iov, &mut fds) };
+        // With a read timeout set, a stop and continue of the daemon
+        // (SIGSTOP, a debugger) answers EINTR instead of restarting.
+        let got = loop {
+            // SAFETY: the iovec points at `errno`, which outlives the call;
+            // `fds` has room for the one descriptor asked for.
+            match unsafe { self.chan.recv_with_fds(&mut iov, &mut fds) } {
+                Err(e) if e.errno() == libc::EINTR => continue,
+                r => break r,
+            }
+        };
         // Out of fds here (EMFILE, or ENOBUFS: the kernel could not pass
         // the descriptor and dropped it) fails this connection only.
         let (n, nfds) = got.map_err(|e| match io::Error::from(e) {

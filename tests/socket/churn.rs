@@ -212,3 +212,34 @@ fn a_connection_that_cannot_be_set_up_does_not_end_the_daemon() {
     assert!(raised.success());
     assert_serves(&mut d, "once fds are there again", 0, 6);
 }
+
+/// A daemon stopped and continued (SIGSTOP and SIGCONT: a debugger, the
+/// cgroup freezer, an operator's `kill -STOP`) keeps its front-end. The
+/// relay reads with a time limit while it watches newly started rings, and
+/// a read with a time limit answers EINTR, rather than restarting, when
+/// the process is stopped under it: that used to end the connection (seen
+/// in the migration tests, whose harness stops the daemon).
+#[test]
+fn a_stopped_and_continued_daemon_keeps_its_front_end() {
+    let mut d = Daemon::start(4 * MIB, &[]);
+    let mut c = ringblk_testkit::Client::connect(&d.socket, 4096);
+    let data = ringblk_testkit::pattern(7, 0, 4096);
+    assert_eq!(c.write(0, &data), 0, "write before the stops");
+    let pid = d.pid() as i32;
+    for _ in 0..50 {
+        // SAFETY: kill only sends a signal to the daemon's process.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        thread::sleep(Duration::from_millis(5));
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        thread::sleep(Duration::from_millis(15));
+    }
+    d.assert_running();
+    assert_eq!(c.write(4096, &data), 0, "write after the stops");
+    assert_eq!(c.read(0, 4096), data, "read after the stops");
+    let log = d.log();
+    assert!(
+        !log.contains("disconnecting"),
+        "the daemon dropped its front-end:\n{log}"
+    );
+}
