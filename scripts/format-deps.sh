@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the image-format tests use as their oracle: qemu-img and
-# qemu-io (Debian's qemu-utils). tests/format.rs runs it when qemu-img is
+# qemu-io (Debian's qemu-utils). tests/layers/format.rs runs it when qemu-img is
 # missing; scripts/test.sh runs it before the tests.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -26,7 +26,7 @@ profile=${RINGBLK_DEB_PROFILE:-release}
 
 # dpkg-shlibdeps works out the Depends line (libc6, ...); adduser is what
 # the package depends on (its postinst makes the ringblk user), installed
-# here so that tests/package.rs's `dpkg -i` finds it on a minimal machine.
+# here so that tests/system/package.rs's `dpkg -i` finds it on a minimal machine.
 ensure_packages dpkg-dev adduser
 if [ "$(cargo deb --version 2>/dev/null | awk '{ print $NF }')" != "$CARGO_DEB_VERSION" ]; then
     log "installing cargo-deb $CARGO_DEB_VERSION"

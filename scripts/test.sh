@@ -33,7 +33,7 @@ fi
 
 # librbd/librados for `--features rbd`, and the Ceph daemons of the
 # single-node cluster the RBD tests start (scripts/ceph-cluster.sh).
-# qemu-img and qemu-io: the oracle of the image-format tests (tests/format.rs).
+# qemu-img and qemu-io: the oracle of the image-format tests (tests/layers/format.rs).
 section "format test tools"
 scripts/format-deps.sh
 
@@ -41,9 +41,15 @@ section "ceph packages"
 scripts/ceph-deps.sh
 
 # nbdinfo, nbdcopy and qemu-img: the independent clients of the backup
-# tests (tests/backup.rs).
+# tests (tests/layers/backup.rs).
 section "nbd tools"
 scripts/nbd-tools.sh
+
+# qemu-storage-daemon, fio and qemu-img: the peers and the qcow2 images of
+# `bench --compare`, whose tests run them (guest-assets.sh, which installs
+# the first two as well, may fail without failing the run).
+section "bench tools"
+scripts/bench-tools.sh
 
 section "cargo fmt"
 cargo fmt --all -- --check
@@ -76,7 +82,7 @@ if grep -E '^(blkio|plotters|indicatif|hdrhistogram) ' <<<"$tree"; then
 fi
 
 # The Debian package (cargo-deb, installed here if missing), from the
-# debug build: tests/package.rs installs it, serves a client through its
+# debug build: tests/system/package.rs installs it, serves a client through its
 # unit's command line and removes it. (A release package is
 # `scripts/package.sh` alone.)
 section "package"
@@ -88,13 +94,14 @@ deb=$(RINGBLK_DEB_PROFILE=dev scripts/package.sh | sed -n 's/^deb=//p')
 export RINGBLK_DEB=$deb
 
 # --workspace: the bench's tests run its binary against the daemon's, and
-# need both built. With the RBD engine: its tests (tests/rbd.rs, and the
-# bench's crates/ringblk-bench/tests/bench_rbd.rs) start a Ceph cluster of
-# their own.
+# need both built. With the RBD engine: its tests (the `rbd` area,
+# tests/rbd/, which needs the feature, and the bench's
+# crates/ringblk-bench/tests/bench_rbd.rs) start a Ceph cluster of their
+# own, one per test binary.
 #
 # Every test bounds its own waits, but a test that hangs anyway must fail
 # the run, with where it hangs, rather than stall it: after
-# RINGBLK_TEST_TIMEOUT seconds (default 3600; a run here takes about 15
+# RINGBLK_TEST_TIMEOUT seconds (default 3600; a run here takes about 17
 # minutes) the processes still running and their threads' kernel stacks
 # are printed, and they are killed.
 section "cargo test"

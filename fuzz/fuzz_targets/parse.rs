@@ -1,6 +1,6 @@
 //! Descriptor chains built from the fuzz input, run through
 //! `Request::parse`. The logic lives in `ringblk::virtio::fuzzing` so the
-//! corpus also replays under a plain `cargo test` (tests/fuzz_corpus.rs).
+//! corpus also replays under a plain `cargo test` (tests/layers/fuzz_corpus.rs).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

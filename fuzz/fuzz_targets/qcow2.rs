@@ -1,6 +1,6 @@
 //! qcow2 images built from the fuzz input, opened and mapped through the
 //! format layer. The logic lives in `ringblk::format::fuzzing` so the
-//! corpus also replays under a plain `cargo test` (tests/fuzz_corpus.rs).
+//! corpus also replays under a plain `cargo test` (tests/layers/fuzz_corpus.rs).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

@@ -240,6 +240,13 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = SeccompMode::Enforce)]
     pub seccomp: SeccompMode,
 
+    /// Landlock after start-up (where the kernel has it): `on` lets the
+    /// daemon touch no path but its image and the sockets it removes at
+    /// exit, and make no TCP connection (but to an RBD cluster); `off`
+    /// restricts nothing. Independent of --seccomp. See docs/security.md.
+    #[arg(long, value_enum, default_value_t = LandlockMode::On)]
+    pub landlock: LandlockMode,
+
     #[command(flatten)]
     pub qos: crate::qos::QosChanges,
 }
@@ -249,6 +256,13 @@ pub struct ServeArgs {
 pub enum SeccompMode {
     Enforce,
     Log,
+    Off,
+}
+
+/// Whether the daemon restricts itself with Landlock after start-up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LandlockMode {
+    On,
     Off,
 }
 

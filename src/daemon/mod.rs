@@ -9,7 +9,10 @@
 
 mod args;
 mod config;
+mod connector;
+mod crash;
 mod fds;
+mod landlock;
 mod notify;
 mod removal;
 mod seccomp;
@@ -84,6 +87,12 @@ pub enum DaemonError {
     Signals(std::io::Error),
     #[error("seccomp: {0}")]
     Seccomp(String),
+    #[error("landlock: {0}")]
+    Landlock(String),
+    /// The relay's connection to vhost-user-backend cannot be made (see
+    /// `connector`): no front-end can be served any more.
+    #[error("inner socket {0}")]
+    Inner(String),
 }
 
 /// What the signal handler runs at shutdown, once the queues have drained,
@@ -108,11 +117,15 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // descriptor the daemon made itself (see `Listen::passed`).
     let passed = Listen::passed(&args)?;
     let notifier = Notifier::from_env().map_err(DaemonError::Config)?;
+    crash::install();
     // The fds a front-end needs must not run out before the hard limit
     // does (see `fds` for the share no HTTP client can take).
     if let Err(e) = fds::raise_limit() {
         log::warn!("cannot raise the fd limit to its hard limit: {e}");
     }
+    // Early, while the daemon has few descriptors and threads: it forks the
+    // connector process (`connector`).
+    let mut inner = InnerSocket::new()?;
     let cfg = Config::from_args(args, passed)?;
     let num_queues = usize::from(cfg.args.queues);
     let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
@@ -161,7 +174,6 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             (l, name)
         }
     };
-    let mut inner = InnerSocket::new()?;
     // `--threads` queue threads (`BlkBackend::queues_per_thread`).
     let threads = cfg.threads;
     let exit_events = Arc::new(
@@ -203,6 +215,18 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         .chain(&inner.paths.removals)
         .map(Removal::dir_fd)
         .collect();
+    // What Landlock leaves the daemon after start-up.
+    let sandbox = landlock::Allowed {
+        image: cfg
+            .backing
+            .file()
+            .map(|f| f.try_clone().map(|f| (f, !cfg.args.readonly)))
+            .transpose()
+            .map_err(|e| DaemonError::Landlock(format!("the image: {e}")))?,
+        // A qcow2 backing chain goes here, read-only.
+        backing: Vec::new(),
+        removals: files.iter().chain(&inner.paths.removals).cloned().collect(),
+    };
     let closer = Closer::default();
     spawn_signal_handler(
         cfg.backing.file(),
@@ -212,6 +236,8 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         inner.paths.clone(),
         notifier.try_clone().map_err(DaemonError::Signals)?,
     )?;
+    // Once start-up has worked: a start that fails prints its error alone.
+    warn_if_root();
     announce(&socket_name, &cfg.args, &cfg.backing, &device, threads);
 
     let conn = Connections {
@@ -226,6 +252,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         timers: &timers,
         inner: &mut inner,
         unlink_dirs,
+        sandbox,
         profile: match &cfg.backing {
             config::Backing::File { .. } => seccomp::Profile::File,
             #[cfg(feature = "rbd")]
@@ -299,6 +326,20 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     }
 }
 
+/// Running as root gives a bug that a front-end or an image reaches all of
+/// root's reach; the daemon needs none of it.
+fn warn_if_root() {
+    // SAFETY: geteuid takes no arguments and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        log::warn!(
+            "running as root (effective uid 0): the daemon needs no privileges. Run it as a \
+             dedicated user that owns the image and the socket directory (systemd: User= or \
+             DynamicUser=; by hand: setpriv --reuid=ringblk --regid=ringblk --clear-groups); \
+             see docs/security.md"
+        );
+    }
+}
+
 /// How long SIGTERM waits for the engines of a connection being torn
 /// down before it closes the RBD image.
 #[cfg(feature = "rbd")]
@@ -338,6 +379,8 @@ struct Connections<'a> {
     inner: &'a mut InnerSocket,
     /// Directory fds the daemon may remove files in after start-up.
     unlink_dirs: Vec<i32>,
+    /// What Landlock allows after start-up; taken when it is applied.
+    sandbox: landlock::Allowed,
     /// What the seccomp filter allows besides the daemon's own syscalls.
     profile: seccomp::Profile,
     log_limit: RateLimiter,
@@ -364,8 +407,20 @@ impl Connections<'_> {
         crate::vhost::sigbus::install().map_err(DaemonError::Signals)?;
         let endpoints =
             usize::from(self.args.api.is_some()) + usize::from(self.args.metrics.is_some());
+        // Reads /proc/self/fd: before Landlock and the filter.
         fds::check_reserve(endpoints);
+        // What the filter needs done first reads files Landlock then denies.
+        seccomp::prepare(self.args.seccomp);
+        // Landlock, then the filter, which has no Landlock syscalls.
+        landlock::restrict(
+            self.args.landlock,
+            self.profile,
+            std::mem::take(&mut self.sandbox),
+        )?;
         seccomp::install(self.args.seccomp, self.profile, &self.unlink_dirs)?;
+        if self.args.seccomp != args::SeccompMode::Off {
+            connector::filter_installed();
+        }
         // The socket has been listening since start-up; connections queue
         // in its backlog until the first accept, which comes next.
         self.notifier.notify("READY=1");
@@ -451,7 +506,10 @@ impl Connections<'_> {
                 Arc::strong_count(&backend) - 1
             );
         }
-        served.map_err(ConnectionError::Lost)
+        served.map_err(|e| match e {
+            DaemonError::Inner(_) => ConnectionError::Fatal(e),
+            e => ConnectionError::Lost(e),
+        })
     }
 
     /// The connection's vhost-user side: the crate's daemon and its queue
@@ -556,10 +614,13 @@ fn accept(
 
 /// The socket between the relay and vhost-user-backend, in a private
 /// directory (mode 0700) so only this user can connect to it. Bound once,
-/// before the seccomp filter; each connection accepts on it again.
+/// before the seccomp filter; each connection accepts on it again. The
+/// relay's end of each connection is made by the connector process
+/// (`connector`): the daemon itself connects to nothing after start-up.
 struct InnerSocket {
     paths: InnerPaths,
     listener: Listener,
+    connector: connector::Connector,
 }
 
 /// Where the inner socket lives, and its removal on exit.
@@ -602,21 +663,56 @@ impl InnerSocket {
             Removal::file(&sock).map_err(err)?,
             Removal::dir(&dir).map_err(err)?,
         ];
+        let paths = InnerPaths {
+            #[cfg(test)]
+            dir: dir.clone(),
+            sock,
+            removals,
+        };
+        let connector = match connector::Connector::spawn(&paths.sock) {
+            Ok(c) => c,
+            Err(e) => {
+                paths.remove();
+                return Err(DaemonError::Socket(format!("connector process: {e}")));
+            }
+        };
         Ok(InnerSocket {
-            paths: InnerPaths {
-                #[cfg(test)]
-                dir,
-                sock,
-                removals,
-            },
+            paths,
             listener,
+            connector,
         })
     }
 
     /// The stream the relay writes to; the crate accepts its other end.
+    /// A connector that is gone is [`DaemonError::Inner`] (the daemon
+    /// cannot go on); anything else fails this connection only.
     fn connect(&self) -> Result<UnixStream, DaemonError> {
-        UnixStream::connect(&self.paths.sock)
-            .map_err(|e| DaemonError::Socket(format!("{}: {e}", self.paths.sock.display())))
+        let err = |e: &dyn std::fmt::Display| format!("{}: {e}", self.paths.sock.display());
+        self.drop_stale()
+            .map_err(|e| DaemonError::Socket(err(&e)))?;
+        self.connector.connect().map_err(|e| match e {
+            connector::ConnectError::Gone(_) => DaemonError::Inner(err(&e)),
+            connector::ConnectError::Failed(_) => DaemonError::Socket(err(&e)),
+        })
+    }
+
+    /// Removes from the backlog the connections whose stream never reached
+    /// the relay (the daemon was out of fds as it came, or the crate could
+    /// not accept): the crate would take one of them for the next
+    /// front-end's, and every connection after would be paired with the
+    /// one before it.
+    fn drop_stale(&self) -> std::io::Result<()> {
+        let io = |e: vhost::vhost_user::Error| std::io::Error::other(e.to_string());
+        self.listener.set_nonblocking(true).map_err(io)?;
+        let drained = loop {
+            match self.listener.accept() {
+                Ok(Some(stale)) => drop(stale),
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(io(e)),
+            }
+        };
+        self.listener.set_nonblocking(false).map_err(io)?;
+        drained
     }
 }
 
@@ -740,6 +836,25 @@ mod tests {
     /// Two inner sockets of one process (one pid) must not share, or
     /// remove, each other's directory: the name is not derived from the
     /// pid, which a later daemon of another user may get again.
+    /// A stream the connector made that never reached the relay is not
+    /// what the crate accepts for the next front-end: each accept gets the
+    /// relay's own stream.
+    #[test]
+    fn a_stale_inner_connection_is_not_paired_with_the_next_front_end() {
+        use std::io::{Read, Write};
+        let inner = InnerSocket::new().expect("inner socket");
+        // As if the daemon had run out of fds as the stream came.
+        drop(inner.connector.connect().expect("a stream"));
+        for i in 0..3u8 {
+            let mut ours = inner.connect().expect("connects");
+            ours.write_all(&[i]).unwrap();
+            let mut theirs = inner.listener.accept().unwrap().expect("accepted");
+            let mut got = [0u8];
+            theirs.read_exact(&mut got).expect("the relay's own stream");
+            assert_eq!(got, [i]);
+        }
+    }
+
     #[test]
     fn inner_sockets_get_private_directories_of_their_own() {
         let a = InnerSocket::new().expect("first inner socket");

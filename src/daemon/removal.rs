@@ -5,7 +5,7 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -61,6 +61,16 @@ impl Removal {
     /// The directory fd the filter must allow `unlinkat` on.
     pub fn dir_fd(&self) -> RawFd {
         self.parent.as_raw_fd()
+    }
+
+    /// Its parent directory, where Landlock must allow the removal.
+    pub fn parent(&self) -> BorrowedFd<'_> {
+        self.parent.as_fd()
+    }
+
+    /// Whether it is a directory (else a file or socket).
+    pub fn is_dir(&self) -> bool {
+        self.flags == libc::AT_REMOVEDIR
     }
 
     /// Removes it; a file already gone is not an error worth reporting.

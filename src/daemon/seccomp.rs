@@ -16,14 +16,37 @@
 //! each says why. Arguments are checked where that is cheap and
 //! meaningful: no executable mappings, affinity of the calling thread
 //! only, only the `fcntl`/`prctl`/`ioctl` commands and `fallocate` modes
-//! in use, Unix sockets only. `openat` is not allowed at all.
+//! in use, `clone` with the flags of a thread only, `tgkill` of SIGABRT to
+//! this process only, `sendto` with no address. `openat` is not allowed at
+//! all, and neither are `socket` and `connect` (the file profile; the RBD
+//! one allows TCP sockets, see below).
+//!
+//! Processes and namespaces: `clone3` fails with ENOSYS (a second, tiny
+//! filter: [`compile_no_clone3`]), because its flags live in memory the
+//! filter cannot read; glibc falls back to `clone`, whose flags are an
+//! argument, and only [`THREAD_CLONE_FLAGS`] passes. So the daemon can
+//! start threads, and cannot fork, vfork, exec or enter a new namespace
+//! (`unshare`, `setns` are not on the list either).
+//!
+//! Sockets: in the file profile the daemon makes none after start-up and
+//! connects to nothing. The one connection it needs per front-end, from
+//! the relay to vhost-user-backend's inner listening socket, is made by a
+//! separate process forked at start-up (`daemon::connector`) that can do
+//! only that, and handed over with SCM_RIGHTS. What remains: the sd_notify
+//! socket, a datagram socket connected at start-up, could still be given
+//! another address by `sendmsg` (whose address is behind a pointer); in
+//! the RBD profile `connect` itself is allowed (for TCP, whose address a
+//! filter cannot see either), which could also re-point that socket. Both
+//! reach only datagram sockets whose file permissions let the daemon's
+//! user write, and Landlock (`daemon::landlock`) takes abstract ones away
+//! where the kernel has ABI 6.
 //!
 //! What the filter cannot see: io_uring operations. They are constrained by
 //! the rings themselves (created disabled, restricted to the six opcodes of
 //! `engine::ring`, plus the discard command on a block device whose kernel
-//! has it, all on the registered image only). `io_uring_setup` is not
-//! allowed: every ring the daemon will use is made before the filter, and
-//! each connection borrows them.
+//! has it, all on the registered image only). `io_uring_setup` is not on
+//! the list: every ring the daemon will use is made before the filter,
+//! and each connection borrows them.
 //!
 //! Profiles ([`Profile`]): a file or block device gets the list below; an
 //! RBD image (`--image rbd:...`) gets it plus what librbd's threads do
@@ -55,16 +78,20 @@
 //!   turns heap shrinking off (`M_TRIM_THRESHOLD`); strace had not shown
 //!   it, since the trim happens only when the freed top passes the
 //!   threshold;
-//! - thread start and exit (clone3, set_robust_list, rseq, sigaltstack,
-//!   prctl(PR_SET_NAME), sched_getaffinity, madvise, munmap, exit), and
+//! - thread start and exit (clone3, answered ENOSYS, then clone;
+//!   set_robust_list, rseq, sigaltstack, prctl(PR_SET_NAME),
+//!   sched_getaffinity, madvise, munmap, exit), and
 //!   HashMap seeds (getrandom): on the list below;
 //! - time: log lines are stamped in UTC (no time zone file), clocks come
 //!   from the vDSO, with `clock_gettime` allowed for clock sources without
 //!   one; no locale, DNS or `/proc/self` access was seen after start-up.
 //!
-//! What is not covered: a panic with `RUST_BACKTRACE` set resolves its
-//! backtrace by reading the binary, which traps; its message is written
-//! before that, and a panic is a bug either way.
+//! Bugs: a panic anywhere is logged (thread, place, message) and aborts
+//! the process (`daemon::crash`); abort(3)'s own syscalls are on the list,
+//! so a panic or an abort ends the daemon as killed by SIGABRT, with its
+//! message in the log, not as a trapped syscall. No backtrace is printed:
+//! resolving one reads the binary, which neither the filter nor Landlock
+//! allows; a core dump (where they are enabled) has the stack.
 //!
 //! `--seccomp enforce` traps a syscall outside the list: a SIGSYS handler
 //! writes the syscall number to stderr and exits with [`EXIT_BAD_SYSCALL`]
@@ -112,12 +139,16 @@ pub fn install(
         log::warn!("the kernel has no seccomp support; running without a syscall filter");
         return Ok(());
     }
-    prepare();
-    let program = compile(mismatch.clone(), profile, unlink_dirs)?;
+    let pid = std::process::id() as i32;
+    let program = compile(mismatch.clone(), profile, unlink_dirs, pid)?;
+    let no_clone3 = compile_no_clone3()?;
     if mismatch == SeccompAction::Trap {
         install_sigsys_handler()?;
     }
-    match seccompiler::apply_filter_all_threads(&program) {
+    // The ENOSYS one first: until the allow-list is on too, nothing is
+    // refused that was allowed before. A kernel that refuses the first
+    // (EINVAL: no filter support after all) refuses the second too.
+    match seccompiler::apply_filter_all_threads(&no_clone3) {
         Ok(()) => {}
         Err(seccompiler::Error::Seccomp(e)) if e.raw_os_error() == Some(libc::EINVAL) => {
             log::warn!(
@@ -127,10 +158,12 @@ pub fn install(
         }
         Err(e) => return Err(DaemonError::Seccomp(e.to_string())),
     }
+    seccompiler::apply_filter_all_threads(&program)
+        .map_err(|e| DaemonError::Seccomp(e.to_string()))?;
     log::debug!(
         "seccomp filter installed ({:?} profile, {} syscalls allowed, {})",
         profile,
-        allowed(profile, unlink_dirs).len(),
+        allowed(profile, unlink_dirs, pid).len(),
         match mode {
             SeccompMode::Log => "others logged",
             _ => "others fatal",
@@ -139,9 +172,14 @@ pub fn install(
     Ok(())
 }
 
-/// Does now, before the filter, what a library would otherwise do lazily
-/// with a syscall the filter does not allow (see the module doc).
-fn prepare() {
+/// Does now, before the filter (and before Landlock, which would deny the
+/// file it reads), what a library would otherwise do lazily with a
+/// syscall the filter does not allow (see the module doc). Nothing for
+/// `--seccomp off`.
+pub fn prepare(mode: SeccompMode) {
+    if mode == SeccompMode::Off || !kernel_has_seccomp() {
+        return;
+    }
     // What glibc would compute itself (NARENAS_FROM_NCORES: 8 arenas per
     // online CPU on 64-bit), so that it never reads
     // /sys/devices/system/cpu/online after start-up.
@@ -173,15 +211,22 @@ fn kernel_has_seccomp() -> bool {
     unsafe { libc::prctl(libc::PR_GET_SECCOMP, 0, 0, 0, 0) >= 0 }
 }
 
+fn seccomp_err(e: seccompiler::BackendError) -> DaemonError {
+    DaemonError::Seccomp(e.to_string())
+}
+
 /// Builds the BPF program: the allow-list, and `mismatch` for the rest.
+/// `pid`: the process the filter is for (abort's `tgkill` may signal it
+/// only).
 fn compile(
     mismatch: SeccompAction,
     profile: Profile,
     unlink_dirs: &[i32],
+    pid: i32,
 ) -> Result<BpfProgram, DaemonError> {
-    let err = |e: seccompiler::BackendError| DaemonError::Seccomp(e.to_string());
+    let err = seccomp_err;
     let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(err)?;
-    let rules = allowed(profile, unlink_dirs)
+    let rules = allowed(profile, unlink_dirs, pid)
         .into_iter()
         .map(|(nr, rules)| rules.map(|r| (nr, r)))
         .collect::<Result<BTreeMap<_, _>, _>>()
@@ -190,6 +235,43 @@ fn compile(
         .and_then(BpfProgram::try_from)
         .map_err(err)
 }
+
+/// The second filter: `clone3` fails with ENOSYS, everything else passes
+/// on to the allow-list. clone3 passes its flags in a struct, which a
+/// filter cannot read, so it cannot be told a thread from a fork or a new
+/// namespace; on ENOSYS glibc makes the same thread with `clone`, whose
+/// flags are an argument the allow-list checks. (A filter has one action
+/// for what it matches; the kernel runs both and takes the stricter
+/// answer, and ENOSYS is stricter than the allow-list's "allow".)
+fn compile_no_clone3() -> Result<BpfProgram, DaemonError> {
+    let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(seccomp_err)?;
+    SeccompFilter::new(
+        BTreeMap::from([(libc::SYS_clone3, vec![])]),
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        arch,
+    )
+    .and_then(BpfProgram::try_from)
+    .map_err(seccomp_err)
+}
+
+/// `clone` flags of a new thread, exactly as glibc's pthread_create passes
+/// them (`create_thread` in nptl; strace of Rust's std::thread, and of
+/// glibc's fallback from clone3 to clone, on Debian 12's glibc 2.36).
+/// librbd's and librados' threads are pthreads too (std::thread, boost),
+/// made the same way. io_uring's workers are made by the kernel, not by a
+/// syscall of ours. A fork (no CLONE_VM), a vfork (CLONE_VFORK), a new
+/// namespace (CLONE_NEW*) or a thread in another process's group
+/// (CLONE_PARENT) is any other value, and is refused.
+const THREAD_CLONE_FLAGS: u64 = (libc::CLONE_VM
+    | libc::CLONE_FS
+    | libc::CLONE_FILES
+    | libc::CLONE_SIGHAND
+    | libc::CLONE_THREAD
+    | libc::CLONE_SYSVSEM
+    | libc::CLONE_SETTLS
+    | libc::CLONE_PARENT_SETTID
+    | libc::CLONE_CHILD_CLEARTID) as u64;
 
 type Rules = Result<Vec<SeccompRule>, seccompiler::BackendError>;
 
@@ -215,6 +297,16 @@ fn args_eq(pairs: &[(u8, u64)]) -> Rules {
         .map(|&(arg, v)| SeccompCondition::new(arg, Len::Dword, Op::Eq, v))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(vec![SeccompRule::new(conditions)?])
+}
+
+/// Argument `arg` (64 bits) equal to `value`.
+fn arg64_eq(arg: u8, value: u64) -> Rules {
+    Ok(vec![SeccompRule::new(vec![SeccompCondition::new(
+        arg,
+        Len::Qword,
+        Op::Eq,
+        value,
+    )?])?])
 }
 
 /// Argument `arg` (32 bits) with none of the bits of `mask` set.
@@ -268,7 +360,7 @@ fn either(rules: impl IntoIterator<Item = Rules>) -> Rules {
 /// and restarted under a guest (`--seccomp log`, then the kernel's audit
 /// records) added `timerfd_create`, `timerfd_settime` and
 /// `restart_syscall`.
-fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
+fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)> {
     use libc::*;
     let rbd = profile == Profile::Rbd;
     let no_exec = || arg_without(2, PROT_EXEC as u64);
@@ -284,33 +376,21 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // start and stop.
         F_OFD_SETLK as u64,
     ];
-    let unix_stream = || {
-        args_eq(&[
-            (0, AF_UNIX as u64),
-            (1, (SOCK_STREAM | SOCK_CLOEXEC) as u64),
-        ])
-    };
     let rcvtimeo = || {
         either(
             [SO_RCVTIMEO, SO_SNDTIMEO]
                 .map(|opt| args_eq(&[(1, SOL_SOCKET as u64), (2, opt as u64)])),
         )
     };
-    let (socket_rules, setsockopt_rules) = if rbd {
+    let setsockopt_rules = if rbd {
         // librbd's messenger: O_NONBLOCK on each new connection.
         fcntl_cmds.push(F_SETFL as u64);
-        let tcp = |family: c_int| {
-            args_eq(&[(0, family as u64), (1, (SOCK_STREAM | SOCK_CLOEXEC) as u64)])
-        };
-        (
-            either([unix_stream(), tcp(AF_INET), tcp(AF_INET6)]),
-            either([
-                rcvtimeo(),
-                args_eq(&[(1, IPPROTO_TCP as u64), (2, TCP_NODELAY as u64)]),
-            ]),
-        )
+        either([
+            rcvtimeo(),
+            args_eq(&[(1, IPPROTO_TCP as u64), (2, TCP_NODELAY as u64)]),
+        ])
     } else {
-        (unix_stream(), rcvtimeo())
+        rcvtimeo()
     };
     let mut list = vec![
         // vhost-user: the next front-end, its messages and the fds they carry.
@@ -338,16 +418,13 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
                 ],
             ),
         ),
-        // The relay in front of vhost-user-backend connects to the crate's
-        // private socket (bound before the filter) once per connection: a
-        // Unix stream socket, nothing else. The filter cannot see the path
-        // it connects to (the crate only accepts from a listener, so the
-        // connection cannot be made before the filter); what else the
-        // daemon could reach is bounded by file permissions, which is why
-        // it should run as its own unprivileged user.
-        // (The RBD profile adds TCP sockets to the cluster: see above.)
-        (SYS_socket, socket_rules),
-        (SYS_connect, any()),
+        // No `socket` and no `connect` in the file profile: after start-up
+        // the daemon makes no socket of its own and connects to nothing.
+        // The relay's stream to vhost-user-backend's inner socket is
+        // connected by the connector process (`daemon::connector`) and
+        // handed over (recvmsg); sockets the daemon serves come from
+        // accept4, the back-end channel from the front-end. (The RBD
+        // profile adds TCP sockets to the cluster: see below.)
         // vhost-user-backend checks the back-end channel a front-end hands
         // over (SET_BACKEND_REQ_FD) is a Unix stream socket.
         (
@@ -399,8 +476,11 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // Worker threads, started per connection, and the control API's
         // verb threads (tokio's blocking pool: at most
         // `api::VERB_THREADS`, started when a slow verb comes, gone after
-        // 10 s idle); and their exit.
+        // 10 s idle); and their exit. clone3 is allowed here and answered
+        // ENOSYS by the second filter (`compile_no_clone3`); glibc then
+        // calls clone, allowed only with the flags of a new thread.
         (SYS_clone3, any()),
+        (SYS_clone, arg64_eq(0, THREAD_CLONE_FLAGS)),
         (SYS_set_robust_list, any()),
         (SYS_rseq, any()),
         (SYS_sigaltstack, any()),
@@ -432,9 +512,12 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         // (read with recv; answered with write, since hyper is told not
         // to use writev); returning from signal handlers. (getpeername,
         // which tiny_http made on each connection, is no longer needed:
-        // nothing else makes it, librbd and librados included.)
+        // nothing else makes it, librbd and librados included.) send(2)
+        // is sendto with no address (argument 4, a pointer, NULL): with
+        // one, the sd_notify datagram socket could send to any datagram
+        // socket path.
         (SYS_recvfrom, any()),
-        (SYS_sendto, any()),
+        (SYS_sendto, arg64_eq(4, 0)),
         (SYS_rt_sigreturn, any()),
         // Rust's SIGSEGV/SIGBUS handler (stack-overflow detection) resets
         // the signal to its default and returns, so that a real fault kills
@@ -444,6 +527,17 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         (
             SYS_rt_sigaction,
             arg_in(0, &[SIGSEGV as u64, SIGBUS as u64]),
+        ),
+        // abort(3), and a panic (`daemon::crash`, which logs it and
+        // aborts): glibc's raise unblocks SIGABRT and sends it to the
+        // calling thread, tgkill(getpid(), gettid(), SIGABRT). Only
+        // SIGABRT, and only to this process: the default action ends it
+        // as killed by SIGABRT (and dumps core where core dumps are on),
+        // instead of the SIGSYS handler reporting getpid as a bad syscall.
+        (SYS_getpid, any()),
+        (
+            SYS_tgkill,
+            args_eq(&[(0, pid as u32 as u64), (2, SIGABRT as u64)]),
         ),
         // Shutdown: make the image durable. fdatasync is also the io_uring
         // engine's blocking flush on an IOPOLL ring.
@@ -458,6 +552,17 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         (SYS_statx, any()),
     ];
     if rbd {
+        // New connections to monitors and OSDs (see above): TCP sockets
+        // of either family and nothing else, and their connect. The
+        // filter cannot see the address connect is given; the only
+        // sockets connect could reach anything with are these TCP ones
+        // (every Unix socket the daemon holds is listening or connected
+        // already, except the sd_notify one: see docs/security.md).
+        let tcp = |family: c_int| {
+            args_eq(&[(0, family as u64), (1, (SOCK_STREAM | SOCK_CLOEXEC) as u64)])
+        };
+        list.push((SYS_socket, either([tcp(AF_INET), tcp(AF_INET6)])));
+        list.push((SYS_connect, any()));
         // librbd's threads (see above); poll is also the RBD engine's wait
         // on its completion eventfd.
         list.push((SYS_poll, any()));
@@ -473,7 +578,7 @@ fn allowed(profile: Profile, unlink_dirs: &[i32]) -> Vec<(i64, Rules)> {
         list.push((SYS_uname, any()));
         // librbd's asio timers (its io_context_pool thread) after the
         // daemon is restarted on an image a killed one held: found with
-        // `--seccomp log` through tests/guest_rbd.rs's kills.
+        // `--seccomp log` through tests/rbd/guest_rbd.rs's kills.
         // (timerfd_settime is on every profile: the QoS timers.)
         list.push((SYS_timerfd_create, any()));
         // The same run: a timed wait of librbd's timer threads that a
@@ -551,240 +656,4 @@ fn install_sigsys_handler() -> Result<(), DaemonError> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn filters_compile_and_list_each_syscall_once() {
-        for profile in [Profile::File, Profile::Rbd] {
-            for action in [SeccompAction::Trap, SeccompAction::Log] {
-                let p = compile(action, profile, &[3]).unwrap();
-                assert!(!p.is_empty());
-            }
-            let mut nrs: Vec<i64> = allowed(profile, &[3]).iter().map(|(nr, _)| *nr).collect();
-            let n = nrs.len();
-            nrs.sort_unstable();
-            nrs.dedup();
-            assert_eq!(nrs.len(), n, "{profile:?}: a syscall is listed twice");
-        }
-    }
-
-    /// The RBD profile adds to the file one and takes nothing away; the
-    /// file profile allows no network socket.
-    #[test]
-    fn rbd_profile_is_the_file_profile_plus_librbd() {
-        let nrs = |p| -> Vec<i64> { allowed(p, &[3]).iter().map(|(nr, _)| *nr).collect() };
-        let (file, rbd) = (nrs(Profile::File), nrs(Profile::Rbd));
-        assert!(file.iter().all(|nr| rbd.contains(nr)));
-        for nr in [libc::SYS_poll, libc::SYS_getsockname] {
-            assert!(rbd.contains(&nr) && !file.contains(&nr));
-        }
-        let program = compile(SeccompAction::Trap, Profile::File, &[]).unwrap();
-        let tcp_socket = || {
-            // SAFETY: socket takes no pointers; the fd is closed at once.
-            let fd =
-                unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-            // SAFETY: closing the fd just made, if any.
-            fd >= 0 && unsafe { libc::close(fd) } == 0
-        };
-        assert_eq!(
-            run_in_child_under(&program, tcp_socket),
-            Err(EXIT_BAD_SYSCALL)
-        );
-        let program = compile(SeccompAction::Trap, Profile::Rbd, &[]).unwrap();
-        assert_eq!(run_in_child_under(&program, tcp_socket), Ok(true));
-    }
-
-    /// Forks a child that installs `program` (and the SIGSYS handler) and
-    /// calls getppid(2), which is not on the list. Returns the child's
-    /// wait status and what it wrote to stderr.
-    fn run_child_under(program: &BpfProgram) -> (i32, String) {
-        let mut fds = [0; 2];
-        // SAFETY: fds has room for the two descriptors pipe(2) returns.
-        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-        // SAFETY: the child only makes raw syscalls (no allocation, no
-        // locks) before _exit, so forking a multi-threaded test is sound.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
-        if pid == 0 {
-            // SAFETY: async-signal-safe calls only; the child never returns.
-            unsafe {
-                libc::dup2(fds[1], libc::STDERR_FILENO);
-                if install_sigsys_handler().is_err() || seccompiler::apply_filter(program).is_err()
-                {
-                    libc::_exit(99);
-                }
-                libc::syscall(libc::SYS_getppid);
-                libc::_exit(0);
-            }
-        }
-        // SAFETY: closing our copy of the write end, which we own.
-        unsafe { libc::close(fds[1]) };
-        let mut status = 0;
-        // SAFETY: pid is our child; status is a valid out-pointer.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        let mut out = vec![0u8; 256];
-        // SAFETY: fds[0] is the read end we own; out has room for 256 bytes.
-        let n = unsafe { libc::read(fds[0], out.as_mut_ptr().cast(), out.len()) };
-        // SAFETY: as above.
-        unsafe { libc::close(fds[0]) };
-        out.truncate(n.max(0) as usize);
-        (status, String::from_utf8_lossy(&out).into_owned())
-    }
-
-    #[test]
-    fn enforce_traps_a_syscall_outside_the_list_and_log_lets_it_pass() {
-        if !kernel_has_seccomp() {
-            eprintln!("skipped: the kernel has no seccomp");
-            return;
-        }
-        assert!(
-            !allowed(Profile::File, &[3])
-                .iter()
-                .any(|(nr, _)| *nr == libc::SYS_getppid)
-        );
-
-        let (status, err) =
-            run_child_under(&compile(SeccompAction::Trap, Profile::File, &[]).unwrap());
-        assert!(
-            libc::WIFEXITED(status),
-            "status {status:#x}, stderr {err:?}"
-        );
-        assert_eq!(libc::WEXITSTATUS(status), EXIT_BAD_SYSCALL, "{err:?}");
-        let want = format!("syscall {} is not allowed", libc::SYS_getppid);
-        assert!(err.contains(&want), "stderr {err:?} lacks {want:?}");
-
-        let (status, err) =
-            run_child_under(&compile(SeccompAction::Log, Profile::File, &[]).unwrap());
-        assert!(
-            libc::WIFEXITED(status),
-            "status {status:#x}, stderr {err:?}"
-        );
-        assert_eq!(libc::WEXITSTATUS(status), 0, "{err:?}");
-    }
-
-    /// Every blocking fallback an engine can make after start-up
-    /// (`engine::sync`), run in a child under the enforcing filter: none
-    /// may trap. (`--iopoll` once killed the daemon on a guest's
-    /// write-zeroes: fallocate was not on the list.)
-    #[test]
-    fn engine_fallbacks_run_under_the_filter() {
-        use crate::engine::{FALLOCATE_MODES, sync};
-        use std::os::fd::AsRawFd;
-        if !kernel_has_seccomp() {
-            eprintln!("skipped: the kernel has no seccomp");
-            return;
-        }
-        let image = tempfile::tempfile().unwrap();
-        image.set_len(1 << 20).unwrap();
-        let fd = image.as_raw_fd();
-        let program = compile(SeccompAction::Trap, Profile::File, &[]).unwrap();
-        let status = run_in_child_under(&program, || {
-            let mut ok = sync::flush(fd).is_ok();
-            for mode in FALLOCATE_MODES {
-                ok &= sync::fallocate(fd, mode, 4096, 4096).is_ok();
-            }
-            // Not a block device: the ioctl fails (ENOTTY), but it is made.
-            ok &= sync::discard_block_device(fd, 0, 4096).is_err();
-            ok
-        });
-        assert_eq!(status, Ok(true), "a fallback trapped or failed");
-    }
-
-    /// Runs `f` in a forked child under `program`; its result, or the
-    /// child's exit status if it did not return (a trapped syscall exits
-    /// with EXIT_BAD_SYSCALL).
-    fn run_in_child_under(program: &BpfProgram, f: impl FnOnce() -> bool) -> Result<bool, i32> {
-        // SAFETY: the child runs `f` (plain syscalls on an fd the parent
-        // opened, no locks taken by other threads) and exits with _exit.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
-        if pid == 0 {
-            let code = if install_sigsys_handler().is_err()
-                || seccompiler::apply_filter(program).is_err()
-            {
-                99
-            } else if f() {
-                0
-            } else {
-                1
-            };
-            // SAFETY: _exit is async-signal-safe and never returns.
-            unsafe { libc::_exit(code) };
-        }
-        let mut status = 0;
-        // SAFETY: pid is our child; status is a valid out-pointer.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
-            (true, 0) => Ok(true),
-            (true, 1) => Ok(false),
-            (true, code) => Err(code),
-            _ => Err(-status),
-        }
-    }
-
-    /// unlinkat works in the directories the daemon opened for it, and in
-    /// no other; a new io_uring cannot be made at all.
-    #[test]
-    fn removal_only_in_known_directories_and_no_new_rings() {
-        use std::os::fd::AsRawFd;
-        if !kernel_has_seccomp() {
-            eprintln!("skipped: the kernel has no seccomp");
-            return;
-        }
-        let (ours, other) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        for d in [&ours, &other] {
-            std::fs::write(d.path().join("f"), b"x").unwrap();
-        }
-        let open = |p: &std::path::Path| std::fs::File::open(p).unwrap();
-        let (ours_fd, other_fd) = (open(ours.path()), open(other.path()));
-        let program = compile(SeccompAction::Trap, Profile::File, &[ours_fd.as_raw_fd()]).unwrap();
-        let unlink = |dir: i32| {
-            // SAFETY: a NUL-terminated name and an open directory fd.
-            unsafe { libc::unlinkat(dir, c"f".as_ptr(), 0) == 0 }
-        };
-        let (a, b) = (ours_fd.as_raw_fd(), other_fd.as_raw_fd());
-        assert_eq!(run_in_child_under(&program, || unlink(a)), Ok(true));
-        assert!(!ours.path().join("f").exists());
-        assert_eq!(
-            run_in_child_under(&program, || unlink(b)),
-            Err(EXIT_BAD_SYSCALL)
-        );
-        assert!(other.path().join("f").exists());
-        let new_ring = || {
-            // Room for struct io_uring_params (120 bytes), zeroed.
-            let mut params = [0u8; 120];
-            // SAFETY: params is valid for the 120 bytes the kernel reads and
-            // writes.
-            unsafe { libc::syscall(libc::SYS_io_uring_setup, 4, params.as_mut_ptr()) >= 0 }
-        };
-        assert_eq!(
-            run_in_child_under(&program, new_ring),
-            Err(EXIT_BAD_SYSCALL)
-        );
-    }
-
-    #[test]
-    fn dangerous_syscalls_are_not_allowed() {
-        let nrs: Vec<i64> = allowed(Profile::File, &[3])
-            .iter()
-            .map(|(nr, _)| *nr)
-            .collect();
-        for nr in [
-            libc::SYS_execve,
-            libc::SYS_execveat,
-            libc::SYS_open,
-            libc::SYS_ptrace,
-            libc::SYS_clone,
-            libc::SYS_fork,
-            libc::SYS_mount,
-            // Rings are all made before the filter.
-            libc::SYS_io_uring_setup,
-            // Removal goes through unlinkat on known directories only.
-            libc::SYS_unlink,
-            libc::SYS_rmdir,
-        ] {
-            assert!(!nrs.contains(&nr), "syscall {nr} must not be allowed");
-        }
-    }
-}
+mod tests;

@@ -1,5 +1,5 @@
 //! The logic of the `qcow2` fuzz target (fuzz/fuzz_targets/qcow2.rs),
-//! here so that tests/fuzz_corpus.rs replays its corpus under a plain
+//! here so that tests/layers/fuzz_corpus.rs replays its corpus under a plain
 //! `cargo test`.
 //!
 //! The input is an image file: the first byte holds flags (bit 0: open it

@@ -1,5 +1,5 @@
 //! The logic of the `nbd` fuzz target (`fuzz/fuzz_targets/nbd.rs`), kept in
-//! the crate so that `tests/fuzz_corpus.rs` replays its corpus with a plain
+//! the crate so that `tests/layers/fuzz_corpus.rs` replays its corpus with a plain
 //! `cargo test`.
 //!
 //! The input steers a generator of client streams rather than being one:

@@ -614,7 +614,7 @@ fn qos_limit_doubled_at_runtime_is_followed_within_a_second() {
     );
     // The test's closed loop runs next to the other unit tests: a late
     // wake-up only lowers a rate, never raises it past the limit. The
-    // precise figures are tests/qos.rs's, against a real daemon.
+    // precise figures are tests/socket/qos.rs's, against a real daemon.
     let n = N as f64;
     assert!(
         before <= 1.1 * n && before >= 0.75 * n,

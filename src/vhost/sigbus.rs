@@ -43,7 +43,7 @@ type Region = <GuestMem as GuestMemoryBackend>::R;
 /// Memory slots the device advertises (GET_MAX_MEM_SLOTS, with
 /// CONFIGURE_MEM_SLOTS): vhost-user-backend 0.24 answers 509 (its
 /// handler's `MAX_MEM_SLOTS`), and the relay refuses an ADD_MEM_REG that
-/// would take the table past it (`tests/memory_slots.rs` checks both).
+/// would take the table past it (`tests/socket/memory_slots.rs` checks both).
 pub const MEM_SLOTS: usize = 509;
 
 /// Ranges the handler can watch at once: the advertised slots, and as

@@ -1,5 +1,5 @@
 //! The logic of the `parse` fuzz target (`fuzz/fuzz_targets/parse.rs`),
-//! kept in the crate so that `tests/fuzz_corpus.rs` replays the corpus with
+//! kept in the crate so that `tests/layers/fuzz_corpus.rs` replays the corpus with
 //! a plain `cargo test`, on stable, without libFuzzer.
 //!
 //! The input is not a ring image: it steers a generator that writes mostly

@@ -73,6 +73,39 @@ pub enum BackendName {
     Host,
 }
 
+/// Image formats `--compare` serves.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FormatName {
+    /// The image file as it is.
+    #[default]
+    Raw,
+    /// A qcow2 image made from it with qemu-img (which kind: --qcow2).
+    Qcow2,
+}
+
+/// Which qcow2 images the `--format qcow2` rows serve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Qcow2Kind {
+    /// Every cluster allocated and holding data: the raw image converted
+    /// with `qemu-img convert -O qcow2 -o preallocation=metadata`.
+    Allocated,
+    /// A fresh, empty overlay over a base with data (`qemu-img create -f
+    /// qcow2 -b BASE`), made again before every run: writes allocate
+    /// clusters and copy the rest of each from the base.
+    Cow,
+}
+
+/// The base under the copy-on-write overlays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum)]
+pub enum CowBase {
+    /// The raw image (`-F raw`).
+    Raw,
+    /// The allocated qcow2 made from it (`-F qcow2`).
+    Qcow2,
+}
+
 /// `ringblk-bench` arguments.
 #[derive(Clone, Debug, Args)]
 pub struct BenchArgs {
@@ -132,6 +165,14 @@ pub struct BenchArgs {
     /// Use only the first SIZE bytes of the device (default: all of it).
     #[arg(long, value_parser = parse_size)]
     pub size: Option<u64>,
+
+    /// Random patterns: send every request to a different SIZE-sized
+    /// region (at a random bs-aligned offset in it), the regions in a
+    /// random order, and end the measured window early once each has had
+    /// one. With the qcow2 cluster size, every write to an empty overlay
+    /// allocates a cluster (--compare does that on copy-on-write rows).
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub distinct: Option<u64>,
 
     /// CPU the client threads are pinned to.
     #[arg(long, default_value_t = 1)]
@@ -218,6 +259,24 @@ pub struct CompareArgs {
     #[arg(long, value_enum, value_delimiter = ',', requires = "compare")]
     pub direct: Vec<OnOff>,
 
+    /// Image format(s) to serve, each a row of its own: raw is the image
+    /// file; qcow2 is made from it with qemu-img (kind: --qcow2). ringblk
+    /// gets `serve --format qcow2`, qsd `driver=qcow2`; fio (host) has no
+    /// qcow2 and runs on raw rows only. Default: raw.
+    #[arg(long, value_enum, value_delimiter = ',', requires = "compare")]
+    pub format: Vec<FormatName>,
+
+    /// Which qcow2 image(s) the qcow2 rows serve: allocated (every cluster
+    /// holds data) and/or cow (a fresh empty overlay over a base with
+    /// data, made again before every run). Default: allocated.
+    #[arg(long, value_enum, value_delimiter = ',', requires = "compare")]
+    pub qcow2: Vec<Qcow2Kind>,
+
+    /// The base under the copy-on-write overlays: the raw image, or the
+    /// allocated qcow2 made from it. Default: raw.
+    #[arg(long, value_enum, requires = "compare")]
+    pub cow_base: Option<CowBase>,
+
     /// Which backends to run, in this order per configuration (variants run
     /// right after ringblk).
     #[arg(
@@ -237,6 +296,15 @@ pub struct CompareArgs {
     /// (split on whitespace), e.g. --variant 'late:--signal late'. Repeatable.
     #[arg(long, allow_hyphen_values = true, value_name = "NAME:ARGS")]
     pub variant: Vec<String>,
+
+    /// Before measuring ringblk backend NAME (ringblk or a variant), run
+    /// `ringblk ARGS` (split on whitespace; {api} is replaced by the
+    /// daemon's control socket, which NAME then serves with --api), e.g.
+    /// --setup 'ringblk:ctl --api {api} qos --iops 5000'. Repeatable; the
+    /// commands run in order once the daemon is up, and a failing one
+    /// fails the run.
+    #[arg(long, allow_hyphen_values = true, value_name = "NAME:ARGS")]
+    pub setup: Vec<String>,
 
     /// Extra argument for fio (repeatable), e.g. --fio-arg=--fixedbufs.
     #[arg(long, allow_hyphen_values = true, value_name = "ARG")]
@@ -265,6 +333,10 @@ pub struct CompareArgs {
     /// fio binary (the host baseline).
     #[arg(long, default_value = "fio")]
     pub fio_bin: PathBuf,
+
+    /// qemu-img binary (makes the qcow2 images, and checks them).
+    #[arg(long, default_value = "qemu-img")]
+    pub qemu_img_bin: PathBuf,
 }
 
 /// Parses 10, 10s, 1.5s, 500ms or 2m.

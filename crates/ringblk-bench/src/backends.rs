@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::BenchError;
-use super::args::{RwMode, default_queue_size};
+use super::args::{CowBase, RwMode, default_queue_size};
 use super::fio::FioJob;
+use super::images::{Image, Qcow2};
 use super::proc::{self, Guard};
 use super::rbd::RbdImage;
 use super::report::RunResult;
@@ -26,18 +27,36 @@ pub struct Config {
     pub iodepth: u32,
     pub queues: u16,
     pub direct: bool,
+    /// What is served: `"format"` and, for qcow2, `"qcow2"` in the JSON.
+    /// Raw in results from before the format axis.
+    #[serde(flatten)]
+    pub image: Image,
 }
 
 impl Config {
     /// Short name for file names and progress lines.
     pub fn tag(&self) -> String {
         format!(
-            "{}-qd{}-q{}-{}",
+            "{}-qd{}-q{}-{}{}",
             self.rw.name(),
             self.iodepth,
             self.queues,
-            if self.direct { "direct" } else { "cached" }
+            if self.direct { "direct" } else { "cached" },
+            self.image.tag()
         )
+    }
+
+    /// The same point on the raw image.
+    pub fn on_raw(&self) -> Config {
+        Config {
+            image: Image::Raw,
+            ..*self
+        }
+    }
+
+    /// Whether the clients write.
+    pub fn writes(&self) -> bool {
+        !matches!(self.rw, RwMode::Randread | RwMode::Read)
     }
 }
 
@@ -55,6 +74,9 @@ pub enum Kind {
 pub struct Backend {
     pub name: String,
     pub kind: Kind,
+    /// ringblk command lines run against the started daemon before the
+    /// client, `{api}` standing for its control socket (--setup).
+    pub setup: Vec<Vec<String>>,
 }
 
 /// What the backends serve.
@@ -116,8 +138,14 @@ pub struct Run {
 }
 
 impl Backend {
-    /// Runs `cfg` against this backend, starting and stopping it.
-    pub fn run(&self, env: &Env, cfg: &Config) -> Result<Run, BenchError> {
+    /// Whether this backend can serve `image`: fio has no qcow2.
+    pub fn serves(&self, image: Image) -> bool {
+        image.is_raw() || self.kind != Kind::Host
+    }
+
+    /// Runs `cfg` against this backend, starting and stopping it; `qcow2`
+    /// is what a qcow2 row serves (the target's file otherwise).
+    pub fn run(&self, env: &Env, cfg: &Config, qcow2: Option<&Qcow2>) -> Result<Run, BenchError> {
         let log = env.logs.join(format!("{}-{}.log", cfg.tag(), self.name));
         match &self.kind {
             Kind::Host => {
@@ -146,29 +174,40 @@ impl Backend {
                     note: None,
                 })
             }
-            Kind::Ringblk(_) | Kind::Qsd => self.run_vhost(env, cfg, &log),
+            Kind::Ringblk(_) | Kind::Qsd => self.run_vhost(env, cfg, qcow2, &log),
         }
     }
 
-    fn run_vhost(&self, env: &Env, cfg: &Config, log: &Path) -> Result<Run, BenchError> {
+    fn run_vhost(
+        &self,
+        env: &Env,
+        cfg: &Config,
+        qcow2: Option<&Qcow2>,
+        log: &Path,
+    ) -> Result<Run, BenchError> {
         let sock = env.run_dir.join(format!("{}.sock", self.name));
         let metrics = env.run_dir.join(format!("{}.metrics", self.name));
-        let _ = std::fs::remove_file(&sock);
-        let _ = std::fs::remove_file(&metrics);
+        let api = env.run_dir.join(format!("{}.api", self.name));
+        for stale in [&sock, &metrics, &api] {
+            let _ = std::fs::remove_file(stale);
+        }
         let qsize = default_queue_size(cfg.iodepth);
         let mut cmd = pinned(env.backend_cpu, self.bin(env));
         match &self.kind {
             Kind::Ringblk(extra) => {
                 cmd.arg("serve").arg("--socket").arg(&sock);
-                match &env.target {
-                    Target::File(image) => {
-                        cmd.arg("--image").arg(image);
+                match (&env.target, qcow2) {
+                    (Target::File(image), q) => {
+                        match q {
+                            Some(q) => cmd.arg("--image").arg(&q.file).args(["--format", "qcow2"]),
+                            None => cmd.arg("--image").arg(image),
+                        };
                         if cfg.direct {
                             cmd.arg("--direct");
                         }
                     }
                     // librbd's cache is always off in ringblk: `direct`.
-                    Target::Rbd(r) => {
+                    (Target::Rbd(r), _) => {
                         cmd.args(["--image", &r.spec(), "--ceph-id", &r.id]);
                         cmd.arg("--ceph-conf").arg(&r.conf);
                     }
@@ -180,27 +219,34 @@ impl Backend {
                     &qsize.to_string(),
                 ]);
                 cmd.arg("--metrics").arg(&metrics);
+                if !self.setup.is_empty() {
+                    cmd.arg("--api").arg(&api);
+                }
                 cmd.args(&env.ringblk_args).args(extra);
             }
             Kind::Qsd => {
                 let direct = if cfg.direct { "on" } else { "off" };
-                cmd.arg("--blockdev").arg(match &env.target {
-                    Target::File(image) => format!(
+                let nodes = match (&env.target, qcow2) {
+                    (Target::File(_), Some(q)) => qsd_qcow2_nodes(q, direct),
+                    (Target::File(image), None) => vec![format!(
                         "driver=file,node-name=f,filename={},cache.direct={direct},aio=io_uring",
-                        image.display()
-                    ),
+                        qemu_opt(image)
+                    )],
                     // cache.direct=on turns librbd's cache off, as in ringblk.
-                    Target::Rbd(r) => format!(
+                    (Target::Rbd(r), _) => vec![format!(
                         "driver=rbd,node-name=f,pool={},image={},conf={},user={},cache.direct={direct}",
                         r.pool,
                         r.image,
-                        r.conf.display(),
+                        qemu_opt(&r.conf),
                         r.id
-                    ),
-                });
+                    )],
+                };
+                for node in nodes {
+                    cmd.arg("--blockdev").arg(node);
+                }
                 cmd.arg("--export").arg(format!(
                     "type=vhost-user-blk,id=e,node-name=f,addr.type=unix,addr.path={},writable=on,num-queues={}",
-                    sock.display(),
+                    qemu_opt(&sock),
                     cfg.queues
                 ));
             }
@@ -209,6 +255,13 @@ impl Backend {
         let mut backend = Guard(spawn_logged(&mut cmd, log)?);
         let pid = backend.0.id();
         wait_for_socket(&sock, &mut backend, env.connect_timeout, log)?;
+        if !self.setup.is_empty() {
+            wait_for_socket(&api, &mut backend, env.connect_timeout, log)?;
+            for (i, line) in self.setup.iter().enumerate() {
+                let setup_log = log.with_extension(format!("setup{i}.log"));
+                run_setup(env, line, &api, &setup_log)?;
+            }
+        }
 
         let client_log = log.with_extension("client.log");
         let json = env.run_dir.join(format!("{}.json", self.name));
@@ -248,6 +301,12 @@ impl Backend {
         };
         if env.poll {
             client.arg("--poll");
+        }
+        // On an empty overlay, a cluster of its own for every request, so
+        // that each write allocates one; the window ends when none is left
+        // (see --distinct). Reads allocate nothing and run as elsewhere.
+        if let Some(q) = qcow2.filter(|q| q.backing.is_some() && cfg.writes()) {
+            client.arg(format!("--distinct={}", q.cluster));
         }
         if matches!(self.kind, Kind::Ringblk(_)) {
             client.arg("--metrics").arg(&metrics);
@@ -306,6 +365,69 @@ impl Backend {
     }
 }
 
+/// Runs one --setup command line (`ringblk ARGS`, `{api}` replaced by the
+/// daemon's control socket) to its end, killing it after a while.
+fn run_setup(env: &Env, line: &[String], api: &Path, log: &Path) -> Result<(), BenchError> {
+    let api = api.to_string_lossy();
+    let args: Vec<String> = line.iter().map(|a| a.replace("{api}", &api)).collect();
+    let shown = format!("ringblk {}", args.join(" "));
+    let mut child = Guard(spawn_logged(
+        Command::new(&env.ringblk_bin).args(&args),
+        log,
+    )?);
+    let timeout = env.connect_timeout + Duration::from_secs(10);
+    let status = proc::wait_timeout(&mut child.0, timeout)
+        .map_err(BenchError::io("waiting for a setup command"))?;
+    match status {
+        Some(s) if s.success() => Ok(()),
+        Some(s) => Err(BenchError::Setup {
+            cmd: shown,
+            why: format!("{s}: {}", proc::tail(log, 3)),
+        }),
+        None => Err(BenchError::Setup {
+            cmd: shown,
+            why: format!("did not finish in {timeout:?}"),
+        }),
+    }
+}
+
+/// qsd's nodes for a qcow2 image, the exported one named `f`: the image
+/// on a file node with io_uring, and an overlay's base as nodes of its own
+/// (read-only, io_uring too: a base qsd opened from the image's header
+/// would read through its thread pool). cache.direct follows --direct on
+/// every file, as ringblk's O_DIRECT does.
+fn qsd_qcow2_nodes(q: &Qcow2, direct: &str) -> Vec<String> {
+    let file = |p: &Path| {
+        format!(
+            "file.driver=file,file.filename={},file.aio=io_uring",
+            qemu_opt(p)
+        )
+    };
+    let mut nodes = Vec::new();
+    let mut top = format!(
+        "driver=qcow2,node-name=f,{},cache.direct={direct}",
+        file(&q.file)
+    );
+    if let Some((base, fmt)) = &q.backing {
+        let driver = match fmt {
+            CowBase::Raw => "raw",
+            CowBase::Qcow2 => "qcow2",
+        };
+        nodes.push(format!(
+            "driver={driver},node-name=base,{},cache.direct={direct},read-only=on",
+            file(base)
+        ));
+        top.push_str(",backing=base");
+    }
+    nodes.push(top);
+    nodes
+}
+
+/// A path as the value of a QEMU option: a comma is doubled.
+fn qemu_opt(p: &Path) -> String {
+    p.display().to_string().replace(',', ",,")
+}
+
 /// `bin`, under `taskset -c CPU` when pinning.
 fn pinned(cpu: Option<usize>, bin: &Path) -> Command {
     match cpu {
@@ -349,7 +471,7 @@ fn wait_for_socket(
         if let Ok(Some(status)) = backend.0.try_wait() {
             return Err(BenchError::StartupExit {
                 status,
-                log: proc::tail(log, 3),
+                log: proc::reason(log),
             });
         }
         if Instant::now() > deadline {

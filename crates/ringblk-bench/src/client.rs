@@ -59,6 +59,10 @@ pub struct Workload {
     pub queue_size: u32,
     /// Use only the first `size` bytes of the device.
     pub size: Option<u64>,
+    /// Random patterns: one request per region of this many bytes, the
+    /// regions in a random order; the window ends when a queue has none
+    /// left.
+    pub distinct: Option<u64>,
     /// Pin every client thread to this CPU.
     pub cpu: Option<usize>,
 }
@@ -81,6 +85,8 @@ pub struct LoadOutcome {
     pub errors: u64,
     /// I/Os completed over the whole run, ramp and drain included.
     pub total_ios: u64,
+    /// Writes among them.
+    pub total_writes: u64,
     pub total_errors: u64,
     pub first_error: Option<String>,
     /// Actual length of the measured window.
@@ -132,6 +138,14 @@ pub fn run(
             w.bs, w.iodepth, w.queues
         )));
     }
+    if let Some(d) = w.distinct {
+        if !w.rw.is_random() || d < w.bs || d % w.bs != 0 || d > region / u64::from(w.queues) {
+            return Err(ClientError::Invalid(format!(
+                "--distinct {d}: for random patterns, a multiple of bs {} that fits {} times in the {region}-byte device",
+                w.bs, w.queues
+            )));
+        }
+    }
     let (n_queues, n_poll) = if w.poll { (0, w.queues) } else { (w.queues, 0) };
     blkio
         .set_i32("num-queues", n_queues.into())
@@ -173,6 +187,7 @@ pub fn run(
     let window = start + w.ramp;
     let end = window + w.runtime;
     let done = AtomicU64::new(0);
+    let early = EarlyEnd::new(start);
     let outcome = std::thread::scope(|s| {
         let workers: Vec<_> = queues
             .into_iter()
@@ -186,12 +201,19 @@ pub fn run(
                     base,
                     window,
                     end,
+                    early: &early,
                     done: &done,
                 };
                 s.spawn(move || ctx.run(q))
             })
             .collect();
-        drive(window, end, &done, on_edge, on_tick);
+        // An early end must be seen at once: it is the window's edge.
+        let tick = if w.distinct.is_some() {
+            Duration::from_millis(5)
+        } else {
+            Duration::from_millis(250)
+        };
+        drive(window, end, &early, tick, &done, on_edge, on_tick);
         let mut total = WorkerStats::new();
         let mut first_err = None;
         for h in workers {
@@ -210,6 +232,13 @@ pub fn run(
         }
     })?;
     blkio.unmap_mem_region(&mem);
+    let measured = early.get().map_or(end, |e| e.min(end));
+    if measured <= window {
+        return Err(ClientError::Invalid(format!(
+            "--distinct: every {}-byte region had its request during the ramp; nothing was measured (a larger device or a shorter ramp)",
+            w.distinct.unwrap_or(0)
+        )));
+    }
     Ok(LoadOutcome {
         hist: outcome.hist,
         reads: outcome.reads,
@@ -217,17 +246,21 @@ pub fn run(
         bytes: outcome.bytes,
         errors: outcome.errors,
         total_ios: outcome.total_ios,
+        total_writes: outcome.total_writes,
         total_errors: outcome.total_errors,
         first_error: outcome.first_error,
-        window: w.runtime,
+        window: measured - window,
         capacity,
     })
 }
 
-/// The main thread's part: wake at the window edges and tick the progress.
+/// The main thread's part: wake at the window edges (the end may come
+/// early, see [`EarlyEnd`]) and tick the progress every `tick` at most.
 fn drive(
     window: Instant,
     end: Instant,
+    early: &EarlyEnd,
+    tick: Duration,
     done: &AtomicU64,
     on_edge: &mut dyn FnMut(Edge),
     on_tick: &mut dyn FnMut(Duration, u64),
@@ -236,7 +269,8 @@ fn drive(
     let mut edge_sent = false;
     loop {
         let now = Instant::now();
-        if !edge_sent && now >= window {
+        let end = early.get().map_or(end, |e| e.min(end));
+        if !edge_sent && now >= window && now < end {
             on_edge(Edge::WindowStart);
             edge_sent = true;
         }
@@ -246,7 +280,40 @@ fn drive(
         }
         on_tick(now - start, done.load(Ordering::Relaxed));
         let next = if edge_sent { end } else { window };
-        std::thread::sleep((next - now).min(Duration::from_millis(250)));
+        std::thread::sleep((next - now).min(tick));
+    }
+}
+
+/// The instant a queue ran out of `--distinct` regions, which ends the
+/// window for every queue: after it, a request would go to a region that
+/// already had one (on an overlay, to a cluster already allocated).
+struct EarlyEnd {
+    start: Instant,
+    /// Nanoseconds after `start`; u64::MAX while the run goes on.
+    at_ns: AtomicU64,
+}
+
+impl EarlyEnd {
+    fn new(start: Instant) -> EarlyEnd {
+        EarlyEnd {
+            start,
+            at_ns: AtomicU64::new(u64::MAX),
+        }
+    }
+
+    /// Ends the window at `now`, unless it already ended.
+    fn set(&self, now: Instant) {
+        let ns = u64::try_from((now - self.start).as_nanos()).unwrap_or(u64::MAX - 1);
+        let _ = self
+            .at_ns
+            .compare_exchange(u64::MAX, ns, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    fn get(&self) -> Option<Instant> {
+        match self.at_ns.load(Ordering::Acquire) {
+            u64::MAX => None,
+            ns => Some(self.start + Duration::from_nanos(ns)),
+        }
     }
 }
 
@@ -274,6 +341,113 @@ impl Rng {
     }
 }
 
+/// The indices 0..n in an order that looks random, each once per pass:
+/// a bijection of the next power of two (odd multiplications and
+/// xor-shifts, each invertible), skipping what falls outside 0..n (under
+/// half of the draws). No table, so a terabyte device costs nothing.
+struct Permutation {
+    n: u64,
+    /// Bits of the power of two at or above `n`.
+    bits: u32,
+    seed: u64,
+    next: u64,
+}
+
+impl Permutation {
+    fn new(n: u64, seed: u64) -> Permutation {
+        Permutation {
+            n,
+            bits: n.next_power_of_two().trailing_zeros(),
+            seed,
+            next: 0,
+        }
+    }
+
+    /// The next index; after n of them the same order starts over.
+    fn next(&mut self) -> u64 {
+        if self.n <= 1 {
+            return 0;
+        }
+        let mask = (1u64 << self.bits) - 1;
+        let shift = self.bits / 2 + 1;
+        loop {
+            let mut x = (self.next ^ self.seed) & mask;
+            self.next = (self.next + 1) & mask;
+            x = x.wrapping_mul(0x9E37_79B9_7F4A_7C15) & mask;
+            x ^= x >> shift;
+            x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9) & mask;
+            x ^= x >> shift;
+            if x < self.n {
+                return x;
+            }
+        }
+    }
+}
+
+/// Where a queue's requests go.
+enum Offsets {
+    /// Any block of the region, drawn independently.
+    Random { blocks: u64 },
+    /// One block at a random place in each `len`-byte region of this
+    /// queue's share, the regions in a random order, `left` of them still
+    /// to go.
+    Distinct {
+        first: u64,
+        len: u64,
+        order: Permutation,
+        left: u64,
+    },
+    /// The next block after the last one, from this queue's own stretch.
+    Sequential { blocks: u64, next: u64 },
+}
+
+impl Offsets {
+    fn new(w: &Workload, region: u64, queue: usize) -> Offsets {
+        let blocks = region / w.bs;
+        let queues = u64::from(w.queues);
+        match w.distinct {
+            _ if !w.rw.is_random() => Offsets::Sequential {
+                blocks,
+                // Each queue starts on its own stretch.
+                next: blocks / queues * queue as u64,
+            },
+            None => Offsets::Random { blocks },
+            Some(len) => {
+                // Each queue permutes its own share of the regions, so
+                // no two queues hit the same one.
+                let share = region / len / queues;
+                Offsets::Distinct {
+                    first: share * queue as u64,
+                    len,
+                    order: Permutation::new(share, 0x5851_F42D_4C95_7F2D ^ queue as u64),
+                    left: share,
+                }
+            }
+        }
+    }
+
+    /// The byte offset of the next request of `bs` bytes; None once every
+    /// distinct region has had its request.
+    fn next(&mut self, bs: u64, rng: &mut Rng) -> Option<u64> {
+        Some(match self {
+            Offsets::Random { blocks } => rng.next() % *blocks * bs,
+            Offsets::Distinct {
+                first,
+                len,
+                order,
+                left,
+            } => {
+                *left = left.checked_sub(1)?;
+                (*first + order.next()) * *len + rng.next() % (*len / bs) * bs
+            }
+            Offsets::Sequential { blocks, next } => {
+                *next = (*next + 1) % *blocks;
+                *next * bs
+            }
+        })
+    }
+}
+
 /// Counts of one thread, merged at the end.
 struct WorkerStats {
     hist: Histogram<u64>,
@@ -282,6 +456,7 @@ struct WorkerStats {
     bytes: u64,
     errors: u64,
     total_ios: u64,
+    total_writes: u64,
     total_errors: u64,
     first_error: Option<String>,
 }
@@ -297,6 +472,7 @@ impl WorkerStats {
             bytes: 0,
             errors: 0,
             total_ios: 0,
+            total_writes: 0,
             total_errors: 0,
             first_error: None,
         }
@@ -310,6 +486,7 @@ impl WorkerStats {
         self.bytes += o.bytes;
         self.errors += o.errors;
         self.total_ios += o.total_ios;
+        self.total_writes += o.total_writes;
         self.total_errors += o.total_errors;
         self.first_error = self.first_error.take().or(o.first_error);
     }
@@ -325,6 +502,7 @@ struct Worker<'a> {
     base: usize,
     window: Instant,
     end: Instant,
+    early: &'a EarlyEnd,
     done: &'a AtomicU64,
 }
 
@@ -343,10 +521,8 @@ impl Worker<'_> {
             })?;
         }
         let depth = self.w.iodepth as usize;
-        let blocks = self.region / self.w.bs;
         let mut rng = Rng(0x243F_6A88_85A3_08D3 ^ ((self.index as u64 + 1) << 32));
-        // Sequential patterns start each queue on its own stretch.
-        let mut next_seq = blocks / u64::from(self.w.queues) * self.index as u64;
+        let mut offsets = Offsets::new(self.w, self.region, self.index);
         let read_pct = u64::from(self.w.rw.read_percent(self.w.mix));
         let mut st = WorkerStats::new();
         let now = Instant::now();
@@ -357,16 +533,15 @@ impl Worker<'_> {
             };
             depth
         ];
+        // Whether a request went out; none once the regions ran out.
         let mut submit = |q: &mut Blkioq, slots: &mut [Slot], slot: usize, at: Instant| {
-            let block = if self.w.rw.is_random() {
-                rng.next() % blocks
-            } else {
-                next_seq = (next_seq + 1) % blocks;
-                next_seq
+            let Some(off) = offsets.next(self.w.bs, &mut rng) else {
+                self.early.set(at);
+                return false;
             };
             let read = read_pct == 100 || (read_pct > 0 && rng.next() % 100 < read_pct);
             let buf = self.base + slot * self.w.bs as usize;
-            let (off, len) = (block * self.w.bs, self.w.bs as usize);
+            let len = self.w.bs as usize;
             // libblkio only records the pointer; the buffer lies in the
             // region mapped in `run` that outlives every request (the
             // thread drains its queue before returning).
@@ -376,11 +551,12 @@ impl Worker<'_> {
                 q.write(off, buf as *const u8, len, slot, ReqFlags::empty());
             }
             slots[slot] = Slot { at, read };
+            true
         };
+        let mut inflight = 0;
         for slot in 0..depth {
-            submit(&mut q, &mut slots, slot, now);
+            inflight += usize::from(submit(&mut q, &mut slots, slot, now));
         }
-        let mut inflight = depth;
         let mut comps: Vec<MaybeUninit<Completion>> =
             (0..depth).map(|_| MaybeUninit::uninit()).collect();
         while inflight > 0 {
@@ -397,8 +573,9 @@ impl Worker<'_> {
                 Err(e) => return Err(blkio_err("do_io")(e)),
             };
             let now = Instant::now();
-            let measuring = now >= self.window && now < self.end;
-            let draining = now >= self.end;
+            let end = self.early.get().map_or(self.end, |e| e.min(self.end));
+            let measuring = now >= self.window && now < end;
+            let draining = now >= end;
             for c in &comps[..n] {
                 // SAFETY: do_io initialised the first `n` entries.
                 let c = unsafe { c.assume_init_ref() };
@@ -407,6 +584,7 @@ impl Worker<'_> {
                     continue;
                 };
                 st.total_ios += 1;
+                st.total_writes += u64::from(!read);
                 if c.ret < 0 {
                     st.total_errors += 1;
                     if st.first_error.is_none() {
@@ -431,10 +609,8 @@ impl Worker<'_> {
                     st.hist
                         .saturating_record((now - at).as_nanos().max(1) as u64);
                 }
-                if draining {
+                if draining || !submit(&mut q, &mut slots, slot, now) {
                     inflight -= 1;
-                } else {
-                    submit(&mut q, &mut slots, slot, now);
                 }
             }
             self.done.fetch_add(n as u64, Ordering::Relaxed);
@@ -455,6 +631,56 @@ mod tests {
             seen[(r.next() % 16) as usize] += 1;
         }
         assert!(seen.iter().all(|&n| n > 800), "{seen:?}");
+    }
+
+    #[test]
+    fn permutation_visits_each_index_once_per_pass() {
+        for n in [1u64, 2, 3, 5, 16, 17, 1000, 16384] {
+            let mut p = Permutation::new(n, 42);
+            for _pass in 0..2 {
+                let mut seen: Vec<u64> = (0..n).map(|_| p.next()).collect();
+                seen.sort_unstable();
+                assert!(seen.iter().copied().eq(0..n), "n={n}");
+            }
+        }
+        // Not the identity, nor nearly sequential.
+        let mut p = Permutation::new(1024, 7);
+        let v: Vec<u64> = (0..64).map(|_| p.next()).collect();
+        let steps_of_one = v.windows(2).filter(|w| w[1] == w[0] + 1).count();
+        assert!(steps_of_one < 4, "{v:?}");
+    }
+
+    #[test]
+    fn distinct_offsets_never_share_a_region_across_queues() {
+        let w = Workload {
+            rw: RwMode::Randwrite,
+            mix: 0,
+            bs: 4096,
+            iodepth: 1,
+            queues: 2,
+            runtime: Duration::ZERO,
+            ramp: Duration::ZERO,
+            poll: false,
+            queue_size: 256,
+            size: None,
+            distinct: Some(65536),
+            cpu: None,
+        };
+        let region = 64 * 65536;
+        let mut rng = Rng(1);
+        let mut regions = Vec::new();
+        for q in 0..2 {
+            let mut o = Offsets::new(&w, region, q);
+            for _ in 0..32 {
+                let off = o.next(w.bs, &mut rng).expect("a region left");
+                assert_eq!(off % w.bs, 0);
+                assert!(off + w.bs <= region);
+                regions.push(off / 65536);
+            }
+            assert_eq!(o.next(w.bs, &mut rng), None, "one pass, then no more");
+        }
+        regions.sort_unstable();
+        assert!(regions.iter().copied().eq(0..64), "{regions:?}");
     }
 
     #[test]

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use super::BenchError;
 use super::args::{BackendName, BenchArgs, OnOff, RwMode};
 use super::backends::{Backend, Config, Env, Kind, Target};
+use super::images::{Check, Image, Images};
 use super::rbd::{self, Cluster, RbdImage};
 use super::{plot, tables};
 
@@ -50,6 +51,12 @@ pub struct Meta {
     pub backends: Vec<(String, Vec<String>)>,
     pub ringblk_args: Vec<String>,
     pub fio_args: Vec<String>,
+    /// How each image of the format axis was made (absent before it).
+    #[serde(default)]
+    pub images: Vec<(Image, String)>,
+    /// --setup command lines, by backend.
+    #[serde(default)]
+    pub setup: Vec<(String, String)>,
     pub started_unix: u64,
     pub wall_s: f64,
     /// /proc/loadavg before and after: anything else running on a 2-CPU
@@ -71,6 +78,9 @@ pub struct Record {
     pub error: Option<String>,
     /// Something odd that did not prevent a result.
     pub note: Option<String>,
+    /// `qemu-img check` of the qcow2 image after a run that wrote.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<Check>,
 }
 
 pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
@@ -98,6 +108,12 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     if rbd && args.cmp.direct.contains(&OnOff::Off) {
         return Err(BenchError::Usage(
             "--direct off: an RBD image is served without a client cache (librbd's is off in ringblk)".into(),
+        ));
+    }
+    let images_axis = Image::all(&args.cmp.format, &args.cmp.qcow2);
+    if rbd && images_axis.iter().any(|i| !i.is_raw()) {
+        return Err(BenchError::Usage(
+            "--format qcow2: qcow2 images are made from an image file, not an RBD image".into(),
         ));
     }
     let configs = matrix(args, rbd);
@@ -175,6 +191,17 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
         let bytes = std::fs::metadata(&image).map(|m| m.len()).unwrap_or(0);
         (Target::File(image), bytes, made)
     };
+    // The qcow2 images, next to the raw one; removed on drop.
+    let images = match &target {
+        Target::File(raw) => Some(Images::new(
+            &args.cmp.qemu_img_bin,
+            raw,
+            &out,
+            &images_axis,
+            args.cmp.cow_base.unwrap_or(super::CowBase::Raw),
+        )?),
+        Target::Rbd(_) => None,
+    };
 
     let pin = !args.no_pin;
     let env = Env {
@@ -207,12 +234,23 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     };
 
     let repeat = args.cmp.repeat.max(1);
-    let total = configs.len() * backends.len() * repeat as usize;
+    let total = configs
+        .iter()
+        .map(|c| backends.iter().filter(|b| b.serves(c.image)).count())
+        .sum::<usize>()
+        * repeat as usize;
     let per_run = env.runtime + env.ramp + Duration::from_millis(400);
     eprintln!(
-        "{} configurations x {} backends{} = {total} runs, about {:.0} s; backends on CPU {}, clients on CPU {}",
+        "{} configurations x {} backends{}{} = {total} runs, about {:.0} s; backends on CPU {}, clients on CPU {}",
         configs.len(),
         backends.len(),
+        if configs.iter().any(|c| !c.image.is_raw())
+            && backends.iter().any(|b| b.kind == Kind::Host)
+        {
+            " (host on raw rows only)"
+        } else {
+            ""
+        },
         if repeat > 1 {
             format!(" x {repeat} repeats")
         } else {
@@ -235,42 +273,34 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     }
     let mut records = Vec::with_capacity(total);
     'matrix: for cfg in &configs {
-        if let (Target::File(image), false) = (&env.target, cfg.direct) {
+        if let (Some(images), false) = (&images, cfg.direct) {
             // O_DIRECT writes of earlier rows dropped what they wrote from
             // the page cache: a cached row must not read the disk.
             bar.set_message(format!(
                 "{} reading the image into the page cache",
                 cfg.tag()
             ));
-            warm_page_cache(image, env.image_bytes).map_err(io(format!(
+            let file = images.data_file(cfg.image);
+            let bytes = if cfg.image.is_raw() {
+                env.image_bytes
+            } else {
+                u64::MAX
+            };
+            warm_page_cache(file, bytes).map_err(io(format!(
                 "reading {} into the page cache",
-                image.display()
+                file.display()
             )))?;
         }
         for (rep, b) in (0..repeat).flat_map(|r| backends.iter().map(move |b| (r, b))) {
+            if !b.serves(cfg.image) {
+                continue;
+            }
             if interrupted.load(Ordering::Relaxed) {
                 eprintln!("interrupted: reporting the {} runs done", records.len());
                 break 'matrix;
             }
             bar.set_message(format!("{} {}", cfg.tag(), b.name));
-            let rec = match b.run(&env, cfg) {
-                Ok(run) => Record {
-                    config: *cfg,
-                    backend: b.name.clone(),
-                    rep,
-                    result: Some(run.result),
-                    error: None,
-                    note: run.note,
-                },
-                Err(e) => Record {
-                    config: *cfg,
-                    backend: b.name.clone(),
-                    rep,
-                    result: None,
-                    error: Some(e.to_string()),
-                    note: None,
-                },
-            };
+            let rec = run_one(&env, images.as_ref(), cfg, b, rep);
             // A hidden bar (not a terminal) drops println: print directly.
             if bar.is_hidden() {
                 eprintln!("{}", tables::one_line(&rec));
@@ -282,6 +312,11 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
         }
     }
     bar.finish_and_clear();
+    let image_notes: Vec<(Image, String)> = match &images {
+        Some(i) => images_axis.iter().map(|&k| (k, i.describe(k))).collect(),
+        None => vec![],
+    };
+    drop(images);
     if let (true, Target::File(image)) = (made, &target) {
         let _ = std::fs::remove_file(image);
     }
@@ -319,6 +354,15 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
                 .collect(),
             ringblk_args: env.ringblk_args.clone(),
             fio_args: env.fio_args.clone(),
+            images: image_notes,
+            setup: backends
+                .iter()
+                .flat_map(|b| {
+                    b.setup
+                        .iter()
+                        .map(|l| (b.name.clone(), format!("ringblk {}", l.join(" "))))
+                })
+                .collect(),
             started_unix: SystemTime::now()
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs())
@@ -355,6 +399,55 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
         )));
     }
     Ok(())
+}
+
+/// One run of backend `b` on `cfg`: the image made ready (a fresh overlay
+/// for copy-on-write rows), the run, and for a qcow2 row that wrote (or
+/// died trying), `qemu-img check` of the image.
+fn run_one(env: &Env, images: Option<&Images>, cfg: &Config, b: &Backend, rep: u32) -> Record {
+    let mut rec = Record {
+        config: *cfg,
+        backend: b.name.clone(),
+        rep,
+        result: None,
+        error: None,
+        note: None,
+        check: None,
+    };
+    let qcow2 = match images.map(|i| i.prepare(cfg.image)).transpose() {
+        Ok(q) => q.flatten(),
+        Err(e) => {
+            rec.error = Some(format!("making the image: {e}"));
+            return rec;
+        }
+    };
+    // Whether the backend got as far as serving the image.
+    let served = match b.run(env, cfg, qcow2) {
+        Ok(run) => {
+            rec.result = Some(run.result);
+            rec.note = run.note;
+            true
+        }
+        Err(e) => {
+            rec.error = Some(e.to_string());
+            !matches!(
+                e,
+                BenchError::Spawn { .. }
+                    | BenchError::StartupExit { .. }
+                    | BenchError::NoSocket { .. }
+            )
+        }
+    };
+    if let (Some(images), Some(q), true, true) = (images, qcow2, cfg.writes(), served) {
+        match images.check(q) {
+            Ok(c) => rec.check = Some(c),
+            Err(e) => {
+                let n = format!("qemu-img check: {e}");
+                rec.note = Some(rec.note.take().map_or(n.clone(), |o| format!("{o}; {n}")));
+            }
+        }
+    }
+    rec
 }
 
 /// Writes results.md and plot.svg for `doc` into `out` and prints the
@@ -416,17 +509,23 @@ fn matrix(args: &BenchArgs, rbd: bool) -> Vec<Config> {
             &[OnOff::Off],
         )
     };
+    // Formats innermost: raw and qcow2 of one point run back to back, so
+    // that the machine's drift does not enter their ratio.
+    let images = Image::all(&args.cmp.format, &args.cmp.qcow2);
     let mut out = Vec::new();
     for &direct in &directs {
         for &queues in &queues {
             for &rw in &rws {
                 for &iodepth in &depths {
-                    out.push(Config {
-                        rw,
-                        iodepth,
-                        queues,
-                        direct: direct.on(),
-                    });
+                    for &image in &images {
+                        out.push(Config {
+                            rw,
+                            iodepth,
+                            queues,
+                            direct: direct.on(),
+                            image,
+                        });
+                    }
                 }
             }
         }
@@ -463,6 +562,7 @@ fn backends(args: &BenchArgs) -> Result<Vec<Backend>, BenchError> {
         out.push(Backend {
             name: name.into(),
             kind: kind.clone(),
+            setup: vec![],
         });
         if kind == Kind::Ringblk(vec![]) {
             for v in &args.cmp.variant {
@@ -481,6 +581,21 @@ fn backends(args: &BenchArgs) -> Result<Vec<Backend>, BenchError> {
         return Err(BenchError::Usage(
             "backend and variant names must be unique".into(),
         ));
+    }
+    for line in &args.cmp.setup {
+        let (name, rest) = line.split_once(':').unwrap_or((line, ""));
+        let words: Vec<String> = rest.split_whitespace().map(String::from).collect();
+        let b = out
+            .iter_mut()
+            .find(|b| b.name == name.trim() && matches!(b.kind, Kind::Ringblk(_)));
+        match b {
+            Some(b) if !words.is_empty() => b.setup.push(words),
+            _ => {
+                return Err(BenchError::Usage(format!(
+                    "--setup '{line}': want NAME:ARGS, NAME ringblk or a --variant that runs, ARGS a ringblk command line"
+                )));
+            }
+        }
     }
     Ok(out)
 }
@@ -523,6 +638,7 @@ fn parse_variant(v: &str) -> Result<Backend, BenchError> {
     Ok(Backend {
         name: name.into(),
         kind: Kind::Ringblk(rest.split_whitespace().map(String::from).collect()),
+        setup: vec![],
     })
 }
 
@@ -647,6 +763,70 @@ mod tests {
         );
         assert!(backends(&args(&["--variant", "qsd:--x"])).is_err());
         assert!(backends(&args(&["--variant", "bad name:--x"])).is_err());
+    }
+
+    #[test]
+    fn the_format_axis_runs_innermost() {
+        use crate::Qcow2Kind;
+        assert!(matrix(&args(&[]), false).iter().all(|c| c.image.is_raw()));
+        let m = matrix(
+            &args(&[
+                "--format",
+                "raw,qcow2",
+                "--qcow2",
+                "allocated,cow",
+                "--iodepth",
+                "1,16",
+                "--direct",
+                "on",
+                "--queues",
+                "1",
+                "--rw",
+                "randwrite",
+            ]),
+            false,
+        );
+        let images: Vec<_> = m.iter().map(|c| (c.iodepth, c.image)).collect();
+        assert_eq!(
+            images,
+            [
+                (1, Image::Raw),
+                (1, Image::Qcow2(Qcow2Kind::Allocated)),
+                (1, Image::Qcow2(Qcow2Kind::Cow)),
+                (16, Image::Raw),
+                (16, Image::Qcow2(Qcow2Kind::Allocated)),
+                (16, Image::Qcow2(Qcow2Kind::Cow)),
+            ]
+        );
+        assert_eq!(m[2].tag(), "randwrite-qd1-q1-direct-qcow2-cow");
+        assert_eq!(m[0].tag(), "randwrite-qd1-q1-direct");
+        // fio has no qcow2.
+        let b = backends(&args(&[])).expect("valid");
+        let host = b.iter().find(|b| b.name == "host").expect("host");
+        assert!(host.serves(Image::Raw) && !host.serves(m[1].image));
+        assert!(b[0].serves(m[1].image));
+    }
+
+    #[test]
+    fn setup_commands_go_to_ringblk_backends() {
+        let b = backends(&args(&[
+            "--variant",
+            "capped:",
+            "--setup",
+            "capped:ctl --api {api} qos --iops 500",
+            "--setup=capped:ctl --api {api} status",
+        ]))
+        .expect("valid");
+        let capped = b.iter().find(|b| b.name == "capped").expect("the variant");
+        assert_eq!(capped.setup.len(), 2);
+        assert_eq!(
+            capped.setup[0],
+            ["ctl", "--api", "{api}", "qos", "--iops", "500"]
+        );
+        assert!(b[0].setup.is_empty(), "ringblk has none");
+        for bad in ["qsd:ctl status", "nobody:ctl status", "ringblk:", "ringblk"] {
+            assert!(backends(&args(&["--setup", bad])).is_err(), "{bad}");
+        }
     }
 
     #[test]

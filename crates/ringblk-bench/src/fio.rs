@@ -221,6 +221,7 @@ fn convert(text: &str, job: &FioJob<'_>, cpu_rate: Option<f64>) -> Result<RunRes
         errors: u64::from(j.error != 0),
         first_error: (j.error != 0).then(|| format!("fio error {}", j.error)),
         total_ios: ios,
+        total_writes: j.write.total_ios,
         total_errors: u64::from(j.error != 0),
         device_bytes: job.device_bytes,
         backend_cpu_s: cpu_rate.map(|r| r * secs),

@@ -13,6 +13,8 @@
 //! - [`compare`]: the matrix, run by [`backends`] one after the other
 //!   (fio for the host baseline in [`fio`]);
 //! - [`report`], [`tables`], [`plot`]: JSON, text, Markdown and the SVG;
+//! - [`images`]: the qcow2 images of `--format qcow2`, made and checked
+//!   with qemu-img;
 //! - [`rbd`]: an RBD image instead of a file, and `--ceph-cluster`;
 //! - [`proc`]: /proc CPU time, pinning, stopping children.
 
@@ -21,6 +23,7 @@ mod backends;
 mod client;
 mod compare;
 mod fio;
+mod images;
 mod plot;
 mod proc;
 mod rbd;
@@ -32,7 +35,9 @@ use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::time::Duration;
 
-pub use args::{BackendName, BenchArgs, CompareArgs, OnOff, RwMode};
+pub use args::{
+    BackendName, BenchArgs, CompareArgs, CowBase, FormatName, OnOff, Qcow2Kind, RwMode,
+};
 pub use client::ClientError;
 pub use report::{Latency, RunResult};
 
@@ -60,6 +65,9 @@ pub enum BenchError {
     /// The backend exited before its socket appeared.
     #[error("backend exited at start-up ({status}): {log}")]
     StartupExit { status: ExitStatus, log: String },
+    /// A --setup command failed.
+    #[error("setup `{cmd}` failed: {why}")]
+    Setup { cmd: String, why: String },
     /// The backend's socket did not appear in time.
     #[error("no socket {} after {timeout:?}: {log}", socket.display())]
     NoSocket {

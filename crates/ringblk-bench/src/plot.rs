@@ -9,6 +9,7 @@ use plotters::prelude::*;
 use super::BenchError;
 use super::backends::Config;
 use super::compare::CompareDoc;
+use super::images::Image;
 use super::tables::by_config;
 
 /// Backend colours, see [`colour`].
@@ -49,6 +50,7 @@ struct Group {
     rw: super::RwMode,
     queues: u16,
     direct: bool,
+    image: Image,
 }
 
 impl Group {
@@ -57,16 +59,22 @@ impl Group {
             rw: c.rw,
             queues: c.queues,
             direct: c.direct,
+            image: c.image,
         }
     }
 
     fn title(&self) -> String {
         format!(
-            "{}, {} queue{}, O_DIRECT {}",
+            "{}, {} queue{}, O_DIRECT {}{}",
             self.rw.name(),
             self.queues,
             if self.queues == 1 { "" } else { "s" },
-            if self.direct { "on" } else { "off" }
+            if self.direct { "on" } else { "off" },
+            if self.image.is_raw() {
+                String::new()
+            } else {
+                format!(", {}", self.image.label())
+            }
         )
     }
 }

@@ -94,6 +94,16 @@ pub fn tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// Why a process that wrote `path` failed: a line of its own that starts
+/// with `error:` (a command-line parser's message, which the usage text
+/// after it would push out of a tail), else the last three lines.
+pub fn reason(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .find(|l| l.trim_start().starts_with("error:"))
+        .map_or_else(|| tail(path, 3), |l| l.trim().to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,6 +113,20 @@ mod tests {
         let line = "1234 (a (b) c) S 1 2 3 4 5 6 7 8 9 10 250 75 0 0 20 0 5 0";
         assert_eq!(parse_stat_ticks(line), Some(325));
         assert_eq!(parse_stat_ticks("garbage"), None);
+    }
+
+    #[test]
+    fn reason_prefers_the_parser_s_error_line() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("log");
+        std::fs::write(
+            &log,
+            "error: unexpected argument '--format' found\n\nUsage: ringblk serve [OPTIONS]\n\nFor more information, try '--help'.\n",
+        )
+        .expect("write");
+        assert_eq!(reason(&log), "error: unexpected argument '--format' found");
+        std::fs::write(&log, "a\nb\nc\nringblk: no such image\n").expect("write");
+        assert_eq!(reason(&log), "b\nc\nringblk: no such image");
     }
 
     #[test]

@@ -60,6 +60,9 @@ pub struct RunResult {
     pub first_error: Option<String>,
     /// I/Os over the whole run, ramp and drain included.
     pub total_ios: u64,
+    /// Writes among them (absent in results from before it was counted).
+    #[serde(default)]
+    pub total_writes: u64,
     /// Failed I/Os over the whole run.
     pub total_errors: u64,
     /// Device size the backend reported, in bytes.

@@ -47,6 +47,7 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
             .queue_size
             .unwrap_or_else(|| default_queue_size(iodepth)),
         size: args.size,
+        distinct: args.distinct,
         cpu: (!args.no_pin).then_some(args.client_cpu),
     };
     let socket = args
@@ -202,6 +203,7 @@ pub fn measure(
         errors: outcome.errors,
         first_error: outcome.first_error,
         total_ios: outcome.total_ios,
+        total_writes: outcome.total_writes,
         total_errors: outcome.total_errors,
         device_bytes: outcome.capacity,
         backend_cpu_s: backend_cpu,

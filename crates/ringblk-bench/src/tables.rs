@@ -5,6 +5,7 @@ use std::fmt::Write;
 
 use super::backends::Config;
 use super::compare::{CompareDoc, Record};
+use super::images::{Check, Image};
 use super::report::{RunResult, cell};
 
 /// Backends ratios are taken against.
@@ -12,14 +13,23 @@ const REFERENCES: [&str; 2] = ["qsd", "host"];
 
 /// One line per finished run, printed while the comparison goes on.
 pub fn one_line(r: &Record) -> String {
-    let what = format!("{:<30} {:<12}", r.config.tag(), r.backend);
+    let what = format!("{:<34} {:<12}", r.config.tag(), r.backend);
     match (&r.result, &r.error) {
         (Some(x), _) => format!(
-            "{what} {:>9.0} IOPS  p50 {:>8.1} us  p99 {:>8.1} us  err {}{}",
+            "{what} {:>9.0} IOPS  p50 {:>8.1} us  p99 {:>8.1} us  err {}{}{}",
             x.iops,
             x.lat_us.p50,
             x.lat_us.p99,
             x.errors,
+            r.check
+                .map(|c| format!(
+                    "  qcow2 {}{}",
+                    c.verdict(),
+                    allocating(r, &c)
+                        .map(|a| format!(", {a:.0}% of writes allocated"))
+                        .unwrap_or_default()
+                ))
+                .unwrap_or_default(),
             r.note
                 .as_deref()
                 .map(|n| format!("  ({n})"))
@@ -72,12 +82,44 @@ pub fn markdown(doc: &CompareDoc) -> String {
     for (name, args) in m.backends.iter().filter(|(_, a)| !a.is_empty()) {
         let _ = writeln!(o, "Variant `{name}`: ringblk serve `{}`\n", args.join(" "));
     }
+    for (name, line) in &m.setup {
+        let _ = writeln!(
+            o,
+            "`{name}`: `{line}` once the daemon is up, before measuring\n"
+        );
+    }
+    let qcow2_rows = doc.records.iter().any(|r| !r.config.image.is_raw());
+    if m.images.iter().any(|(i, _)| !i.is_raw()) {
+        let _ = writeln!(o, "Formats:\n");
+        for (image, how) in &m.images {
+            let _ = writeln!(o, "- **{}**: {how}", image.label());
+        }
+        if m.backends.iter().any(|(b, _)| b == "host") {
+            let _ = writeln!(
+                o,
+                "- host (fio) has no qcow2: it runs on the raw rows only, and IOPS/host is blank on qcow2 rows"
+            );
+        }
+        let _ = writeln!(o);
+    }
 
     let _ = writeln!(
         o,
-        "### Summary\n\nRatios are X/qsd and X/host for ringblk and its variants: above 1 is better for IOPS, below 1 is better for p99 latency and CPU per I/O.\n"
+        "### Summary\n\nRatios are X/qsd and X/host for ringblk and its variants: above 1 is better for IOPS, below 1 is better for p99 latency and CPU per I/O.{}\n",
+        if qcow2_rows {
+            " IOPS/raw: a backend's IOPS on a qcow2 row over its own on the raw row of the same point, for every backend."
+        } else {
+            ""
+        }
     );
     let picks = by_config(doc);
+    let on_raw = |cfg: &Config, backend: &str| {
+        picks
+            .iter()
+            .find(|(c, _)| *c == cfg.on_raw())
+            .and_then(|(_, p)| p.iter().find(|p| p.rec.backend == backend))
+            .and_then(|p| p.rec.result.as_ref())
+    };
     let repeated = picks.iter().flat_map(|(_, p)| p).any(|p| p.runs > 1);
     if repeated {
         let _ = writeln!(
@@ -88,12 +130,14 @@ pub fn markdown(doc: &CompareDoc) -> String {
     }
     let _ = writeln!(
         o,
-        "| workload | qd | queues | O_DIRECT | backend | IOPS | IOPS/qsd | IOPS/host | p99 us | p99/qsd | p99/host | CPU-s/M-IO | CPU/qsd |{}",
+        "| workload | qd | queues | O_DIRECT | format | backend | IOPS | IOPS/qsd | IOPS/host |{} p99 us | p99/qsd | p99/host | CPU-s/M-IO | CPU/qsd |{}",
+        if qcow2_rows { " IOPS/raw |" } else { "" },
         if repeated { " IOPS spread |" } else { "" }
     );
     let _ = writeln!(
         o,
-        "|---|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|{}",
+        "|---|--:|--:|---|---|---|--:|--:|--:|{}--:|--:|--:|--:|--:|{}",
+        if qcow2_rows { "--:|" } else { "" },
         if repeated { "--:|" } else { "" }
     );
     for (cfg, recs) in &picks {
@@ -112,7 +156,8 @@ pub fn markdown(doc: &CompareDoc) -> String {
                 (true, None) => " - |".into(),
             };
             let Some(x) = &r.result else {
-                let _ = writeln!(o, "{head} FAILED | | | | | | | |{spread}");
+                let blanks = if qcow2_rows { " |" } else { "" };
+                let _ = writeln!(o, "{head} FAILED | | | | | | | |{blanks}{spread}");
                 continue;
             };
             let is_ref = REFERENCES.contains(&r.backend.as_str());
@@ -126,9 +171,18 @@ pub fn markdown(doc: &CompareDoc) -> String {
             let iops = |r: &RunResult| Some(r.iops).filter(|v| *v > 0.0);
             let p99 = |r: &RunResult| Some(r.lat_us.p99).filter(|v| *v > 0.0);
             let cpu = |r: &RunResult| r.backend_cpu_per_mio.filter(|v| *v > 0.0);
+            // Every backend against its own raw figure (the 0.9x).
+            let vs_raw = match (qcow2_rows, cfg.image.is_raw()) {
+                (false, _) => String::new(),
+                (true, true) => " |".into(),
+                (true, false) => format!(
+                    " {} |",
+                    cell(on_raw(cfg, &r.backend).and_then(iops).map(|b| x.iops / b))
+                ),
+            };
             let _ = writeln!(
                 o,
-                "{head} {:.0} | {} | {} | {} | {} | {} | {} | {} |{spread}",
+                "{head} {:.0} | {} | {} |{vs_raw} {} | {} | {} | {} | {} |{spread}",
                 x.iops,
                 ratio(iops, qsd),
                 ratio(iops, host),
@@ -147,11 +201,11 @@ pub fn markdown(doc: &CompareDoc) -> String {
     );
     let _ = writeln!(
         o,
-        "| workload | qd | queues | O_DIRECT | backend | IOPS | MiB/s | p50 | p99 | p99.9 | max | errors | backend CPU-s/M-IO | client CPU-s/M-IO | kicks/IO | notifications/IO | submits/IO | SQEs/submit | CQEs/pass |"
+        "| workload | qd | queues | O_DIRECT | format | backend | IOPS | MiB/s | p50 | p99 | p99.9 | max | errors | backend CPU-s/M-IO | client CPU-s/M-IO | kicks/IO | notifications/IO | submits/IO | SQEs/submit | CQEs/pass |"
     );
     let _ = writeln!(
         o,
-        "|---|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
+        "|---|--:|--:|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
     );
     for r in picks.iter().flat_map(|(_, p)| p).map(|p| p.rec) {
         let head = config_cells(&r.config, &r.backend);
@@ -187,27 +241,77 @@ pub fn markdown(doc: &CompareDoc) -> String {
             cell(q.cqes_per_pass),
         );
     }
-    let notes: Vec<_> = doc
+    let checked: Vec<(&Record, Check)> = picks
+        .iter()
+        .flat_map(|(_, p)| p)
+        .filter_map(|p| p.rec.check.map(|c| (p.rec, c)))
+        .collect();
+    if !checked.is_empty() {
+        let _ = writeln!(
+            o,
+            "\n### qcow2 images after the runs\n\n`qemu-img check` after every qcow2 run that wrote. Writes: the client's over the whole run, ramp included. On an overlay each write went to a cluster of its own and the window ended when none was left, so every write should have allocated one (100%); a window shorter than the run time means the overlay ran out (a larger --image-size gives a longer one).\n"
+        );
+        let _ = writeln!(
+            o,
+            "| workload | qd | queues | O_DIRECT | format | backend | measured s | writes | clusters allocated | allocating writes | check |\n|---|--:|--:|---|---|---|--:|--:|--:|--:|---|"
+        );
+        for (r, c) in checked {
+            let _ = writeln!(
+                o,
+                "{} {} | {} | {} | {} | {} |",
+                config_cells(&r.config, &r.backend),
+                cell(r.result.as_ref().map(|x| x.runtime_s)),
+                r.result
+                    .as_ref()
+                    .map_or("-".into(), |x| x.total_writes.to_string()),
+                c.allocated_clusters,
+                allocating(r, &c).map_or("-".into(), |a| format!("{a:.0}%")),
+                c.verdict()
+            );
+        }
+    }
+    // Notes, and every check that was not clean, of any repetition.
+    let notes: Vec<(&Record, String)> = doc
         .records
         .iter()
-        .filter_map(|r| r.note.as_ref().map(|n| (r, n)))
+        .flat_map(|r| {
+            let check = r
+                .check
+                .filter(|c| c.verdict() != "clean")
+                .map(|c| (r, format!("qemu-img check after the run: {}", c.verdict())));
+            r.note.clone().map(|n| (r, n)).into_iter().chain(check)
+        })
         .collect();
     if !notes.is_empty() {
         let _ = writeln!(o, "\nNotes:");
         for (r, n) in notes {
-            let _ = writeln!(o, "- {} {}: {n}", r.config.tag(), r.backend);
+            let rep = if doc.meta.repeat > 1 {
+                format!(" (repetition {})", r.rep + 1)
+            } else {
+                String::new()
+            };
+            let _ = writeln!(o, "- {} {}{rep}: {n}", r.config.tag(), r.backend);
         }
     }
     o
 }
 
+/// On a copy-on-write overlay: the percentage of the run's writes that
+/// allocated a cluster (each went to a cluster of its own).
+fn allocating(r: &Record, c: &Check) -> Option<f64> {
+    let writes = r.result.as_ref()?.total_writes;
+    (r.config.image == Image::Qcow2(super::Qcow2Kind::Cow) && writes > 0)
+        .then(|| c.allocated_clusters as f64 * 100.0 / writes as f64)
+}
+
 fn config_cells(c: &Config, backend: &str) -> String {
     format!(
-        "| {} | {} | {} | {} | {backend} |",
+        "| {} | {} | {} | {} | {} | {backend} |",
         c.rw.name(),
         c.iodepth,
         c.queues,
-        if c.direct { "on" } else { "off" }
+        if c.direct { "on" } else { "off" },
+        c.image.label()
     )
 }
 
@@ -357,5 +461,67 @@ pub(crate) mod tests {
         let md = markdown(&d);
         assert!(md.contains("| ringblk | FAILED |"), "{md}");
         assert!(md.contains("FAILED: boom"), "{md}");
+    }
+
+    #[test]
+    fn qcow2_rows_show_their_format_the_ratio_to_raw_and_the_check() {
+        let mut d = doc(
+            1,
+            &[
+                ("ringblk", Some(200.0)),
+                ("qsd", Some(100.0)),
+                ("host", Some(400.0)),
+                ("ringblk", Some(180.0)),
+                ("qsd", Some(150.0)),
+            ],
+        );
+        let cow = Image::Qcow2(crate::Qcow2Kind::Cow);
+        for r in &mut d.records[3..] {
+            r.config.image = cow;
+            r.result.as_mut().expect("a result").total_writes = 100;
+            r.check = Some(Check {
+                allocated_clusters: 90,
+                cluster_bytes: 65536,
+                ..Check::default()
+            });
+        }
+        d.records[4].check = Some(Check {
+            allocated_clusters: 100,
+            corruptions: 1,
+            ..Check::default()
+        });
+        d.meta.images = vec![(Image::Raw, "the file".into()), (cow, "an overlay".into())];
+        let md = markdown(&d);
+        let row = |needle: &str| {
+            md.lines()
+                .find(|l| l.contains(needle))
+                .unwrap_or_else(|| panic!("no row with {needle} in\n{md}"))
+        };
+        // IOPS/qsd 1.2, no host on qcow2, 0.9 of its own raw figure.
+        let r = row("| qcow2 overlay | ringblk | 180 |");
+        assert!(r.contains("| 180 | 1.20 | - | 0.90 |"), "{r}");
+        // qsd: no ratios to itself, but its own raw figure.
+        let q = row("| qcow2 overlay | qsd | 150 |");
+        assert!(q.contains("| 150 |  |  | 1.50 |"), "{q}");
+        assert!(row("| raw | ringblk | 200 |").contains("| 200 | 2.00 | 0.50 | |"));
+        assert!(md.contains("- **qcow2 overlay**: an overlay"), "{md}");
+        assert!(md.contains("host (fio) has no qcow2"), "{md}");
+        // The allocation table, and the unclean check in the notes.
+        assert!(row("| qcow2 overlay | ringblk | 1.00 | 100 |").contains("| 90 | 90% | clean |"));
+        assert!(
+            row("| qcow2 overlay | qsd | 1.00 | 100 |").contains("| 100% | 1 corruptions"),
+            "{md}"
+        );
+        assert!(
+            md.contains("qsd: qemu-img check after the run: 1 corruptions"),
+            "{md}"
+        );
+        // A results.json from before the format axis reads as raw.
+        assert!(
+            doc(1, &[("ringblk", Some(1.0))]).records[0]
+                .config
+                .image
+                .is_raw()
+        );
     }
 }

@@ -1,5 +1,5 @@
 //! `ringblk-bench --compare --image rbd:POOL/IMAGE` against a real
-//! single-node Ceph cluster (`tests/common/ceph.rs`, started once for this
+//! single-node Ceph cluster (the test kit's `ceph`, started once for this
 //! binary): ringblk's RBD engine, qsd's rbd driver and fio's rbd engine
 //! each give a row with I/O and no errors. It checks that the comparison
 //! works, never how fast anything is.
@@ -8,16 +8,11 @@
 //! hence the `rbd` feature of this crate (scripts/test.sh:
 //! `--features ringblk/rbd,ringblk-bench/rbd`).
 
-#[path = "../../../tests/common/ceph.rs"]
-mod ceph;
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::test_dir;
+use ringblk_testkit::{ceph, test_dir};
 
 /// Longest the comparison may take before the test fails.
 const TIMEOUT: Duration = Duration::from_secs(180);

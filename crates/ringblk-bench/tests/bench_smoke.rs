@@ -6,16 +6,13 @@
 //! The daemon is the `ringblk` next to `ringblk-bench`, which
 //! `cargo test --workspace` builds.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, DaemonOptions, MIB, ringblk_bin, test_dir};
 use ringblk_bench::RunResult;
 use ringblk_metrics::{MetricsDoc, QueueSnapshot};
+use ringblk_testkit::{Daemon, DaemonOptions, MIB, ringblk_bin, test_dir};
 
 /// Longest a bench or stats process may take before the test fails.
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -235,7 +232,8 @@ fn installed(bin: &str) -> bool {
 }
 
 /// `--compare --quick` end to end (about 10 s): every backend that is
-/// installed (CI installs qemu-storage-daemon and fio), all outputs written.
+/// installed (CI installs qemu-storage-daemon and fio, and fails without
+/// them), all outputs written.
 #[test]
 fn compare_quick_runs_every_backend_and_writes_its_outputs() {
     let mut backends = vec!["ringblk"];
@@ -243,6 +241,10 @@ fn compare_quick_runs_every_backend_and_writes_its_outputs() {
         if installed(bin) {
             backends.push(name);
         } else {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI is set but {bin} is missing (scripts/bench-tools.sh installs it)"
+            );
             eprintln!("note: {bin} is not installed; --compare runs without {name}");
         }
     }
@@ -288,5 +290,239 @@ fn compare_quick_runs_every_backend_and_writes_its_outputs() {
     assert!(
         !out.join("bench.img").exists(),
         "the image it made is removed"
+    );
+}
+
+/// Whether the tools a qcow2 comparison needs are here; under CI they must
+/// be (scripts/bench-tools.sh installs them), elsewhere the test is skipped
+/// with a note.
+fn qcow2_tools() -> bool {
+    let missing: Vec<_> = ["qemu-img", "qemu-storage-daemon"]
+        .into_iter()
+        .filter(|b| !installed(b))
+        .collect();
+    if missing.is_empty() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "CI is set but {missing:?} is missing (scripts/bench-tools.sh installs it)"
+    );
+    eprintln!("skipped: {missing:?} is missing (scripts/bench-tools.sh)");
+    false
+}
+
+/// Whether this daemon serves qcow2 (`serve --format`).
+fn daemon_serves_qcow2() -> bool {
+    let help = ringblk(&["serve", "--help"]);
+    String::from_utf8_lossy(&help.stdout).contains("--format")
+}
+
+/// The records of a finished --compare in `out`.
+fn records(out: &Path) -> Vec<serde_json::Value> {
+    let json = std::fs::read_to_string(out.join("results.json")).expect("results.json");
+    let doc: serde_json::Value = serde_json::from_str(&json).expect("results.json parses");
+    doc["records"].as_array().expect("records").clone()
+}
+
+/// The format axis: qsd serves the allocated qcow2 and a fresh overlay for
+/// every run, every write on the overlay allocating a cluster of its own
+/// and `qemu-img check` clean after each; fio is left out of qcow2 rows;
+/// and a ringblk that does not take `--format` yet gives a failed row with
+/// its own message, at once, instead of a hang.
+#[test]
+fn compare_format_axis_serves_qcow2_and_reports_a_refusing_daemon() {
+    if !qcow2_tools() {
+        return;
+    }
+    let mut backends = vec!["ringblk", "qsd"];
+    if installed("fio") {
+        backends.push("host");
+    }
+    let dir = test_dir();
+    let out = dir.path().join("cmp");
+    let started = Instant::now();
+    // 64 MiB: 1024 clusters of 64 KiB, which the overlay's writes use up
+    // in well under the second asked for; the window then ends early.
+    let o = ringblk_bench(&[
+        "--compare",
+        "--quick",
+        "--no-pin",
+        "--image-size",
+        "64M",
+        "--format",
+        "raw,qcow2",
+        "--qcow2",
+        "allocated,cow",
+        "--rw",
+        "randwrite",
+        "--iodepth",
+        "4",
+        "--runtime",
+        "1s",
+        "--ramp",
+        "0ms",
+        "--backends",
+        &backends.join(","),
+        "--out",
+        out.to_str().expect("UTF-8 path"),
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let records = records(&out);
+    // raw: every backend; each qcow2 image: all but fio.
+    let n = backends.len();
+    assert_eq!(records.len(), n + 2 * (n - usize::from(n == 3)), "{stderr}");
+    let find = |backend: &str, format: &str, kind: Option<&str>| {
+        records
+            .iter()
+            .find(|r| {
+                r["backend"] == backend
+                    && r["config"]["format"] == format
+                    && r["config"]["qcow2"].as_str() == kind
+            })
+            .unwrap_or_else(|| panic!("no {backend} {format} {kind:?} record: {stderr}"))
+    };
+    assert!(
+        records
+            .iter()
+            .all(|r| r["backend"] != "host" || r["config"]["format"] == "raw"),
+        "fio ran on qcow2: {stderr}"
+    );
+    let serves = |r: &serde_json::Value| {
+        let x = &r["result"];
+        assert!(x["iops"].as_f64().is_some_and(|v| v > 0.0), "{r}");
+        assert_eq!(x["errors"].as_u64(), Some(0), "{r}");
+    };
+    let clean = |r: &serde_json::Value| {
+        let c = &r["check"];
+        assert_eq!(c["corruptions"].as_u64(), Some(0), "{r}");
+        assert_eq!(c["leaks"].as_u64(), Some(0), "{r}");
+        assert_eq!(c["check_errors"].as_u64(), Some(0), "{r}");
+    };
+    // Every write to the overlay allocated a cluster: as many clusters
+    // as writes, counted by qemu-img, and the overlay was new for the run.
+    let allocated_each_write = |r: &serde_json::Value| {
+        let writes = r["result"]["total_writes"].as_u64().expect("total_writes");
+        assert!(writes > 0, "{r}");
+        assert_eq!(
+            r["check"]["allocated_clusters"].as_u64(),
+            Some(writes),
+            "{r}"
+        );
+    };
+    serves(find("ringblk", "raw", None));
+    for kind in ["allocated", "cow"] {
+        let q = find("qsd", "qcow2", Some(kind));
+        serves(q);
+        clean(q);
+    }
+    let cow = find("qsd", "qcow2", Some("cow"));
+    allocated_each_write(cow);
+    assert!(
+        cow["result"]["runtime_s"].as_f64().is_some_and(|s| s < 1.0),
+        "1024 clusters last under a second at any speed: {cow}"
+    );
+
+    if daemon_serves_qcow2() {
+        assert!(o.status.success(), "bench --compare failed:\n{stderr}");
+        for kind in ["allocated", "cow"] {
+            let r = find("ringblk", "qcow2", Some(kind));
+            serves(r);
+            clean(r);
+        }
+        allocated_each_write(find("ringblk", "qcow2", Some("cow")));
+    } else {
+        // Until the daemon serves qcow2: the two ringblk qcow2 rows fail
+        // with the daemon's own line, the rest stands.
+        assert!(!o.status.success());
+        assert!(stderr.contains("2 of"), "{stderr}");
+        for kind in ["allocated", "cow"] {
+            let r = find("ringblk", "qcow2", Some(kind));
+            let err = r["error"].as_str().unwrap_or_default();
+            assert!(
+                err.contains("exited at start-up")
+                    && err.contains("unexpected argument '--format'"),
+                "{err}"
+            );
+            assert!(r["check"].is_null(), "nothing served, nothing checked: {r}");
+        }
+        assert!(started.elapsed() < Duration::from_secs(45));
+    }
+    let md = std::fs::read_to_string(out.join("results.md")).expect("results.md");
+    for needle in [
+        "| format |",
+        "| IOPS/raw |",
+        "| qcow2 overlay | qsd |",
+        "**qcow2 overlay**: bench-overlay.qcow2: a fresh, empty overlay",
+        "### qcow2 images after the runs",
+    ] {
+        assert!(md.contains(needle), "no '{needle}' in:\n{md}");
+    }
+    for made in ["bench.img", "bench.qcow2", "bench-overlay.qcow2"] {
+        assert!(!out.join(made).exists(), "{made} is removed");
+    }
+}
+
+/// --setup: a command against the daemon's control API runs before the
+/// measured window (a QoS limit set that way caps what is measured), and a
+/// command the daemon refuses fails its row with the daemon's answer.
+#[test]
+fn compare_setup_acts_on_the_daemon_before_measuring() {
+    let dir = test_dir();
+    let out = dir.path().join("cmp");
+    let o = ringblk_bench(&[
+        "--compare",
+        "--quick",
+        "--no-pin",
+        "--image-size",
+        "16M",
+        "--iodepth",
+        "8",
+        "--backends",
+        "ringblk",
+        "--variant",
+        "capped:",
+        "--variant",
+        "refused:",
+        "--setup",
+        "capped:ctl --api {api} qos --iops 200",
+        // Shrinking without --force: the daemon says no.
+        "--setup",
+        "refused:ctl --api {api} resize 1M",
+        "--out",
+        out.to_str().expect("UTF-8 path"),
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "the refused row fails the run: {stderr}"
+    );
+    let records = records(&out);
+    let iops = |name: &str| {
+        let r = records
+            .iter()
+            .find(|r| r["backend"] == name)
+            .unwrap_or_else(|| panic!("no {name} record: {stderr}"));
+        r["result"]["iops"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{name} has no result: {r}"))
+    };
+    let (free, capped) = (iops("ringblk"), iops("capped"));
+    assert!(capped <= 300.0, "capped at 200 IOPS, measured {capped}");
+    assert!(free > 3.0 * capped, "ringblk {free}, capped {capped}");
+    let refused = records
+        .iter()
+        .find(|r| r["backend"] == "refused")
+        .expect("a refused record");
+    let err = refused["error"].as_str().unwrap_or_default();
+    assert!(
+        err.contains("setup `ringblk ctl --api")
+            && err.contains("shrinking from 16777216 to 1048576 bytes"),
+        "{refused}"
+    );
+    let md = std::fs::read_to_string(out.join("results.md")).expect("results.md");
+    assert!(
+        md.contains("`capped`: `ringblk ctl --api {api} qos --iops 200` once the daemon is up"),
+        "{md}"
     );
 }

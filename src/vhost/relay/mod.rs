@@ -176,9 +176,18 @@ fn read_msg(from: &UnixStream, limits: Limits) -> io::Result<Option<Msg>> {
         iov_base: hdr.as_mut_ptr().cast(),
         iov_len: HEADER_LEN,
     }];
-    // SAFETY: the iovec points at `hdr`, which outlives the call; `fds` has
-    // room for MAX_FDS descriptors.
-    let (n, nfds) = unsafe { from.recv_with_fds(&mut iov, &mut fds) }.map_err(io::Error::from)?;
+    // A read timeout makes the kernel answer EINTR, not restart the call,
+    // when a signal or a stop and continue (SIGSTOP, a debugger, the
+    // cgroup freezer) comes while it waits: that is no reason to end the
+    // connection.
+    let (n, nfds) = loop {
+        // SAFETY: the iovec points at `hdr`, which outlives the call; `fds`
+        // has room for MAX_FDS descriptors.
+        match unsafe { from.recv_with_fds(&mut iov, &mut fds) }.map_err(io::Error::from) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => break r?,
+        }
+    };
     // SAFETY: the kernel installed `nfds` new descriptors we now own.
     let files: Vec<File> = fds[..nfds]
         .iter()

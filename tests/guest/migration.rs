@@ -1,0 +1,48 @@
+//! Live migration of a real guest between two daemons serving one image
+//! file, busy or idle, with kill -9 of either daemon around it. The
+//! harness, and what makes a missing dirty mark show, are in the kit's
+//! `vm::migration`; the RBD cases are in `tests/rbd/migration.rs`.
+
+use ringblk_testkit::vm::migration::{Kill, Migration, Workload, run};
+
+#[test]
+fn migrate_busy_one_queue() {
+    run(Migration::busy(1));
+}
+
+/// Two queues, each with its own fio job (and vCPU).
+#[test]
+fn migrate_busy_two_queues() {
+    run(Migration::busy(2));
+}
+
+#[test]
+fn migrate_idle_then_io_on_destination() {
+    run(Migration {
+        workload: Workload::Idle,
+        ..Migration::busy(1)
+    });
+}
+
+/// The destination's daemon crashes right after the migration, under the
+/// guest's fio; its restart takes over the rings through the inflight log.
+#[test]
+fn migrate_then_kill_destination_daemon() {
+    run(Migration {
+        kill: Some(Kill::DestinationAfterMigration),
+        ..Migration::busy(2)
+    });
+}
+
+/// The source's daemon crashes under the guest's fio and is restarted;
+/// the migration then starts from the restarted one.
+#[test]
+fn kill_source_daemon_then_migrate() {
+    run(Migration {
+        kill: Some(Kill::SourceBeforeMigration),
+        // Room for the kill, QEMU's reconnection and I/O against the new
+        // daemon before the migration.
+        fio_runtime: 30,
+        ..Migration::busy(2)
+    });
+}

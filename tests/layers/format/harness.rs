@@ -1,0 +1,303 @@
+//! A synchronous stand-in for the engine: reads and writes through the
+//! format layer's contract (map, resolve, read_slow, commit) with plain
+//! buffers, and the qemu-img / qemu-io oracle.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use ringblk::format::{Dir, Format, FormatError, Image, OpenOptions, Piece, Where};
+
+pub const MIB: u64 = 1 << 20;
+
+/// Installs qemu-utils through the project's script once; panics if the
+/// tools are still missing (CI installs them; a test never skips).
+pub fn need_qemu_img() {
+    static READY: OnceLock<()> = OnceLock::new();
+    READY.get_or_init(|| {
+        if Command::new("qemu-img").arg("--version").output().is_ok() {
+            return;
+        }
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/format-deps.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .output()
+            .expect("running format-deps.sh");
+        assert!(
+            out.status.success(),
+            "{} failed: {}",
+            script.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            Command::new("qemu-img").arg("--version").output().is_ok(),
+            "qemu-img is still missing after {}",
+            script.display()
+        );
+    });
+}
+
+/// Runs a tool, panicking with its output if it fails; returns stdout.
+pub fn run(tool: &str, args: &[&str]) -> String {
+    need_qemu_img();
+    let out = Command::new(tool)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{tool}: {e}"));
+    assert!(
+        out.status.success(),
+        "{tool} {args:?} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn qemu_img(args: &[&str]) -> String {
+    run("qemu-img", args)
+}
+
+/// `qemu-img check --output=json`: (corruptions, leaks). Panics on a
+/// check that cannot run at all.
+pub fn check(path: &Path) -> (u64, u64) {
+    need_qemu_img();
+    let out = Command::new("qemu-img")
+        .args(["check", "--output=json", "-f", "qcow2"])
+        .arg(path)
+        .output()
+        .expect("qemu-img check");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "qemu-img check of {}: {e}\n{}\n{}",
+            path.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let n = |k: &str| v.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+    (n("corruptions"), n("leaks"))
+}
+
+/// Asserts `qemu-img check` finds no corruption; returns the leaks.
+pub fn check_clean(path: &Path) -> u64 {
+    let (corruptions, leaks) = check(path);
+    if corruptions != 0 {
+        let out = Command::new("qemu-img")
+            .arg("check")
+            .arg(path)
+            .output()
+            .unwrap();
+        panic!(
+            "qemu-img check: {corruptions} corruptions in {}:\n{}",
+            path.display(),
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    leaks
+}
+
+/// Asserts the qcow2 image reads exactly as the raw reference.
+pub fn compare_identical(image: &Path, reference: &Path) {
+    let out = Command::new("qemu-img")
+        .args(["compare", "-f", "qcow2", "-F", "raw"])
+        .arg(image)
+        .arg(reference)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "qemu-img compare {} {}: {}{}",
+        image.display(),
+        reference.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+pub fn sha256(path: &Path) -> String {
+    run("sha256sum", &[path.to_str().unwrap()])
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// A deterministic byte for `offset` of pattern `seed` (0: the base's).
+pub fn pattern(seed: u64, offset: u64) -> u8 {
+    let x =
+        (offset / 8).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+    (x >> ((offset % 8) * 8)) as u8 ^ (x >> 56) as u8
+}
+
+pub fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = pattern(seed, offset + i as u64);
+    }
+}
+
+/// A small xorshift generator: tests are reproducible from their seed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// A directory under target/tmp, emptied first.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = ringblk_testkit::tmp_dir().join("format").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A raw base of `size` bytes holding pattern 0.
+pub fn raw_base(path: &Path, size: u64) {
+    let mut data = vec![0u8; size as usize];
+    fill(0, 0, &mut data);
+    std::fs::write(path, &data).unwrap();
+}
+
+pub fn open(path: &Path, writable: bool) -> Image {
+    let options = OpenOptions {
+        writable,
+        ..OpenOptions::default()
+    };
+    Image::open(path, Format::Qcow2, &options).unwrap_or_else(|e| panic!("open: {e}"))
+}
+
+fn pread(img: &Image, file: usize, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+    let files = img.files();
+    let f = files[file];
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], offset + done as u64) {
+            // Past the end of the file: an allocated cluster not yet written.
+            Ok(0) => {
+                buf[done..].fill(0);
+                break;
+            }
+            Ok(n) => done += n,
+            Err(e) => {
+                return Err(FormatError::Io {
+                    context: "pread",
+                    source: e,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads through the contract: fast map, then the slow path for misses.
+pub fn read(img: &Image, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+    let mut pieces = Vec::new();
+    img.map(offset, buf.len() as u64, Dir::Read, &mut pieces);
+    for p in pieces {
+        read_piece(img, offset, buf, p, true)?;
+    }
+    Ok(())
+}
+
+fn read_piece(
+    img: &Image,
+    base: u64,
+    buf: &mut [u8],
+    p: Piece,
+    retry: bool,
+) -> Result<(), FormatError> {
+    let at = (p.guest - base) as usize;
+    let slice = &mut buf[at..at + p.len as usize];
+    match p.at {
+        Where::Data { file, offset } => pread(img, file, offset, slice),
+        Where::Zero => {
+            slice.fill(0);
+            Ok(())
+        }
+        Where::Slow if retry => {
+            let mut sub = Vec::new();
+            img.resolve(p.guest, p.len, Dir::Read, &mut sub)?;
+            for s in sub {
+                read_piece(img, base, buf, s, false)?;
+            }
+            Ok(())
+        }
+        Where::Slow => img.read_slow(p.guest, slice),
+    }
+}
+
+/// Writes through the contract: fast map, allocation on the slow path,
+/// data straight to the host offsets, then the commit before "completion".
+pub fn write(img: &Image, offset: u64, data: &[u8]) -> Result<(), FormatError> {
+    let mut pieces = Vec::new();
+    img.map(offset, data.len() as u64, Dir::Write, &mut pieces);
+    let mut ticket = None;
+    let mut direct = Vec::new();
+    for p in pieces {
+        match p.at {
+            Where::Data { file: 0, offset } => direct.push((p.guest, p.len, offset)),
+            Where::Slow => {
+                let mut sub = Vec::new();
+                ticket = ticket.max(img.resolve(p.guest, p.len, Dir::Write, &mut sub)?);
+                for s in sub {
+                    match s.at {
+                        Where::Data { file: 0, offset } => direct.push((s.guest, s.len, offset)),
+                        other => panic!("resolve gave {other:?} for a write"),
+                    }
+                }
+            }
+            other => panic!("map gave {other:?} for a write"),
+        }
+    }
+    for (guest, len, host) in direct {
+        let at = (guest - offset) as usize;
+        data_write(img, &data[at..at + len as usize], host)?;
+    }
+    if let Some(t) = ticket {
+        img.commit(t)?;
+    }
+    Ok(())
+}
+
+fn data_write(img: &Image, data: &[u8], host: u64) -> Result<(), FormatError> {
+    let r = match img {
+        Image::Qcow2(q) => q.data_write(data, host),
+        Image::Raw(_) => img.files()[0].write_all_at(data, host),
+    };
+    r.map_err(|source| FormatError::Io {
+        context: "pwrite",
+        source,
+    })
+}
+
+/// Write-zeroes through the contract: the format zeroes whole clusters,
+/// the "engine" writes zeroes over what it hands back.
+pub fn write_zeroes(img: &Image, offset: u64, len: u64, unmap: bool) -> Result<(), FormatError> {
+    for (o, l) in img.write_zeroes(offset, len, unmap)? {
+        write(img, o, &vec![0u8; l as usize])?;
+    }
+    Ok(())
+}
+
+/// Flush: the engine's fdatasync of the data, then the format's.
+pub fn flush(img: &Image) -> Result<(), FormatError> {
+    img.files()[0]
+        .sync_data()
+        .map_err(|source| FormatError::Io {
+            context: "fdatasync",
+            source,
+        })?;
+    img.flush()
+}
