@@ -7,7 +7,7 @@
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use ringblk::virtio::chain_writer::{DescTable, readable, writable};
-use ringblk::virtio::ring::RingShadow;
+use ringblk::virtio::ring::{RingShadow, RingView};
 use ringblk::virtio::{DeviceLimits, GuestMem, Request};
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::{Queue, QueueT};
@@ -52,10 +52,9 @@ fn setup(mem: &GuestMem, n: u16) -> Queue {
 
 fn bench(c: &mut Criterion) {
     let mem = GuestMem::from_ranges(&[(GuestAddress(0), 0x40_0000)]).unwrap();
-    let limits = DeviceLimits {
-        capacity_sectors: 1 << 21,
-        ..DeviceLimits::default()
-    };
+    // The snapshot requests hold: the same regions.
+    let snapshot = std::sync::Arc::new(mem.clone());
+    let (limits, capacity) = (DeviceLimits::default(), 1 << 21);
     let mut g = c.benchmark_group("parse_complete");
     for batch in [1u16, 16, 64] {
         g.throughput(Throughput::Elements(u64::from(batch)));
@@ -64,19 +63,22 @@ fn bench(c: &mut Criterion) {
                 || (setup(&mem, batch), RingShadow::default()),
                 |(mut q, mut shadow)| {
                     let mut reqs = Vec::with_capacity(usize::from(batch));
+                    let view = RingView::new(&q, &mem);
                     shadow
-                        .pop(&mut q, &mem, usize::from(batch), |chain| {
-                            reqs.push(Request::parse(chain, &mem, &limits, QSIZE).unwrap())
+                        .pop(&mut q, &view, usize::from(batch), |chain| {
+                            reqs.push(
+                                Request::parse(chain, &snapshot, &limits, capacity, QSIZE).unwrap(),
+                            )
                         })
                         .unwrap();
                     for r in &reqs {
-                        mem.write_obj(0u8, r.status).unwrap();
+                        assert!(ringblk::virtio::Status::Ok.write(&mem, r.status_addr()));
                         shadow
-                            .add_used(&mut q, &mem, r.head, r.written_len() + 1)
+                            .add_used(&mut q, &view, r.head(), r.written_len() + 1)
                             .unwrap();
                     }
-                    shadow.publish(&q, &mem).unwrap();
-                    shadow.needs_notification(&q, &mem).unwrap()
+                    shadow.publish(&q, &view).unwrap();
+                    shadow.needs_notification(&q, &view).unwrap()
                 },
                 BatchSize::SmallInput,
             )

@@ -54,6 +54,18 @@ scripts/bench-tools.sh
 section "cargo fmt"
 cargo fmt --all -- --check
 
+# Imports between the crate's modules run one way (src/lib.rs says the
+# order); python3 runs the check.
+section "layers"
+if ! command -v python3 >/dev/null; then
+    log() { echo "test.sh: $*" >&2; }
+    die() { log "$*"; exit 1; }
+    # shellcheck source=scripts/lib/packages.sh
+    . scripts/lib/packages.sh
+    ensure_packages python3
+fi
+python3 scripts/layers.py
+
 section "cargo clippy"
 # Twice: without the RBD engine (what `cargo run` builds) and with it
 # (ringblk-bench/rbd: the bench's RBD comparison test, for that daemon).

@@ -1,42 +1,47 @@
 //! ringblk: a vhost-user-blk backend that does its I/O with io_uring.
 //!
-//! Layers, bottom to top:
-//! - [`virtio`]: the split ring as we drive it (shadowed indices, batched
-//!   used-ring publication, notification decisions) and the typed, validated
-//!   block [`virtio::Request`];
-//! - [`io`]: the image (opening, creating, probing it);
+//! Layers, bottom to top; each imports only from layers below it
+//! (`scripts/layers.py` checks):
+//! - leaves: [`virtio`] (the split ring as we drive it, and the typed,
+//!   validated block [`virtio::Request`] with its guest buffers), [`io`]
+//!   (the image file: opening, creating, locking it), [`metrics`]
+//!   (counters, rate-limited logs), [`unix_socket`], [`bitmap`] (dirty
+//!   bitmaps);
+//! - [`qos`] (token buckets), [`nbd`] (the NBD server);
+//! - [`device`]: the device's runtime state, one object (capacity, write
+//!   cache, dirty logging, QoS, the image lock, the connection); and
+//!   [`backup`] (a bitmap's view, served over NBD);
 //! - [`format`]: where a guest offset lives (raw: itself; qcow2: a host
 //!   offset in a file of its backing chain), and the metadata work that
-//!   takes; independent of the engine;
-//! - [`engine`]: the I/O engines behind one contract (io_uring, null): a
-//!   validated request in, a completion out; every engine-specific choice
-//!   (opcodes, bounce buffers, fallbacks, retries) stays there;
-//! - [`vhost`]: the glue to `vhost-user-backend`: one worker per queue,
-//!   which decides when to pop, submit, publish, notify and journal;
-//! - [`daemon`]: configuration, the socket, signals, the serve loop;
-//! - [`metrics`]: the counters, `ringblk stats`, rate-limited logging;
-//! - [`api`]: the HTTP endpoints (`--api`'s control verbs, `--metrics`)
-//!   and `ringblk ctl`;
-//! - [`bench`](mod@bench): `ringblk bench`, which runs the separate `ringblk-bench`;
-//! - [`exit`]: how every subcommand ends (exit status, error lines);
-//!   [`logging`]: the log's format (journald's priorities under systemd);
-//!   [`generate`]: man pages and shell completions.
+//!   takes; independent of the engine (it plugs into the engine core's
+//!   format seam, [`engine::Format`]);
+//! - [`engine`]: *how* a request becomes I/O: the engine core every engine
+//!   shares, the format seam (where), and the engines (io_uring, librbd,
+//!   null);
+//! - [`queue`]: *when*: one worker per queue pops, admits, batches,
+//!   publishes, notifies and journals;
+//! - [`vhost`]: the glue to `vhost-user-backend`, the relay in front of
+//!   it, SIGBUS containment;
+//! - [`api`]: the HTTP endpoints (`--api`'s control verbs, `--metrics`);
+//! - [`daemon`]: `serve`'s options and configuration, the socket, signals,
+//!   the seccomp filter, the serve loop;
+//! - [`cli`]: the command line: its clients `ctl`, `stats` and `bench`,
+//!   `generate` (man pages, completions), how every subcommand ends
+//!   (exit status, error lines) and the log's format.
 
 pub mod api;
 pub mod backup;
-pub mod bench;
 pub mod bitmap;
 pub mod cli;
 pub mod daemon;
+pub mod device;
 pub mod engine;
-pub mod exit;
 pub mod format;
-pub mod generate;
 pub mod io;
-pub mod logging;
 pub mod metrics;
 pub mod nbd;
 pub mod qos;
+pub mod queue;
 pub mod unix_socket;
 pub mod vhost;
 pub mod virtio;

@@ -1,19 +1,19 @@
 use clap::{CommandFactory, Parser};
+use ringblk::cli::exit::Failure;
 use ringblk::cli::{Cli, Command};
-use ringblk::exit::Failure;
 
 fn main() {
-    ringblk::logging::init();
+    ringblk::cli::logging::init();
     // `ringblk help bench` is ringblk-bench's own help, as `ringblk bench
     // --help` is: clap's would only describe the pass-through.
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if argv.len() == 3 && argv[1] == "help" && argv[2] == "bench" {
-        let help = ringblk::bench::BenchArgs {
+        let help = ringblk::cli::bench::BenchArgs {
             args: vec!["--help".into()],
         };
         finish(
             "bench",
-            ringblk::bench::exec(&help).map_err(Failure::Runtime),
+            ringblk::cli::bench::exec(&help).map_err(Failure::Runtime),
         );
     }
     // Usage errors clap finds exit with 2, --help and --version with 0.
@@ -26,18 +26,18 @@ fn main() {
             "serve",
             ringblk::daemon::serve(*args).map_err(Failure::from),
         ),
-        Command::Stats(args) => ("stats", ringblk::metrics::stats(&args)),
-        Command::Ctl(args) => ("ctl", ringblk::api::ctl::ctl(&args)),
+        Command::Stats(args) => ("stats", ringblk::cli::stats::stats(&args)),
+        Command::Ctl(args) => ("ctl", ringblk::cli::ctl::ctl(&args)),
         Command::Bench(args) => (
             "bench",
-            ringblk::bench::exec(&args).map_err(Failure::Runtime),
+            ringblk::cli::bench::exec(&args).map_err(Failure::Runtime),
         ),
-        Command::Generate(args) => ("generate", ringblk::generate::run(&args)),
+        Command::Generate(args) => ("generate", ringblk::cli::generate::run(&args)),
     };
     finish(name, result);
 }
 
-/// Exits with `result`'s status (see `ringblk::exit`): a usage error the
+/// Exits with `result`'s status (see `ringblk::cli::exit`): a usage error the
 /// way clap prints its own, against the subcommand's usage line.
 fn finish(subcommand: &str, result: Result<(), Failure>) -> ! {
     match result {
@@ -60,7 +60,7 @@ fn finish(subcommand: &str, result: Result<(), Failure>) -> ! {
 /// Prints clap's error (or help) and exits as clap does; under the
 /// journal, each line of an error carries its priority.
 fn usage(e: clap::Error) -> ! {
-    if !e.use_stderr() || !ringblk::logging::under_journal() {
+    if !e.use_stderr() || !ringblk::cli::logging::under_journal() {
         e.exit()
     }
     for line in e.render().to_string().lines().filter(|l| !l.is_empty()) {
@@ -69,9 +69,9 @@ fn usage(e: clap::Error) -> ! {
     std::process::exit(e.exit_code())
 }
 
-/// `<3>` (syslog's LOG_ERR) when stderr is the journal (`ringblk::logging`).
+/// `<3>` (syslog's LOG_ERR) when stderr is the journal (`ringblk::cli::logging`).
 fn error_priority() -> &'static str {
-    if ringblk::logging::under_journal() {
+    if ringblk::cli::logging::under_journal() {
         "<3>"
     } else {
         ""

@@ -13,7 +13,6 @@
 //! their counters and the capacity, and a resize stores the capacity.
 
 mod control;
-pub mod ctl;
 mod server;
 
 use std::net::TcpListener;
@@ -26,10 +25,12 @@ use ringblk_metrics::prometheus;
 use ringblk_metrics::transport::MetricsAddr;
 use ringblk_metrics::{MetricsDoc, MetricsError, QueueMetrics};
 
-pub use control::{Control, ControlBacking, ControlImage, ResizeError, Resized, Status};
+pub use control::{Control, Status};
 pub use server::{
     ANSWER_DEADLINE, Bound, ENDPOINT_FDS, MAX_CONNECTIONS, MAX_HEAD, REQUEST_DEADLINE, VERB_THREADS,
 };
+
+use crate::device::{ResizeError, Resized};
 
 /// The largest request body taken; a larger one gets 413.
 pub const MAX_BODY: usize = 64 << 10;
@@ -87,13 +88,24 @@ impl Ctx<'_> {
 
     /// The body as JSON of type `T`; an empty body is `{}`.
     fn json_body<T: serde::de::DeserializeOwned>(&self) -> Result<T, Reply> {
+        self.json_body_or(|e| format!("malformed JSON body: {e}"))
+    }
+
+    /// The body as a `T`; JSON that is well formed but not a `T` (an
+    /// unknown field, a value of the wrong type) is described by `data`.
+    fn json_body_or<T: serde::de::DeserializeOwned>(
+        &self,
+        data: impl FnOnce(serde_json::Error) -> String,
+    ) -> Result<T, Reply> {
         let body = if self.body.iter().all(u8::is_ascii_whitespace) {
             &b"{}"[..]
         } else {
             self.body
         };
-        serde_json::from_slice(body)
-            .map_err(|e| Reply::error(400, format!("malformed JSON body: {e}")))
+        serde_json::from_slice(body).map_err(|e| match e.classify() {
+            serde_json::error::Category::Data => Reply::error(400, data(e)),
+            _ => Reply::error(400, format!("malformed JSON body: {e}")),
+        })
     }
 }
 
@@ -228,7 +240,8 @@ fn resize(ctx: &Ctx<'_>) -> Reply {
 }
 
 /// GET /api/v1/qos: the limits. PUT (or POST) with a JSON object of
-/// `QosLimits` fields: those change, the others stay (0 removes a limit);
+/// limits by their JSON names (`QosChanges`): those change, the others
+/// stay (0 removes a limit);
 /// the answer is the limits now in force.
 fn qos(ctx: &Ctx<'_>) -> Reply {
     let run = || -> Result<crate::qos::QosLimits, Reply> {
@@ -236,7 +249,8 @@ fn qos(ctx: &Ctx<'_>) -> Reply {
         if *ctx.method == Method::GET {
             return Ok(c.qos());
         }
-        let changes: serde_json::Map<String, serde_json::Value> = ctx.json_body()?;
+        let changes: crate::qos::QosChanges =
+            ctx.json_body_or(|e| format!("QoS: {}", crate::qos::QosError::from_json(e)))?;
         c.set_qos(&changes)
             .map_err(|e| Reply::error(400, format!("QoS: {e}")))
     };

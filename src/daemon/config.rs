@@ -5,18 +5,17 @@ mod rundir;
 use std::num::NonZeroUsize;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
-use crate::cli::{
+use super::args::{
     DEFAULT_IMAGE_NAME, DEFAULT_IMAGE_SIZE, DEFAULT_SOCKET_NAME, EngineKind, ServeArgs,
 };
+use crate::device::{Backing as Resize, Device, DeviceSpec, Serial};
 use crate::engine::UringConfig;
 use crate::io::{Image, ImageLock, ImageOptions, RbdSpec};
-use crate::qos::{Qos, QosLimits};
-use crate::vhost::WorkerConfig;
+use crate::qos::QosLimits;
+use crate::queue::Settings;
 use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
 
 use super::DaemonError;
@@ -65,7 +64,10 @@ pub struct Config {
     /// Where to listen.
     pub listen: Listen,
     pub backing: Backing,
-    pub worker: WorkerConfig,
+    /// The device, its runtime state included.
+    pub device: Device,
+    /// How its queues are served.
+    pub settings: Settings,
     /// Worker threads: `--threads`, or its default ([`default_threads`]).
     pub threads: usize,
 }
@@ -194,13 +196,11 @@ impl Config {
             .and_then(RbdSpec::from_image_arg)
             .transpose()
             .map_err(DaemonError::Usage)?;
-        let writeback = Arc::new(AtomicBool::new(!args.writethrough));
         let (backing, block_size, default_serial) = match rbd {
             Some(spec) => open_rbd(&args, spec)?,
-            None => open_file(&args, path, &writeback)?,
+            None => open_file(&args, path)?,
         };
         let limits = DeviceLimits {
-            capacity_sectors: backing.size() >> SECTOR_SHIFT,
             block_size,
             readonly: args.readonly,
             // Two descriptors of a chain are header and status.
@@ -208,40 +208,53 @@ impl Config {
             ..DeviceLimits::default()
         };
         let serial_str = args.serial.clone().unwrap_or(default_serial);
-        let mut serial = [0u8; VIRTIO_BLK_ID_BYTES as usize];
+        let mut serial: Serial = [0u8; VIRTIO_BLK_ID_BYTES as usize];
         serial[..serial_str.len()].copy_from_slice(serial_str.as_bytes());
-        let worker = WorkerConfig {
+        let err = |what: &'static str| {
+            move |e: std::io::Error| DaemonError::Config(format!("{what}: {e}"))
+        };
+        let device = Device::new(DeviceSpec {
+            name: backing.name(),
             limits,
-            capacity: AtomicU64::new(limits.capacity_sectors),
+            capacity_sectors: backing.size() >> SECTOR_SHIFT,
+            queues: args.queues,
+            queue_size: args.queue_size,
             serial,
+            writeback: !args.writethrough,
+            qos,
+            // An RBD image has exclusive-lock of its own (librbd's).
+            image_lock: match (args.no_image_lock, backing.file()) {
+                (false, Some(file)) => {
+                    Some(ImageLock::new(file, !args.readonly).map_err(err("image lock"))?)
+                }
+                _ => None,
+            },
+            backing: match &backing {
+                Backing::File { image, .. } => Resize::File {
+                    file: image.file.try_clone().map_err(err("image"))?,
+                    block_device: image.is_block_device,
+                },
+                #[cfg(feature = "rbd")]
+                Backing::Rbd(disk) => {
+                    let shared: std::sync::Arc<dyn crate::device::Resizable> = disk.image().clone();
+                    Resize::Shared(std::sync::Arc::downgrade(&shared))
+                }
+            },
+        })
+        .map_err(|e| DaemonError::Config(format!("QoS: {e}")))?;
+        let settings = Settings {
             notify: args.notify,
             signal: args.signal,
             poll_us: args.poll_us,
             poll_checks: !args.no_poll_checks,
             max_batch: args.max_batch,
-            queue_size: args.queue_size,
-            writeback: writeback.clone(),
-            stopping: AtomicBool::new(false),
-            intake_closed: AtomicBool::new(false),
-            logging: AtomicBool::new(false),
-            // An RBD image has exclusive-lock of its own (librbd's).
-            image_lock: match (args.no_image_lock, backing.file()) {
-                (false, Some(file)) => Some(Arc::new(
-                    ImageLock::new(file, !args.readonly)
-                        .map_err(|e| DaemonError::Config(format!("image lock: {e}")))?,
-                )),
-                _ => None,
-            },
-            qos: Arc::new(
-                Qos::new(qos, usize::from(args.queues))
-                    .map_err(|e| DaemonError::Config(format!("QoS: {e}")))?,
-            ),
         };
         Ok(Config {
             args,
             listen,
             backing,
-            worker,
+            device,
+            settings,
             threads,
         })
     }
@@ -272,11 +285,7 @@ fn check_size(args: &ServeArgs) -> Result<(), DaemonError> {
 
 /// Opens the image file or block device at `path` (creating the default
 /// one if missing). Returns it with its block size and default serial.
-fn open_file(
-    args: &ServeArgs,
-    path: PathBuf,
-    writeback: &Arc<AtomicBool>,
-) -> Result<(Backing, u32, String), DaemonError> {
+fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), DaemonError> {
     let created = match &args.image {
         Some(_) => false,
         None => Image::create_if_missing(&path, args.size.unwrap_or(DEFAULT_IMAGE_SIZE))?,
@@ -331,7 +340,6 @@ fn open_file(
         // Room for one request of the most data a request may carry.
         bounce_limit: crate::virtio::request::MAX_DATA_BYTES as usize,
         is_block_device: image.is_block_device,
-        writeback: writeback.clone(),
     };
     let (block_size, serial) = (image.block_size, image.default_serial());
     Ok((

@@ -44,9 +44,9 @@ use landlock::{
 };
 
 use super::DaemonError;
+use super::args::LandlockMode;
 use super::removal::Removal;
 use super::seccomp::Profile;
-use crate::cli::LandlockMode;
 
 /// The newest Landlock ABI whose rights the ruleset asks for. Each right
 /// the running kernel lacks is left out (the crate's best effort): ABI 9's

@@ -1,10 +1,13 @@
 //! The daemon: configuration, the socket, signals and the serve loop.
 //!
 //! One vhost-user connection at a time. Each connection gets a fresh
-//! backend (rings, workers, io_urings); the counters live across them. When
-//! the front-end goes away the daemon waits for the next one, so a VM
-//! reboot or a QEMU restart needs no daemon restart.
+//! backend and fresh workers; the engines (with their io_urings, made once
+//! before the seccomp filter), the device and the counters live across
+//! them: a connection borrows the engines and gives them back. When the
+//! front-end goes away the daemon waits for the next one, so a VM reboot
+//! or a QEMU restart needs no daemon restart.
 
+mod args;
 mod config;
 mod connector;
 mod crash;
@@ -19,7 +22,6 @@ use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,15 +31,15 @@ use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use crate::cli::{EngineKind, ServeArgs};
-use crate::engine::{Engine, EngineError, NullEngine, UringEngine};
+use crate::device::{Connection, Device};
+use crate::engine::{Core, Engine, EngineError, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
-use crate::qos::QosLimits;
-use crate::vhost::{BlkBackend, Device, ExitEvents, QueueWorker, WorkerConfig, proxy};
-use crate::virtio::config::{config_space, device_features};
+use crate::queue::{QueueWorker, Settings, Timer};
+use crate::vhost::{BlkBackend, ExitEvents, relay};
 use crate::virtio::{GuestMem, SECTOR_SHIFT};
 use crate::warn_limited;
+pub use args::{EngineKind, SeccompMode, ServeArgs};
 use removal::Removal;
 
 pub use config::{Config, Listen};
@@ -46,45 +48,16 @@ use notify::Notifier;
 /// The control API on `path` (mode 0600, bound before the seccomp filter).
 fn spawn_api(
     path: &Path,
-    (args, backing): (&ServeArgs, &config::Backing),
-    worker: &Arc<WorkerConfig>,
-    current: &Current,
+    device: &Arc<Device>,
     metrics: &[Arc<QueueMetrics>],
-    features: u64,
 ) -> Result<crate::api::Endpoint, DaemonError> {
     let err = |e: String| DaemonError::Config(format!("--api {}: {e}", path.display()));
     let listener = socket::bind(path, 0o600).map_err(|e| err(e.to_string()))?;
-    let image = crate::api::ControlImage {
-        name: backing.name(),
-        backing: match backing {
-            config::Backing::File { image, .. } => crate::api::ControlBacking::File(
-                image.file.try_clone().map_err(|e| err(e.to_string()))?,
-            ),
-            #[cfg(feature = "rbd")]
-            config::Backing::Rbd(disk) => {
-                crate::api::ControlBacking::Rbd(Arc::downgrade(disk.image()))
-            }
-        },
-        is_block_device: matches!(
-            backing,
-            config::Backing::File { image, .. } if image.is_block_device
-        ),
-        block_size: worker.limits.block_size,
-        readonly: args.readonly,
-    };
-    let control = crate::api::Control::new(
-        image,
-        worker.clone(),
-        current.clone(),
-        args.queues,
-        args.queue_size,
-        features,
-    );
     let endpoint = crate::api::spawn(
         crate::api::Bound::Unix(listener),
         crate::metrics::MetricsAddr::Unix(path.to_path_buf()),
         metrics.to_vec(),
-        Some(Arc::new(control)),
+        Some(Arc::new(crate::api::Control::new(device.clone()))),
     )
     .map_err(|e| err(e.to_string()))?;
     log::info!(
@@ -122,27 +95,15 @@ pub enum DaemonError {
     Inner(String),
 }
 
-impl From<DaemonError> for crate::exit::Failure {
-    fn from(e: DaemonError) -> Self {
-        match e {
-            DaemonError::Usage(m) => crate::exit::Failure::Usage(m),
-            other => crate::exit::Failure::Runtime(other.to_string()),
-        }
-    }
-}
-
-/// The device serving the current connection, for the signal handler and
-/// the control API (`None` between connections).
-pub type Current = Arc<Mutex<Option<Arc<dyn Device>>>>;
-
 /// What the signal handler runs at shutdown, once the queues have drained,
 /// to release what the process exit alone would not (an RBD image's watch
 /// and exclusive lock); set once the engines exist.
 type Closer = Arc<Mutex<Option<Box<dyn FnOnce() + Send>>>>;
 
-/// The engines between connections; a connection takes them and puts them
-/// back. Shared with the [`Closer`], which drops them at shutdown.
-type Parked<E> = Arc<Mutex<Vec<E>>>;
+/// The engines (in their cores) between connections; a connection takes
+/// them and puts them back. Shared with the [`Closer`], which drops them at
+/// shutdown.
+type Parked<E> = Arc<Mutex<Vec<Core<E>>>>;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -176,23 +137,13 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         ),
         None => None,
     };
-    let worker_cfg = Arc::new(cfg.worker);
-    // The device's QoS handle is `worker_cfg.qos`: the workers share it,
-    // and the control API changes the limits through it at runtime.
-    if worker_cfg.qos.active() {
-        log::info!("QoS limits: {}", qos_summary(&worker_cfg.qos.limits()));
+    // The workers, the backend and the control API share the device.
+    let device = Arc::new(cfg.device);
+    if device.qos().active() {
+        log::info!("QoS limits: {}", device.qos().limits().summary());
     }
-    let current: Current = Arc::default();
-    let features = device_features(cfg.args.readonly);
     let _api = match &cfg.args.api {
-        Some(path) => Some(spawn_api(
-            path,
-            (&cfg.args, &cfg.backing),
-            &worker_cfg,
-            &current,
-            &metrics,
-            features,
-        )?),
+        Some(path) => Some(spawn_api(path, &device, &metrics)?),
         None => None,
     };
     // The vhost-user socket listens last: a front-end (or a script) that
@@ -234,6 +185,12 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         .map(|_| EventFd::new(EFD_NONBLOCK).map(Arc::new))
         .collect::<std::io::Result<Vec<_>>>()
         .map_err(|e| DaemonError::Vhost(format!("resume eventfds: {e}")))?;
+    // Each queue's wake-up timer (QoS, the image lock), made once too:
+    // the filter forbids timerfd_create.
+    let timers = (0..num_queues)
+        .map(|_| Timer::new().map(Arc::new))
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(|e| DaemonError::Vhost(format!("queue timers: {e}")))?;
     // The sockets the daemon removes on its way out, by directory fd.
     let removal = |p: &std::path::Path| {
         Removal::file(p).map_err(|e| DaemonError::Socket(format!("{}: {e}", p.display())))
@@ -273,8 +230,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     let closer = Closer::default();
     spawn_signal_handler(
         cfg.backing.file(),
-        worker_cfg.clone(),
-        current.clone(),
+        device.clone(),
         closer.clone(),
         files,
         inner.paths.clone(),
@@ -282,21 +238,19 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     )?;
     // Once start-up has worked: a start that fails prints its error alone.
     warn_if_root();
-    announce(&socket_name, &cfg.args, &cfg.backing, &worker_cfg, threads);
+    announce(&socket_name, &cfg.args, &cfg.backing, &device, threads);
 
-    let space = config_space(&worker_cfg.limits, cfg.args.queues, !cfg.args.writethrough);
     let conn = Connections {
         args: &cfg.args,
         listener: &listener,
         metrics: &metrics,
-        worker_cfg: &worker_cfg,
+        device: &device,
+        settings: cfg.settings,
         threads,
         exit_events: &exit_events,
         resume: &resume,
-        current: &current,
+        timers: &timers,
         inner: &mut inner,
-        space,
-        features,
         unlink_dirs,
         sandbox,
         profile: match &cfg.backing {
@@ -313,13 +267,14 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // connection borrows them and gives them back.
     let capacity = usize::from(cfg.args.queue_size);
     match (cfg.args.engine, cfg.backing) {
-        (EngineKind::Null, _) => {
-            conn.serve(park(engines(&metrics, |_| Ok(NullEngine::new(capacity)))?))
-        }
-        (EngineKind::Uring, config::Backing::File { uring, .. }) => conn
-            .serve(park(engines(&metrics, |m| {
-                UringEngine::new(uring.clone(), m.clone())
-            })?)),
+        (EngineKind::Null, _) => conn.serve(park(
+            engines(&metrics, |_| Ok(NullEngine::new(capacity)))?,
+            &device,
+        )),
+        (EngineKind::Uring, config::Backing::File { uring, .. }) => conn.serve(park(
+            engines(&metrics, |m| UringEngine::new(uring.clone(), m.clone()))?,
+            &device,
+        )),
         // librbd's threads and sockets are made here too, before the
         // filter; the filter then covers them as well (TSYNC).
         #[cfg(feature = "rbd")]
@@ -336,7 +291,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
                 .map(|_| disk.engine(capacity))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| DaemonError::Config(format!("{name}: {e}")))?;
-            let parked = park(engines);
+            let parked = park(engines, &device);
             // At shutdown, after the drain: the image handle closes when
             // the last engine and the disk let go of it (rbd_close gives up
             // the watch and the exclusive lock, so a daemon started next on
@@ -345,12 +300,12 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             // A connection ending as the signal came has its engines in
             // neither place for a moment: wait (briefly) until the disk
             // holds the last reference, so that dropping it closes.
-            let (engines, current) = (parked.clone(), current.clone());
+            let (engines, device) = (parked.clone(), device.clone());
             *lock(&closer) = Some(Box::new(move || {
                 let deadline = std::time::Instant::now() + CLOSE_WAIT;
                 loop {
-                    if let Some(device) = lock(&current).as_ref() {
-                        device.close_engines();
+                    if let Some(c) = device.connection() {
+                        c.close_engines();
                     }
                     drop(std::mem::take(&mut *lock(&engines)));
                     if Arc::strong_count(disk.image()) == 1 || std::time::Instant::now() > deadline
@@ -390,8 +345,13 @@ fn warn_if_root() {
 #[cfg(feature = "rbd")]
 const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-fn park<E>(engines: Vec<E>) -> Parked<E> {
-    Arc::new(Mutex::new(engines))
+/// Each engine in its core, parked.
+fn park<E: Engine>(engines: Vec<E>, device: &Arc<Device>) -> Parked<E> {
+    let cores = engines
+        .into_iter()
+        .map(|e| Core::new(e, device.clone()))
+        .collect();
+    Arc::new(Mutex::new(cores))
 }
 
 /// One engine per queue.
@@ -407,16 +367,16 @@ struct Connections<'a> {
     args: &'a ServeArgs,
     listener: &'a UnixListener,
     metrics: &'a [Arc<QueueMetrics>],
-    worker_cfg: &'a Arc<WorkerConfig>,
+    device: &'a Arc<Device>,
+    settings: Settings,
     /// Worker threads (`--threads`).
     threads: usize,
     exit_events: &'a Arc<ExitEvents>,
     /// Each queue's resume eventfd, when threads serve several queues.
     resume: &'a [Arc<EventFd>],
-    current: &'a Current,
+    /// Each queue's wake-up timer.
+    timers: &'a [Arc<Timer>],
     inner: &'a mut InnerSocket,
-    space: [u8; crate::virtio::config::CONFIG_LEN],
-    features: u64,
     /// Directory fds the daemon may remove files in after start-up.
     unlink_dirs: Vec<i32>,
     /// What Landlock allows after start-up; taken when it is applied.
@@ -458,7 +418,7 @@ impl Connections<'_> {
             std::mem::take(&mut self.sandbox),
         )?;
         seccomp::install(self.args.seccomp, self.profile, &self.unlink_dirs)?;
-        if self.args.seccomp != crate::cli::SeccompMode::Off {
+        if self.args.seccomp != args::SeccompMode::Off {
             connector::filter_installed();
         }
         // The socket has been listening since start-up; connections queue
@@ -485,45 +445,30 @@ impl Connections<'_> {
         &mut self,
         engines: &Parked<E>,
     ) -> Result<(), ConnectionError> {
-        let (args, worker_cfg) = (self.args, self.worker_cfg);
+        let (args, device) = (self.args, self.device);
         let replaced = crate::vhost::sigbus::replaced_pages();
         let front = accept(self.listener, &mut self.log_limit)?;
-        await_exit_if_stopping(worker_cfg);
+        await_exit_if_stopping(device);
         let workers = std::mem::take(&mut *lock(engines))
             .into_iter()
-            .zip(self.metrics)
+            .zip(self.metrics.iter().zip(self.timers))
             .enumerate()
-            .map(|(i, (engine, m))| {
+            .map(|(i, (core, (m, timer)))| {
                 // --cpus pins threads: queue i runs on thread i % threads.
                 let thread = i % self.threads;
                 let cpu = (!args.cpus.is_empty()).then(|| args.cpus[thread % args.cpus.len()]);
-                let mut w = QueueWorker::new(worker_cfg.clone(), m.clone(), engine, i, cpu);
+                let (s, m, t) = (self.settings, m.clone(), timer.clone());
+                let mut w = QueueWorker::new(device.clone(), s, m, core, t, cpu);
                 if let Some(fd) = self.resume.get(i) {
                     w.share_thread(fd.clone());
                 }
                 w
             })
             .collect();
-        // The guest may have turned the write cache off; a new connection
-        // starts from what we advertise.
-        worker_cfg
-            .writeback
-            .store(!args.writethrough, Ordering::Relaxed);
-        // Dirty-page logging is for the connection that asks for it.
-        worker_cfg.logging.store(false, Ordering::Relaxed);
-        // The rings take requests again, unless the daemon is stopping.
-        // The signal handler stores `stopping`, then `intake_closed`; all
-        // four stores and loads are SeqCst, so if its store of
-        // `intake_closed` comes before ours, we see `stopping` after it.
-        worker_cfg.intake_closed.store(false, Ordering::SeqCst);
-        if worker_cfg.stopping.load(Ordering::SeqCst) {
-            worker_cfg.intake_closed.store(true, Ordering::SeqCst);
-        }
+        device.new_connection();
         let backend = Arc::new(BlkBackend::new(
-            worker_cfg.clone(),
+            device.clone(),
             workers,
-            self.space,
-            self.features,
             self.threads,
             self.exit_events.clone(),
         ));
@@ -531,14 +476,14 @@ impl Connections<'_> {
         // Every worker stops taking kicks and finishes what it took (again,
         // if `run` did); then the engines come back for the next one.
         backend.drain_all();
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        device.set_connection(None);
         let replaced = crate::vhost::sigbus::replaced_pages() - replaced;
         if replaced > 0 {
             log::warn!(
                 "the front-end shrank its memory under its own guest: {replaced} page(s) past the end of their file were replaced with zero pages"
             );
         }
-        let back = backend.take_engines();
+        let back = backend.take_cores();
         let parked = {
             let mut engines = lock(engines);
             engines.extend(back);
@@ -546,7 +491,7 @@ impl Connections<'_> {
         };
         if parked != self.metrics.len() {
             // The signal handler closed them and is ending the process.
-            await_exit_if_stopping(worker_cfg);
+            await_exit_if_stopping(device);
             return Err(ConnectionError::Fatal(DaemonError::Vhost(
                 "a connection's engines did not come back".into(),
             )));
@@ -592,14 +537,14 @@ impl Connections<'_> {
                 }
             }
         }
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(backend.clone());
+        self.device.set_connection(Some(backend.clone()));
         // vhost-user-backend accepts its own connection; give it one end of
         // a private socket and relay the front-end's messages to it.
         let back = self.inner.connect()?;
         daemon
             .start(&mut self.inner.listener)
             .map_err(|e| DaemonError::Vhost(e.to_string()))?;
-        let relay = proxy::relay(front, back, backend.clone(), hints)
+        let relay = relay::relay(front, back, backend.clone(), hints)
             .map_err(|e| DaemonError::Vhost(format!("relay: {e}")))?;
         log::info!("front-end connected");
         let ended = daemon.wait();
@@ -628,8 +573,8 @@ impl Connections<'_> {
 
 /// Once SIGINT, SIGTERM or SIGHUP came, the signal handler owns the engines (it
 /// closes them) and ends the process: this thread only waits for that.
-fn await_exit_if_stopping(cfg: &WorkerConfig) {
-    while cfg.stopping.load(Ordering::Relaxed) {
+fn await_exit_if_stopping(device: &Device) {
+    while device.stopping() {
         std::thread::park();
     }
 }
@@ -784,8 +729,7 @@ impl Drop for InnerSocket {
 /// socket, exit 0.
 fn spawn_signal_handler(
     image: Option<&std::fs::File>,
-    cfg: Arc<WorkerConfig>,
-    current: Current,
+    device: Arc<Device>,
     closer: Closer,
     files: Vec<Removal>,
     inner: InnerPaths,
@@ -804,10 +748,9 @@ fn spawn_signal_handler(
             if let Some(sig) = signals.forever().next() {
                 log::info!("signal {sig}: finishing in-flight requests");
                 notifier.notify("STOPPING=1");
-                cfg.stopping.store(true, Ordering::SeqCst);
-                cfg.intake_closed.store(true, Ordering::SeqCst);
-                if let Some(b) = current.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-                    b.drain_all();
+                device.stop();
+                if let Some(c) = device.connection() {
+                    c.drain_all();
                 }
                 if let Some(Err(e)) = image.as_ref().map(std::fs::File::sync_data) {
                     log::error!("fdatasync of the image failed: {e}");
@@ -829,25 +772,12 @@ fn spawn_signal_handler(
     Ok(())
 }
 
-/// The limits that are set, as `name=value` pairs.
-fn qos_summary(l: &QosLimits) -> String {
-    let json = serde_json::to_value(l).unwrap_or_default();
-    let Some(map) = json.as_object() else {
-        return String::new();
-    };
-    map.iter()
-        .filter(|(_, v)| v.as_u64().is_some_and(|n| n > 0))
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 /// Tells the user what is being served and how to connect.
 fn announce(
     socket: &str,
     args: &ServeArgs,
     backing: &config::Backing,
-    cfg: &WorkerConfig,
+    device: &Device,
     threads: usize,
 ) {
     if let config::Backing::File {
@@ -866,13 +796,13 @@ fn announce(
         "serving {} ({} sectors, {}-byte blocks{}{}) on {} with {} queue(s) of {}, serial {}",
         backing.name(),
         backing.size() >> SECTOR_SHIFT,
-        cfg.limits.block_size,
+        device.limits().block_size,
         if args.readonly { ", read-only" } else { "" },
         if args.direct { ", O_DIRECT" } else { "" },
         socket,
         args.queues,
         args.queue_size,
-        String::from_utf8_lossy(&cfg.serial).trim_end_matches('\0'),
+        String::from_utf8_lossy(device.serial()).trim_end_matches('\0'),
     );
     log::debug!(
         "{} queue(s) on {threads} worker thread(s){}",

@@ -109,7 +109,7 @@ use seccompiler::{
 use libc::c_int;
 
 use super::DaemonError;
-use crate::cli::SeccompMode;
+use super::args::SeccompMode;
 
 /// Exit status after a syscall the filter does not allow (128 + SIGSYS,
 /// as if the signal had killed the process).
@@ -457,8 +457,9 @@ fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)>
         (SYS_epoll_wait, any()),
         (SYS_epoll_pwait, any()),
         (SYS_eventfd2, any()),
-        // QoS: a throttled queue arms its timerfd (made before the filter;
-        // read like the eventfds).
+        // A queue whose head request waits (QoS tokens, the image lock)
+        // arms its timerfd (made before the filter; read like the
+        // eventfds).
         (SYS_timerfd_settime, any()),
         (SYS_read, any()),
         (SYS_write, any()),
@@ -470,7 +471,7 @@ fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)>
         (SYS_io_uring_enter, any()),
         (
             SYS_io_uring_register,
-            arg_in(1, &[IORING_REGISTER_BUFFERS, IORING_UNREGISTER_BUFFERS]),
+            arg_in(1, &crate::engine::REGISTER_OPS.map(u64::from)),
         ),
         // Worker threads, started per connection, and the control API's
         // verb threads (tokio's blocking pool: at most
@@ -594,10 +595,6 @@ fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)>
     }
     list
 }
-
-/// io_uring_register opcodes (linux/io_uring.h).
-const IORING_REGISTER_BUFFERS: u64 = 0;
-const IORING_UNREGISTER_BUFFERS: u64 = 1;
 
 /// Reports a trapped syscall and exits. Async-signal-safe: formats into a
 /// stack buffer and calls only write(2) and _exit(2), both allowed.

@@ -1,30 +1,53 @@
-//! The I/O engines: a queue's worker decides *when* (pop, parse, batch,
-//! publish, notify, journal); an engine decides *how* a validated request
-//! becomes I/O on the image, and hands completions back.
+//! How a validated request becomes I/O on the image.
 //!
-//! The contract ([`Engine`]):
-//! - [`Engine::submit`] takes an [`Io`] (a request and the guest memory it
-//!   was parsed against). It comes back exactly once, through
-//!   [`Engine::reap`], as a [`Completion`]; or at once, untouched, in
-//!   [`Full`] when the engine has no room for it.
-//! - [`Engine::commit`] hands what was submitted to the kernel (one
+//! A queue's worker ([`crate::queue`], the *when*) hands each request to
+//! its queue's [`Core`], and takes completions back from it. Below the
+//! core, two seams:
+//! - a [`Format`] decides *where* a request's bytes are: a raw image maps
+//!   a guest offset to itself in file 0 ([`Raw`]); an image format
+//!   (qcow2) maps it to a host offset in one of its chain's files, or
+//!   says it reads as zeroes, or that metadata must be read or allocated
+//!   first (see [`format`](mod@format));
+//! - an [`Engine`] turns an [`Io`] (what, where, how durable) into I/O:
+//!   io_uring ([`UringEngine`]), librbd (`rbd::RbdEngine`, feature `rbd`),
+//!   or nothing at all ([`NullEngine`], the ceiling of the ring path).
+//!
+//! What every engine needs is done once, in the core ([`core`], after
+//! cloud-hypervisor's `CompletionCommon`): GET_ID's answer, empty
+//! transfers, the queue of requests finished without I/O, which completed
+//! changes are not yet flushed (so that a stopping ring flushes only when
+//! needed), the bytes each request wrote into the guest, and marking
+//! those in the dirty log during a migration. The place where a completed
+//! write, discard or write-zeroes marks its range in a dirty bitmap (for
+//! incremental backup) is there too, before the worker sees the
+//! completion: [`Core::reap`].
+//!
+//! The contract of an engine ([`Engine`]):
+//! - [`Engine::start`] takes an [`Io`]. It is [`Start::Submitted`] and
+//!   comes back exactly once from [`Engine::reap`], or is finished already
+//!   ([`Start::Done`]: a blocking fallback, a failure found before
+//!   submission), or is given back untouched ([`Start::Full`]).
+//! - [`Engine::commit`] hands what was started to the kernel (one
 //!   io_uring_enter for a batch); the worker calls it once per batch.
+//! - [`Engine::completions`] says how completions arrive
+//!   ([`Completions`]): through an eventfd to watch (and whether
+//!   busy-polling can catch them), only when polled for (IOPOLL), or
+//!   always at once.
 //! - Everything engine-specific stays behind it: opcodes, fallocate modes,
-//!   bounce buffers for O_DIRECT, fixed buffers, IOPOLL's limits, and the
-//!   blocking fallbacks ([`sync`]) and retries. A fallback or a retry is the
-//!   engine's business: it never re-enters the worker.
+//!   bounce buffers for O_DIRECT, fixed buffers, IOPOLL's limits, the
+//!   blocking fallbacks ([`sync`]) and retries. A fallback or a retry is
+//!   the engine's business: it never re-enters the worker.
 //!
-//! The lifecycle in types: an [`Io`] owns an `Arc` of the memory snapshot
-//! its buffers point into, from parse until its completion is reaped, so a
-//! front-end that remaps or removes memory meanwhile cannot pull it from
-//! under the kernel. An engine is never dropped with I/O in flight: each
-//! engine's `Drop` waits for the kernel to finish with its buffers.
-//!
-//! Engines: [`UringEngine`] (io_uring on the image), [`NullEngine`] (no
-//! I/O: the ceiling of the ring path), and with the `rbd` feature
-//! `rbd::RbdEngine` (librbd's asynchronous API on a Ceph RBD image).
+//! The lifecycle in types: a request ([`Request`]) owns the memory
+//! snapshot its buffers point into, from parse until its completion is
+//! reaped, so a front-end that remaps or removes memory meanwhile cannot
+//! pull it from under the kernel. An engine is never dropped with I/O in
+//! flight: each engine's `Drop` waits for the kernel to finish with its
+//! buffers.
 
 mod bounce;
+pub mod core;
+pub mod format;
 mod null;
 #[cfg(feature = "rbd")]
 pub mod rbd;
@@ -36,118 +59,174 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
+pub use self::core::Core;
+pub use format::{Extent, Format, Raw};
 pub use null::NullEngine;
-pub use ring::EngineError;
+pub use ring::{EngineError, REGISTER_OPS};
 pub use uring::{FALLOCATE_MODES, UringConfig, UringEngine};
 
-use crate::virtio::{DiscardRange, GuestMem, Request, RequestKind};
+pub use crate::virtio::Op;
+use crate::virtio::{GuestMem, Request, Status};
 
-/// What a request is to an engine. GET_ID is not I/O (the worker answers
-/// it), so it has no `Op`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Op {
-    Read,
-    Write,
-    Flush,
-    Discard(DiscardRange),
-    WriteZeroes(DiscardRange),
+/// A request on its way through an engine: what to do and where, made by
+/// the core from a validated request and its format's mapping.
+#[derive(Debug)]
+pub struct Io {
+    req: Request,
+    op: Op,
+    at: Extent,
+    fua: bool,
 }
 
-impl Op {
-    pub(crate) fn of(kind: RequestKind) -> Option<Op> {
-        match kind {
-            RequestKind::Read { .. } => Some(Op::Read),
-            RequestKind::Write { .. } => Some(Op::Write),
-            RequestKind::Flush => Some(Op::Flush),
-            RequestKind::Discard(r) => Some(Op::Discard(r)),
-            RequestKind::WriteZeroes(r) => Some(Op::WriteZeroes(r)),
-            RequestKind::GetId => None,
+impl Io {
+    pub(crate) fn new(req: Request, op: Op, at: Extent, fua: bool) -> Io {
+        Io { req, op, at, fua }
+    }
+
+    /// The request: its buffers (which hold the memory they point into),
+    /// its length.
+    pub fn req(&self) -> &Request {
+        &self.req
+    }
+
+    pub fn op(&self) -> Op {
+        self.op
+    }
+
+    /// Where the request's bytes are on the image: which file of its
+    /// chain, at what offset. For a discard or write-zeroes, the start of
+    /// its range; for a flush, file 0 at 0 (it covers every file).
+    pub fn at(&self) -> Extent {
+        self.at
+    }
+
+    /// A write is durable when it completes (the guest's write cache is
+    /// off): write-through, RWF_DSYNC.
+    pub fn fua(&self) -> bool {
+        self.fua
+    }
+
+    pub fn into_request(self) -> Request {
+        self.req
+    }
+}
+
+/// What became of an [`Io`] given to [`Engine::start`].
+#[derive(Debug)]
+pub enum Start {
+    /// On its way: it comes back from [`Engine::reap`].
+    Submitted,
+    /// Finished already, with this status.
+    Done(Io, Status),
+    /// No room for it now: given back untouched.
+    Full(Io),
+}
+
+/// How an engine's completions arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completions {
+    /// Each completion writes this eventfd: watch it next to the kick.
+    /// `polling_pays`: busy-polling can catch completions before they
+    /// would wake the thread (io_uring); not where they come from another
+    /// thread's work long after a poll window ends (librbd), so that
+    /// spinning only takes CPU from that thread: the worker then never
+    /// busy-polls, whatever `--poll-us` says.
+    Signalled { fd: RawFd, polling_pays: bool },
+    /// Completions appear only when polled for ([`Engine::wait`]), never
+    /// through an eventfd (io_uring IOPOLL).
+    Polled,
+    /// Every request is finished inside `start` (the null engine):
+    /// nothing to watch or wait for.
+    Immediate,
+}
+
+impl Completions {
+    /// The fd to watch, if any.
+    pub fn fd(self) -> Option<RawFd> {
+        match self {
+            Completions::Signalled { fd, .. } => Some(fd),
+            Completions::Polled | Completions::Immediate => None,
+        }
+    }
+
+    /// Consumes the eventfd's count (nonblocking: nothing to consume is
+    /// fine), so that only completions posted after this signal it again.
+    pub fn consume(self) {
+        if let Completions::Signalled { fd, .. } = self {
+            let mut count = 0u64;
+            // SAFETY: reads at most 8 bytes into `count`, 8 bytes on our
+            // stack; the engine keeps the (nonblocking) eventfd open for
+            // as long as its core, which the caller holds.
+            let _ = unsafe { libc::read(fd, (&raw mut count).cast(), 8) };
+        }
+    }
+
+    /// Whether the worker must call [`Engine::wait`] while requests are in
+    /// flight: nothing else would bring their completions.
+    pub fn must_poll(self) -> bool {
+        self == Completions::Polled
+    }
+
+    /// Whether busy-polling for completions can pay (see
+    /// [`Completions::Signalled`]).
+    pub fn polling_pays(self) -> bool {
+        match self {
+            Completions::Signalled { polling_pays, .. } => polling_pays,
+            Completions::Polled | Completions::Immediate => true,
         }
     }
 }
 
-/// A validated request on its way through an engine, with the guest
-/// memory snapshot its buffers point into. Holding the `Arc` keeps every
-/// region of that snapshot mapped until the `Io` is dropped, which is after
-/// its completion has been reaped.
-#[derive(Debug)]
-pub struct Io {
-    pub req: Request,
-    pub mem: Arc<GuestMem>,
-}
-
-/// A finished request: `status` is a `VIRTIO_BLK_S_*` code, `written` the
-/// bytes the device wrote into the guest's buffers (not counting the status
-/// byte): the data of a successful read, 0 otherwise.
+/// A finished request: its status, and the bytes the device wrote into
+/// the guest's buffers (not counting the status byte).
 #[derive(Debug)]
 pub struct Completion {
-    pub io: Io,
-    pub status: u8,
+    pub req: Request,
+    pub status: Status,
     pub written: u32,
 }
 
-/// A request the engine has no room for, given back untouched.
+/// A request the core has no room for, given back untouched.
 #[derive(Debug)]
-pub struct Full(pub Io);
+pub struct Full(pub Request);
 
-/// What a queue's worker needs of an I/O engine. One engine per queue, used
-/// only from that queue's thread.
+/// What a queue's core needs of an I/O engine: the I/O, nothing else. One
+/// engine per queue, used only from that queue's thread.
 pub trait Engine: Send {
-    /// Takes `io`; it completes through [`Engine::reap`]. Gives it back
-    /// when there is no room.
-    fn submit(&mut self, io: Io) -> Result<(), Full>;
+    /// Starts `io` (see [`Start`]).
+    fn start(&mut self, io: Io) -> Start;
 
-    /// Hands everything submitted since the last call to the kernel.
+    /// Hands everything started since the last call to the kernel.
     /// Returns how many operations went (0 when the engine needs no such
     /// step).
     fn commit(&mut self) -> io::Result<u32>;
 
-    /// Passes every completion available now to `f`. Returns how many.
-    fn reap(&mut self, f: impl FnMut(Completion)) -> u32;
+    /// Passes every completion available now to `f`, with its status.
+    /// Returns how many.
+    fn reap(&mut self, f: impl FnMut(Io, Status)) -> u32;
 
-    /// How many more requests `submit` takes now.
+    /// How many more `start` takes now.
     fn room(&self) -> usize;
 
-    /// Requests taken and not yet reaped.
+    /// Started and not yet reaped.
     fn in_flight(&self) -> usize;
 
     /// Blocks until a completion can be reaped (commits first). Returns at
     /// once when nothing is in flight.
     fn wait(&mut self) -> io::Result<()>;
 
-    /// Whether a completion can be reaped without waiting (cheap: used
-    /// while busy-polling).
-    fn has_completions(&mut self) -> bool;
-
-    /// An eventfd written when a completion is posted, to watch next to
-    /// the kick; `None` when completions are only ever reaped inline.
-    fn completion_fd(&self) -> Option<RawFd>;
-
-    /// Consumes the completion eventfd's count, before reaping.
-    fn clear_completion_fd(&self);
-
-    /// Completions appear only when polled for ([`Engine::wait`]), never
-    /// through the eventfd (io_uring IOPOLL).
-    fn must_poll(&self) -> bool;
-
-    /// Whether busy-polling for completions can pay: false where they
-    /// come from another thread's work long after a poll window ends
-    /// (librbd), so that spinning only takes CPU from that thread. The
-    /// worker then never busy-polls, whatever `--poll-us` says.
-    fn polling_pays(&self) -> bool {
-        true
-    }
+    /// How completions arrive; the same for the engine's life.
+    fn completions(&self) -> Completions;
 
     /// Guest memory changed (SET_MEM_TABLE and friends). Requests in
-    /// flight keep the snapshot in their [`Io`].
-    fn set_memory(&mut self, mem: &Arc<GuestMem>);
+    /// flight keep their own snapshot.
+    fn set_memory(&mut self, _mem: &Arc<GuestMem>) {}
 
-    /// Makes everything completed so far durable on the image (the ring
-    /// stops; the next reader may be another process, on another host).
-    fn make_durable(&mut self) -> io::Result<()>;
+    /// Makes everything completed so far durable on the image, blocking.
+    fn flush(&mut self) -> io::Result<()>;
 
     /// The connection is over and nothing is in flight: drop what belongs
     /// to it (guest memory registered with the kernel), so that the engine
     /// can serve the next one.
-    fn reset(&mut self);
+    fn reset(&mut self) {}
 }

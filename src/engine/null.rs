@@ -1,96 +1,57 @@
 //! The null engine: every request completes at once without touching the
 //! image (reads return zeroes). It measures the ring path alone.
 
-use std::collections::VecDeque;
 use std::io;
-use std::os::fd::RawFd;
-use std::sync::Arc;
 
-use virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
-
-use super::{Completion, Engine, Full, Io};
-use crate::virtio::{GuestMem, RequestKind};
+use super::{Completions, Engine, Io, Op, Start};
+use crate::virtio::Status;
 
 pub struct NullEngine {
-    /// Completed, not yet reaped; never grows past its first capacity.
-    done: VecDeque<Completion>,
+    /// Requests a queue may have in flight at once.
     capacity: usize,
 }
 
 impl NullEngine {
-    /// An engine that holds up to `capacity` unreaped completions.
+    /// An engine for up to `capacity` requests in flight.
     pub fn new(capacity: usize) -> NullEngine {
-        NullEngine {
-            done: VecDeque::with_capacity(capacity),
-            capacity,
-        }
+        NullEngine { capacity }
     }
 }
 
 impl Engine for NullEngine {
-    fn submit(&mut self, io: Io) -> Result<(), Full> {
-        if self.done.len() >= self.capacity {
-            return Err(Full(io));
+    fn start(&mut self, io: Io) -> Start {
+        if io.op() == Op::Read {
+            // A read's buffers are device-writable.
+            io.req().data().zero();
         }
-        let written = match io.req.kind {
-            RequestKind::Read { .. } => {
-                // SAFETY: `io.mem` is the snapshot the buffers were parsed
-                // against, held for this call; a read's buffers are
-                // device-writable.
-                unsafe { io.req.data.zero() };
-                io.req.data_len
-            }
-            _ => 0,
-        };
-        self.done.push_back(Completion {
-            io,
-            status: VIRTIO_BLK_S_OK as u8,
-            written,
-        });
-        Ok(())
+        Start::Done(io, Status::Ok)
     }
 
     fn commit(&mut self) -> io::Result<u32> {
         Ok(0)
     }
 
-    fn reap(&mut self, mut f: impl FnMut(Completion)) -> u32 {
-        let n = self.done.len() as u32;
-        self.done.drain(..).for_each(&mut f);
-        n
+    fn reap(&mut self, _f: impl FnMut(Io, Status)) -> u32 {
+        0
     }
 
     fn room(&self) -> usize {
-        self.capacity - self.done.len()
+        self.capacity
     }
 
     fn in_flight(&self) -> usize {
-        self.done.len()
+        0
     }
 
     fn wait(&mut self) -> io::Result<()> {
         Ok(())
     }
 
-    fn has_completions(&mut self) -> bool {
-        !self.done.is_empty()
+    fn completions(&self) -> Completions {
+        Completions::Immediate
     }
 
-    fn completion_fd(&self) -> Option<RawFd> {
-        None
-    }
-
-    fn clear_completion_fd(&self) {}
-
-    fn must_poll(&self) -> bool {
-        false
-    }
-
-    fn set_memory(&mut self, _mem: &Arc<GuestMem>) {}
-
-    fn make_durable(&mut self) -> io::Result<()> {
+    fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
-
-    fn reset(&mut self) {}
 }

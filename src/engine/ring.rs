@@ -33,8 +33,10 @@ const BLOCK_URING_CMD_DISCARD: u32 = 0x12 << 8;
 const IORING_REGISTER_BUFFERS: u8 = 0;
 const IORING_UNREGISTER_BUFFERS: u8 = 1;
 
-/// The image, as fixed file 0.
-const IMAGE: types::Fixed = types::Fixed(0);
+/// The io_uring_register opcodes used after a ring is enabled: guest
+/// memory as fixed buffers follows the front-end's memory table. The
+/// ring's restrictions allow only these, and so does the seccomp filter.
+pub const REGISTER_OPS: [u8; 2] = [IORING_REGISTER_BUFFERS, IORING_UNREGISTER_BUFFERS];
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -124,12 +126,6 @@ impl Ring {
     /// SQ size, and the CQ (twice that) can never overflow.
     pub fn has_room(&self) -> bool {
         self.queued + self.in_flight < self.capacity
-    }
-
-    /// Whether the CQ holds completions not yet reaped (a cheap load of
-    /// the CQ tail; used while busy-polling).
-    pub fn has_completions(&mut self) -> bool {
-        !self.ring.completion().is_empty()
     }
 
     /// Registers `bufs` as the ring's fixed buffers, replacing any set
@@ -271,8 +267,7 @@ fn build(
     ));
     // Fixed buffers follow guest memory, which the front-end may change
     // while the ring runs.
-    res.push(Restriction::register_op(IORING_REGISTER_BUFFERS));
-    res.push(Restriction::register_op(IORING_UNREGISTER_BUFFERS));
+    res.extend(REGISTER_OPS.map(Restriction::register_op));
     sub.register_restrictions(&mut res)
         .map_err(|e| EngineError::Register("restrictions", e))?;
     sub.register_enable_rings()
@@ -280,13 +275,20 @@ fn build(
     Ok((ring, uring_cmd))
 }
 
-/// SQE builders for the operations a request maps to. The entries carry
-/// raw pointers: see [`Ring::push`] for who keeps them alive.
+/// SQE builders for the operations a request maps to, on fixed file
+/// `file` (0: the image; the only file registered). The entries carry raw
+/// pointers: see [`Ring::push`] for who keeps them alive.
 pub mod op {
     use super::*;
 
-    pub fn readv(iov: *const libc::iovec, n: u32, offset: u64, user_data: u64) -> squeue::Entry {
-        opcode::Readv::new(IMAGE, iov, n)
+    pub fn readv(
+        file: u32,
+        iov: *const libc::iovec,
+        n: u32,
+        offset: u64,
+        user_data: u64,
+    ) -> squeue::Entry {
+        opcode::Readv::new(types::Fixed(file), iov, n)
             .offset(offset)
             .build()
             .user_data(user_data)
@@ -294,13 +296,14 @@ pub mod op {
 
     /// `dsync`: the write is durable when it completes (write-through).
     pub fn writev(
+        file: u32,
         iov: *const libc::iovec,
         n: u32,
         offset: u64,
         dsync: bool,
         user_data: u64,
     ) -> squeue::Entry {
-        opcode::Writev::new(IMAGE, iov, n)
+        opcode::Writev::new(types::Fixed(file), iov, n)
             .offset(offset)
             .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
             .build()
@@ -309,13 +312,14 @@ pub mod op {
 
     /// Read into registered buffer `index` (one contiguous segment).
     pub fn read_fixed(
+        file: u32,
         buf: *mut u8,
         len: u32,
         offset: u64,
         index: u16,
         user_data: u64,
     ) -> squeue::Entry {
-        opcode::ReadFixed::new(IMAGE, buf, len, index)
+        opcode::ReadFixed::new(types::Fixed(file), buf, len, index)
             .offset(offset)
             .build()
             .user_data(user_data)
@@ -323,6 +327,7 @@ pub mod op {
 
     /// Write from registered buffer `index` (one contiguous segment).
     pub fn write_fixed(
+        file: u32,
         buf: *const u8,
         len: u32,
         offset: u64,
@@ -330,7 +335,7 @@ pub mod op {
         dsync: bool,
         user_data: u64,
     ) -> squeue::Entry {
-        opcode::WriteFixed::new(IMAGE, buf, len, index)
+        opcode::WriteFixed::new(types::Fixed(file), buf, len, index)
             .offset(offset)
             .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
             .build()
@@ -338,8 +343,8 @@ pub mod op {
     }
 
     /// fdatasync of the image.
-    pub fn flush(user_data: u64) -> squeue::Entry {
-        opcode::Fsync::new(IMAGE)
+    pub fn flush(file: u32, user_data: u64) -> squeue::Entry {
+        opcode::Fsync::new(types::Fixed(file))
             .flags(types::FsyncFlags::DATASYNC)
             .build()
             .user_data(user_data)
@@ -347,8 +352,8 @@ pub mod op {
 
     /// fallocate(2) with `mode`; on block devices the kernel maps the
     /// zeroing modes we use to BLKZEROOUT (see `uring`).
-    pub fn fallocate(offset: u64, len: u64, mode: i32, user_data: u64) -> squeue::Entry {
-        opcode::Fallocate::new(IMAGE, len)
+    pub fn fallocate(file: u32, offset: u64, len: u64, mode: i32, user_data: u64) -> squeue::Entry {
+        opcode::Fallocate::new(types::Fixed(file), len)
             .offset(offset)
             .mode(mode)
             .build()
@@ -357,10 +362,10 @@ pub mod op {
 
     /// BLKDISCARD of a block device, asynchronously (Linux 6.12+; older
     /// kernels answer -EOPNOTSUPP). Needs [`Ring::uring_cmd`].
-    pub fn discard_block(offset: u64, len: u64, user_data: u64) -> squeue::Entry {
+    pub fn discard_block(file: u32, offset: u64, len: u64, user_data: u64) -> squeue::Entry {
         let mut cmd = [0u8; 16];
         cmd[..8].copy_from_slice(&len.to_ne_bytes()); // sqe->addr3
-        opcode::UringCmd16::new(IMAGE, BLOCK_URING_CMD_DISCARD)
+        opcode::UringCmd16::new(types::Fixed(file), BLOCK_URING_CMD_DISCARD)
             .addr(Some(offset))
             .cmd(cmd)
             .build()
@@ -391,7 +396,7 @@ mod tests {
             iov_len: buf.len(),
         };
         // SAFETY: buf and iov outlive the wait below, which reaps the CQE.
-        assert!(unsafe { u.push(&op::writev(&iov, 1, 4096, false, 7)) });
+        assert!(unsafe { u.push(&op::writev(0, &iov, 1, 4096, false, 7)) });
         assert_eq!(u.submit().unwrap(), 1);
         u.wait(1).unwrap();
         let mut got = vec![];
@@ -426,7 +431,7 @@ mod tests {
             iov_len: buf.len(),
         };
         // SAFETY: buf and iov outlive the wait below, which reaps the CQE.
-        assert!(unsafe { u.push(&op::readv(&iov, 1, 0, 3)) });
+        assert!(unsafe { u.push(&op::readv(0, &iov, 1, 0, 3)) });
         assert_eq!(u.submit().unwrap(), 1);
         assert_eq!(u.outstanding(), 1);
         // Reap by polling the CQ only, as the worker does, with no further

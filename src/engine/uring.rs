@@ -13,26 +13,23 @@
 //!   write-zeroes then run as blocking syscalls.
 //!
 //! In-flight state lives in a slab sized once, keyed by the SQE's
-//! user_data; completions that needed no ring (fallbacks, empty transfers,
-//! failures found before submission) wait in a queue sized once too.
+//! user_data. What needs no ring (fallbacks, failures found before
+//! submission) is [`Start::Done`] at once; the core queues it.
 
-use std::collections::VecDeque;
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use io_uring::squeue;
 use slab::Slab;
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 use super::bounce::AlignedBuf;
 use super::ring::{EngineError, Ring, UringOptions, op};
-use super::{Completion, Engine, Full, Io, Op, sync};
+use super::{Completions, Engine, Io, Op, Start, sync};
 use crate::metrics::{QueueMetrics, RateLimiter};
-use crate::virtio::{GuestMem, RequestKind};
+use crate::virtio::{GuestMem, Status};
 use crate::warn_limited;
 
 /// How a queue's ring is set up, and the image it works on.
@@ -56,8 +53,6 @@ pub struct UringConfig {
     /// past it waits until bounced requests in flight complete.
     pub bounce_limit: usize,
     pub is_block_device: bool,
-    /// The guest-visible write cache; when off, writes carry RWF_DSYNC.
-    pub writeback: Arc<AtomicBool>,
 }
 
 /// io_uring refuses fixed buffers over 1 GiB; larger regions are split.
@@ -66,7 +61,6 @@ const FIXED_BUF_MAX: usize = 1 << 30;
 /// One request the ring is executing.
 struct Slot {
     io: Io,
-    op: Op,
     /// For a misaligned O_DIRECT read or write: the aligned buffer and the
     /// one iovec describing it, which the SQE points at.
     bounce: Option<(AlignedBuf, libc::iovec)>,
@@ -80,9 +74,6 @@ pub struct UringEngine {
     /// holding more (see `room`), so it never reallocates: a slot does not
     /// move while the kernel holds a pointer into it.
     slots: Slab<Slot>,
-    /// Finished without the ring, not yet reaped; never longer than
-    /// `entries`.
-    done: VecDeque<Completion>,
     /// Reaped CQEs, reused across calls.
     cqes: Vec<(u64, i32)>,
     cfg: UringConfig,
@@ -97,14 +88,12 @@ pub struct UringEngine {
     fixed_mem: Option<Arc<GuestMem>>,
     /// Bytes of bounce buffers held by requests in flight.
     bounce_in_use: usize,
-    /// Something was written (or discarded, or zeroed) since the last
-    /// flush completed.
-    unflushed: bool,
 }
 
-// SAFETY: the raw pointers inside (iovecs of requests and bounce buffers)
-// point into memory the engine owns or holds (`Io::mem`); the engine is
-// moved to its queue's thread once and used only there.
+// SAFETY: the raw pointers inside (the iovecs of bounce buffers, and the
+// SQEs the kernel holds) point into memory the engine owns or holds (each
+// slot's request holds its guest memory); the engine is moved to its
+// queue's thread once and used only there.
 unsafe impl Send for UringEngine {}
 
 impl UringEngine {
@@ -123,7 +112,6 @@ impl UringEngine {
             async_discard: ring.uring_cmd,
             ring,
             slots: Slab::with_capacity(entries),
-            done: VecDeque::with_capacity(entries),
             cqes: Vec::with_capacity(2 * entries),
             cfg,
             metrics,
@@ -131,18 +119,7 @@ impl UringEngine {
             fixed: Vec::new(),
             fixed_mem: None,
             bounce_in_use: 0,
-            unflushed: false,
         })
-    }
-
-    fn finish_now(&mut self, io: Io, status: u8) {
-        self.note_durability(&io, status);
-        let written = written(&io, status);
-        self.done.push_back(Completion {
-            io,
-            status,
-            written,
-        });
     }
 
     /// Whether the request runs as a blocking syscall rather than on the
@@ -156,19 +133,20 @@ impl UringEngine {
         }
     }
 
-    /// The blocking version of a flush, discard or write-zeroes.
-    fn run_blocking(&mut self, kind: Op) -> u8 {
-        let fd = self.cfg.image_fd;
+    /// The blocking version of a flush, discard or write-zeroes, on the
+    /// image (file 0: the only file a raw image has).
+    fn run_blocking(&mut self, io: &Io) -> Status {
+        let (fd, kind, offset) = (self.cfg.image_fd, io.op(), io.at().offset);
         let res = match kind {
             Op::Flush => sync::flush(fd),
             Op::Discard(r) if self.cfg.is_block_device => {
-                sync::discard_block_device(fd, r.offset(), r.len())
+                sync::discard_block_device(fd, offset, r.len())
             }
             Op::Discard(r) | Op::WriteZeroes(r) => {
-                let res = sync::fallocate(fd, fallocate_mode(kind, false), r.offset(), r.len());
+                let res = sync::fallocate(fd, fallocate_mode(kind, false), offset, r.len());
                 match res {
                     Err(e) if is_unsupported(&e) && matches!(kind, Op::WriteZeroes(_)) => {
-                        sync::fallocate(fd, fallocate_mode(kind, true), r.offset(), r.len())
+                        sync::fallocate(fd, fallocate_mode(kind, true), offset, r.len())
                     }
                     other => other,
                 }
@@ -176,12 +154,12 @@ impl UringEngine {
             Op::Read | Op::Write => Ok(()),
         };
         match res {
-            Ok(()) => VIRTIO_BLK_S_OK as u8,
+            Ok(()) => Status::Ok,
             // Discard is a hint: a device that cannot do it has done it.
-            Err(e) if is_unsupported(&e) && matches!(kind, Op::Discard(_)) => VIRTIO_BLK_S_OK as u8,
+            Err(e) if is_unsupported(&e) && matches!(kind, Op::Discard(_)) => Status::Ok,
             Err(e) => {
                 warn_limited!(self.log_limit, "{kind:?} failed: {e}");
-                VIRTIO_BLK_S_IOERR as u8
+                Status::IoErr
             }
         }
     }
@@ -197,37 +175,36 @@ impl UringEngine {
 
     /// The SQE for the request in `slot`, tagged `key`.
     fn sqe(&self, slot: &Slot, key: u64) -> squeue::Entry {
-        let req = &slot.io.req;
+        let io = &slot.io;
+        let data = io.req().data().iovecs();
         let (iov, n) = match &slot.bounce {
             Some((_, iov)) => (iov as *const libc::iovec, 1),
-            None => (req.data.0.as_ptr(), req.data.0.len() as u32),
+            None => (data.as_ptr(), data.len() as u32),
         };
-        let dsync = !self.cfg.writeback.load(Ordering::Relaxed);
+        let (file, offset, dsync) = (io.at().file, io.at().offset, io.fua());
         if n == 1 && slot.bounce.is_none() {
-            if let Some(idx) = self.fixed_index(&req.data.0[0]) {
-                let (buf, len) = (req.data.0[0].iov_base.cast::<u8>(), req.data_len);
-                match slot.op {
+            if let Some(idx) = self.fixed_index(&data[0]) {
+                let (buf, len) = (data[0].iov_base.cast::<u8>(), io.req().data_len());
+                match io.op() {
                     Op::Read => {
-                        return op::read_fixed(buf, len, req.offset(), idx, key);
+                        return op::read_fixed(file, buf, len, offset, idx, key);
                     }
                     Op::Write => {
-                        return op::write_fixed(buf, len, req.offset(), idx, dsync, key);
+                        return op::write_fixed(file, buf, len, offset, idx, dsync, key);
                     }
                     _ => {}
                 }
             }
         }
-        match slot.op {
-            Op::Read => op::readv(iov, n, req.offset(), key),
-            Op::Write => op::writev(iov, n, req.offset(), dsync, key),
-            Op::Discard(r) if self.async_discard => op::discard_block(r.offset(), r.len(), key),
-            Op::Discard(r) | Op::WriteZeroes(r) => op::fallocate(
-                r.offset(),
-                r.len(),
-                fallocate_mode(slot.op, slot.retried),
-                key,
-            ),
-            Op::Flush => op::flush(key),
+        match io.op() {
+            Op::Read => op::readv(file, iov, n, offset, key),
+            Op::Write => op::writev(file, iov, n, offset, dsync, key),
+            Op::Discard(r) if self.async_discard => op::discard_block(file, offset, r.len(), key),
+            Op::Discard(r) | Op::WriteZeroes(r) => {
+                let mode = fallocate_mode(io.op(), slot.retried);
+                op::fallocate(file, offset, r.len(), mode, key)
+            }
+            Op::Flush => op::flush(file, key),
         }
     }
 
@@ -245,11 +222,12 @@ impl UringEngine {
         let key = self.slots.insert(slot);
         let entry = self.sqe(&self.slots[key], key as u64);
         // SAFETY: the SQE points at the request's iovec array (heap memory
-        // of its `HostBuffers`, which does not move), at guest memory kept
-        // mapped by its `Io::mem`, or at the bounce buffer and the iovec in
-        // its slot; the slab never reallocates (checked above), so the slot
-        // does not move, and it stays in the slab until its CQE is reaped
-        // (`reap`, or `Drop`, which waits for every CQE).
+        // of its `GuestBuffers`, which does not move) and through it at
+        // guest memory its buffers keep mapped, or at the bounce buffer and
+        // the iovec in its slot; the slab never reallocates (checked
+        // above), so the slot does not move, and it stays in the slab
+        // until its CQE is reaped (`reap`, or `Drop`, which waits for
+        // every CQE).
         if unsafe { self.ring.push(&entry) } {
             Ok(())
         } else {
@@ -259,17 +237,17 @@ impl UringEngine {
 
     /// What a CQE means for its request: a status, or a retry already on
     /// the ring.
-    fn finish(&mut self, mut slot: Slot, res: i32) -> Option<Completion> {
-        let (kind, data_len) = (slot.op, slot.io.req.data_len);
+    fn finish(&mut self, mut slot: Slot, res: i32) -> Option<(Io, Status)> {
+        let (kind, data_len) = (slot.io.op(), slot.io.req().data_len());
         let status = match kind {
             Op::Read | Op::Write if res >= 0 && res as u32 == data_len => {
                 if let (Op::Read, Some((buf, _))) = (kind, &slot.bounce) {
-                    let data = &slot.io.req.data;
-                    // SAFETY: `slot.io.mem` keeps the read's device-writable
-                    // buffers mapped; the bounce buffer holds data_len bytes.
-                    unsafe { data.scatter_from(&buf.as_slice()[..data_len as usize]) };
+                    // The read's buffers are device-writable; the bounce
+                    // buffer holds data_len bytes.
+                    let data = slot.io.req().data();
+                    data.fill_from(&buf.as_slice()[..data_len as usize]);
                 }
-                VIRTIO_BLK_S_OK as u8
+                Status::Ok
             }
             Op::WriteZeroes(r) if r.unmap && !slot.retried && is_unsupported_res(res) => {
                 // The file system or device cannot deallocate: zero instead.
@@ -278,7 +256,7 @@ impl UringEngine {
                     Ok(()) => return None,
                     Err(s) => {
                         slot = s;
-                        VIRTIO_BLK_S_IOERR as u8
+                        Status::IoErr
                     }
                 }
             }
@@ -286,11 +264,11 @@ impl UringEngine {
                 // A kernel before 6.12: no discard command on block devices.
                 log::info!("io_uring cannot discard on this block device; using BLKDISCARD");
                 self.async_discard = false;
-                self.run_blocking(kind)
+                self.run_blocking(&slot.io)
             }
             // Discard is a hint: a device that cannot do it has done it.
-            Op::Discard(_) if is_unsupported_res(res) => VIRTIO_BLK_S_OK as u8,
-            Op::Flush | Op::Discard(_) | Op::WriteZeroes(_) if res >= 0 => VIRTIO_BLK_S_OK as u8,
+            Op::Discard(_) if is_unsupported_res(res) => Status::Ok,
+            Op::Flush | Op::Discard(_) | Op::WriteZeroes(_) if res >= 0 => Status::Ok,
             _ => {
                 let err = if res < 0 {
                     io::Error::from_raw_os_error(-res).to_string()
@@ -300,52 +278,36 @@ impl UringEngine {
                 warn_limited!(
                     self.log_limit,
                     "{kind:?} at offset {} failed: {err}",
-                    slot.io.req.offset()
+                    slot.io.at().offset
                 );
-                VIRTIO_BLK_S_IOERR as u8
+                Status::IoErr
             }
         };
         if slot.bounce.is_some() {
             self.bounce_in_use -= data_len as usize;
         }
-        self.note_durability(&slot.io, status);
-        let written = written(&slot.io, status);
-        Some(Completion {
-            io: slot.io,
-            status,
-            written,
-        })
+        Some((slot.io, status))
     }
 }
 
 impl Engine for UringEngine {
-    fn submit(&mut self, io: Io) -> Result<(), Full> {
+    fn start(&mut self, io: Io) -> Start {
         if self.room() == 0 {
-            return Err(Full(io));
+            return Start::Full(io);
         }
-        let Some(kind) = Op::of(io.req.kind) else {
-            // GET_ID is not I/O: the worker answers it and never hands one
-            // over. Should one come, it is unsupported here, not guessed at.
-            self.finish_now(io, VIRTIO_BLK_S_UNSUPP as u8);
-            return Ok(());
-        };
-        if self.runs_blocking(kind) {
-            let status = self.run_blocking(kind);
-            self.finish_now(io, status);
-            return Ok(());
+        let op = io.op();
+        if self.runs_blocking(op) {
+            let status = self.run_blocking(&io);
+            return Start::Done(io, status);
         }
-        let rw = matches!(kind, Op::Read | Op::Write);
-        if rw && io.req.data_len == 0 {
-            self.finish_now(io, VIRTIO_BLK_S_OK as u8);
-            return Ok(());
-        }
+        let rw = matches!(op, Op::Read | Op::Write);
         let mut bounce = None;
-        if self.cfg.direct && rw && !io.req.data.aligned_to(self.cfg.dio_align) {
-            let len = io.req.data_len as usize;
+        if self.cfg.direct && rw && !io.req().data().aligned_to(self.cfg.dio_align) {
+            let len = io.req().data_len() as usize;
             if self.bounce_in_use + len > self.cfg.bounce_limit {
                 if self.bounce_in_use > 0 {
                     // Its turn comes when bounced requests in flight finish.
-                    return Err(Full(io));
+                    return Start::Full(io);
                 }
                 // Larger than the limit on its own: the parser refuses
                 // requests past MAX_DATA_BYTES, so only a limit set below
@@ -355,18 +317,15 @@ impl Engine for UringEngine {
                     "a {len}-byte request needs more bounce buffer than the {} allowed",
                     self.cfg.bounce_limit
                 );
-                self.finish_now(io, VIRTIO_BLK_S_IOERR as u8);
-                return Ok(());
+                return Start::Done(io, Status::IoErr);
             }
             let Some(mut buf) = AlignedBuf::new(len) else {
                 warn_limited!(self.log_limit, "no memory for a {len}-byte bounce buffer");
-                self.finish_now(io, VIRTIO_BLK_S_IOERR as u8);
-                return Ok(());
+                return Start::Done(io, Status::IoErr);
             };
-            if let Op::Write = kind {
-                // SAFETY: `io.mem` keeps the write's buffers mapped; buf
-                // holds their total length.
-                unsafe { io.req.data.gather_into(buf.as_mut_slice()) };
+            if op == Op::Write {
+                // buf holds their total length.
+                io.req().data().gather_into(buf.as_mut_slice());
             }
             let iov = libc::iovec {
                 iov_base: buf.as_mut_ptr().cast(),
@@ -378,20 +337,26 @@ impl Engine for UringEngine {
         }
         let slot = Slot {
             io,
-            op: kind,
             bounce,
             retried: false,
         };
-        self.push(slot).map_err(|s| Full(s.io))
+        match self.push(slot) {
+            Ok(()) => Start::Submitted,
+            Err(slot) => {
+                if let Some((_, iov)) = &slot.bounce {
+                    self.bounce_in_use -= iov.iov_len;
+                }
+                Start::Full(slot.io)
+            }
+        }
     }
 
     fn commit(&mut self) -> io::Result<u32> {
         self.ring.submit()
     }
 
-    fn reap(&mut self, mut f: impl FnMut(Completion)) -> u32 {
-        let mut n = self.done.len() as u32;
-        self.done.drain(..).for_each(&mut f);
+    fn reap(&mut self, mut f: impl FnMut(Io, Status)) -> u32 {
+        let mut n = 0;
         let mut cqes = std::mem::take(&mut self.cqes);
         self.ring.reap(|ud, res| cqes.push((ud, res)));
         for (ud, res) in cqes.drain(..) {
@@ -399,8 +364,8 @@ impl Engine for UringEngine {
                 warn_limited!(self.log_limit, "completion for unknown request {ud}");
                 continue;
             };
-            if let Some(c) = self.finish(slot, res) {
-                f(c);
+            if let Some((io, status)) = self.finish(slot, res) {
+                f(io, status);
                 n += 1;
             }
         }
@@ -409,34 +374,29 @@ impl Engine for UringEngine {
     }
 
     fn room(&self) -> usize {
-        (self.cfg.entries as usize).saturating_sub(self.in_flight())
+        (self.cfg.entries as usize).saturating_sub(self.slots.len())
     }
 
     fn in_flight(&self) -> usize {
-        self.slots.len() + self.done.len()
+        self.slots.len()
     }
 
     fn wait(&mut self) -> io::Result<()> {
-        if !self.done.is_empty() || self.slots.is_empty() {
+        if self.slots.is_empty() {
             return Ok(());
         }
         self.ring.wait(1)
     }
 
-    fn has_completions(&mut self) -> bool {
-        !self.done.is_empty() || self.ring.has_completions()
-    }
-
-    fn completion_fd(&self) -> Option<RawFd> {
-        Some(self.ring.eventfd())
-    }
-
-    fn clear_completion_fd(&self) {
-        self.ring.clear_eventfd();
-    }
-
-    fn must_poll(&self) -> bool {
-        self.ring.iopoll
+    fn completions(&self) -> Completions {
+        if self.ring.iopoll {
+            Completions::Polled
+        } else {
+            Completions::Signalled {
+                fd: self.ring.eventfd(),
+                polling_pays: true,
+            }
+        }
     }
 
     /// Registers every guest memory region (in chunks of at most 1 GiB) as
@@ -481,12 +441,8 @@ impl Engine for UringEngine {
         }
     }
 
-    fn make_durable(&mut self) -> io::Result<()> {
-        if self.unflushed {
-            sync::flush(self.cfg.image_fd)?;
-            self.unflushed = false;
-        }
-        Ok(())
+    fn flush(&mut self) -> io::Result<()> {
+        sync::flush(self.cfg.image_fd)
     }
 
     fn reset(&mut self) {
@@ -496,18 +452,6 @@ impl Engine for UringEngine {
 }
 
 impl UringEngine {
-    /// Keeps `unflushed` true between a completed change to the image and
-    /// the next completed flush.
-    fn note_durability(&mut self, io: &Io, status: u8) {
-        match io.req.kind {
-            RequestKind::Flush if u32::from(status) == VIRTIO_BLK_S_OK => self.unflushed = false,
-            RequestKind::Write { .. } | RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => {
-                self.unflushed = true
-            }
-            _ => {}
-        }
-    }
-
     fn unregister_memory(&mut self) {
         if self.fixed_mem.take().is_some() {
             // SAFETY: an empty set registers nothing.
@@ -551,15 +495,6 @@ fn fallocate_mode(kind: Op, zero_fallback: bool) -> i32 {
         _ => libc::FALLOC_FL_ZERO_RANGE,
     };
     mode | libc::FALLOC_FL_KEEP_SIZE
-}
-
-/// Bytes written into the guest's buffers by a request that ended with
-/// `status`.
-fn written(io: &Io, status: u8) -> u32 {
-    match io.req.kind {
-        RequestKind::Read { .. } if u32::from(status) == VIRTIO_BLK_S_OK => io.req.data_len,
-        _ => 0,
-    }
 }
 
 /// Every fallocate(2) mode this engine uses (see [`fallocate_mode`]).

@@ -12,6 +12,7 @@
 use std::time::{Duration, Instant};
 
 use super::QosLimits;
+pub use crate::virtio::Direction;
 
 /// The most tokens a bucket holds or owes, as QEMU's THROTTLE_VALUE_MAX:
 /// past this f64 would lose whole tokens.
@@ -51,13 +52,6 @@ impl Bucket {
     }
 }
 
-/// Which way data goes: what a request draws on besides the totals.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Direction {
-    Read,
-    Write,
-}
-
 /// The buckets of one device: IOPS total/read/write, then bytes a second
 /// total/read/write. `None` is no limit.
 #[derive(Debug)]
@@ -85,7 +79,7 @@ impl Buckets {
             })
         };
         Buckets {
-            b: limits.pairs().map(make),
+            b: limits.pairs().map(|(_, avg, max)| make((avg, max))),
             last: now,
         }
     }

@@ -10,153 +10,25 @@
 //! The worker decides *when* a request goes to its engine: before it
 //! hands one over it asks [`Qos::admit`]; a refused request waits at the
 //! head of the queue's deferred list, everything behind it waits too, and
-//! the queue's [`Timer`] wakes the worker when the tokens should be there.
+//! the queue's timer wakes the worker when the tokens should be there.
 //! [`Qos`] is the device's handle: the control API changes the limits
 //! through it at runtime ([`Qos::set_limits`]).
 
 mod bucket;
+mod limits;
 
-use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
 use bucket::Buckets;
 pub use bucket::{Direction, VALUE_MAX};
+pub use limits::{QosChanges, QosError, QosLimits};
 
 /// The longest a throttled queue sleeps before it looks again, so that a
 /// limit raised or removed at runtime takes effect within this, whatever
 /// the old limit made it wait for.
 pub const MAX_THROTTLE_SLEEP: Duration = Duration::from_millis(100);
-
-/// A device's limits. Every value is a number a second (requests, or
-/// bytes); 0 is no limit. `*_max` is a burst rate, allowed for
-/// `max_length` seconds (0 is no burst beyond a tenth of a second's worth
-/// of the base rate).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct QosLimits {
-    pub iops_total: u64,
-    pub iops_total_max: u64,
-    pub iops_read: u64,
-    pub iops_read_max: u64,
-    pub iops_write: u64,
-    pub iops_write_max: u64,
-    pub bps_total: u64,
-    pub bps_total_max: u64,
-    pub bps_read: u64,
-    pub bps_read_max: u64,
-    pub bps_write: u64,
-    pub bps_write_max: u64,
-    /// Seconds a `*_max` burst lasts, for all of them (qsd has one per
-    /// limit). 0 counts as 1.
-    pub max_length: u64,
-}
-
-impl QosLimits {
-    /// (rate, burst) in the order of the buckets: IOPS total, read, write,
-    /// then bytes total, read, write.
-    fn pairs(&self) -> [(u64, u64); 6] {
-        [
-            (self.iops_total, self.iops_total_max),
-            (self.iops_read, self.iops_read_max),
-            (self.iops_write, self.iops_write_max),
-            (self.bps_total, self.bps_total_max),
-            (self.bps_read, self.bps_read_max),
-            (self.bps_write, self.bps_write_max),
-        ]
-    }
-
-    /// The names of [`QosLimits::pairs`], as the `serve` flags and the JSON
-    /// keys write them.
-    const NAMES: [&'static str; 6] = [
-        "iops_total",
-        "iops_read",
-        "iops_write",
-        "bps_total",
-        "bps_read",
-        "bps_write",
-    ];
-
-    /// These limits with the fields named in `changes` replaced (JSON
-    /// names and numbers, as `PUT /api/v1/qos` takes them); the others
-    /// stay. Not validated.
-    pub fn with_changes(
-        &self,
-        changes: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<QosLimits, QosError> {
-        let mut all = match serde_json::to_value(self) {
-            Ok(serde_json::Value::Object(m)) => m,
-            other => return Err(QosError::BadValue(format!("{other:?}"))),
-        };
-        for (name, value) in changes {
-            if !all.contains_key(name) {
-                return Err(QosError::Unknown(name.clone()));
-            }
-            all.insert(name.clone(), value.clone());
-        }
-        serde_json::from_value(serde_json::Value::Object(all))
-            .map_err(|e| QosError::BadValue(e.to_string()))
-    }
-
-    /// Whether any limit is set.
-    pub fn any(&self) -> bool {
-        self.pairs().iter().any(|&(avg, _)| avg > 0)
-    }
-
-    /// Refuses what qsd refuses: a burst without a rate, a burst below its
-    /// rate, values past [`VALUE_MAX`], a burst length with no burst.
-    pub fn validate(&self) -> Result<(), QosError> {
-        let mut any_max = false;
-        for (&(avg, max), name) in self.pairs().iter().zip(Self::NAMES) {
-            if avg > VALUE_MAX || max > VALUE_MAX {
-                return Err(QosError::TooLarge { name });
-            }
-            if max > 0 && avg == 0 {
-                return Err(QosError::MaxWithoutRate { name });
-            }
-            if max > 0 && max < avg {
-                return Err(QosError::MaxBelowRate { name, avg, max });
-            }
-            any_max |= max > 0;
-        }
-        if self.max_length > 1 && !any_max {
-            return Err(QosError::LengthWithoutMax);
-        }
-        if self.max_length > 86_400 {
-            return Err(QosError::LengthTooLong(self.max_length));
-        }
-        Ok(())
-    }
-}
-
-/// Why limits are refused. One line each.
-#[derive(Debug, thiserror::Error)]
-pub enum QosError {
-    #[error("unknown QoS limit {0:?}")]
-    Unknown(String),
-    #[error("bad QoS value: {0}")]
-    BadValue(String),
-    #[error("{name}_max needs {name} set too")]
-    MaxWithoutRate { name: &'static str },
-    #[error("{name}_max ({max}) cannot be lower than {name} ({avg})")]
-    MaxBelowRate {
-        name: &'static str,
-        avg: u64,
-        max: u64,
-    },
-    #[error("{name} and {name}_max are at most {VALUE_MAX}")]
-    TooLarge { name: &'static str },
-    #[error("max_length needs a *_max burst to apply to")]
-    LengthWithoutMax,
-    #[error("max_length is at most 86400 seconds, not {0}")]
-    LengthTooLong(u64),
-    #[error("QoS timer: {0}")]
-    Timer(io::Error),
-}
 
 /// A device's limits and token buckets, shared by its queues' workers and
 /// by whoever changes the limits. One per device for the daemon's life;
@@ -167,9 +39,6 @@ pub struct Qos {
     /// limits, the data path costs one relaxed load.
     active: AtomicBool,
     state: Mutex<State>,
-    /// One wake-up timer per queue, made before the seccomp filter (which
-    /// forbids timerfd_create) and reused by every connection.
-    timers: Vec<Timer>,
 }
 
 #[derive(Debug)]
@@ -179,20 +48,15 @@ struct State {
 }
 
 impl Qos {
-    /// `limits` for a device of `queues` queues.
-    pub fn new(limits: QosLimits, queues: usize) -> Result<Qos, QosError> {
+    /// A device's QoS, with `limits`.
+    pub fn new(limits: QosLimits) -> Result<Qos, QosError> {
         limits.validate()?;
-        let timers = (0..queues)
-            .map(|_| Timer::new())
-            .collect::<io::Result<_>>()
-            .map_err(QosError::Timer)?;
         Ok(Qos {
             active: AtomicBool::new(limits.any()),
             state: Mutex::new(State {
                 limits,
                 buckets: Buckets::new(&limits, Instant::now()),
             }),
-            timers,
         })
     }
 
@@ -230,73 +94,9 @@ impl Qos {
         s.buckets.admit(dir, bytes, Instant::now(), force)
     }
 
-    /// Queue `i`'s wake-up timer.
-    pub fn timer(&self, i: usize) -> Option<&Timer> {
-        self.timers.get(i)
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // The state is a few numbers, consistent after every statement.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-/// A one-shot monotonic timerfd, non-blocking: watched in a queue thread's
-/// epoll to end a throttled wait.
-#[derive(Debug)]
-pub struct Timer(OwnedFd);
-
-impl Timer {
-    fn new() -> io::Result<Timer> {
-        // SAFETY: plain syscall with constant arguments; no memory passed.
-        let fd = unsafe {
-            libc::timerfd_create(
-                libc::CLOCK_MONOTONIC,
-                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just returned to us by timerfd_create and is
-        // owned by nothing else.
-        Ok(Timer(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    pub fn fd(&self) -> RawFd {
-        self.0.as_raw_fd()
-    }
-
-    /// Fires once, `after` from now (at least a microsecond: zero would
-    /// disarm it). Re-arming replaces the previous expiry.
-    pub fn arm(&self, after: Duration) -> io::Result<()> {
-        let after = after.max(Duration::from_micros(1));
-        let spec = libc::itimerspec {
-            it_interval: libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            it_value: libc::timespec {
-                tv_sec: after.as_secs() as libc::time_t,
-                tv_nsec: after.subsec_nanos() as libc::c_long,
-            },
-        };
-        // SAFETY: `spec` is a valid itimerspec on our stack for the call;
-        // the old value is not asked for (null).
-        let r = unsafe { libc::timerfd_settime(self.fd(), 0, &spec, std::ptr::null_mut()) };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    /// Consumes an expiry, so that the fd stops being readable. Nothing to
-    /// consume (EAGAIN) is fine.
-    pub fn clear(&self) {
-        let mut count = 0u64;
-        // SAFETY: reads at most 8 bytes into `count`, which is 8 bytes on
-        // our stack; the fd is non-blocking.
-        let _ = unsafe { libc::read(self.fd(), (&raw mut count).cast(), 8) };
     }
 }
 
@@ -347,9 +147,9 @@ mod tests {
         ];
         for (l, msg) in bad {
             assert_eq!(l.validate().unwrap_err().to_string(), msg);
-            assert!(Qos::new(l, 1).is_err());
+            assert!(Qos::new(l).is_err());
         }
-        let qos = Qos::new(QosLimits::default(), 1).unwrap();
+        let qos = Qos::new(QosLimits::default()).unwrap();
         assert!(!qos.active());
         assert!(qos.set_limits(bad_one()).is_err());
         assert_eq!(
@@ -379,29 +179,5 @@ mod tests {
         assert!(serde_json::from_str::<QosLimits>(r#"{"iops": 1}"#).is_err());
         let back: QosLimits = serde_json::from_str(&serde_json::to_string(&l).unwrap()).unwrap();
         assert_eq!(back, l);
-    }
-
-    #[test]
-    fn timer_fires_once_and_clears() {
-        let qos = Qos::new(QosLimits::default(), 2).unwrap();
-        let t = qos.timer(1).unwrap();
-        assert!(qos.timer(2).is_none());
-        let readable = |ms| {
-            let mut p = libc::pollfd {
-                fd: t.fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd on our stack.
-            unsafe { libc::poll(&mut p, 1, ms) == 1 }
-        };
-        assert!(!readable(0));
-        let start = Instant::now();
-        t.arm(Duration::from_millis(20)).unwrap();
-        assert!(readable(2000));
-        assert!(start.elapsed() >= Duration::from_millis(20));
-        t.clear();
-        assert!(!readable(50), "one-shot: no second expiry");
-        t.clear();
     }
 }

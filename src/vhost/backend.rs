@@ -10,7 +10,6 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,20 +21,16 @@ use vmm_sys_util::event::{
     EventConsumer, EventFlag, EventNotifier, new_event_consumer_and_notifier,
 };
 
-use crate::engine::Engine;
+use crate::device::{Connection, Device};
+use crate::engine::{Core, Engine};
 use crate::metrics::SharedRateLimiter;
-use crate::virtio::config::{CONFIG_LEN, read_config};
+use crate::virtio::config::VirtioBlkConfig;
 use crate::virtio::{DirtyLog, GuestMem, LogRegion};
 
-use super::backend_channel::BackendChannel;
-use super::inflight::{InflightQueue, InflightRegion};
-use super::proxy::InflightHost;
-use super::worker::{Event, QueueWorker, Vring, WorkerConfig};
-
-/// Offset of `wce` in the config space.
-const WCE_OFFSET: u32 = 32;
-/// Offset of `capacity` (le64) in the config space.
-const CAPACITY_OFFSET: usize = 0;
+use super::relay::InflightHost;
+use super::relay::channel::BackendChannel;
+use crate::queue::inflight::{InflightQueue, InflightRegion};
+use crate::queue::{Event, QueueWorker, Vring};
 
 /// The queue threads' exit events, one per thread, made once for the
 /// daemon's life and handed to every connection.
@@ -82,7 +77,8 @@ pub enum Listener {
     Completion,
     /// The worker's resume eventfd (threads with several queues).
     Resume,
-    /// The queue's QoS timerfd.
+    /// The queue's timerfd (a request waiting for QoS tokens or the
+    /// image lock).
     Timer,
 }
 
@@ -99,7 +95,7 @@ impl Listener {
 }
 
 pub struct BlkBackend<E: Engine> {
-    cfg: Arc<WorkerConfig>,
+    device: Arc<Device>,
     /// Worker threads: queue q is served by thread q % threads, where it
     /// is local queue q / threads.
     threads: usize,
@@ -107,10 +103,6 @@ pub struct BlkBackend<E: Engine> {
     /// by the protocol thread when the ring is stopped or reset. `None` once
     /// the connection is over and its engine went back to the daemon.
     workers: Vec<Mutex<Option<QueueWorker<E>>>>,
-    /// The configuration space but for the capacity, which GET_CONFIG
-    /// reads from `cfg.capacity`.
-    config: Mutex<[u8; CONFIG_LEN]>,
-    features: u64,
     exit_events: Arc<ExitEvents>,
     /// The back-end request channel, once the front-end handed one over.
     channel: Mutex<Option<Arc<BackendChannel>>>,
@@ -171,37 +163,17 @@ impl DirtyState {
     }
 }
 
-/// What the daemon (its signal handler, its control API) needs of the
-/// device of the current connection, whatever its engine.
-pub trait Device: Send + Sync {
-    /// Takes no more requests and completes everything in flight, on every
-    /// queue.
-    fn drain_all(&self);
-    /// Tells the front-end that the configuration space changed (the
-    /// capacity, after a resize). Ok(None): it gave us no back-end channel
-    /// (it did not negotiate BACKEND_REQ), so it cannot be told; Ok(Some(acked)).
-    fn config_changed(&self) -> io::Result<Option<bool>>;
-    /// Takes the engines out of the (drained) workers and drops them, so
-    /// that what they hold is released: at shutdown, an RBD image handle
-    /// is closed, which gives up its watch and exclusive lock.
-    fn close_engines(&self);
-}
-
 impl<E: Engine> BlkBackend<E> {
     pub fn new(
-        cfg: Arc<WorkerConfig>,
+        device: Arc<Device>,
         workers: Vec<QueueWorker<E>>,
-        config: [u8; CONFIG_LEN],
-        features: u64,
         threads: usize,
         exit_events: Arc<ExitEvents>,
     ) -> BlkBackend<E> {
         BlkBackend {
-            cfg,
+            device,
             threads: threads.clamp(1, workers.len().max(1)),
             workers: workers.into_iter().map(|w| Mutex::new(Some(w))).collect(),
-            config: Mutex::new(config),
-            features,
             exit_events,
             channel: Mutex::new(None),
             dirty: Mutex::default(),
@@ -231,7 +203,7 @@ impl<E: Engine> BlkBackend<E> {
         self.with_worker(queue, |w| match kind {
             Listener::Completion => w.completion_fd(),
             Listener::Resume => w.resume_fd(),
-            Listener::Timer => w.timer_fd(),
+            Listener::Timer => Some(w.timer_fd()),
         })
         .flatten()
     }
@@ -264,26 +236,27 @@ impl<E: Engine> BlkBackend<E> {
 }
 
 impl<E: Engine> BlkBackend<E> {
-    /// The engines back from a finished connection's workers (each drained
+    /// The engines (in their cores) back from a finished connection's
+    /// workers (each drained
     /// and reset), for the next one. The workers are gone afterwards: an
     /// event that still reaches this device finds none.
     ///
     /// The daemon calls this once the crate's side of the connection is
     /// gone, so the connection's guest memory is then held by nothing but
     /// the SIGBUS table, which unmaps it here.
-    pub fn take_engines(&self) -> Vec<E> {
+    pub fn take_cores(&self) -> Vec<Core<E>> {
         let engines = self
             .workers
             .iter()
             .filter_map(|w| w.lock().unwrap_or_else(|p| p.into_inner()).take())
-            .map(QueueWorker::into_engine)
+            .map(QueueWorker::into_core)
             .collect();
         super::sigbus::release_unused();
         engines
     }
 }
 
-impl<E: Engine> Device for BlkBackend<E> {
+impl<E: Engine> Connection for BlkBackend<E> {
     fn drain_all(&self) {
         self.each_worker(|_, w| w.drain());
     }
@@ -308,7 +281,7 @@ impl<E: Engine> Device for BlkBackend<E> {
 
 impl<E: Engine + 'static> InflightHost for BlkBackend<E> {
     fn limits(&self) -> (u16, u16) {
-        (self.workers.len() as u16, self.cfg.queue_size)
+        (self.workers.len() as u16, self.device.queue_size())
     }
 
     fn set_inflight(&self, region: Arc<InflightRegion>) {
@@ -320,7 +293,7 @@ impl<E: Engine + 'static> InflightHost for BlkBackend<E> {
     }
 
     fn close_intake(&self) {
-        self.cfg.intake_closed.store(true, Ordering::SeqCst);
+        self.device.close_intake();
     }
 
     fn set_log(&self, log: LogRegion) {
@@ -375,11 +348,11 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     }
 
     fn max_queue_size(&self) -> usize {
-        usize::from(self.cfg.queue_size)
+        usize::from(self.device.queue_size())
     }
 
     fn features(&self) -> u64 {
-        self.features
+        self.device.features()
             | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
             | VhostUserVirtioFeatures::LOG_ALL.bits()
     }
@@ -388,7 +361,7 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     /// mark what the engines write into guest memory.
     fn acked_features(&self, features: u64) {
         let on = features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0;
-        if self.cfg.logging.swap(on, Ordering::Relaxed) != on {
+        if self.device.set_logging(on) {
             // A front-end can toggle it at will.
             static LOGGING: SharedRateLimiter = SharedRateLimiter::new(10, Duration::from_secs(5));
             crate::info_limited!(
@@ -418,21 +391,18 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
-        let mut space = *self.config.lock().unwrap_or_else(|p| p.into_inner());
-        // The capacity as it is now: a resize may have changed it.
-        let capacity = self.cfg.capacity.load(Ordering::Acquire);
-        space[CAPACITY_OFFSET..CAPACITY_OFFSET + 8].copy_from_slice(&capacity.to_le_bytes());
-        read_config(&space, offset, size)
+        // As it is now: a resize may have changed the capacity, the guest
+        // the write cache.
+        self.device.config().read(offset, size)
     }
 
     fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
         // Only `wce` is writable (VIRTIO_BLK_F_CONFIG_WCE).
-        if offset != WCE_OFFSET || buf.len() != 1 {
+        if offset as usize != VirtioBlkConfig::WCE_OFFSET || buf.len() != 1 {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         let wce = buf[0] != 0;
-        self.cfg.writeback.store(wce, Ordering::Relaxed);
-        self.config.lock().unwrap_or_else(|p| p.into_inner())[WCE_OFFSET as usize] = u8::from(wce);
+        self.device.set_writeback(wce);
         // The guest can toggle it as often as it likes.
         static TOGGLES: SharedRateLimiter = SharedRateLimiter::new(10, Duration::from_secs(5));
         crate::info_limited!(
@@ -517,6 +487,10 @@ impl<E: Engine + 'static> VhostUserBackend for BlkBackend<E> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+#[path = "backend_tests.rs"]
+mod worker_tests;
 
 #[cfg(test)]
 mod tests {

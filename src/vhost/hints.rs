@@ -1,5 +1,5 @@
 //! The two set-up mistakes an operator makes most often with QEMU, told
-//! apart from the vhost-user messages the relay passes on ([`super::proxy`])
+//! apart from the vhost-user messages the relay passes on ([`super::relay`])
 //! and logged once, each with what to change (docs/troubleshooting.md).
 //!
 //! - **Guest memory not shared** (`share=on` missing on QEMU's memory
@@ -35,7 +35,7 @@ use vhost::vhost_user::message::{
 };
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic};
 
-use super::proxy::payload_as;
+use super::relay::wire::payload_as;
 use crate::metrics::{QueueMetrics, SharedRateLimiter};
 use crate::virtio::GuestMem;
 use crate::warn_limited;

@@ -1,17 +1,14 @@
-//! The vhost-user layer: our device behind `vhost-user-backend`, one
-//! worker and one io_uring per queue, the workers spread over `--threads`
-//! threads.
+//! The vhost-user layer: our device behind `vhost-user-backend`, with one
+//! queue worker ([`crate::queue`]) per queue, the workers spread over
+//! `--threads` threads; the relay in front of the crate, with the
+//! vhost-user wire format and the back-end request channel
+//! ([`relay`]); the set-up hints it feeds ([`hints`]); SIGBUS containment
+//! for guest memory ([`sigbus`]).
 
 mod backend;
-mod backend_channel;
 pub mod hints;
-pub mod inflight;
-mod poll;
-pub mod proxy;
-mod resubmit;
+pub mod relay;
 pub mod sigbus;
-mod worker;
 
-pub use backend::{BlkBackend, Device, ExitEvents, Listener};
-pub use backend_channel::BackendChannel;
-pub use worker::{Event, QueueWorker, Vring, WorkerConfig};
+pub use backend::{BlkBackend, ExitEvents, Listener};
+pub use relay::channel::BackendChannel;

@@ -4,12 +4,96 @@ use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 
+use vm_memory::ByteValued;
+
 use super::request::{DeviceLimits, MAX_RANGES};
 
-/// Bytes of `struct virtio_blk_config` we fill: everything up to and
-/// including `write_zeroes_may_unmap` and its padding. Secure erase and
-/// zoned fields follow; we offer neither feature, so they read as zero.
-pub const CONFIG_LEN: usize = 60;
+/// `struct virtio_blk_config` (virtio 1.2, 5.2.4) up to and including
+/// `write_zeroes_may_unmap` and its padding: the fields we fill. Secure
+/// erase and zoned fields follow; we offer neither feature, so they read
+/// as zero. Every field is little-endian in guest memory: [`VirtioBlkConfig::new`]
+/// stores them so.
+#[repr(C, packed)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VirtioBlkConfig {
+    pub capacity: u64,
+    pub size_max: u32,
+    pub seg_max: u32,
+    /// `struct virtio_blk_geometry` (cylinders le16, heads u8, sectors
+    /// u8): not offered.
+    pub geometry: [u8; 4],
+    pub blk_size: u32,
+    /// `struct virtio_blk_topology` (physical_block_exp, alignment_offset,
+    /// min_io_size le16, opt_io_size le32): not offered.
+    pub topology: [u8; 8],
+    pub wce: u8,
+    pub unused0: u8,
+    pub num_queues: u16,
+    pub max_discard_sectors: u32,
+    pub max_discard_seg: u32,
+    pub discard_sector_alignment: u32,
+    pub max_write_zeroes_sectors: u32,
+    pub max_write_zeroes_seg: u32,
+    pub write_zeroes_may_unmap: u8,
+    pub unused1: [u8; 3],
+}
+
+// SAFETY: repr(C, packed) of integers and byte arrays only: no padding,
+// and every bit pattern is a valid value.
+unsafe impl ByteValued for VirtioBlkConfig {}
+
+/// Bytes of the configuration space we define.
+pub const CONFIG_LEN: usize = std::mem::size_of::<VirtioBlkConfig>();
+
+impl VirtioBlkConfig {
+    /// Offset of `wce`, the one field the driver may write
+    /// (VIRTIO_BLK_F_CONFIG_WCE).
+    pub const WCE_OFFSET: usize = std::mem::offset_of!(VirtioBlkConfig, wce);
+
+    /// The configuration of a device with `limits`, `capacity_sectors`,
+    /// `num_queues` queues and the write cache on (`writeback`) or off.
+    pub fn new(
+        limits: &DeviceLimits,
+        capacity_sectors: u64,
+        num_queues: u16,
+        writeback: bool,
+    ) -> VirtioBlkConfig {
+        VirtioBlkConfig {
+            capacity: capacity_sectors.to_le(),
+            size_max: limits.size_max().to_le(),
+            seg_max: limits.seg_max.to_le(),
+            blk_size: limits.block_size.to_le(),
+            wce: u8::from(writeback),
+            num_queues: num_queues.to_le(),
+            max_discard_sectors: limits.max_discard_sectors.to_le(),
+            max_discard_seg: MAX_RANGES.to_le(),
+            discard_sector_alignment: (limits.block_size >> super::SECTOR_SHIFT).to_le(),
+            max_write_zeroes_sectors: limits.max_write_zeroes_sectors.to_le(),
+            max_write_zeroes_seg: MAX_RANGES.to_le(),
+            write_zeroes_may_unmap: 1,
+            ..VirtioBlkConfig::default()
+        }
+    }
+
+    /// Answers a GET_CONFIG read of `size` bytes at `offset`: bytes past
+    /// what we define read as zero, and an out-of-range request (past the
+    /// 4 KiB a configuration space may have) gets nothing.
+    pub fn read(&self, offset: u32, size: u32) -> Vec<u8> {
+        let space = self.as_slice();
+        let (off, len) = (offset as usize, size as usize);
+        match off.checked_add(len) {
+            Some(end) if end <= 0x1000 => {
+                let mut out = vec![0u8; len];
+                if off < space.len() {
+                    let n = (space.len() - off).min(len);
+                    out[..n].copy_from_slice(&space[off..off + n]);
+                }
+                out
+            }
+            _ => Vec::new(),
+        }
+    }
+}
 
 /// Virtio feature bits offered to the driver.
 pub fn device_features(readonly: bool) -> u64 {
@@ -30,51 +114,12 @@ pub fn device_features(readonly: bool) -> u64 {
     f
 }
 
-/// Serializes the configuration space, little-endian, at the offsets of
-/// `struct virtio_blk_config` in the virtio 1.2 spec (5.2.4).
-pub fn config_space(limits: &DeviceLimits, num_queues: u16, writeback: bool) -> [u8; CONFIG_LEN] {
-    let mut c = [0u8; CONFIG_LEN];
-    let mut put = |off: usize, bytes: &[u8]| c[off..off + bytes.len()].copy_from_slice(bytes);
-    put(0, &limits.capacity_sectors.to_le_bytes()); // capacity
-    put(8, &limits.size_max().to_le_bytes()); // size_max
-    put(12, &limits.seg_max.to_le_bytes()); // seg_max
-    put(20, &limits.block_size.to_le_bytes()); // blk_size
-    put(32, &[u8::from(writeback)]); // wce
-    put(34, &num_queues.to_le_bytes()); // num_queues
-    let align = limits.block_size >> super::SECTOR_SHIFT;
-    put(36, &limits.max_discard_sectors.to_le_bytes());
-    put(40, &MAX_RANGES.to_le_bytes()); // max_discard_seg
-    put(44, &align.to_le_bytes()); // discard_sector_alignment
-    put(48, &limits.max_write_zeroes_sectors.to_le_bytes());
-    put(52, &MAX_RANGES.to_le_bytes()); // max_write_zeroes_seg
-    put(56, &[1]); // write_zeroes_may_unmap
-    c
-}
-
-/// Answers a GET_CONFIG read of `size` bytes at `offset`: bytes past what
-/// we define read as zero, and an out-of-range request gets nothing.
-pub fn read_config(space: &[u8], offset: u32, size: u32) -> Vec<u8> {
-    let (off, len) = (offset as usize, size as usize);
-    match off.checked_add(len) {
-        Some(end) if end <= 0x1000 => {
-            let mut out = vec![0u8; len];
-            if off < space.len() {
-                let n = (space.len() - off).min(len);
-                out[..n].copy_from_slice(&space[off..off + n]);
-            }
-            out
-        }
-        _ => Vec::new(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn limits() -> DeviceLimits {
         DeviceLimits {
-            capacity_sectors: 2048,
             block_size: 4096,
             ..DeviceLimits::default()
         }
@@ -83,7 +128,10 @@ mod tests {
     #[test]
     fn layout_matches_the_spec() {
         let l = limits();
-        let c = config_space(&l, 2, true);
+        let cfg = VirtioBlkConfig::new(&l, 2048, 2, true);
+        let c = cfg.as_slice();
+        assert_eq!(c.len(), 60);
+        assert_eq!(VirtioBlkConfig::WCE_OFFSET, 32);
         assert_eq!(u64::from_le_bytes(c[0..8].try_into().unwrap()), 2048);
         assert_eq!(u32::from_le_bytes(c[8..12].try_into().unwrap()), 128 << 10);
         assert_eq!(u32::from_le_bytes(c[12..16].try_into().unwrap()), l.seg_max);
@@ -116,10 +164,12 @@ mod tests {
 
     #[test]
     fn reads_past_the_end_are_zero() {
-        let c = config_space(&limits(), 1, false);
-        let r = read_config(&c, 56, 8);
+        let c = VirtioBlkConfig::new(&limits(), 2048, 1, false);
+        let r = c.read(56, 8);
         assert_eq!(r, vec![1, 0, 0, 0, 0, 0, 0, 0]);
-        assert!(read_config(&c, u32::MAX, 8).is_empty());
+        assert_eq!(c.read(0x1000 - 4, 4), vec![0; 4]);
+        assert!(c.read(0x1000 - 4, 5).is_empty());
+        assert!(c.read(u32::MAX, 8).is_empty());
     }
 
     #[test]

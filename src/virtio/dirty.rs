@@ -17,7 +17,7 @@
 //! new SET_MEM_TABLE: memory hot-plugged during a migration) is created by
 //! `NewBitmap::with_len`, which knows neither the log nor the region's
 //! address, and logs nothing. So the relay answers SET_LOG_BASE itself
-//! (`vhost::proxy`), taking only a log that cannot shrink, and the device
+//! (`vhost::relay`), taking only a log that cannot shrink, and the device
 //! points every region of every table it accepts at the log
 //! (`vhost::backend`), as libvhost-user's one log per device does.
 //!

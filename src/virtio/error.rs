@@ -1,6 +1,6 @@
 //! Why a request is refused, and the virtio status each reason maps to.
 
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_UNSUPP};
+use super::Status;
 
 /// A request the device refuses before any I/O. Every variant is something
 /// a guest can cause; none of them stops the queue.
@@ -88,8 +88,8 @@ impl RequestError {
     /// - both unknown flags and a bad range in one request: QEMU checks the
     ///   range first (IOERR), we the flags (UNSUPP), as the spec's MUST on
     ///   unknown flags reads.
-    pub fn status(self) -> u8 {
-        let s = match self {
+    pub fn status(self) -> Status {
+        match self {
             RequestError::IllFormedChain
             | RequestError::ShortHeader
             | RequestError::BadAddress
@@ -100,11 +100,10 @@ impl RequestError {
             | RequestError::TooManySegments
             | RequestError::TooLarge
             | RequestError::RangeTooLong
-            | RequestError::ReadOnly => VIRTIO_BLK_S_IOERR,
+            | RequestError::ReadOnly => Status::IoErr,
             RequestError::TooManyRanges
             | RequestError::UnsupportedFlags
-            | RequestError::UnsupportedType(_) => VIRTIO_BLK_S_UNSUPP,
-        };
-        s as u8
+            | RequestError::UnsupportedType(_) => Status::Unsupp,
+        }
     }
 }

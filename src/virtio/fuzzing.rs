@@ -26,6 +26,8 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use self::generator::{Generator, Input, Posted, pick_limits, write};
+use super::request::Rejected;
+use super::ring::{RingShadow, RingView};
 use super::{DeviceLimits, GuestMem, Request, RequestError, RequestKind, SECTOR_SHIFT};
 
 /// What one chain came to.
@@ -53,15 +55,17 @@ const MAX_SEGS: u64 = 64;
 /// and checks the result. Panics on a broken promise.
 pub fn parse_one(data: &[u8]) -> Vec<Outcome> {
     let mut input = Input(data);
-    let limits = pick_limits(&mut input);
+    let (limits, capacity) = pick_limits(&mut input);
     let queue_size = 16u16 << input.below(5);
-    let mem = GuestMem::from_ranges(&[
-        (GuestAddress(0), A_END as usize),
-        (GuestAddress(B), (C - B) as usize),
-        (GuestAddress(C), (C_END - C) as usize),
-    ])
-    .expect("fixed, valid layout");
-    let mut generator = Generator::new(&mem, limits, queue_size);
+    let mem = std::sync::Arc::new(
+        GuestMem::from_ranges(&[
+            (GuestAddress(0), A_END as usize),
+            (GuestAddress(B), (C - B) as usize),
+            (GuestAddress(C), (C_END - C) as usize),
+        ])
+        .expect("fixed, valid layout"),
+    );
+    let mut generator = Generator::new(&mem, (limits, capacity), queue_size);
     let n_chains = 1 + input.below(MAX_CHAINS as u32) as usize;
     let mut posted = Vec::new();
     for k in 0..n_chains {
@@ -79,27 +83,86 @@ pub fn parse_one(data: &[u8]) -> Vec<Outcome> {
     queue.set_avail_ring_address(Some(AVAIL as u32), Some(0));
     queue.set_used_ring_address(Some(USED as u32), Some(0));
     queue.set_ready(true);
-    let chains: Vec<_> = match queue.iter(&mem) {
+    let chains: Vec<_> = match queue.iter(&*mem) {
         Ok(iter) => iter.collect(),
         Err(e) => panic!("queue refused a sane avail ring: {e}"),
     };
     assert_eq!(chains.len(), posted.len());
-    chains
+    // Descriptor for descriptor, virtio-queue's walk and the worker's over
+    // the rings translated for its pass.
+    let view = RingView::new(&queue, &*mem);
+    for chain in &chains {
+        let limit = usize::from(queue_size) + 300;
+        let ours: Vec<_> = view
+            .chain(chain.head_index())
+            .take(limit)
+            .map(raw)
+            .collect();
+        let theirs: Vec<_> = chain.clone().take(limit).map(raw).collect();
+        assert_eq!(
+            ours,
+            theirs,
+            "the two walks of chain {} differ",
+            chain.head_index()
+        );
+    }
+    let parsed: Vec<_> = chains
+        .into_iter()
+        .map(|chain| Request::parse(chain, &mem, &limits, capacity, queue_size))
+        .collect();
+
+    // The worker pops and parses the same chains over the view: the same
+    // results.
+    queue.set_next_avail(0);
+    let mut walked = Vec::new();
+    RingShadow::default()
+        .pop(&mut queue, &view, MAX_CHAINS, |chain| {
+            walked.push(Request::parse(chain, &mem, &limits, capacity, queue_size));
+        })
+        .expect("the same avail ring");
+    assert_eq!(walked.len(), parsed.len());
+    for (a, b) in parsed.iter().zip(&walked) {
+        assert_eq!(summary(a), summary(b), "the two walks disagree");
+    }
+
+    parsed
         .into_iter()
         .zip(&posted)
-        .map(|(chain, want)| {
-            let res = Request::parse(chain, &mem, &limits, queue_size);
-            check(&mem, &limits, want, res)
-        })
+        .map(|(res, want)| check(&mem, &limits, capacity, want, res))
         .collect()
+}
+
+/// A descriptor's fields.
+fn raw(d: virtio_queue::desc::split::Descriptor) -> (u64, u32, u16, u16) {
+    (d.addr().0, d.len(), d.flags(), d.next())
+}
+
+/// What a parse came to, comparable.
+type Summary = Result<(u16, RequestKind, Vec<(usize, usize)>, GuestAddress), Rejected>;
+
+fn summary(res: &Result<Request, Rejected>) -> Summary {
+    match res {
+        Ok(r) => Ok((
+            r.head(),
+            r.kind(),
+            r.data()
+                .iovecs()
+                .iter()
+                .map(|v| (v.iov_base as usize, v.iov_len))
+                .collect(),
+            r.status_addr(),
+        )),
+        Err(rej) => Err(rej.clone()),
+    }
 }
 
 /// Checks one parse result against the promises of `Request::parse`.
 fn check(
     mem: &GuestMem,
     limits: &DeviceLimits,
+    capacity_sectors: u64,
     want: &Posted,
-    res: Result<Request, super::request::Rejected>,
+    res: Result<Request, Rejected>,
 ) -> Outcome {
     let req = match res {
         Ok(req) => req,
@@ -129,13 +192,13 @@ fn check(
             return Err(rej.error);
         }
     };
-    assert_eq!(req.head, want.head);
+    assert_eq!(req.head(), want.head);
     assert!(
-        mem.address_in_range(req.status),
+        mem.address_in_range(req.status_addr()),
         "status byte outside memory"
     );
     let mut total = 0u64;
-    for v in &req.data.0 {
+    for v in req.data().iovecs() {
         assert!(v.iov_len > 0, "empty iovec");
         assert!(
             in_host_memory(mem, v.iov_base as usize, v.iov_len),
@@ -143,21 +206,24 @@ fn check(
         );
         total += v.iov_len as u64;
     }
-    assert_eq!(total, u64::from(req.data_len));
+    assert_eq!(total, u64::from(req.data_len()));
     let bs_sectors = u64::from(limits.block_size >> SECTOR_SHIFT);
     let in_capacity = |sector: u64, sectors: u64| {
         sector
             .checked_add(sectors)
-            .is_some_and(|end| end <= limits.capacity_sectors)
+            .is_some_and(|end| end <= capacity_sectors)
             && sector % bs_sectors == 0
     };
-    let expected_type = match req.kind {
+    let expected_type = match req.kind() {
         RequestKind::Read { sector } | RequestKind::Write { sector } => {
-            assert_eq!(req.data_len % limits.block_size, 0);
+            assert_eq!(req.data_len() % limits.block_size, 0);
             // A buffer crosses at most one boundary (B into C).
-            assert!(req.data.0.len() <= 2 * limits.seg_max as usize);
-            assert!(in_capacity(sector, u64::from(req.data_len) >> SECTOR_SHIFT));
-            if let RequestKind::Write { .. } = req.kind {
+            assert!(req.data().iovecs().len() <= 2 * limits.seg_max as usize);
+            assert!(in_capacity(
+                sector,
+                u64::from(req.data_len()) >> SECTOR_SHIFT
+            ));
+            if let RequestKind::Write { .. } = req.kind() {
                 assert!(!limits.readonly);
                 VIRTIO_BLK_T_OUT
             } else {
@@ -165,7 +231,7 @@ fn check(
             }
         }
         RequestKind::Flush => {
-            assert!(req.data.0.is_empty());
+            assert!(req.data().iovecs().is_empty());
             VIRTIO_BLK_T_FLUSH
         }
         RequestKind::GetId => {
@@ -174,9 +240,9 @@ fn check(
         }
         RequestKind::Discard(r) | RequestKind::WriteZeroes(r) => {
             assert!(!limits.readonly);
-            assert!(req.data.0.is_empty());
+            assert!(req.data().iovecs().is_empty());
             assert!(in_capacity(r.sector, u64::from(r.num_sectors)));
-            if let RequestKind::Discard(_) = req.kind {
+            if let RequestKind::Discard(_) = req.kind() {
                 assert!(!r.unmap && r.num_sectors <= limits.max_discard_sectors);
                 VIRTIO_BLK_T_DISCARD
             } else {
@@ -188,7 +254,7 @@ fn check(
     if !want.corrupted {
         assert_eq!(expected_type, want.req_type, "parsed as another type");
     }
-    Ok(req.kind)
+    Ok(req.kind())
 }
 
 /// Whether `[base, base + len)` lies in one region's host mapping.

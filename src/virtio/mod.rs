@@ -2,8 +2,9 @@
 //! block request parsed from a descriptor chain.
 //!
 //! Nothing here does I/O on the image. Everything a guest controls is
-//! validated here, before the `io` layer sees it.
+//! validated here, before the engine ([`crate::engine`]) sees it.
 
+mod buffers;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod chain_writer;
 pub mod config;
@@ -12,14 +13,19 @@ mod error;
 #[cfg(any(test, feature = "test-utils"))]
 #[doc(hidden)]
 pub mod fuzzing;
+mod kind;
 pub mod request;
 pub mod ring;
+mod status;
 #[cfg(test)]
 pub(crate) mod testing;
 
+pub use buffers::GuestBuffers;
 pub use dirty::{DirtyLog, LogRegion};
 pub use error::RequestError;
-pub use request::{DeviceLimits, DiscardRange, Request, RequestKind};
+pub use kind::{Class, Direction, DiscardRange, Op, RequestKind};
+pub use request::{DeviceLimits, Request};
+pub use status::Status;
 
 use vm_memory::GuestMemoryMmap;
 
@@ -28,8 +34,8 @@ use vm_memory::GuestMemoryMmap;
 /// ([`LogRegion`]) once it sends SET_LOG_BASE (live migration), in every
 /// memory table from then on: every write through vm-memory (used ring,
 /// status bytes) marks its pages. What the kernel writes into guest memory
-/// behind vm-memory's back (io_uring reads) the worker marks itself
-/// (`vhost::worker`).
+/// behind vm-memory's back (io_uring reads) the engine core marks itself
+/// (`engine::core`).
 pub type GuestMem = GuestMemoryMmap<DirtyLog>;
 
 /// Virtio-blk sectors are always 512 bytes, whatever the block size.

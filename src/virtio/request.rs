@@ -3,31 +3,32 @@
 //!
 //! The chain is walked once. Its data buffers are translated to host
 //! addresses here, so a descriptor outside guest memory (or across a hole
-//! between two regions) is refused before the I/O layer sees it.
+//! between two regions) is refused before the engine sees it.
 
 use std::ops::Deref;
+use std::sync::Arc;
 
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID,
-    VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
-    VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
+    VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
 };
 use virtio_queue::DescriptorChain;
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryBackend, GuestMemoryRegion};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryBackend};
 
-use super::{GuestMem, RequestError, SECTOR_SHIFT};
+use super::ring::ViewChain;
+use super::{DiscardRange, GuestBuffers, GuestMem, RequestError, RequestKind, SECTOR_SHIFT};
 
 /// Size of `struct virtio_blk_outhdr`: type (le32), reserved (le32), sector (le64).
 const HEADER_LEN: u32 = 16;
 /// Size of `struct virtio_blk_discard_write_zeroes`.
 const RANGE_LEN: u32 = 16;
 
-/// What the device advertises, and so what every request is checked against.
+/// What the device advertises, and so what every request is checked
+/// against, the capacity aside: that changes at runtime
+/// ([`crate::device::Device::capacity`]) and is passed to each parse.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceLimits {
-    /// Capacity in 512-byte sectors.
-    pub capacity_sectors: u64,
     /// Logical block size in bytes (512 or 4096).
     pub block_size: u32,
     pub readonly: bool,
@@ -60,7 +61,6 @@ pub const MAX_RANGES: u32 = 1;
 impl Default for DeviceLimits {
     fn default() -> Self {
         DeviceLimits {
-            capacity_sectors: 0,
             block_size: 512,
             readonly: false,
             seg_max: 254,
@@ -71,164 +71,48 @@ impl Default for DeviceLimits {
     }
 }
 
-/// One discard or write-zeroes range.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DiscardRange {
-    pub sector: u64,
-    pub num_sectors: u32,
-    /// Write-zeroes only: the device may deallocate the range.
-    pub unmap: bool,
+/// A descriptor chain the parser walks: virtio-queue's `DescriptorChain`
+/// (tests, resubmission), or a [`ViewChain`] over the rings translated for
+/// the pass (the worker). Both walk a chain the same way.
+pub trait Chain: Iterator<Item = Descriptor> {
+    fn head_index(&self) -> u16;
 }
 
-impl DiscardRange {
-    pub fn offset(&self) -> u64 {
-        self.sector << SECTOR_SHIFT
-    }
-    pub fn len(&self) -> u64 {
-        u64::from(self.num_sectors) << SECTOR_SHIFT
-    }
-    /// A range of no sectors (valid: the device has nothing to do).
-    pub fn is_empty(&self) -> bool {
-        self.num_sectors == 0
+impl<M> Chain for DescriptorChain<M>
+where
+    M: Deref,
+    M::Target: GuestMemory,
+{
+    fn head_index(&self) -> u16 {
+        DescriptorChain::head_index(self)
     }
 }
 
-/// The operation a request asks for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RequestKind {
-    Read { sector: u64 },
-    Write { sector: u64 },
-    Flush,
-    GetId,
-    Discard(DiscardRange),
-    WriteZeroes(DiscardRange),
-}
-
-/// Data buffers as host iovecs, pointing into guest memory.
-///
-/// Raw pointers make `iovec` neither `Send` nor `Sync`; this wrapper is.
-/// Nothing here keeps the memory mapped: whoever dereferences the iovecs
-/// must hold the snapshot they were translated from (an
-/// [`crate::engine::Io`] does), which is what the `unsafe` methods below
-/// ask of their callers.
-#[derive(Debug, Default)]
-pub struct HostBuffers(pub Vec<libc::iovec>);
-
-// SAFETY: the vector holds plain addresses; moving it to another thread
-// changes neither what they point to nor who may dereference them (only
-// code that holds the mapping, see above).
-unsafe impl Send for HostBuffers {}
-
-impl HostBuffers {
-    /// Copies `src` into the buffers, as far as they reach.
-    ///
-    /// # Safety
-    /// Every iovec must point into guest memory that is still mapped and
-    /// device-writable (the caller holds the snapshot it was parsed
-    /// against).
-    pub unsafe fn fill_from(&self, src: &[u8]) {
-        let mut off = 0;
-        for v in &self.0 {
-            let n = v.iov_len.min(src.len() - off);
-            // SAFETY: the caller keeps `v` mapped and writable; src holds
-            // at least off + n bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src[off..].as_ptr(), v.iov_base.cast::<u8>(), n)
-            };
-            off += n;
-            if off == src.len() {
-                break;
-            }
-        }
-    }
-
-    /// Zero-fills the buffers.
-    ///
-    /// # Safety
-    /// As for [`HostBuffers::fill_from`].
-    pub unsafe fn zero(&self) {
-        for v in &self.0 {
-            // SAFETY: the caller keeps `v` mapped and writable.
-            unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
-        }
-    }
-
-    /// Copies the buffers, one after the other, into `dst`, which must
-    /// hold their total length.
-    ///
-    /// # Safety
-    /// Every iovec must point into guest memory that is still mapped.
-    pub unsafe fn gather_into(&self, dst: &mut [u8]) {
-        let mut off = 0;
-        for v in &self.0 {
-            let n = v.iov_len.min(dst.len() - off);
-            // SAFETY: the caller keeps `v` mapped for iov_len bytes; dst has
-            // room for n more at off.
-            unsafe {
-                std::ptr::copy_nonoverlapping(v.iov_base.cast::<u8>(), dst[off..].as_mut_ptr(), n)
-            };
-            off += n;
-        }
-    }
-
-    /// Copies `src` into the buffers, one after the other (the reverse of
-    /// [`HostBuffers::gather_into`]).
-    ///
-    /// # Safety
-    /// As for [`HostBuffers::fill_from`].
-    pub unsafe fn scatter_from(&self, src: &[u8]) {
-        // SAFETY: the same contract.
-        unsafe { self.fill_from(src) }
-    }
-
-    /// Marks the first `len` bytes of the buffers dirty in `mem`'s log (for
-    /// a migration): the pages of each buffer, found by its host address in
-    /// the region that maps it.
-    pub fn mark_written(&self, mem: &GuestMem, mut len: u32) {
-        use vm_memory::bitmap::Bitmap;
-        for v in &self.0 {
-            if len == 0 {
-                break;
-            }
-            let n = v.iov_len.min(len as usize);
-            let at = v.iov_base as usize;
-            let region = mem.iter().find(|r| {
-                let base = r.as_ptr() as usize;
-                at >= base && at - base < r.len() as usize
-            });
-            if let Some(r) = region {
-                r.bitmap().mark_dirty(at - r.as_ptr() as usize, n);
-            }
-            len -= n as u32;
-        }
-    }
-
-    /// Whether every buffer starts and ends on an `align` boundary.
-    pub fn aligned_to(&self, align: usize) -> bool {
-        self.0
-            .iter()
-            .all(|v| (v.iov_base as usize) % align == 0 && v.iov_len % align == 0)
+impl<M: GuestMemory + ?Sized> Chain for ViewChain<'_, '_, M> {
+    fn head_index(&self) -> u16 {
+        ViewChain::head_index(self)
     }
 }
 
-/// A validated request, ready for the I/O layer.
+/// A validated request, ready for the engine. Only the parser makes one:
+/// its buffers were checked against the memory they hold, and its kind,
+/// length and status address against the device.
 #[derive(Debug)]
 pub struct Request {
     /// Head descriptor index: what goes back in the used element.
-    pub head: u16,
-    pub kind: RequestKind,
+    head: u16,
+    kind: RequestKind,
     /// Data buffers (device-writable for reads and GET_ID, device-readable
-    /// for writes; empty for the other kinds).
-    pub data: HostBuffers,
-    /// Total bytes in `data`.
-    pub data_len: u32,
+    /// for writes; empty for the other kinds), and the memory snapshot
+    /// they, and the status byte, are in.
+    data: GuestBuffers,
     /// Where the status byte goes.
-    pub status: GuestAddress,
+    status: GuestAddress,
 }
 
 /// A request refused before any I/O. `status` is `None` when the chain has
 /// no usable status byte: it is then returned with used length 0.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rejected {
     pub head: u16,
     pub status: Option<GuestAddress>,
@@ -245,17 +129,14 @@ struct Buf {
 impl Request {
     /// Parses and validates the chain (see [`Parser::parse`]), with buffers
     /// of its own: for tests and one-off parses.
-    pub fn parse<M>(
-        chain: DescriptorChain<M>,
-        mem: &GuestMem,
+    pub fn parse(
+        chain: impl Chain,
+        mem: &Arc<GuestMem>,
         limits: &DeviceLimits,
+        capacity_sectors: u64,
         queue_size: u16,
-    ) -> Result<Request, Rejected>
-    where
-        M: Deref,
-        M::Target: GuestMemory,
-    {
-        Parser::default().parse(chain, mem, limits, queue_size)
+    ) -> Result<Request, Rejected> {
+        Parser::default().parse(chain, mem, limits, capacity_sectors, queue_size)
     }
 }
 
@@ -276,38 +157,34 @@ pub struct Parser {
     pool: Vec<Vec<libc::iovec>>,
 }
 
-// SAFETY: the pooled vectors are empty (cleared on recycle): they point to
-// nothing.
+// SAFETY: the pooled vectors are empty (cleared when a request gives its
+// back): they point to nothing.
 unsafe impl Send for Parser {}
 
 impl Parser {
     /// Gives a finished request's iovec vector back for the next one.
-    pub fn recycle(&mut self, data: HostBuffers) {
-        let mut v = data.0;
+    pub fn recycle(&mut self, req: Request) {
         if self.pool.len() < POOL_MAX {
-            v.clear();
-            self.pool.push(v);
+            self.pool.push(req.data.into_vec());
         }
     }
 
-    /// Parses and validates the chain.
+    /// Parses and validates the chain, for a device of `limits` and (now)
+    /// `capacity_sectors`.
     ///
     /// A chain may hold at most `max(queue_size, seg_max + 2)` descriptors.
     /// Direct chains cannot exceed the queue size anyway; an indirect table
     /// may (Linux's virtio_ring allows it), and the front-end's queue size
     /// (QEMU's default is 128) is often below the seg_max we advertise, so
     /// a bound of the queue size alone would refuse legitimate large I/O.
-    pub fn parse<M>(
+    pub fn parse(
         &mut self,
-        chain: DescriptorChain<M>,
-        mem: &GuestMem,
+        chain: impl Chain,
+        mem: &Arc<GuestMem>,
         limits: &DeviceLimits,
+        capacity_sectors: u64,
         queue_size: u16,
-    ) -> Result<Request, Rejected>
-    where
-        M: Deref,
-        M::Target: GuestMemory,
-    {
+    ) -> Result<Request, Rejected> {
         let head = chain.head_index();
         let max_descs = usize::from(queue_size).max(limits.seg_max as usize + 2);
         let (complete, ordered) =
@@ -378,7 +255,7 @@ impl Parser {
                 if len % limits.block_size != 0 {
                     return reject(RequestError::BadLength);
                 }
-                if let Err(e) = check_range(limits, sector, len >> SECTOR_SHIFT) {
+                if let Err(e) = check_range(limits, capacity_sectors, sector, len >> SECTOR_SHIFT) {
                     return reject(e);
                 }
                 let kind = if write {
@@ -403,7 +280,7 @@ impl Parser {
                 if limits.readonly {
                     return reject(RequestError::ReadOnly);
                 }
-                let range = match parse_range(mem, out, limits, zeroes) {
+                let range = match parse_range(mem, out, limits, capacity_sectors, zeroes) {
                     Ok(r) => r,
                     Err(e) => return reject(e),
                 };
@@ -417,31 +294,64 @@ impl Parser {
             other => return reject(RequestError::UnsupportedType(other)),
         };
 
-        let data_len = total_len(data);
-        let mut iovecs = self.pool.pop().unwrap_or_default();
-        if let Err(e) = translate(mem, data, &mut iovecs) {
-            self.recycle(HostBuffers(iovecs));
-            return reject(e);
-        }
+        let iovecs = self.pool.pop().unwrap_or_default();
+        let data = if data.is_empty() {
+            GuestBuffers::none(mem, iovecs)
+        } else {
+            match GuestBuffers::translate(mem, data.iter().map(|b| (b.addr, b.len)), iovecs) {
+                Ok(d) => d,
+                Err((e, iovecs)) => {
+                    if self.pool.len() < POOL_MAX {
+                        self.pool.push(iovecs);
+                    }
+                    return reject(e);
+                }
+            }
+        };
         Ok(Request {
             head,
             kind,
-            data: HostBuffers(iovecs),
-            data_len,
+            data,
             status,
         })
     }
 }
 
 impl Request {
+    /// Head descriptor index: what goes back in the used element.
+    pub fn head(&self) -> u16 {
+        self.head
+    }
+
+    pub fn kind(&self) -> RequestKind {
+        self.kind
+    }
+
+    /// The data buffers, and the memory they are in.
+    pub fn data(&self) -> &GuestBuffers {
+        &self.data
+    }
+
+    /// Total bytes of data.
+    pub fn data_len(&self) -> u32 {
+        self.data.len()
+    }
+
+    /// Where the status byte goes, in [`Request::mem`].
+    pub fn status_addr(&self) -> GuestAddress {
+        self.status
+    }
+
+    /// The memory snapshot the request was parsed against: its buffers and
+    /// status byte are there, and stay mapped while the request lives.
+    pub fn mem(&self) -> &Arc<GuestMem> {
+        self.data.mem()
+    }
+
     /// Bytes the device writes into the guest's buffers on success, not
     /// counting the status byte.
     pub fn written_len(&self) -> u32 {
-        match self.kind {
-            RequestKind::Read { .. } => self.data_len,
-            RequestKind::GetId => self.data_len.min(VIRTIO_BLK_ID_BYTES),
-            _ => 0,
-        }
+        self.data_len().min(self.kind.class().fills)
     }
 
     /// Byte offset in the image of a read or write.
@@ -461,16 +371,12 @@ type Bufs = Vec<Buf>;
 /// not complete when the chain broke (a loop, an index out of the table, a
 /// bad indirect table, more descriptors than allowed); not ordered when a
 /// readable descriptor follows a writable one.
-fn split_chain<M>(
-    chain: DescriptorChain<M>,
+fn split_chain(
+    chain: impl Chain,
     max_descs: usize,
     readable: &mut Bufs,
     writable: &mut Bufs,
-) -> (bool, bool)
-where
-    M: Deref,
-    M::Target: GuestMemory,
-{
+) -> (bool, bool) {
     readable.clear();
     writable.clear();
     let mut ordered = true;
@@ -515,8 +421,7 @@ fn read_prefix(
     for b in bufs {
         let take = (dst.len() - done).min(b.len as usize);
         if take > 0 {
-            mem.read_slice(&mut dst[done..done + take], b.addr)
-                .map_err(|_| RequestError::BadAddress)?;
+            read(mem, &mut dst[done..done + take], b.addr)?;
             done += take;
         }
         if (take as u32) < b.len {
@@ -533,14 +438,29 @@ fn read_prefix(
     Ok(done == dst.len())
 }
 
+/// Reads `dst.len()` bytes at `addr`: from one slice when they lie in one
+/// region (one lookup), else piece by piece.
+fn read(mem: &GuestMem, dst: &mut [u8], addr: GuestAddress) -> Result<(), RequestError> {
+    let done = match mem.get_slice(addr, dst.len()) {
+        Ok(s) => s.copy_to(dst) == dst.len(),
+        Err(_) => mem.read_slice(dst, addr).is_ok(),
+    };
+    done.then_some(()).ok_or(RequestError::BadAddress)
+}
+
 /// Checks `sector .. sector + sectors` against the capacity and alignment.
-fn check_range(limits: &DeviceLimits, sector: u64, sectors: u32) -> Result<(), RequestError> {
+fn check_range(
+    limits: &DeviceLimits,
+    capacity_sectors: u64,
+    sector: u64,
+    sectors: u32,
+) -> Result<(), RequestError> {
     let align = u64::from(limits.block_size >> SECTOR_SHIFT);
     if sector % align != 0 || u64::from(sectors) % align != 0 {
         return Err(RequestError::Misaligned);
     }
     match sector.checked_add(u64::from(sectors)) {
-        Some(end) if end <= limits.capacity_sectors => Ok(()),
+        Some(end) if end <= capacity_sectors => Ok(()),
         _ => Err(RequestError::OutOfRange),
     }
 }
@@ -552,6 +472,7 @@ fn parse_range(
     mem: &GuestMem,
     out: &[Buf],
     limits: &DeviceLimits,
+    capacity_sectors: u64,
     zeroes: bool,
 ) -> Result<DiscardRange, RequestError> {
     let max_sectors = if zeroes {
@@ -586,32 +507,12 @@ fn parse_range(
     if num_sectors > max_sectors {
         return Err(RequestError::RangeTooLong);
     }
-    check_range(limits, sector, num_sectors)?;
+    check_range(limits, capacity_sectors, sector, num_sectors)?;
     Ok(DiscardRange {
         sector,
         num_sectors,
         unmap: flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0,
     })
-}
-
-/// Translates guest buffers to host iovecs, one per contiguous piece of a
-/// memory region. Fails on any byte outside guest memory.
-fn translate(
-    mem: &GuestMem,
-    bufs: &[Buf],
-    iovecs: &mut Vec<libc::iovec>,
-) -> Result<(), RequestError> {
-    iovecs.clear();
-    for b in bufs {
-        for slice in GuestMemoryBackend::get_slices(mem, b.addr, b.len as usize) {
-            let slice = slice.map_err(|_| RequestError::BadAddress)?;
-            iovecs.push(libc::iovec {
-                iov_base: slice.ptr_guard_mut().as_ptr().cast(),
-                iov_len: slice.len(),
-            });
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,8 +1,11 @@
 //! How ringblk drives a split virtqueue, on top of `virtio_queue::Queue`.
 //!
-//! `virtio_queue` owns the descriptor-chain walk and `next_avail`/`next_used`
-//! (which vhost-user's GET_VRING_BASE reads). What it does per request we
-//! do per batch, and what it reads back from shared memory we shadow:
+//! `virtio_queue`'s `Queue` keeps the ring's setup and `next_avail`/
+//! `next_used` (which vhost-user's GET_VRING_BASE reads). We read and write
+//! the rings ourselves, through a [`RingView`] translated once per pass,
+//! walking each chain as virtio-queue's `DescriptorChain` does
+//! ([`ViewChain`]). What virtio-queue does per request we do per batch,
+//! and what it reads back from shared memory we shadow:
 //!
 //! - **avail side**: one `avail->idx` load per batch (`Queue::iter`), never
 //!   one per request;
@@ -15,18 +18,16 @@
 //!   device writes is ever read back, so those cachelines move one way (the
 //!   device side of Linux's "shadow available ring flags & index").
 
+mod view;
+
 use std::num::Wrapping;
-use std::ops::Deref;
 use std::sync::atomic::{Ordering, fence};
 
 use virtio_bindings::virtio_ring::{VRING_AVAIL_F_NO_INTERRUPT, VRING_USED_F_NO_NOTIFY};
-use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemory};
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemory;
 
-/// `flags` + `idx` in front of both rings.
-const RING_HEADER: u64 = 4;
-const USED_ELEM: u64 = 8;
-const AVAIL_ELEM: u64 = 2;
+pub use view::{RingView, ViewChain};
 
 /// Errors reading or writing the ring itself. The driver set the ring's
 /// addresses, so a bad one is the driver's fault; the queue stops being
@@ -75,54 +76,67 @@ impl RingShadow {
     }
 
     /// Pops up to `limit` chains, calling `f` on each, with one read of
-    /// `avail->idx`. Returns how many were popped.
+    /// `avail->idx`. Returns how many were popped. As virtio-queue's
+    /// `Queue::iter`, refuses an `avail->idx` more than a ring ahead (the
+    /// driver would be asking for chains twice).
     pub fn pop<M, F>(
         &mut self,
         queue: &mut Queue,
-        mem: M,
+        view: &RingView<'_, M>,
         limit: usize,
         mut f: F,
     ) -> Result<usize, RingError>
     where
-        M: Clone + Deref,
-        M::Target: GuestMemory,
-        F: FnMut(DescriptorChain<M>),
+        M: GuestMemory + ?Sized,
+        F: FnMut(ViewChain<'_, '_, M>),
     {
         if limit == 0 {
             return Ok(0);
         }
-        let mut iter = queue.iter(mem)?;
-        let mut n = 0;
-        for chain in iter.by_ref().take(limit) {
-            f(chain);
-            n += 1;
+        if !queue.ready() || queue.avail_ring() == 0 {
+            return Err(RingError::Queue(virtio_queue::Error::QueueNotReady));
         }
-        // `take` stopped at the limit: whatever is left is known without
-        // another read. `next()` would pop it, so only peek by count.
-        self.more_avail = n == limit;
+        if view.size() == 0 {
+            // virtio-queue never sets a size of 0; refused rather than
+            // divided by.
+            return Err(RingError::Memory);
+        }
+        let next = queue.next_avail();
+        let waiting = view.avail_idx()?.wrapping_sub(next);
+        if waiting > view.size() {
+            return Err(RingError::Queue(virtio_queue::Error::InvalidAvailRingIndex));
+        }
+        let n = usize::from(waiting).min(limit);
+        for k in 0..n as u16 {
+            let slot = next.wrapping_add(k) % view.size();
+            let head = match view.avail_entry(slot) {
+                Ok(head) => head,
+                Err(e) => {
+                    queue.set_next_avail(next.wrapping_add(k));
+                    return Err(e);
+                }
+            };
+            f(view.chain(head));
+        }
+        queue.set_next_avail(next.wrapping_add(n as u16));
+        // What is left is known without another read.
+        self.more_avail = usize::from(waiting) > n;
         Ok(n)
     }
 
     /// Writes one used element at `next_used` without publishing it.
-    pub fn add_used<M>(
+    pub fn add_used<M: GuestMemory + ?Sized>(
         &mut self,
         queue: &mut Queue,
-        mem: &M,
+        view: &RingView<'_, M>,
         head: u16,
         len: u32,
-    ) -> Result<(), RingError>
-    where
-        M: GuestMemory,
-    {
-        let size = queue.size();
-        let slot = u64::from(queue.next_used() % size);
-        let addr = GuestAddress(queue.used_ring())
-            .checked_add(RING_HEADER + slot * USED_ELEM)
+    ) -> Result<(), RingError> {
+        let slot = queue
+            .next_used()
+            .checked_rem(view.size())
             .ok_or(RingError::Memory)?;
-        // struct virtq_used_elem { le32 id; le32 len; } as one 8-byte store.
-        let elem = u64::from(head) | (u64::from(len) << 32);
-        mem.write_obj(elem.to_le(), addr)
-            .map_err(|_| RingError::Memory)?;
+        view.set_used_elem(slot, head, len)?;
         queue.set_next_used(queue.next_used().wrapping_add(1));
         self.unpublished += 1;
         Ok(())
@@ -133,24 +147,24 @@ impl RingShadow {
     /// index; the driver's acquire load of `used->idx` (virtio_ring's
     /// `virtio_load_acquire`) then sees the elements. Returns how many were
     /// published.
-    pub fn publish<M: GuestMemory>(&mut self, queue: &Queue, mem: &M) -> Result<u16, RingError> {
+    pub fn publish<M: GuestMemory + ?Sized>(
+        &mut self,
+        queue: &Queue,
+        view: &RingView<'_, M>,
+    ) -> Result<u16, RingError> {
         let n = std::mem::take(&mut self.unpublished);
         if n > 0 {
-            let addr = GuestAddress(queue.used_ring())
-                .checked_add(2)
-                .ok_or(RingError::Memory)?;
-            mem.store(u16::to_le(queue.next_used()), addr, Ordering::Release)
-                .map_err(|_| RingError::Memory)?;
+            view.set_used_idx(queue.next_used())?;
         }
         Ok(n)
     }
 
     /// Decides, once for everything published since the last decision,
     /// whether the driver asked to be interrupted.
-    pub fn needs_notification<M: GuestMemory>(
+    pub fn needs_notification<M: GuestMemory + ?Sized>(
         &mut self,
         queue: &Queue,
-        mem: &M,
+        view: &RingView<'_, M>,
     ) -> Result<bool, RingError> {
         let new = Wrapping(queue.next_used());
         let old = std::mem::replace(&mut self.signalled_used, new);
@@ -163,20 +177,11 @@ impl RingShadow {
         // read used->idx).
         fence(Ordering::SeqCst);
         if queue.event_idx_enabled() {
-            let addr = GuestAddress(queue.avail_ring())
-                .checked_add(RING_HEADER + AVAIL_ELEM * u64::from(queue.size()))
-                .ok_or(RingError::Memory)?;
-            let used_event: u16 = mem
-                .load(addr, Ordering::Relaxed)
-                .map_err(|_| RingError::Memory)?;
             // vring_need_event(): notify iff used_event is in [old, new).
-            let used_event = Wrapping(u16::from_le(used_event));
+            let used_event = Wrapping(view.used_event()?);
             Ok(new - used_event - Wrapping(1) < new - old)
         } else {
-            let flags: u16 = mem
-                .load(GuestAddress(queue.avail_ring()), Ordering::Relaxed)
-                .map_err(|_| RingError::Memory)?;
-            Ok(u16::from_le(flags) & VRING_AVAIL_F_NO_INTERRUPT as u16 == 0)
+            Ok(view.avail_flags()? & VRING_AVAIL_F_NO_INTERRUPT as u16 == 0)
         }
     }
 
@@ -187,21 +192,21 @@ impl RingShadow {
     /// where `enable_kicks` put it, the driver's next request after each
     /// sleep would kick although we are polling: at depth 1 that is every
     /// request. Written once per drain, like the flag without EVENT_IDX.
-    pub fn disable_kicks<M: GuestMemory>(
+    pub fn disable_kicks<M: GuestMemory + ?Sized>(
         &mut self,
         queue: &Queue,
-        mem: &M,
+        view: &RingView<'_, M>,
     ) -> Result<(), RingError> {
         if queue.event_idx_enabled() {
             if self.kicks_off {
                 // Still behind: popping only moved `next_avail` further on.
                 return Ok(());
             }
-            self.set_avail_event(queue, mem, queue.next_avail().wrapping_sub(1))?;
+            self.set_avail_event(view, queue.next_avail().wrapping_sub(1))?;
             self.kicks_off = true;
             Ok(())
         } else {
-            self.set_used_flags(queue, mem, VRING_USED_F_NO_NOTIFY as u16)
+            self.set_used_flags(view, VRING_USED_F_NO_NOTIFY as u16)
         }
     }
 
@@ -209,60 +214,53 @@ impl RingShadow {
     /// Returns true if work arrived meanwhile: the caller must then go on
     /// draining instead of sleeping, or that request would wait for a kick
     /// the driver never sends.
-    pub fn enable_kicks<M: GuestMemory>(
+    pub fn enable_kicks<M: GuestMemory + ?Sized>(
         &mut self,
         queue: &Queue,
-        mem: &M,
+        view: &RingView<'_, M>,
     ) -> Result<bool, RingError> {
         if queue.event_idx_enabled() {
-            self.set_avail_event(queue, mem, queue.next_avail())?;
+            self.set_avail_event(view, queue.next_avail())?;
             self.kicks_off = false;
         } else {
-            self.set_used_flags(queue, mem, 0)?;
+            self.set_used_flags(view, 0)?;
         }
         // Our write above must be visible before we read avail->idx: the
         // driver writes avail->idx, full barrier, reads our flag/event.
         fence(Ordering::SeqCst);
-        self.avail_pending(queue, mem)
+        self.avail_pending(queue, view)
     }
 
     /// Writes `avail_event` (the used ring's trailing field) unless it
     /// already holds `value`.
-    fn set_avail_event<M: GuestMemory>(
+    fn set_avail_event<M: GuestMemory + ?Sized>(
         &mut self,
-        queue: &Queue,
-        mem: &M,
+        view: &RingView<'_, M>,
         value: u16,
     ) -> Result<(), RingError> {
         if self.avail_event != Some(value) {
-            let addr = GuestAddress(queue.used_ring())
-                .checked_add(RING_HEADER + USED_ELEM * u64::from(queue.size()))
-                .ok_or(RingError::Memory)?;
-            mem.store(u16::to_le(value), addr, Ordering::Relaxed)
-                .map_err(|_| RingError::Memory)?;
+            view.set_avail_event(value)?;
             self.avail_event = Some(value);
         }
         Ok(())
     }
 
     /// Reads `avail->idx` (acquire) and tells whether it moved past `next_avail`.
-    pub fn avail_pending<M: GuestMemory>(&self, queue: &Queue, mem: &M) -> Result<bool, RingError> {
-        Ok(queue.avail_idx(mem, Ordering::Acquire)?.0 != queue.next_avail())
+    pub fn avail_pending<M: GuestMemory + ?Sized>(
+        &self,
+        queue: &Queue,
+        view: &RingView<'_, M>,
+    ) -> Result<bool, RingError> {
+        Ok(view.avail_idx()? != queue.next_avail())
     }
 
-    fn set_used_flags<M: GuestMemory>(
+    fn set_used_flags<M: GuestMemory + ?Sized>(
         &mut self,
-        queue: &Queue,
-        mem: &M,
+        view: &RingView<'_, M>,
         flags: u16,
     ) -> Result<(), RingError> {
         if self.used_flags != Some(flags) {
-            mem.store(
-                u16::to_le(flags),
-                GuestAddress(queue.used_ring()),
-                Ordering::Relaxed,
-            )
-            .map_err(|_| RingError::Memory)?;
+            view.set_used_flags(flags)?;
             self.used_flags = Some(flags);
         }
         Ok(())

@@ -8,6 +8,8 @@
 //! the upper half of the avail ring and `used_event` (rust-vmm/vm-virtio
 //! PR #400). Ring tests on that layout read their own writes back.
 
+use std::sync::Arc;
+
 use virtio_queue::desc::split::VirtqUsedElem;
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::{DescriptorChain, Queue, QueueT};
@@ -44,10 +46,12 @@ pub fn guest_memory() -> GuestMem {
     .unwrap()
 }
 
-/// Limits most tests run against: 1 GiB, 512-byte blocks, 8 segments.
+/// The capacity most tests run against: 1 GiB.
+pub const CAPACITY: u64 = 1 << 21;
+
+/// Limits most tests run against: 512-byte blocks, 8 segments.
 pub fn limits() -> DeviceLimits {
     DeviceLimits {
-        capacity_sectors: 1 << 21,
         seg_max: 8,
         max_discard_sectors: 1024,
         max_write_zeroes_sectors: 2048,
@@ -63,6 +67,9 @@ pub fn status() -> Desc {
 /// The driver side of one split queue, plus the device's `Queue`.
 pub struct Driver<'a> {
     pub mem: &'a GuestMem,
+    /// The same memory as a snapshot requests can hold (its regions are
+    /// `mem`'s).
+    pub snapshot: Arc<GuestMem>,
     pub mock: MockSplitQueue<'a, GuestMem>,
     pub queue: Queue,
     avail_idx: u16,
@@ -76,6 +83,7 @@ impl<'a> Driver<'a> {
         assert_eq!(queue.used_ring(), USED);
         Driver {
             mem,
+            snapshot: Arc::new(mem.clone()),
             mock,
             queue,
             avail_idx: 0,
@@ -165,10 +173,17 @@ impl<'a> Driver<'a> {
         self.queue.iter(self.mem).unwrap().next().unwrap()
     }
 
-    /// Pops the next chain and parses it.
+    /// Pops the next chain and parses it (the device's capacity is
+    /// [`CAPACITY`]).
     pub fn parse(&mut self, limits: &DeviceLimits) -> Result<Request, Rejected> {
+        self.parse_at(limits, CAPACITY)
+    }
+
+    /// Pops the next chain and parses it for a device of `capacity` sectors.
+    pub fn parse_at(&mut self, limits: &DeviceLimits, capacity: u64) -> Result<Request, Rejected> {
         let size = self.size();
-        Request::parse(self.pop(), self.mem, limits, size)
+        let chain = self.pop();
+        Request::parse(chain, &self.snapshot, limits, capacity, size)
     }
 
     /// Posts `descs` and parses them.
@@ -236,13 +251,13 @@ pub fn host(mem: &GuestMem, addr: u64) -> usize {
 /// length), translated to host addresses.
 pub fn assert_iovecs(mem: &GuestMem, req: &Request, expected: &[(u64, usize)]) {
     let got: Vec<(usize, usize)> = req
-        .data
-        .0
+        .data()
+        .iovecs()
         .iter()
         .map(|v| (v.iov_base as usize, v.iov_len))
         .collect();
     let want: Vec<(usize, usize)> = expected.iter().map(|&(a, l)| (host(mem, a), l)).collect();
     assert_eq!(got, want);
     let total: usize = got.iter().map(|v| v.1).sum();
-    assert_eq!(total, req.data_len as usize);
+    assert_eq!(total, req.data_len() as usize);
 }

@@ -72,10 +72,10 @@ fn a_resize_is_announced_on_the_backend_channel() {
     let resize = resize_async(&api, 2 * SIZE);
     let mut hdr = [0u8; 12];
     channel.read_exact(&mut hdr).expect("CONFIG_CHANGE_MSG");
-    let word = |i: usize| u32::from_le_bytes(hdr[i..i + 4].try_into().unwrap());
-    assert_eq!(word(0), CONFIG_CHANGE_MSG);
-    assert_ne!(word(4) & FLAG_NEED_REPLY, 0, "REPLY_ACK was negotiated");
-    assert_eq!(word(8), 0, "no payload");
+    let got = ringblk::vhost::relay::wire::Header::from_bytes(&hdr);
+    assert_eq!(got.request, CONFIG_CHANGE_MSG);
+    assert_ne!(got.flags & FLAG_NEED_REPLY, 0, "REPLY_ACK was negotiated");
+    assert_eq!(got.size, 0, "no payload");
     // What QEMU does before it answers: read the configuration again.
     assert_eq!(capacity(&c), 2 * SIZE / 512);
     let mut reply = header(CONFIG_CHANGE_MSG, FLAG_VERSION | FLAG_REPLY, 8).to_vec();
@@ -172,7 +172,7 @@ fn ctl_async(
     rx
 }
 
-/// The channel's deadline (`vhost::backend_channel::DEADLINE`).
+/// The channel's deadline (`vhost::relay::channel::DEADLINE`).
 const DEADLINE: Duration = Duration::from_secs(2);
 
 /// A wedged channel delays `ctl resize` by the deadline and no more, and

@@ -8,7 +8,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use ringblk::vhost::inflight::queue_region_size;
+use ringblk::queue::inflight::queue_region_size;
 use ringblk::virtio::chain_writer::{link, readable as r, writable as w};
 use ringblk_testkit::frontend::*;
 use ringblk_testkit::{Daemon, MIB};

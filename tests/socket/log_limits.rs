@@ -17,7 +17,7 @@ const MOST_LINES: usize = 20;
 
 /// `struct VhostUserInflight` for one queue of 256, and its region size.
 fn inflight_one_queue() -> (Vec<u8>, u64) {
-    let need = ringblk::vhost::inflight::queue_region_size(256) as u64;
+    let need = ringblk::queue::inflight::queue_region_size(256) as u64;
     (inflight(need, 0, 1, 256), need)
 }
 

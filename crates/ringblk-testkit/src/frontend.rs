@@ -60,9 +60,11 @@ pub const GET_MAX_MEM_SLOTS: u32 = 36;
 pub const ADD_MEM_REG: u32 = 37;
 pub const REM_MEM_REG: u32 = 38;
 
-pub const FLAG_VERSION: u32 = 0x1;
-pub const FLAG_REPLY: u32 = 0x4;
-pub const FLAG_NEED_REPLY: u32 = 0x8;
+use ringblk::vhost::relay::wire::{HEADER_LEN, Header};
+/// Header flags: the daemon's own definitions (one place for the header).
+pub use ringblk::vhost::relay::wire::{
+    NEED_REPLY as FLAG_NEED_REPLY, REPLY as FLAG_REPLY, VERSION as FLAG_VERSION,
+};
 
 /// Virtio feature bits.
 pub const F_INDIRECT_DESC: u64 = 1 << 28;
@@ -85,12 +87,15 @@ pub const PROTOCOL: u64 = P_MQ | P_REPLY_ACK | P_CONFIG | P_INFLIGHT_SHMFD | P_C
 /// `SET_VRING_KICK`/`CALL` payload bit: no fd follows.
 pub const VRING_NOFD: u64 = 0x100;
 
-pub fn header(request: u32, flags: u32, size: u32) -> [u8; 12] {
-    let mut h = [0u8; 12];
-    h[0..4].copy_from_slice(&request.to_le_bytes());
-    h[4..8].copy_from_slice(&flags.to_le_bytes());
-    h[8..12].copy_from_slice(&size.to_le_bytes());
-    h
+/// A message header announcing `size` payload bytes (which a hostile
+/// test may then not send).
+pub fn header(request: u32, flags: u32, size: u32) -> [u8; HEADER_LEN] {
+    Header {
+        request,
+        flags,
+        size,
+    }
+    .to_bytes()
 }
 
 /// Payload of SET_VRING_NUM/BASE/ENABLE and GET_VRING_BASE.
@@ -286,7 +291,7 @@ impl Conn {
     /// Reads one message; `None` when the daemon closed the connection.
     /// Panics if nothing comes within `ANSWER_TIMEOUT`.
     pub fn recv(&self) -> Option<Msg> {
-        let mut hdr = [0u8; 12];
+        let mut hdr = [0u8; HEADER_LEN];
         let (n, fd) = match self.sock.recv_with_fd(&mut hdr) {
             Ok(r) => r,
             Err(e) => {
@@ -308,8 +313,11 @@ impl Conn {
         if !rest(&mut hdr[n..]) {
             return None;
         }
-        let word = |i: usize| u32::from_le_bytes(hdr[i..i + 4].try_into().unwrap());
-        let (request, flags, size) = (word(0), word(4), word(8));
+        let Header {
+            request,
+            flags,
+            size,
+        } = Header::from_bytes(&hdr);
         assert!(
             size <= 64 * 1024,
             "the daemon announced a reply of {size} bytes"

@@ -21,25 +21,22 @@
 //!   acknowledged write is on the OSDs, which is what kill -9, migration
 //!   and `--writethrough` need; a flush is then cheap.
 //! - Room: a fixed number of slots (the queue size), as with io_uring.
-//! - No busy-polling ([`Engine::polling_pays`]): librbd completes from its
+//! - No busy-polling ([`Completions::Signalled`]): librbd completes from its
 //!   own threads, tens to hundreds of µs apart, beyond a poll window.
 
 pub mod client;
 
-use std::collections::VecDeque;
 use std::io;
-use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use slab::Slab;
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
 
-use super::{Completion, Engine, Full, Io, Op};
+use super::{Completions, Engine, Io, Op, Start};
 use crate::io::RbdSpec;
 use crate::metrics::RateLimiter;
-use crate::virtio::{GuestMem, RequestKind};
+use crate::virtio::Status;
 use crate::warn_limited;
 use client::{Aio, Cluster, CompletionList, Done, Image, Pool, RbdError};
 
@@ -103,17 +100,28 @@ impl RbdDisk {
             taken: Vec::with_capacity(entries),
             slots: Slab::with_capacity(entries),
             entries,
-            done: VecDeque::with_capacity(entries),
             log_limit: RateLimiter::new(10, Duration::from_secs(5)),
-            unflushed: false,
         })
+    }
+}
+
+/// Resizing goes through the handle the queues share: growing it there
+/// lets them write past the old end at once. `rbd_resize` and
+/// `rbd_get_size` are synchronous; the control API calls them on its own
+/// thread, never a worker's.
+impl crate::device::Resizable for Image {
+    fn size(&self) -> io::Result<u64> {
+        Image::size(self).map_err(io::Error::other)
+    }
+
+    fn set_size(&self, size: u64) -> io::Result<()> {
+        self.resize(size).map_err(io::Error::other)
     }
 }
 
 /// A request librbd is executing.
 struct Slot {
     io: Io,
-    op: Op,
     aio: Aio,
 }
 
@@ -130,64 +138,49 @@ pub struct RbdEngine {
     /// holds more than `entries`.
     slots: Slab<Slot>,
     entries: usize,
-    /// Finished without librbd (empty transfers, failures to start), not
-    /// yet reaped; never longer than `entries`.
-    done: VecDeque<Completion>,
     log_limit: RateLimiter,
-    /// Something changed on the image since the last completed flush.
-    unflushed: bool,
 }
 
 // SAFETY: the raw pointers inside (iovecs of requests in flight, librbd
-// completions and their callback tags) point into memory each `Io` holds,
+// completions and their callback tags) point into memory each request holds,
 // at librbd objects that may be used from any thread, or at tags only
 // librbd's callback reads; the engine is moved to its queue's thread once
 // and used only there.
 unsafe impl Send for RbdEngine {}
 
 impl RbdEngine {
-    fn finish_now(&mut self, io: Io, status: u8) {
-        self.note_durability(&io, status);
-        let written = written(&io, status);
-        self.done.push_back(Completion {
-            io,
-            status,
-            written,
-        });
-    }
-
-    /// Starts `op` in librbd; the result is 0 or -errno.
-    fn start(&self, slot: &Slot) -> i32 {
-        let req = &slot.io.req;
-        let (iov, n) = (req.data.0.as_ptr(), req.data.0.len());
+    /// Starts the slot's operation in librbd; the result is 0 or -errno.
+    fn start_slot(&self, slot: &Slot) -> i32 {
+        let io = &slot.io;
+        let iovecs = io.req().data().iovecs();
+        let (iov, n, offset) = (iovecs.as_ptr(), iovecs.len(), io.at().offset);
         let Ok(n) = i32::try_from(n) else {
             return -libc::EINVAL;
         };
-        match slot.op {
+        match io.op() {
             // SAFETY: the iovecs are the request's own (heap memory of its
-            // `HostBuffers`, which does not move) and point into guest
-            // memory kept mapped by its `Io::mem`; the slot holding both
-            // stays in the slab until librbd has completed the operation
-            // (`reap`, or `Drop`, which waits for each). A read's buffers
-            // are device-writable (checked by the parser).
-            Op::Read => unsafe { self.image.aio_readv(iov, n, req.offset(), &slot.aio) },
+            // `GuestBuffers`, which does not move) and point into guest
+            // memory its buffers keep mapped; the slot holding both stays
+            // in the slab until librbd has completed the operation (`reap`,
+            // or `Drop`, which waits for each). A read's buffers are
+            // device-writable (checked by the parser).
+            Op::Read => unsafe { self.image.aio_readv(iov, n, offset, &slot.aio) },
             // SAFETY: as for the read; a write's buffers are only read.
-            Op::Write => unsafe { self.image.aio_writev(iov, n, req.offset(), &slot.aio) },
+            Op::Write => unsafe { self.image.aio_writev(iov, n, offset, &slot.aio) },
             Op::Flush => self.image.aio_flush(&slot.aio),
-            Op::Discard(r) => self.image.aio_discard(r.offset(), r.len(), &slot.aio),
-            Op::WriteZeroes(r) => {
-                self.image
-                    .aio_write_zeroes(r.offset(), r.len(), !r.unmap, &slot.aio)
-            }
+            Op::Discard(r) => self.image.aio_discard(offset, r.len(), &slot.aio),
+            Op::WriteZeroes(r) => self
+                .image
+                .aio_write_zeroes(offset, r.len(), !r.unmap, &slot.aio),
         }
     }
 
     /// The status of a request librbd finished with `res` (bytes, 0, or
     /// -errno). virtio-blk has three statuses; every errno is an I/O error
     /// except where the operation is a hint.
-    fn status(&mut self, op: Op, io: &Io, res: isize) -> u8 {
-        let data_len = io.req.data_len as isize;
-        let ok = VIRTIO_BLK_S_OK as u8;
+    fn status(&mut self, io: &Io, res: isize) -> Status {
+        let (op, data_len) = (io.op(), io.req().data_len() as isize);
+        let ok = Status::Ok;
         match (op, res) {
             // A read completes with the bytes read; a write with 0 (librbd
             // 16) or, in other versions, the bytes written.
@@ -205,60 +198,42 @@ impl RbdEngine {
                 warn_limited!(
                     self.log_limit,
                     "RBD {op:?} at offset {} failed: {err}",
-                    io.req.offset()
+                    io.at().offset
                 );
-                VIRTIO_BLK_S_IOERR as u8
+                Status::IoErr
             }
-        }
-    }
-
-    fn note_durability(&mut self, io: &Io, status: u8) {
-        match io.req.kind {
-            RequestKind::Flush if u32::from(status) == VIRTIO_BLK_S_OK => self.unflushed = false,
-            RequestKind::Write { .. } | RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => {
-                self.unflushed = true
-            }
-            _ => {}
         }
     }
 }
 
 impl Engine for RbdEngine {
-    fn submit(&mut self, io: Io) -> Result<(), Full> {
+    fn start(&mut self, io: Io) -> Start {
         if self.room() == 0 {
-            return Err(Full(io));
-        }
-        let Some(op) = Op::of(io.req.kind) else {
-            self.finish_now(io, VIRTIO_BLK_S_UNSUPP as u8);
-            return Ok(());
-        };
-        if matches!(op, Op::Read | Op::Write) && io.req.data_len == 0 {
-            self.finish_now(io, VIRTIO_BLK_S_OK as u8);
-            return Ok(());
+            return Start::Full(io);
         }
         let entry = self.slots.vacant_entry();
         let aio = match Aio::new(entry.key(), &self.completed) {
             Ok(aio) => aio,
             Err(e) => {
                 warn_limited!(self.log_limit, "RBD: {e}");
-                self.finish_now(io, VIRTIO_BLK_S_IOERR as u8);
-                return Ok(());
+                return Start::Done(io, Status::IoErr);
             }
         };
         let key = entry.key();
-        entry.insert(Slot { io, op, aio });
-        let r = self.start(&self.slots[key]);
+        entry.insert(Slot { io, aio });
+        let r = self.start_slot(&self.slots[key]);
         if r < 0 {
             // Not started: librbd holds nothing of it.
             let slot = self.slots.remove(key);
             warn_limited!(
                 self.log_limit,
-                "RBD {op:?} could not start: {}",
+                "RBD {:?} could not start: {}",
+                slot.io.op(),
                 io::Error::from_raw_os_error(-r)
             );
-            self.finish_now(slot.io, VIRTIO_BLK_S_IOERR as u8);
+            return Start::Done(slot.io, Status::IoErr);
         }
-        Ok(())
+        Start::Submitted
     }
 
     /// librbd starts each operation when it is submitted.
@@ -266,9 +241,8 @@ impl Engine for RbdEngine {
         Ok(0)
     }
 
-    fn reap(&mut self, mut f: impl FnMut(Completion)) -> u32 {
-        let mut n = self.done.len() as u32;
-        self.done.drain(..).for_each(&mut f);
+    fn reap(&mut self, mut f: impl FnMut(Io, Status)) -> u32 {
+        let mut n = 0;
         let mut taken = std::mem::take(&mut self.taken);
         self.completed.take(&mut taken);
         for d in taken.drain(..) {
@@ -285,16 +259,10 @@ impl Engine for RbdEngine {
                 );
                 continue;
             };
-            let status = self.status(slot.op, &slot.io, slot.aio.result());
-            self.note_durability(&slot.io, status);
-            let written = written(&slot.io, status);
+            let status = self.status(&slot.io, slot.aio.result());
             // The completion is released here, after librbd is done.
             drop(slot.aio);
-            f(Completion {
-                io: slot.io,
-                status,
-                written,
-            });
+            f(slot.io, status);
             n += 1;
         }
         self.taken = taken;
@@ -306,12 +274,12 @@ impl Engine for RbdEngine {
     }
 
     fn in_flight(&self) -> usize {
-        self.slots.len() + self.done.len()
+        self.slots.len()
     }
 
     /// Sleeps on the eventfd until librbd's callback signals a completion.
     fn wait(&mut self) -> io::Result<()> {
-        if !self.done.is_empty() || self.slots.is_empty() || !self.completed.is_empty() {
+        if self.slots.is_empty() || !self.completed.is_empty() {
             return Ok(());
         }
         // Anything pushed from here on finds the list empty and writes
@@ -335,37 +303,18 @@ impl Engine for RbdEngine {
         Ok(())
     }
 
-    fn has_completions(&mut self) -> bool {
-        !self.done.is_empty() || !self.completed.is_empty()
-    }
-
-    fn completion_fd(&self) -> Option<RawFd> {
-        Some(self.completed.fd())
-    }
-
-    fn clear_completion_fd(&self) {
-        self.completed.clear_fd();
-    }
-
-    fn must_poll(&self) -> bool {
-        false
-    }
-
     /// librbd completes on its own threads, rarely within a poll window:
     /// polling found work in at most 7 % of its windows and cost IOPS
     /// (docs/benchmarks.md, "Busy-polling does not pay on RBD").
-    fn polling_pays(&self) -> bool {
-        false
+    fn completions(&self) -> Completions {
+        Completions::Signalled {
+            fd: self.completed.fd(),
+            polling_pays: false,
+        }
     }
 
-    fn set_memory(&mut self, _mem: &Arc<GuestMem>) {}
-
-    fn make_durable(&mut self) -> io::Result<()> {
-        if self.unflushed {
-            self.image.flush().map_err(io::Error::other)?;
-            self.unflushed = false;
-        }
-        Ok(())
+    fn flush(&mut self) -> io::Result<()> {
+        self.image.flush().map_err(io::Error::other)
     }
 
     fn reset(&mut self) {
@@ -382,14 +331,5 @@ impl Drop for RbdEngine {
         for slot in self.slots.drain() {
             slot.aio.wait();
         }
-    }
-}
-
-/// Bytes written into the guest's buffers by a request that ended with
-/// `status`.
-fn written(io: &Io, status: u8) -> u32 {
-    match io.req.kind {
-        RequestKind::Read { .. } if u32::from(status) == VIRTIO_BLK_S_OK => io.req.data_len,
-        _ => 0,
     }
 }

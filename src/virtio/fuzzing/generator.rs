@@ -14,17 +14,19 @@ use crate::virtio::chain_writer::{
 use crate::virtio::request::MAX_DATA_BYTES;
 use crate::virtio::{DeviceLimits, GuestMem, SECTOR_SHIFT};
 
-pub(super) fn pick_limits(input: &mut Input) -> DeviceLimits {
+/// The device's limits and its capacity in sectors.
+pub(super) fn pick_limits(input: &mut Input) -> (DeviceLimits, u64) {
     let cfg = input.byte();
     let block_size = if cfg & 1 != 0 { 4096 } else { 512 };
-    DeviceLimits {
-        // Whole 4 KiB blocks, from 16 MiB to 2^59 bytes.
-        capacity_sectors: 8u64 << (12 + input.below(36)),
+    // Whole 4 KiB blocks, from 16 MiB to 2^59 bytes.
+    let capacity_sectors = 8u64 << (12 + input.below(36));
+    let limits = DeviceLimits {
         block_size,
         readonly: cfg & 14 == 14,
         seg_max: [1, 4, 8, 126, 254][input.below(5) as usize],
         ..DeviceLimits::default()
-    }
+    };
+    (limits, capacity_sectors)
 }
 
 /// A chain as the generator meant it.
@@ -42,16 +44,22 @@ type ForcedNext = Option<(usize, u16)>;
 pub(super) struct Generator<'a> {
     mem: &'a GuestMem,
     limits: DeviceLimits,
+    capacity_sectors: u64,
     next_data: u64,
     free_slot: u16,
     queue_size: u16,
 }
 
 impl<'a> Generator<'a> {
-    pub(super) fn new(mem: &'a GuestMem, limits: DeviceLimits, queue_size: u16) -> Self {
+    pub(super) fn new(
+        mem: &'a GuestMem,
+        (limits, capacity_sectors): (DeviceLimits, u64),
+        queue_size: u16,
+    ) -> Self {
         Generator {
             mem,
             limits,
+            capacity_sectors,
             next_data: DATA,
             free_slot: 0,
             queue_size,
@@ -145,7 +153,7 @@ impl<'a> Generator<'a> {
     }
 
     fn sector(&self, input: &mut Input) -> u64 {
-        let cap = self.limits.capacity_sectors;
+        let cap = self.capacity_sectors;
         let align = u64::from(self.limits.block_size >> SECTOR_SHIFT);
         let s = match input.below(16) {
             0 => 0,

@@ -3,7 +3,7 @@
 //! status byte (`Rejected::status`) matters as much as the error: with
 //! `None`, the used element carries length 0 and nothing is written.
 
-use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
 use vm_memory::GuestAddress;
 
 use super::*;
@@ -14,7 +14,7 @@ fn ill_formed(res: Result<Request, Rejected>, status: Option<u64>) {
     let rej = res.expect_err("chain should be refused");
     assert_eq!(rej.error, RequestError::IllFormedChain);
     assert_eq!(rej.status, status.map(GuestAddress));
-    assert_eq!(rej.error.status(), VIRTIO_BLK_S_IOERR as u8);
+    assert_eq!(rej.error.status(), crate::virtio::Status::IoErr);
 }
 
 fn setup(mem: &GuestMem) -> Driver<'_> {
@@ -125,7 +125,7 @@ fn chain_using_the_whole_table_is_fine() {
         ..limits()
     };
     let req = d.parse_chain(&l, &descs).unwrap();
-    assert_eq!(req.data.0.len(), 14);
+    assert_eq!(req.data().iovecs().len(), 14);
 }
 
 #[test]
@@ -149,10 +149,10 @@ fn indirect_table_is_followed() {
     let req = d
         .parse_chain(&limits(), &[indirect(TABLE, 4 * 16)])
         .unwrap();
-    assert_eq!(req.kind, RequestKind::Read { sector: 0 });
-    assert_eq!(req.data_len, 5120);
+    assert_eq!(req.kind(), RequestKind::Read { sector: 0 });
+    assert_eq!(req.data_len(), 5120);
     assert_iovecs(&mem, &req, &[(DATA, 4096), (DATA + 0x2000, 1024)]);
-    assert_eq!(req.status, GuestAddress(STATUS));
+    assert_eq!(req.status_addr(), GuestAddress(STATUS));
     // The indirect descriptor's WRITE flag is ignored (virtio 1.2, 2.7.5.3.2).
     let mut desc = indirect(TABLE, 4 * 16);
     desc.flags |= WRITE;
@@ -219,7 +219,7 @@ fn indirect_chain_longer_than_the_queue_within_seg_max() {
     let req = d
         .parse_chain(&l, &[indirect(TABLE, 66 * 16)])
         .expect("a valid request");
-    assert_eq!(req.data_len, 64 * 512);
+    assert_eq!(req.data_len(), 64 * 512);
 }
 
 /// Past both the queue size and seg_max + 2, the chain is ill-formed,

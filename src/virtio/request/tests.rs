@@ -2,17 +2,18 @@
 //! rule checked against the device limits.
 
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH,
-    VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_SECURE_ERASE,
-    VIRTIO_BLK_T_WRITE_ZEROES, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
+    VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_SECURE_ERASE, VIRTIO_BLK_T_WRITE_ZEROES,
+    VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
 };
 use vm_memory::GuestAddress;
 
 use super::*;
+use crate::virtio::Status;
 use crate::virtio::testing::*;
 
-const IOERR: u8 = VIRTIO_BLK_S_IOERR as u8;
-const UNSUPP: u8 = VIRTIO_BLK_S_UNSUPP as u8;
+const IOERR: Status = Status::IoErr;
+const UNSUPP: Status = Status::Unsupp;
 
 /// Parses `descs` as one chain after writing a header of `req_type` at `sector`.
 fn parse(
@@ -21,10 +22,22 @@ fn parse(
     sector: u64,
     descs: &[Desc],
 ) -> Result<Request, Rejected> {
+    parse_at(limits, CAPACITY, req_type, sector, descs)
+}
+
+/// [`parse`] for a device of `capacity` sectors.
+fn parse_at(
+    limits: &DeviceLimits,
+    capacity: u64,
+    req_type: u32,
+    sector: u64,
+    descs: &[Desc],
+) -> Result<Request, Rejected> {
     let mem = guest_memory();
     let mut d = Driver::new(&mem, 16);
     d.header(req_type, sector);
-    d.parse_chain(limits, descs)
+    d.post(descs);
+    d.parse_at(limits, capacity)
 }
 
 /// Asserts a rejection with a status byte at `STATUS`, and returns its error.
@@ -44,11 +57,11 @@ fn read_translates_every_buffer() {
         &[r(HDR, 16), w(DATA, 4096), w(DATA + 0x8000, 512), status()],
     );
     let req = d.parse(&limits()).unwrap();
-    assert_eq!(req.head, head);
-    assert_eq!(req.kind, RequestKind::Read { sector: 8 });
-    assert_eq!(req.data_len, 4608);
+    assert_eq!(req.head(), head);
+    assert_eq!(req.kind(), RequestKind::Read { sector: 8 });
+    assert_eq!(req.data_len(), 4608);
     assert_iovecs(&mem, &req, &[(DATA, 4096), (DATA + 0x8000, 512)]);
-    assert_eq!(req.status, GuestAddress(STATUS));
+    assert_eq!(req.status_addr(), GuestAddress(STATUS));
     assert_eq!(req.offset(), 8 * 512);
     assert_eq!(req.written_len(), 4608);
 }
@@ -62,9 +75,9 @@ fn write_takes_readable_data() {
         &[r(HDR, 16), r(DATA, 1024), status()],
     )
     .unwrap();
-    assert_eq!(req.kind, RequestKind::Write { sector: 100 });
-    assert_eq!(req.data_len, 1024);
-    assert_eq!(req.data.0.len(), 1);
+    assert_eq!(req.kind(), RequestKind::Write { sector: 100 });
+    assert_eq!(req.data_len(), 1024);
+    assert_eq!(req.data().iovecs().len(), 1);
     assert_eq!(req.written_len(), 0);
     assert_eq!(req.offset(), 100 * 512);
 }
@@ -77,7 +90,7 @@ fn write_data_may_share_the_header_descriptor() {
     let req = d
         .parse_chain(&limits(), &[r(HDR, 16 + 512), status()])
         .unwrap();
-    assert_eq!(req.data_len, 512);
+    assert_eq!(req.data_len(), 512);
     assert_iovecs(&mem, &req, &[(HDR + 16, 512)]);
 }
 
@@ -89,8 +102,8 @@ fn status_is_the_last_byte_of_the_last_writable_descriptor() {
     let req = d
         .parse_chain(&limits(), &[r(HDR, 16), w(DATA, 513)])
         .unwrap();
-    assert_eq!(req.status, GuestAddress(DATA + 512));
-    assert_eq!(req.data_len, 512);
+    assert_eq!(req.status_addr(), GuestAddress(DATA + 512));
+    assert_eq!(req.data_len(), 512);
     assert_iovecs(&mem, &req, &[(DATA, 512)]);
 }
 
@@ -107,8 +120,8 @@ fn header_may_span_two_descriptors() {
     let req = d
         .parse_chain(&limits(), &[r(lo, 10), r(hi, 6), w(DATA, 512), status()])
         .unwrap();
-    assert_eq!(req.kind, RequestKind::Read { sector: 24 });
-    assert_eq!(req.data_len, 512);
+    assert_eq!(req.kind(), RequestKind::Read { sector: 24 });
+    assert_eq!(req.data_len(), 512);
 }
 
 #[test]
@@ -119,7 +132,7 @@ fn header_across_two_adjacent_regions_is_read() {
     let req = d
         .parse_chain(&limits(), &[r(C - 8, 16), w(DATA, 512), status()])
         .unwrap();
-    assert_eq!(req.kind, RequestKind::Read { sector: 0x1234 });
+    assert_eq!(req.kind(), RequestKind::Read { sector: 0x1234 });
 }
 
 #[test]
@@ -150,8 +163,8 @@ fn zero_length_writable_buffers_are_dropped() {
 #[test]
 fn flush_has_no_data() {
     let req = parse(&limits(), VIRTIO_BLK_T_FLUSH, 0, &[r(HDR, 16), status()]).unwrap();
-    assert_eq!(req.kind, RequestKind::Flush);
-    assert_eq!((req.data_len, req.data.0.len()), (0, 0));
+    assert_eq!(req.kind(), RequestKind::Flush);
+    assert_eq!((req.data_len(), req.data().iovecs().len()), (0, 0));
     assert_eq!(req.written_len(), 0);
 }
 
@@ -164,8 +177,8 @@ fn get_id_writes_at_most_twenty_bytes() {
         &[r(HDR, 16), w(DATA, 20), status()],
     )
     .unwrap();
-    assert_eq!(req.kind, RequestKind::GetId);
-    assert_eq!(req.data_len, 20);
+    assert_eq!(req.kind(), RequestKind::GetId);
+    assert_eq!(req.data_len(), 20);
     assert_eq!(req.written_len(), 20);
     let req = parse(
         &limits(),
@@ -174,7 +187,7 @@ fn get_id_writes_at_most_twenty_bytes() {
         &[r(HDR, 16), w(DATA, 64), status()],
     )
     .unwrap();
-    assert_eq!((req.data_len, req.written_len()), (64, 20));
+    assert_eq!((req.data_len(), req.written_len()), (64, 20));
     let req = parse(
         &limits(),
         VIRTIO_BLK_T_GET_ID,
@@ -193,11 +206,24 @@ fn parse_range(
     n: u32,
     flags: u32,
 ) -> Result<Request, Rejected> {
+    parse_range_at(limits, CAPACITY, req_type, sector, n, flags)
+}
+
+/// [`parse_range`] for a device of `capacity` sectors.
+fn parse_range_at(
+    limits: &DeviceLimits,
+    capacity: u64,
+    req_type: u32,
+    sector: u64,
+    n: u32,
+    flags: u32,
+) -> Result<Request, Rejected> {
     let mem = guest_memory();
     let mut d = Driver::new(&mem, 16);
     d.header(req_type, 0);
     d.range_at(RANGE, sector, n, flags);
-    d.parse_chain(limits, &[r(HDR, 16), r(RANGE, 16), status()])
+    d.post(&[r(HDR, 16), r(RANGE, 16), status()]);
+    d.parse_at(limits, capacity)
 }
 
 #[test]
@@ -208,17 +234,17 @@ fn discard_parses_its_range() {
         num_sectors: 128,
         unmap: false,
     };
-    assert_eq!(req.kind, RequestKind::Discard(range));
+    assert_eq!(req.kind(), RequestKind::Discard(range));
     assert_eq!((range.offset(), range.len()), (64 * 512, 128 * 512));
     assert!(!range.is_empty());
     assert_eq!(req.offset(), 64 * 512);
-    assert_eq!((req.data_len, req.written_len()), (0, 0));
+    assert_eq!((req.data_len(), req.written_len()), (0, 0));
 }
 
 #[test]
 fn empty_range_is_valid() {
     let req = parse_range(&limits(), VIRTIO_BLK_T_DISCARD, 64, 0, 0).unwrap();
-    assert!(matches!(req.kind, RequestKind::Discard(r) if r.is_empty()));
+    assert!(matches!(req.kind(), RequestKind::Discard(r) if r.is_empty()));
 }
 
 #[test]
@@ -231,7 +257,7 @@ fn write_zeroes_with_and_without_unmap() {
             num_sectors: 16,
             unmap: want,
         };
-        assert_eq!(req.kind, RequestKind::WriteZeroes(range));
+        assert_eq!(req.kind(), RequestKind::WriteZeroes(range));
     }
 }
 
@@ -247,7 +273,7 @@ fn range_may_span_two_descriptors() {
             &[r(HDR, 16), r(RANGE, 8), r(RANGE + 8, 8), status()],
         )
         .unwrap();
-    assert!(matches!(req.kind, RequestKind::Discard(r) if r.sector == 32 && r.num_sectors == 8));
+    assert!(matches!(req.kind(), RequestKind::Discard(r) if r.sector == 32 && r.num_sectors == 8));
 }
 
 #[test]
@@ -263,7 +289,7 @@ fn unknown_types_are_unsupported() {
 #[test]
 fn range_must_fit_the_capacity() {
     let l = limits();
-    let cap = l.capacity_sectors;
+    let cap = CAPACITY;
     let read = |sector, len| {
         parse(
             &l,
@@ -284,27 +310,26 @@ fn range_must_fit_the_capacity() {
 #[test]
 fn sector_arithmetic_must_not_overflow() {
     // With the capacity at the maximum, only the overflow check can refuse.
-    let l = DeviceLimits {
-        capacity_sectors: u64::MAX,
-        ..limits()
-    };
-    let res = parse(
+    let (l, max) = (limits(), u64::MAX);
+    let res = parse_at(
         &l,
+        max,
         VIRTIO_BLK_T_OUT,
         u64::MAX,
         &[r(HDR, 16), r(DATA, 512), status()],
     );
     assert_eq!(rejected(res), RequestError::OutOfRange);
-    let res = parse(
+    let res = parse_at(
         &l,
+        max,
         VIRTIO_BLK_T_IN,
         u64::MAX - 1,
         &[r(HDR, 16), w(DATA, 1024), status()],
     );
     assert_eq!(rejected(res), RequestError::OutOfRange);
-    let res = parse_range(&l, VIRTIO_BLK_T_DISCARD, u64::MAX - 3, 8, 0);
+    let res = parse_range_at(&l, max, VIRTIO_BLK_T_DISCARD, u64::MAX - 3, 8, 0);
     assert_eq!(rejected(res), RequestError::OutOfRange);
-    let res = parse_range(&l, VIRTIO_BLK_T_WRITE_ZEROES, u64::MAX, 1, 0);
+    let res = parse_range_at(&l, max, VIRTIO_BLK_T_WRITE_ZEROES, u64::MAX, 1, 0);
     assert_eq!(rejected(res), RequestError::OutOfRange);
 }
 
@@ -324,7 +349,7 @@ fn data_length_must_be_whole_sectors() {
         0,
         &[r(HDR, 16), r(DATA, 100), r(DATA + 0x1000, 412), status()],
     );
-    assert_eq!(res.unwrap().data_len, 512);
+    assert_eq!(res.unwrap().data_len(), 512);
     let res = parse(
         &limits(),
         VIRTIO_BLK_T_IN,
@@ -472,7 +497,7 @@ fn at_most_seg_max_data_segments() {
         v
     };
     let req = parse(&l, VIRTIO_BLK_T_IN, 0, &chain(8)).unwrap();
-    assert_eq!(req.data.0.len(), 8);
+    assert_eq!(req.data().iovecs().len(), 8);
     assert_eq!(
         rejected(parse(&l, VIRTIO_BLK_T_IN, 0, &chain(9))),
         RequestError::TooManySegments
@@ -481,7 +506,14 @@ fn at_most_seg_max_data_segments() {
     let mut v = chain(8);
     v.pop();
     v.last_mut().unwrap().len += 1;
-    assert_eq!(parse(&l, VIRTIO_BLK_T_IN, 0, &v).unwrap().data.0.len(), 8);
+    assert_eq!(
+        parse(&l, VIRTIO_BLK_T_IN, 0, &v)
+            .unwrap()
+            .data()
+            .iovecs()
+            .len(),
+        8
+    );
     assert_eq!(RequestError::TooManySegments.status(), IOERR);
 }
 
@@ -522,7 +554,7 @@ fn ranges_are_bounded() {
     assert_eq!(rejected(res), RequestError::RangeTooLong);
     assert_eq!(RequestError::RangeTooLong.status(), IOERR);
     // Within the maximum but past the capacity.
-    let cap = l.capacity_sectors;
+    let cap = CAPACITY;
     assert_eq!(
         rejected(parse_range(&l, VIRTIO_BLK_T_DISCARD, cap - 4, 8, 0)),
         RequestError::OutOfRange

@@ -134,21 +134,23 @@ fn post_reads(d: &mut Driver, n: u16) {
 /// once, decide once, re-enable kicks. Returns (popped, work pending).
 fn pass(shadow: &mut RingShadow, d: &mut Driver, mem: &Counting) -> (usize, bool) {
     let size = d.size();
-    shadow.disable_kicks(&d.queue, mem).unwrap();
+    let view = RingView::scattered(&d.queue, mem);
+    shadow.disable_kicks(&d.queue, &view).unwrap();
     let mut reqs = Vec::new();
+    let snapshot = d.snapshot.clone();
     let n = shadow
-        .pop(&mut d.queue, mem, usize::from(size), |chain| {
-            reqs.push(Request::parse(chain, &mem.inner, &limits(), size).unwrap());
+        .pop(&mut d.queue, &view, usize::from(size), |chain| {
+            reqs.push(Request::parse(chain, &snapshot, &limits(), CAPACITY, size).unwrap());
         })
         .unwrap();
     for req in &reqs {
         shadow
-            .add_used(&mut d.queue, mem, req.head, req.written_len() + 1)
+            .add_used(&mut d.queue, &view, req.head(), req.written_len() + 1)
             .unwrap();
     }
-    shadow.publish(&d.queue, mem).unwrap();
-    shadow.needs_notification(&d.queue, mem).unwrap();
-    let pending = shadow.enable_kicks(&d.queue, mem).unwrap();
+    shadow.publish(&d.queue, &view).unwrap();
+    shadow.needs_notification(&d.queue, &view).unwrap();
+    let pending = shadow.enable_kicks(&d.queue, &view).unwrap();
     (n, pending)
 }
 
@@ -198,7 +200,8 @@ fn a_full_ring_is_one_read_too() {
         d.post_at(k, &[status()]);
     }
     mem.log.borrow_mut().clear();
-    let n = shadow.pop(&mut d.queue, &mem, 16, |_| {}).unwrap();
+    let view = RingView::scattered(&d.queue, &mem);
+    let n = shadow.pop(&mut d.queue, &view, 16, |_| {}).unwrap();
     assert_eq!(n, 16);
     let t = mem.tally(&d);
     assert_eq!((t.avail_idx_reads, t.avail_entry_reads), (1, 16));
@@ -251,10 +254,11 @@ fn limited_pops_read_the_index_once_each() {
     shadow.reset(&d.queue);
     post_reads(&mut d, 6);
     mem.log.borrow_mut().clear();
-    assert_eq!(shadow.pop(&mut d.queue, &mem, 4, |_| {}).unwrap(), 4);
+    let view = RingView::scattered(&d.queue, &mem);
+    assert_eq!(shadow.pop(&mut d.queue, &view, 4, |_| {}).unwrap(), 4);
     assert!(shadow.more_avail());
-    assert_eq!(shadow.pop(&mut d.queue, &mem, 4, |_| {}).unwrap(), 2);
-    assert_eq!(shadow.pop(&mut d.queue, &mem, 0, |_| {}).unwrap(), 0);
+    assert_eq!(shadow.pop(&mut d.queue, &view, 4, |_| {}).unwrap(), 2);
+    assert_eq!(shadow.pop(&mut d.queue, &view, 0, |_| {}).unwrap(), 0);
     let t = mem.tally(&d);
     assert_eq!((t.avail_idx_reads, t.avail_entry_reads), (2, 6));
 }

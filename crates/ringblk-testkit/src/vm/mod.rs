@@ -333,7 +333,7 @@ pub fn daemon_command(spec: &DaemonSpec<'_>, backend: Backend) -> (Command, &'st
             if std::env::var_os("RUST_LOG").is_none() {
                 c.env(
                     "RUST_LOG",
-                    "info,virtio_queue=off,ringblk::vhost::proxy=debug",
+                    "info,virtio_queue=off,ringblk::vhost::relay=debug",
                 );
             }
             (c, SERIAL)

@@ -21,7 +21,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use vhost::vhost_user::message::{BackendReq, VhostUserHeaderFlag};
+use vhost::vhost_user::message::BackendReq;
+
+use super::wire::{HEADER_LEN, Header, NEED_REPLY, VERSION};
 
 /// How long one notification may wait for the front-end in all: for the
 /// channel (another notification using it), for room in a socket buffer
@@ -35,9 +37,6 @@ pub const DEADLINE: Duration = Duration::from_secs(2);
 /// The most bytes of late answers dropped before a message is sent; a
 /// front-end that writes more than that unasked is not answering us.
 const MAX_DISCARD: usize = 4096;
-
-/// The only protocol version, in the flags' low bits.
-const VERSION: u32 = 0x1;
 
 /// The channel of one connection.
 pub struct BackendChannel {
@@ -100,12 +99,10 @@ impl BackendChannel {
         let code: u32 = BackendReq::CONFIG_CHANGE_MSG.into();
         let mut flags = VERSION;
         if self.reply_ack {
-            flags |= VhostUserHeaderFlag::NEED_REPLY.bits();
+            flags |= NEED_REPLY;
         }
-        let mut hdr = [0u8; 12];
-        hdr[0..4].copy_from_slice(&code.to_le_bytes());
-        hdr[4..8].copy_from_slice(&flags.to_le_bytes());
         // A zero-length payload (vhost-user spec).
+        let hdr = Header::new(code, flags, 0).to_bytes();
         // An answer that came after we stopped waiting for it must not be
         // taken for the answer to this message.
         discard_pending(&self.sock)?;
@@ -113,13 +110,12 @@ impl BackendChannel {
         if !self.reply_ack {
             return Ok(false);
         }
-        let mut reply = [0u8; 20];
+        let mut reply = [0u8; HEADER_LEN + 8];
         read_by(&self.sock, &mut reply, deadline)?;
-        let le32 =
-            |i: usize| u32::from_le_bytes([reply[i], reply[i + 1], reply[i + 2], reply[i + 3]]);
-        let (rcode, rflags, size) = (le32(0), le32(4), le32(8));
-        let value = u64::from_le_bytes(reply[12..20].try_into().unwrap_or_default());
-        if rcode != code || rflags & VhostUserHeaderFlag::REPLY.bits() == 0 || size != 8 {
+        let (head, value) = reply.split_at(HEADER_LEN);
+        let head = Header::from_bytes(head.try_into().unwrap_or(&[0; HEADER_LEN]));
+        let value = u64::from_le_bytes(value.try_into().unwrap_or_default());
+        if head.request != code || !head.is_reply() || head.size != 8 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "the front-end's answer is not a reply to CONFIG_CHANGE_MSG",
@@ -258,16 +254,12 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         let ch = BackendChannel::new(ours, true);
         let front = std::thread::spawn(move || {
-            let mut hdr = [0u8; 12];
+            let mut hdr = [0u8; HEADER_LEN];
             theirs.read_exact(&mut hdr).unwrap();
-            assert_eq!(u32::from_le_bytes(hdr[0..4].try_into().unwrap()), 2);
-            let flags = u32::from_le_bytes(hdr[4..8].try_into().unwrap());
-            assert_ne!(flags & VhostUserHeaderFlag::NEED_REPLY.bits(), 0);
-            assert_eq!(u32::from_le_bytes(hdr[8..12].try_into().unwrap()), 0);
-            let mut reply = Vec::new();
-            reply.extend_from_slice(&2u32.to_le_bytes());
-            reply.extend_from_slice(&(VERSION | VhostUserHeaderFlag::REPLY.bits()).to_le_bytes());
-            reply.extend_from_slice(&8u32.to_le_bytes());
+            let hdr = Header::from_bytes(&hdr);
+            assert_eq!((hdr.request, hdr.size), (2, 0));
+            assert!(hdr.needs_reply());
+            let mut reply = Header::reply(2u32, 8).to_bytes().to_vec();
             reply.extend_from_slice(&0u64.to_le_bytes());
             theirs.write_all(&reply).unwrap();
             theirs
@@ -286,16 +278,14 @@ mod tests {
         let ch = BackendChannel::new(ours, true);
         let reply = |value: u64| {
             let mut r = Vec::new();
-            r.extend_from_slice(&2u32.to_le_bytes());
-            r.extend_from_slice(&(VERSION | VhostUserHeaderFlag::REPLY.bits()).to_le_bytes());
-            r.extend_from_slice(&8u32.to_le_bytes());
+            r.extend_from_slice(&Header::reply(2u32, 8).to_bytes());
             r.extend_from_slice(&value.to_le_bytes());
             r
         };
         // A late success for an earlier message, then this one's failure.
         theirs.write_all(&reply(0)).unwrap();
         let front = std::thread::spawn(move || {
-            let mut hdr = [0u8; 12];
+            let mut hdr = [0u8; HEADER_LEN];
             theirs.read_exact(&mut hdr).unwrap();
             theirs.write_all(&reply(1)).unwrap();
             theirs
@@ -373,8 +363,8 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         let ch = BackendChannel::new(ours, false);
         assert!(!ch.config_changed().unwrap());
-        let mut hdr = [0u8; 12];
+        let mut hdr = [0u8; HEADER_LEN];
         theirs.read_exact(&mut hdr).unwrap();
-        assert_eq!(u32::from_le_bytes(hdr[4..8].try_into().unwrap()), VERSION);
+        assert_eq!(Header::from_bytes(&hdr).flags, VERSION);
     }
 }

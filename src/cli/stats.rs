@@ -8,7 +8,7 @@ use ringblk_metrics::{
     COUNTERS, Counter, Kind, MetricsError, QueueSnapshot, REQUEST_TYPES, Ratios, fetch, get,
 };
 
-use crate::exit::{Failure, out};
+use super::exit::{Failure, out};
 
 /// `ringblk stats` arguments.
 #[derive(Clone, Debug, clap::Args)]

@@ -5,7 +5,6 @@
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::{Duration, Instant};
 
 use vhost_user_backend::VringT;
@@ -14,25 +13,28 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::*;
-use crate::cli::{NotifyMode, SignalMode};
-use crate::engine::{UringConfig, UringEngine};
-use crate::vhost::inflight::{InflightQueue, InflightRegion};
+use crate::device::{Device, DeviceSpec};
+use crate::engine::{Completions, Core, Engine, UringConfig, UringEngine};
+use crate::queue::Timer;
+use crate::queue::inflight::{InflightQueue, InflightRegion};
 use crate::virtio::testing::{self, DATA, Driver, HDR, STATUS, guest_memory, limits, r, w};
 
 const QSIZE: u16 = 16;
 
-struct Rig<'a> {
-    cfg: Arc<WorkerConfig>,
-    atomic: GuestMemoryAtomic<GuestMem>,
-    driver: Driver<'a>,
-    vring: Vring,
-    worker: QueueWorker<UringEngine>,
+pub(crate) struct Rig<'a> {
+    pub(crate) device: Arc<Device>,
+    pub(crate) atomic: GuestMemoryAtomic<GuestMem>,
+    pub(crate) driver: Driver<'a>,
+    pub(crate) vring: Vring,
+    pub(crate) worker: QueueWorker<UringEngine>,
     image: std::fs::File,
     region: Arc<InflightRegion>,
     _call: EventFd,
 }
 
-fn rig(mem: &GuestMem) -> Rig<'_> {
+/// A worker over a real io_uring on a 1 GiB temporary image, its ring set
+/// up on `mem` by a mock driver.
+pub(crate) fn rig(mem: &GuestMem) -> Rig<'_> {
     let image = tempfile::tempfile().unwrap();
     image.set_len(1 << 30).unwrap();
     rig_with(mem, QSIZE, image)
@@ -41,6 +43,16 @@ fn rig(mem: &GuestMem) -> Rig<'_> {
 /// A rig whose worker is configured for queues of at most `max_queue`
 /// (its engine has room for that many requests) over `image`.
 fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
+    rig_with_lock(mem, max_queue, image, None)
+}
+
+/// [`rig_with`], for a device whose image lock is `image_lock`.
+fn rig_with_lock(
+    mem: &GuestMem,
+    max_queue: u16,
+    image: std::fs::File,
+    image_lock: Option<crate::io::ImageLock>,
+) -> Rig<'_> {
     let driver = Driver::new(mem, QSIZE);
     let atomic = GuestMemoryAtomic::new(mem.clone());
     let vring = Vring::new(atomic.clone(), QSIZE).unwrap();
@@ -62,24 +74,17 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
         std::fs::File::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(dup))
     }));
 
-    let writeback = Arc::new(AtomicBool::new(true));
-    let cfg = Arc::new(WorkerConfig {
-        limits: limits(),
-        capacity: AtomicU64::new(limits().capacity_sectors),
-        serial: *b"worker-test-serial\0\0",
-        notify: NotifyMode::Batched,
-        signal: SignalMode::Early,
-        poll_us: 0,
-        poll_checks: true,
-        max_batch: 0,
-        queue_size: max_queue,
-        writeback: writeback.clone(),
-        stopping: AtomicBool::new(false),
-        intake_closed: AtomicBool::new(false),
-        logging: AtomicBool::new(false),
-        image_lock: None,
-        qos: Arc::new(crate::qos::Qos::new(crate::qos::QosLimits::default(), 1).unwrap()),
-    });
+    let device = Arc::new(
+        Device::new(DeviceSpec {
+            limits: limits(),
+            capacity_sectors: testing::CAPACITY,
+            queue_size: max_queue,
+            serial: *b"worker-test-serial\0\0",
+            image_lock,
+            ..DeviceSpec::default()
+        })
+        .unwrap(),
+    );
     let metrics: Arc<QueueMetrics> = Arc::default();
     let engine = UringEngine::new(
         UringConfig {
@@ -93,16 +98,24 @@ fn rig_with(mem: &GuestMem, max_queue: u16, image: std::fs::File) -> Rig<'_> {
             dio_align: 512,
             bounce_limit: 1 << 20,
             is_block_device: false,
-            writeback,
         },
         metrics.clone(),
     )
     .unwrap();
-    let mut worker = QueueWorker::new(cfg.clone(), metrics, engine, 0, None);
+    let core = Core::new(engine, device.clone());
+    let timer = Arc::new(Timer::new().unwrap());
+    let mut worker = QueueWorker::new(
+        device.clone(),
+        Settings::default(),
+        metrics,
+        core,
+        timer,
+        None,
+    );
     worker.set_memory(Arc::new(mem.clone()));
     let region = Arc::new(InflightRegion::create(1, QSIZE).unwrap());
     Rig {
-        cfg,
+        device,
         atomic,
         driver,
         vring,
@@ -374,52 +387,6 @@ fn a_disabled_ring_takes_no_requests() {
     assert_eq!(rig.status(3), 0);
 }
 
-/// vhost-user-backend swaps a new memory table into the shared
-/// `GuestMemoryAtomic` before the device may refuse it. A refused table
-/// (here: a region past the end of its file, which would SIGBUS when
-/// touched) must never reach a worker: a request pointing into it is
-/// refused as outside guest memory, not served.
-#[test]
-fn a_refused_memory_table_never_reaches_the_workers() {
-    use vhost_user_backend::VhostUserBackend;
-    use vm_memory::{FileOffset, GuestRegionMmap, MmapRegion};
-
-    use crate::vhost::{BlkBackend, ExitEvents};
-
-    const BAD: u64 = 0x100_0000;
-    let mem = guest_memory();
-    let rig = rig(&mem);
-    let backend = BlkBackend::new(
-        rig.cfg.clone(),
-        vec![rig.worker],
-        [0; crate::virtio::config::CONFIG_LEN],
-        0,
-        1,
-        Arc::new(ExitEvents::new(1).unwrap()),
-    );
-    backend.update_memory(rig.atomic.clone()).unwrap();
-    // One page of file behind a 1 MiB region.
-    let short = tempfile::tempfile().unwrap();
-    short.set_len(4096).unwrap();
-    let region = MmapRegion::from_file(FileOffset::new(short, 0), 1 << 20).unwrap();
-    let region = GuestRegionMmap::new(region, GuestAddress(BAD)).unwrap();
-    let bad = mem.insert_region(Arc::new(region)).unwrap();
-    // What the crate does: the new table is live before the device says no.
-    rig.atomic.lock().unwrap().replace(bad);
-    let e = backend.update_memory(rig.atomic.clone()).unwrap_err();
-    assert!(e.to_string().contains("past the end"), "{e}");
-
-    // A GET_ID whose buffer and status byte lie past the file's end.
-    let mut driver = rig.driver;
-    driver.header_at(HDR, VIRTIO_BLK_T_GET_ID, 0);
-    driver.post_at(0, &[r(HDR, 16), w(BAD + 0x2000, 20), w(BAD + 0x3000, 1)]);
-    backend.with_worker(0, |w| w.handle_event(&rig.vring, Event::Kick));
-    assert_eq!(driver.used_idx(), 1, "the request was not answered");
-    let used = driver.queue.used_ring() + 4;
-    let len: u32 = mem.read_obj(GuestAddress(used + 4)).unwrap();
-    assert_eq!(len, 0, "answered without a status byte it could write");
-}
-
 /// Requests resubmitted after a restart are parsed against guest memory
 /// only. The replay avail ring that recovery builds used to live in a page
 /// mapped right above guest memory, and parsing against that memory let
@@ -559,7 +526,7 @@ impl ClosedLoop {
     fn run(&mut self, rig: &mut Rig<'_>, until: Instant) {
         let fds = [
             rig.worker.completion_fd().expect("io_uring has an eventfd"),
-            rig.worker.timer_fd().expect("queue 0 has a timer"),
+            rig.worker.timer_fd(),
         ];
         while Instant::now() < until {
             let mut p = fds.map(|fd| libc::pollfd {
@@ -631,15 +598,15 @@ fn qos_limit_doubled_at_runtime_is_followed_within_a_second() {
     const N: u64 = 200;
     let mem = guest_memory();
     let mut rig = rig(&mem);
-    rig.cfg.qos.set_limits(iops(N)).unwrap();
+    rig.device.qos().set_limits(iops(N)).unwrap();
     let t0 = Instant::now();
     let mut lp = ClosedLoop::start(&mut rig, 4);
     let change = t0 + Duration::from_millis(2000);
     lp.run(&mut rig, change);
     // The burst (a tenth of a second's worth) is in the first 100 ms.
     let before = lp.rate(t0 + Duration::from_millis(500), change);
-    rig.cfg.qos.set_limits(iops(2 * N)).unwrap();
-    assert_eq!(rig.cfg.qos.limits(), iops(2 * N));
+    rig.device.qos().set_limits(iops(2 * N)).unwrap();
+    assert_eq!(rig.device.qos().limits(), iops(2 * N));
     lp.run(&mut rig, change + Duration::from_millis(1000));
     let after = lp.rate(
         change + Duration::from_millis(100),
@@ -674,8 +641,8 @@ fn qos_limit_doubled_at_runtime_is_followed_within_a_second() {
         lp.wakeups
     );
     // Removing the limit lets the queue run free again.
-    rig.cfg
-        .qos
+    rig.device
+        .qos()
         .set_limits(crate::qos::QosLimits::default())
         .unwrap();
     let t1 = Instant::now();
@@ -700,7 +667,7 @@ fn qos_stopping_the_ring_completes_throttled_requests_at_once() {
     rig.worker
         .set_inflight(InflightQueue::new(rig.region.clone(), 0));
     // One request a minute: the first goes (the debt model), the rest wait.
-    rig.cfg.qos.set_limits(iops(1)).unwrap();
+    rig.device.qos().set_limits(iops(1)).unwrap();
     for i in 0..4u16 {
         rig.post_rw(3 * i, true, 8 * u64::from(i), DATA);
     }
@@ -741,57 +708,21 @@ fn qos_stopping_the_ring_completes_throttled_requests_at_once() {
     assert_eq!(m.throttled_requests, 1, "{m:?}");
 }
 
-/// Five queues on two threads: queue q on thread q % 2, and every
-/// listener id is past the crate's and names its local queue and kind.
-#[test]
-fn queues_map_onto_threads_and_listener_ids_round_trip() {
-    use crate::engine::NullEngine;
-    use crate::vhost::{BlkBackend, ExitEvents, Listener};
-    use vhost_user_backend::VhostUserBackend;
-
-    let mem = guest_memory();
-    let cfg = rig(&mem).cfg;
-    let workers = (0..5)
-        .map(|i| QueueWorker::new(cfg.clone(), Arc::default(), NullEngine::new(4), i, None))
-        .collect();
-    let b = BlkBackend::new(
-        cfg,
-        workers,
-        [0; crate::virtio::config::CONFIG_LEN],
-        0,
-        2,
-        Arc::new(ExitEvents::new(2).unwrap()),
-    );
-    assert_eq!(b.queues_per_thread(), vec![0b10101, 0b01010]);
-    assert_eq!(b.thread_queues(1).collect::<Vec<_>>(), vec![1, 3]);
-    assert!(b.shares_threads());
-    for local in 0..3 {
-        for kind in Listener::ALL {
-            let id = b.listener_id(local, kind);
-            // The crate's ids are 0..=num_queues.
-            assert!(id > 5, "{id}");
-            assert_eq!(b.listener(id as u16), Some((local, kind)));
-        }
-    }
-    assert_eq!(b.listener(5), None);
-}
-
 /// An engine that says busy-polling does not pay (RBD) gets no poll
 /// window whatever `--poll-us` says; one that does not say so gets it.
 #[test]
 fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
     use crate::engine::NullEngine;
-    use std::os::fd::RawFd;
 
     struct NoPoll(NullEngine);
     impl Engine for NoPoll {
-        fn submit(&mut self, io: Io) -> Result<(), Full> {
-            self.0.submit(io)
+        fn start(&mut self, io: crate::engine::Io) -> crate::engine::Start {
+            self.0.start(io)
         }
         fn commit(&mut self) -> std::io::Result<u32> {
             self.0.commit()
         }
-        fn reap(&mut self, f: impl FnMut(Completion)) -> u32 {
+        fn reap(&mut self, f: impl FnMut(crate::engine::Io, Status)) -> u32 {
             self.0.reap(f)
         }
         fn room(&self) -> usize {
@@ -803,54 +734,101 @@ fn no_busy_polling_for_an_engine_where_it_does_not_pay() {
         fn wait(&mut self) -> std::io::Result<()> {
             self.0.wait()
         }
-        fn has_completions(&mut self) -> bool {
-            self.0.has_completions()
+        fn completions(&self) -> Completions {
+            Completions::Signalled {
+                fd: -1,
+                polling_pays: false,
+            }
         }
-        fn completion_fd(&self) -> Option<RawFd> {
-            self.0.completion_fd()
-        }
-        fn clear_completion_fd(&self) {
-            self.0.clear_completion_fd()
-        }
-        fn must_poll(&self) -> bool {
-            self.0.must_poll()
-        }
-        fn polling_pays(&self) -> bool {
-            false
-        }
-        fn set_memory(&mut self, mem: &Arc<GuestMem>) {
-            self.0.set_memory(mem)
-        }
-        fn make_durable(&mut self) -> std::io::Result<()> {
-            self.0.make_durable()
-        }
-        fn reset(&mut self) {
-            self.0.reset()
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.0.flush()
         }
     }
 
     let mem = guest_memory();
-    let cfg = {
-        let rig = rig(&mem);
-        let cfg = rig.cfg.clone();
-        drop(rig);
-        Arc::try_unwrap(cfg).unwrap_or_else(|_| panic!("the rig's workers are gone"))
+    let device = rig(&mem).device;
+    let s = Settings {
+        poll_us: 32,
+        ..Settings::default()
     };
-    let cfg = Arc::new(WorkerConfig { poll_us: 32, ..cfg });
-    let mut polls = QueueWorker::new(cfg.clone(), Arc::default(), NullEngine::new(4), 0, None);
+    let mut polls = QueueWorker::new(
+        device.clone(),
+        s,
+        Arc::default(),
+        Core::new(NullEngine::new(4), device.clone()),
+        Arc::new(Timer::new().unwrap()),
+        None,
+    );
     for wait in [Wait::Guest, Wait::Device] {
         assert_eq!(polls.poll.window(wait), Some(Duration::from_micros(32)));
     }
-    let mut never = QueueWorker::new(cfg, Arc::default(), NoPoll(NullEngine::new(4)), 0, None);
+    let mut never = QueueWorker::new(
+        device.clone(),
+        s,
+        Arc::default(),
+        Core::new(NoPoll(NullEngine::new(4)), device),
+        Arc::new(Timer::new().unwrap()),
+        None,
+    );
     for wait in [Wait::Guest, Wait::Device] {
         assert_eq!(never.poll.window(wait), None);
     }
     // Not even a probe, however long it slept without a window.
-    for _ in 0..2 * crate::vhost::poll::PROBE_EVERY {
+    for _ in 0..2 * crate::queue::poll::PROBE_EVERY {
         never.poll.sleeping(Wait::Guest);
         never.poll.woke_up();
     }
     assert_eq!(never.poll.window(Wait::Guest), None);
+}
+
+/// While another process holds the image lock, a starting ring's requests
+/// wait for it at the head of the queue, on the queue's timer: the queue's
+/// thread never sleeps (it serves other queues' events too), and the
+/// requests run once the lock is free. (The worker used to sleep on the
+/// thread for up to three seconds, then fail them.)
+#[test]
+fn waiting_for_the_image_lock_does_not_sleep_on_the_queue_thread() {
+    use crate::io::ImageLock;
+
+    let mem = guest_memory();
+    let image = tempfile::tempfile().unwrap();
+    image.set_len(1 << 30).unwrap();
+    // Another open file description of the same file: its OFD lock is
+    // another owner's, as another process's would be.
+    let path = format!("/proc/self/fd/{}", image.as_raw_fd());
+    let other = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let holder = ImageLock::new(&other, true).unwrap();
+    holder.acquire().unwrap();
+    let ours = ImageLock::new(&image, true).unwrap();
+    let mut rig = rig_with_lock(&mem, QSIZE, image, Some(ours));
+    mem.write_slice(&[0x77; 4096], GuestAddress(DATA)).unwrap();
+    rig.post_rw(0, true, 8, DATA);
+
+    let t = Instant::now();
+    rig.worker.handle_event(&rig.vring, Event::Kick);
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "slept {:?}",
+        t.elapsed()
+    );
+    assert_eq!(rig.driver.used_idx(), 0, "the write waits for the lock");
+
+    holder.release();
+    let mut p = libc::pollfd {
+        fd: rig.worker.timer_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd on our stack.
+    assert_eq!(unsafe { libc::poll(&mut p, 1, 2000) }, 1, "the timer fires");
+    rig.worker.handle_event(&rig.vring, Event::Timer);
+    rig.complete_until(1);
+    assert_eq!(rig.status(0), 0);
+    assert_eq!(rig.image_at(8 * 512, 4096), vec![0x77; 4096]);
 }
 
 /// Once the intake is closed (the front-end's socket closed), a kick takes
@@ -864,7 +842,7 @@ fn a_closed_intake_takes_nothing_new_and_completes_what_it_took() {
         .unwrap();
     rig.post_rw(0, true, 8, DATA);
     rig.worker.handle_event(&rig.vring, Event::Kick);
-    rig.cfg.intake_closed.store(true, Ordering::Relaxed);
+    rig.device.close_intake();
     rig.post_rw(3, true, 16, DATA + 0x1000);
     rig.complete_until(1);
     for _ in 0..20 {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use clap::CommandFactory;
 use clap_complete::Shell;
 
-use crate::exit::Failure;
+use super::exit::Failure;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct GenerateArgs {

@@ -15,7 +15,7 @@
 //! 4. when the ring is empty: busy-poll for up to `--poll-us` (a window
 //!    for the guest's next request when nothing is in flight, another for
 //!    the device while something is: [`super::poll`]; none where the
-//!    engine says polling does not pay, [`Engine::polling_pays`]), else
+//!    engine says polling does not pay, [`crate::engine::Completions`]), else
 //!    re-enable kicks, re-check the ring, and only then sleep.
 //!
 //! QoS ([`crate::qos`]) sits between parse and engine: a request the
@@ -50,31 +50,28 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use vhost_user_backend::{VringMutex, VringState, VringT};
-use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
-};
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Bytes, GuestMemoryAtomic};
+use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::cli::{NotifyMode, SignalMode};
-use crate::engine::{Completion, Engine, Full, Io};
-use crate::io::ImageLock;
+use crate::device::Device;
+use crate::engine::{Completion, Core, Engine, Full};
 use crate::metrics::{QueueMetrics, RateLimiter, RequestType};
-use crate::qos::{Direction, MAX_THROTTLE_SLEEP, Qos};
+use crate::qos::MAX_THROTTLE_SLEEP;
 use crate::virtio::RequestError;
 use crate::virtio::request::{Parser, Rejected};
-use crate::virtio::ring::{RingError, RingShadow};
-use crate::virtio::{DeviceLimits, GuestMem, Request, RequestKind};
+use crate::virtio::ring::{RingError, RingShadow, RingView};
+use crate::virtio::{Direction, GuestMem, Request, Status};
 use crate::{info_limited, warn_limited};
 
 use super::inflight::InflightQueue;
 use super::poll::{AdaptivePoll, CpuClaim, Outcome, PREEMPT_GAP, Wait};
 use super::resubmit::Replay;
+use super::timer::Timer;
 
 pub type Vring = VringMutex<GuestMemoryAtomic<GuestMem>>;
 
@@ -82,8 +79,13 @@ pub type Vring = VringMutex<GuestMemoryAtomic<GuestMem>>;
 /// fail. A daemon killed with -9 keeps its file, and the lock, until the
 /// kernel has torn down its io_uring, a moment after the process is gone;
 /// its successor waits for that rather than fail the requests it
-/// resubmits.
+/// resubmits. Waiting is not sleeping: the requests wait at the head of
+/// the queue, like throttled ones, and the queue's timer brings the worker
+/// back every [`LOCK_RETRY`] to try again.
 const LOCK_WAIT: Duration = Duration::from_secs(3);
+
+/// How often a queue waiting for the image lock tries again.
+const LOCK_RETRY: Duration = Duration::from_millis(10);
 
 /// Requests a worker whose thread serves other queues takes in one pass
 /// before it lets them have a turn. A queue waits at most this many of each
@@ -95,18 +97,30 @@ const LOCK_WAIT: Duration = Duration::from_secs(3);
 /// (docs/benchmarks.md). The price is three syscalls per turn.
 pub const TURN: usize = 16;
 
-/// Settings shared by all workers of a device.
-#[derive(Debug)]
-pub struct WorkerConfig {
-    /// What the device advertises, but for the capacity: its
-    /// `capacity_sectors` is the size at start-up only. Requests are
-    /// checked against [`WorkerConfig::limits`].
-    pub limits: DeviceLimits,
-    /// The capacity in 512-byte sectors now: an online resize changes it
-    /// while the workers run, and each pass reads it once.
-    pub capacity: AtomicU64,
-    /// GET_ID answer, zero-padded.
-    pub serial: [u8; VIRTIO_BLK_ID_BYTES as usize],
+/// How the used ring is published and the guest notified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotifyMode {
+    /// Publish used->idx and decide on a notification once per completion
+    /// pass.
+    Batched,
+    /// Publish and notify after every request (the naive baseline).
+    PerRequest,
+}
+
+/// Whether finished requests are signalled before or after new
+/// submissions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SignalMode {
+    /// Reap and signal completions before parsing new avail entries.
+    Early,
+    /// Submit new requests first, then reap and signal.
+    Late,
+}
+
+/// How a device's queues are served (`serve`'s flags): the same for
+/// every worker.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
     pub notify: NotifyMode,
     pub signal: SignalMode,
     pub poll_us: u64,
@@ -115,38 +129,27 @@ pub struct WorkerConfig {
     pub poll_checks: bool,
     /// Most requests taken off the avail ring per submit (0: all there are).
     pub max_batch: usize,
-    pub queue_size: u16,
-    /// The guest-visible write cache (config `wce`), shared with the
-    /// engines: when off, every write is issued durable.
-    pub writeback: Arc<AtomicBool>,
-    /// Set on shutdown (and kept): the daemon is stopping.
-    pub stopping: AtomicBool,
-    /// No ring takes a new request: the front-end's socket closed (the
-    /// relay sets it first thing when it reads the end of the stream), or
-    /// the daemon is stopping. Each pass reads it (relaxed) before each pop;
-    /// what was taken before completes. Cleared when the next connection
-    /// starts.
-    pub intake_closed: AtomicBool,
-    /// The front-end acked VHOST_F_LOG_ALL (a migration is under way):
-    /// what an engine writes into guest memory is marked in the dirty log.
-    pub logging: AtomicBool,
-    /// The image lock, taken while a ring runs (`--no-image-lock`: none).
-    pub image_lock: Option<Arc<ImageLock>>,
-    /// The device's QoS limits, shared by its queues (and changed at
-    /// runtime through this handle).
-    pub qos: Arc<Qos>,
 }
 
-impl WorkerConfig {
-    /// What requests are checked against now: the advertised limits with
-    /// the current capacity. Acquire: a resize that grew the file before
-    /// it published the capacity is seen whole.
-    pub fn limits(&self) -> DeviceLimits {
-        DeviceLimits {
-            capacity_sectors: self.capacity.load(Ordering::Acquire),
-            ..self.limits
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            notify: NotifyMode::Batched,
+            signal: SignalMode::Early,
+            poll_us: 0,
+            poll_checks: true,
+            max_batch: 0,
         }
     }
+}
+
+/// Whether a request may go to the engine now (`QueueWorker::gate`).
+enum Gate {
+    Go,
+    /// Not yet: it waits at the head of the queue, and the timer is armed.
+    Wait,
+    /// Never: it fails (the image lock is another process's).
+    Refuse,
 }
 
 /// What woke a worker up.
@@ -164,16 +167,21 @@ pub enum Event {
 }
 
 pub struct QueueWorker<E: Engine> {
-    cfg: Arc<WorkerConfig>,
+    device: Arc<Device>,
+    cfg: Settings,
     metrics: Arc<QueueMetrics>,
-    engine: E,
+    core: Core<E>,
     shadow: RingShadow,
     /// The shadow matches the ring (reset after the ring was stopped).
     started: bool,
     /// The connection is over (`drain`): no kick is taken any more.
     closed: bool,
-    /// This queue counts among the image lock's users (see `lock_image`).
+    /// This queue counts among the image lock's users (see `try_lock`).
     holds_lock: bool,
+    /// Until when requests wait for the image lock, rather than fail,
+    /// while another process holds it: set when the ring starts without
+    /// it.
+    lock_deadline: Option<Instant>,
     /// The guest memory this worker uses: the last table the device
     /// accepted. vhost-user-backend swaps a new table into the shared
     /// `GuestMemoryAtomic` before it asks the device, so the worker never
@@ -188,7 +196,7 @@ pub struct QueueWorker<E: Engine> {
     resume: Option<Arc<EventFd>>,
     /// Popped and parsed, but the engine had no room: they go to it first,
     /// oldest first, each with the memory it was parsed against.
-    deferred: VecDeque<Io>,
+    deferred: VecDeque<Request>,
     /// Parses chains with buffers it reuses; finished requests give their
     /// iovec vectors back to it, so the data path allocates nothing once
     /// warm.
@@ -204,8 +212,9 @@ pub struct QueueWorker<E: Engine> {
     journal: Option<InflightQueue>,
     /// Heads added to the used ring since the last publish (for the log).
     unpublished_heads: Vec<u16>,
-    /// This worker's queue: which of the QoS timers is its own.
-    index: usize,
+    /// The queue's wake-up timer, for a request waiting at the head of
+    /// `deferred` (QoS tokens, the image lock).
+    timer: Arc<Timer>,
     /// The head of `deferred` was admitted by QoS (and charged) already;
     /// only the engine had no room for it.
     front_admitted: bool,
@@ -215,24 +224,26 @@ pub struct QueueWorker<E: Engine> {
 
 impl<E: Engine> QueueWorker<E> {
     pub fn new(
-        cfg: Arc<WorkerConfig>,
+        device: Arc<Device>,
+        cfg: Settings,
         metrics: Arc<QueueMetrics>,
-        engine: E,
-        index: usize,
+        core: Core<E>,
+        timer: Arc<Timer>,
         pin: Option<usize>,
     ) -> QueueWorker<E> {
         // An engine whose completions polling does not catch: never poll.
-        let poll_us = if engine.polling_pays() {
+        let poll_us = if core.completions().polling_pays() {
             cfg.poll_us
         } else {
             0
         };
         let poll = AdaptivePoll::new(Duration::from_micros(poll_us), cfg.poll_checks);
-        let size = usize::from(cfg.queue_size);
+        let size = usize::from(device.queue_size());
         QueueWorker {
+            device,
             cfg,
             metrics,
-            engine,
+            core,
             shadow: RingShadow::default(),
             started: false,
             closed: false,
@@ -250,21 +261,20 @@ impl<E: Engine> QueueWorker<E> {
             pin,
             journal: None,
             unpublished_heads: Vec::with_capacity(size),
-            index,
+            timer,
+            lock_deadline: None,
             front_admitted: false,
             throttled_since: None,
         }
     }
 
-    /// The QoS wake-up timer's fd, to be watched next to the kick.
-    pub fn timer_fd(&self) -> Option<i32> {
-        self.cfg.qos.timer(self.index).map(|t| t.fd())
+    /// The queue's timer's fd, to be watched next to the kick.
+    pub fn timer_fd(&self) -> i32 {
+        self.timer.fd()
     }
 
     fn clear_timer(&self) {
-        if let Some(t) = self.cfg.qos.timer(self.index) {
-            t.clear();
-        }
+        self.timer.clear();
     }
 
     /// The worker's thread serves other queues too: it takes turns with
@@ -283,12 +293,12 @@ impl<E: Engine> QueueWorker<E> {
 
     /// The engine's completion eventfd, to be watched next to the kick.
     pub fn completion_fd(&self) -> Option<i32> {
-        self.engine.completion_fd()
+        self.core.completions().fd()
     }
 
     /// Guest memory the device accepted (see `mem`).
     pub fn set_memory(&mut self, mem: Arc<GuestMem>) {
-        self.engine.set_memory(&mem);
+        self.core.set_memory(&mem);
         self.mem = Some(mem);
     }
 
@@ -315,7 +325,7 @@ impl<E: Engine> QueueWorker<E> {
         }
         match event {
             Event::Kick => QueueMetrics::add(&self.metrics.kicks, 1),
-            Event::Completion => self.engine.clear_completion_fd(),
+            Event::Completion => self.core.completions().consume(),
             Event::Resume => {
                 if let Some(fd) = &self.resume {
                     // Nonblocking: EAGAIN when a pass already consumed it.
@@ -347,43 +357,50 @@ impl<E: Engine> QueueWorker<E> {
             // Stopped ring: nothing to pop; completions are drained by stop().
             return Ok(());
         }
+        // The rings, translated once for this pass (the driver moves them
+        // only while the ring is stopped).
+        let view = RingView::new(state.get_queue(), &*mem);
+        let view = &view;
         if !self.started {
             self.shadow.reset(state.get_queue());
             self.started = true;
-            self.lock_image(LOCK_WAIT);
-            self.recover(&mut state, &mem)?;
+            if !self.try_lock() {
+                // Requests wait for it (see `gate`), for a while.
+                self.lock_deadline = Some(Instant::now() + LOCK_WAIT);
+            }
+            self.recover(&mut state, &mem, view)?;
         }
         if !state.is_enabled() {
             // SET_VRING_ENABLE 0: take nothing new off the ring. What is in
             // flight still completes (and GET_VRING_BASE waits for it).
-            return self.complete(&mut state, &mem);
+            return self.complete(&mut state, view);
         }
-        let cfg = self.cfg.clone();
-        let stopping = || cfg.intake_closed.load(Ordering::Relaxed);
+        let device = self.device.clone();
+        let stopping = || device.intake_closed();
         // Requests taken this pass: a worker that shares its thread yields
         // once it has taken a turn's worth with more waiting.
         let mut taken = 0usize;
-        let budget = TURN.min(usize::from(cfg.queue_size));
+        let budget = TURN.min(usize::from(device.queue_size()));
         loop {
             if self.cfg.signal == SignalMode::Early {
-                self.complete(&mut state, &mem)?;
+                self.complete(&mut state, view)?;
             }
             let (popped, full) = if stopping() {
                 (0, false)
             } else {
-                self.shadow.disable_kicks(state.get_queue(), &*mem)?;
-                self.pop_and_start(&mut state, &mem)?
+                self.shadow.disable_kicks(state.get_queue(), view)?;
+                self.pop_and_start(&mut state, &mem, view)?
             };
             if self.cfg.signal == SignalMode::Late {
-                self.complete(&mut state, &mem)?;
+                self.complete(&mut state, view)?;
             } else {
-                self.publish(&mut state, &mem)?;
+                self.publish(&mut state, view)?;
             }
             if full {
                 // Backpressure: resume when completions free room, or when
                 // the QoS timer says tokens are there (no polling then:
                 // a throttled queue must not spin).
-                if self.engine.must_poll() && self.engine.in_flight() > 0 {
+                if self.core.completions().must_poll() && self.core.in_flight() > 0 {
                     self.wait_engine();
                     continue;
                 }
@@ -397,28 +414,30 @@ impl<E: Engine> QueueWorker<E> {
                 }
                 continue;
             }
-            if self.engine.has_completions() {
+            if self.reap() > 0 {
                 // Requests that completed inside the submit call (page-cache
                 // hits) are signalled now, not after a trip through epoll
-                // for the eventfd they also rang.
-                self.engine.clear_completion_fd();
-                self.complete(&mut state, &mem)?;
+                // for the eventfd they also rang. Consumed after this reap
+                // and before the next (in `complete`): what completes
+                // later rings it again.
+                self.core.completions().consume();
+                self.complete(&mut state, view)?;
             }
             // Before polling: a poll would find the requests left on the
             // ring and come back here at once, again and again.
             if stopping() {
                 return Ok(());
             }
-            if self.poll_for_work(&state, &mem)? {
+            if self.poll_for_work(&state, view)? {
                 continue;
             }
-            if self.shadow.enable_kicks(state.get_queue(), &*mem)? {
+            if self.shadow.enable_kicks(state.get_queue(), view)? {
                 if taken >= budget && self.yield_turn() {
                     return Ok(());
                 }
                 continue;
             }
-            if self.engine.must_poll() && self.engine.in_flight() > 0 {
+            if self.core.completions().must_poll() && self.core.in_flight() > 0 {
                 // IOPOLL posts no completion (and no eventfd) unless polled.
                 self.wait_engine();
                 continue;
@@ -441,6 +460,7 @@ impl<E: Engine> QueueWorker<E> {
         &mut self,
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
         mem: &Arc<GuestMem>,
+        view: &RingView<'_>,
     ) -> Result<(), RingError> {
         let Some(log) = self.journal.as_mut() else {
             return Ok(());
@@ -480,7 +500,7 @@ impl<E: Engine> QueueWorker<E> {
             "queue: resubmitting {} request(s) left in flight by the previous back-end",
             rec.resubmit.len()
         );
-        let limits = self.cfg.limits();
+        let (limits, capacity) = (self.device.limits(), self.device.capacity());
         let mut parsed = std::mem::take(&mut self.parsed);
         let parser = &mut self.parser;
         let unbuilt = |head| {
@@ -497,7 +517,7 @@ impl<E: Engine> QueueWorker<E> {
                         .chains()
                         .into_iter()
                         .map(|(head, chain)| match chain {
-                            Some(c) => parser.parse(c, mem, &limits, size),
+                            Some(c) => parser.parse(c, mem, limits, capacity, size),
                             None => unbuilt(head),
                         }),
                 )
@@ -516,13 +536,13 @@ impl<E: Engine> QueueWorker<E> {
         queue.set_next_avail(used.wrapping_add(rec.resubmit.len() as u16));
         for p in parsed.drain(..) {
             match p {
-                Ok(req) => self.start(state.get_queue_mut(), mem, req),
-                Err(rej) => self.reject(state.get_queue_mut(), mem, rej),
+                Ok(req) => self.start(state.get_queue_mut(), view, req),
+                Err(rej) => self.reject(state.get_queue_mut(), view, rej),
             }
         }
         self.parsed = parsed;
         self.commit();
-        self.publish(state, mem)
+        self.publish(state, view)
     }
 
     /// Ends this turn with work left, on a thread shared with other
@@ -547,7 +567,7 @@ impl<E: Engine> QueueWorker<E> {
     fn poll_for_work(
         &mut self,
         state: &VringState<GuestMemoryAtomic<GuestMem>>,
-        mem: &GuestMem,
+        view: &RingView<'_>,
     ) -> Result<bool, RingError> {
         if self.resume.is_some() {
             return Ok(false);
@@ -581,7 +601,7 @@ impl<E: Engine> QueueWorker<E> {
         let mut spins = 0u64;
         let outcome = loop {
             spins += 1;
-            if self.shadow.avail_pending(state.get_queue(), mem)? || self.engine.has_completions() {
+            if self.shadow.avail_pending(state.get_queue(), view)? || self.reap() > 0 {
                 break Outcome::Found;
             }
             let now = Instant::now();
@@ -616,7 +636,7 @@ impl<E: Engine> QueueWorker<E> {
 
     /// What this worker would poll or sleep for now.
     fn awaiting(&self) -> Wait {
-        if self.engine.in_flight() > 0 {
+        if self.core.in_flight() > 0 {
             Wait::Device
         } else {
             Wait::Guest
@@ -624,14 +644,14 @@ impl<E: Engine> QueueWorker<E> {
     }
 
     fn wait_engine(&mut self) {
-        if let Err(err) = self.engine.wait() {
+        if let Err(err) = self.core.wait() {
             warn_limited!(self.log_limit, "waiting for I/O failed: {err}");
         }
     }
 
     /// Hands the batch to the kernel.
     fn commit(&mut self) {
-        match self.engine.commit() {
+        match self.core.commit() {
             Ok(0) => {}
             Ok(n) => {
                 QueueMetrics::add(&self.metrics.submit_calls, 1);
@@ -641,18 +661,28 @@ impl<E: Engine> QueueWorker<E> {
         }
     }
 
-    /// Gives deferred requests to the engine, oldest first, while QoS
-    /// admits them (all of them, with `force`) and the engine has room.
-    /// Returns whether all of them went.
-    fn start_deferred(&mut self, force: bool) -> bool {
-        while let Some(io) = self.deferred.pop_front() {
-            if !self.front_admitted && !self.admit(&io.req, force) {
-                self.deferred.push_front(io);
-                return false;
+    /// Gives deferred requests to the engine, oldest first, while they
+    /// pass the gate (all of them, with `force`, but for those the image
+    /// lock refuses) and the engine has room. Returns whether all of them
+    /// went.
+    fn start_deferred(&mut self, queue: &mut Queue, view: &RingView<'_>, force: bool) -> bool {
+        while let Some(req) = self.deferred.pop_front() {
+            if !self.front_admitted {
+                match self.gate(&req, force) {
+                    Gate::Go => {}
+                    Gate::Wait => {
+                        self.deferred.push_front(req);
+                        return false;
+                    }
+                    Gate::Refuse => {
+                        self.fail(queue, view, req);
+                        continue;
+                    }
+                }
             }
             self.front_admitted = true;
-            if let Err(Full(io)) = self.engine.submit(io) {
-                self.deferred.push_front(io);
+            if let Err(Full(req)) = self.core.submit(req) {
+                self.deferred.push_front(req);
                 return false;
             }
             self.front_admitted = false;
@@ -660,11 +690,62 @@ impl<E: Engine> QueueWorker<E> {
         true
     }
 
+    /// Whether `req` may go to the engine now: the image lock is held (or
+    /// the request does no I/O on the image), and QoS admits it. A request
+    /// that must wait arms the queue's timer.
+    #[inline]
+    fn gate(&mut self, req: &Request, force: bool) -> Gate {
+        if !self.holds_lock && req.kind().class().op.is_some() && !self.try_lock() {
+            return self.lock_wait(force);
+        }
+        if self.admit(req, force) {
+            Gate::Go
+        } else {
+            Gate::Wait
+        }
+    }
+
+    /// Another process holds the image lock: wait for it while the ring's
+    /// start allows (never when stopping: `force`), else refuse.
+    #[cold]
+    fn lock_wait(&mut self, force: bool) -> Gate {
+        if !force && self.lock_deadline.is_some_and(|d| Instant::now() < d) {
+            if let Err(e) = self.timer.arm(LOCK_RETRY) {
+                warn_limited!(
+                    self.log_limit,
+                    "queue timer: {e}; not waiting for the image lock"
+                );
+                return Gate::Refuse;
+            }
+            return Gate::Wait;
+        }
+        if self.lock_deadline.take().is_some() {
+            warn_limited!(
+                self.log_limit,
+                "{}: requests fail until it is released",
+                crate::io::Locked
+            );
+        }
+        Gate::Refuse
+    }
+
+    /// Answers a request that cannot go to the engine: IOERR. (Another
+    /// process writes the image: failing is all this device can do
+    /// without corrupting it.)
+    fn fail(&mut self, queue: &mut Queue, view: &RingView<'_>, req: Request) {
+        let c = Completion {
+            req,
+            status: Status::IoErr,
+            written: 0,
+        };
+        self.finish(queue, view, c);
+    }
+
     /// Asks QoS whether `req` may go to the engine now. With no limits
     /// set (and no request waiting), that is one relaxed load.
     #[inline]
     fn admit(&mut self, req: &Request, force: bool) -> bool {
-        if !self.cfg.qos.active() && self.throttled_since.is_none() {
+        if !self.device.qos().active() && self.throttled_since.is_none() {
             return true;
         }
         self.admit_limited(req, force)
@@ -678,14 +759,11 @@ impl<E: Engine> QueueWorker<E> {
     /// request arms the queue's timer.
     #[cold]
     fn admit_limited(&mut self, req: &Request, force: bool) -> bool {
-        let cost = match req.kind {
-            RequestKind::Read { .. } => Some((Direction::Read, u64::from(req.data_len))),
-            RequestKind::Write { .. } => Some((Direction::Write, u64::from(req.data_len))),
-            RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => Some((Direction::Write, 0)),
-            RequestKind::Flush | RequestKind::GetId => None,
-        };
-        let verdict = match cost {
-            Some((dir, bytes)) => self.cfg.qos.admit(dir, bytes, force),
+        let verdict = match req.kind().class().qos {
+            Some((dir, counts_bytes)) => {
+                let bytes = if counts_bytes { req.data_len() } else { 0 };
+                self.device.qos().admit(dir, u64::from(bytes), force)
+            }
             None => Ok(()),
         };
         match verdict {
@@ -701,11 +779,7 @@ impl<E: Engine> QueueWorker<E> {
                     self.throttled_since = Some(Instant::now());
                     QueueMetrics::add(&self.metrics.throttled_requests, 1);
                 }
-                let armed = match self.cfg.qos.timer(self.index) {
-                    Some(t) => t.arm(wait.min(MAX_THROTTLE_SLEEP)),
-                    None => Err(std::io::Error::other("no timer for this queue")),
-                };
-                if let Err(e) = armed {
+                if let Err(e) = self.timer.arm(wait.min(MAX_THROTTLE_SLEEP)) {
                     // Nothing would wake the queue: let the request go.
                     warn_limited!(self.log_limit, "QoS timer: {e}; request not throttled");
                     return true;
@@ -722,158 +796,129 @@ impl<E: Engine> QueueWorker<E> {
         &mut self,
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
         mem: &Arc<GuestMem>,
+        view: &RingView<'_>,
     ) -> Result<(usize, bool), RingError> {
-        if !self.start_deferred(false) || self.engine.room() == 0 {
+        if !self.start_deferred(state.get_queue_mut(), view, false) || self.core.room() == 0 {
             self.commit();
             return Ok((0, true));
         }
         let limit = match self.cfg.max_batch {
-            0 => self.engine.room(),
-            n => self.engine.room().min(n),
+            0 => self.core.room(),
+            n => self.core.room().min(n),
         };
         let mut parsed = std::mem::take(&mut self.parsed);
         let queue_size = state.get_queue().size();
-        let limits = self.cfg.limits();
+        let (limits, capacity) = (self.device.limits(), self.device.capacity());
         let journal = &mut self.journal;
         let parser = &mut self.parser;
         let popped = self
             .shadow
-            .pop(state.get_queue_mut(), mem.as_ref(), limit, |chain| {
+            .pop(state.get_queue_mut(), view, limit, |chain| {
                 // Logged before anything is done with it: from here until
                 // its used element is published, a crash must resubmit it.
                 if let Some(log) = journal.as_mut() {
                     log.mark(chain.head_index());
                 }
-                parsed.push(parser.parse(chain, mem, &limits, queue_size));
+                parsed.push(parser.parse(chain, mem, limits, capacity, queue_size));
             });
         for p in parsed.drain(..) {
             match p {
-                Ok(req) => self.start(state.get_queue_mut(), mem, req),
-                Err(rej) => self.reject(state.get_queue_mut(), mem, rej),
+                Ok(req) => self.start(state.get_queue_mut(), view, req),
+                Err(rej) => self.reject(state.get_queue_mut(), view, rej),
             }
             if self.cfg.notify == NotifyMode::PerRequest {
-                self.publish(state, mem)?;
+                self.publish(state, view)?;
             }
         }
         self.parsed = parsed;
         let popped = popped?;
         self.commit();
-        let full =
-            !self.deferred.is_empty() || (self.shadow.more_avail() && self.engine.room() == 0);
+        let full = !self.deferred.is_empty() || (self.shadow.more_avail() && self.core.room() == 0);
         Ok((popped, full))
     }
 
-    /// Hands `req` to the engine (or behind the deferred ones), or answers
-    /// it here when it needs no I/O (GET_ID).
-    fn start(&mut self, queue: &mut Queue, mem: &Arc<GuestMem>, req: Request) {
-        if req.kind == RequestKind::GetId {
-            // SAFETY: `mem` is the snapshot the request was parsed against,
-            // held for this call; GET_ID's buffers are device-writable.
-            unsafe { req.data.fill_from(&self.cfg.serial) };
-            let written = req.written_len();
-            let io = Io {
-                req,
-                mem: mem.clone(),
-            };
-            self.finish(
-                queue,
-                mem,
-                Completion {
-                    io,
-                    status: VIRTIO_BLK_S_OK as u8,
-                    written,
-                },
-            );
+    /// Hands `req` to the engine, or behind the deferred ones.
+    fn start(&mut self, queue: &mut Queue, view: &RingView<'_>, req: Request) {
+        if !self.deferred.is_empty() {
+            self.deferred.push_back(req);
             return;
         }
-        let io = Io {
-            req,
-            mem: mem.clone(),
-        };
-        if !self.lock_image(Duration::ZERO) {
-            // Another process writes the image: failing the request is
-            // all this device can do without corrupting it.
-            let c = Completion {
-                io,
-                status: VIRTIO_BLK_S_IOERR as u8,
-                written: 0,
-            };
-            self.finish(queue, mem, c);
-            return;
-        }
-        if !self.deferred.is_empty() || !self.admit(&io.req, false) {
-            self.deferred.push_back(io);
-        } else if let Err(Full(io)) = self.engine.submit(io) {
-            self.deferred.push_back(io);
-            self.front_admitted = true;
+        match self.gate(&req, false) {
+            Gate::Go => {
+                if let Err(Full(req)) = self.core.submit(req) {
+                    self.deferred.push_back(req);
+                    self.front_admitted = true;
+                }
+            }
+            Gate::Wait => self.deferred.push_back(req),
+            Gate::Refuse => self.fail(queue, view, req),
         }
     }
 
-    /// Reaps the engine's completions, finishes their requests, and
-    /// publishes.
-    fn complete(
-        &mut self,
-        state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
-        mem: &GuestMem,
-    ) -> Result<(), RingError> {
-        let mut reaped = std::mem::take(&mut self.reaped);
-        let n = self.engine.reap(|c| reaped.push(c));
+    /// Takes the completions available now into `reaped`, where
+    /// `complete` finishes them. Returns how many.
+    fn reap(&mut self) -> u32 {
+        let reaped = &mut self.reaped;
+        let n = self.core.reap(|c| reaped.push(c));
         if n > 0 {
             QueueMetrics::add(&self.metrics.completion_passes, 1);
             QueueMetrics::add(&self.metrics.completions, u64::from(n));
         }
+        n
+    }
+
+    /// Reaps the engine's completions, finishes their requests (and those
+    /// reaped before), and publishes.
+    fn complete(
+        &mut self,
+        state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
+        view: &RingView<'_>,
+    ) -> Result<(), RingError> {
+        self.reap();
+        let mut reaped = std::mem::take(&mut self.reaped);
         // Every reaped request is finished, whatever happens to the others.
         let mut published = Ok(());
         for c in reaped.drain(..) {
-            self.finish(state.get_queue_mut(), mem, c);
+            self.finish(state.get_queue_mut(), view, c);
             if self.cfg.notify == NotifyMode::PerRequest && published.is_ok() {
-                published = self.publish(state, mem);
+                published = self.publish(state, view);
             }
         }
         self.reaped = reaped;
         // A retry the engine queued while reaping goes to the kernel now.
         self.commit();
         published?;
-        self.publish(state, mem)
+        self.publish(state, view)
     }
 
     /// Writes a finished request's status byte and used element. Its own
     /// memory snapshot takes the status; the used ring is in `mem`, the
     /// current one. A ring that cannot take the element is logged: the
     /// request is done either way.
-    fn finish(&mut self, queue: &mut Queue, mem: &GuestMem, c: Completion) {
+    fn finish(&mut self, queue: &mut Queue, view: &RingView<'_>, c: Completion) {
         let Completion {
-            io,
+            req,
             status,
             written,
         } = c;
-        self.count_done(&io.req, status);
-        if written > 0 && self.cfg.logging.load(Ordering::Relaxed) {
-            // The engine (the kernel, a bounce copy, a fill) wrote these
-            // behind vm-memory's back: mark them before the guest, or the
-            // migration, can see the completion.
-            io.req.data.mark_written(&io.mem, written);
+        self.count_done(&req, status);
+        status.write(req.mem(), req.status_addr());
+        let len = if status.is_ok() { written + 1 } else { 1 };
+        let head = req.head();
+        if let Err(e) = self.add_used(queue, view, head, len) {
+            warn_limited!(self.log_limit, "request {head}: used ring: {e}");
         }
-        let _ = io.mem.write_obj(status, io.req.status);
-        let len = if u32::from(status) == VIRTIO_BLK_S_OK {
-            written + 1
-        } else {
-            1
-        };
-        if let Err(e) = self.add_used(queue, mem, io.req.head, len) {
-            warn_limited!(self.log_limit, "request {}: used ring: {e}", io.req.head);
-        }
-        self.parser.recycle(io.req.data);
+        self.parser.recycle(req);
     }
 
     /// Answers a refused request: status byte if there is one, used length
     /// 0 if not.
-    fn reject(&mut self, queue: &mut Queue, mem: &GuestMem, rej: Rejected) {
+    fn reject(&mut self, queue: &mut Queue, view: &RingView<'_>, rej: Rejected) {
         let len = match rej.status {
             Some(addr) => {
                 let status = rej.error.status();
-                if mem.write_obj(status, addr).is_ok() {
-                    if u32::from(status) == VIRTIO_BLK_S_UNSUPP {
+                if status.write(view.mem(), addr) {
+                    if status == Status::Unsupp {
                         QueueMetrics::add(&self.metrics.errors_unsupp, 1);
                         self.metrics.count_request(RequestType::Unsupported);
                     } else {
@@ -896,7 +941,7 @@ impl<E: Engine> QueueWorker<E> {
             rej.head,
             rej.error
         );
-        if let Err(e) = self.add_used(queue, mem, rej.head, len) {
+        if let Err(e) = self.add_used(queue, view, rej.head, len) {
             warn_limited!(self.log_limit, "request {}: used ring: {e}", rej.head);
         }
     }
@@ -905,7 +950,7 @@ impl<E: Engine> QueueWorker<E> {
     fn add_used(
         &mut self,
         queue: &mut Queue,
-        mem: &GuestMem,
+        view: &RingView<'_>,
         head: u16,
         len: u32,
     ) -> Result<(), RingError> {
@@ -920,7 +965,7 @@ impl<E: Engine> QueueWorker<E> {
             );
             return Ok(());
         }
-        self.shadow.add_used(queue, mem, head, len)?;
+        self.shadow.add_used(queue, view, head, len)?;
         if self.journal.is_some() {
             self.unpublished_heads.push(head);
         }
@@ -933,12 +978,12 @@ impl<E: Engine> QueueWorker<E> {
     fn publish(
         &mut self,
         state: &mut VringState<GuestMemoryAtomic<GuestMem>>,
-        mem: &GuestMem,
+        view: &RingView<'_>,
     ) -> Result<(), RingError> {
         if let Some(log) = &self.journal {
             log.before_publish(&self.unpublished_heads);
         }
-        let n = self.shadow.publish(state.get_queue(), mem)?;
+        let n = self.shadow.publish(state.get_queue(), view)?;
         if let Some(log) = &self.journal {
             log.after_publish(&self.unpublished_heads, state.get_queue().next_used());
             self.unpublished_heads.clear();
@@ -946,7 +991,7 @@ impl<E: Engine> QueueWorker<E> {
         if n == 0 {
             return Ok(());
         }
-        if self.shadow.needs_notification(state.get_queue(), mem)? {
+        if self.shadow.needs_notification(state.get_queue(), view)? {
             if state.signal_used_queue().is_ok() {
                 QueueMetrics::add(&self.metrics.notifications, 1);
             }
@@ -956,22 +1001,16 @@ impl<E: Engine> QueueWorker<E> {
         Ok(())
     }
 
-    fn count_done(&self, req: &Request, status: u8) {
+    fn count_done(&self, req: &Request, status: Status) {
         let m = &self.metrics;
-        let t = match req.kind {
-            RequestKind::Read { .. } => RequestType::Read,
-            RequestKind::Write { .. } => RequestType::Write,
-            RequestKind::Flush => RequestType::Flush,
-            RequestKind::GetId => RequestType::GetId,
-            RequestKind::Discard(_) => RequestType::Discard,
-            RequestKind::WriteZeroes(_) => RequestType::WriteZeroes,
-        };
-        m.count_request(t);
-        if u32::from(status) == VIRTIO_BLK_S_OK {
-            match t {
-                RequestType::Read => QueueMetrics::add(&m.read_bytes, u64::from(req.data_len)),
-                RequestType::Write => QueueMetrics::add(&m.write_bytes, u64::from(req.data_len)),
-                _ => {}
+        let class = req.kind().class();
+        m.count_request(class.metric);
+        if status.is_ok() {
+            let bytes = u64::from(req.data_len());
+            match class.bytes {
+                Some(Direction::Read) => QueueMetrics::add(&m.read_bytes, bytes),
+                Some(Direction::Write) => QueueMetrics::add(&m.write_bytes, bytes),
+                None => {}
             }
         } else {
             QueueMetrics::add(&m.errors_ioerr, 1);
@@ -985,7 +1024,7 @@ impl<E: Engine> QueueWorker<E> {
     /// start again afterwards.
     pub fn stop(&mut self) {
         self.finish_all();
-        if let Err(e) = self.engine.make_durable() {
+        if let Err(e) = self.core.make_durable() {
             log::error!("making the image durable as the ring stops: {e}");
         }
         self.started = false;
@@ -1003,49 +1042,40 @@ impl<E: Engine> QueueWorker<E> {
     }
 
     /// Counts this queue among the image lock's users, taking the lock if
-    /// it is the first; false while another process holds it, after
-    /// trying for `wait`. Called when the ring starts, and again for each
-    /// request until it succeeds.
-    fn lock_image(&mut self, wait: Duration) -> bool {
+    /// it is the first; false while another process holds it. Tried when
+    /// the ring starts, and for each request until it succeeds; never
+    /// waits.
+    fn try_lock(&mut self) -> bool {
         if self.holds_lock {
             return true;
         }
-        let Some(lock) = &self.cfg.image_lock else {
+        let Some(lock) = self.device.image_lock() else {
             return true;
         };
-        let deadline = Instant::now() + wait;
-        loop {
-            match lock.acquire() {
-                Ok(()) => {
-                    self.holds_lock = true;
-                    return true;
-                }
-                Err(_) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                Err(e) => {
-                    warn_limited!(self.log_limit, "{e}: requests fail until it is released");
-                    return false;
-                }
-            }
+        self.holds_lock = lock.acquire().is_ok();
+        if self.holds_lock {
+            self.lock_deadline = None;
         }
+        self.holds_lock
     }
 
     /// The ring stopped: after its I/O completed and was made durable, the
     /// next daemon may take the image.
     fn unlock_image(&mut self) {
+        self.lock_deadline = None;
         if std::mem::take(&mut self.holds_lock) {
-            if let Some(lock) = &self.cfg.image_lock {
+            if let Some(lock) = self.device.image_lock() {
                 lock.release();
             }
         }
     }
 
-    /// The engine, drained and reset, for the next connection's worker.
-    pub fn into_engine(mut self) -> E {
+    /// The engine's core, drained and reset, for the next connection's
+    /// worker.
+    pub fn into_core(mut self) -> Core<E> {
         self.drain();
-        self.engine.reset();
-        self.engine
+        self.core.reset();
+        self.core
     }
 
     /// Runs every request taken off the ring to completion: deferred ones
@@ -1053,7 +1083,7 @@ impl<E: Engine> QueueWorker<E> {
     /// its limits (and charged), and an error on one request (or on the
     /// ring) does not stop the others from finishing.
     fn finish_all(&mut self) {
-        if self.engine.in_flight() == 0 && self.deferred.is_empty() {
+        if self.core.in_flight() == 0 && self.deferred.is_empty() {
             return;
         }
         // Requests are only taken in `run`, which records both first.
@@ -1062,16 +1092,17 @@ impl<E: Engine> QueueWorker<E> {
         };
         let mut state = vring.get_mut();
         loop {
-            self.start_deferred(true);
+            let view = RingView::new(state.get_queue(), &*mem);
+            self.start_deferred(state.get_queue_mut(), &view, true);
             self.commit();
-            if self.engine.in_flight() == 0 && self.deferred.is_empty() {
+            if self.core.in_flight() == 0 && self.deferred.is_empty() {
                 break;
             }
-            if let Err(e) = self.engine.wait() {
+            if let Err(e) = self.core.wait() {
                 warn_limited!(self.log_limit, "draining queue: {e}");
                 std::thread::sleep(Duration::from_millis(1));
             }
-            if let Err(e) = self.complete(&mut state, &mem) {
+            if let Err(e) = self.complete(&mut state, &view) {
                 warn_limited!(self.log_limit, "draining queue: {e}");
             }
         }
@@ -1080,4 +1111,4 @@ impl<E: Engine> QueueWorker<E> {
 
 #[cfg(test)]
 #[path = "worker_tests.rs"]
-mod tests;
+pub(crate) mod tests;

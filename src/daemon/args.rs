@@ -1,13 +1,16 @@
-//! Command-line definitions. Parsing only: validation that needs the file
-//! system happens in `daemon::config`.
+//! `ringblk serve`'s options. Parsing only: validation that needs the
+//! file system happens in [`super::config`].
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
-pub use ringblk_metrics::parse_size;
+use clap::builder::PossibleValue;
+use clap::{Args, ValueEnum};
+use ringblk_metrics::parse_size;
+
+pub use crate::queue::{NotifyMode, SignalMode};
 
 /// Where `ringblk serve` listens, and the image it creates, by default:
-/// these names in a private directory that `daemon::config` picks and
+/// these names in a private directory that [`super::config`] picks and
 /// checks.
 pub const DEFAULT_SOCKET_NAME: &str = "vhost.sock";
 pub const DEFAULT_IMAGE_NAME: &str = "disk.img";
@@ -19,54 +22,37 @@ pub const MAX_QUEUES: u16 = 64;
 /// The largest split virtqueue (virtio 1.x: 32768 entries).
 pub const MAX_QUEUE_SIZE: u16 = 32768;
 
-#[derive(Debug, Parser)]
-#[command(
-    name = "ringblk",
-    version,
-    about = "A vhost-user-blk backend built on io_uring"
-)]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Command,
+/// `--notify`: the queue's own enum, named for the command line here.
+impl ValueEnum for NotifyMode {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[NotifyMode::Batched, NotifyMode::PerRequest]
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(match self {
+            NotifyMode::Batched => PossibleValue::new("batched")
+                .help("Publish used->idx and decide on a notification once per completion pass"),
+            NotifyMode::PerRequest => PossibleValue::new("per-request")
+                .help("Publish and notify after every request (the naive baseline)"),
+        })
+    }
 }
 
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Serve an image file or block device as a vhost-user-blk device.
-    Serve(Box<ServeArgs>),
-    /// Print the counters of a running daemon (started with --metrics or
-    /// --api); `ctl --api PATH stats` is the same.
-    Stats(crate::metrics::StatsArgs),
-    /// Control a running daemon over its --api socket: status, resize,
-    /// stats.
-    Ctl(crate::api::ctl::CtlArgs),
-    /// Load generator for any vhost-user-blk socket, and a side-by-side
-    /// comparison with qemu-storage-daemon and the host's own io_uring:
-    /// runs ringblk-bench with these arguments.
-    #[command(disable_help_flag = true)]
-    Bench(crate::bench::BenchArgs),
-    /// Write the man pages and shell completions (bash, zsh, fish) made
-    /// from these definitions: what the Debian package installs, for a
-    /// `cargo install` to install too.
-    Generate(crate::generate::GenerateArgs),
-}
+/// `--signal`: the queue's own enum, named for the command line here.
+impl ValueEnum for SignalMode {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[SignalMode::Early, SignalMode::Late]
+    }
 
-/// How the used ring is published and the guest notified.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum NotifyMode {
-    /// Publish used->idx and decide on a notification once per completion pass.
-    Batched,
-    /// Publish and notify after every request (the naive baseline).
-    PerRequest,
-}
-
-/// Whether finished requests are signalled before or after new submissions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum SignalMode {
-    /// Reap and signal completions before parsing new avail entries.
-    Early,
-    /// Submit new requests first, then reap and signal.
-    Late,
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(match self {
+            SignalMode::Early => PossibleValue::new("early")
+                .help("Reap and signal completions before parsing new avail entries"),
+            SignalMode::Late => {
+                PossibleValue::new("late").help("Submit new requests first, then reap and signal")
+            }
+        })
+    }
 }
 
 /// What executes requests.
@@ -262,163 +248,7 @@ pub struct ServeArgs {
     pub landlock: LandlockMode,
 
     #[command(flatten)]
-    pub qos: QosArgs,
-}
-
-/// QoS limits of the device, shared by all its queues (qemu-storage-daemon's
-/// throttle-limits convention; see docs/qos.md). Rates are per second;
-/// 0 removes a limit; a limit not given keeps its value (none, at start).
-/// Bandwidths take size suffixes (K, M, G).
-#[derive(Clone, Debug, Default, Args)]
-#[command(next_help_heading = "QoS (per device, 0 = no limit)")]
-pub struct QosArgs {
-    /// Requests a second, reads and writes together (qsd: iops-total).
-    #[arg(long, value_name = "N")]
-    pub iops: Option<u64>,
-    /// Burst rate for --iops, allowed for --qos-max-length seconds.
-    #[arg(long, value_name = "N")]
-    pub iops_max: Option<u64>,
-    /// Read requests a second (qsd: iops-read).
-    #[arg(long, value_name = "N")]
-    pub read_iops: Option<u64>,
-    #[arg(long, value_name = "N")]
-    /// Burst rate for --read-iops.
-    pub read_iops_max: Option<u64>,
-    /// Write requests a second (qsd: iops-write); discard and write-zeroes
-    /// count as writes.
-    #[arg(long, value_name = "N")]
-    pub write_iops: Option<u64>,
-    /// Burst rate for --write-iops.
-    #[arg(long, value_name = "N")]
-    pub write_iops_max: Option<u64>,
-    /// Bytes a second, reads and writes together (qsd: bps-total).
-    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
-    pub bps: Option<u64>,
-    /// Burst rate for --bps.
-    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
-    pub bps_max: Option<u64>,
-    /// Bytes read a second (qsd: bps-read).
-    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
-    pub read_bps: Option<u64>,
-    /// Burst rate for --read-bps.
-    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
-    pub read_bps_max: Option<u64>,
-    /// Bytes written a second (qsd: bps-write).
-    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
-    pub write_bps: Option<u64>,
-    /// Burst rate for --write-bps.
-    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
-    pub write_bps_max: Option<u64>,
-    /// Seconds a *-max burst lasts (qsd: the *-max-length of each limit).
-    #[arg(long, value_name = "SECONDS")]
-    pub qos_max_length: Option<u64>,
-}
-
-/// Each QoS flag and the `QosLimits` (JSON) field it sets, in the order
-/// of [`QosArgs::values`].
-const QOS_FLAGS: [(&str, &str); 13] = [
-    ("iops_total", "--iops"),
-    ("iops_total_max", "--iops-max"),
-    ("iops_read", "--read-iops"),
-    ("iops_read_max", "--read-iops-max"),
-    ("iops_write", "--write-iops"),
-    ("iops_write_max", "--write-iops-max"),
-    ("bps_total", "--bps"),
-    ("bps_total_max", "--bps-max"),
-    ("bps_read", "--read-bps"),
-    ("bps_read_max", "--read-bps-max"),
-    ("bps_write", "--write-bps"),
-    ("bps_write_max", "--write-bps-max"),
-    ("max_length", "--qos-max-length"),
-];
-
-impl QosArgs {
-    fn values(&self) -> [Option<u64>; 13] {
-        [
-            self.iops,
-            self.iops_max,
-            self.read_iops,
-            self.read_iops_max,
-            self.write_iops,
-            self.write_iops_max,
-            self.bps,
-            self.bps_max,
-            self.read_bps,
-            self.read_bps_max,
-            self.write_bps,
-            self.write_bps_max,
-            self.qos_max_length,
-        ]
-    }
-
-    /// The limits given here, by their `QosLimits` (JSON) names: what
-    /// `serve` starts with and what `ctl qos` asks the daemon to change.
-    pub fn changes(&self) -> serde_json::Map<String, serde_json::Value> {
-        QOS_FLAGS
-            .iter()
-            .zip(self.values())
-            .filter_map(|((name, _), v)| Some((name.to_string(), v?.into())))
-            .collect()
-    }
-
-    /// `base` with the limits given here replacing its own.
-    pub fn apply(
-        &self,
-        base: crate::qos::QosLimits,
-    ) -> Result<crate::qos::QosLimits, crate::qos::QosError> {
-        base.with_changes(&self.changes())
-    }
-
-    /// `base` with the limits given here, checked; an error names the
-    /// flags, not the JSON fields.
-    pub fn check(&self, base: crate::qos::QosLimits) -> Result<crate::qos::QosLimits, String> {
-        self.apply(base)
-            .and_then(|l| l.validate().map(|()| l))
-            .map_err(|e| qos_error_in_flags(&e))
-    }
-}
-
-/// The flag that sets the `QosLimits` field `name`.
-fn qos_flag(name: &str) -> &str {
-    QOS_FLAGS
-        .iter()
-        .find(|(json, _)| *json == name)
-        .map_or(name, |(_, flag)| flag)
-}
-
-/// A QoS error as the command line says it: `--iops-max needs --iops`.
-pub fn qos_error_in_flags(e: &crate::qos::QosError) -> String {
-    use crate::qos::QosError as E;
-    let max = |name: &str| qos_flag(&format!("{name}_max")).to_string();
-    match e {
-        E::MaxWithoutRate { name } => {
-            format!("{} needs {} set too", max(name), qos_flag(name))
-        }
-        E::MaxBelowRate { name, avg, max: m } => format!(
-            "{} ({m}) cannot be lower than {} ({avg})",
-            max(name),
-            qos_flag(name)
-        ),
-        E::TooLarge { name } => format!(
-            "{} and {} are at most {}",
-            qos_flag(name),
-            max(name),
-            crate::qos::VALUE_MAX
-        ),
-        E::LengthWithoutMax => {
-            "--qos-max-length needs a burst rate to apply to (--iops-max, --bps-max, ...)".into()
-        }
-        E::LengthTooLong(n) => format!("--qos-max-length is at most 86400 seconds, not {n}"),
-        other => other.to_string(),
-    }
-}
-
-/// A bandwidth: a size (64K, 100M) a second, or 0 for no limit.
-fn parse_rate(s: &str) -> Result<u64, String> {
-    if s.trim() == "0" {
-        return Ok(0);
-    }
-    parse_size(s)
+    pub qos: crate::qos::QosChanges,
 }
 
 /// What the seccomp filter does with a syscall it does not allow.
@@ -497,56 +327,5 @@ mod tests {
         assert!(parse_octal("800").is_err());
         assert_eq!(parse_block_size("4096"), Ok(4096));
         assert!(parse_block_size("1024").is_err());
-    }
-
-    #[test]
-    fn later_serve_options_override_earlier_ones() {
-        let cli =
-            Cli::try_parse_from(["ringblk", "serve", "--poll-us=0", "--poll-us", "50"]).unwrap();
-        match cli.command {
-            Command::Serve(a) => assert_eq!(a.poll_us, 50),
-            other => panic!("parsed as {other:?}"),
-        }
-    }
-
-    #[test]
-    fn qos_flags_fill_the_limits() {
-        let cli = Cli::try_parse_from([
-            "ringblk",
-            "serve",
-            "--iops",
-            "2000",
-            "--read-bps",
-            "64M",
-            "--write-bps",
-            "0",
-            "--write-iops-max",
-            "30",
-        ])
-        .unwrap();
-        let Command::Serve(a) = cli.command else {
-            panic!("not serve");
-        };
-        let l = a
-            .qos
-            .apply(crate::qos::QosLimits {
-                bps_write: 5,
-                iops_read: 7,
-                ..Default::default()
-            })
-            .unwrap();
-        assert_eq!(l.iops_total, 2000);
-        assert_eq!(l.bps_read, 64 << 20);
-        assert_eq!(l.bps_write, 0, "0 removes a limit");
-        assert_eq!(l.iops_read, 7, "not given: kept");
-        assert_eq!(l.iops_write_max, 30);
-        assert!(Cli::try_parse_from(["ringblk", "serve", "--bps", "1X"]).is_err());
-        assert!(Cli::try_parse_from(["ringblk", "serve", "--iops", "-1"]).is_err());
-    }
-
-    #[test]
-    fn cli_is_consistent() {
-        use clap::CommandFactory;
-        Cli::command().debug_assert();
     }
 }

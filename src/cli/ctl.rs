@@ -1,13 +1,13 @@
 //! `ringblk ctl --api PATH VERB`: the control API's client. Prints what
 //! the daemon answers; an error is one line (the daemon's own message)
-//! and exit status 1 (`crate::exit`).
+//! and exit status 1 (`super::exit`).
 
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 
-use crate::exit::{Failure, out};
-use crate::metrics::StatsArgs;
+use super::exit::{Failure, out};
+use super::stats::StatsArgs;
 
 #[derive(Debug, Args)]
 pub struct CtlArgs {
@@ -28,7 +28,7 @@ pub enum CtlVerb {
     /// image's size (a block device that grew). Shrinking needs --force.
     Resize {
         /// The new size; none: re-read the image's size.
-        #[arg(value_parser = crate::cli::parse_size)]
+        #[arg(value_parser = ringblk_metrics::parse_size)]
         size: Option<u64>,
         /// Allow shrinking: data past the new end is gone for the guest.
         #[arg(long)]
@@ -37,7 +37,7 @@ pub enum CtlVerb {
     /// Show the QoS limits, or change those given (0 removes a limit; the
     /// others stay), effective within a second. Prints the limits in
     /// force (JSON).
-    Qos(crate::cli::QosArgs),
+    Qos(crate::qos::QosChanges),
     /// The counters, as `ringblk stats` prints them.
     Stats {
         /// Print the raw JSON snapshot instead of a table.
@@ -47,7 +47,7 @@ pub enum CtlVerb {
         #[arg(long)]
         prometheus: bool,
         /// Print what happened in each interval of this many seconds.
-        #[arg(long, value_name = "SECS", value_parser = crate::metrics::parse_interval)]
+        #[arg(long, value_name = "SECS", value_parser = super::stats::parse_interval)]
         interval: Option<f64>,
         /// With --interval: stop after this many intervals.
         #[arg(long, requires = "interval")]
@@ -87,9 +87,8 @@ pub fn ctl(args: &CtlArgs) -> Result<(), Failure> {
                 r["old_size"], r["size"]
             ))?;
         }
-        CtlVerb::Qos(limits) => {
+        CtlVerb::Qos(changes) => {
             let current = call(&addr, "GET", "/api/v1/qos", b"")?;
-            let changes = limits.changes();
             let answer = if changes.is_empty() {
                 current
             } else {
@@ -97,8 +96,9 @@ pub fn ctl(args: &CtlArgs) -> Result<(), Failure> {
                 // an error names the flags (the daemon's names its JSON).
                 let base = serde_json::from_str(&current)
                     .map_err(|e| format!("{}: bad answer: {e}", args.api.display()))?;
-                limits.check(base).map_err(Failure::Usage)?;
-                let body = serde_json::Value::Object(changes).to_string();
+                changes.check(base).map_err(Failure::Usage)?;
+                let body = serde_json::to_string(changes)
+                    .map_err(|e| format!("encoding the QoS changes: {e}"))?;
                 call(&addr, "PUT", "/api/v1/qos", body.as_bytes())?
             };
             out(&answer)?;
@@ -108,7 +108,7 @@ pub fn ctl(args: &CtlArgs) -> Result<(), Failure> {
             prometheus,
             interval,
             count,
-        } => crate::metrics::stats(&StatsArgs {
+        } => super::stats::stats(&StatsArgs {
             metrics: addr,
             json: *json,
             prometheus: *prometheus,
@@ -123,7 +123,7 @@ pub fn ctl(args: &CtlArgs) -> Result<(), Failure> {
 /// status line.
 fn call(addr: &str, method: &str, path: &str, body: &[u8]) -> Result<String, String> {
     let (status, line, body) = ringblk_metrics::request(addr, method, path, body)
-        .map_err(|e| crate::metrics::explain(&e, "--api"))?;
+        .map_err(|e| super::stats::explain(&e, "--api"))?;
     if status == 200 {
         return Ok(body);
     }

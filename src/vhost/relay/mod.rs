@@ -14,8 +14,10 @@
 //! take (see [`MemSlots`]).
 //!
 //! Request codes and payloads are the `vhost` crate's types
-//! ([`FrontendReq`], [`VhostUserInflight`], ...); only the 12-byte header
-//! is encoded here, because the crate keeps its header type private.
+//! ([`FrontendReq`], [`VhostUserInflight`], ...); the 12-byte header is
+//! [`wire`]'s, because the crate keeps its header type private. The
+//! back-end request channel ([`channel`]) and the set-up hints
+//! (`super::hints`) live beside the relay.
 //!
 //! Only control messages cross it; the data path is shared memory and
 //! eventfds, so the relay costs nothing per I/O.
@@ -29,29 +31,29 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use vhost::vhost_user::message::{
-    FrontendReq, VhostUserHeaderFlag, VhostUserInflight, VhostUserLog, VhostUserMemory,
-    VhostUserProtocolFeatures, VhostUserU64, VhostUserVringState,
+    FrontendReq, VhostUserInflight, VhostUserLog, VhostUserMemory, VhostUserProtocolFeatures,
+    VhostUserU64, VhostUserVringState,
 };
 use vm_memory::ByteValued;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-use super::backend_channel::BackendChannel;
+pub mod channel;
+pub mod wire;
+
+use self::channel::BackendChannel;
+use self::wire::{HEADER_LEN, Header, payload_as};
 use super::hints::SetupHints;
-use super::inflight::InflightRegion;
 use super::sigbus::MEM_SLOTS;
 use crate::metrics::SharedRateLimiter;
+use crate::queue::inflight::InflightRegion;
 use crate::virtio::LogRegion;
 use crate::{info_limited, log_limited, warn_limited};
 
-/// `struct VhostUserMsgHeader`: request, flags, payload size (le32 each).
-const HDR: usize = 12;
 /// Larger than any message the protocol defines; a front-end announcing
 /// more is broken or hostile and is disconnected.
 const MAX_PAYLOAD: usize = 64 * 1024;
 /// vhost-user allows at most 8 fds per message.
 const MAX_FDS: usize = 8;
-/// The only protocol version there is, in the low bits of the flags.
-const VERSION: u32 = 0x1;
 /// SET_VRING_KICK / SET_VRING_CALL payload: the ring index in bits 0-7,
 /// and bit 8 set when no fd comes with it (vhost-user spec).
 const VRING_IDX_MASK: u64 = 0xff;
@@ -97,33 +99,21 @@ struct Msg {
     fds: Vec<File>,
 }
 
-/// The payload's first bytes as a `T`; `None` if it is shorter than one.
-pub(super) fn payload_as<T: ByteValued + Default>(p: &[u8]) -> Option<T> {
-    let mut v = T::default();
-    let bytes = p.get(..std::mem::size_of::<T>())?;
-    v.as_mut_slice().copy_from_slice(bytes);
-    Some(v)
-}
-
 impl Msg {
     fn code(&self) -> Option<FrontendReq> {
         FrontendReq::try_from(self.request).ok()
     }
 
-    fn needs_reply(&self) -> bool {
-        self.flags & VhostUserHeaderFlag::NEED_REPLY.bits() != 0
+    fn header(&self) -> Header {
+        Header::new(self.request, self.flags, self.payload.len())
     }
 
-    fn encode_header(request: u32, flags: u32, size: usize) -> [u8; HDR] {
-        let mut h = [0u8; HDR];
-        h[0..4].copy_from_slice(&request.to_le_bytes());
-        h[4..8].copy_from_slice(&flags.to_le_bytes());
-        h[8..12].copy_from_slice(&(size as u32).to_le_bytes());
-        h
+    fn needs_reply(&self) -> bool {
+        self.header().needs_reply()
     }
 
     fn send(&self, to: &UnixStream) -> io::Result<()> {
-        let hdr = Self::encode_header(self.request, self.flags, self.payload.len());
+        let hdr = self.header().to_bytes();
         let fds: Vec<RawFd> = self.fds.iter().map(|f| f.as_raw_fd()).collect();
         send_all(to, &hdr, &self.payload, &fds)
     }
@@ -180,11 +170,11 @@ fn read_msg(from: &UnixStream, limits: Limits) -> io::Result<Option<Msg>> {
     if timed {
         from.set_read_timeout(limits.start)?;
     }
-    let mut hdr = [0u8; HDR];
+    let mut hdr = [0u8; HEADER_LEN];
     let mut fds = [-1 as RawFd; MAX_FDS];
     let mut iov = [libc::iovec {
         iov_base: hdr.as_mut_ptr().cast(),
-        iov_len: HDR,
+        iov_len: HEADER_LEN,
     }];
     // A read timeout makes the kernel answer EINTR, not restart the call,
     // when a signal or a stop and continue (SIGSTOP, a debugger, the
@@ -214,9 +204,12 @@ fn read_msg(from: &UnixStream, limits: Limits) -> io::Result<Option<Msg>> {
         _ => e,
     };
     (&*from).read_exact(&mut hdr[n..]).map_err(stalled)?;
-    let request = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
-    let flags = u32::from_le_bytes([hdr[4], hdr[5], hdr[6], hdr[7]]);
-    let size = u32::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]) as usize;
+    let Header {
+        request,
+        flags,
+        size,
+    } = Header::from_bytes(&hdr);
+    let size = size as usize;
     if size > MAX_PAYLOAD {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
@@ -556,8 +549,7 @@ fn refuse(msg: &Msg, to: &Mutex<UnixStream>) -> io::Result<()> {
 }
 
 fn reply(to: &Mutex<UnixStream>, request: u32, payload: &[u8], fds: &[RawFd]) -> io::Result<()> {
-    let flags = VERSION | VhostUserHeaderFlag::REPLY.bits();
-    let hdr = Msg::encode_header(request, flags, payload.len());
+    let hdr = Header::reply(request, payload.len()).to_bytes();
     send_all(
         &to.lock().unwrap_or_else(|p| p.into_inner()),
         &hdr,
@@ -723,8 +715,8 @@ mod tests {
     }
 
     fn vring_num(num: u32) -> Vec<u8> {
-        let flags = VERSION | VhostUserHeaderFlag::NEED_REPLY.bits();
-        let mut m = Msg::encode_header(SET_VRING_NUM, flags, 8).to_vec();
+        let flags = wire::VERSION | wire::NEED_REPLY;
+        let mut m = Header::new(SET_VRING_NUM, flags, 8).to_bytes().to_vec();
         m.extend_from_slice(&0u32.to_le_bytes());
         m.extend_from_slice(&num.to_le_bytes());
         m
@@ -742,14 +734,9 @@ mod tests {
         front.write_all(&vring_num(100)).unwrap();
         let mut reply = [0u8; 20];
         front.read_exact(&mut reply).unwrap();
-        assert_eq!(
-            u32::from_le_bytes(reply[0..4].try_into().unwrap()),
-            SET_VRING_NUM
-        );
-        assert_ne!(
-            u32::from_le_bytes(reply[4..8].try_into().unwrap()) & VhostUserHeaderFlag::REPLY.bits(),
-            0
-        );
+        let hdr = Header::from_bytes(reply[..HEADER_LEN].try_into().unwrap());
+        assert_eq!(hdr.request, SET_VRING_NUM);
+        assert!(hdr.is_reply());
         assert_eq!(u64::from_le_bytes(reply[12..20].try_into().unwrap()), 1);
         let mut rest = Vec::new();
         assert_eq!(
@@ -769,11 +756,11 @@ mod tests {
         let value = if fds.is_empty() { VRING_NOFD } else { 0 };
         let m = Msg {
             request: code.into(),
-            flags: VERSION,
+            flags: wire::VERSION,
             payload: VhostUserU64::new(value).as_slice().to_vec(),
             fds: vec![],
         };
-        let hdr = Msg::encode_header(m.request, m.flags, m.payload.len());
+        let hdr = m.header().to_bytes();
         send_all(front, &hdr, &m.payload, fds).unwrap();
         let got = read_msg(back, TRUSTED).unwrap().expect("forwarded");
         assert_eq!(got.request, u32::from(code));
@@ -824,7 +811,7 @@ mod tests {
         assert!(!signalled(&c1), "the old call fd");
         // Stopped (GET_VRING_BASE): a new call fd waits for the next start.
         let stop = VhostUserVringState::new(0, 0);
-        let hdr = Msg::encode_header(FrontendReq::GET_VRING_BASE.into(), VERSION, 8);
+        let hdr = Header::new(FrontendReq::GET_VRING_BASE, wire::VERSION, 8).to_bytes();
         send_all(&front, &hdr, stop.as_slice(), &[]).unwrap();
         read_msg(&back, TRUSTED)
             .unwrap()

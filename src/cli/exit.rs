@@ -57,3 +57,14 @@ pub fn out(text: &str) -> Result<(), Failure> {
             _ => Failure::Runtime(format!("writing to standard output: {e}")),
         })
 }
+
+/// How `serve` ends: its usage errors are the command line's (2), the
+/// rest runtime errors (1).
+impl From<crate::daemon::DaemonError> for Failure {
+    fn from(e: crate::daemon::DaemonError) -> Self {
+        match e {
+            crate::daemon::DaemonError::Usage(m) => Failure::Usage(m),
+            other => Failure::Runtime(other.to_string()),
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! The device: what the guest sees (its limits, capacity and write cache)
+//! and the state every layer above shares at runtime, in one object.
+//!
+//! One [`Device`] lives as long as the daemon; connections come and go
+//! under it. Each fact about the device is here and only here:
+//! - the capacity (resized online by [`Device::resize`]; requests are
+//!   checked against it, GET_CONFIG reports it);
+//! - the guest-visible write cache (`wce`), which the guest may toggle;
+//! - dirty-page logging (the front-end acked LOG_ALL: a migration);
+//! - the QoS limits and their token buckets ([`crate::qos::Qos`]);
+//! - the image lock ([`crate::io::ImageLock`]);
+//! - stopping (SIGTERM), and the intake: whether the rings take new
+//!   requests (not once the front-end's socket has closed, nor while
+//!   stopping);
+//! - the connection being served, if any ([`Connection`]).
+//!
+//! The configuration space the driver reads is derived from these
+//! ([`Device::config`]), never stored beside them.
+//!
+//! Who reads what: the queue workers read the capacity once per pass, the
+//! write cache and logging once per request (relaxed loads); the
+//! vhost-user backend changes the write cache and logging as the front-end
+//! asks; the control API resizes, reads and changes QoS; the daemon sets
+//! the connection and stops. Nothing here does I/O on the request path.
+
+mod resize;
+
+use std::fs::File;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
+
+use crate::io::ImageLock;
+use crate::qos::{Qos, QosError, QosLimits};
+use crate::virtio::config::{VirtioBlkConfig, device_features};
+use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
+
+pub use resize::{ResizeError, Resized};
+
+/// GET_ID's answer: the serial, zero-padded to 20 bytes.
+pub type Serial = [u8; VIRTIO_BLK_ID_BYTES as usize];
+
+/// What the daemon and the control API need of the connection being
+/// served, whatever its engine (the vhost-user backend implements it).
+pub trait Connection: Send + Sync {
+    /// Takes no more requests and completes everything in flight, on every
+    /// queue.
+    fn drain_all(&self);
+    /// Tells the front-end that the configuration space changed (the
+    /// capacity, after a resize). Ok(None): it gave us no back-end channel
+    /// (it did not negotiate BACKEND_REQ), so it cannot be told;
+    /// Ok(Some(acked)) otherwise.
+    fn config_changed(&self) -> io::Result<Option<bool>>;
+    /// Takes the engines out of the (drained) workers and drops them, so
+    /// that what they hold is released: at shutdown, an RBD image handle
+    /// is closed, which gives up its watch and exclusive lock.
+    fn close_engines(&self);
+}
+
+/// An image whose size is changed through a handle the engines share
+/// (an RBD image: `rbd_resize` on the handle every queue uses is what
+/// lets them write past the old end at once).
+pub trait Resizable: Send + Sync {
+    fn size(&self) -> io::Result<u64>;
+    fn set_size(&self, size: u64) -> io::Result<()>;
+}
+
+/// What a resize changes or re-reads.
+#[derive(Default)]
+pub enum Backing {
+    /// Nothing: the size cannot change (tests, the null engine's image
+    /// aside).
+    #[default]
+    None,
+    /// A file or block device: a duplicate of the daemon's image fd.
+    File { file: File, block_device: bool },
+    /// A handle the engines share. Weak: the device must not keep the
+    /// image open when SIGTERM closes it (the handle closes when its last
+    /// strong holder lets go).
+    Shared(Weak<dyn Resizable>),
+}
+
+/// How to make a [`Device`]: what it is, fixed for the daemon's life.
+/// `Default` is a small test device.
+pub struct DeviceSpec {
+    /// The image's path, or `rbd:POOL/IMAGE`.
+    pub name: String,
+    /// What requests are checked against (the capacity aside).
+    pub limits: DeviceLimits,
+    /// The capacity at start-up, in 512-byte sectors.
+    pub capacity_sectors: u64,
+    pub queues: u16,
+    /// Most descriptors a queue may have (what the front-end may set).
+    pub queue_size: u16,
+    pub serial: Serial,
+    /// The write cache a connection starts with (`--writethrough`: off).
+    pub writeback: bool,
+    pub qos: QosLimits,
+    /// Taken while a ring runs (`--no-image-lock`, RBD: none).
+    pub image_lock: Option<ImageLock>,
+    pub backing: Backing,
+}
+
+impl Default for DeviceSpec {
+    fn default() -> DeviceSpec {
+        DeviceSpec {
+            name: String::new(),
+            limits: DeviceLimits::default(),
+            capacity_sectors: 1 << 21,
+            queues: 1,
+            queue_size: 256,
+            serial: [0; VIRTIO_BLK_ID_BYTES as usize],
+            writeback: true,
+            qos: QosLimits::default(),
+            image_lock: None,
+            backing: Backing::None,
+        }
+    }
+}
+
+/// The device: see the module doc.
+pub struct Device {
+    name: String,
+    limits: DeviceLimits,
+    queues: u16,
+    queue_size: u16,
+    serial: Serial,
+    /// The write cache a connection starts with.
+    writeback_default: bool,
+    /// The capacity now, in 512-byte sectors.
+    capacity: AtomicU64,
+    /// The guest-visible write cache (config `wce`): when off, every
+    /// write is made durable before it completes.
+    writeback: AtomicBool,
+    /// The front-end acked VHOST_F_LOG_ALL (a migration is under way):
+    /// what an engine writes into guest memory is marked in the dirty log.
+    logging: AtomicBool,
+    /// Set on shutdown (and kept): the daemon is stopping.
+    stopping: AtomicBool,
+    /// No ring takes a new request: the front-end's socket closed (the
+    /// relay sets it first thing when it reads the end of the stream), or
+    /// the daemon is stopping. Each pass reads it (relaxed) before each
+    /// pop; what was taken before completes. Cleared when the next
+    /// connection starts.
+    intake_closed: AtomicBool,
+    qos: Qos,
+    image_lock: Option<ImageLock>,
+    /// The connection being served (`None` between connections).
+    connection: Mutex<Option<Arc<dyn Connection>>>,
+    backing: Backing,
+    /// One resize at a time.
+    resizing: Mutex<()>,
+}
+
+impl Device {
+    pub fn new(spec: DeviceSpec) -> Result<Device, QosError> {
+        Ok(Device {
+            qos: Qos::new(spec.qos)?,
+            name: spec.name,
+            limits: spec.limits,
+            queues: spec.queues,
+            queue_size: spec.queue_size,
+            serial: spec.serial,
+            writeback_default: spec.writeback,
+            capacity: AtomicU64::new(spec.capacity_sectors),
+            writeback: AtomicBool::new(spec.writeback),
+            logging: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+            intake_closed: AtomicBool::new(false),
+            image_lock: spec.image_lock,
+            connection: Mutex::new(None),
+            backing: spec.backing,
+            resizing: Mutex::new(()),
+        })
+    }
+
+    /// The image's path, or `rbd:POOL/IMAGE`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// What requests are checked against, the capacity aside.
+    pub fn limits(&self) -> &DeviceLimits {
+        &self.limits
+    }
+
+    pub fn queues(&self) -> u16 {
+        self.queues
+    }
+
+    pub fn queue_size(&self) -> u16 {
+        self.queue_size
+    }
+
+    pub fn serial(&self) -> &Serial {
+        &self.serial
+    }
+
+    /// Whether the image is a block device (whose size is its own).
+    pub fn is_block_device(&self) -> bool {
+        matches!(
+            self.backing,
+            Backing::File {
+                block_device: true,
+                ..
+            }
+        )
+    }
+
+    /// The virtio feature bits offered to the driver.
+    pub fn features(&self) -> u64 {
+        device_features(self.limits.readonly)
+    }
+
+    /// The capacity now, in 512-byte sectors. Acquire: a resize that grew
+    /// the image before it published the capacity is seen whole.
+    #[inline]
+    pub fn capacity(&self) -> u64 {
+        self.capacity.load(Ordering::Acquire)
+    }
+
+    /// Bytes the guest sees now.
+    pub fn size(&self) -> u64 {
+        self.capacity() << SECTOR_SHIFT
+    }
+
+    /// Whether the guest's write cache is on (write-back).
+    #[inline]
+    pub fn writeback(&self) -> bool {
+        self.writeback.load(Ordering::Relaxed)
+    }
+
+    /// The guest set `wce`.
+    pub fn set_writeback(&self, on: bool) {
+        self.writeback.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether what the engines write into guest memory is to be marked in
+    /// the dirty log (a migration).
+    #[inline]
+    pub fn logging(&self) -> bool {
+        self.logging.load(Ordering::Relaxed)
+    }
+
+    /// LOG_ALL acked on (or off again). Returns whether that changed it.
+    pub fn set_logging(&self, on: bool) -> bool {
+        self.logging.swap(on, Ordering::Relaxed) != on
+    }
+
+    /// A new connection starts from what the device advertises: the guest
+    /// may have turned the write cache off, and dirty-page logging is for
+    /// the connection that asked for it. Its rings take requests, unless
+    /// the daemon is stopping: [`Device::stop`] stores `stopping`, then
+    /// closes the intake; all four stores and loads are SeqCst, so if its
+    /// close comes before our opening, we see `stopping` after it.
+    pub fn new_connection(&self) {
+        self.writeback
+            .store(self.writeback_default, Ordering::Relaxed);
+        self.logging.store(false, Ordering::Relaxed);
+        self.intake_closed.store(false, Ordering::SeqCst);
+        if self.stopping.load(Ordering::SeqCst) {
+            self.intake_closed.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether the daemon is stopping.
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// SIGTERM: the daemon stops, and no ring takes a new request.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.intake_closed.store(true, Ordering::SeqCst);
+    }
+
+    /// The front-end's socket closed: no ring takes a new request (until
+    /// the next connection).
+    pub fn close_intake(&self) {
+        self.intake_closed.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the rings take no new requests (read before each pop).
+    #[inline]
+    pub fn intake_closed(&self) -> bool {
+        self.intake_closed.load(Ordering::Relaxed)
+    }
+
+    /// The device's QoS limits, shared by its queues (and changed at
+    /// runtime through this handle).
+    pub fn qos(&self) -> &Qos {
+        &self.qos
+    }
+
+    /// The image lock, taken while a ring runs; none with
+    /// `--no-image-lock` or on an RBD image (librbd has its own).
+    pub fn image_lock(&self) -> Option<&ImageLock> {
+        self.image_lock.as_ref()
+    }
+
+    /// The configuration space as the driver reads it now.
+    pub fn config(&self) -> VirtioBlkConfig {
+        VirtioBlkConfig::new(&self.limits, self.capacity(), self.queues, self.writeback())
+    }
+
+    /// The connection being served, if any.
+    pub fn connection(&self) -> Option<Arc<dyn Connection>> {
+        self.connection
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// A connection starts being served (`Some`) or has ended (`None`).
+    pub fn set_connection(&self, c: Option<Arc<dyn Connection>>) {
+        *self.connection.lock().unwrap_or_else(|p| p.into_inner()) = c;
+    }
+}
