@@ -706,6 +706,13 @@ fn qos_stopping_the_ring_completes_throttled_requests_at_once() {
     );
     let m = rig.worker.metrics.snapshot();
     assert_eq!(m.throttled_requests, 1, "{m:?}");
+    // Their latency runs from the pop, so it holds the wait for tokens;
+    // the first one's does not.
+    let w = m.latency.get(RequestType::Write).expect("measured");
+    assert_eq!(w.count(), 4);
+    assert_eq!(w.count(), m.requests[RequestType::Write as usize]);
+    assert!(w.quantile(1.0).unwrap() >= 50_000_000, "{w:?}");
+    assert!(w.quantile(0.25).unwrap() < 50_000_000, "{w:?}");
 }
 
 /// An engine that says busy-polling does not pay (RBD) gets no poll
