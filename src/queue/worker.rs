@@ -189,6 +189,9 @@ pub struct QueueWorker<E: Engine> {
     closed: bool,
     /// This queue counts among the image lock's users (see `try_lock`).
     holds_lock: bool,
+    /// This queue counts among those waiting for the image lock: its ring
+    /// runs, and another process holds the lock.
+    waits_lock: bool,
     /// Until when requests wait for the image lock, rather than fail,
     /// while another process holds it: set when the ring starts without
     /// it.
@@ -269,6 +272,7 @@ impl<E: Engine> QueueWorker<E> {
             started: false,
             closed: false,
             holds_lock: false,
+            waits_lock: false,
             mem: None,
             vring: None,
             poll,
@@ -1105,6 +1109,10 @@ impl<E: Engine> QueueWorker<E> {
         if self.holds_lock {
             self.lock_deadline = None;
         }
+        if self.waits_lock == self.holds_lock {
+            self.waits_lock = !self.holds_lock;
+            lock.set_waiting(self.waits_lock);
+        }
         self.holds_lock
     }
 
@@ -1112,10 +1120,14 @@ impl<E: Engine> QueueWorker<E> {
     /// next daemon may take the image.
     fn unlock_image(&mut self) {
         self.lock_deadline = None;
+        let Some(lock) = self.device.image_lock() else {
+            return;
+        };
         if std::mem::take(&mut self.holds_lock) {
-            if let Some(lock) = self.device.image_lock() {
-                lock.release();
-            }
+            lock.release();
+        }
+        if std::mem::take(&mut self.waits_lock) {
+            lock.set_waiting(false);
         }
     }
 

@@ -823,6 +823,8 @@ fn waiting_for_the_image_lock_does_not_sleep_on_the_queue_thread() {
         t.elapsed()
     );
     assert_eq!(rig.driver.used_idx(), 0, "the write waits for the lock");
+    let state = || rig.device.image_lock().expect("a lock").state();
+    assert_eq!(state(), crate::io::LockState::Waiting);
 
     holder.release();
     let mut p = libc::pollfd {
@@ -836,6 +838,10 @@ fn waiting_for_the_image_lock_does_not_sleep_on_the_queue_thread() {
     rig.complete_until(1);
     assert_eq!(rig.status(0), 0);
     assert_eq!(rig.image_at(8 * 512, 4096), vec![0x77; 4096]);
+    let state = || rig.device.image_lock().expect("a lock").state();
+    assert_eq!(state(), crate::io::LockState::Held);
+    rig.worker.stop();
+    assert_eq!(state(), crate::io::LockState::Idle);
 }
 
 /// Once the intake is closed (the front-end's socket closed), a kick takes
