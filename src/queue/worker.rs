@@ -40,13 +40,15 @@
 //! Latency ([`QueueMetrics::latency`]) is measured here, the layer that
 //! decides when a request is taken and when it is answered: from the pass
 //! that popped it to the pass that completed it, so QoS throttling and
-//! image-lock waits count. The clock is read once per pop that took
-//! something and once per completion pass that finished something, not
-//! per request: each request of a batch gets the batch's time. What that
-//! leaves out is the worker's own bookkeeping of the batch (parsing the
-//! chains popped with it, writing the used elements of those completed
-//! before it), a few hundred nanoseconds at most, well under a bucket's
-//! width.
+//! image-lock waits count. Where the worker held off popping (throttled,
+//! waiting for the lock, engine full), a request is dated from the first
+//! pass that saw it on the avail ring instead ([`super::arrivals`]). The
+//! clock is read once per pop that took something and once per
+//! completion pass that finished something, not per request: each
+//! request of a batch gets the batch's time. What that leaves out is the
+//! worker's own bookkeeping of the batch (parsing the chains popped with
+//! it, writing the used elements of those completed before it), a few
+//! hundred nanoseconds at most, well under a bucket's width.
 //!
 //! Publishing writes all used elements, stores used->idx once (release),
 //! decides once whether the guest wants an interrupt and writes the call
@@ -79,6 +81,7 @@ use crate::virtio::ring::{RingError, RingShadow, RingView};
 use crate::virtio::{Direction, GuestMem, Request, Status};
 use crate::{info_limited, warn_limited};
 
+use super::arrivals::Arrivals;
 use super::inflight::InflightQueue;
 use super::poll::{AdaptivePoll, CpuClaim, Outcome, PREEMPT_GAP, Wait};
 use super::resubmit::Replay;
@@ -236,6 +239,9 @@ pub struct QueueWorker<E: Engine> {
     throttled_since: Option<Instant>,
     /// The start of the worker's clock (see [`clock`]).
     epoch: Instant,
+    /// When requests not popped yet were seen on the ring, while the
+    /// worker held off popping.
+    arrivals: Arrivals,
 }
 
 /// Nanoseconds since `epoch`: one read of CLOCK_MONOTONIC (the vDSO's,
@@ -291,6 +297,7 @@ impl<E: Engine> QueueWorker<E> {
             front_admitted: false,
             throttled_since: None,
             epoch: Instant::now(),
+            arrivals: Arrivals::new(size),
         }
     }
 
@@ -389,6 +396,7 @@ impl<E: Engine> QueueWorker<E> {
         let view = &view;
         if !self.started {
             self.shadow.reset(state.get_queue());
+            self.arrivals.clear();
             self.started = true;
             if !self.try_lock() {
                 // Requests wait for it (see `gate`), for a while.
@@ -831,6 +839,11 @@ impl<E: Engine> QueueWorker<E> {
     ) -> Result<(usize, bool), RingError> {
         if !self.start_deferred(state.get_queue_mut(), view, false) || self.core.room() == 0 {
             self.commit();
+            // What waits on the ring meanwhile is dated from now.
+            let queue = state.get_queue();
+            if let Ok(idx) = view.avail_idx() {
+                self.arrivals.saw(queue.next_avail(), idx, clock(self.epoch));
+            }
             return Ok((0, true));
         }
         let limit = match self.cfg.max_batch {
@@ -842,6 +855,7 @@ impl<E: Engine> QueueWorker<E> {
         let (limits, capacity) = (self.device.limits(), self.device.capacity());
         let journal = &mut self.journal;
         let parser = &mut self.parser;
+        let next = state.get_queue().next_avail();
         let popped = self
             .shadow
             .pop(state.get_queue_mut(), view, limit, |chain| {
@@ -852,16 +866,22 @@ impl<E: Engine> QueueWorker<E> {
                 }
                 parsed.push(parser.parse(chain, mem, limits, capacity, queue_size));
             });
-        // The batch's time, for each of its requests.
+        // The batch's time, for each of its requests, unless one was seen
+        // waiting before.
         let now = if parsed.is_empty() {
             0
         } else {
             clock(self.epoch)
         };
-        for p in parsed.drain(..) {
+        let seen = !self.arrivals.is_empty();
+        for (i, p) in parsed.drain(..).enumerate() {
             match p {
                 Ok(mut req) => {
-                    req.set_popped(now);
+                    let at = match seen {
+                        true => self.arrivals.first_seen(next, i).unwrap_or(now),
+                        false => now,
+                    };
+                    req.set_popped(at.min(now));
                     self.start(state.get_queue_mut(), view, req)
                 }
                 Err(rej) => self.reject(state.get_queue_mut(), view, rej),
