@@ -100,7 +100,10 @@ fn the_verbs_verb_lists_the_table() {
             .collect();
         assert_eq!(listed, serde_json::Value::Array(want), "on --api: {on_api}");
     }
-    assert!(VERBS.iter().all(|v| !v.doc.is_empty()), "a verb without a doc");
+    assert!(
+        VERBS.iter().all(|v| !v.doc.is_empty()),
+        "a verb without a doc"
+    );
     assert_eq!(
         verb_list(false),
         "GET /metrics, GET /metrics.json, GET /api/v1/verbs"

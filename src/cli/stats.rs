@@ -233,7 +233,10 @@ mod tests {
         );
         assert!(!t.contains("requests flush"), "zero rare types are hidden");
         assert!(!t.contains("flush p50"), "zero rare types are hidden: {t}");
-        let p50 = t.lines().find(|l| l.starts_with("read p50")).expect("read p50 row");
+        let p50 = t
+            .lines()
+            .find(|l| l.starts_with("read p50"))
+            .expect("read p50 row");
         assert!(p50.ends_with("             -"), "nothing measured: {p50}");
         assert!(t.lines().any(|l| l.starts_with("poll us/IO")), "{t}");
     }
@@ -256,7 +259,10 @@ mod tests {
         for _ in 0..50 {
             rb.record(5_000_000);
         }
-        b.latency.get_mut(RequestType::Flush).unwrap().record(1_000_000);
+        b.latency
+            .get_mut(RequestType::Flush)
+            .unwrap()
+            .record(1_000_000);
         let t = render(&[a, b], "test");
         let row = |name: &str| -> Vec<String> {
             let l = t.lines().find(|l| l.starts_with(name));

@@ -166,7 +166,9 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             bound = Some(path);
             l
         }
-        Listen::Fd { listener: l, from, .. } => {
+        Listen::Fd {
+            listener: l, from, ..
+        } => {
             log::info!("using the listening socket passed by {from}: {socket_name}");
             l
         }

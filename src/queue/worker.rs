@@ -842,7 +842,8 @@ impl<E: Engine> QueueWorker<E> {
             // What waits on the ring meanwhile is dated from now.
             let queue = state.get_queue();
             if let Ok(idx) = view.avail_idx() {
-                self.arrivals.saw(queue.next_avail(), idx, clock(self.epoch));
+                self.arrivals
+                    .saw(queue.next_avail(), idx, clock(self.epoch));
             }
             return Ok((0, true));
         }

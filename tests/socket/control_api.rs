@@ -439,7 +439,9 @@ fn status_names_the_daemon_its_front_end_and_the_lock() {
     std::thread::sleep(std::time::Duration::from_millis(1100));
     let later = status(&api)["uptime_s"].as_f64().expect("uptime_s");
     assert!(later >= up + 1.0, "uptime went from {up} to {later}");
-    wait_for(&api, "the fixture's probe to leave", |s| s["connected"] == false);
+    wait_for(&api, "the fixture's probe to leave", |s| {
+        s["connected"] == false
+    });
     let s = status(&api);
     assert_eq!(s["front_end"], serde_json::Value::Null, "{s}");
     assert_eq!(s["lock"], "idle", "{s}");
@@ -492,7 +494,9 @@ fn status_names_the_daemon_its_front_end_and_the_lock() {
     let table = stdout(&o);
     assert_eq!(table.lines().count(), ringblk::api::VERBS.len(), "{table}");
     for v in ringblk::api::VERBS {
-        let line = table.lines().find(|l| l.contains(&format!(" {} ", v.path())));
+        let line = table
+            .lines()
+            .find(|l| l.contains(&format!(" {} ", v.path())));
         let line = line.unwrap_or_else(|| panic!("no {} in:\n{table}", v.path()));
         assert!(line.starts_with(&v.methods().join("|")), "{line}");
         assert!(line.ends_with(v.doc()), "{line}");
@@ -508,7 +512,10 @@ fn wait_for(api: &Path, what: &str, ok: impl Fn(&serde_json::Value) -> bool) {
         if ok(&s) {
             return;
         }
-        assert!(std::time::Instant::now() < deadline, "waited 5 s for {what}: {s}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "waited 5 s for {what}: {s}"
+        );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }

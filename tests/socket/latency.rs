@@ -40,13 +40,46 @@ fn histograms_add_up_to_the_request_counters() {
         let n = 3 + 2 * q as u64;
         for i in 0..n {
             let offset = (q as u64 * 64 + i) * 4096;
-            ops.push((q, Op::Write { offset, buf_off: 0, len: 4096 }));
-            ops.push((q, Op::Read { offset, buf_off: 4096, len: 4096 }));
-            ops.push((q, Op::Read { offset, buf_off: 8192, len: 512 }));
+            ops.push((
+                q,
+                Op::Write {
+                    offset,
+                    buf_off: 0,
+                    len: 4096,
+                },
+            ));
+            ops.push((
+                q,
+                Op::Read {
+                    offset,
+                    buf_off: 4096,
+                    len: 4096,
+                },
+            ));
+            ops.push((
+                q,
+                Op::Read {
+                    offset,
+                    buf_off: 8192,
+                    len: 512,
+                },
+            ));
             if i % 2 == 0 {
                 ops.push((q, Op::Flush));
-                ops.push((q, Op::Discard { offset: MIB + offset, len: 4096 }));
-                ops.push((q, Op::WriteZeroes { offset: 2 * MIB + offset, len: 8192 }));
+                ops.push((
+                    q,
+                    Op::Discard {
+                        offset: MIB + offset,
+                        len: 4096,
+                    },
+                ));
+                ops.push((
+                    q,
+                    Op::WriteZeroes {
+                        offset: 2 * MIB + offset,
+                        len: 8192,
+                    },
+                ));
             }
         }
     }
@@ -77,7 +110,11 @@ fn histograms_add_up_to_the_request_counters() {
                 &text,
                 &format!("ringblk_request_duration_seconds_bucket{{{series},le=\"+Inf\"}}"),
             );
-            assert_eq!((count, inf), (counted, counted), "queue {q} {label}: exposition");
+            assert_eq!(
+                (count, inf),
+                (counted, counted),
+                "queue {q} {label}: exposition"
+            );
             let prefix = format!("ringblk_request_duration_seconds_bucket{{{series},le=");
             let cumulative: Vec<u64> = text
                 .lines()

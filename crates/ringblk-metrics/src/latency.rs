@@ -233,9 +233,7 @@ impl<'de> Deserialize<'de> for OpLatency {
         };
         for (bound, count) in json.buckets {
             // A bound is one past its bucket's last value.
-            let _ = op
-                .histogram
-                .add(bound.saturating_sub(1).min(MAX_NS), count);
+            let _ = op.histogram.add(bound.saturating_sub(1).min(MAX_NS), count);
         }
         Ok(op)
     }

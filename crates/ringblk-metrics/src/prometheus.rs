@@ -122,10 +122,7 @@ mod tests {
         for line in text.lines() {
             if let Some(rest) = line.strip_prefix("# TYPE ") {
                 let (name, kind) = rest.split_once(' ').expect("TYPE has a kind");
-                assert!(
-                    ["counter", "gauge", "histogram"].contains(&kind),
-                    "{line}"
-                );
+                assert!(["counter", "gauge", "histogram"].contains(&kind), "{line}");
                 assert!(typed.insert(name.to_string()), "duplicate TYPE {name}");
                 continue;
             }
@@ -232,7 +229,10 @@ mod tests {
     #[test]
     fn histogram_buckets_are_cumulative_and_end_at_the_count() {
         let mut s = QueueSnapshot::default();
-        let read = s.latency.get_mut(crate::RequestType::Read).expect("measured");
+        let read = s
+            .latency
+            .get_mut(crate::RequestType::Read)
+            .expect("measured");
         for ns in [900, 1_000, 5_000, 1_000_000, 100_000_000_000] {
             read.record(ns);
         }
@@ -252,10 +252,20 @@ mod tests {
         assert_eq!(series("0.001048576"), 4, "1 ms is below 2^20 ns");
         assert_eq!(series("17.179869184"), 4);
         assert_eq!(series("+Inf"), 5);
-        assert!(text.contains("ringblk_request_duration_seconds_count{queue=\"0\",type=\"read\"} 5\n"));
-        assert!(text.contains("ringblk_request_duration_seconds_sum{queue=\"0\",type=\"read\"} 100.0010069\n"), "{text}");
+        assert!(
+            text.contains("ringblk_request_duration_seconds_count{queue=\"0\",type=\"read\"} 5\n")
+        );
+        assert!(
+            text.contains(
+                "ringblk_request_duration_seconds_sum{queue=\"0\",type=\"read\"} 100.0010069\n"
+            ),
+            "{text}"
+        );
         let mut last = 0;
-        for l in text.lines().filter(|l| l.contains("_bucket{queue=\"0\",type=\"read\"")) {
+        for l in text
+            .lines()
+            .filter(|l| l.contains("_bucket{queue=\"0\",type=\"read\""))
+        {
             let n: u64 = l.rsplit_once(' ').unwrap().1.parse().unwrap();
             assert!(n >= last, "not cumulative: {l}");
             last = n;
