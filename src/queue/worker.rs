@@ -103,12 +103,10 @@ const LOCK_RETRY: Duration = Duration::from_millis(10);
 
 /// Requests a worker whose thread serves other queues takes in one pass
 /// before it lets them have a turn. A queue waits at most this many of each
-/// thread-mate's requests: with a ring's worth (256) for a turn, two
-/// page-cache-fed queues on one thread saw a 1.2 ms p99 on a 16-CPU
-/// machine. On 2 queues at depth 16 on one CPU of the 2-vCPU development
-/// machine, p99 was 137, 153 and 210-273 µs for turns of 8, 16 and 32
-/// requests (qsd: 92-162 µs), IOPS 1.34, 1.40 and 1.51-1.58× qsd's
-/// (docs/benchmarks.md). The price is three syscalls per turn.
+/// thread-mate's requests; a longer turn raises the others' tail latency,
+/// a shorter one costs more syscalls (three per turn). Measured for turns
+/// of 8, 16, 32 and 256 in docs/benchmarks.md, "What if there are fewer
+/// CPUs than queues?".
 pub const TURN: usize = 16;
 
 /// How the used ring is published and the guest notified.
