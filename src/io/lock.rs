@@ -31,9 +31,34 @@ pub struct ImageLock {
     /// goes when the last fd of it is closed.
     file: File,
     exclusive: bool,
+    holders: Mutex<Holders>,
+}
+
+/// Who holds or wants the lock, in this process.
+#[derive(Debug, Default)]
+struct Holders {
     /// How many queues have started and not stopped. The lock is held
     /// while this is above 0.
-    users: Mutex<usize>,
+    users: usize,
+    /// How many running queues were refused it (another process holds
+    /// it) and try again.
+    waiting: usize,
+}
+
+/// The image lock's state, as `ctl status` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LockState {
+    /// No lock is taken (`--no-image-lock`, an RBD image).
+    Off,
+    /// Not held, and no ring runs (no front-end, or its rings stopped).
+    Idle,
+    /// Held: this daemon's rings write the image.
+    Held,
+    /// A ring runs without it: another process holds it. Requests wait
+    /// for it a few seconds after the ring starts, then fail with IOERR
+    /// until it is released.
+    Waiting,
 }
 
 /// Another process holds a conflicting lock.
@@ -48,15 +73,15 @@ impl ImageLock {
         Ok(ImageLock {
             file: image.try_clone()?,
             exclusive,
-            users: Mutex::new(0),
+            holders: Mutex::new(Holders::default()),
         })
     }
 
     /// A queue starts: takes the lock if no queue holds it. Each `Ok` is
     /// matched by one [`ImageLock::release`].
     pub fn acquire(&self) -> Result<(), Locked> {
-        let mut users = self.users.lock().unwrap_or_else(|p| p.into_inner());
-        if *users == 0 {
+        let mut holders = self.holders();
+        if holders.users == 0 {
             let kind = if self.exclusive {
                 libc::F_WRLCK
             } else {
@@ -75,19 +100,47 @@ impl ImageLock {
                 }
             }
         }
-        *users += 1;
+        holders.users += 1;
         Ok(())
     }
 
     /// A queue that acquired the lock stops; the last one releases it.
     pub fn release(&self) {
-        let mut users = self.users.lock().unwrap_or_else(|p| p.into_inner());
-        *users = users.saturating_sub(1);
-        if *users == 0 {
+        let mut holders = self.holders();
+        holders.users = holders.users.saturating_sub(1);
+        if holders.users == 0 {
             if let Err(e) = self.set(libc::F_UNLCK) {
                 log::warn!("cannot unlock the image: {e}");
             }
         }
+    }
+
+    /// A running queue was refused the lock and will try again (`true`),
+    /// or no longer does (`false`: it got it, or stopped). Each `true` is
+    /// matched by one `false`.
+    pub fn set_waiting(&self, on: bool) {
+        let mut holders = self.holders();
+        if on {
+            holders.waiting += 1;
+        } else {
+            holders.waiting = holders.waiting.saturating_sub(1);
+        }
+    }
+
+    /// Held, waited for, or neither.
+    pub fn state(&self) -> LockState {
+        let holders = self.holders();
+        if holders.users > 0 {
+            LockState::Held
+        } else if holders.waiting > 0 {
+            LockState::Waiting
+        } else {
+            LockState::Idle
+        }
+    }
+
+    fn holders(&self) -> std::sync::MutexGuard<'_, Holders> {
+        self.holders.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn set(&self, kind: libc::c_int) -> io::Result<()> {
@@ -128,15 +181,23 @@ mod tests {
         let a = ImageLock::new(&open(&path), true).unwrap();
         let b = ImageLock::new(&open(&path), true).unwrap();
         let reader = ImageLock::new(&open(&path), false).unwrap();
+        assert_eq!(a.state(), LockState::Idle);
         a.acquire().unwrap();
         a.acquire().unwrap();
+        assert_eq!(a.state(), LockState::Held);
         assert!(b.acquire().is_err());
+        b.set_waiting(true);
+        assert_eq!(b.state(), LockState::Waiting);
         assert!(reader.acquire().is_err());
         a.release();
         assert!(b.acquire().is_err(), "one of a's queues still runs");
         a.release();
         b.acquire().unwrap();
+        b.set_waiting(false);
+        assert_eq!(b.state(), LockState::Held);
+        assert_eq!(a.state(), LockState::Idle);
         b.release();
+        assert_eq!(b.state(), LockState::Idle);
         reader.acquire().unwrap();
     }
 
