@@ -1,0 +1,289 @@
+//! `serve --format qcow2` through libblkio, with qemu-img as the oracle:
+//! overlays over raw, qcow2 and compressed bases, many queues allocating
+//! at once, discard and write-zeroes, online growth, live snapshots over
+//! the control API, and bad images.
+//!
+//! Each test keeps a raw reference of what the guest's disk must read,
+//! applies every request to it too, and at the end (the daemon stopped)
+//! asserts: the base is unchanged (checksum), `qemu-img check` finds no
+//! corruption, and `qemu-img compare` finds the overlay identical to the
+//! reference.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ringblk_testkit::qemu_img::{check_clean, compare_identical, overlay, qemu_img, sha256};
+use ringblk_testkit::{Client, Daemon, DaemonOptions, KIB, MIB, Op, test_dir};
+
+const SIZE: u64 = 32 * MIB;
+const CLUSTER: u64 = 64 * KIB;
+
+/// A deterministic byte for `offset` of pattern `seed` (0: the base's).
+fn byte(seed: u64, offset: u64) -> u8 {
+    let x =
+        (offset / 8).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+    (x >> ((offset % 8) * 8)) as u8 ^ (x >> 56) as u8
+}
+
+fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = byte(seed, offset + i as u64);
+    }
+}
+
+/// A small xorshift generator: tests are reproducible from their seed.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x % n
+    }
+}
+
+/// A base of `kind` ("raw", "qcow2", "compressed") holding pattern 0, an
+/// overlay over it, and a raw reference of what the overlay reads (a copy
+/// of the base's content), all in `dir`.
+struct Chain {
+    base: PathBuf,
+    top: PathBuf,
+    reference: PathBuf,
+    base_sum: String,
+}
+
+fn chain(dir: &Path, kind: &str, size: u64) -> Chain {
+    let reference = dir.join("reference.raw");
+    let mut data = vec![0u8; size as usize];
+    fill(0, 0, &mut data);
+    std::fs::write(&reference, &data).unwrap();
+    let (base, fmt) = match kind {
+        "raw" => {
+            let b = dir.join("base.raw");
+            std::fs::copy(&reference, &b).unwrap();
+            (b, "raw")
+        }
+        "qcow2" | "compressed" => {
+            let b = dir.join("base.qcow2");
+            let mut args = vec!["convert", "-O", "qcow2"];
+            if kind == "compressed" {
+                args.push("-c");
+            }
+            args.extend([reference.to_str().unwrap(), b.to_str().unwrap()]);
+            qemu_img(&args);
+            (b, "qcow2")
+        }
+        other => panic!("{other}"),
+    };
+    let top = dir.join("top.qcow2");
+    overlay(&base, fmt, &top);
+    Chain {
+        base_sum: sha256(&base),
+        base,
+        top,
+        reference,
+    }
+}
+
+impl Chain {
+    /// Applies a write of pattern `seed` to the reference.
+    fn write(&self, seed: u64, offset: u64, len: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; len];
+        fill(seed, offset, &mut buf);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.reference)
+            .unwrap();
+        f.write_all_at(&buf, offset).unwrap();
+        buf
+    }
+
+    fn zero(&self, offset: u64, len: u64) {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.reference)
+            .unwrap();
+        f.write_all_at(&vec![0u8; len as usize], offset).unwrap();
+    }
+
+    fn expected(&self, offset: u64, len: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; len];
+        std::fs::File::open(&self.reference)
+            .unwrap()
+            .read_exact_at(&mut buf, offset)
+            .unwrap();
+        buf
+    }
+
+    /// The oracle's verdict, the daemon stopped: the base unchanged, no
+    /// corruption, the overlay reads as the reference. Returns the leaked
+    /// clusters.
+    fn verify(&self) -> u64 {
+        assert_eq!(sha256(&self.base), self.base_sum, "the base was written");
+        let leaks = check_clean(&self.top);
+        compare_identical(&self.top, &self.reference);
+        leaks
+    }
+}
+
+fn serve(c: &Chain, dir: &Path, args: &[&str]) -> Daemon {
+    let mut all = vec!["--format", "qcow2"];
+    all.extend_from_slice(args);
+    Daemon::start_in(
+        dir,
+        DaemonOptions {
+            image: Some(c.top.clone()),
+            args: &all,
+            ..DaemonOptions::default()
+        },
+    )
+}
+
+fn stop(mut d: Daemon) {
+    let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(20));
+    assert!(st.success(), "the daemon exited with {st}:\n{}", d.log());
+}
+
+/// Writes and reads through `client` what `chain` records, unaligned and
+/// across clusters, and checks every read against the reference.
+fn exercise(client: &mut Client, c: &Chain) {
+    let check = |client: &mut Client, offset: u64, len: usize| {
+        let got = client.read(offset, len);
+        assert!(
+            got == c.expected(offset, len),
+            "read of {len} bytes at {offset} differs from the reference"
+        );
+    };
+    // The base shows through.
+    check(client, 0, 256 * KIB as usize);
+    check(client, SIZE - 64 * KIB, 64 * KIB as usize);
+    let writes: &[(u64, usize)] = &[
+        // Inside one cluster, copy-on-write around it.
+        (4 * KIB, 8 * KIB as usize),
+        // Across two clusters.
+        (CLUSTER - 4 * KIB, 12 * KIB as usize),
+        // A whole cluster.
+        (3 * CLUSTER, CLUSTER as usize),
+        // Large, unaligned, over many clusters.
+        (10 * CLUSTER + 512, (MIB + 1024) as usize),
+        // Again over a cluster written before.
+        (6 * KIB, 4 * KIB as usize),
+        // The last sector.
+        (SIZE - 512, 512),
+    ];
+    for (i, &(offset, len)) in writes.iter().enumerate() {
+        let data = c.write(i as u64 + 1, offset, len);
+        assert_eq!(client.write(offset, &data), 0, "write at {offset}");
+        let from = offset.saturating_sub(4 * KIB);
+        let to = (offset + len as u64 + 4 * KIB).min(SIZE);
+        check(client, from, (to - from) as usize);
+    }
+    // Write-zeroes: whole clusters and an unaligned head and tail.
+    let (zo, zl) = (20 * CLUSTER + 4 * KIB, 3 * CLUSTER);
+    assert_eq!(client.write_zeroes(zo, zl), 0);
+    c.zero(zo, zl);
+    check(client, 20 * CLUSTER, 4 * CLUSTER as usize);
+    // Discard of written clusters: what it leaves is unspecified, so the
+    // range is written again afterwards (and must read back).
+    assert_eq!(client.discard(10 * CLUSTER, 4 * CLUSTER), 0);
+    let data = c.write(99, 10 * CLUSTER, 4 * CLUSTER as usize);
+    assert_eq!(client.write(10 * CLUSTER, &data), 0);
+    check(client, 10 * CLUSTER, 4 * CLUSTER as usize);
+    assert_eq!(client.flush(), 0);
+}
+
+/// Writes over an overlay of each kind of base read back right, and the
+/// image is what qemu-img expects: base unchanged, check clean, compare
+/// identical.
+#[test]
+fn an_overlay_over_each_kind_of_base_reads_and_writes() {
+    for kind in ["raw", "qcow2", "compressed"] {
+        let dir = test_dir();
+        let c = chain(dir.path(), kind, SIZE);
+        let d = serve(&c, dir.path(), &[]);
+        let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+        assert_eq!(client.capacity, SIZE);
+        exercise(&mut client, &c);
+        drop(client);
+        stop(d);
+        let leaks = c.verify();
+        assert_eq!(leaks, 0, "{kind}: leaked clusters");
+    }
+}
+
+/// The same with O_DIRECT data I/O.
+#[test]
+fn an_overlay_served_with_o_direct() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "qcow2", SIZE);
+    let d = serve(&c, dir.path(), &["--direct"]);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    exercise(&mut client, &c);
+    drop(client);
+    stop(d);
+    c.verify();
+}
+
+/// 1, 2, 8 and 64 queues write random 4 KiB blocks of an empty overlay at
+/// once, most of them allocating (copy-on-write from the base): every
+/// block reads back, and the image checks clean.
+#[test]
+fn many_queues_allocate_at_once() {
+    for queues in [1usize, 2, 8, 64] {
+        let dir = test_dir();
+        let c = chain(dir.path(), "qcow2", SIZE);
+        let q = queues.to_string();
+        let d = serve(&c, dir.path(), &["--queues", &q]);
+        let per_queue = 16;
+        let block = 4 * KIB as usize;
+        let buf = (queues * per_queue * block).max(MIB as usize);
+        let mut client = Client::connect_queues(&d.socket, buf, queues);
+        let mut rng = Rng(0x5eed + queues as u64);
+        let mut ops = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for round in 0..4u64 {
+            ops.clear();
+            for i in 0..queues * per_queue {
+                // Distinct blocks within a round: concurrent writes to one
+                // block would have no defined result.
+                let offset = loop {
+                    let o = rng.below(SIZE / block as u64) * block as u64;
+                    if seen.insert((round, o)) {
+                        break o;
+                    }
+                };
+                let data = c.write(round * 10_000 + i as u64, offset, block);
+                client.buf()[i * block..(i + 1) * block].copy_from_slice(&data);
+                ops.push((
+                    i % queues,
+                    Op::Write {
+                        offset,
+                        buf_off: i * block,
+                        len: block,
+                    },
+                ));
+            }
+            let results = client.batch_queues(&ops);
+            assert!(
+                results.iter().all(|&r| r == 0),
+                "{queues} queues: writes failed: {results:?}"
+            );
+        }
+        assert_eq!(client.flush(), 0);
+        // Everything reads back through the daemon too.
+        for offset in (0..SIZE).step_by(MIB as usize) {
+            let got = client.read(offset, MIB as usize);
+            assert!(
+                got == c.expected(offset, MIB as usize),
+                "{queues} queues: MiB at {offset} differs"
+            );
+        }
+        drop(client);
+        stop(d);
+        c.verify();
+    }
+}
