@@ -287,3 +287,216 @@ fn many_queues_allocate_at_once() {
         c.verify();
     }
 }
+
+/// `ringblk ctl --api API ARGS`.
+fn ctl(api: &Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(ringblk_testkit::ringblk_bin())
+        .arg("ctl")
+        .arg("--api")
+        .arg(api)
+        .args(args)
+        .output()
+        .expect("running ringblk ctl")
+}
+
+/// `qemu-img convert` of `image` to a raw file next to it.
+fn to_raw(image: &Path) -> PathBuf {
+    let raw = image.with_extension("converted.raw");
+    qemu_img(&[
+        "convert",
+        "-O",
+        "raw",
+        image.to_str().unwrap(),
+        raw.to_str().unwrap(),
+    ]);
+    raw
+}
+
+/// A live snapshot between two sets of writes: the old top reads as the
+/// disk did at the snapshot and is never written again; the new chain
+/// reads as the disk does at the end; both check clean; `ctl status`
+/// shows the chain.
+#[test]
+fn a_live_snapshot_freezes_the_old_top() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let d = serve(
+        &c,
+        dir.path(),
+        &[
+            "--api",
+            api.to_str().unwrap(),
+            "--snapshot-dir",
+            snaps.to_str().unwrap(),
+        ],
+    );
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    for i in 0..8u64 {
+        let data = c.write(i + 1, i * 3 * CLUSTER + 512, 20 * KIB as usize);
+        assert_eq!(client.write(i * 3 * CLUSTER + 512, &data), 0);
+    }
+    let at_snapshot = dir.path().join("at-snapshot.raw");
+    std::fs::copy(&c.reference, &at_snapshot).unwrap();
+    let out = ctl(&api, &["snapshot", "--overlay", "s1.qcow2"]);
+    assert!(
+        out.status.success(),
+        "ctl snapshot: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("s1.qcow2"), "{stdout}");
+    let old_sum = sha256(&c.top);
+    // Writes after the snapshot: over clusters the old top has, and new.
+    for i in 0..8u64 {
+        let data = c.write(100 + i, i * 2 * CLUSTER + 4 * KIB, 40 * KIB as usize);
+        assert_eq!(client.write(i * 2 * CLUSTER + 4 * KIB, &data), 0);
+    }
+    exercise(&mut client, &c);
+    let status = ctl(&api, &["status"]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let chain: Vec<&str> = status["chain"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    let s1 = std::fs::canonicalize(snaps.join("s1.qcow2")).unwrap();
+    assert_eq!(
+        chain,
+        [
+            s1.to_str().unwrap(),
+            std::fs::canonicalize(&c.top).unwrap().to_str().unwrap(),
+            std::fs::canonicalize(&c.base).unwrap().to_str().unwrap(),
+        ]
+    );
+    // A second snapshot of the same name is refused; the daemon goes on.
+    let again = ctl(&api, &["snapshot", "--overlay", "s1.qcow2"]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("exists"));
+    // Outside the snapshot directory: refused.
+    let outside = ctl(
+        &api,
+        &[
+            "snapshot",
+            "--overlay",
+            dir.path().join("s2.qcow2").to_str().unwrap(),
+        ],
+    );
+    assert_eq!(outside.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&outside.stderr).contains("snapshot directory"));
+    assert_eq!(client.flush(), 0);
+    drop(client);
+    stop(d);
+    assert_eq!(
+        sha256(&c.top),
+        old_sum,
+        "the old top was written after the snapshot"
+    );
+    assert_eq!(sha256(&c.base), c.base_sum);
+    check_clean(&c.top);
+    compare_identical(&c.top, &at_snapshot);
+    check_clean(&s1);
+    compare_identical(&s1, &c.reference);
+}
+
+/// A snapshot while 8 queues write, round after round: every request
+/// completes, the new chain reads as the last round made it, and the old
+/// top holds each block as one round (or none) wrote it, whole: nothing
+/// that completed on the new top reached it, and nothing was lost.
+#[test]
+fn a_live_snapshot_under_writes_loses_nothing() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "qcow2", SIZE);
+    let api = dir.path().join("api.sock");
+    let d = serve(
+        &c,
+        dir.path(),
+        &[
+            "--queues",
+            "8",
+            "--api",
+            api.to_str().unwrap(),
+            "--snapshot-dir",
+            dir.path().to_str().unwrap(),
+        ],
+    );
+    let block = CLUSTER as usize;
+    let blocks = (SIZE / CLUSTER) as usize;
+    let mut client = Client::connect_queues(&d.socket, blocks * block, 8);
+    let seed = |round: u64, i: usize| round * 1000 + i as u64 + 7;
+    // The snapshot comes while the second round's writes are in flight.
+    let writing = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (api2, writing2) = (api.clone(), writing.clone());
+    let snap = std::thread::spawn(move || {
+        while writing2.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        ctl(&api2, &["snapshot", "--overlay", "s1.qcow2"])
+    });
+    let mut rounds = 0u64;
+    let mut after_snapshot = 0;
+    while after_snapshot < 2 {
+        let mut ops = Vec::new();
+        for i in 0..blocks {
+            let offset = i as u64 * CLUSTER;
+            let data = c.write(seed(rounds, i), offset, block);
+            client.buf()[i * block..(i + 1) * block].copy_from_slice(&data);
+            ops.push((
+                i % 8,
+                Op::Write {
+                    offset,
+                    buf_off: i * block,
+                    len: block,
+                },
+            ));
+        }
+        writing.store(rounds + 1, std::sync::atomic::Ordering::SeqCst);
+        let results = client.batch_queues(&ops);
+        assert!(
+            results.iter().all(|&r| r == 0),
+            "round {rounds}: {results:?}"
+        );
+        rounds += 1;
+        if snap.is_finished() {
+            after_snapshot += 1;
+        }
+    }
+    let out = snap.join().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(client.flush(), 0);
+    drop(client);
+    stop(d);
+    let s1 = dir.path().join("s1.qcow2");
+    check_clean(&c.top);
+    check_clean(&s1);
+    compare_identical(&s1, &c.reference);
+    let old = std::fs::read(to_raw(&c.top)).unwrap();
+    let mut by_round = vec![0usize; rounds as usize + 1];
+    for i in 0..blocks {
+        let offset = i as u64 * CLUSTER;
+        let got = &old[i * block..(i + 1) * block];
+        let mut want = vec![0u8; block];
+        let found = (0..rounds).rev().find(|&r| {
+            fill(seed(r, i), offset, &mut want);
+            got == want
+        });
+        match found {
+            Some(r) => by_round[r as usize + 1] += 1,
+            None => {
+                fill(0, offset, &mut want);
+                assert!(got == want, "block {i} of the old top is no round's");
+                by_round[0] += 1;
+            }
+        }
+    }
+    eprintln!("{rounds} rounds; blocks of the old top by round (none first): {by_round:?}");
+}
