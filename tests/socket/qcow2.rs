@@ -500,3 +500,187 @@ fn a_live_snapshot_under_writes_loses_nothing() {
     }
     eprintln!("{rounds} rounds; blocks of the old top by round (none first): {by_round:?}");
 }
+
+/// Starts `serve --format qcow2` on `image` and expects a refusal: exit
+/// status 1 within 20 s, one `ringblk:` line saying `what`, no panic.
+fn refused(dir: &Path, image: &Path, what: &str) {
+    let mut child = std::process::Command::new(ringblk_testkit::ringblk_bin())
+        .args(["serve", "--format", "qcow2", "--socket"])
+        .arg(dir.join("refused.sock"))
+        .arg("--image")
+        .arg(image)
+        .env("TMPDIR", dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("running ringblk serve");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "{}: the daemon started instead of refusing:\n{}",
+                image.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{}: {err}", image.display());
+    assert!(!err.contains("panicked"), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("ringblk: ")).collect();
+    assert_eq!(lines.len(), 1, "not one error line:\n{err}");
+    assert!(
+        lines[0].to_lowercase().contains(&what.to_lowercase()),
+        "{}: {:?} does not say {what:?}",
+        image.display(),
+        lines[0]
+    );
+}
+
+/// Each kind of bad image through the daemon: a corrupt header, L1 and
+/// refcount tables past the end of the file, overlapping metadata, an
+/// absurd virtual size, unknown incompatible feature bits, a backing loop
+/// and a chain deeper than the bound are refused at start with one line
+/// and exit status 1. An L2 entry past the end of the file fails the
+/// requests that touch it with IOERR, and the daemon keeps serving the
+/// rest. The images are qemu-img's, with bytes patched.
+#[test]
+fn bad_images_are_refused_or_fail_their_requests() {
+    let dir = test_dir();
+    let d = dir.path();
+    let good = d.join("good.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", good.to_str().unwrap(), "4M"]);
+    ringblk_testkit::qemu_img::run(
+        "qemu-io",
+        &[
+            "-f",
+            "qcow2",
+            "-c",
+            "write -P 1 0 64k",
+            good.to_str().unwrap(),
+        ],
+    );
+    let bytes = std::fs::read(&good).unwrap();
+    let be64 = |b: &[u8], at: usize| u64::from_be_bytes(b[at..at + 8].try_into().unwrap());
+    let l1_off = be64(&bytes, 40) as usize;
+    let l2_off = (be64(&bytes, l1_off) & 0x00ff_ffff_ffff_fe00) as usize;
+    let reftable = be64(&bytes, 48);
+    let variant = |name: &str, at: usize, v: u64| -> PathBuf {
+        let mut b = bytes.clone();
+        b[at..at + 8].copy_from_slice(&v.to_be_bytes());
+        let p = d.join(format!("{name}.qcow2"));
+        std::fs::write(&p, &b).unwrap();
+        p
+    };
+    let cases = [
+        // The magic and version are the header's first 8 bytes.
+        (variant("magic", 0, 0x5846_497f_0000_0003), "no qcow2 magic"),
+        (variant("version", 0, 0x5146_49fb_0000_0009), "v9"),
+        (variant("l1-past-eof", 40, 1 << 40), "past the end"),
+        (variant("reftable-past-eof", 48, 1 << 40), "past the end"),
+        (
+            variant("l1-on-reftable", 40, reftable),
+            "overlapping metadata",
+        ),
+        (
+            variant("l2-on-reftable", l1_off, (1 << 63) | reftable),
+            "overlapping metadata",
+        ),
+        (
+            variant("size-absurd", 24, u64::MAX / 2),
+            "too small for its virtual size",
+        ),
+        (
+            variant("incompatible-bit", 72, 1 << 20),
+            "incompatible feature",
+        ),
+    ];
+    for (image, what) in &cases {
+        refused(d, image, what);
+    }
+
+    // A loop: a's backing is b, b's is a.
+    let create = |name: &str, backing: &str| {
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-u",
+            "-b",
+            backing,
+            "-F",
+            "qcow2",
+            d.join(name).to_str().unwrap(),
+            "4M",
+        ]);
+    };
+    create("loop-b.qcow2", "loop-a.qcow2");
+    create("loop-a.qcow2", "loop-b.qcow2");
+    refused(d, &d.join("loop-a.qcow2"), "loops");
+
+    // A chain one deeper than the bound: a base and MAX_CHAIN overlays.
+    let base = d.join("deep-0.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", base.to_str().unwrap(), "4M"]);
+    let max = ringblk::format::qcow2::MAX_CHAIN;
+    for i in 1..=max {
+        create(&format!("deep-{i}.qcow2"), &format!("deep-{}.qcow2", i - 1));
+    }
+    refused(
+        d,
+        &d.join(format!("deep-{max}.qcow2")),
+        &format!("deeper than {max}"),
+    );
+    // The bound itself is served.
+    let ok = Daemon::start_in(
+        d,
+        DaemonOptions {
+            image: Some(d.join(format!("deep-{}.qcow2", max - 1))),
+            args: &["--format", "qcow2"],
+            ..DaemonOptions::default()
+        },
+    );
+    stop(ok);
+
+    // An L2 entry past the end of the file: the daemon starts, the
+    // requests on that cluster fail, the others are served.
+    let bad_l2 = variant("l2-entry-past-eof", l2_off, (1 << 63) | (1 << 45));
+    let daemon = Daemon::start_in(
+        d,
+        DaemonOptions {
+            image: Some(bad_l2.clone()),
+            args: &["--format", "qcow2"],
+            ..DaemonOptions::default()
+        },
+    );
+    let mut client = Client::connect(&daemon.socket, MIB as usize);
+    let read0 = Op::Read {
+        offset: 0,
+        buf_off: 0,
+        len: 4096,
+    };
+    assert_ne!(client.batch(&[read0])[0], 0, "a read of the bad cluster");
+    assert_ne!(
+        client.write(0, &[7u8; 4096]),
+        0,
+        "a write of the bad cluster"
+    );
+    // The rest of the disk: a read, an allocating write, a flush.
+    assert_eq!(client.read(2 * MIB, 4096), vec![0u8; 4096]);
+    assert_eq!(client.write(2 * MIB, &[9u8; 4096]), 0);
+    assert_eq!(client.read(2 * MIB, 4096), vec![9u8; 4096]);
+    assert_eq!(client.flush(), 0);
+    // The failure again: nothing was cached from the first.
+    assert_ne!(
+        client.batch(&[read0])[0],
+        0,
+        "a second read of the bad cluster"
+    );
+    drop(client);
+    stop(daemon);
+}
