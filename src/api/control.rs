@@ -30,6 +30,12 @@ pub struct Status {
     pub lock: LockState,
     /// The image's path, or `rbd:POOL/IMAGE`.
     pub image: String,
+    /// raw, qcow2 or rbd.
+    pub format: &'static str,
+    /// A qcow2 image's chain, top first (the top is what is written; after
+    /// a live snapshot, not `image`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chain: Option<Vec<String>>,
     pub block_device: bool,
     /// Bytes the guest sees.
     pub size: u64,
@@ -77,6 +83,12 @@ impl Control {
         let uptime = self.identity.started.elapsed().as_millis() as f64 / 1000.0;
         let serial = d.serial();
         let serial_len = serial.iter().position(|&b| b == 0).unwrap_or(serial.len());
+        let chain = d.qcow2().map(|live| {
+            live.chain()
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect()
+        });
         Status {
             version: env!("CARGO_PKG_VERSION"),
             uptime_s: uptime,
@@ -84,6 +96,12 @@ impl Control {
             serial: String::from_utf8_lossy(&serial[..serial_len]).into_owned(),
             lock: d.image_lock().map_or(LockState::Off, |l| l.state()),
             image: d.name().to_string(),
+            format: match (&chain, d.name().starts_with("rbd:")) {
+                (Some(_), _) => "qcow2",
+                (None, true) => "rbd",
+                (None, false) => "raw",
+            },
+            chain,
             block_device: d.is_block_device(),
             size,
             capacity_sectors: size >> SECTOR_SHIFT,
@@ -112,6 +130,14 @@ impl Control {
         qos.set_limits(new)?;
         log::info!("QoS limits changed to {}", serde_json::json!(new));
         Ok(new)
+    }
+
+    /// See [`Device::snapshot`].
+    pub fn snapshot(
+        &self,
+        overlay: &std::path::Path,
+    ) -> Result<crate::device::Snapshot, crate::format::SnapshotError> {
+        self.device.snapshot(overlay)
     }
 
     /// See [`Device::resize`].

@@ -122,10 +122,13 @@ const SYS_SECCOMP: i32 = 1;
 /// without seccomp filter support gets a warning, not an error.
 /// `unlink_dirs`: the directory fds (see `removal`) in which the daemon
 /// removes its sockets on the way out; `unlinkat` is allowed on those only.
+/// `open_dir`: the directory fd in which the daemon creates files (a qcow2
+/// image's snapshot directory); `openat` is allowed on that one only.
 pub fn install(
     mode: SeccompMode,
     profile: Profile,
     unlink_dirs: &[i32],
+    open_dir: Option<i32>,
 ) -> Result<(), DaemonError> {
     let mismatch = match mode {
         SeccompMode::Off => {
@@ -140,7 +143,7 @@ pub fn install(
         return Ok(());
     }
     let pid = std::process::id() as i32;
-    let program = compile(mismatch.clone(), profile, unlink_dirs, pid)?;
+    let program = compile(mismatch.clone(), profile, unlink_dirs, open_dir, pid)?;
     let no_clone3 = compile_no_clone3()?;
     if mismatch == SeccompAction::Trap {
         install_sigsys_handler()?;
@@ -163,7 +166,7 @@ pub fn install(
     log::debug!(
         "seccomp filter installed ({:?} profile, {} syscalls allowed, {})",
         profile,
-        allowed(profile, unlink_dirs, pid).len(),
+        allowed(profile, unlink_dirs, open_dir, pid).len(),
         match mode {
             SeccompMode::Log => "others logged",
             _ => "others fatal",
@@ -222,11 +225,12 @@ fn compile(
     mismatch: SeccompAction,
     profile: Profile,
     unlink_dirs: &[i32],
+    open_dir: Option<i32>,
     pid: i32,
 ) -> Result<BpfProgram, DaemonError> {
     let err = seccomp_err;
     let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(err)?;
-    let rules = allowed(profile, unlink_dirs, pid)
+    let rules = allowed(profile, unlink_dirs, open_dir, pid)
         .into_iter()
         .map(|(nr, rules)| rules.map(|r| (nr, r)))
         .collect::<Result<BTreeMap<_, _>, _>>()
@@ -360,7 +364,12 @@ fn either(rules: impl IntoIterator<Item = Rules>) -> Rules {
 /// and restarted under a guest (`--seccomp log`, then the kernel's audit
 /// records) added `timerfd_create`, `timerfd_settime` and
 /// `restart_syscall`.
-fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)> {
+fn allowed(
+    profile: Profile,
+    unlink_dirs: &[i32],
+    open_dir: Option<i32>,
+    pid: i32,
+) -> Vec<(i64, Rules)> {
     use libc::*;
     let rbd = profile == Profile::Rbd;
     let no_exec = || arg_without(2, PROT_EXEC as u64);
@@ -551,8 +560,14 @@ fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)>
             SYS_fallocate,
             arg_in(1, &crate::engine::FALLOCATE_MODES.map(|m| m as u64)),
         ),
-        // File::metadata of a received or created memfd.
+        // File::metadata of a received or created memfd; the size of a
+        // qcow2 chain's files (the format checks table entries against it).
         (SYS_statx, any()),
+        // A qcow2 image's metadata thread reads and writes tables (and
+        // copy-on-write data, compressed clusters) at offsets, through
+        // std's FileExt, on files opened at start-up.
+        (SYS_pread64, any()),
+        (SYS_pwrite64, any()),
     ];
     if rbd {
         // New connections to monitors and OSDs (see above): TCP sockets
@@ -595,6 +610,13 @@ fn allowed(profile: Profile, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)>
     if !unlink_dirs.is_empty() {
         let dirs: Vec<u64> = unlink_dirs.iter().map(|&fd| fd as u64).collect();
         list.push((SYS_unlinkat, arg_in(0, &dirs)));
+    }
+    // A live snapshot creates its overlay (and reopens it O_DIRECT) by
+    // `openat` on the snapshot directory's descriptor, opened at start-up,
+    // and no other; Landlock limits what it may create there to regular
+    // files beneath it (`daemon::landlock`).
+    if let Some(dir) = open_dir {
+        list.push((SYS_openat, arg_in(0, &[dir as u32 as u64])));
     }
     list
 }

@@ -8,7 +8,12 @@
 //! - the guest-visible write cache (`wce`), which the guest may toggle;
 //! - dirty-page logging (the front-end acked LOG_ALL: a migration);
 //! - the QoS limits and their token buckets ([`crate::qos::Qos`]);
-//! - the image lock ([`crate::io::ImageLock`]);
+//! - the image lock ([`crate::io::ImageLock`]), and who uses the image:
+//!   the queues whose rings run claim it ([`Device::claim_image`]); the
+//!   first takes the lock (and has a qcow2 image's metadata read afresh),
+//!   the last lets it go (after a qcow2 image's metadata is made durable
+//!   and its caches dropped), so that a migration or a reconnect hands
+//!   the image over whole;
 //! - stopping (SIGTERM), and the intake: whether the rings take new
 //!   requests (not once the front-end's socket has closed, nor while
 //!   stopping);
@@ -25,6 +30,7 @@
 //! the connection and stops. Nothing here does I/O on the request path.
 
 mod resize;
+mod snapshot;
 
 use std::fs::File;
 use std::io;
@@ -33,12 +39,14 @@ use std::sync::{Arc, Mutex, Weak};
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
+use crate::format::Live;
 use crate::io::ImageLock;
 use crate::qos::{Qos, QosError, QosLimits};
 use crate::virtio::config::{VirtioBlkConfig, device_features};
 use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
 
 pub use resize::{ResizeError, Resized};
+pub use snapshot::Snapshot;
 
 /// GET_ID's answer: the serial, zero-padded to 20 bytes.
 pub type Serial = [u8; VIRTIO_BLK_ID_BYTES as usize];
@@ -91,6 +99,8 @@ pub enum Backing {
     /// image open when SIGTERM closes it (the handle closes when its last
     /// strong holder lets go).
     Shared(Weak<dyn Resizable>),
+    /// A qcow2 image and its backing chain (which live snapshots change).
+    Qcow2(Arc<Live>),
 }
 
 /// How to make a [`Device`]: what it is, fixed for the daemon's life.
@@ -165,6 +175,8 @@ pub struct Device {
     backing: Backing,
     /// One resize at a time.
     resizing: Mutex<()>,
+    /// Queues whose rings run (see [`Device::claim_image`]).
+    image_users: Mutex<usize>,
 }
 
 impl Device {
@@ -187,6 +199,7 @@ impl Device {
             front_end: Mutex::new(None),
             backing: spec.backing,
             resizing: Mutex::new(()),
+            image_users: Mutex::new(0),
         })
     }
 
@@ -314,6 +327,65 @@ impl Device {
         self.image_lock.as_ref()
     }
 
+    /// The qcow2 image being served, if it is one.
+    pub fn qcow2(&self) -> Option<&Arc<Live>> {
+        match &self.backing {
+            Backing::Qcow2(live) => Some(live),
+            _ => None,
+        }
+    }
+
+    /// A queue's ring starts: the queue uses the image until
+    /// [`Device::release_image`]. The first user takes the image lock
+    /// (`Err` while another process holds it: nothing is claimed then),
+    /// and has a qcow2 image's metadata read afresh from the file, which
+    /// another process (a migration's source, a QEMU) may have written
+    /// since this daemon last used it.
+    pub fn claim_image(&self) -> Result<(), crate::io::Locked> {
+        let mut users = lock(&self.image_users);
+        if *users == 0 {
+            if let Some(l) = &self.image_lock {
+                l.acquire()?;
+            }
+            if let Some(live) = self.qcow2() {
+                if let Err(e) = live.refresh() {
+                    log::error!("{}: reading the metadata afresh: {e}", self.name);
+                }
+            }
+        }
+        *users += 1;
+        Ok(())
+    }
+
+    /// A queue that claimed the image stops (its I/O completed and is
+    /// durable). The last one makes a qcow2 image's metadata durable and
+    /// drops its caches, then lets the lock go: the next process may
+    /// write the image.
+    pub fn release_image(&self) {
+        let mut users = lock(&self.image_users);
+        *users = users.saturating_sub(1);
+        if *users == 0 {
+            if let Some(live) = self.qcow2() {
+                if let Err(e) = live.refresh() {
+                    log::error!("{}: making the metadata durable: {e}", self.name);
+                }
+            }
+            if let Some(l) = &self.image_lock {
+                l.release();
+            }
+        }
+    }
+
+    /// Makes everything written durable (the daemon stops): an fdatasync
+    /// of the image file; for qcow2, its metadata first.
+    pub fn make_durable(&self) -> std::io::Result<()> {
+        match &self.backing {
+            Backing::File { file, .. } => file.sync_data(),
+            Backing::Qcow2(live) => live.refresh().map_err(std::io::Error::other),
+            Backing::None | Backing::Shared(_) => Ok(()),
+        }
+    }
+
     /// The configuration space as the driver reads it now.
     pub fn config(&self) -> VirtioBlkConfig {
         VirtioBlkConfig::new(&self.limits, self.capacity(), self.queues, self.writeback())
@@ -341,4 +413,8 @@ impl Device {
     pub fn set_front_end(&self, f: Option<FrontEnd>) {
         *self.front_end.lock().unwrap_or_else(|p| p.into_inner()) = f;
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -26,17 +26,18 @@ use std::sync::Mutex;
 /// The image lock of one device, shared by its queues.
 #[derive(Debug)]
 pub struct ImageLock {
-    /// A duplicate of the image's fd: the same open file description,
-    /// whose lock this is. Locks belong to the description, so the lock
-    /// goes when the last fd of it is closed.
-    file: File,
+    state: Mutex<Holders>,
     exclusive: bool,
-    holders: Mutex<Holders>,
 }
 
-/// Who holds or wants the lock, in this process.
-#[derive(Debug, Default)]
+/// The locked file, and who holds or wants its lock in this process.
+#[derive(Debug)]
 struct Holders {
+    /// A duplicate of the image's fd (its top, for a qcow2 chain: what is
+    /// written): the same open file description, whose lock this is.
+    /// Locks belong to the description, so the lock goes when the last fd
+    /// of it is closed.
+    file: File,
     /// How many queues have started and not stopped. The lock is held
     /// while this is above 0.
     users: usize,
@@ -71,23 +72,21 @@ impl ImageLock {
     /// `exclusive` for a read-write export.
     pub fn new(image: &File, exclusive: bool) -> io::Result<ImageLock> {
         Ok(ImageLock {
-            file: image.try_clone()?,
+            state: Mutex::new(Holders {
+                file: image.try_clone()?,
+                users: 0,
+                waiting: 0,
+            }),
             exclusive,
-            holders: Mutex::new(Holders::default()),
         })
     }
 
     /// A queue starts: takes the lock if no queue holds it. Each `Ok` is
     /// matched by one [`ImageLock::release`].
     pub fn acquire(&self) -> Result<(), Locked> {
-        let mut holders = self.holders();
-        if holders.users == 0 {
-            let kind = if self.exclusive {
-                libc::F_WRLCK
-            } else {
-                libc::F_RDLCK
-            };
-            match self.set(kind) {
+        let mut h = self.holders();
+        if h.users == 0 {
+            match set(&h.file, self.kind()) {
                 Ok(()) => {}
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) => {
                     return Err(Locked);
@@ -100,39 +99,55 @@ impl ImageLock {
                 }
             }
         }
-        holders.users += 1;
+        h.users += 1;
         Ok(())
     }
 
     /// A queue that acquired the lock stops; the last one releases it.
     pub fn release(&self) {
-        let mut holders = self.holders();
-        holders.users = holders.users.saturating_sub(1);
-        if holders.users == 0 {
-            if let Err(e) = self.set(libc::F_UNLCK) {
+        let mut h = self.holders();
+        h.users = h.users.saturating_sub(1);
+        if h.users == 0 {
+            if let Err(e) = set(&h.file, libc::F_UNLCK) {
                 log::warn!("cannot unlock the image: {e}");
             }
         }
+    }
+
+    /// The image's written file is now `file` (a live snapshot's overlay):
+    /// while a queue runs, `file` is locked before the old one is let go,
+    /// and a conflict fails the move (nothing changes).
+    pub fn relock(&self, file: &File) -> io::Result<()> {
+        let new = file.try_clone()?;
+        let mut h = self.holders();
+        if h.users > 0 {
+            set(&new, self.kind())?;
+            if let Err(e) = set(&h.file, libc::F_UNLCK) {
+                log::warn!("cannot unlock the former top of the chain: {e}");
+            }
+        }
+        h.file = new;
+        Ok(())
     }
 
     /// A running queue was refused the lock and will try again (`true`),
     /// or no longer does (`false`: it got it, or stopped). Each `true` is
     /// matched by one `false`.
     pub fn set_waiting(&self, on: bool) {
-        let mut holders = self.holders();
+        let mut h = self.holders();
         if on {
-            holders.waiting += 1;
+            h.waiting += 1;
         } else {
-            holders.waiting = holders.waiting.saturating_sub(1);
+            h.waiting = h.waiting.saturating_sub(1);
         }
     }
 
     /// Held, waited for, or neither.
     pub fn state(&self) -> LockState {
-        let holders = self.holders();
-        if holders.users > 0 {
+        let h = self.holders();
+        if h.users > 0 {
             LockState::Held
-        } else if holders.waiting > 0 {
+        } else if h.waiting > 0 {
             LockState::Waiting
         } else {
             LockState::Idle
@@ -140,23 +155,32 @@ impl ImageLock {
     }
 
     fn holders(&self) -> std::sync::MutexGuard<'_, Holders> {
-        self.holders.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn set(&self, kind: libc::c_int) -> io::Result<()> {
-        // SAFETY: all-zero is a valid `flock` (l_start 0, l_len 0: the
-        // whole file; l_pid must be 0 for OFD locks).
-        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-        fl.l_type = kind as libc::c_short;
-        fl.l_whence = libc::SEEK_SET as libc::c_short;
-        // SAFETY: F_OFD_SETLK reads one `flock` through the pointer, which
-        // points to a live local; the fd is open for as long as `self`.
-        let ret = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) };
-        if ret < 0 {
-            return Err(io::Error::last_os_error());
+    fn kind(&self) -> libc::c_int {
+        if self.exclusive {
+            libc::F_WRLCK
+        } else {
+            libc::F_RDLCK
         }
-        Ok(())
     }
+}
+
+/// Takes (or with F_UNLCK gives up) the lock on the whole of `file`.
+fn set(file: &File, kind: libc::c_int) -> io::Result<()> {
+    // SAFETY: all-zero is a valid `flock` (l_start 0, l_len 0: the whole
+    // file; l_pid must be 0 for OFD locks).
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: F_OFD_SETLK reads one `flock` through the pointer, which
+    // points to a live local; the fd is open for the call.
+    let ret = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -199,6 +223,35 @@ mod tests {
         b.release();
         assert_eq!(b.state(), LockState::Idle);
         reader.acquire().unwrap();
+    }
+
+    /// A live snapshot moves the lock to the new top while a queue runs;
+    /// the old top is then free for a reader (a copy), the new one is not.
+    #[test]
+    fn relock_moves_the_lock_to_the_new_top() {
+        let dir = tempfile::tempdir().unwrap();
+        let (old, new) = (dir.path().join("old"), dir.path().join("new"));
+        for p in [&old, &new] {
+            File::create(p).unwrap().set_len(4096).unwrap();
+        }
+        let lock = ImageLock::new(&open(&old), true).unwrap();
+        lock.acquire().unwrap();
+        lock.relock(&open(&new)).unwrap();
+        ImageLock::new(&open(&old), false)
+            .unwrap()
+            .acquire()
+            .unwrap();
+        assert!(
+            ImageLock::new(&open(&new), false)
+                .unwrap()
+                .acquire()
+                .is_err()
+        );
+        lock.release();
+        ImageLock::new(&open(&new), true)
+            .unwrap()
+            .acquire()
+            .unwrap();
     }
 
     #[test]

@@ -1113,24 +1113,23 @@ impl<E: Engine> QueueWorker<E> {
         self.unlock_image();
     }
 
-    /// Counts this queue among the image lock's users, taking the lock if
-    /// it is the first; false while another process holds it. Tried when
-    /// the ring starts, and for each request until it succeeds; never
-    /// waits.
+    /// Counts this queue among the image's users
+    /// ([`Device::claim_image`]: the first takes the image lock); false
+    /// while another process holds the lock. Tried when the ring starts,
+    /// and for each request until it succeeds; never waits.
     fn try_lock(&mut self) -> bool {
         if self.holds_lock {
             return true;
         }
-        let Some(lock) = self.device.image_lock() else {
-            return true;
-        };
-        self.holds_lock = lock.acquire().is_ok();
+        self.holds_lock = self.device.claim_image().is_ok();
         if self.holds_lock {
             self.lock_deadline = None;
         }
         if self.waits_lock == self.holds_lock {
             self.waits_lock = !self.holds_lock;
-            lock.set_waiting(self.waits_lock);
+            if let Some(lock) = self.device.image_lock() {
+                lock.set_waiting(self.waits_lock);
+            }
         }
         self.holds_lock
     }
@@ -1139,14 +1138,13 @@ impl<E: Engine> QueueWorker<E> {
     /// next daemon may take the image.
     fn unlock_image(&mut self) {
         self.lock_deadline = None;
-        let Some(lock) = self.device.image_lock() else {
-            return;
-        };
         if std::mem::take(&mut self.holds_lock) {
-            lock.release();
+            self.device.release_image();
         }
         if std::mem::take(&mut self.waits_lock) {
-            lock.set_waiting(false);
+            if let Some(lock) = self.device.image_lock() {
+                lock.set_waiting(false);
+            }
         }
     }
 

@@ -16,4 +16,5 @@
 mod guest;
 mod guest_resize;
 mod migration;
+mod qcow2;
 mod setup_hints;

@@ -40,6 +40,7 @@ mod latency;
 mod log_limits;
 mod lost_interrupt;
 mod memory_slots;
+mod qcow2;
 mod qos;
 mod sandbox;
 mod seccomp;
