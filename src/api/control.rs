@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::device::{Device, ResizeError, Resized};
+use crate::bitmap::BitmapInfo;
+use crate::device::{BackupInfo, Device, ResizeError, Resized, TrackingError};
 use crate::qos::{QosChanges, QosError, QosLimits};
 use crate::virtio::SECTOR_SHIFT;
 
@@ -31,6 +32,10 @@ pub struct Status {
     pub connected: bool,
     /// QoS limits (0: none).
     pub qos: QosLimits,
+    /// The dirty bitmaps.
+    pub bitmaps: Vec<BitmapInfo>,
+    /// The running backup, if any.
+    pub backup: Option<BackupInfo>,
 }
 
 /// The device, as the control API sees it.
@@ -59,6 +64,8 @@ impl Control {
             writeback: d.writeback(),
             connected: d.connection().is_some(),
             qos: d.qos().limits(),
+            bitmaps: d.bitmaps(),
+            backup: d.backup(),
         }
     }
 
@@ -75,6 +82,40 @@ impl Control {
         qos.set_limits(new)?;
         log::info!("QoS limits changed to {}", serde_json::json!(new));
         Ok(new)
+    }
+
+    /// See [`Device::bitmaps`].
+    pub fn bitmaps(&self) -> Vec<BitmapInfo> {
+        self.device.bitmaps()
+    }
+
+    /// See [`Device::bitmap_add`].
+    pub fn bitmap_add(&self, name: &str, granularity: u64) -> Result<BitmapInfo, TrackingError> {
+        self.device.bitmap_add(name, granularity)
+    }
+
+    /// See [`Device::bitmap_remove`].
+    pub fn bitmap_remove(&self, name: &str) -> Result<(), TrackingError> {
+        self.device.bitmap_remove(name)
+    }
+
+    /// See [`Device::backup`].
+    pub fn backup(&self) -> Option<BackupInfo> {
+        self.device.backup()
+    }
+
+    /// See [`Device::backup_start`].
+    pub fn backup_start(
+        &self,
+        socket: &std::path::Path,
+        bitmap: Option<&str>,
+    ) -> Result<BackupInfo, TrackingError> {
+        self.device.backup_start(socket, bitmap)
+    }
+
+    /// See [`Device::backup_stop`].
+    pub fn backup_stop(&self, failed: bool) -> Result<BackupInfo, TrackingError> {
+        self.device.backup_stop(failed)
     }
 
     /// See [`Device::resize`].

@@ -104,6 +104,20 @@ pub struct ServeArgs {
     #[arg(long)]
     pub image: Option<PathBuf>,
 
+    /// Where the dirty bitmaps of a raw image or block device live: one
+    /// sidecar file per bitmap, STEM.bitmap.NAME, STEM being the image's
+    /// file name [default: the image's directory; a block device's
+    /// bitmaps need this]. See docs/backup.md.
+    #[arg(long, value_name = "DIR")]
+    pub bitmap_dir: Option<PathBuf>,
+
+    /// Where `ctl backup start --nbd SOCKET` may create its NBD socket, and
+    /// where the backup keeps what the guest overwrites while it runs (an
+    /// unlinked file, as large as what the guest overwrites). Without it,
+    /// backups are refused. See docs/backup.md.
+    #[arg(long, value_name = "DIR")]
+    pub backup_dir: Option<PathBuf>,
+
     /// Ceph configuration for an rbd: image (monitors, keyring).
     #[arg(long, value_name = "PATH", default_value = "/etc/ceph/ceph.conf")]
     pub ceph_conf: PathBuf,

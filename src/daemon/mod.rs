@@ -210,11 +210,17 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     if let Some(p) = &cfg.args.api {
         files.push(removal(p)?);
     }
-    let unlink_dirs: Vec<i32> = files
+    let mut unlink_dirs: Vec<i32> = files
         .iter()
         .chain(&inner.paths.removals)
         .map(Removal::dir_fd)
         .collect();
+    // A removed bitmap's sidecar, a backup's socket.
+    unlink_dirs.extend(cfg.bitmap_dir.iter().chain(&cfg.backup_dir).map(|d| d.1));
+    let extras = seccomp::Extras {
+        bitmap_dir: cfg.bitmap_dir.as_ref().map(|d| d.1),
+        backups: cfg.backup_dir.is_some(),
+    };
     // What Landlock leaves the daemon after start-up.
     let sandbox = landlock::Allowed {
         image: cfg
@@ -226,6 +232,8 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         // A qcow2 backing chain goes here, read-only.
         backing: Vec::new(),
         removals: files.iter().chain(&inner.paths.removals).cloned().collect(),
+        bitmap_dir: cfg.bitmap_dir.map(|d| d.0),
+        backup_dir: cfg.backup_dir.map(|d| d.0),
     };
     let closer = Closer::default();
     spawn_signal_handler(
@@ -252,6 +260,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         timers: &timers,
         inner: &mut inner,
         unlink_dirs,
+        extras,
         sandbox,
         profile: match &cfg.backing {
             config::Backing::File { .. } => seccomp::Profile::File,
@@ -379,6 +388,8 @@ struct Connections<'a> {
     inner: &'a mut InnerSocket,
     /// Directory fds the daemon may remove files in after start-up.
     unlink_dirs: Vec<i32>,
+    /// What the seccomp filter allows for bitmaps and backups.
+    extras: seccomp::Extras,
     /// What Landlock allows after start-up; taken when it is applied.
     sandbox: landlock::Allowed,
     /// What the seccomp filter allows besides the daemon's own syscalls.
@@ -417,7 +428,12 @@ impl Connections<'_> {
             self.profile,
             std::mem::take(&mut self.sandbox),
         )?;
-        seccomp::install(self.args.seccomp, self.profile, &self.unlink_dirs)?;
+        seccomp::install(
+            self.args.seccomp,
+            self.profile,
+            self.extras,
+            &self.unlink_dirs,
+        )?;
         if self.args.seccomp != args::SeccompMode::Off {
             connector::filter_installed();
         }
@@ -752,6 +768,9 @@ fn spawn_signal_handler(
                 if let Some(c) = device.connection() {
                     c.drain_all();
                 }
+                // The rings are stopped: a backup ends (as failed), and
+                // the bitmaps are written out.
+                device.stop_tracking();
                 if let Some(Err(e)) = image.as_ref().map(std::fs::File::sync_data) {
                     log::error!("fdatasync of the image failed: {e}");
                 }

@@ -8,7 +8,10 @@
 //! - the guest-visible write cache (`wce`), which the guest may toggle;
 //! - dirty-page logging (the front-end acked LOG_ALL: a migration);
 //! - the QoS limits and their token buckets ([`crate::qos::Qos`]);
-//! - the image lock ([`crate::io::ImageLock`]);
+//! - the image lock ([`crate::io::ImageLock`]), taken by the first holder
+//!   of the image ([`Device::hold`]);
+//! - the dirty bitmaps and the running backup ([`tracking`]), and what
+//!   each write does for them before it reaches the image;
 //! - stopping (SIGTERM), and the intake: whether the rings take new
 //!   requests (not once the front-end's socket has closed, nor while
 //!   stopping);
@@ -24,6 +27,7 @@
 //! the connection and stops. Nothing here does I/O on the request path.
 
 mod resize;
+pub mod tracking;
 
 use std::fs::File;
 use std::io;
@@ -38,6 +42,16 @@ use crate::virtio::config::{VirtioBlkConfig, device_features};
 use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
 
 pub use resize::{ResizeError, Resized};
+pub use tracking::{BackupInfo, BackupSpec, Targets, Tracking, TrackingError};
+
+/// Why a device cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("QoS: {0}")]
+    Qos(#[from] QosError),
+    #[error("bitmaps: {0}")]
+    Bitmap(#[from] crate::bitmap::BitmapError),
+}
 
 /// GET_ID's answer: the serial, zero-padded to 20 bytes.
 pub type Serial = [u8; VIRTIO_BLK_ID_BYTES as usize];
@@ -48,6 +62,12 @@ pub trait Connection: Send + Sync {
     /// Takes no more requests and completes everything in flight, on every
     /// queue.
     fn drain_all(&self);
+    /// Holds every queue: waits for the requests each has in flight to
+    /// complete (their completions published), then calls `f` with the
+    /// moment the first queue was held, while no queue starts a request;
+    /// then lets them go on. Requests taken off a ring but not started
+    /// wait until then. Queues of a connection that is over are skipped.
+    fn quiesce(&self, f: &mut dyn FnMut(std::time::Instant));
     /// Tells the front-end that the configuration space changed (the
     /// capacity, after a resize). Ok(None): it gave us no back-end channel
     /// (it did not negotiate BACKEND_REQ), so it cannot be told;
@@ -101,6 +121,10 @@ pub struct DeviceSpec {
     /// Taken while a ring runs (`--no-image-lock`, RBD: none).
     pub image_lock: Option<ImageLock>,
     pub backing: Backing,
+    /// Where the dirty bitmaps persist, or why this device has none.
+    pub bitmaps: Result<Box<dyn crate::bitmap::BitmapStore>, String>,
+    /// What backups need, or why this device has none.
+    pub backups: Result<BackupSpec, String>,
 }
 
 impl Default for DeviceSpec {
@@ -116,6 +140,8 @@ impl Default for DeviceSpec {
             qos: QosLimits::default(),
             image_lock: None,
             backing: Backing::None,
+            bitmaps: Err("no bitmaps on this device".into()),
+            backups: Err("no backups on this device".into()),
         }
     }
 }
@@ -152,11 +178,15 @@ pub struct Device {
     backing: Backing,
     /// One resize at a time.
     resizing: Mutex<()>,
+    /// The dirty bitmaps, the running backup, the image's holders.
+    tracking: Tracking,
 }
 
 impl Device {
-    pub fn new(spec: DeviceSpec) -> Result<Device, QosError> {
+    pub fn new(spec: DeviceSpec) -> Result<Device, DeviceError> {
+        let size = spec.capacity_sectors << SECTOR_SHIFT;
         Ok(Device {
+            tracking: Tracking::new(spec.bitmaps, spec.backups, size)?,
             qos: Qos::new(spec.qos)?,
             name: spec.name,
             limits: spec.limits,
@@ -292,12 +322,6 @@ impl Device {
     /// runtime through this handle).
     pub fn qos(&self) -> &Qos {
         &self.qos
-    }
-
-    /// The image lock, taken while a ring runs; none with
-    /// `--no-image-lock` or on an RBD image (librbd has its own).
-    pub fn image_lock(&self) -> Option<&ImageLock> {
-        self.image_lock.as_ref()
     }
 
     /// The configuration space as the driver reads it now.

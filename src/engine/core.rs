@@ -10,6 +10,9 @@
 //!   image, and the device's write cache decides whether a write is
 //!   write-through ([`Io::fua`]);
 //! - the engine starts it; what it finishes at once waits in `done`;
+//! - before a write, discard or write-zeroes goes to the engine, its range
+//!   is marked in the device's dirty bitmaps and, during a backup, the old
+//!   data it overwrites is copied first ([`Core::before_write`]);
 //! - as each request is reaped: whether the image now has changes that are
 //!   not flushed (so that a stopping ring flushes only when it must), the
 //!   bytes it wrote into the guest's buffers, and those bytes marked in
@@ -22,7 +25,7 @@ use std::sync::Arc;
 
 use super::format::{Extent, Mapping};
 use super::{Completion, Completions, Engine, Format, Full, Io, Raw, Start};
-use crate::device::Device;
+use crate::device::{Device, Targets};
 use crate::virtio::{GuestMem, Op, Request, Status};
 
 /// A queue's engine, with the bookkeeping every engine needs (see the
@@ -40,6 +43,9 @@ pub struct Core<E, F = Raw> {
     /// A change to the image (write, discard, write-zeroes) completed
     /// since the last flush that completed.
     unflushed: bool,
+    /// The bitmaps and backup each change goes through first, and their
+    /// number (see [`Core::before_write`]).
+    targets: (u64, Arc<Targets>),
 }
 
 impl<E: Engine> Core<E> {
@@ -61,6 +67,7 @@ impl<E: Engine, F: Format> Core<E, F> {
             done: VecDeque::with_capacity(capacity),
             capacity,
             unflushed: false,
+            targets: Default::default(),
         }
     }
 
@@ -81,8 +88,16 @@ impl<E: Engine, F: Format> Core<E, F> {
                 self.done.push_back((req, Status::Ok));
                 return Ok(());
             }
-            Op::Read | Op::Write => Some((req.offset(), u64::from(req.data_len()))),
-            Op::Discard(r) | Op::WriteZeroes(r) => Some((r.offset(), r.len())),
+            Op::Read => Some((req.offset(), u64::from(req.data_len()))),
+            Op::Write => {
+                let (offset, len) = (req.offset(), u64::from(req.data_len()));
+                self.before_write(offset, len);
+                Some((offset, len))
+            }
+            Op::Discard(r) | Op::WriteZeroes(r) => {
+                self.before_write(r.offset(), r.len());
+                Some((r.offset(), r.len()))
+            }
             Op::Flush => None,
         };
         let at = match range.map(|(offset, len)| self.format.map(op, offset, len)) {
@@ -96,6 +111,28 @@ impl<E: Engine, F: Format> Core<E, F> {
             Start::Full(io) => return Err(Full(io.into_request())),
         }
         Ok(())
+    }
+
+    /// What a change to the image does before it reaches it: its range
+    /// marked in the dirty bitmaps, and during a backup the old data it
+    /// overwrites copied first ([`crate::device::tracking`]). Before the
+    /// engine starts it, so that a write that reached the image is in the
+    /// bitmaps even if the daemon dies before it completes (and so before
+    /// its completion is published). With nothing to do, one relaxed load.
+    #[inline]
+    fn before_write(&mut self, offset: u64, len: u64) {
+        let generation = self.device.tracking().generation();
+        if generation != 0 {
+            self.before_write_tracked(generation, offset, len);
+        }
+    }
+
+    #[cold]
+    fn before_write_tracked(&mut self, generation: u64, offset: u64, len: u64) {
+        if self.targets.0 != generation {
+            self.targets = self.device.tracking().targets();
+        }
+        self.targets.1.before_write(offset, len);
     }
 
     /// Hands everything submitted since the last call to the kernel.
@@ -159,9 +196,10 @@ impl<E: Engine, F: Format> Core<E, F> {
     }
 
     /// The connection is over and nothing is in flight (see
-    /// [`Engine::reset`]).
+    /// [`Engine::reset`]). What the targets kept alive goes too.
     pub fn reset(&mut self) {
         self.engine.reset();
+        self.targets = Default::default();
     }
 }
 
@@ -181,11 +219,6 @@ fn completed(device: &Device, unflushed: &mut bool, req: Request, status: Status
         // migration, can see it.
         req.data().mark_written(written);
     }
-    // Changed-block tracking (a dirty bitmap for incremental backup) marks
-    // the range of a write, discard or write-zeroes here
-    // (`class.changes_image`), whatever its status (a failed write may
-    // have changed part of it), for the same reason: before the
-    // completion is published.
     Completion {
         req,
         status,
