@@ -589,7 +589,7 @@ fn a_bitmap_survives_kill_9_and_a_host_stop_marks_it_inconsistent() {
         expected.mark(o, l);
     }
     let mut store = SidecarStore::new(dir.path(), "disk.img").unwrap();
-    let loaded = store.open(BM_SIZE).unwrap();
+    let loaded = open_all(&mut store);
     assert_eq!(loaded.len(), 1);
     let (name, b) = &loaded[0];
     assert_eq!(name, "k");
@@ -601,13 +601,22 @@ fn a_bitmap_survives_kill_9_and_a_host_stop_marks_it_inconsistent() {
     let mut store = SidecarStore::new(dir.path(), "disk.img")
         .unwrap()
         .with_boot_id("00000000-0000-0000-0000-000000000000");
-    let loaded = store.open(BM_SIZE).unwrap();
+    let loaded = open_all(&mut store);
     assert!(!loaded[0].1.is_consistent(), "another boot: inconsistent");
     // A clean close keeps it inconsistent, in the file.
     store.close("k", &loaded[0].1).unwrap();
-    let loaded = SidecarStore::new(dir.path(), "disk.img")
-        .unwrap()
-        .open(BM_SIZE)
-        .unwrap();
+    let loaded = open_all(&mut SidecarStore::new(dir.path(), "disk.img").unwrap());
     assert!(!loaded[0].1.is_consistent());
+}
+
+/// Every bitmap of `store`, each of which must load.
+fn open_all(store: &mut impl BitmapStore) -> Vec<(String, DirtyBitmap)> {
+    store
+        .open(BM_SIZE)
+        .into_iter()
+        .map(|(name, b)| {
+            let b = b.unwrap_or_else(|e| panic!("bitmap {name}: {e}"));
+            (name, b)
+        })
+        .collect()
 }

@@ -11,6 +11,7 @@
 //! - [`vm`]: real guests under QEMU (kernel, initramfs, console verdict,
 //!   QMP), and [`vm::migration`], a guest migrated between two daemons;
 //! - [`ceph`]: a single-node Ceph cluster for the RBD tests;
+//! - [`nbd`]: the backup's clients (nbdinfo, nbdcopy, qemu-img) and verbs;
 //! - the host's side: patterns, images, loop devices, metrics.
 //!
 //! A dev-dependency only: the daemon itself links none of it
@@ -30,6 +31,7 @@ pub mod ceph;
 mod client;
 mod daemon;
 pub mod frontend;
+pub mod nbd;
 pub mod vm;
 
 use std::fs::File;
