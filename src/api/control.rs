@@ -16,6 +16,12 @@ use crate::virtio::SECTOR_SHIFT;
 pub struct Status {
     /// The image's path, or `rbd:POOL/IMAGE`.
     pub image: String,
+    /// raw, qcow2 or rbd.
+    pub format: &'static str,
+    /// A qcow2 image's chain, top first (the top is what is written; after
+    /// a live snapshot, not `image`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chain: Option<Vec<String>>,
     pub block_device: bool,
     /// Bytes the guest sees.
     pub size: u64,
@@ -51,8 +57,20 @@ impl Control {
     pub fn status(&self) -> Status {
         let d = &self.device;
         let size = d.size();
+        let chain = d.qcow2().map(|live| {
+            live.chain()
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect()
+        });
         Status {
             image: d.name().to_string(),
+            format: match (&chain, d.name().starts_with("rbd:")) {
+                (Some(_), _) => "qcow2",
+                (None, true) => "rbd",
+                (None, false) => "raw",
+            },
+            chain,
             block_device: d.is_block_device(),
             size,
             capacity_sectors: size >> SECTOR_SHIFT,
@@ -116,6 +134,14 @@ impl Control {
     /// See [`Device::backup_stop`].
     pub fn backup_stop(&self, failed: bool) -> Result<BackupInfo, TrackingError> {
         self.device.backup_stop(failed)
+    }
+
+    /// See [`Device::snapshot`].
+    pub fn snapshot(
+        &self,
+        overlay: &std::path::Path,
+    ) -> Result<crate::device::Snapshot, crate::format::SnapshotError> {
+        self.device.snapshot(overlay)
     }
 
     /// See [`Device::resize`].

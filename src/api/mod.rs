@@ -204,6 +204,15 @@ pub const VERBS: &[Verb] = &[
         slow: true,
         run: backup_stop,
     },
+    Verb {
+        methods: &[Method::PUT, Method::POST],
+        path: "/api/v1/snapshot",
+        control: true,
+        // It waits for the requests in flight, and formats and syncs the
+        // overlay.
+        slow: true,
+        run: snapshot,
+    },
 ];
 
 fn metrics_text(ctx: &Ctx<'_>) -> Reply {
@@ -273,6 +282,38 @@ fn resize(ctx: &Ctx<'_>) -> Reply {
                 e if e.is_internal() => 500,
                 ResizeError::Shrink { .. } => 409,
                 _ => 400,
+            };
+            Reply::error(status, e.to_string())
+        })
+    };
+    match run() {
+        Ok(r) => Reply::json(200, &r),
+        Err(r) => r,
+    }
+}
+
+/// PUT /api/v1/snapshot body: the new overlay, a file name in the
+/// daemon's snapshot directory (or a path there).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotBody {
+    overlay: std::path::PathBuf,
+}
+
+/// A live external snapshot: the overlay becomes the top of the chain.
+fn snapshot(ctx: &Ctx<'_>) -> Reply {
+    let run = || -> Result<crate::device::Snapshot, Reply> {
+        let c = control(ctx)?;
+        let body: SnapshotBody = ctx.json_body()?;
+        c.snapshot(&body.overlay).map_err(|e| {
+            use crate::format::SnapshotError as E;
+            let status = match &e {
+                E::NoDirectory | E::NotQcow2 | E::Name(..) | E::ReadOnly => 400,
+                E::Create { source, .. } if source.kind() == std::io::ErrorKind::AlreadyExists => {
+                    409
+                }
+                E::Busy(_) | E::Lock(_) => 409,
+                E::Create { .. } | E::Format(_) => 500,
             };
             Reply::error(status, e.to_string())
         })

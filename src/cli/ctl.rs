@@ -46,6 +46,18 @@ pub enum CtlVerb {
     /// (docs/backup.md).
     #[command(subcommand)]
     Backup(BackupVerb),
+    /// Take a live external snapshot of a qcow2 image: create the qcow2
+    /// overlay NEW.qcow2, whose backing file is the current top of the
+    /// chain, and switch every queue to it while the guest runs. Requests
+    /// in flight complete on the old top first; the old top is never
+    /// written again (a point-in-time image to copy away). The overlay is
+    /// created in the daemon's --snapshot-dir: give a bare name or a path
+    /// there. Prints the new chain, top first.
+    Snapshot {
+        /// The new overlay (a file that does not exist yet).
+        #[arg(long, value_name = "NEW.qcow2")]
+        overlay: PathBuf,
+    },
     /// The counters, as `ringblk stats` prints them.
     Stats {
         /// Print the raw JSON snapshot instead of a table.
@@ -164,6 +176,21 @@ pub fn ctl(args: &CtlArgs) -> Result<(), Failure> {
         }
         CtlVerb::Bitmap(verb) => bitmap(&addr, &args.api, verb)?,
         CtlVerb::Backup(verb) => backup(&addr, &args.api, verb)?,
+        CtlVerb::Snapshot { overlay } => {
+            let body = serde_json::json!({ "overlay": overlay_path(overlay) }).to_string();
+            let answer = call(&addr, "PUT", "/api/v1/snapshot", body.as_bytes())?;
+            let r: serde_json::Value = serde_json::from_str(&answer)
+                .map_err(|e| format!("{}: bad answer: {e}", args.api.display()))?;
+            let chain: Vec<&str> = r["chain"]
+                .as_array()
+                .map(|c| c.iter().filter_map(|p| p.as_str()).collect())
+                .unwrap_or_default();
+            out(&format!(
+                "snapshot taken: {} is frozen; the chain, top first: {}\n",
+                r["frozen"].as_str().unwrap_or("?"),
+                chain.join(", ")
+            ))?;
+        }
         CtlVerb::Stats {
             json,
             prometheus,
@@ -304,6 +331,23 @@ fn backup(addr: &str, api: &std::path::Path, verb: &BackupVerb) -> Result<(), Fa
         BackupVerb::Status => out(&call(addr, "GET", "/api/v1/backup", b"")?)?,
     }
     Ok(())
+}
+
+/// What the daemon gets for `--overlay`: a bare name as it is (a name in
+/// its snapshot directory); a path with its directory resolved here, where
+/// the client's working directory and links mean something (the daemon
+/// compares the directory with its snapshot directory's real path).
+fn overlay_path(overlay: &std::path::Path) -> PathBuf {
+    let (Some(dir), Some(name)) = (overlay.parent(), overlay.file_name()) else {
+        return overlay.to_path_buf();
+    };
+    if dir.as_os_str().is_empty() {
+        return overlay.to_path_buf();
+    }
+    match std::fs::canonicalize(dir) {
+        Ok(d) => d.join(name),
+        Err(_) => overlay.to_path_buf(),
+    }
 }
 
 /// The body of a 200 answer; otherwise the daemon's `error`, or the

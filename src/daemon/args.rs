@@ -96,7 +96,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "600", value_parser = parse_octal)]
     pub socket_mode: u32,
 
-    /// Raw image file or block device to export, or a Ceph RBD image as
+    /// Image file or block device to export (see --format), or a Ceph RBD image as
     /// rbd:POOL/IMAGE (a daemon built with `--features rbd`). Without
     /// --image, disk.img in the directory of the default socket, created
     /// (sparse, --size, mode 0600) if it does not exist; a symlink there is
@@ -117,6 +117,20 @@ pub struct ServeArgs {
     /// backups are refused. See docs/backup.md.
     #[arg(long, value_name = "DIR")]
     pub backup_dir: Option<PathBuf>,
+
+    /// The image's format: raw, or qcow2 (version 3 read-write, version 2
+    /// with --readonly; its backing chain of qcow2 and raw images read-only,
+    /// their names resolved as QEMU does). The format is never probed: a
+    /// qcow2 image given without --format qcow2 is served as raw (with a
+    /// warning), since a guest can write a qcow2 header into a raw disk.
+    #[arg(long, value_name = "FORMAT", default_value = "raw", value_parser = parse_format)]
+    pub format: crate::format::Format,
+
+    /// Directory where live snapshots (`ringblk ctl snapshot --overlay`)
+    /// create their overlays; opened at start-up, the only place the daemon
+    /// may create files in afterwards. Without it, snapshots are refused.
+    #[arg(long, value_name = "DIR")]
+    pub snapshot_dir: Option<PathBuf>,
 
     /// Ceph configuration for an rbd: image (monitors, keyring).
     #[arg(long, value_name = "PATH", default_value = "/etc/ceph/ceph.conf")]
@@ -278,6 +292,10 @@ pub enum SeccompMode {
 pub enum LandlockMode {
     On,
     Off,
+}
+
+fn parse_format(s: &str) -> Result<crate::format::Format, String> {
+    s.parse()
 }
 
 /// `--queues`: 1 to [`MAX_QUEUES`].

@@ -12,7 +12,8 @@ use super::args::{
     DEFAULT_IMAGE_NAME, DEFAULT_IMAGE_SIZE, DEFAULT_SOCKET_NAME, EngineKind, ServeArgs,
 };
 use crate::device::{Backing as Resize, Device, DeviceSpec, Serial};
-use crate::engine::UringConfig;
+use crate::engine::{Meta, UringConfig};
+use crate::format::{Format, Live, SnapshotDir};
 use crate::io::{Image, ImageLock, ImageOptions, RbdSpec};
 use crate::qos::QosLimits;
 use crate::queue::Settings;
@@ -109,16 +110,26 @@ pub enum Backing {
         created: bool,
         /// How each queue's io_uring engine is set up (`--engine uring`).
         uring: UringConfig,
+        /// `--format qcow2`: the image's chain and its metadata thread.
+        qcow2: Option<Qcow2Setup>,
     },
     /// A Ceph RBD image (`--image rbd:POOL/IMAGE`).
     #[cfg(feature = "rbd")]
     Rbd(crate::engine::rbd::RbdDisk),
 }
 
+/// A qcow2 image as the daemon serves it.
+pub struct Qcow2Setup {
+    pub live: std::sync::Arc<Live>,
+    /// The image's metadata thread (started before the seccomp filter).
+    pub meta: Meta,
+}
+
 impl Backing {
-    /// Size in bytes.
+    /// Size in bytes (the guest's: a qcow2 image's virtual size).
     pub fn size(&self) -> u64 {
         match self {
+            Backing::File { qcow2: Some(q), .. } => q.live.size(),
             Backing::File { image, .. } => image.size,
             #[cfg(feature = "rbd")]
             Backing::Rbd(disk) => disk.size,
@@ -203,6 +214,11 @@ impl Config {
             .transpose()
             .map_err(DaemonError::Usage)?;
         let (backing, block_size, default_serial) = match rbd {
+            Some(spec) if args.format != Format::Raw || args.snapshot_dir.is_some() => {
+                return Err(DaemonError::Usage(format!(
+                    "--image {spec}: --format and --snapshot-dir are for image files; an RBD image has snapshots of its own (rbd snap create)"
+                )));
+            }
             Some(spec) => open_rbd(&args, spec)?,
             None => open_file(&args, path)?,
         };
@@ -238,6 +254,7 @@ impl Config {
                 _ => None,
             },
             backing: match &backing {
+                Backing::File { qcow2: Some(q), .. } => Resize::Qcow2(q.live.clone()),
                 Backing::File { image, .. } => Resize::File {
                     file: image.file.try_clone().map_err(err("image"))?,
                     block_device: image.is_block_device,
@@ -357,6 +374,15 @@ fn backup_spec(
 > {
     use std::os::unix::fs::MetadataExt;
     let image = match backing {
+        // The copy-before-write view reads the image file as the guest's
+        // disk: right for raw, not for qcow2, whose guest view goes
+        // through its tables and backing chain.
+        Backing::File { qcow2: Some(_), .. } => {
+            return Ok((
+                Err("backups of qcow2 images are not supported yet: take a live snapshot (ringblk ctl snapshot --overlay NEW.qcow2) and copy the frozen image with qemu-img convert".into()),
+                None,
+            ));
+        }
         Backing::File { image, .. } => image,
         #[cfg(feature = "rbd")]
         Backing::Rbd(_) => {
@@ -438,6 +464,10 @@ fn check_size(args: &ServeArgs) -> Result<(), DaemonError> {
 /// Opens the image file or block device at `path` (creating the default
 /// one if missing). Returns it with its block size and default serial.
 fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), DaemonError> {
+    check_format(args)?;
+    if let Some(warning) = crate::format::raw_qcow2_warning(&path, args.format) {
+        log::warn!("{warning}");
+    }
     let created = match &args.image {
         Some(_) => false,
         None => Image::create_if_missing(&path, args.size.unwrap_or(DEFAULT_IMAGE_SIZE))?,
@@ -450,6 +480,7 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
             block_size: args.block_size,
             // The default is ours to pick, and never a link.
             nofollow: args.image.is_none(),
+            formatted: args.format != Format::Raw,
         },
     );
     let image = match opened {
@@ -470,8 +501,23 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
             image.size
         );
     }
+    let qcow2 = match args.format {
+        Format::Raw => None,
+        Format::Qcow2 => Some(open_qcow2(args, &image)?),
+    };
+    let fds = match &qcow2 {
+        Some(q) => q.live.current().io_fds(),
+        None => vec![image.file.as_raw_fd()],
+    };
     let uring = UringConfig {
-        image_fd: image.file.as_raw_fd(),
+        image_fd: fds[0],
+        backing_fds: fds[1..].to_vec(),
+        // Room for a chain as deep as live snapshots may make it.
+        file_slots: if qcow2.is_some() {
+            crate::format::qcow2::MAX_CHAIN as u32
+        } else {
+            1
+        },
         // Room for every request of a full ring.
         entries: u32::from(args.queue_size).next_power_of_two(),
         sqpoll: args.sqpoll,
@@ -499,10 +545,84 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
             image,
             created,
             uring,
+            qcow2,
         },
         block_size,
         serial,
     ))
+}
+
+/// What `--format` and `--snapshot-dir` need of the other options.
+fn check_format(args: &ServeArgs) -> Result<(), DaemonError> {
+    if args.format == Format::Raw {
+        if args.snapshot_dir.is_some() {
+            return Err(DaemonError::Usage(
+                "--snapshot-dir is for live snapshots of a qcow2 image (--format qcow2)".into(),
+            ));
+        }
+        return Ok(());
+    }
+    if args.image.is_none() {
+        return Err(DaemonError::Usage(
+            "--format qcow2 needs --image (create one with qemu-img create -f qcow2)".into(),
+        ));
+    }
+    if args.iopoll {
+        return Err(DaemonError::Usage(
+            "--iopoll is for raw images: a qcow2 image's metadata work completes outside the ring"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Opens `image` as qcow2, with its backing chain, and starts its metadata
+/// thread.
+fn open_qcow2(args: &ServeArgs, image: &Image) -> Result<Qcow2Setup, DaemonError> {
+    let snapshots = args
+        .snapshot_dir
+        .as_deref()
+        .map(|d| {
+            SnapshotDir::open(d)
+                .map_err(|e| DaemonError::Config(format!("--snapshot-dir {}: {e}", d.display())))
+        })
+        .transpose()?;
+    let options = crate::format::OpenOptions {
+        writable: !args.readonly,
+        ..Default::default()
+    };
+    let live = Live::open(
+        &image.path,
+        options,
+        args.direct && args.engine == EngineKind::Uring,
+        snapshots,
+    )
+    .map_err(|e| DaemonError::Config(e.to_string()))?;
+    let size = live.size();
+    let block = image.block_size;
+    if size == 0 || size % u64::from(block) != 0 {
+        return Err(DaemonError::Config(format!(
+            "{}: its virtual size, {size} bytes, is not a positive multiple of the {block}-byte block size",
+            image.path.display()
+        )));
+    }
+    let meta =
+        Meta::spawn().map_err(|e| DaemonError::Config(format!("the metadata thread: {e}")))?;
+    let chain = live.chain();
+    if chain.len() > 1 {
+        log::info!(
+            "qcow2 backing chain, top first: {}",
+            chain
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    Ok(Qcow2Setup {
+        live: std::sync::Arc::new(live),
+        meta,
+    })
 }
 
 /// Connects to the cluster and opens the RBD image: a missing pool or

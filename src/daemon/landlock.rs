@@ -5,8 +5,10 @@
 //! thread that then serves the connections: once every file, socket and
 //! ring the daemon will use is open. What it allows:
 //! - the image: read, and write and truncate unless `--readonly` (device
-//!   ioctls for a block device); a qcow2 backing chain would be read-only
-//!   files in [`Allowed::backing`];
+//!   ioctls for a block device); a qcow2 image's backing chain: read;
+//! - a qcow2 image's snapshot directory (`--snapshot-dir`): creating,
+//!   reading, writing, truncating and removing regular files beneath it
+//!   (live snapshots' overlays);
 //! - removing the daemon's own sockets at shutdown (in their directories)
 //!   and its private directory (in `$TMPDIR`);
 //! - in the dirty bitmaps' directory (`--bitmap-dir`, else the image's
@@ -66,6 +68,10 @@ pub struct Allowed {
     pub image: Option<(File, bool)>,
     /// Files the image reads from: a qcow2 backing chain (read-only).
     pub backing: Vec<File>,
+    /// A qcow2 image's snapshot directory: live snapshots create their
+    /// overlays in it, read and write them, and remove one a failed
+    /// snapshot left.
+    pub snapshot_dir: Option<File>,
     /// What the daemon removes at shutdown: each in its directory.
     pub removals: Vec<Removal>,
     /// The dirty bitmaps' directory: sidecars are created, written,
@@ -139,6 +145,15 @@ pub fn ruleset(profile: Profile, allowed: &Allowed) -> Result<RulesetCreated, Ru
             dir,
             AccessFs::MakeSock | AccessFs::RemoveFile,
         ))?;
+    }
+
+    if let Some(dir) = &allowed.snapshot_dir {
+        let access = AccessFs::MakeReg
+            | AccessFs::ReadFile
+            | AccessFs::WriteFile
+            | AccessFs::Truncate
+            | AccessFs::RemoveFile;
+        r = r.add_rule(PathBeneath::new(dir, access))?;
     }
     for removal in &allowed.removals {
         let access = if removal.is_dir() {

@@ -32,7 +32,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::device::{Connection, Device};
-use crate::engine::{Core, Engine, EngineError, NullEngine, UringEngine};
+use crate::engine::{Core, Engine, EngineError, ImageFormat, NullEngine, Qcow2, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
 use crate::queue::{QueueWorker, Settings, Timer};
@@ -221,6 +221,18 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         bitmap_dir: cfg.bitmap_dir.as_ref().map(|d| d.1),
         backups: cfg.backup_dir.is_some(),
     };
+    // A qcow2 image's snapshot directory: overlays are created and (when
+    // a snapshot fails) removed there, by its descriptor.
+    let snapshot_dir = device
+        .qcow2()
+        .and_then(|live| live.snapshot_dir())
+        .map(|d| d.file().try_clone().map(|f| (f, d.fd())))
+        .transpose()
+        .map_err(|e| DaemonError::Landlock(format!("the snapshot directory: {e}")))?;
+    let unlink_dirs: Vec<i32> = unlink_dirs
+        .into_iter()
+        .chain(snapshot_dir.as_ref().map(|(_, fd)| *fd))
+        .collect();
     // What Landlock leaves the daemon after start-up.
     let sandbox = landlock::Allowed {
         image: cfg
@@ -229,15 +241,30 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             .map(|f| f.try_clone().map(|f| (f, !cfg.args.readonly)))
             .transpose()
             .map_err(|e| DaemonError::Landlock(format!("the image: {e}")))?,
-        // A qcow2 backing chain goes here, read-only.
-        backing: Vec::new(),
+        // A qcow2 image's backing chain, read-only.
+        backing: match device.qcow2() {
+            Some(live) => live
+                .current()
+                .image
+                .files()
+                .iter()
+                .skip(1)
+                .map(|f| f.try_clone())
+                .collect::<std::io::Result<_>>()
+                .map_err(|e| DaemonError::Landlock(format!("a backing file: {e}")))?,
+            None => Vec::new(),
+        },
+        snapshot_dir: snapshot_dir
+            .as_ref()
+            .map(|(f, _)| f.try_clone())
+            .transpose()
+            .map_err(|e| DaemonError::Landlock(format!("the snapshot directory: {e}")))?,
         removals: files.iter().chain(&inner.paths.removals).cloned().collect(),
         bitmap_dir: cfg.bitmap_dir.map(|d| d.0),
         backup_dir: cfg.backup_dir.map(|d| d.0),
     };
     let closer = Closer::default();
     spawn_signal_handler(
-        cfg.backing.file(),
         device.clone(),
         closer.clone(),
         files,
@@ -261,6 +288,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         inner: &mut inner,
         unlink_dirs,
         extras,
+        open_dir: snapshot_dir.as_ref().map(|(_, fd)| *fd),
         sandbox,
         profile: match &cfg.backing {
             config::Backing::File { .. } => seccomp::Profile::File,
@@ -275,15 +303,26 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // code that gained control could not make a ring of its own. Each
     // connection borrows them and gives them back.
     let capacity = usize::from(cfg.args.queue_size);
-    match (cfg.args.engine, cfg.backing) {
+    let qcow2 = match &cfg.backing {
+        config::Backing::File { qcow2, .. } => qcow2.as_ref(),
+        #[cfg(feature = "rbd")]
+        config::Backing::Rbd(_) => None,
+    };
+    let format = || match qcow2 {
+        Some(q) => ImageFormat::Qcow2(Box::new(Qcow2::new(q.live.clone(), q.meta.clone()))),
+        None => ImageFormat::Raw,
+    };
+    match (cfg.args.engine, &cfg.backing) {
         (EngineKind::Null, _) => conn.serve(park(
             engines(&metrics, |_| Ok(NullEngine::new(capacity)))?,
+            format,
             &device,
-        )),
+        )?),
         (EngineKind::Uring, config::Backing::File { uring, .. }) => conn.serve(park(
             engines(&metrics, |m| UringEngine::new(uring.clone(), m.clone()))?,
+            format,
             &device,
-        )),
+        )?),
         // librbd's threads and sockets are made here too, before the
         // filter; the filter then covers them as well (TSYNC).
         #[cfg(feature = "rbd")]
@@ -300,7 +339,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
                 .map(|_| disk.engine(capacity))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| DaemonError::Config(format!("{name}: {e}")))?;
-            let parked = park(engines, &device);
+            let parked = park(engines, format, &device)?;
             // At shutdown, after the drain: the image handle closes when
             // the last engine and the disk let go of it (rbd_close gives up
             // the watch and the exclusive lock, so a daemon started next on
@@ -354,13 +393,19 @@ fn warn_if_root() {
 #[cfg(feature = "rbd")]
 const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Each engine in its core, parked.
-fn park<E: Engine>(engines: Vec<E>, device: &Arc<Device>) -> Parked<E> {
+/// Each engine in its core, with its queue's view of the image's format,
+/// parked.
+fn park<E: Engine>(
+    engines: Vec<E>,
+    format: impl Fn() -> ImageFormat,
+    device: &Arc<Device>,
+) -> Result<Parked<E>, DaemonError> {
     let cores = engines
         .into_iter()
-        .map(|e| Core::new(e, device.clone()))
-        .collect();
-    Arc::new(Mutex::new(cores))
+        .map(|e| Core::with_format(e, format(), device.clone()))
+        .collect::<std::io::Result<_>>()
+        .map_err(|e| DaemonError::Config(format!("the engines: {e}")))?;
+    Ok(Arc::new(Mutex::new(cores)))
 }
 
 /// One engine per queue.
@@ -390,6 +435,9 @@ struct Connections<'a> {
     unlink_dirs: Vec<i32>,
     /// What the seccomp filter allows for bitmaps and backups.
     extras: seccomp::Extras,
+    /// The directory fd the daemon may create files in after start-up (a
+    /// qcow2 image's snapshot directory).
+    open_dir: Option<i32>,
     /// What Landlock allows after start-up; taken when it is applied.
     sandbox: landlock::Allowed,
     /// What the seccomp filter allows besides the daemon's own syscalls.
@@ -433,6 +481,7 @@ impl Connections<'_> {
             self.profile,
             self.extras,
             &self.unlink_dirs,
+            self.open_dir,
         )?;
         if self.args.seccomp != args::SeccompMode::Off {
             connector::filter_installed();
@@ -744,7 +793,6 @@ impl Drop for InnerSocket {
 /// make it durable, close what must be closed (`Closer`), remove the
 /// socket, exit 0.
 fn spawn_signal_handler(
-    image: Option<&std::fs::File>,
     device: Arc<Device>,
     closer: Closer,
     files: Vec<Removal>,
@@ -753,10 +801,6 @@ fn spawn_signal_handler(
 ) -> Result<(), DaemonError> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
-        .map_err(DaemonError::Signals)?;
-    let image = image
-        .map(std::fs::File::try_clone)
-        .transpose()
         .map_err(DaemonError::Signals)?;
     std::thread::Builder::new()
         .name("signals".into())
@@ -771,8 +815,8 @@ fn spawn_signal_handler(
                 // The rings are stopped: a backup ends (as failed), and
                 // the bitmaps are written out.
                 device.stop_tracking();
-                if let Some(Err(e)) = image.as_ref().map(std::fs::File::sync_data) {
-                    log::error!("fdatasync of the image failed: {e}");
+                if let Err(e) = device.make_durable() {
+                    log::error!("making the image durable failed: {e}");
                 }
                 // Taken out first: the lock is not held while it runs.
                 let close = lock(&closer).take();

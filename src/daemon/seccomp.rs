@@ -147,11 +147,15 @@ impl Extras {
 /// `unlink_dirs`: the directory fds (see `removal`) in which the daemon
 /// removes files (its sockets on the way out, a backup's socket, a
 /// bitmap's sidecar); `unlinkat` is allowed on those only.
+/// `open_dir`: the directory fd in which the daemon creates files (a qcow2
+/// image's snapshot directory); `openat` is allowed on that one only
+/// (besides a bitmap directory's, with [`Extras`]).
 pub fn install(
     mode: SeccompMode,
     profile: Profile,
     extras: Extras,
     unlink_dirs: &[i32],
+    open_dir: Option<i32>,
 ) -> Result<(), DaemonError> {
     let mismatch = match mode {
         SeccompMode::Off => {
@@ -166,7 +170,14 @@ pub fn install(
         return Ok(());
     }
     let pid = std::process::id() as i32;
-    let program = compile(mismatch.clone(), profile, extras, unlink_dirs, pid)?;
+    let program = compile(
+        mismatch.clone(),
+        profile,
+        extras,
+        unlink_dirs,
+        open_dir,
+        pid,
+    )?;
     let no_clone3 = compile_no_clone3()?;
     if mismatch == SeccompAction::Trap {
         install_sigsys_handler()?;
@@ -189,7 +200,7 @@ pub fn install(
     log::debug!(
         "seccomp filter installed ({:?} profile, {} syscalls allowed, {})",
         profile,
-        allowed(profile, extras, unlink_dirs, pid).len(),
+        allowed(profile, extras, unlink_dirs, open_dir, pid).len(),
         match mode {
             SeccompMode::Log => "others logged",
             _ => "others fatal",
@@ -249,11 +260,12 @@ fn compile(
     profile: Profile,
     extras: Extras,
     unlink_dirs: &[i32],
+    open_dir: Option<i32>,
     pid: i32,
 ) -> Result<BpfProgram, DaemonError> {
     let err = seccomp_err;
     let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(err)?;
-    let rules = allowed(profile, extras, unlink_dirs, pid)
+    let rules = allowed(profile, extras, unlink_dirs, open_dir, pid)
         .into_iter()
         .map(|(nr, rules)| rules.map(|r| (nr, r)))
         .collect::<Result<BTreeMap<_, _>, _>>()
@@ -391,14 +403,21 @@ fn either(rules: impl IntoIterator<Item = Rules>) -> Rules {
 /// Bitmaps and backups ([`Extras`]) add, only where the device has them:
 /// for bitmaps, `openat` of the bitmaps' directory with the flags that
 /// create a new file and open no existing one, `fallocate` of a new
-/// sidecar (mode 0), `pread64`/`pwrite64` of headers, `msync` and `fsync`;
-/// for backups, a Unix stream socket (`socket`, `fchmod` to 0600 before
-/// `bind`, `listen`), `poll` in its accept loop, `pread64` of the image
-/// and `pwrite64` of the copy-before-write file, and `lseek` with
-/// SEEK_DATA or SEEK_HOLE (`base:allocation`). Found with `strace -f`
-/// through the backup tests (`tests/socket/backup.rs`, the guest's in
+/// sidecar (mode 0), `msync` and `fsync`; for backups, a Unix stream
+/// socket (`socket`, `fchmod` to 0600 before `bind`, `listen`), `poll` in
+/// its accept loop, and `lseek` with SEEK_DATA or SEEK_HOLE
+/// (`base:allocation`). (`pread64`/`pwrite64` of the image, the
+/// copy-before-write file and a sidecar's header are on every profile:
+/// qcow2's metadata thread needs them too.) Found with `strace -f` through
+/// the backup tests (`tests/socket/backup.rs`, the guest's in
 /// `tests/guest/backup.rs`), then run under `--seccomp enforce`.
-fn allowed(profile: Profile, extras: Extras, unlink_dirs: &[i32], pid: i32) -> Vec<(i64, Rules)> {
+fn allowed(
+    profile: Profile,
+    extras: Extras,
+    unlink_dirs: &[i32],
+    open_dir: Option<i32>,
+    pid: i32,
+) -> Vec<(i64, Rules)> {
     use libc::*;
     let rbd = profile == Profile::Rbd;
     let no_exec = || arg_without(2, PROT_EXEC as u64);
@@ -593,8 +612,14 @@ fn allowed(profile: Profile, extras: Extras, unlink_dirs: &[i32], pid: i32) -> V
             }
             arg_in(1, &modes)
         }),
-        // File::metadata of a received or created memfd.
+        // File::metadata of a received or created memfd; the size of a
+        // qcow2 chain's files (the format checks table entries against it).
         (SYS_statx, any()),
+        // A qcow2 image's metadata thread reads and writes tables (and
+        // copy-on-write data, compressed clusters) at offsets, through
+        // std's FileExt, on files opened at start-up.
+        (SYS_pread64, any()),
+        (SYS_pwrite64, any()),
     ];
     // Sockets of the daemon's own after start-up: TCP ones to an RBD
     // cluster, a Unix one for a backup's NBD export.
@@ -615,12 +640,6 @@ fn allowed(profile: Profile, extras: Extras, unlink_dirs: &[i32], pid: i32) -> V
         // completion eventfd; the NBD server's accept loop.
         list.push((SYS_poll, any()));
     }
-    if extras.backups || extras.bitmap_dir.is_some() {
-        // A backup reads the image and its copies and writes the copies;
-        // a sidecar's header is read and written.
-        list.push((SYS_pread64, any()));
-        list.push((SYS_pwrite64, any()));
-    }
     if extras.backups {
         // The NBD socket: made 0600 before it is bound (the address bind
         // is given is behind a pointer: Landlock keeps it in the backup
@@ -631,16 +650,16 @@ fn allowed(profile: Profile, extras: Extras, unlink_dirs: &[i32], pid: i32) -> V
         // base:allocation: SEEK_DATA and SEEK_HOLE, nothing else.
         list.push((SYS_lseek, arg_in(2, &[SEEK_DATA as u64, SEEK_HOLE as u64])));
     }
+    // `openat`: one entry (a second would replace the first), the
+    // union of what bitmaps and snapshots need.
+    let mut openat = Vec::new();
     if let Some(dir) = extras.bitmap_dir {
         // A new sidecar, in the bitmaps' directory, never a file that
         // exists (O_CREAT | O_EXCL, O_NOFOLLOW).
-        list.push((
-            SYS_openat,
-            args_eq(&[
-                (0, dir as u32 as u64),
-                (2, crate::bitmap::sidecar::CREATE_FLAGS as u32 as u64),
-            ]),
-        ));
+        openat.push(args_eq(&[
+            (0, dir as u32 as u64),
+            (2, crate::bitmap::sidecar::CREATE_FLAGS as u32 as u64),
+        ]));
         // Its bits made durable before its header says they can be
         // trusted; the header, and the directory after a creation or a
         // removal.
@@ -681,6 +700,16 @@ fn allowed(profile: Profile, extras: Extras, unlink_dirs: &[i32], pid: i32) -> V
     if !unlink_dirs.is_empty() {
         let dirs: Vec<u64> = unlink_dirs.iter().map(|&fd| fd as u64).collect();
         list.push((SYS_unlinkat, arg_in(0, &dirs)));
+    }
+    // A live snapshot creates its overlay (and reopens it O_DIRECT) by
+    // `openat` on the snapshot directory's descriptor, opened at start-up,
+    // and no other; Landlock limits what it may create there to regular
+    // files beneath it (`daemon::landlock`).
+    if let Some(dir) = open_dir {
+        openat.push(arg_in(0, &[dir as u32 as u64]));
+    }
+    if !openat.is_empty() {
+        list.push((SYS_openat, either(openat)));
     }
     list
 }

@@ -8,8 +8,13 @@
 //! - the guest-visible write cache (`wce`), which the guest may toggle;
 //! - dirty-page logging (the front-end acked LOG_ALL: a migration);
 //! - the QoS limits and their token buckets ([`crate::qos::Qos`]);
-//! - the image lock ([`crate::io::ImageLock`]), taken by the first holder
-//!   of the image ([`Device::hold`]);
+//! - the image lock ([`crate::io::ImageLock`]), and who uses the image:
+//!   the queues whose rings run claim it ([`Device::claim_image`]); the
+//!   first takes the lock (and has a qcow2 image's metadata read afresh),
+//!   the last lets it go (after a qcow2 image's metadata is made durable
+//!   and its caches dropped), so that a migration or a reconnect hands
+//!   the image over whole; the first also loads the dirty bitmaps, the
+//!   last writes them out;
 //! - the dirty bitmaps and the running backup ([`tracking`]), and what
 //!   each write does for them before it reaches the image;
 //! - stopping (SIGTERM), and the intake: whether the rings take new
@@ -27,6 +32,7 @@
 //! the connection and stops. Nothing here does I/O on the request path.
 
 mod resize;
+mod snapshot;
 pub mod tracking;
 
 use std::fs::File;
@@ -36,6 +42,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
+use crate::format::Live;
 use crate::io::ImageLock;
 use crate::qos::{Qos, QosError, QosLimits};
 use crate::virtio::config::{VirtioBlkConfig, device_features};
@@ -52,6 +59,8 @@ pub enum DeviceError {
     #[error("bitmaps: {0}")]
     Bitmap(#[from] crate::bitmap::BitmapError),
 }
+
+pub use snapshot::Snapshot;
 
 /// GET_ID's answer: the serial, zero-padded to 20 bytes.
 pub type Serial = [u8; VIRTIO_BLK_ID_BYTES as usize];
@@ -100,6 +109,8 @@ pub enum Backing {
     /// image open when SIGTERM closes it (the handle closes when its last
     /// strong holder lets go).
     Shared(Weak<dyn Resizable>),
+    /// A qcow2 image and its backing chain (which live snapshots change).
+    Qcow2(Arc<Live>),
 }
 
 /// How to make a [`Device`]: what it is, fixed for the daemon's life.
@@ -322,6 +333,30 @@ impl Device {
     /// runtime through this handle).
     pub fn qos(&self) -> &Qos {
         &self.qos
+    }
+
+    /// The image lock, taken while a ring runs; none with
+    /// `--no-image-lock` or on an RBD image (librbd has its own).
+    pub fn image_lock(&self) -> Option<&ImageLock> {
+        self.image_lock.as_ref()
+    }
+
+    /// The qcow2 image being served, if it is one.
+    pub fn qcow2(&self) -> Option<&Arc<Live>> {
+        match &self.backing {
+            Backing::Qcow2(live) => Some(live),
+            _ => None,
+        }
+    }
+
+    /// Makes everything written durable (the daemon stops): an fdatasync
+    /// of the image file; for qcow2, its metadata first.
+    pub fn make_durable(&self) -> std::io::Result<()> {
+        match &self.backing {
+            Backing::File { file, .. } => file.sync_data(),
+            Backing::Qcow2(live) => live.refresh().map_err(std::io::Error::other),
+            Backing::None | Backing::Shared(_) => Ok(()),
+        }
     }
 
     /// The configuration space as the driver reads it now.

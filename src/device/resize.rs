@@ -29,6 +29,8 @@ pub enum ResizeError {
     BlockDevice(String),
     #[error("the image is exported read-only (--readonly); it cannot be resized, only re-read")]
     ReadOnly,
+    #[error("a qcow2 image only grows online (from {from} to {to} bytes refused)")]
+    Qcow2Shrink { from: u64, to: u64 },
     #[error("cannot {what} the image: {source}")]
     Io {
         what: &'static str,
@@ -71,6 +73,7 @@ impl Backing {
             Backing::None => Err(io::Error::other("the device has no image to resize")),
             Backing::File { file, block_device } => device_size(file, *block_device),
             Backing::Shared(image) => shared(image)?.size(),
+            Backing::Qcow2(live) => Ok(live.size()),
         }
     }
 
@@ -80,6 +83,7 @@ impl Backing {
             Backing::None => Err(io::Error::other("the device has no image to resize")),
             Backing::File { file, .. } => file.set_len(size),
             Backing::Shared(image) => shared(image)?.set_size(size),
+            Backing::Qcow2(live) => live.grow(size).map_err(io::Error::other),
         }
     }
 }
@@ -157,6 +161,9 @@ impl Device {
         }
         if i64::try_from(new).is_err() {
             return Err(ResizeError::TooLarge(new));
+        }
+        if new < old && matches!(self.backing, Backing::Qcow2(_)) {
+            return Err(ResizeError::Qcow2Shrink { from: old, to: new });
         }
         if new < old && !force {
             return Err(ResizeError::Shrink { from: old, to: new });

@@ -27,7 +27,7 @@
 //! prepared before and torn down after.
 //!
 //! **Loaded while held.** Bitmaps are loaded from their store when the
-//! device first *holds* the image ([`Device::hold`]: the first ring
+//! device first *holds* the image ([`Device::claim_image`]: the first ring
 //! starts, or a verb or a backup needs them) and written out when the
 //! last holder lets go (the rings stop: a migration's source before the
 //! destination starts its own, which then loads what the source wrote).
@@ -404,7 +404,7 @@ struct Hold<'a>(&'a Device);
 
 impl Drop for Hold<'_> {
     fn drop(&mut self) {
-        self.0.release();
+        self.0.release_image();
     }
 }
 
@@ -443,15 +443,23 @@ impl Device {
         &self.tracking
     }
 
-    /// A ring starts, or a verb or a backup needs the bitmaps: the first
-    /// holder takes the image lock and loads the bitmaps. Each `Ok` is
-    /// matched by one [`Device::release`]. `Locked` while another process
-    /// holds the image (it is never waited for here).
-    pub fn hold(&self) -> Result<(), Locked> {
+    /// A queue's ring starts, or a verb or a backup needs the image: it is
+    /// used until [`Device::release_image`]. The first user takes the
+    /// image lock (`Err` while another process holds it: nothing is
+    /// claimed then, and it is never waited for here), has a qcow2 image's
+    /// metadata read afresh from the file and loads the bitmaps: another
+    /// process (a migration's source, a QEMU) may have written both since
+    /// this daemon last used the image.
+    pub fn claim_image(&self) -> Result<(), Locked> {
         let mut inner = self.tracking.lock();
         if inner.holders == 0 {
             if let Some(lock) = &self.image_lock {
                 lock.acquire()?;
+            }
+            if let Some(live) = self.qcow2() {
+                if let Err(e) = live.refresh() {
+                    log::error!("{}: reading the metadata afresh: {e}", self.name);
+                }
             }
             inner.activate(self.size(), &self.tracking);
         }
@@ -459,13 +467,20 @@ impl Device {
         Ok(())
     }
 
-    /// A holder lets go; the last one writes the bitmaps out and gives up
-    /// the image lock.
-    pub fn release(&self) {
+    /// A user of the image lets go (a queue's I/O completed and is
+    /// durable). The last one writes the bitmaps out, makes a qcow2
+    /// image's metadata durable and drops its caches, then lets the lock
+    /// go: the next process may write the image.
+    pub fn release_image(&self) {
         let mut inner = self.tracking.lock();
         inner.holders = inner.holders.saturating_sub(1);
         if inner.holders == 0 {
             inner.deactivate(&self.tracking);
+            if let Some(live) = self.qcow2() {
+                if let Err(e) = live.refresh() {
+                    log::error!("{}: making the metadata durable: {e}", self.name);
+                }
+            }
             if let Some(lock) = &self.image_lock {
                 lock.release();
             }
@@ -473,7 +488,7 @@ impl Device {
     }
 
     fn hold_guard(&self) -> Result<Hold<'_>, TrackingError> {
-        self.hold()?;
+        self.claim_image()?;
         Ok(Hold(self))
     }
 
@@ -601,10 +616,10 @@ impl Device {
         }
         let (path, name) = socket_in(&dir, socket)?;
         // The image is held until `backup stop`; the bitmaps are loaded.
-        self.hold()?;
+        self.claim_image()?;
         let started = self.start_holding(&path, &name, bitmap, image, store);
         if started.is_err() {
-            self.release();
+            self.release_image();
         }
         started
     }
@@ -788,7 +803,7 @@ impl Device {
                 }
             }
         }
-        self.release();
+        self.release_image();
         Ok(info)
     }
 

@@ -9,70 +9,126 @@
 //! - the queue's [`Format`] maps the request's range to a place on the
 //!   image, and the device's write cache decides whether a write is
 //!   write-through ([`Io::fua`]);
-//! - the engine starts it; what it finishes at once waits in `done`;
-//! - before a write, discard or write-zeroes goes to the engine, its range
-//!   is marked in the device's dirty bitmaps and, during a backup, the old
-//!   data it overwrites is copied first ([`Core::before_write`]);
+//! - before a write, discard or write-zeroes is mapped, its range (the
+//!   guest's, whatever places the format splits it into) is marked in the
+//!   device's dirty bitmaps and, during a backup, the old data it
+//!   overwrites is copied first ([`Core::before_write`]);
+//! - one place: the engine starts it; what it finishes at once waits in
+//!   `done`;
+//! - reads of zeroes finish here; a request in several places (pieces)
+//!   or waiting for metadata work (slow) is *tracked*: it waits in a slab
+//!   while its pieces go to the engine, each over its part of the
+//!   request's buffers (pieces the engine has no room for wait in
+//!   `queued`), and completes when the last is back and, for a write that
+//!   allocated, its metadata is committed (see [`super::format`]);
 //! - as each request is reaped: whether the image now has changes that are
 //!   not flushed (so that a stopping ring flushes only when it must), the
 //!   bytes it wrote into the guest's buffers, and those bytes marked in
 //!   the dirty log while a migration runs (the engine, the kernel or a
 //!   bounce copy wrote them behind vm-memory's back).
+//!
+//! Accounting: `in_flight` counts requests (taken and not yet reaped),
+//! whatever number of pieces they became, so the worker's view (room,
+//! draining) is in requests; the engine's own room bounds the pieces.
 
 use std::collections::VecDeque;
 use std::io;
 use std::sync::Arc;
 
-use super::format::{Extent, Mapping};
-use super::{Completion, Completions, Engine, Format, Full, Io, Raw, Start};
+use slab::Slab;
+
+use super::format::{Mapping, Piece, Place, Slow};
+use super::{Completion, Completions, Engine, Format, Full, ImageFormat, Io, Start};
 use crate::device::{Device, Targets};
+use crate::format::Commit;
+use crate::metrics::RateLimiter;
 use crate::virtio::{GuestMem, Op, Request, Status};
+use crate::warn_limited;
 
 /// A queue's engine, with the bookkeeping every engine needs (see the
 /// module doc). It lives as long as the daemon: connections borrow it.
-pub struct Core<E, F = Raw> {
+pub struct Core<E, F = ImageFormat> {
     engine: E,
     format: F,
     device: Arc<Device>,
     completions: Completions,
     /// Finished without going through the engine's reap, not yet reaped
-    /// here; with what the engine holds, never more than `capacity`.
-    done: VecDeque<(Request, Status)>,
+    /// here, each with whether the format mapped it (and so must hear of
+    /// its end).
+    done: VecDeque<(Request, Status, bool)>,
     /// The most requests in flight at once: the engine's room when idle.
     capacity: usize,
+    /// Requests taken and not yet reaped.
+    in_flight: usize,
+    /// Requests in several pieces or waiting for metadata work.
+    tracked: Slab<Tracked>,
+    /// Pieces of tracked requests the engine had no room for, oldest
+    /// first.
+    queued: VecDeque<Io>,
+    /// Scratch: pieces of a mapping, engine completions of tracked
+    /// requests, answers of the format's slow path.
+    pieces: Vec<Piece>,
+    reaped: Vec<(Io, Status)>,
+    answers: Vec<(u32, Slow)>,
     /// A change to the image (write, discard, write-zeroes) completed
     /// since the last flush that completed.
     unflushed: bool,
+    log_limit: RateLimiter,
     /// The bitmaps and backup each change goes through first, and their
     /// number (see [`Core::before_write`]).
     targets: (u64, Arc<Targets>),
 }
 
+/// A request the core tracks (see the module doc).
+struct Tracked {
+    /// The request; `None` while it is on the engine whole (as its only
+    /// piece).
+    req: Option<Request>,
+    op: Op,
+    fua: bool,
+    /// Pieces on the engine or in `queued`.
+    left: u32,
+    status: Status,
+    /// What to commit once its data I/O is done.
+    ticket: Option<Commit>,
+}
+
 impl<E: Engine> Core<E> {
     /// A core over `engine` (idle) for a raw image of `device`.
     pub fn new(engine: E, device: Arc<Device>) -> Core<E> {
-        Core::with_format(engine, Raw, device)
+        Core::with_format(engine, ImageFormat::Raw, device)
+            .unwrap_or_else(|_| unreachable!("a raw image takes any engine's completions"))
     }
 }
 
 impl<E: Engine, F: Format> Core<E, F> {
-    /// A core over `engine` (idle) for an image of `format`.
-    pub fn with_format(engine: E, format: F, device: Arc<Device>) -> Core<E, F> {
+    /// A core over `engine` (idle) for an image of `format`. Fails when
+    /// the format cannot work with the engine's completions (qcow2 with
+    /// IOPOLL), or cannot set up its own.
+    pub fn with_format(engine: E, mut format: F, device: Arc<Device>) -> io::Result<Core<E, F>> {
         let capacity = engine.room();
-        Core {
-            completions: engine.completions(),
+        Ok(Core {
+            completions: format.completions(engine.completions())?,
             engine,
             format,
             device,
             done: VecDeque::with_capacity(capacity),
             capacity,
+            in_flight: 0,
+            tracked: Slab::new(),
+            queued: VecDeque::new(),
+            pieces: Vec::new(),
+            reaped: Vec::new(),
+            answers: Vec::new(),
             unflushed: false,
+            log_limit: RateLimiter::new(10, std::time::Duration::from_secs(5)),
             targets: Default::default(),
-        }
+        })
     }
 
     /// Takes `req`; it comes back exactly once from [`Core::reap`]. Gives
-    /// it back untouched when there is no room.
+    /// it back untouched when there is no room (or the format says not
+    /// now).
     pub fn submit(&mut self, req: Request) -> Result<(), Full> {
         if self.room() == 0 {
             return Err(Full(req));
@@ -80,36 +136,65 @@ impl<E: Engine, F: Format> Core<E, F> {
         let Some(op) = req.kind().class().op else {
             // GET_ID: its buffers are device-writable.
             req.data().fill_from(self.device.serial());
-            self.done.push_back((req, Status::Ok));
+            self.take_done(req, Status::Ok, false);
             return Ok(());
         };
-        let range = match op {
+        let (offset, len) = match op {
             Op::Read | Op::Write if req.data_len() == 0 => {
-                self.done.push_back((req, Status::Ok));
+                self.take_done(req, Status::Ok, false);
                 return Ok(());
             }
-            Op::Read => Some((req.offset(), u64::from(req.data_len()))),
-            Op::Write => {
-                let (offset, len) = (req.offset(), u64::from(req.data_len()));
-                self.before_write(offset, len);
-                Some((offset, len))
-            }
-            Op::Discard(r) | Op::WriteZeroes(r) => {
-                self.before_write(r.offset(), r.len());
-                Some((r.offset(), r.len()))
-            }
-            Op::Flush => None,
+            Op::Read | Op::Write => (req.offset(), u64::from(req.data_len())),
+            Op::Discard(r) | Op::WriteZeroes(r) => (r.offset(), r.len()),
+            Op::Flush => (0, 0),
         };
-        let at = match range.map(|(offset, len)| self.format.map(op, offset, len)) {
-            Some(Mapping::Host(at)) => at,
-            None => Extent::default(),
-        };
-        let fua = !self.device.writeback();
-        match self.engine.start(Io::new(req, op, at, fua)) {
-            Start::Submitted => {}
-            Start::Done(io, status) => self.done.push_back((io.into_request(), status)),
-            Start::Full(io) => return Err(Full(io.into_request())),
+        if matches!(op, Op::Write | Op::Discard(_) | Op::WriteZeroes(_)) {
+            // Before the format maps it: the guest's range, once, however
+            // many places it becomes. A request given back (Full, Busy)
+            // comes again and is marked again, which changes nothing.
+            self.before_write(offset, len);
         }
+        let mapping = self.format.map(op, offset, len);
+        if let Some(fds) = self.format.files_changed() {
+            if let Err(e) = self.engine.set_files(&fds) {
+                // The new chain's data I/O would go to the old files.
+                warn_limited!(self.log_limit, "registering the image's files: {e}");
+            }
+        }
+        let fua = !self.device.writeback();
+        match mapping {
+            Mapping::Host(at) => match self.engine.start(Io::new(req, op, at, fua)) {
+                Start::Submitted => {}
+                Start::Done(io, status) => {
+                    let req = io.into_request().expect("an untracked Io is a request");
+                    self.done.push_back((req, status, true));
+                }
+                Start::Full(io) => {
+                    self.format.finished();
+                    return Err(Full(
+                        io.into_request().expect("an untracked Io is a request"),
+                    ));
+                }
+            },
+            Mapping::Zero => {
+                // A read: its buffers are device-writable.
+                req.data().zero();
+                self.done.push_back((req, Status::Ok, true));
+            }
+            Mapping::Busy => return Err(Full(req)),
+            Mapping::Pieces => {
+                let tag = self.track(req, op, fua);
+                let mut pieces = std::mem::take(&mut self.pieces);
+                self.format.pieces(&mut pieces);
+                self.start_pieces(tag, &mut pieces);
+                self.pieces = pieces;
+            }
+            Mapping::Slow => {
+                let tag = self.track(req, op, fua);
+                self.format.start_slow(tag, op, offset, len);
+            }
+        }
+        self.in_flight += 1;
         Ok(())
     }
 
@@ -135,43 +220,244 @@ impl<E: Engine, F: Format> Core<E, F> {
         self.targets.1.before_write(offset, len);
     }
 
+    /// A request finished without I/O, taken now.
+    fn take_done(&mut self, req: Request, status: Status, mapped: bool) {
+        self.done.push_back((req, status, mapped));
+        self.in_flight += 1;
+    }
+
+    fn track(&mut self, req: Request, op: Op, fua: bool) -> u32 {
+        self.tracked.insert(Tracked {
+            req: Some(req),
+            op,
+            fua,
+            left: 0,
+            status: Status::Ok,
+            ticket: None,
+        }) as u32
+    }
+
+    /// Starts the I/O of tracked request `tag`'s `pieces` (emptied): reads
+    /// of zeroes and bytes read already are copied here, the others go to
+    /// the engine (or wait for room). Finishes the stage when none is
+    /// left.
+    fn start_pieces(&mut self, tag: u32, pieces: &mut Vec<Piece>) {
+        let t = &mut self.tracked[tag as usize];
+        let Some(req) = t.req.take() else {
+            unreachable!("a request's pieces start while the core holds it");
+        };
+        let (op, fua) = (t.op, t.fua);
+        let hosts = pieces
+            .iter()
+            .filter(|p| matches!(p.place, Place::Host(_)))
+            .count();
+        let data_len = req.data_len();
+        let whole = |p: &Piece| p.at == 0 && p.len == data_len;
+        let mut ios = Vec::new();
+        let mut req = Some(req);
+        for p in pieces.drain(..) {
+            match p.place {
+                Place::Host(at) if hosts == 1 && whole(&p) => {
+                    // One piece, all of it: the request itself goes.
+                    ios.push(Io::tracked(req.take(), None, op, at, fua, tag));
+                }
+                Place::Host(at) => {
+                    let Some(r) = &req else { unreachable!() };
+                    let part = r.data().slice(p.at, p.len);
+                    ios.push(Io::tracked(None, Some(part), op, at, fua, tag));
+                }
+                Place::Zero => {
+                    if let Some(r) = &req {
+                        r.data().zero_at(p.at, p.len);
+                    }
+                }
+                Place::Bytes(b) => {
+                    if let Some(r) = &req {
+                        r.data().fill_at(p.at, &b);
+                    }
+                }
+            }
+        }
+        let t = &mut self.tracked[tag as usize];
+        t.req = req;
+        t.left = ios.len() as u32;
+        if ios.is_empty() {
+            self.after_io(tag);
+            return;
+        }
+        for io in ios {
+            self.start_piece(io);
+        }
+    }
+
+    /// One piece to the engine, or to the back of `queued`.
+    fn start_piece(&mut self, io: Io) {
+        if !self.queued.is_empty() {
+            self.queued.push_back(io);
+            return;
+        }
+        match self.engine.start(io) {
+            Start::Submitted => {}
+            Start::Done(io, status) => self.piece_done(io, status),
+            Start::Full(io) => self.queued.push_back(io),
+        }
+    }
+
+    /// Starts what waits in `queued` while the engine has room.
+    fn start_queued(&mut self) {
+        while let Some(io) = self.queued.pop_front() {
+            match self.engine.start(io) {
+                Start::Submitted => {}
+                Start::Done(io, status) => self.piece_done(io, status),
+                Start::Full(io) => {
+                    self.queued.push_front(io);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A piece of a tracked request came back from the engine.
+    fn piece_done(&mut self, io: Io, status: Status) {
+        let tag = io.tag();
+        let Some(t) = self.tracked.get_mut(tag as usize) else {
+            warn_limited!(self.log_limit, "a piece of unknown request {tag}");
+            return;
+        };
+        if let Some(req) = io.into_request() {
+            t.req = Some(req);
+        }
+        if !status.is_ok() {
+            t.status = status;
+        }
+        t.left -= 1;
+        if t.left == 0 {
+            self.after_io(tag);
+        }
+    }
+
+    /// Tracked request `tag`'s data I/O is done: commit what its
+    /// allocation needs, or finish it.
+    fn after_io(&mut self, tag: u32) {
+        let t = &mut self.tracked[tag as usize];
+        if t.status.is_ok() {
+            if let Some(ticket) = t.ticket.take() {
+                self.format.start_commit(tag, ticket);
+                return;
+            }
+        }
+        self.finish(tag);
+    }
+
+    /// Tracked request `tag` is done.
+    fn finish(&mut self, tag: u32) {
+        let t = self.tracked.remove(tag as usize);
+        let Some(req) = t.req else {
+            unreachable!("a tracked request finishes with its pieces back");
+        };
+        self.done.push_back((req, t.status, true));
+    }
+
+    /// The format's metadata work for tracked request `tag` ended.
+    fn slow_done(&mut self, tag: u32, answer: Slow) {
+        let Some(t) = self.tracked.get_mut(tag as usize) else {
+            warn_limited!(self.log_limit, "metadata work for unknown request {tag}");
+            return;
+        };
+        match answer {
+            Slow::Resolved(r) => {
+                t.ticket = r.ticket;
+                let mut pieces = r.pieces;
+                self.start_pieces(tag, &mut pieces);
+            }
+            Slow::Done => self.finish(tag),
+            Slow::Failed => {
+                t.status = Status::IoErr;
+                self.finish(tag);
+            }
+        }
+    }
+
     /// Hands everything submitted since the last call to the kernel.
     /// Returns how many operations went.
     pub fn commit(&mut self) -> io::Result<u32> {
+        if !self.queued.is_empty() {
+            self.start_queued();
+        }
         self.engine.commit()
     }
 
     /// Passes every completion available now to `f`. Returns how many.
     pub fn reap(&mut self, mut f: impl FnMut(Completion)) -> u32 {
+        if self.format.slow_in_flight() > 0 {
+            let mut answers = std::mem::take(&mut self.answers);
+            self.format
+                .reap_slow(&mut |tag, answer| answers.push((tag, answer)));
+            for (tag, answer) in answers.drain(..) {
+                self.slow_done(tag, answer);
+            }
+            self.answers = answers;
+        }
         let mut n = 0;
         let (device, unflushed) = (&self.device, &mut self.unflushed);
-        while let Some((req, status)) = self.done.pop_front() {
+        let (format, reaped) = (&mut self.format, &mut self.reaped);
+        self.engine.reap(|io, status| {
+            if io.tag() != Io::UNTRACKED {
+                reaped.push((io, status));
+                return;
+            }
+            let req = io.into_request().expect("an untracked Io is a request");
+            format.finished();
+            f(completed(device, unflushed, req, status));
+            n += 1;
+        });
+        if !self.reaped.is_empty() {
+            let mut reaped = std::mem::take(&mut self.reaped);
+            for (io, status) in reaped.drain(..) {
+                self.piece_done(io, status);
+            }
+            self.reaped = reaped;
+            self.start_queued();
+        }
+        let (device, unflushed) = (&self.device, &mut self.unflushed);
+        while let Some((req, status, mapped)) = self.done.pop_front() {
+            if mapped {
+                self.format.finished();
+            }
             f(completed(device, unflushed, req, status));
             n += 1;
         }
-        n + self.engine.reap(|io, status| {
-            f(completed(device, unflushed, io.into_request(), status));
-        })
+        self.in_flight -= n as usize;
+        n
     }
 
     /// How many more requests `submit` takes now.
     pub fn room(&self) -> usize {
-        let free = self.capacity.saturating_sub(self.in_flight());
+        if !self.queued.is_empty() {
+            return 0;
+        }
+        let free = self.capacity.saturating_sub(self.in_flight);
         self.engine.room().min(free)
     }
 
     /// Requests taken and not yet reaped.
     pub fn in_flight(&self) -> usize {
-        self.engine.in_flight() + self.done.len()
+        self.in_flight
     }
 
-    /// Blocks until a completion can be reaped. Returns at once when one
-    /// can, or nothing is in flight.
+    /// Blocks until a completion can be reaped, or (with nothing on the
+    /// engine) the format's metadata work finishes or it lets waiting
+    /// requests go, or a short while passes. Returns at once when a
+    /// completion can be reaped, or nothing is in flight.
     pub fn wait(&mut self) -> io::Result<()> {
         if !self.done.is_empty() {
             return Ok(());
         }
-        self.engine.wait()
+        if self.engine.in_flight() > 0 {
+            return self.engine.wait();
+        }
+        self.format.wait();
+        Ok(())
     }
 
     /// How completions arrive (see [`Completions`]).
@@ -346,7 +632,7 @@ mod tests {
         let mem = guest_memory();
         let mut d = Driver::new(&mem, 16);
         let dev = device();
-        let mut core = Core::with_format(Recorder::default(), Shifted, dev.clone());
+        let mut core = Core::with_format(Recorder::default(), Shifted, dev.clone()).unwrap();
         let req = request(
             &mut d,
             VIRTIO_BLK_T_IN,

@@ -1,38 +1,54 @@
 //! Where a request's bytes are: the seam between a validated request and
 //! the engine's I/O, for image formats.
 //!
-//! The core asks the queue's [`Format`] once per read, write, discard and
-//! write-zeroes, with the operation and its guest byte range, before the
-//! engine sees the request. What a format gets and returns:
-//! - it gets the [`Op`] and the range (`offset`, `len`, in bytes of the
-//!   guest's disk; the parser has checked it against the capacity);
-//! - it returns a [`Mapping`]: [`Mapping::Host`], the range's place in one
-//!   of the image chain's files (its index, as the engine registered the
-//!   files, and the offset there).
+//! The core asks the queue's [`Format`] once per read, write, discard,
+//! write-zeroes and flush, with the operation and its guest byte range,
+//! before the engine sees the request. A format answers with a
+//! [`Mapping`]:
+//! - [`Mapping::Host`]: the whole range at one place, in one of the image
+//!   chain's files (its index, as the engine registered the files, and
+//!   the offset there). A raw image ([`Raw`]) maps every range to itself
+//!   in file 0; a qcow2 image a range within one cluster (or clusters
+//!   next to each other in the file) whose place its cache knows;
+//! - [`Mapping::Zero`]: a read of zeroes (an unallocated cluster with no
+//!   backing file, a zero cluster): the core zero-fills the buffers and
+//!   finishes the request without I/O;
+//! - [`Mapping::Pieces`]: several places ([`Format::pieces`]): the core
+//!   starts a piece of I/O for each, over the part of the request's
+//!   buffers it covers, and completes the request when the last is back;
+//! - [`Mapping::Slow`]: metadata work first (a table not cached, a cluster
+//!   to allocate, copy-on-write, a compressed cluster, a discard): the
+//!   core hands the request to the format ([`Format::start_slow`]), which
+//!   gives it back resolved into pieces ([`Format::reap_slow`]), through a
+//!   completion the worker already waits on (the engine's eventfd);
+//! - [`Mapping::Busy`]: not now (a snapshot is switching the chain): the
+//!   request waits at the head of its queue, and the format wakes the
+//!   queue when it may go.
 //!
-//! A raw image ([`Raw`]) maps every range to itself in file 0. An image
-//! format adds to [`Mapping`] what it needs, and the core handles each
-//! case before or instead of the engine (the next issue's qcow2):
-//! - reads as zeroes (an unallocated cluster with no backing file, a zero
-//!   cluster): the core zero-fills the buffers and finishes the request
-//!   without I/O;
-//! - needs metadata work first (an L2 table not cached, a cluster to
-//!   allocate for a write, a backing file to look in): the format takes
-//!   the request and gives it back, mapped, when the work is done; the
-//!   worker waits for it as for the engine;
-//! - spans several places (a request across clusters): the format splits
-//!   it, and the request completes when its last piece does.
+//! A write whose allocation the format made hands the core a [`Commit`]
+//! ticket with its pieces; after the write's data I/O, and before its
+//! completion is published, the core asks the format to commit
+//! ([`Format::start_commit`]), so that the metadata the write needs is in
+//! the image file when the guest learns the write is done.
 //!
-//! Flush maps to nothing: it covers every file of the chain (and, for a
-//! format, its metadata caches first).
+//! Flush maps to file 0 (the chain's writable top): the format keeps no
+//! metadata back from it (every completed write's was committed before
+//! its completion), so an fdatasync of that file covers both.
 //!
-//! The format layer ([`crate::format`]) answers in these terms already:
-//! its `Image::map` gives pieces whose `Where` is `Data { file, offset }`
-//! ([`Mapping::Host`]), `Zero` or `Slow` (metadata work). Plugging it in is
-//! a `Format` over its `Image`, the two more `Mapping` cases, and a
-//! `Core` that handles them; the worker above and the engines below stay
-//! as they are.
+//! A raw image's path is [`Mapping::Host`] and nothing else: the default
+//! methods below are empty and inline away.
 
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use super::Completions;
+use super::meta::{Inbox, Job, Meta, Work};
+use crate::format::live::Gate;
+use crate::format::{Commit, Dir, Live, Served, Where};
 use crate::virtio::Op;
 
 /// A place on the image: a file of its chain, and an offset there.
@@ -45,17 +61,111 @@ pub struct Extent {
     pub offset: u64,
 }
 
-/// What a format made of a guest range.
+/// What a format made of a guest range (see the module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mapping {
     /// The whole range lies at this place.
     Host(Extent),
+    /// A read of zeroes, all of it.
+    Zero,
+    /// Several places: [`Format::pieces`].
+    Pieces,
+    /// Metadata work first: [`Format::start_slow`].
+    Slow,
+    /// Not now: the request waits, and the format wakes the queue.
+    Busy,
 }
 
-/// Maps guest ranges to places on the image (see the module doc).
+/// Part of a request: `len` bytes from byte `at` of its data.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub at: u32,
+    pub len: u32,
+    pub place: Place,
+}
+
+/// Where a [`Piece`] is.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Place {
+    /// I/O there.
+    Host(Extent),
+    /// Reads as zeroes.
+    Zero,
+    /// These bytes, read already (compressed data, decompressed).
+    Bytes(Vec<u8>),
+}
+
+/// A range the format resolved off the queue thread.
+#[derive(Debug)]
+pub struct Resolved {
+    pub pieces: Vec<Piece>,
+    /// For a write: what to commit after its data I/O.
+    pub ticket: Option<Commit>,
+}
+
+/// How metadata work for a request ended.
+#[derive(Debug)]
+pub enum Slow {
+    /// The range, resolved: do its I/O.
+    Resolved(Resolved),
+    /// Done (a commit, a discard, a write-zeroes): the request completes.
+    Done,
+    /// Failed (logged): the request completes with IOERR.
+    Failed,
+}
+
+/// Maps guest ranges to places on the image (see the module doc). The
+/// methods past `map` have empty defaults for a format that only ever
+/// answers [`Mapping::Host`].
 pub trait Format: Send {
-    /// Where `len` bytes at guest byte `offset` are, for `op`.
+    /// Where `len` bytes at guest byte `offset` are, for `op`. Every
+    /// answer but [`Mapping::Busy`] is matched by one
+    /// [`Format::finished`] when the request completes.
     fn map(&mut self, op: Op, offset: u64, len: u64) -> Mapping;
+
+    /// Moves the pieces of the last [`Mapping::Pieces`] into `out`.
+    fn pieces(&mut self, _out: &mut Vec<Piece>) {}
+
+    /// A request the core took (after any answer but Busy) has completed.
+    #[inline]
+    fn finished(&mut self) {}
+
+    /// The files the engine must register now, top first, if they changed
+    /// since the last call (a snapshot put a new top above the chain).
+    #[inline]
+    fn files_changed(&mut self) -> Option<Vec<RawFd>> {
+        None
+    }
+
+    /// How the core's completions arrive, given the engine's: a format
+    /// whose slow path completes from another thread signals the same
+    /// eventfd (or one of its own, for an engine that has none).
+    fn completions(&mut self, engine: Completions) -> io::Result<Completions> {
+        Ok(engine)
+    }
+
+    /// Starts the metadata work of request `tag`, which `map` answered
+    /// [`Mapping::Slow`] for.
+    fn start_slow(&mut self, _tag: u32, _op: Op, _offset: u64, _len: u64) {}
+
+    /// Starts the commit of `ticket` for request `tag`, whose data I/O is
+    /// done.
+    fn start_commit(&mut self, _tag: u32, _ticket: Commit) {}
+
+    /// Requests with metadata work under way.
+    #[inline]
+    fn slow_in_flight(&self) -> usize {
+        0
+    }
+
+    /// Passes each finished piece of metadata work to `f`.
+    #[inline]
+    fn reap_slow(&mut self, _f: &mut dyn FnMut(u32, Slow)) {}
+
+    /// Blocks until metadata work finishes, or the format lets waiting
+    /// requests go, or a short while passes. For a queue draining with
+    /// nothing on its engine.
+    fn wait(&mut self) {}
 }
 
 /// A raw image: the guest's disk is file 0, byte for byte.
@@ -66,5 +176,301 @@ impl Format for Raw {
     #[inline]
     fn map(&mut self, _op: Op, offset: u64, _len: u64) -> Mapping {
         Mapping::Host(Extent { file: 0, offset })
+    }
+}
+
+/// The format of the image a queue serves: raw, or qcow2 through the
+/// per-queue [`Qcow2`]. One type for the worker, whatever the image; a
+/// raw request costs one predictable branch more than [`Raw`] alone.
+pub enum ImageFormat {
+    Raw,
+    Qcow2(Box<Qcow2>),
+}
+
+impl Format for ImageFormat {
+    #[inline]
+    fn map(&mut self, op: Op, offset: u64, len: u64) -> Mapping {
+        match self {
+            ImageFormat::Raw => Raw.map(op, offset, len),
+            ImageFormat::Qcow2(q) => q.map(op, offset, len),
+        }
+    }
+
+    fn pieces(&mut self, out: &mut Vec<Piece>) {
+        if let ImageFormat::Qcow2(q) = self {
+            q.pieces(out);
+        }
+    }
+
+    #[inline]
+    fn finished(&mut self) {
+        if let ImageFormat::Qcow2(q) = self {
+            q.finished();
+        }
+    }
+
+    #[inline]
+    fn files_changed(&mut self) -> Option<Vec<RawFd>> {
+        match self {
+            ImageFormat::Raw => None,
+            ImageFormat::Qcow2(q) => q.files_changed(),
+        }
+    }
+
+    fn completions(&mut self, engine: Completions) -> io::Result<Completions> {
+        match self {
+            ImageFormat::Raw => Ok(engine),
+            ImageFormat::Qcow2(q) => q.completions(engine),
+        }
+    }
+
+    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64) {
+        if let ImageFormat::Qcow2(q) = self {
+            q.start_slow(tag, op, offset, len);
+        }
+    }
+
+    fn start_commit(&mut self, tag: u32, ticket: Commit) {
+        if let ImageFormat::Qcow2(q) = self {
+            q.start_commit(tag, ticket);
+        }
+    }
+
+    #[inline]
+    fn slow_in_flight(&self) -> usize {
+        match self {
+            ImageFormat::Raw => 0,
+            ImageFormat::Qcow2(q) => q.slow_in_flight(),
+        }
+    }
+
+    fn reap_slow(&mut self, f: &mut dyn FnMut(u32, Slow)) {
+        if let ImageFormat::Qcow2(q) = self {
+            q.reap_slow(f);
+        }
+    }
+
+    fn wait(&mut self) {
+        if let ImageFormat::Qcow2(q) = self {
+            q.wait();
+        }
+    }
+}
+
+/// One queue's view of a qcow2 image ([`Live`]): the chain it maps
+/// against, its gate, and its line to the image's metadata thread.
+pub struct Qcow2 {
+    live: Arc<Live>,
+    served: Arc<Served>,
+    generation: u64,
+    /// The chain changed since the engine last registered its files.
+    files_changed: bool,
+    meta: Meta,
+    /// Set up by `completions` (it needs the engine's eventfd).
+    inbox: Option<Arc<Inbox>>,
+    gate: Option<Arc<Gate>>,
+    /// Requests at the metadata thread.
+    slow: usize,
+    /// The format layer's pieces of the last `map`, and ours.
+    scratch: Vec<crate::format::Piece>,
+    pieces: Vec<Piece>,
+    answers: Vec<(u32, Slow)>,
+}
+
+impl Qcow2 {
+    /// A queue's view of `live`, whose metadata thread is `meta`.
+    pub fn new(live: Arc<Live>, meta: Meta) -> Qcow2 {
+        let served = live.current();
+        Qcow2 {
+            generation: served.generation,
+            served,
+            live,
+            files_changed: false,
+            meta,
+            inbox: None,
+            gate: None,
+            slow: 0,
+            scratch: Vec::new(),
+            pieces: Vec::new(),
+            answers: Vec::new(),
+        }
+    }
+
+    fn send(&mut self, tag: u32, work: Work) {
+        let Some(inbox) = self.inbox.clone() else {
+            // `completions` sets it up when the core is made, always
+            // before a request.
+            unreachable!("a qcow2 queue without its inbox");
+        };
+        self.slow += 1;
+        self.meta.send(Job {
+            served: self.served.clone(),
+            work,
+            tag,
+            inbox,
+        });
+    }
+}
+
+impl Format for Qcow2 {
+    fn map(&mut self, op: Op, offset: u64, len: u64) -> Mapping {
+        let Some(gate) = &self.gate else {
+            unreachable!("a qcow2 queue without its gate");
+        };
+        if !self.live.enter(gate) {
+            return Mapping::Busy;
+        }
+        if self.live.generation() != self.generation {
+            // Nothing of this queue is in flight (a snapshot waited for
+            // that): take the new chain.
+            self.served = self.live.current();
+            self.generation = self.served.generation;
+            self.files_changed = true;
+        }
+        let dir = match op {
+            Op::Read => Dir::Read,
+            Op::Write => Dir::Write,
+            Op::Flush => return Mapping::Host(Extent::default()),
+            Op::Discard(_) | Op::WriteZeroes(_) => return Mapping::Slow,
+        };
+        self.scratch.clear();
+        self.served.image.map(offset, len, dir, &mut self.scratch);
+        if let [one] = self.scratch[..] {
+            return match one.at {
+                Where::Data { file, offset } => Mapping::Host(Extent {
+                    file: file as u32,
+                    offset,
+                }),
+                Where::Zero => Mapping::Zero,
+                Where::Slow => Mapping::Slow,
+            };
+        }
+        if self.scratch.iter().any(|p| p.at == Where::Slow) {
+            return Mapping::Slow;
+        }
+        self.pieces.clear();
+        for p in &self.scratch {
+            let place = match p.at {
+                Where::Data { file, offset } => Place::Host(Extent {
+                    file: file as u32,
+                    offset,
+                }),
+                _ => Place::Zero,
+            };
+            self.pieces.push(Piece {
+                at: (p.guest - offset) as u32,
+                len: p.len as u32,
+                place,
+            });
+        }
+        Mapping::Pieces
+    }
+
+    fn pieces(&mut self, out: &mut Vec<Piece>) {
+        out.append(&mut self.pieces);
+    }
+
+    #[inline]
+    fn finished(&mut self) {
+        if let Some(gate) = &self.gate {
+            self.live.leave(gate);
+        }
+    }
+
+    fn files_changed(&mut self) -> Option<Vec<RawFd>> {
+        std::mem::take(&mut self.files_changed).then(|| self.served.io_fds())
+    }
+
+    fn completions(&mut self, engine: Completions) -> io::Result<Completions> {
+        let (signal, completions) = match engine {
+            Completions::Signalled { fd, polling_pays } => {
+                // SAFETY: dup(2) of the engine's eventfd, which it keeps
+                // open; the duplicate is ours.
+                let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+                if dup < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // SAFETY: `dup` was just made and is owned by nothing else.
+                let efd = unsafe { <EventFd as std::os::fd::FromRawFd>::from_raw_fd(dup) };
+                (efd, Completions::Signalled { fd, polling_pays })
+            }
+            Completions::Immediate => {
+                let efd = EventFd::new(EFD_NONBLOCK)?;
+                let fd = efd.as_raw_fd();
+                (
+                    efd,
+                    Completions::Signalled {
+                        fd,
+                        polling_pays: true,
+                    },
+                )
+            }
+            Completions::Polled => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "a qcow2 image cannot be served with IOPOLL",
+                ));
+            }
+        };
+        let inbox = Arc::new(Inbox::new(signal));
+        let waker = inbox.clone();
+        self.gate = Some(self.live.gate(Box::new(move || waker.wake())));
+        self.inbox = Some(inbox);
+        Ok(completions)
+    }
+
+    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64) {
+        let work = match op {
+            Op::Read => Work::Resolve {
+                offset,
+                len,
+                dir: Dir::Read,
+            },
+            Op::Write => Work::Resolve {
+                offset,
+                len,
+                dir: Dir::Write,
+            },
+            Op::WriteZeroes(r) => Work::Zero {
+                offset,
+                len,
+                unmap: r.unmap,
+            },
+            Op::Discard(_) => Work::Discard { offset, len },
+            Op::Flush => unreachable!("a flush is never slow"),
+        };
+        self.send(tag, work);
+    }
+
+    fn start_commit(&mut self, tag: u32, ticket: Commit) {
+        self.send(tag, Work::Commit(ticket));
+    }
+
+    #[inline]
+    fn slow_in_flight(&self) -> usize {
+        self.slow
+    }
+
+    fn reap_slow(&mut self, f: &mut dyn FnMut(u32, Slow)) {
+        let Some(inbox) = &self.inbox else { return };
+        if self.slow == 0 || !inbox.ready() {
+            return;
+        }
+        inbox.take(&mut self.answers);
+        self.slow -= self.answers.len();
+        for (tag, answer) in self.answers.drain(..) {
+            f(tag, answer);
+        }
+    }
+
+    fn wait(&mut self) {
+        const A_WHILE: Duration = Duration::from_millis(50);
+        if self.slow > 0 {
+            if let Some(inbox) = &self.inbox {
+                inbox.wait(A_WHILE);
+            }
+        } else if self.live.paused() {
+            self.live.wait_resumed(A_WHILE);
+        }
     }
 }

@@ -47,6 +47,7 @@
 mod bounce;
 pub mod core;
 pub mod format;
+pub mod meta;
 mod null;
 #[cfg(feature = "rbd")]
 pub mod rbd;
@@ -59,42 +60,105 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 pub use self::core::Core;
-pub use format::{Extent, Format, Raw};
+pub use format::{Extent, Format, ImageFormat, Qcow2, Raw};
+pub use meta::Meta;
 pub use null::NullEngine;
 pub use ring::{EngineError, REGISTER_OPS};
 pub use uring::{FALLOCATE_MODES, UringConfig, UringEngine};
 
 pub use crate::virtio::Op;
-use crate::virtio::{GuestMem, Request, Status};
+use crate::virtio::{GuestBuffers, GuestMem, Request, Status};
 
 /// A request on its way through an engine: what to do and where, made by
-/// the core from a validated request and its format's mapping.
+/// the core from a validated request and its format's mapping. Usually a
+/// whole request; where a format splits a request across places (clusters
+/// of a qcow2 image), each piece is an `Io` of its own, over part of the
+/// request's buffers, and the core completes the request when its last
+/// piece is back.
 #[derive(Debug)]
 pub struct Io {
-    req: Request,
+    data: Data,
     op: Op,
     at: Extent,
     fua: bool,
+    /// The core's own: which of its requests this is part of (or
+    /// [`Io::UNTRACKED`]). Engines pass it back untouched.
+    tag: u32,
+}
+
+/// What an [`Io`] carries: the request itself, or part of its buffers
+/// (the request waits in the core).
+#[derive(Debug)]
+enum Data {
+    Request(Request),
+    Part(GuestBuffers),
 }
 
 impl Io {
+    /// A request the core does not track beyond the engine.
+    pub(crate) const UNTRACKED: u32 = u32::MAX;
+
     pub(crate) fn new(req: Request, op: Op, at: Extent, fua: bool) -> Io {
-        Io { req, op, at, fua }
+        Io {
+            data: Data::Request(req),
+            op,
+            at,
+            fua,
+            tag: Io::UNTRACKED,
+        }
     }
 
-    /// The request: its buffers (which hold the memory they point into),
-    /// its length.
-    pub fn req(&self) -> &Request {
-        &self.req
+    /// A piece of tracked request `tag`: `data` (part of its buffers) at
+    /// `at`, or the whole request with `req`.
+    pub(crate) fn tracked(
+        req: Option<Request>,
+        part: Option<GuestBuffers>,
+        op: Op,
+        at: Extent,
+        fua: bool,
+        tag: u32,
+    ) -> Io {
+        let data = match (req, part) {
+            (Some(r), _) => Data::Request(r),
+            (None, Some(p)) => Data::Part(p),
+            (None, None) => unreachable!("an Io carries a request or part of one"),
+        };
+        Io {
+            data,
+            op,
+            at,
+            fua,
+            tag,
+        }
+    }
+
+    /// The buffers to read into or write from (the memory they point into
+    /// is held with them).
+    #[inline]
+    pub fn data(&self) -> &GuestBuffers {
+        match &self.data {
+            Data::Request(r) => r.data(),
+            Data::Part(p) => p,
+        }
+    }
+
+    /// Bytes to transfer.
+    #[inline]
+    pub fn len(&self) -> u32 {
+        self.data().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     pub fn op(&self) -> Op {
         self.op
     }
 
-    /// Where the request's bytes are on the image: which file of its
-    /// chain, at what offset. For a discard or write-zeroes, the start of
-    /// its range; for a flush, file 0 at 0 (it covers every file).
+    /// Where the bytes are on the image: which file of its chain, at what
+    /// offset. For a discard or write-zeroes, the start of its range; for
+    /// a flush, file 0 at 0 (it covers the file the image writes).
     pub fn at(&self) -> Extent {
         self.at
     }
@@ -105,8 +169,16 @@ impl Io {
         self.fua
     }
 
-    pub fn into_request(self) -> Request {
-        self.req
+    pub(crate) fn tag(&self) -> u32 {
+        self.tag
+    }
+
+    /// The request, if this carries it whole.
+    pub(crate) fn into_request(self) -> Option<Request> {
+        match self.data {
+            Data::Request(r) => Some(r),
+            Data::Part(_) => None,
+        }
     }
 }
 
@@ -223,6 +295,17 @@ pub trait Engine: Send {
 
     /// Makes everything completed so far durable on the image, blocking.
     fn flush(&mut self) -> io::Result<()>;
+
+    /// The image's files changed (a snapshot put a new top above its
+    /// chain): `fds`, top first, are what an [`Extent::file`] indexes from
+    /// now on, and file 0 is what a flush covers. Called with nothing in
+    /// flight.
+    fn set_files(&mut self, _fds: &[RawFd]) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this engine serves one file",
+        ))
+    }
 
     /// The connection is over and nothing is in flight: drop what belongs
     /// to it (guest memory registered with the kernel), so that the engine

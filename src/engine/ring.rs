@@ -32,11 +32,18 @@ const BLOCK_URING_CMD_DISCARD: u32 = 0x12 << 8;
 /// Register opcodes from linux/io_uring.h (the crate keeps its bindings private).
 const IORING_REGISTER_BUFFERS: u8 = 0;
 const IORING_UNREGISTER_BUFFERS: u8 = 1;
+const IORING_REGISTER_FILES_UPDATE: u8 = 6;
 
 /// The io_uring_register opcodes used after a ring is enabled: guest
-/// memory as fixed buffers follows the front-end's memory table. The
-/// ring's restrictions allow only these, and so does the seccomp filter.
-pub const REGISTER_OPS: [u8; 2] = [IORING_REGISTER_BUFFERS, IORING_UNREGISTER_BUFFERS];
+/// memory as fixed buffers follows the front-end's memory table, and a
+/// qcow2 chain's files follow its live snapshots. The rings' restrictions
+/// allow only these (the files' update only on a ring whose image may
+/// have a chain), and so does the seccomp filter.
+pub const REGISTER_OPS: [u8; 3] = [
+    IORING_REGISTER_BUFFERS,
+    IORING_UNREGISTER_BUFFERS,
+    IORING_REGISTER_FILES_UPDATE,
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -58,6 +65,9 @@ pub struct UringOptions {
     /// Allow IORING_OP_URING_CMD on the image (block-device discard), if
     /// the kernel knows the opcode.
     pub uring_cmd: bool,
+    /// Allow the fixed files to be replaced after the ring is enabled
+    /// ([`Ring::update_files`]).
+    pub files_update: bool,
 }
 
 /// One io_uring with its registered file and completion eventfd.
@@ -78,14 +88,15 @@ pub struct Ring {
 }
 
 impl Ring {
-    /// Sets up a ring for `fd`. SQPOLL and IOPOLL fall back, with a warning,
-    /// when the kernel refuses them.
-    pub fn new(fd: RawFd, opts: UringOptions) -> Result<Ring, EngineError> {
+    /// Sets up a ring for `files` (fixed files 0, 1, ...; -1 leaves a slot
+    /// empty for [`Ring::update_files`]). SQPOLL and IOPOLL fall back,
+    /// with a warning, when the kernel refuses them.
+    pub fn new(files: &[RawFd], opts: UringOptions) -> Result<Ring, EngineError> {
         let eventfd = EventFd::new(EFD_NONBLOCK).map_err(EngineError::EventFd)?;
         let mut sqpoll = opts.sqpoll;
         let mut iopoll = opts.iopoll;
         let (ring, uring_cmd) = loop {
-            match build(fd, eventfd.as_raw_fd(), opts, sqpoll, iopoll) {
+            match build(files, eventfd.as_raw_fd(), opts, sqpoll, iopoll) {
                 Ok(r) => break r,
                 Err(EngineError::Setup(e)) if sqpoll || iopoll => {
                     log::warn!(
@@ -142,6 +153,19 @@ impl Ring {
         }
         // SAFETY: the caller keeps the memory mapped while it is registered.
         unsafe { sub.register_buffers(bufs) }
+    }
+
+    /// Replaces the fixed files from slot 0 on with `fds` (a snapshot's
+    /// new chain). Requests in flight keep the files they were issued on.
+    pub fn update_files(&mut self, fds: &[RawFd]) -> io::Result<()> {
+        let n = self.ring.submitter().register_files_update(0, fds)?;
+        if n != fds.len() {
+            return Err(io::Error::other(format!(
+                "{n} of {} fixed files replaced",
+                fds.len()
+            )));
+        }
+        Ok(())
     }
 
     /// Requests submitted or queued and not yet completed.
@@ -230,7 +254,7 @@ impl Ring {
 }
 
 fn build(
-    fd: RawFd,
+    files: &[RawFd],
     eventfd: RawFd,
     opts: UringOptions,
     sqpoll: bool,
@@ -247,7 +271,7 @@ fn build(
     }
     let ring = b.build(entries).map_err(EngineError::Setup)?;
     let sub = ring.submitter();
-    sub.register_files(&[fd])
+    sub.register_files(files)
         .map_err(|e| EngineError::Register("file", e))?;
     sub.register_eventfd(eventfd)
         .map_err(|e| EngineError::Register("eventfd", e))?;
@@ -267,7 +291,12 @@ fn build(
     ));
     // Fixed buffers follow guest memory, which the front-end may change
     // while the ring runs.
-    res.extend(REGISTER_OPS.map(Restriction::register_op));
+    res.extend(
+        REGISTER_OPS
+            .iter()
+            .filter(|&&op| opts.files_update || op != IORING_REGISTER_FILES_UPDATE)
+            .map(|&op| Restriction::register_op(op)),
+    );
     sub.register_restrictions(&mut res)
         .map_err(|e| EngineError::Register("restrictions", e))?;
     sub.register_enable_rings()
@@ -276,7 +305,7 @@ fn build(
 }
 
 /// SQE builders for the operations a request maps to, on fixed file
-/// `file` (0: the image; the only file registered). The entries carry raw
+/// `file` (0: the image, or a qcow2 chain's top; its backing files next). The entries carry raw
 /// pointers: see [`Ring::push`] for who keeps them alive.
 pub mod op {
     use super::*;
@@ -342,7 +371,7 @@ pub mod op {
             .user_data(user_data)
     }
 
-    /// fdatasync of the image.
+    /// fdatasync of fixed file `file`.
     pub fn flush(file: u32, user_data: u64) -> squeue::Entry {
         opcode::Fsync::new(types::Fixed(file))
             .flags(types::FsyncFlags::DATASYNC)
@@ -383,7 +412,7 @@ mod tests {
         let mut f = tempfile::tempfile().unwrap();
         f.write_all(&[0u8; 8192]).unwrap();
         let mut u = Ring::new(
-            f.as_raw_fd(),
+            &[f.as_raw_fd()],
             UringOptions {
                 entries: 8,
                 ..Default::default()
@@ -417,7 +446,7 @@ mod tests {
         let mut f = tempfile::tempfile().unwrap();
         f.write_all(&[7u8; 4096]).unwrap();
         let mut u = Ring::new(
-            f.as_raw_fd(),
+            &[f.as_raw_fd()],
             UringOptions {
                 entries: 8,
                 sqpoll: true,
@@ -450,7 +479,7 @@ mod tests {
     fn restrictions_refuse_other_opcodes() {
         let f = tempfile::tempfile().unwrap();
         let mut u = Ring::new(
-            f.as_raw_fd(),
+            &[f.as_raw_fd()],
             UringOptions {
                 entries: 4,
                 ..Default::default()

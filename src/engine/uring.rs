@@ -35,8 +35,15 @@ use crate::warn_limited;
 /// How a queue's ring is set up, and the image it works on.
 #[derive(Clone, Debug)]
 pub struct UringConfig {
-    /// The image, registered as the ring's fixed file 0.
+    /// The image, registered as the ring's fixed file 0 (a qcow2 chain's
+    /// top).
     pub image_fd: RawFd,
+    /// A qcow2 chain's backing files, top down: fixed files 1, 2, ...
+    pub backing_fds: Vec<RawFd>,
+    /// Fixed-file slots: at least the files above, more for a chain that
+    /// live snapshots may deepen (the table can then be replaced, see
+    /// [`Engine::set_files`]); 1 for a raw image.
+    pub file_slots: u32,
     /// Most requests in flight: the ring's SQ size.
     pub entries: u32,
     pub sqpoll: bool,
@@ -98,13 +105,18 @@ unsafe impl Send for UringEngine {}
 
 impl UringEngine {
     pub fn new(cfg: UringConfig, metrics: Arc<QueueMetrics>) -> Result<UringEngine, EngineError> {
+        let mut files = vec![cfg.image_fd];
+        files.extend(&cfg.backing_fds);
+        let slots = (cfg.file_slots as usize).max(files.len());
+        files.resize(slots, -1);
         let ring = Ring::new(
-            cfg.image_fd,
+            &files,
             UringOptions {
                 entries: cfg.entries,
                 sqpoll: cfg.sqpoll,
                 iopoll: cfg.iopoll,
                 uring_cmd: cfg.uring_cmd && cfg.is_block_device,
+                files_update: slots > 1,
             },
         )?;
         let entries = cfg.entries as usize;
@@ -134,7 +146,8 @@ impl UringEngine {
     }
 
     /// The blocking version of a flush, discard or write-zeroes, on the
-    /// image (file 0: the only file a raw image has).
+    /// image (file 0: the only file a raw image has, the top of a qcow2
+    /// chain, whose discards and write-zeroes never come here).
     fn run_blocking(&mut self, io: &Io) -> Status {
         let (fd, kind, offset) = (self.cfg.image_fd, io.op(), io.at().offset);
         let res = match kind {
@@ -176,7 +189,7 @@ impl UringEngine {
     /// The SQE for the request in `slot`, tagged `key`.
     fn sqe(&self, slot: &Slot, key: u64) -> squeue::Entry {
         let io = &slot.io;
-        let data = io.req().data().iovecs();
+        let data = io.data().iovecs();
         let (iov, n) = match &slot.bounce {
             Some((_, iov)) => (iov as *const libc::iovec, 1),
             None => (data.as_ptr(), data.len() as u32),
@@ -184,7 +197,7 @@ impl UringEngine {
         let (file, offset, dsync) = (io.at().file, io.at().offset, io.fua());
         if n == 1 && slot.bounce.is_none() {
             if let Some(idx) = self.fixed_index(&data[0]) {
-                let (buf, len) = (data[0].iov_base.cast::<u8>(), io.req().data_len());
+                let (buf, len) = (data[0].iov_base.cast::<u8>(), io.len());
                 match io.op() {
                     Op::Read => {
                         return op::read_fixed(file, buf, len, offset, idx, key);
@@ -238,13 +251,13 @@ impl UringEngine {
     /// What a CQE means for its request: a status, or a retry already on
     /// the ring.
     fn finish(&mut self, mut slot: Slot, res: i32) -> Option<(Io, Status)> {
-        let (kind, data_len) = (slot.io.op(), slot.io.req().data_len());
+        let (kind, data_len) = (slot.io.op(), slot.io.len());
         let status = match kind {
             Op::Read | Op::Write if res >= 0 && res as u32 == data_len => {
                 if let (Op::Read, Some((buf, _))) = (kind, &slot.bounce) {
                     // The read's buffers are device-writable; the bounce
                     // buffer holds data_len bytes.
-                    let data = slot.io.req().data();
+                    let data = slot.io.data();
                     data.fill_from(&buf.as_slice()[..data_len as usize]);
                 }
                 Status::Ok
@@ -302,8 +315,8 @@ impl Engine for UringEngine {
         }
         let rw = matches!(op, Op::Read | Op::Write);
         let mut bounce = None;
-        if self.cfg.direct && rw && !io.req().data().aligned_to(self.cfg.dio_align) {
-            let len = io.req().data_len() as usize;
+        if self.cfg.direct && rw && !io.data().aligned_to(self.cfg.dio_align) {
+            let len = io.len() as usize;
             if self.bounce_in_use + len > self.cfg.bounce_limit {
                 if self.bounce_in_use > 0 {
                     // Its turn comes when bounced requests in flight finish.
@@ -325,7 +338,7 @@ impl Engine for UringEngine {
             };
             if op == Op::Write {
                 // buf holds their total length.
-                io.req().data().gather_into(buf.as_mut_slice());
+                io.data().gather_into(buf.as_mut_slice());
             }
             let iov = libc::iovec {
                 iov_base: buf.as_mut_ptr().cast(),
@@ -443,6 +456,23 @@ impl Engine for UringEngine {
 
     fn flush(&mut self) -> io::Result<()> {
         sync::flush(self.cfg.image_fd)
+    }
+
+    fn set_files(&mut self, fds: &[RawFd]) -> io::Result<()> {
+        let Some(&top) = fds.first() else {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        };
+        if fds.len() > self.cfg.file_slots as usize {
+            return Err(io::Error::other(format!(
+                "a chain of {} files, more than the {} the ring has room for",
+                fds.len(),
+                self.cfg.file_slots
+            )));
+        }
+        self.ring.update_files(fds)?;
+        self.cfg.image_fd = top;
+        self.cfg.backing_fds = fds[1..].to_vec();
+        Ok(())
     }
 
     fn reset(&mut self) {

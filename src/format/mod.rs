@@ -33,6 +33,7 @@
 //! [`looks_like_qcow2`] exists only for the one warning a raw image that
 //! starts with a qcow2 header gets.
 
+pub mod live;
 pub mod qcow2;
 pub mod raw;
 
@@ -45,6 +46,7 @@ use std::io::{self, Read};
 use std::path::Path;
 use std::str::FromStr;
 
+pub use live::{Live, Served, SnapshotDir, SnapshotError};
 pub use qcow2::{OpenOptions, Qcow2Image};
 pub use raw::RawImage;
 

@@ -77,6 +77,9 @@ pub struct ImageOptions {
     /// Refuse a symlink instead of following it (O_NOFOLLOW): for a path
     /// the daemon picked itself. One the operator gave may be a link.
     pub nofollow: bool,
+    /// The file holds an image format (qcow2), whose own size the guest
+    /// sees: the file's size need not be a multiple of the block size.
+    pub formatted: bool,
 }
 
 /// An open image.
@@ -145,7 +148,7 @@ impl Image {
                 dio_align,
             });
         }
-        if size % u64::from(block_size) != 0 {
+        if size % u64::from(block_size) != 0 && !opts.formatted {
             return Err(ImageError::NotMultiple {
                 path: path.to_owned(),
                 size,

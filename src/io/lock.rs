@@ -26,14 +26,13 @@ use std::sync::Mutex;
 /// The image lock of one device, shared by its queues.
 #[derive(Debug)]
 pub struct ImageLock {
-    /// A duplicate of the image's fd: the same open file description,
-    /// whose lock this is. Locks belong to the description, so the lock
-    /// goes when the last fd of it is closed.
-    file: File,
+    /// A duplicate of the image's fd (its top, for a qcow2 chain: what is
+    /// written): the same open file description, whose lock this is.
+    /// Locks belong to the description, so the lock goes when the last fd
+    /// of it is closed. With it, how many queues have started and not
+    /// stopped: the lock is held while that is above 0.
+    state: Mutex<(File, usize)>,
     exclusive: bool,
-    /// How many queues have started and not stopped. The lock is held
-    /// while this is above 0.
-    users: Mutex<usize>,
 }
 
 /// Another process holds a conflicting lock.
@@ -46,23 +45,18 @@ impl ImageLock {
     /// `exclusive` for a read-write export.
     pub fn new(image: &File, exclusive: bool) -> io::Result<ImageLock> {
         Ok(ImageLock {
-            file: image.try_clone()?,
+            state: Mutex::new((image.try_clone()?, 0)),
             exclusive,
-            users: Mutex::new(0),
         })
     }
 
     /// A queue starts: takes the lock if no queue holds it. Each `Ok` is
     /// matched by one [`ImageLock::release`].
     pub fn acquire(&self) -> Result<(), Locked> {
-        let mut users = self.users.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (file, users) = &mut *state;
         if *users == 0 {
-            let kind = if self.exclusive {
-                libc::F_WRLCK
-            } else {
-                libc::F_RDLCK
-            };
-            match self.set(kind) {
+            match set(file, self.kind()) {
                 Ok(()) => {}
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) => {
                     return Err(Locked);
@@ -81,29 +75,56 @@ impl ImageLock {
 
     /// A queue that acquired the lock stops; the last one releases it.
     pub fn release(&self) {
-        let mut users = self.users.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (file, users) = &mut *state;
         *users = users.saturating_sub(1);
         if *users == 0 {
-            if let Err(e) = self.set(libc::F_UNLCK) {
+            if let Err(e) = set(file, libc::F_UNLCK) {
                 log::warn!("cannot unlock the image: {e}");
             }
         }
     }
 
-    fn set(&self, kind: libc::c_int) -> io::Result<()> {
-        // SAFETY: all-zero is a valid `flock` (l_start 0, l_len 0: the
-        // whole file; l_pid must be 0 for OFD locks).
-        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-        fl.l_type = kind as libc::c_short;
-        fl.l_whence = libc::SEEK_SET as libc::c_short;
-        // SAFETY: F_OFD_SETLK reads one `flock` through the pointer, which
-        // points to a live local; the fd is open for as long as `self`.
-        let ret = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) };
-        if ret < 0 {
-            return Err(io::Error::last_os_error());
+    /// The image's written file is now `file` (a live snapshot's overlay):
+    /// while a queue runs, `file` is locked before the old one is let go,
+    /// and a conflict fails the move (nothing changes).
+    pub fn relock(&self, file: &File) -> io::Result<()> {
+        let new = file.try_clone()?;
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (old, users) = &mut *state;
+        if *users > 0 {
+            set(&new, self.kind())?;
+            if let Err(e) = set(old, libc::F_UNLCK) {
+                log::warn!("cannot unlock the former top of the chain: {e}");
+            }
         }
+        *old = new;
         Ok(())
     }
+
+    fn kind(&self) -> libc::c_int {
+        if self.exclusive {
+            libc::F_WRLCK
+        } else {
+            libc::F_RDLCK
+        }
+    }
+}
+
+/// Takes (or with F_UNLCK gives up) the lock on the whole of `file`.
+fn set(file: &File, kind: libc::c_int) -> io::Result<()> {
+    // SAFETY: all-zero is a valid `flock` (l_start 0, l_len 0: the whole
+    // file; l_pid must be 0 for OFD locks).
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: F_OFD_SETLK reads one `flock` through the pointer, which
+    // points to a live local; the fd is open for the call.
+    let ret = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -138,6 +159,35 @@ mod tests {
         b.acquire().unwrap();
         b.release();
         reader.acquire().unwrap();
+    }
+
+    /// A live snapshot moves the lock to the new top while a queue runs;
+    /// the old top is then free for a reader (a copy), the new one is not.
+    #[test]
+    fn relock_moves_the_lock_to_the_new_top() {
+        let dir = tempfile::tempdir().unwrap();
+        let (old, new) = (dir.path().join("old"), dir.path().join("new"));
+        for p in [&old, &new] {
+            File::create(p).unwrap().set_len(4096).unwrap();
+        }
+        let lock = ImageLock::new(&open(&old), true).unwrap();
+        lock.acquire().unwrap();
+        lock.relock(&open(&new)).unwrap();
+        ImageLock::new(&open(&old), false)
+            .unwrap()
+            .acquire()
+            .unwrap();
+        assert!(
+            ImageLock::new(&open(&new), false)
+                .unwrap()
+                .acquire()
+                .is_err()
+        );
+        lock.release();
+        ImageLock::new(&open(&new), true)
+            .unwrap()
+            .acquire()
+            .unwrap();
     }
 
     #[test]

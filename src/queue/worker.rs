@@ -1039,15 +1039,16 @@ impl<E: Engine> QueueWorker<E> {
         self.unlock_image();
     }
 
-    /// Counts this queue among the image's holders ([`Device::hold`]:
-    /// the first takes the image lock and loads the dirty bitmaps); false
-    /// while another process holds the image. Tried when the ring starts,
+    /// Counts this queue among the image's users
+    /// ([`Device::claim_image`]: the first takes the image lock and loads
+    /// the dirty bitmaps); false
+    /// while another process holds the lock. Tried when the ring starts,
     /// and for each request until it succeeds; never waits.
     fn try_lock(&mut self) -> bool {
         if self.holds_lock {
             return true;
         }
-        self.holds_lock = self.device.hold().is_ok();
+        self.holds_lock = self.device.claim_image().is_ok();
         if self.holds_lock {
             self.lock_deadline = None;
         }
@@ -1060,7 +1061,7 @@ impl<E: Engine> QueueWorker<E> {
     fn unlock_image(&mut self) {
         self.lock_deadline = None;
         if std::mem::take(&mut self.holds_lock) {
-            self.device.release();
+            self.device.release_image();
         }
     }
 

@@ -89,6 +89,8 @@ fn rig_with_lock(
     let engine = UringEngine::new(
         UringConfig {
             image_fd: image.as_raw_fd(),
+            backing_fds: Vec::new(),
+            file_slots: 1,
             entries: u32::from(max_queue).next_power_of_two(),
             sqpoll: false,
             iopoll: false,

@@ -165,6 +165,48 @@ impl GuestBuffers {
         }
     }
 
+    /// The `len` bytes from byte `from` of the buffers, as buffers of their
+    /// own (in the same memory), for I/O on part of a request: a request
+    /// whose range an image format splits across places. `from + len` must
+    /// not pass [`GuestBuffers::len`]; what would is cut off.
+    pub fn slice(&self, from: u32, len: u32) -> GuestBuffers {
+        let mut iovecs = Vec::new();
+        let (mut skip, mut left) = (from as usize, len as usize);
+        for v in &self.iovecs {
+            if left == 0 {
+                break;
+            }
+            if skip >= v.iov_len {
+                skip -= v.iov_len;
+                continue;
+            }
+            let n = (v.iov_len - skip).min(left);
+            iovecs.push(libc::iovec {
+                // Inside `v`, which lies inside a region of `self.mem`.
+                iov_base: v.iov_base.cast::<u8>().wrapping_add(skip).cast(),
+                iov_len: n,
+            });
+            left -= n;
+            skip = 0;
+        }
+        GuestBuffers {
+            iovecs,
+            len: len - left as u32,
+            mem: self.mem.clone(),
+        }
+    }
+
+    /// Copies `src` into the buffers from byte `at` on, as far as they
+    /// reach.
+    pub fn fill_at(&self, at: u32, src: &[u8]) {
+        self.slice(at, src.len() as u32).fill_from(src);
+    }
+
+    /// Zero-fills `len` bytes of the buffers from byte `at` on.
+    pub fn zero_at(&self, at: u32, len: u32) {
+        self.slice(at, len).zero();
+    }
+
     /// Marks the first `len` bytes of the buffers dirty in the memory's
     /// log (for a migration): the pages of each buffer, found by its host
     /// address in the region that maps it.
@@ -219,6 +261,25 @@ mod tests {
             GuestBuffers::translate(&mem, [(GuestAddress(0x3f00), 0x200)].into_iter(), vec![])
                 .unwrap_err();
         assert_eq!(e, RequestError::BadAddress);
+    }
+
+    /// A slice covers exactly its bytes, across iovec boundaries.
+    #[test]
+    fn slices_cover_their_bytes_only() {
+        let mem = mem();
+        let bufs = [(GuestAddress(0x100), 4), (GuestAddress(0x1ffe), 4)];
+        let b = GuestBuffers::translate(&mem, bufs.into_iter(), vec![]).unwrap();
+        let s = b.slice(3, 4);
+        assert_eq!(s.len(), 4);
+        s.fill_from(&[9, 9, 9, 9]);
+        let mut back = [0u8; 8];
+        b.gather_into(&mut back);
+        assert_eq!(back, [0, 0, 0, 9, 9, 9, 9, 0]);
+        b.zero_at(4, 2);
+        b.fill_at(0, &[1]);
+        b.gather_into(&mut back);
+        assert_eq!(back, [1, 0, 0, 9, 0, 0, 9, 0]);
+        assert_eq!(b.slice(6, 10).len(), 2, "cut off at the end");
     }
 
     #[test]

@@ -39,6 +39,7 @@ mod kit;
 mod log_limits;
 mod lost_interrupt;
 mod memory_slots;
+mod qcow2;
 mod qos;
 mod sandbox;
 mod seccomp;

@@ -12,6 +12,7 @@
 //!   QMP), and [`vm::migration`], a guest migrated between two daemons;
 //! - [`ceph`]: a single-node Ceph cluster for the RBD tests;
 //! - [`nbd`]: the backup's clients (nbdinfo, nbdcopy, qemu-img) and verbs;
+//! - [`qemu_img`]: qemu-img as the oracle for image files;
 //! - the host's side: patterns, images, loop devices, metrics.
 //!
 //! A dev-dependency only: the daemon itself links none of it
@@ -32,6 +33,7 @@ mod client;
 mod daemon;
 pub mod frontend;
 pub mod nbd;
+pub mod qemu_img;
 pub mod vm;
 
 use std::fs::File;

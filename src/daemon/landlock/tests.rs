@@ -125,6 +125,7 @@ fn allowed(l: &Layout, writable: bool) -> Allowed {
         backing: Vec::new(),
         bitmap_dir: None,
         backup_dir: None,
+        snapshot_dir: None,
         removals: vec![
             Removal::file(&l.run.join("vm.sock")).unwrap(),
             Removal::dir(&l.tmp.join("ringblk-x")).unwrap(),

@@ -152,7 +152,7 @@ impl RbdEngine {
     /// Starts the slot's operation in librbd; the result is 0 or -errno.
     fn start_slot(&self, slot: &Slot) -> i32 {
         let io = &slot.io;
-        let iovecs = io.req().data().iovecs();
+        let iovecs = io.data().iovecs();
         let (iov, n, offset) = (iovecs.as_ptr(), iovecs.len(), io.at().offset);
         let Ok(n) = i32::try_from(n) else {
             return -libc::EINVAL;
@@ -179,7 +179,7 @@ impl RbdEngine {
     /// -errno). virtio-blk has three statuses; every errno is an I/O error
     /// except where the operation is a hint.
     fn status(&mut self, io: &Io, res: isize) -> Status {
-        let (op, data_len) = (io.op(), io.req().data_len() as isize);
+        let (op, data_len) = (io.op(), io.len() as isize);
         let ok = Status::Ok;
         match (op, res) {
             // A read completes with the bytes read; a write with 0 (librbd

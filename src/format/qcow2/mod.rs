@@ -25,11 +25,15 @@ use imago::format::PreallocateMode;
 use imago::format::drivers::FormatDriverInstance;
 use imago::qcow2::Qcow2;
 use imago::raw::Raw;
-use imago::{FormatAccess, Mapping};
+use imago::{FormatAccess, FormatCreateBuilder, Mapping};
 
 use super::{Commit, Dir, FormatError, Piece, Where};
 use map_cache::{Loc, MAX_FILES, MapCache};
 pub use ordered::{ChainFile, FileState, Journal, JournalOp};
+
+/// One image of a chain as imago holds it; shared, so that a snapshot's
+/// overlay can take the old top as its backing file.
+type Layer = Arc<FormatAccess<ChainFile>>;
 
 /// How deep a chain may be, the top included. QEMU has no fixed bound; a
 /// chain of snapshots this deep is already slow to read through.
@@ -65,7 +69,7 @@ impl Default for OpenOptions {
 }
 
 pub struct Qcow2Image {
-    top: FormatAccess<ChainFile>,
+    top: Layer,
     /// The chain's files, top first; `Where::Data::file` indexes them.
     files: Vec<Arc<FileState>>,
     writable: bool,
@@ -86,6 +90,11 @@ pub struct Qcow2Image {
     committed: AtomicU64,
     /// Held by the committer of a group; waiters find their generation done.
     commit_lock: Mutex<()>,
+    /// Mappings resolved while metadata was not yet committed: they enter
+    /// the queue threads' cache only once it is (`commit_locked`), so
+    /// that a write never takes the fast path to a cluster whose
+    /// allocation a kill -9 could still lose. Under `meta`.
+    uncommitted: Mutex<Vec<(u64, Loc)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -159,6 +168,7 @@ impl Qcow2Image {
             dirty: AtomicU64::new(0),
             committed: AtomicU64::new(0),
             commit_lock: Mutex::new(()),
+            uncommitted: Mutex::new(Vec::new()),
         })
     }
 
@@ -280,7 +290,9 @@ impl Qcow2Image {
                 } => {
                     let file = storage.0.index();
                     self.check_host(file, host, mlen)?;
-                    let writable = writable && file == 0 && self.writable;
+                    // A cluster allocated but not yet committed must not be
+                    // written through the cache (see `uncommitted`).
+                    let writable = writable && file == 0 && self.writable && self.all_committed();
                     (
                         Where::Data { file, offset: host },
                         Some((file, host, writable)),
@@ -352,6 +364,7 @@ impl Qcow2Image {
         let cb = self.cluster_bits;
         let csize = 1u64 << cb;
         let mut ticket = None;
+        let mut entries = Vec::new();
         let mut pos = offset;
         while pos < end {
             let cstart = pos & !(csize - 1);
@@ -376,7 +389,7 @@ impl Qcow2Image {
                     // frees it; it must not be reused before the new mapping
                     // is durable, so commit before anyone allocates again.
                     let frees = match other {
-                        Mapping::Special { layer, .. } => std::ptr::eq(layer, &self.top),
+                        Mapping::Special { layer, .. } => std::ptr::eq(layer, &*self.top),
                         Mapping::Raw { storage, .. } => storage.0.index() == 0,
                         _ => false,
                     };
@@ -419,18 +432,19 @@ impl Qcow2Image {
             if must_commit || self.files[0].has_held() {
                 self.commit_locked()?;
             }
-            // Cache the cluster's granules as writable data of the top.
+            // The cluster's granules are writable data of the top: cached
+            // now if its metadata is in the file, else once it is.
             let gb = self.granule_bits;
             let mut g = cstart;
             while g < cend {
-                self.cache.insert(
+                entries.push((
                     g >> gb,
                     Loc::Data {
                         file: 0,
                         offset: host + (g - cstart),
                         writable: true,
                     },
-                );
+                ));
                 g += 1 << gb;
             }
             push_piece(
@@ -444,7 +458,35 @@ impl Qcow2Image {
             );
             pos = wend;
         }
+        let dirty = self.dirty.load(Ordering::Acquire);
+        if self.committed.load(Ordering::Acquire) >= dirty {
+            for (g, loc) in entries {
+                self.cache.insert(g, loc);
+            }
+        } else {
+            // Something is not committed yet, perhaps the allocation of
+            // these very clusters by a request still in flight (imago's
+            // cache has it, the file may not): this write waits for it too.
+            lock(&self.uncommitted).extend(entries);
+            ticket = Some(Commit(dirty));
+        }
         Ok(ticket)
+    }
+
+    /// Whether all metadata changed so far is in the file. Under `meta`.
+    fn all_committed(&self) -> bool {
+        self.committed.load(Ordering::Acquire) >= self.dirty.load(Ordering::Acquire)
+    }
+
+    /// Forgets the cached mappings of the granules `[offset, end)` touches,
+    /// also those waiting for a commit. Under `meta`.
+    fn forget(&self, offset: u64, end: u64) {
+        let gb = self.granule_bits;
+        let (first, last) = (offset >> gb, end.div_ceil(1 << gb));
+        for g in first..last {
+            self.cache.remove(g);
+        }
+        lock(&self.uncommitted).retain(|(g, _)| *g < first || *g >= last);
     }
 
     /// Reads `buf` at guest `offset` through imago (compressed clusters).
@@ -466,6 +508,11 @@ impl Qcow2Image {
             .commit_pointers()
             .map_err(FormatError::io("writing metadata"))?;
         self.committed.fetch_max(target, Ordering::AcqRel);
+        if self.committed.load(Ordering::Acquire) >= self.dirty.load(Ordering::Acquire) {
+            for (g, loc) in lock(&self.uncommitted).drain(..) {
+                self.cache.insert(g, loc);
+            }
+        }
         Ok(())
     }
 
@@ -535,6 +582,140 @@ impl Qcow2Image {
         Ok(rest)
     }
 
+    /// Write-zeroes of `[offset, offset + len)`, all of it: the whole
+    /// clusters as zero clusters (see [`Qcow2Image::write_zeroes`]), the
+    /// unaligned head and tail as data (through imago, which allocates and
+    /// copies on write where needed), everything committed before this
+    /// returns. Blocks.
+    pub fn zero_range(&self, offset: u64, len: u64, unmap: bool) -> Result<(), FormatError> {
+        let rest = self.write_zeroes(offset, len, unmap)?;
+        if rest.is_empty() {
+            return Ok(());
+        }
+        let _group = lock(&self.commit_lock);
+        let _meta = lock(&self.meta);
+        const CHUNK: u64 = 1 << 20;
+        let zeroes = vec![0u8; CHUNK.min(len) as usize];
+        for (mut at, n) in rest {
+            let end = at + n;
+            self.forget(at, end);
+            while at < end {
+                let k = (end - at).min(CHUNK);
+                self.top
+                    .write(&zeroes[..k as usize], at)
+                    .map_err(FormatError::io("writing zeroes"))?;
+                at += k;
+            }
+        }
+        self.dirty.fetch_add(1, Ordering::AcqRel);
+        self.commit_locked()
+    }
+
+    /// Discard of `[offset, offset + len)`: its whole clusters read as
+    /// zeroes and their space is given back to the host file; the rest is
+    /// left as it is (a discard is a hint). Blocks.
+    pub fn discard(&self, offset: u64, len: u64) -> Result<(), FormatError> {
+        self.write_zeroes(offset, len, true).map(|_| ())
+    }
+
+    /// A live snapshot: formats `file` (empty, open read-write, at `path`)
+    /// as a qcow2 overlay of this image (backing file `backing_name`,
+    /// format qcow2; as large as this image, with its cluster size), and
+    /// opens it with this image's chain below it.
+    ///
+    /// The caller has stopped the requests to this image. Before the
+    /// overlay is made, everything of this image is committed and synced,
+    /// and its top is frozen: it is never written again, a point-in-time
+    /// image of the disk. On success this image's files are one further
+    /// down the chain (index + 1), and the overlay is file 0; on failure
+    /// this image is as it was (thawed, its files where they were).
+    pub fn snapshot(
+        &self,
+        file: File,
+        path: &Path,
+        backing_name: &str,
+        options: &OpenOptions,
+    ) -> Result<Qcow2Image, FormatError> {
+        if !self.writable {
+            return Err(FormatError::ReadOnly);
+        }
+        let max_chain = options.max_chain.clamp(1, MAX_FILES);
+        if self.files.len() >= max_chain {
+            return Err(FormatError::Unsupported(format!(
+                "the chain is {} images deep already, the most there may be",
+                self.files.len()
+            )));
+        }
+        {
+            let _group = lock(&self.commit_lock);
+            let _meta = lock(&self.meta);
+            self.commit_locked()?;
+            self.files[0]
+                .sync_now()
+                .map_err(FormatError::io("fdatasync"))?;
+            self.files[0].freeze();
+        }
+        let made = self.make_overlay(file, path, backing_name, options);
+        if made.is_err() {
+            self.files[0].thaw();
+        }
+        made
+    }
+
+    /// The overlay of [`Qcow2Image::snapshot`], once this image is frozen.
+    fn make_overlay(
+        &self,
+        file: File,
+        path: &Path,
+        backing_name: &str,
+        options: &OpenOptions,
+    ) -> Result<Qcow2Image, FormatError> {
+        let err = |e: io::Error| open_err(path, e);
+        // Formatting: imago's writes go straight through (an unloaded
+        // ordered file passes them on); nothing points at the overlay yet.
+        let mut blank = FileState::new(file.try_clone().map_err(err)?, path, 0).map_err(err)?;
+        blank.make_ordered(true, None);
+        Qcow2::<ChainFile, Layer>::create_builder(ChainFile(Arc::new(blank)))
+            .size(self.size())
+            .cluster_size(1 << self.cluster_bits)
+            .backing(backing_name.to_string(), "qcow2".to_string())
+            .create()
+            .map_err(err)?;
+        file.sync_data().map_err(err)?;
+        let mut state = FileState::new(file, path, 0).map_err(err)?;
+        state.make_ordered(options.ordered, options.journal.clone());
+        let state = Arc::new(state);
+        let mut q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(&state)), true)
+            .map_err(err)?;
+        state.load_shadow().map_err(err)?;
+        let mut header = [0u8; 104];
+        state.file().read_exact_at(&mut header, 0).map_err(err)?;
+        check_l1_covers(path, &header, q.size())?;
+        q.set_backing(Some(Arc::clone(&self.top)));
+        let top: Layer = Arc::new(FormatAccess::new(q));
+        for f in &self.files {
+            f.move_down();
+        }
+        let mut files = vec![state];
+        files.extend(self.files.iter().cloned());
+        let size = top.size();
+        Ok(Qcow2Image {
+            top,
+            files,
+            writable: true,
+            size: AtomicU64::new(size),
+            cluster_bits: self.cluster_bits,
+            granule_bits: self.granule_bits,
+            v3: true,
+            cache: MapCache::new(options.map_cache_entries),
+            meta: Mutex::new(()),
+            dirty: AtomicU64::new(0),
+            committed: AtomicU64::new(0),
+            commit_lock: Mutex::new(()),
+            uncommitted: Mutex::new(Vec::new()),
+        })
+    }
+
     /// Zeroes the whole clusters `[first, last)` (see `write_zeroes`),
     /// commits, and punches out the space with `unmap`. Returns what could
     /// not be zeroed so (for the engine to write). Called under both locks.
@@ -545,12 +726,7 @@ impl Qcow2Image {
         unmap: bool,
     ) -> Result<Vec<(u64, u64)>, FormatError> {
         let mut rest = Vec::new();
-        let gb = self.granule_bits;
-        let mut g = first;
-        while g < last {
-            self.cache.remove(g >> gb);
-            g += 1 << gb;
-        }
+        self.forget(first, last);
         // The top's own clusters in the range, to punch out afterwards.
         let mut punch = Vec::new();
         if unmap {
@@ -671,6 +847,7 @@ impl Qcow2Image {
                 .map_err(FormatError::io("fdatasync"))?;
         }
         self.cache.clear();
+        lock(&self.uncommitted).clear();
         // SAFETY: imago's contract for dropping its caches without writing
         // them is that the on-disk state is consistent: everything was just
         // written and synced above (a read-only image has nothing to
@@ -744,7 +921,7 @@ fn open_qcow2(
     options: &OpenOptions,
     max_chain: usize,
     chain: &mut Chain,
-) -> Result<(FormatAccess<ChainFile>, Vec<u8>), FormatError> {
+) -> Result<(Layer, Vec<u8>), FormatError> {
     let index = chain.files.len();
     let writable = options.writable && index == 0;
     let (file, header) = open_file(path, writable, max_chain, chain)?;
@@ -770,7 +947,7 @@ fn open_qcow2(
     }
     let state = Arc::new(state);
     chain.files.push(Arc::clone(&state));
-    let mut q = Qcow2::<ChainFile>::open_image(ChainFile(Arc::clone(&state)), writable)
+    let mut q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(&state)), writable)
         .map_err(|e| open_err(path, e))?;
     state.load_shadow().map_err(|e| open_err(path, e))?;
     if q.requires_external_data_file() {
@@ -808,7 +985,7 @@ fn open_qcow2(
                     chain.files.push(Arc::clone(&st));
                     let raw =
                         Raw::open_image(ChainFile(st), false).map_err(|e| open_err(&bpath, e))?;
-                    FormatAccess::new(raw)
+                    Arc::new(FormatAccess::new(raw))
                 }
                 other => {
                     return Err(open_err(
@@ -822,7 +999,7 @@ fn open_qcow2(
         }
     };
     q.set_backing(backing);
-    Ok((FormatAccess::new(q), header))
+    Ok((Arc::new(FormatAccess::new(q)), header))
 }
 
 /// Opens one file of the chain, refusing loops and chains past the bound,

@@ -47,7 +47,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use imago::Storage;
@@ -112,6 +112,8 @@ struct Order {
     l2_clusters: HashSet<u64>,
     rb_clusters: HashSet<u64>,
     unsynced: u8,
+    /// A snapshot made this file a backing file: nothing may write it.
+    frozen: bool,
     /// Pointer writes held back until `commit_pointers`, in issue order.
     held: Vec<(u64, Vec<u8>)>,
     /// Refblock writes that free clusters, held back behind `held`.
@@ -129,7 +131,9 @@ pub struct ChainFile(pub Arc<FileState>);
 pub struct FileState {
     file: File,
     path: PathBuf,
-    index: usize,
+    /// Changes only when a snapshot puts a new top above the chain, while
+    /// no request is in flight.
+    index: AtomicUsize,
     size: AtomicU64,
     helper: CommonStorageHelper,
     order: Option<Mutex<Order>>,
@@ -165,7 +169,7 @@ impl FileState {
         Ok(FileState {
             file,
             path: path.to_path_buf(),
-            index,
+            index: AtomicUsize::new(index),
             size: AtomicU64::new(size),
             helper: CommonStorageHelper::default(),
             order: None,
@@ -189,6 +193,7 @@ impl FileState {
             l2_clusters: HashSet::new(),
             rb_clusters: HashSet::new(),
             unsynced: 0,
+            frozen: false,
             held: Vec::new(),
             held_frees: Vec::new(),
         };
@@ -255,7 +260,29 @@ impl FileState {
     }
 
     pub fn index(&self) -> usize {
-        self.index
+        self.index.load(Ordering::Relaxed)
+    }
+
+    /// This file is now one further down the chain (a snapshot put a new
+    /// top above it).
+    pub fn move_down(&self) {
+        self.index.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// This file is written no more (it was the top until a snapshot):
+    /// from now on every write to it fails. Everything imago had to write
+    /// was written and synced before.
+    pub fn freeze(&self) {
+        if let Some(order) = &self.order {
+            lock(order).frozen = true;
+        }
+    }
+
+    /// Undoes [`FileState::freeze`] (a snapshot that failed).
+    pub fn thaw(&self) {
+        if let Some(order) = &self.order {
+            lock(order).frozen = false;
+        }
     }
 
     pub fn file(&self) -> &File {
@@ -390,6 +417,12 @@ impl FileState {
             ));
         };
         let mut o = lock(order);
+        if o.frozen {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "write to a former top of the chain (a snapshot froze it)",
+            ));
+        }
         if !o.loaded {
             return self.pwrite(&data, offset);
         }
@@ -577,7 +610,7 @@ impl fmt::Debug for ChainFile {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ChainFile")
             .field("path", &self.0.path)
-            .field("index", &self.0.index)
+            .field("index", &self.0.index())
             .finish()
     }
 }
@@ -647,7 +680,7 @@ impl Storage for ChainFile {
     }
 
     fn resize(&self, new_size: u64, _prealloc: imago::storage::PreallocateMode) -> io::Result<()> {
-        if self.0.order.is_none() {
+        if self.0.order.as_ref().is_none_or(|o| lock(o).frozen) {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
                 "resize of a read-only file of the chain",

@@ -1,0 +1,144 @@
+//! qemu-img as the oracle for image files: running it, `check` (corruptions
+//! and leaked clusters), `compare` against a raw reference, and checksums.
+//! The tools come from `scripts/format-deps.sh` when missing; a test
+//! never skips for want of them.
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use crate::workspace_root;
+
+/// Installs qemu-utils through the project's script once; panics if the
+/// tools are still missing (CI installs them; a test never skips).
+pub fn need_qemu_img() {
+    static READY: OnceLock<()> = OnceLock::new();
+    READY.get_or_init(|| {
+        if Command::new("qemu-img").arg("--version").output().is_ok() {
+            return;
+        }
+        let script = workspace_root().join("scripts/format-deps.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .output()
+            .expect("running format-deps.sh");
+        assert!(
+            out.status.success(),
+            "{} failed: {}",
+            script.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            Command::new("qemu-img").arg("--version").output().is_ok(),
+            "qemu-img is still missing after {}",
+            script.display()
+        );
+    });
+}
+
+/// Runs a tool, panicking with its output if it fails; returns stdout.
+pub fn run(tool: &str, args: &[&str]) -> String {
+    need_qemu_img();
+    let out = Command::new(tool)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{tool}: {e}"));
+    assert!(
+        out.status.success(),
+        "{tool} {args:?} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn qemu_img(args: &[&str]) -> String {
+    run("qemu-img", args)
+}
+
+/// `qemu-img check --output=json`: (corruptions, leaks). Panics on a
+/// check that cannot run at all.
+pub fn check(path: &Path) -> (u64, u64) {
+    need_qemu_img();
+    let out = Command::new("qemu-img")
+        .args(["check", "--output=json", "-f", "qcow2"])
+        .arg(path)
+        .output()
+        .expect("qemu-img check");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "qemu-img check of {}: {e}\n{}\n{}",
+            path.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let n = |k: &str| v.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+    (n("corruptions"), n("leaks"))
+}
+
+/// Asserts `qemu-img check` finds no corruption; returns the leaks.
+pub fn check_clean(path: &Path) -> u64 {
+    let (corruptions, leaks) = check(path);
+    if corruptions != 0 {
+        let out = Command::new("qemu-img")
+            .arg("check")
+            .arg(path)
+            .output()
+            .unwrap();
+        panic!(
+            "qemu-img check: {corruptions} corruptions in {}:\n{}",
+            path.display(),
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    leaks
+}
+
+/// Asserts the qcow2 image reads exactly as the raw reference.
+pub fn compare_identical(image: &Path, reference: &Path) {
+    need_qemu_img();
+    let out = Command::new("qemu-img")
+        .args(["compare", "-f", "qcow2", "-F", "raw"])
+        .arg(image)
+        .arg(reference)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "qemu-img compare {} {}: {}{}",
+        image.display(),
+        reference.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+pub fn sha256(path: &Path) -> String {
+    run("sha256sum", &[path.to_str().unwrap()])
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// `qemu-img create -f qcow2 -b BASE -F FMT TOP`, with the base named
+/// relative to the overlay's directory when it is in the same one.
+pub fn overlay(base: &Path, base_format: &str, top: &Path) {
+    let name = match (base.parent(), top.parent()) {
+        (Some(a), Some(b)) if a == b => base.file_name().unwrap().to_str().unwrap().to_string(),
+        _ => base.to_str().unwrap().to_string(),
+    };
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        &name,
+        "-F",
+        base_format,
+        top.to_str().unwrap(),
+    ]);
+}

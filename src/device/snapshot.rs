@@ -1,0 +1,50 @@
+//! Live external snapshots: a new qcow2 overlay becomes the top of the
+//! chain while the guest runs (see [`crate::format::live`] for how).
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::Device;
+use crate::format::SnapshotError;
+
+/// What a snapshot did.
+#[derive(Debug, Serialize)]
+pub struct Snapshot {
+    /// The new top: the overlay, written from now on.
+    pub top: String,
+    /// The image that was the top until now: never written again, a
+    /// point-in-time image of the disk that can be copied away.
+    pub frozen: String,
+    /// The chain now, top first.
+    pub chain: Vec<String>,
+}
+
+impl Device {
+    /// Puts a new qcow2 overlay, `overlay`, above the chain: requests in
+    /// flight complete on the old top, those after go to the new one, and
+    /// the image lock moves with the top.
+    pub fn snapshot(&self, overlay: &Path) -> Result<Snapshot, SnapshotError> {
+        let Some(live) = self.qcow2() else {
+            return Err(SnapshotError::NotQcow2);
+        };
+        if self.limits.readonly {
+            return Err(SnapshotError::ReadOnly);
+        }
+        let relock = |file: &std::fs::File| match &self.image_lock {
+            Some(l) => l.relock(file),
+            None => Ok(()),
+        };
+        let chain = live.snapshot(overlay, relock)?;
+        let chain: Vec<String> = chain.iter().map(|p| p.display().to_string()).collect();
+        log::info!(
+            "live snapshot: the chain is now, top first, {}",
+            chain.join(", ")
+        );
+        Ok(Snapshot {
+            top: chain[0].clone(),
+            frozen: chain[1].clone(),
+            chain,
+        })
+    }
+}

@@ -1,0 +1,264 @@
+//! The metadata thread of a qcow2 image: the format's blocking work, off
+//! the queue threads.
+//!
+//! A queue hands it a [`Job`] (resolve a range that missed the mapping
+//! cache or needs an allocation, commit a write's metadata, zero or
+//! discard a range) and goes on with its other requests. The thread does
+//! the work on the chain the request was mapped against, puts the answer
+//! in the queue's [`Inbox`] and writes the queue's completion eventfd: the
+//! one its engine signals, which the worker already watches (as librbd's
+//! callbacks do for the RBD engine). The thread never touches guest
+//! memory: compressed data it reads comes back as bytes, which the queue
+//! copies into the request's buffers.
+//!
+//! One thread per image, so one metadata operation at a time, which the
+//! format needs anyway (its `meta` lock). Jobs come in batches: the
+//! thread takes every job waiting, answers the resolves, zeroes and
+//! discards first (their requests' data I/O can start at once), then does
+//! one commit for all the commit jobs of the batch (group commit: one
+//! round of metadata writes and fdatasyncs for every write waiting).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use vmm_sys_util::eventfd::EventFd;
+
+use super::format::{Extent, Piece, Place, Resolved, Slow};
+use crate::format::{Commit, Dir, Served, Where};
+use crate::metrics::RateLimiter;
+use crate::warn_limited;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What a queue asks of the metadata thread.
+pub enum Work {
+    /// Where `len` bytes at `offset` are, allocating for a write.
+    Resolve { offset: u64, len: u64, dir: Dir },
+    /// The metadata a write's allocation needs, in the file.
+    Commit(Commit),
+    /// Write-zeroes of the range, whole.
+    Zero { offset: u64, len: u64, unmap: bool },
+    /// Discard of the range.
+    Discard { offset: u64, len: u64 },
+}
+
+/// One piece of work for request `tag` of the queue whose inbox this is.
+pub struct Job {
+    pub served: Arc<Served>,
+    pub work: Work,
+    pub tag: u32,
+    pub inbox: Arc<Inbox>,
+}
+
+/// Where a queue's answers wait: a list, a flag the queue can check
+/// without locking, a condition variable for a queue that drains, and the
+/// queue's completion eventfd (a duplicate of its engine's).
+pub struct Inbox {
+    done: Mutex<Vec<(u32, Slow)>>,
+    ready: AtomicBool,
+    cv: Condvar,
+    signal: EventFd,
+}
+
+impl Inbox {
+    pub fn new(signal: EventFd) -> Inbox {
+        Inbox {
+            done: Mutex::new(Vec::new()),
+            ready: AtomicBool::new(false),
+            cv: Condvar::new(),
+            signal,
+        }
+    }
+
+    /// Wakes the queue (after a post, or a snapshot's end).
+    pub fn wake(&self) {
+        let _ = self.signal.write(1);
+    }
+
+    fn post(&self, tag: u32, answer: Slow) {
+        lock(&self.done).push((tag, answer));
+        self.ready.store(true, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    /// Whether answers are waiting (no lock taken).
+    #[inline]
+    pub fn ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    /// Moves the answers waiting into `out`.
+    pub fn take(&self, out: &mut Vec<(u32, Slow)>) {
+        let mut done = lock(&self.done);
+        self.ready.store(false, Ordering::Release);
+        out.append(&mut done);
+    }
+
+    /// Blocks until an answer waits, or `timeout`.
+    pub fn wait(&self, timeout: Duration) {
+        let done = lock(&self.done);
+        if done.is_empty() {
+            let _ = self.cv.wait_timeout_while(done, timeout, |d| d.is_empty());
+        }
+    }
+}
+
+/// The handle queues send jobs through.
+#[derive(Clone)]
+pub struct Meta {
+    tx: Sender<Job>,
+}
+
+impl Meta {
+    /// Starts the thread (at start-up, before the seccomp filter).
+    pub fn spawn() -> std::io::Result<Meta> {
+        let (tx, rx) = channel();
+        std::thread::Builder::new()
+            .name("qcow2-meta".into())
+            .spawn(move || run(rx))?;
+        Ok(Meta { tx })
+    }
+
+    pub fn send(&self, job: Job) {
+        // The thread ends only when every sender is gone.
+        let _ = self.tx.send(job);
+    }
+}
+
+fn run(rx: Receiver<Job>) {
+    let mut log_limit = RateLimiter::new(10, Duration::from_secs(5));
+    let mut batch = Vec::new();
+    let mut commits = Vec::new();
+    let mut woken: Vec<Arc<Inbox>> = Vec::new();
+    while let Ok(first) = rx.recv() {
+        batch.push(first);
+        batch.extend(rx.try_iter());
+        for job in batch.drain(..) {
+            if let Work::Commit(t) = job.work {
+                commits.push((t, job));
+                continue;
+            }
+            let answer = work(&job, &mut log_limit);
+            job.inbox.post(job.tag, answer);
+            note(&mut woken, &job.inbox);
+        }
+        for inbox in woken.drain(..) {
+            inbox.wake();
+        }
+        // One commit per image for the whole group: its highest ticket.
+        while let Some((_, first)) = commits.first() {
+            let served = first.served.clone();
+            let same = |j: &Job| Arc::ptr_eq(&j.served, &served);
+            let ticket = commits
+                .iter()
+                .filter(|(_, j)| same(j))
+                .map(|(t, _)| *t)
+                .max();
+            let result = match ticket {
+                Some(t) => served.image.commit(t),
+                None => Ok(()),
+            };
+            if let Err(e) = &result {
+                warn_limited!(log_limit, "{}: committing metadata: {e}", name(&served));
+            }
+            let mut rest = Vec::new();
+            for (t, job) in commits.drain(..) {
+                if same(&job) {
+                    let answer = if result.is_ok() {
+                        Slow::Done
+                    } else {
+                        Slow::Failed
+                    };
+                    job.inbox.post(job.tag, answer);
+                    note(&mut woken, &job.inbox);
+                } else {
+                    rest.push((t, job));
+                }
+            }
+            commits = rest;
+        }
+        for inbox in woken.drain(..) {
+            inbox.wake();
+        }
+    }
+}
+
+fn note(woken: &mut Vec<Arc<Inbox>>, inbox: &Arc<Inbox>) {
+    if !woken.iter().any(|i| Arc::ptr_eq(i, inbox)) {
+        woken.push(inbox.clone());
+    }
+}
+
+fn name(served: &Served) -> String {
+    served
+        .image
+        .chain()
+        .first()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default()
+}
+
+/// Does one job (not a commit).
+fn work(job: &Job, log_limit: &mut RateLimiter) -> Slow {
+    let image = &job.served.image;
+    let result = match job.work {
+        Work::Resolve { offset, len, dir } => return resolve(job, offset, len, dir, log_limit),
+        Work::Zero { offset, len, unmap } => image.zero_range(offset, len, unmap),
+        Work::Discard { offset, len } => image.discard(offset, len),
+        Work::Commit(_) => unreachable!("commits are grouped"),
+    };
+    match result {
+        Ok(()) => Slow::Done,
+        Err(e) => {
+            warn_limited!(log_limit, "{}: {e}", name(&job.served));
+            Slow::Failed
+        }
+    }
+}
+
+fn resolve(job: &Job, offset: u64, len: u64, dir: Dir, log_limit: &mut RateLimiter) -> Slow {
+    let image = &job.served.image;
+    let mut out = Vec::new();
+    let failed = |e: &dyn std::fmt::Display, log_limit: &mut RateLimiter| {
+        warn_limited!(
+            log_limit,
+            "{}: {len} bytes at {offset}: {e}",
+            name(&job.served)
+        );
+        Slow::Failed
+    };
+    let ticket = match image.resolve(offset, len, dir, &mut out) {
+        Ok(t) => t,
+        Err(e) => return failed(&e, log_limit),
+    };
+    let mut pieces = Vec::with_capacity(out.len());
+    for p in out {
+        let at = (p.guest - offset) as u32;
+        let place = match p.at {
+            Where::Data { file, offset } => Place::Host(Extent {
+                file: file as u32,
+                offset,
+            }),
+            Where::Zero => Place::Zero,
+            Where::Slow => {
+                // Compressed: read here, copied into the guest's buffers
+                // by the queue.
+                let mut bytes = vec![0u8; p.len as usize];
+                if let Err(e) = image.read_slow(p.guest, &mut bytes) {
+                    return failed(&e, log_limit);
+                }
+                Place::Bytes(bytes)
+            }
+        };
+        pieces.push(Piece {
+            at,
+            len: p.len as u32,
+            place,
+        });
+    }
+    Slow::Resolved(Resolved { pieces, ticket })
+}

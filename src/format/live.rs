@@ -1,0 +1,487 @@
+//! The qcow2 image a daemon serves, across live snapshots: which chain is
+//! current, the gate every request passes so that a snapshot can stop
+//! them, and the snapshot itself.
+//!
+//! - [`Live::current`] is the chain requests are mapped against now
+//!   ([`Served`]: the image and the files the engine does data I/O on).
+//!   A snapshot replaces it and bumps [`Live::generation`]; each queue
+//!   notices at its next request and takes the new chain (and registers
+//!   its files with its engine).
+//! - The gate: each queue has a [`Gate`] counting its requests from the
+//!   moment they are mapped until they complete. A request enters
+//!   ([`Live::enter`]) unless a snapshot has paused the image; then it
+//!   waits at the head of its queue, in order, and the queue is woken
+//!   ([`Gate`]'s wake) when the snapshot is over. One uncontended atomic
+//!   add and one load per request, on the queue's own cache line.
+//! - [`Live::snapshot`]: pause, wait until no request is in flight (so
+//!   every write taken before completes on the old top, and none taken
+//!   after reaches it), commit and sync the old top and freeze it (it is
+//!   never written again), create the overlay in the snapshot directory
+//!   with the old top as its backing file, move the image lock to it,
+//!   switch, resume. The old top is then a point-in-time image of the
+//!   disk, consistent as after a power loss at that instant.
+//!
+//! Files after start-up: the daemon opens nothing by path then (the
+//! seccomp filter has no `openat`, Landlock allows nothing new), except
+//! overlays, which are created only in the directory given at start-up
+//! (`--snapshot-dir`): by `openat` on that directory's descriptor, the
+//! one the filter allows `openat` on, under a Landlock rule that lets
+//! the daemon create, read, write and remove regular files beneath it.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::FormatError;
+use super::qcow2::{OpenOptions, Qcow2Image};
+
+/// How long a snapshot waits for the requests in flight to finish.
+pub const QUIESCE_WAIT: Duration = Duration::from_secs(30);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A chain, as requests are mapped against it.
+pub struct Served {
+    pub image: Qcow2Image,
+    /// The files the engine does data I/O on, top first (the image's own
+    /// files again, or with `--direct` the same files opened O_DIRECT).
+    io_files: Vec<File>,
+    /// Which chain this is (see [`Live::generation`]).
+    pub generation: u64,
+}
+
+impl Served {
+    /// The descriptors of [`Served::io_files`], top first: what an engine
+    /// registers, in this order, for a `Where::Data { file }` to index.
+    pub fn io_fds(&self) -> Vec<RawFd> {
+        self.io_files.iter().map(AsRawFd::as_raw_fd).collect()
+    }
+}
+
+/// One queue's count of requests in flight, and how to wake it.
+#[repr(align(64))]
+pub struct Gate {
+    in_flight: AtomicUsize,
+    wake: Box<dyn Fn() + Send + Sync>,
+}
+
+/// The directory overlays are created in, opened at start-up.
+pub struct SnapshotDir {
+    dir: File,
+    /// Its canonical path: what an overlay's path is checked against, and
+    /// the start of the name its backing file gets.
+    path: PathBuf,
+}
+
+impl SnapshotDir {
+    /// Opens `path` (a directory) for creating overlays in it.
+    pub fn open(path: &Path) -> io::Result<SnapshotDir> {
+        let path = std::fs::canonicalize(path)?;
+        let c = CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: `c` is a NUL-terminated path that lives across the call.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just opened and is owned by nothing else.
+        let dir = unsafe { File::from_raw_fd(fd) };
+        Ok(SnapshotDir { dir, path })
+    }
+
+    /// The directory's descriptor: the only one `openat` and `unlinkat`
+    /// may name after start-up.
+    pub fn fd(&self) -> RawFd {
+        self.dir.as_raw_fd()
+    }
+
+    /// The directory itself (for Landlock's rule).
+    pub fn file(&self) -> &File {
+        &self.dir
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file name of `overlay`: a bare name, or a path in this
+    /// directory (its parent, as the client resolved it, is this
+    /// directory).
+    fn name_of(&self, overlay: &Path) -> Result<String, SnapshotError> {
+        let bad = |why: &str| SnapshotError::Name(overlay.display().to_string(), why.to_string());
+        let name = match overlay.parent() {
+            Some(p) if p.as_os_str().is_empty() => overlay,
+            Some(p) if p == self.path => Path::new(overlay.file_name().unwrap_or_default()),
+            Some(_) => {
+                return Err(bad(&format!(
+                    "overlays are created in the snapshot directory {}",
+                    self.path.display()
+                )));
+            }
+            None => return Err(bad("not a file name")),
+        };
+        let name = name
+            .to_str()
+            .ok_or_else(|| bad("the name is not UTF-8"))?
+            .to_string();
+        if name.is_empty()
+            || name == "."
+            || name == ".."
+            || name.contains('/')
+            || name.contains('\0')
+        {
+            return Err(bad("not a file name"));
+        }
+        Ok(name)
+    }
+
+    /// `openat(dir, name, flags)`.
+    fn open_at(&self, name: &str, flags: libc::c_int) -> io::Result<File> {
+        let c = CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: `c` is NUL-terminated and lives across the call; the
+        // directory's descriptor is open for as long as `self`.
+        let fd = unsafe {
+            libc::openat(
+                self.dir.as_raw_fd(),
+                c.as_ptr(),
+                flags | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+                0o600 as libc::c_uint,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just opened and is owned by nothing else.
+        Ok(unsafe { File::from_raw_fd(fd) })
+    }
+
+    /// Removes `name` (an overlay a failed snapshot created).
+    fn remove(&self, name: &str) {
+        let Ok(c) = CString::new(name) else { return };
+        // SAFETY: as in `open_at`; unlinkat takes no other pointer.
+        unsafe { libc::unlinkat(self.dir.as_raw_fd(), c.as_ptr(), 0) };
+    }
+}
+
+/// Why a snapshot was refused or failed; one line each.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error(
+        "live snapshots need a directory to create their overlays in: serve --snapshot-dir DIR"
+    )]
+    NoDirectory,
+    #[error(
+        "live snapshots need a qcow2 image (serve --format qcow2); a raw image can be the backing file of one: qemu-img create -f qcow2 -b IMAGE -F raw TOP.qcow2"
+    )]
+    NotQcow2,
+    #[error("{0}: {1}")]
+    Name(String, String),
+    #[error("the image is read-only")]
+    ReadOnly,
+    #[error("cannot create {path}: {source}")]
+    Create { path: String, source: io::Error },
+    #[error("requests in flight did not finish within {0:?}; nothing was changed")]
+    Busy(Duration),
+    #[error("cannot lock the overlay: {0}")]
+    Lock(io::Error),
+    #[error(transparent)]
+    Format(#[from] FormatError),
+}
+
+/// The served qcow2 image: see the module doc.
+pub struct Live {
+    current: Mutex<Arc<Served>>,
+    generation: AtomicU64,
+    /// A snapshot is switching the chain: requests wait.
+    paused: AtomicBool,
+    /// Waiters for the end of a pause (a queue draining meanwhile).
+    resumed: (Mutex<()>, Condvar),
+    gates: Mutex<Vec<Arc<Gate>>>,
+    snapshots: Option<SnapshotDir>,
+    options: OpenOptions,
+    direct: bool,
+    /// One snapshot at a time.
+    switching: Mutex<()>,
+}
+
+impl Live {
+    /// Opens the qcow2 image at `path` and its chain. `direct`: the engine
+    /// does its data I/O with O_DIRECT (on the same files opened again).
+    pub fn open(
+        path: &Path,
+        options: OpenOptions,
+        direct: bool,
+        snapshots: Option<SnapshotDir>,
+    ) -> Result<Live, FormatError> {
+        // Absolute: an overlay names this file as its backing file.
+        let path = std::fs::canonicalize(path).map_err(|e| FormatError::Open {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        let image = Qcow2Image::open(&path, &options)?;
+        let io_files = io_files(&image, direct, None)?;
+        Ok(Live {
+            current: Mutex::new(Arc::new(Served {
+                image,
+                io_files,
+                generation: 0,
+            })),
+            generation: AtomicU64::new(0),
+            paused: AtomicBool::new(false),
+            resumed: (Mutex::new(()), Condvar::new()),
+            gates: Mutex::new(Vec::new()),
+            snapshots,
+            options,
+            direct,
+            switching: Mutex::new(()),
+        })
+    }
+
+    /// The chain requests are mapped against now.
+    pub fn current(&self) -> Arc<Served> {
+        lock(&self.current).clone()
+    }
+
+    /// Bumped by each snapshot; a queue that saw another takes
+    /// [`Live::current`] again.
+    #[inline]
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// The snapshot directory, if any.
+    pub fn snapshot_dir(&self) -> Option<&SnapshotDir> {
+        self.snapshots.as_ref()
+    }
+
+    /// Guest-visible bytes.
+    pub fn size(&self) -> u64 {
+        self.current().image.size()
+    }
+
+    /// The chain's paths, top first.
+    pub fn chain(&self) -> Vec<PathBuf> {
+        self.current().image.chain()
+    }
+
+    /// Grows the image online.
+    pub fn grow(&self, size: u64) -> Result<(), FormatError> {
+        self.current().image.grow(size)
+    }
+
+    /// Makes everything durable and forgets every cached table, so that
+    /// the next request reads the metadata from the file: for when another
+    /// process may write the image meanwhile, or may have (the rings stop
+    /// for a migration, and start again after one).
+    pub fn refresh(&self) -> Result<(), FormatError> {
+        self.current().image.invalidate()
+    }
+
+    /// A queue's gate; `wake` brings its worker back after a pause.
+    pub fn gate(&self, wake: Box<dyn Fn() + Send + Sync>) -> Arc<Gate> {
+        let g = Arc::new(Gate {
+            in_flight: AtomicUsize::new(0),
+            wake,
+        });
+        lock(&self.gates).push(g.clone());
+        g
+    }
+
+    /// A request of `gate`'s queue is mapped now, unless a snapshot is
+    /// switching the chain (false: it waits). SeqCst on both sides: a
+    /// snapshot that paused before this count sees it, or this sees the
+    /// pause.
+    #[inline]
+    pub fn enter(&self, gate: &Gate) -> bool {
+        gate.in_flight.fetch_add(1, Ordering::SeqCst);
+        if self.paused.load(Ordering::SeqCst) {
+            self.leave(gate);
+            return false;
+        }
+        true
+    }
+
+    /// A request that entered has completed.
+    #[inline]
+    pub fn leave(&self, gate: &Gate) {
+        gate.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Whether a snapshot is switching the chain.
+    pub fn paused(&self) -> bool {
+        self.paused.load(Ordering::SeqCst)
+    }
+
+    /// Blocks until no snapshot is switching the chain, or `timeout`.
+    pub fn wait_resumed(&self, timeout: Duration) {
+        let (m, cv) = &self.resumed;
+        let guard = lock(m);
+        if self.paused() {
+            let _ = cv.wait_timeout_while(guard, timeout, |_| self.paused());
+        }
+    }
+
+    /// A live snapshot to a new overlay `overlay` in the snapshot
+    /// directory (see the module doc). `relock` moves the image lock to
+    /// the new top (its argument), or back to the old one if the snapshot
+    /// fails after it. Returns the new chain, top first.
+    pub fn snapshot(
+        &self,
+        overlay: &Path,
+        relock: impl Fn(&File) -> io::Result<()>,
+    ) -> Result<Vec<PathBuf>, SnapshotError> {
+        let _one = lock(&self.switching);
+        let dir = self.snapshots.as_ref().ok_or(SnapshotError::NoDirectory)?;
+        let name = dir.name_of(overlay)?;
+        let path = dir.path.join(&name);
+        let old = self.current();
+        if !old.image.writable() {
+            return Err(SnapshotError::ReadOnly);
+        }
+        let create = |source| SnapshotError::Create {
+            path: path.display().to_string(),
+            source,
+        };
+        let file = dir
+            .open_at(&name, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL)
+            .map_err(create)?;
+        let made = self.switch(dir, &name, &path, file, &old, &relock);
+        if made.is_err() {
+            dir.remove(&name);
+        }
+        self.resume();
+        made
+    }
+
+    /// The part of a snapshot that runs paused.
+    fn switch(
+        &self,
+        dir: &SnapshotDir,
+        name: &str,
+        path: &Path,
+        file: File,
+        old: &Served,
+        relock: &impl Fn(&File) -> io::Result<()>,
+    ) -> Result<Vec<PathBuf>, SnapshotError> {
+        let direct = if self.direct {
+            let f = dir.open_at(name, libc::O_RDWR | libc::O_DIRECT);
+            Some(f.map_err(|source| SnapshotError::Create {
+                path: path.display().to_string(),
+                source,
+            })?)
+        } else {
+            None
+        };
+        self.pause()?;
+        relock(&file).map_err(SnapshotError::Lock)?;
+        let backing = old.image.chain()[0].display().to_string();
+        let io_top = match direct {
+            Some(f) => f,
+            None => file.try_clone().map_err(FormatError::io("dup"))?,
+        };
+        let image = match old.image.snapshot(file, path, &backing, &self.options) {
+            Ok(i) => i,
+            Err(e) => {
+                if let Some(top) = old.io_files.first() {
+                    let _ = relock(top);
+                }
+                return Err(e.into());
+            }
+        };
+        // The new file's name is durable before anything depends on it.
+        if let Err(e) = dir.dir.sync_data() {
+            log::warn!(
+                "fdatasync of the snapshot directory {}: {e}",
+                dir.path.display()
+            );
+        }
+        let io_files = io_files(&image, false, Some((io_top, &old.io_files)))?;
+        let generation = old.generation + 1;
+        let chain = image.chain();
+        *lock(&self.current) = Arc::new(Served {
+            image,
+            io_files,
+            generation,
+        });
+        self.generation.store(generation, Ordering::Release);
+        Ok(chain)
+    }
+
+    /// Stops new requests and waits for those in flight.
+    fn pause(&self) -> Result<(), SnapshotError> {
+        self.paused.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + QUIESCE_WAIT;
+        let gates = lock(&self.gates).clone();
+        while gates.iter().any(|g| g.in_flight.load(Ordering::SeqCst) > 0) {
+            if Instant::now() > deadline {
+                return Err(SnapshotError::Busy(QUIESCE_WAIT));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        Ok(())
+    }
+
+    /// Lets requests through again, and wakes every queue (some have
+    /// requests waiting).
+    fn resume(&self) {
+        {
+            let _g = lock(&self.resumed.0);
+            self.paused.store(false, Ordering::SeqCst);
+            self.resumed.1.notify_all();
+        }
+        for g in lock(&self.gates).iter() {
+            (g.wake)();
+        }
+    }
+}
+
+/// The files the engine does data I/O on, for `image`: with `direct`, its
+/// files opened again O_DIRECT (by /proc/self/fd, at start-up); else
+/// duplicates. `after_snapshot`: the new top's own, and the old chain's.
+fn io_files(
+    image: &Qcow2Image,
+    direct: bool,
+    after_snapshot: Option<(File, &[File])>,
+) -> Result<Vec<File>, FormatError> {
+    if let Some((top, below)) = after_snapshot {
+        let mut files = vec![top];
+        for f in below {
+            files.push(f.try_clone().map_err(FormatError::io("dup"))?);
+        }
+        return Ok(files);
+    }
+    image
+        .files()
+        .into_iter()
+        .enumerate()
+        .map(|(i, f)| {
+            if !direct {
+                return f.try_clone().map_err(FormatError::io("dup"));
+            }
+            let proc = format!("/proc/self/fd/{}", f.as_raw_fd());
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(i == 0 && image.writable())
+                .custom_flags(libc::O_DIRECT)
+                .open(&proc)
+                .map_err(|e| FormatError::Open {
+                    path: image.chain()[i].display().to_string(),
+                    reason: format!("opening it O_DIRECT: {e}"),
+                })
+        })
+        .collect()
+}

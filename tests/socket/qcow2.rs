@@ -1,0 +1,686 @@
+//! `serve --format qcow2` through libblkio, with qemu-img as the oracle:
+//! overlays over raw, qcow2 and compressed bases, many queues allocating
+//! at once, discard and write-zeroes, online growth, live snapshots over
+//! the control API, and bad images.
+//!
+//! Each test keeps a raw reference of what the guest's disk must read,
+//! applies every request to it too, and at the end (the daemon stopped)
+//! asserts: the base is unchanged (checksum), `qemu-img check` finds no
+//! corruption, and `qemu-img compare` finds the overlay identical to the
+//! reference.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ringblk_testkit::qemu_img::{check_clean, compare_identical, overlay, qemu_img, sha256};
+use ringblk_testkit::{Client, Daemon, DaemonOptions, KIB, MIB, Op, test_dir};
+
+const SIZE: u64 = 32 * MIB;
+const CLUSTER: u64 = 64 * KIB;
+
+/// A deterministic byte for `offset` of pattern `seed` (0: the base's).
+fn byte(seed: u64, offset: u64) -> u8 {
+    let x =
+        (offset / 8).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+    (x >> ((offset % 8) * 8)) as u8 ^ (x >> 56) as u8
+}
+
+fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = byte(seed, offset + i as u64);
+    }
+}
+
+/// A small xorshift generator: tests are reproducible from their seed.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x % n
+    }
+}
+
+/// A base of `kind` ("raw", "qcow2", "compressed") holding pattern 0, an
+/// overlay over it, and a raw reference of what the overlay reads (a copy
+/// of the base's content), all in `dir`.
+struct Chain {
+    base: PathBuf,
+    top: PathBuf,
+    reference: PathBuf,
+    base_sum: String,
+}
+
+fn chain(dir: &Path, kind: &str, size: u64) -> Chain {
+    let reference = dir.join("reference.raw");
+    let mut data = vec![0u8; size as usize];
+    fill(0, 0, &mut data);
+    std::fs::write(&reference, &data).unwrap();
+    let (base, fmt) = match kind {
+        "raw" => {
+            let b = dir.join("base.raw");
+            std::fs::copy(&reference, &b).unwrap();
+            (b, "raw")
+        }
+        "qcow2" | "compressed" => {
+            let b = dir.join("base.qcow2");
+            let mut args = vec!["convert", "-O", "qcow2"];
+            if kind == "compressed" {
+                args.push("-c");
+            }
+            args.extend([reference.to_str().unwrap(), b.to_str().unwrap()]);
+            qemu_img(&args);
+            (b, "qcow2")
+        }
+        other => panic!("{other}"),
+    };
+    let top = dir.join("top.qcow2");
+    overlay(&base, fmt, &top);
+    Chain {
+        base_sum: sha256(&base),
+        base,
+        top,
+        reference,
+    }
+}
+
+impl Chain {
+    /// Applies a write of pattern `seed` to the reference.
+    fn write(&self, seed: u64, offset: u64, len: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; len];
+        fill(seed, offset, &mut buf);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.reference)
+            .unwrap();
+        f.write_all_at(&buf, offset).unwrap();
+        buf
+    }
+
+    fn zero(&self, offset: u64, len: u64) {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.reference)
+            .unwrap();
+        f.write_all_at(&vec![0u8; len as usize], offset).unwrap();
+    }
+
+    fn expected(&self, offset: u64, len: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; len];
+        std::fs::File::open(&self.reference)
+            .unwrap()
+            .read_exact_at(&mut buf, offset)
+            .unwrap();
+        buf
+    }
+
+    /// The oracle's verdict, the daemon stopped: the base unchanged, no
+    /// corruption, the overlay reads as the reference. Returns the leaked
+    /// clusters.
+    fn verify(&self) -> u64 {
+        assert_eq!(sha256(&self.base), self.base_sum, "the base was written");
+        let leaks = check_clean(&self.top);
+        compare_identical(&self.top, &self.reference);
+        leaks
+    }
+}
+
+fn serve(c: &Chain, dir: &Path, args: &[&str]) -> Daemon {
+    let mut all = vec!["--format", "qcow2"];
+    all.extend_from_slice(args);
+    Daemon::start_in(
+        dir,
+        DaemonOptions {
+            image: Some(c.top.clone()),
+            args: &all,
+            ..DaemonOptions::default()
+        },
+    )
+}
+
+fn stop(mut d: Daemon) {
+    let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(20));
+    assert!(st.success(), "the daemon exited with {st}:\n{}", d.log());
+}
+
+/// Writes and reads through `client` what `chain` records, unaligned and
+/// across clusters, and checks every read against the reference.
+fn exercise(client: &mut Client, c: &Chain) {
+    let check = |client: &mut Client, offset: u64, len: usize| {
+        let got = client.read(offset, len);
+        assert!(
+            got == c.expected(offset, len),
+            "read of {len} bytes at {offset} differs from the reference"
+        );
+    };
+    // The base shows through.
+    check(client, 0, 256 * KIB as usize);
+    check(client, SIZE - 64 * KIB, 64 * KIB as usize);
+    let writes: &[(u64, usize)] = &[
+        // Inside one cluster, copy-on-write around it.
+        (4 * KIB, 8 * KIB as usize),
+        // Across two clusters.
+        (CLUSTER - 4 * KIB, 12 * KIB as usize),
+        // A whole cluster.
+        (3 * CLUSTER, CLUSTER as usize),
+        // Large, unaligned, over many clusters.
+        (10 * CLUSTER + 512, (MIB + 1024) as usize),
+        // Again over a cluster written before.
+        (6 * KIB, 4 * KIB as usize),
+        // The last sector.
+        (SIZE - 512, 512),
+    ];
+    for (i, &(offset, len)) in writes.iter().enumerate() {
+        let data = c.write(i as u64 + 1, offset, len);
+        assert_eq!(client.write(offset, &data), 0, "write at {offset}");
+        let from = offset.saturating_sub(4 * KIB);
+        let to = (offset + len as u64 + 4 * KIB).min(SIZE);
+        check(client, from, (to - from) as usize);
+    }
+    // Write-zeroes: whole clusters and an unaligned head and tail.
+    let (zo, zl) = (20 * CLUSTER + 4 * KIB, 3 * CLUSTER);
+    assert_eq!(client.write_zeroes(zo, zl), 0);
+    c.zero(zo, zl);
+    check(client, 20 * CLUSTER, 4 * CLUSTER as usize);
+    // Discard of written clusters: what it leaves is unspecified, so the
+    // range is written again afterwards (and must read back).
+    assert_eq!(client.discard(10 * CLUSTER, 4 * CLUSTER), 0);
+    let data = c.write(99, 10 * CLUSTER, 4 * CLUSTER as usize);
+    assert_eq!(client.write(10 * CLUSTER, &data), 0);
+    check(client, 10 * CLUSTER, 4 * CLUSTER as usize);
+    assert_eq!(client.flush(), 0);
+}
+
+/// Writes over an overlay of each kind of base read back right, and the
+/// image is what qemu-img expects: base unchanged, check clean, compare
+/// identical.
+#[test]
+fn an_overlay_over_each_kind_of_base_reads_and_writes() {
+    for kind in ["raw", "qcow2", "compressed"] {
+        let dir = test_dir();
+        let c = chain(dir.path(), kind, SIZE);
+        let d = serve(&c, dir.path(), &[]);
+        let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+        assert_eq!(client.capacity, SIZE);
+        exercise(&mut client, &c);
+        drop(client);
+        stop(d);
+        let leaks = c.verify();
+        assert_eq!(leaks, 0, "{kind}: leaked clusters");
+    }
+}
+
+/// The same with O_DIRECT data I/O.
+#[test]
+fn an_overlay_served_with_o_direct() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "qcow2", SIZE);
+    let d = serve(&c, dir.path(), &["--direct"]);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    exercise(&mut client, &c);
+    drop(client);
+    stop(d);
+    c.verify();
+}
+
+/// 1, 2, 8 and 64 queues write random 4 KiB blocks of an empty overlay at
+/// once, most of them allocating (copy-on-write from the base): every
+/// block reads back, and the image checks clean.
+#[test]
+fn many_queues_allocate_at_once() {
+    for queues in [1usize, 2, 8, 64] {
+        let dir = test_dir();
+        let c = chain(dir.path(), "qcow2", SIZE);
+        let q = queues.to_string();
+        let d = serve(&c, dir.path(), &["--queues", &q]);
+        let per_queue = 16;
+        let block = 4 * KIB as usize;
+        let buf = (queues * per_queue * block).max(MIB as usize);
+        let mut client = Client::connect_queues(&d.socket, buf, queues);
+        let mut rng = Rng(0x5eed + queues as u64);
+        let mut ops = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for round in 0..4u64 {
+            ops.clear();
+            for i in 0..queues * per_queue {
+                // Distinct blocks within a round: concurrent writes to one
+                // block would have no defined result.
+                let offset = loop {
+                    let o = rng.below(SIZE / block as u64) * block as u64;
+                    if seen.insert((round, o)) {
+                        break o;
+                    }
+                };
+                let data = c.write(round * 10_000 + i as u64, offset, block);
+                client.buf()[i * block..(i + 1) * block].copy_from_slice(&data);
+                ops.push((
+                    i % queues,
+                    Op::Write {
+                        offset,
+                        buf_off: i * block,
+                        len: block,
+                    },
+                ));
+            }
+            let results = client.batch_queues(&ops);
+            assert!(
+                results.iter().all(|&r| r == 0),
+                "{queues} queues: writes failed: {results:?}"
+            );
+        }
+        assert_eq!(client.flush(), 0);
+        // Everything reads back through the daemon too.
+        for offset in (0..SIZE).step_by(MIB as usize) {
+            let got = client.read(offset, MIB as usize);
+            assert!(
+                got == c.expected(offset, MIB as usize),
+                "{queues} queues: MiB at {offset} differs"
+            );
+        }
+        drop(client);
+        stop(d);
+        c.verify();
+    }
+}
+
+/// `ringblk ctl --api API ARGS`.
+fn ctl(api: &Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(ringblk_testkit::ringblk_bin())
+        .arg("ctl")
+        .arg("--api")
+        .arg(api)
+        .args(args)
+        .output()
+        .expect("running ringblk ctl")
+}
+
+/// `qemu-img convert` of `image` to a raw file next to it.
+fn to_raw(image: &Path) -> PathBuf {
+    let raw = image.with_extension("converted.raw");
+    qemu_img(&[
+        "convert",
+        "-O",
+        "raw",
+        image.to_str().unwrap(),
+        raw.to_str().unwrap(),
+    ]);
+    raw
+}
+
+/// A live snapshot between two sets of writes: the old top reads as the
+/// disk did at the snapshot and is never written again; the new chain
+/// reads as the disk does at the end; both check clean; `ctl status`
+/// shows the chain.
+#[test]
+fn a_live_snapshot_freezes_the_old_top() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let d = serve(
+        &c,
+        dir.path(),
+        &[
+            "--api",
+            api.to_str().unwrap(),
+            "--snapshot-dir",
+            snaps.to_str().unwrap(),
+        ],
+    );
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    for i in 0..8u64 {
+        let data = c.write(i + 1, i * 3 * CLUSTER + 512, 20 * KIB as usize);
+        assert_eq!(client.write(i * 3 * CLUSTER + 512, &data), 0);
+    }
+    let at_snapshot = dir.path().join("at-snapshot.raw");
+    std::fs::copy(&c.reference, &at_snapshot).unwrap();
+    let out = ctl(&api, &["snapshot", "--overlay", "s1.qcow2"]);
+    assert!(
+        out.status.success(),
+        "ctl snapshot: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("s1.qcow2"), "{stdout}");
+    let old_sum = sha256(&c.top);
+    // Writes after the snapshot: over clusters the old top has, and new.
+    for i in 0..8u64 {
+        let data = c.write(100 + i, i * 2 * CLUSTER + 4 * KIB, 40 * KIB as usize);
+        assert_eq!(client.write(i * 2 * CLUSTER + 4 * KIB, &data), 0);
+    }
+    exercise(&mut client, &c);
+    let status = ctl(&api, &["status"]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let chain: Vec<&str> = status["chain"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    let s1 = std::fs::canonicalize(snaps.join("s1.qcow2")).unwrap();
+    assert_eq!(
+        chain,
+        [
+            s1.to_str().unwrap(),
+            std::fs::canonicalize(&c.top).unwrap().to_str().unwrap(),
+            std::fs::canonicalize(&c.base).unwrap().to_str().unwrap(),
+        ]
+    );
+    // A second snapshot of the same name is refused; the daemon goes on.
+    let again = ctl(&api, &["snapshot", "--overlay", "s1.qcow2"]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("exists"));
+    // Outside the snapshot directory: refused.
+    let outside = ctl(
+        &api,
+        &[
+            "snapshot",
+            "--overlay",
+            dir.path().join("s2.qcow2").to_str().unwrap(),
+        ],
+    );
+    assert_eq!(outside.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&outside.stderr).contains("snapshot directory"));
+    assert_eq!(client.flush(), 0);
+    drop(client);
+    stop(d);
+    assert_eq!(
+        sha256(&c.top),
+        old_sum,
+        "the old top was written after the snapshot"
+    );
+    assert_eq!(sha256(&c.base), c.base_sum);
+    check_clean(&c.top);
+    compare_identical(&c.top, &at_snapshot);
+    check_clean(&s1);
+    compare_identical(&s1, &c.reference);
+}
+
+/// A snapshot while 8 queues write, round after round: every request
+/// completes, the new chain reads as the last round made it, and the old
+/// top holds each block as one round (or none) wrote it, whole: nothing
+/// that completed on the new top reached it, and nothing was lost.
+#[test]
+fn a_live_snapshot_under_writes_loses_nothing() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "qcow2", SIZE);
+    let api = dir.path().join("api.sock");
+    let d = serve(
+        &c,
+        dir.path(),
+        &[
+            "--queues",
+            "8",
+            "--api",
+            api.to_str().unwrap(),
+            "--snapshot-dir",
+            dir.path().to_str().unwrap(),
+        ],
+    );
+    let block = CLUSTER as usize;
+    let blocks = (SIZE / CLUSTER) as usize;
+    let mut client = Client::connect_queues(&d.socket, blocks * block, 8);
+    let seed = |round: u64, i: usize| round * 1000 + i as u64 + 7;
+    // The snapshot comes while the second round's writes are in flight.
+    let writing = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (api2, writing2) = (api.clone(), writing.clone());
+    let snap = std::thread::spawn(move || {
+        while writing2.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        ctl(&api2, &["snapshot", "--overlay", "s1.qcow2"])
+    });
+    let mut rounds = 0u64;
+    let mut after_snapshot = 0;
+    while after_snapshot < 2 {
+        let mut ops = Vec::new();
+        for i in 0..blocks {
+            let offset = i as u64 * CLUSTER;
+            let data = c.write(seed(rounds, i), offset, block);
+            client.buf()[i * block..(i + 1) * block].copy_from_slice(&data);
+            ops.push((
+                i % 8,
+                Op::Write {
+                    offset,
+                    buf_off: i * block,
+                    len: block,
+                },
+            ));
+        }
+        writing.store(rounds + 1, std::sync::atomic::Ordering::SeqCst);
+        let results = client.batch_queues(&ops);
+        assert!(
+            results.iter().all(|&r| r == 0),
+            "round {rounds}: {results:?}"
+        );
+        rounds += 1;
+        if snap.is_finished() {
+            after_snapshot += 1;
+        }
+    }
+    let out = snap.join().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(client.flush(), 0);
+    drop(client);
+    stop(d);
+    let s1 = dir.path().join("s1.qcow2");
+    check_clean(&c.top);
+    check_clean(&s1);
+    compare_identical(&s1, &c.reference);
+    let old = std::fs::read(to_raw(&c.top)).unwrap();
+    let mut by_round = vec![0usize; rounds as usize + 1];
+    for i in 0..blocks {
+        let offset = i as u64 * CLUSTER;
+        let got = &old[i * block..(i + 1) * block];
+        let mut want = vec![0u8; block];
+        let found = (0..rounds).rev().find(|&r| {
+            fill(seed(r, i), offset, &mut want);
+            got == want
+        });
+        match found {
+            Some(r) => by_round[r as usize + 1] += 1,
+            None => {
+                fill(0, offset, &mut want);
+                assert!(got == want, "block {i} of the old top is no round's");
+                by_round[0] += 1;
+            }
+        }
+    }
+    eprintln!("{rounds} rounds; blocks of the old top by round (none first): {by_round:?}");
+}
+
+/// Starts `serve --format qcow2` on `image` and expects a refusal: exit
+/// status 1 within 20 s, one `ringblk:` line saying `what`, no panic.
+fn refused(dir: &Path, image: &Path, what: &str) {
+    let mut child = std::process::Command::new(ringblk_testkit::ringblk_bin())
+        .args(["serve", "--format", "qcow2", "--socket"])
+        .arg(dir.join("refused.sock"))
+        .arg("--image")
+        .arg(image)
+        .env("TMPDIR", dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("running ringblk serve");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "{}: the daemon started instead of refusing:\n{}",
+                image.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{}: {err}", image.display());
+    assert!(!err.contains("panicked"), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("ringblk: ")).collect();
+    assert_eq!(lines.len(), 1, "not one error line:\n{err}");
+    assert!(
+        lines[0].to_lowercase().contains(&what.to_lowercase()),
+        "{}: {:?} does not say {what:?}",
+        image.display(),
+        lines[0]
+    );
+}
+
+/// Each kind of bad image through the daemon: a corrupt header, L1 and
+/// refcount tables past the end of the file, overlapping metadata, an
+/// absurd virtual size, unknown incompatible feature bits, a backing loop
+/// and a chain deeper than the bound are refused at start with one line
+/// and exit status 1. An L2 entry past the end of the file fails the
+/// requests that touch it with IOERR, and the daemon keeps serving the
+/// rest. The images are qemu-img's, with bytes patched.
+#[test]
+fn bad_images_are_refused_or_fail_their_requests() {
+    let dir = test_dir();
+    let d = dir.path();
+    let good = d.join("good.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", good.to_str().unwrap(), "4M"]);
+    ringblk_testkit::qemu_img::run(
+        "qemu-io",
+        &[
+            "-f",
+            "qcow2",
+            "-c",
+            "write -P 1 0 64k",
+            good.to_str().unwrap(),
+        ],
+    );
+    let bytes = std::fs::read(&good).unwrap();
+    let be64 = |b: &[u8], at: usize| u64::from_be_bytes(b[at..at + 8].try_into().unwrap());
+    let l1_off = be64(&bytes, 40) as usize;
+    let l2_off = (be64(&bytes, l1_off) & 0x00ff_ffff_ffff_fe00) as usize;
+    let reftable = be64(&bytes, 48);
+    let variant = |name: &str, at: usize, v: u64| -> PathBuf {
+        let mut b = bytes.clone();
+        b[at..at + 8].copy_from_slice(&v.to_be_bytes());
+        let p = d.join(format!("{name}.qcow2"));
+        std::fs::write(&p, &b).unwrap();
+        p
+    };
+    let cases = [
+        // The magic and version are the header's first 8 bytes.
+        (variant("magic", 0, 0x5846_497f_0000_0003), "no qcow2 magic"),
+        (variant("version", 0, 0x5146_49fb_0000_0009), "v9"),
+        (variant("l1-past-eof", 40, 1 << 40), "past the end"),
+        (variant("reftable-past-eof", 48, 1 << 40), "past the end"),
+        (
+            variant("l1-on-reftable", 40, reftable),
+            "overlapping metadata",
+        ),
+        (
+            variant("l2-on-reftable", l1_off, (1 << 63) | reftable),
+            "overlapping metadata",
+        ),
+        (
+            variant("size-absurd", 24, u64::MAX / 2),
+            "too small for its virtual size",
+        ),
+        (
+            variant("incompatible-bit", 72, 1 << 20),
+            "incompatible feature",
+        ),
+    ];
+    for (image, what) in &cases {
+        refused(d, image, what);
+    }
+
+    // A loop: a's backing is b, b's is a.
+    let create = |name: &str, backing: &str| {
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-u",
+            "-b",
+            backing,
+            "-F",
+            "qcow2",
+            d.join(name).to_str().unwrap(),
+            "4M",
+        ]);
+    };
+    create("loop-b.qcow2", "loop-a.qcow2");
+    create("loop-a.qcow2", "loop-b.qcow2");
+    refused(d, &d.join("loop-a.qcow2"), "loops");
+
+    // A chain one deeper than the bound: a base and MAX_CHAIN overlays.
+    let base = d.join("deep-0.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", base.to_str().unwrap(), "4M"]);
+    let max = ringblk::format::qcow2::MAX_CHAIN;
+    for i in 1..=max {
+        create(&format!("deep-{i}.qcow2"), &format!("deep-{}.qcow2", i - 1));
+    }
+    refused(
+        d,
+        &d.join(format!("deep-{max}.qcow2")),
+        &format!("deeper than {max}"),
+    );
+    // The bound itself is served.
+    let ok = Daemon::start_in(
+        d,
+        DaemonOptions {
+            image: Some(d.join(format!("deep-{}.qcow2", max - 1))),
+            args: &["--format", "qcow2"],
+            ..DaemonOptions::default()
+        },
+    );
+    stop(ok);
+
+    // An L2 entry past the end of the file: the daemon starts, the
+    // requests on that cluster fail, the others are served.
+    let bad_l2 = variant("l2-entry-past-eof", l2_off, (1 << 63) | (1 << 45));
+    let daemon = Daemon::start_in(
+        d,
+        DaemonOptions {
+            image: Some(bad_l2.clone()),
+            args: &["--format", "qcow2"],
+            ..DaemonOptions::default()
+        },
+    );
+    let mut client = Client::connect(&daemon.socket, MIB as usize);
+    let read0 = Op::Read {
+        offset: 0,
+        buf_off: 0,
+        len: 4096,
+    };
+    assert_ne!(client.batch(&[read0])[0], 0, "a read of the bad cluster");
+    assert_ne!(
+        client.write(0, &[7u8; 4096]),
+        0,
+        "a write of the bad cluster"
+    );
+    // The rest of the disk: a read, an allocating write, a flush.
+    assert_eq!(client.read(2 * MIB, 4096), vec![0u8; 4096]);
+    assert_eq!(client.write(2 * MIB, &[9u8; 4096]), 0);
+    assert_eq!(client.read(2 * MIB, 4096), vec![9u8; 4096]);
+    assert_eq!(client.flush(), 0);
+    // The failure again: nothing was cached from the first.
+    assert_ne!(
+        client.batch(&[read0])[0],
+        0,
+        "a second read of the bad cluster"
+    );
+    drop(client);
+    stop(daemon);
+}
