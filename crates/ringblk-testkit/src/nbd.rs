@@ -224,3 +224,103 @@ pub fn backup_start(api: &Path, backup_dir: &Path, name: &str, bitmap: Option<&s
     ctl_ok(api, &args);
     backup_dir.join(name)
 }
+
+/// A hand-written NBD client for what no well-behaved one sends: bad
+/// magic, unknown options, huge lengths, reads past the end, silence.
+pub mod raw {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    use std::path::Path;
+    use std::time::Duration;
+
+    /// Connected, the server's greeting read, `client_flags` sent.
+    pub fn greet(sock: &Path, client_flags: u32) -> UnixStream {
+        let mut s = UnixStream::connect(sock).expect("connecting to the export");
+        s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        let mut g = [0u8; 18];
+        s.read_exact(&mut g).expect("the greeting");
+        assert_eq!(&g[0..8], b"NBDMAGIC");
+        assert_eq!(&g[8..16], b"IHAVEOPT");
+        s.write_all(&client_flags.to_be_bytes()).unwrap();
+        s
+    }
+
+    /// One option request.
+    pub fn option(s: &mut UnixStream, opt: u32, data: &[u8]) {
+        let mut m = b"IHAVEOPT".to_vec();
+        m.extend_from_slice(&opt.to_be_bytes());
+        m.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        m.extend_from_slice(data);
+        s.write_all(&m).unwrap();
+    }
+
+    /// One option reply: `(option, type, data)`.
+    pub fn option_reply(s: &mut UnixStream) -> (u32, u32, Vec<u8>) {
+        let mut h = [0u8; 20];
+        s.read_exact(&mut h).expect("an option reply");
+        assert_eq!(
+            u64::from_be_bytes(h[0..8].try_into().unwrap()),
+            0x3e889045565a9
+        );
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
+        let mut d = vec![0u8; len as usize];
+        s.read_exact(&mut d).unwrap();
+        (
+            u32::from_be_bytes(h[8..12].try_into().unwrap()),
+            u32::from_be_bytes(h[12..16].try_into().unwrap()),
+            d,
+        )
+    }
+
+    /// Whether the server closed the connection (EOF) within the read
+    /// timeout.
+    pub fn closed(s: &mut UnixStream) -> bool {
+        let mut b = [0u8; 64];
+        loop {
+            match s.read(&mut b) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+    }
+
+    /// In transmission after NBD_OPT_GO of the default export (simple
+    /// replies).
+    pub fn go(sock: &Path) -> UnixStream {
+        let mut s = greet(sock, 3);
+        let mut d = 0u32.to_be_bytes().to_vec();
+        d.extend_from_slice(&0u16.to_be_bytes());
+        option(&mut s, 7, &d);
+        loop {
+            match option_reply(&mut s).1 {
+                3 => continue, // NBD_REP_INFO
+                1 => return s, // NBD_REP_ACK
+                t => panic!("GO answered {t:#x}"),
+            }
+        }
+    }
+
+    /// One request.
+    pub fn request(s: &mut UnixStream, cmd: u16, handle: u64, offset: u64, len: u32) {
+        let mut r = 0x25609513u32.to_be_bytes().to_vec();
+        r.extend_from_slice(&0u16.to_be_bytes());
+        r.extend_from_slice(&cmd.to_be_bytes());
+        r.extend_from_slice(&handle.to_be_bytes());
+        r.extend_from_slice(&offset.to_be_bytes());
+        r.extend_from_slice(&len.to_be_bytes());
+        s.write_all(&r).unwrap();
+    }
+
+    /// A simple reply's `(error, handle)`.
+    pub fn simple_reply(s: &mut UnixStream) -> (u32, u64) {
+        let mut h = [0u8; 16];
+        s.read_exact(&mut h).expect("a simple reply");
+        assert_eq!(u32::from_be_bytes(h[0..4].try_into().unwrap()), 0x67446698);
+        (
+            u32::from_be_bytes(h[4..8].try_into().unwrap()),
+            u64::from_be_bytes(h[8..16].try_into().unwrap()),
+        )
+    }
+}
