@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds (once) what the guest tests boot: a Debian kernel and an initramfs
-# with busybox, fio, blkdiscard, the virtio modules and tests/guest/init.sh.
+# with busybox, fio, blkdiscard, fstrim, mke2fs and e2fsck, the virtio and
+# ext4 modules and tests/guest/init.sh.
 #
 #   scripts/guest-assets.sh            build if missing or stale, print paths
 #   RINGBLK_GUEST_DIR=DIR ...          cache somewhere else (default target/guest)
@@ -13,7 +14,10 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dir=${RINGBLK_GUEST_DIR:-$repo/target/guest}
 init_script=$repo/tests/guest/init.sh
 # Loaded in this order; dependencies are resolved with modinfo as well.
-modules=(virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk)
+# crc32c_generic: ext4's metadata checksums ask the crypto API for crc32c,
+# which would load it through modprobe (not in the initramfs).
+modules=(virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk
+    crc32c_generic ext4)
 
 log() { echo "guest-assets: $*" >&2; }
 die() {
@@ -31,7 +35,7 @@ exec 9>"$dir/.lock"
 flock -w 600 9 || die "timed out waiting for $dir/.lock"
 
 ensure_packages qemu-system-x86 qemu-system-common fio busybox-static cpio kmod \
-    util-linux mount xz-utils zstd gzip libc-bin
+    util-linux mount xz-utils zstd gzip libc-bin e2fsprogs
 
 # ---- Which kernel ----
 kernel_pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ { print $2; exit }' || true)
@@ -50,7 +54,7 @@ stamp_of() {
     {
         echo "$kernel_pkg"
         cat "$init_script" "${BASH_SOURCE[0]}" | sha256sum
-        dpkg-query -W fio busybox-static util-linux libaio1 2>/dev/null || true
+        dpkg-query -W fio busybox-static util-linux libaio1 e2fsprogs 2>/dev/null || true
     } | sha256sum | cut -d' ' -f1
 }
 stamp=$(stamp_of)
@@ -123,6 +127,12 @@ copy_with_libs() {
 }
 copy_with_libs "$(command -v fio)" /usr/bin/fio
 copy_with_libs /usr/sbin/blkdiscard /usr/sbin/blkdiscard
+copy_with_libs /usr/sbin/fstrim /usr/sbin/fstrim
+copy_with_libs /usr/sbin/mke2fs /usr/sbin/mke2fs
+ln -s mke2fs "$root/usr/sbin/mkfs.ext4"
+copy_with_libs /usr/sbin/e2fsck /usr/sbin/e2fsck
+mkdir -p "$root/etc"
+cp /etc/mke2fs.conf "$root/etc/mke2fs.conf"
 # fio links libaio; make sure it is there even if a build dlopens it.
 if [ ! -e "$root/lib/x86_64-linux-gnu/libaio.so.1" ]; then
     aio=$(ldconfig -p | awk '/libaio\.so\.1 .*x86-64/ { print $NF; exit }')

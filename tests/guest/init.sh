@@ -2,7 +2,7 @@
 # /init of the ringblk test guest (busybox sh, PID 1).
 #
 # Reads its parameters from the kernel command line:
-#   ringblk.test=rw|ro|migrate|resize|backup  which checks to run
+#   ringblk.test=rw|ro|migrate|resize|qcow2|backup  which checks to run
 #   ringblk.new_sectors=N   (resize) the capacity the host resizes to
 #   ringblk.migrate=busy|idle   what the guest does while the host migrates it
 #                           (migrate only; see "Live migration" below)
@@ -34,6 +34,9 @@
 #                              fio with verify) while the host backs it up
 #   40 MiB + 4 KiB (4 KiB), 44 MiB - 8 KiB (16 KiB), 50 MiB (1 MiB)
 #                              written after B, for the incremental backup
+# In the qcow2 mode (a qcow2 overlay over a base the host filled):
+#   0 .. fio_mb                fio write+verify, allocating in the overlay
+#   then the whole disk        an ext4 file system (see "qcow2" below)
 # In the resize mode, after the identity checks and the host's pattern:
 #   old end .. + 1 MiB         the pattern, written once the disk grew
 #                              (the host checks it in the image)
@@ -582,6 +585,71 @@ backup_mode() {
 
 if [ "$TEST" = backup ]; then
     backup_mode
+    finish
+fi
+
+# ---- qcow2 (ringblk.test=qcow2): the disk is a qcow2 overlay ----
+# The host's pattern, read above, came from the base through the overlay.
+# 1. fio write+verify of [0, FIO_MB) in 4 KiB random writes, most of them
+#    allocating (copy-on-write from the base); the host kills the daemon
+#    (SIGKILL) under it and restarts it, QEMU reconnects.
+# 2. mkfs.ext4 over the whole disk (it discards it first), mount, and
+#    RINGBLK-SNAPSHOT: the host takes a live snapshot while fio
+#    write+verifies a file of the file system.
+# 3. fstrim, umount, e2fsck -f -n.
+# util-linux's and e2fsprogs' programs by path: busybox's applets win
+# PATH lookups.
+qcow2_checks() {
+    if step fio-alloc fio --name=alloc --filename="$DEV" --ioengine=libaio --direct=1 \
+        --iodepth=16 --rw=randwrite --bs=4k --offset=0 --size="${FIO_MB}M" \
+        --io_size=$((FIO_MB / 2))M --verify=crc32c --verify_fatal=1 --verify_state_save=0 \
+        --exitall_on_error=1; then
+        pass fio-alloc
+    else
+        fail fio-alloc "exit status $?"
+        show_log fio-alloc
+    fi
+    if step mkfs /usr/sbin/mke2fs -q -F -t ext4 "$DEV"; then
+        pass mkfs
+    else
+        fail mkfs "mke2fs -t ext4 failed"
+        show_log mkfs
+        finish
+    fi
+    mkdir -p /mnt
+    if ! step mount mount -t ext4 "$DEV" /mnt; then
+        fail fs-fio "mount failed"
+        show_log mount
+        dmesg | tail -n 10
+        finish
+    fi
+    echo "RINGBLK-SNAPSHOT"
+    if step fs-fio fio --name=fs --filename=/mnt/fio.data --ioengine=libaio --direct=1 \
+        --iodepth=16 --rw=randwrite --bssplit=4k/50:64k/50 --size=16M --loops=2 \
+        --verify=crc32c --verify_fatal=1 --verify_state_save=0 --exitall_on_error=1; then
+        pass fs-fio
+    else
+        fail fs-fio "exit status $?"
+        show_log fs-fio
+    fi
+    if step fstrim /usr/sbin/fstrim -v /mnt; then
+        pass fstrim
+        echo "RINGBLK-INFO fstrim $(cat /tmp/fstrim.log)"
+    else
+        fail fstrim "fstrim failed"
+        show_log fstrim
+    fi
+    if step umount umount /mnt && step e2fsck /usr/sbin/e2fsck -f -n "$DEV"; then
+        pass e2fsck
+    else
+        fail e2fsck "umount or e2fsck -f -n failed"
+        show_log umount
+        show_log e2fsck
+    fi
+}
+
+if [ "$TEST" = qcow2 ]; then
+    qcow2_checks
     finish
 fi
 

@@ -17,4 +17,5 @@ mod backup;
 mod guest;
 mod guest_resize;
 mod migration;
+mod qcow2;
 mod setup_hints;

@@ -3,7 +3,7 @@
 //! harness, and what makes a missing dirty mark show, are in the kit's
 //! `vm::migration`; the RBD cases are in `tests/rbd/migration.rs`.
 
-use ringblk_testkit::vm::migration::{Kill, Migration, Workload, run};
+use ringblk_testkit::vm::migration::{Kill, Migration, Storage, Workload, run};
 
 #[test]
 fn migrate_busy_one_queue() {
@@ -43,6 +43,18 @@ fn kill_source_daemon_then_migrate() {
         // Room for the kill, QEMU's reconnection and I/O against the new
         // daemon before the migration.
         fio_runtime: 30,
+        ..Migration::busy(2)
+    });
+}
+
+/// A busy guest on a qcow2 overlay over the image file (`--format
+/// qcow2`): its reads fall through to the base, its writes allocate in the
+/// overlay on the source and then on the destination, whose daemon reads
+/// the metadata afresh when its rings start. The chain checks clean.
+#[test]
+fn migrate_busy_qcow2_overlay() {
+    run(Migration {
+        storage: Storage::Qcow2,
         ..Migration::busy(2)
     });
 }

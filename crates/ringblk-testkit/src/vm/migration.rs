@@ -23,6 +23,11 @@
 //!   destination's first write takes the lock from the source's daemon,
 //!   which librbd hands over on request once the source's ring has
 //!   stopped.
+//! - qcow2 ([`Storage::Qcow2`]): both daemons serve a qcow2 overlay over
+//!   the image file with `--format qcow2`; the source makes the metadata
+//!   durable when its rings stop, the destination reads it afresh when
+//!   its rings start. The host's checks read the chain converted to raw,
+//!   after `qemu-img check` found it clean.
 //!
 //! What makes a missing dirty mark show. Guest RAM is copied for real (no
 //! `x-ignore-shared`, which would skip it). A page a daemon fills (a read)
@@ -143,6 +148,10 @@ pub enum Storage {
     File,
     /// One RBD image (`rbd:POOL/IMAGE`) on the test cluster.
     Rbd,
+    /// A qcow2 overlay (`--format qcow2`) over the image file, which holds
+    /// the host's regions: the guest reads them through the backing chain
+    /// and its writes allocate in the overlay.
+    Qcow2,
 }
 
 /// One migration test.
@@ -240,7 +249,7 @@ pub fn run(m: Migration) {
             return;
         }
         if m.storage != Storage::File {
-            eprintln!("not with qemu-storage-daemon: its command line here serves files only");
+            eprintln!("not with qemu-storage-daemon: its command line here serves raw files only");
             return;
         }
     }
@@ -274,7 +283,7 @@ pub fn run(m: Migration) {
     // long enough for a kill to catch some (an RBD image has no page cache
     // in between: librbd's is off).
     let mut extra: Vec<String> = match (m.kill, m.storage) {
-        (Some(_), Storage::File) => vec!["--direct".into()],
+        (Some(_), Storage::File | Storage::Qcow2) => vec!["--direct".into()],
         _ => vec![],
     };
     extra.extend(served.args.iter().cloned());
@@ -378,6 +387,7 @@ pub fn run(m: Migration) {
         match m.storage {
             Storage::File => "image file",
             Storage::Rbd => "RBD image",
+            Storage::Qcow2 => "qcow2 overlay",
         },
         marker_at.elapsed(),
         stats["total-time"],
@@ -475,6 +485,8 @@ struct Served {
     args: Vec<String>,
     /// The RBD image (`POOL/IMAGE`).
     rbd: Option<String>,
+    /// The qcow2 overlay over the file.
+    qcow2: Option<PathBuf>,
 }
 
 impl Served {
@@ -485,7 +497,18 @@ impl Served {
                 image: file.to_path_buf(),
                 args: Vec::new(),
                 rbd: None,
+                qcow2: None,
             },
+            Storage::Qcow2 => {
+                let top = file.with_file_name("overlay.qcow2");
+                crate::qemu_img::overlay(file, "raw", &top);
+                Served {
+                    image: top.clone(),
+                    args: vec!["--format".into(), "qcow2".into()],
+                    rbd: None,
+                    qcow2: Some(top),
+                }
+            }
             Storage::Rbd => {
                 let c = ceph::cluster();
                 let name = format!("rbd/migrate{}-{}", std::process::id(), new_nonce());
@@ -504,6 +527,7 @@ impl Served {
                     image: PathBuf::from(format!("rbd:{name}")),
                     args: vec!["--ceph-conf".into(), c.conf.display().to_string()],
                     rbd: Some(name),
+                    qcow2: None,
                 }
             }
         }
@@ -557,9 +581,23 @@ impl Served {
         None
     }
 
-    /// The file that holds what the guest left: `file` itself, or the RBD
-    /// image exported next to it.
+    /// The file that holds what the guest left: `file` itself, the RBD
+    /// image exported next to it, or the qcow2 chain converted to raw
+    /// next to it once `qemu-img check` found it clean.
     fn host_view(&self, file: &Path) -> PathBuf {
+        if let Some(top) = &self.qcow2 {
+            let leaks = crate::qemu_img::check_clean(top);
+            eprintln!("qemu-img check of the overlay: clean, {leaks} leaked cluster(s)");
+            let raw = file.with_file_name("converted.img");
+            crate::qemu_img::qemu_img(&[
+                "convert",
+                "-O",
+                "raw",
+                top.to_str().expect("a UTF-8 path"),
+                raw.to_str().expect("a UTF-8 path"),
+            ]);
+            return raw;
+        }
         if let Some(name) = &self.rbd {
             let exported = file.with_file_name("exported.img");
             let path = exported.to_str().expect("a UTF-8 path");
