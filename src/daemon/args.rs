@@ -127,8 +127,9 @@ pub struct ServeArgs {
     pub format: crate::format::Format,
 
     /// Directory where live snapshots (`ringblk ctl snapshot --overlay`)
-    /// create their overlays; opened at start-up, the only place the daemon
-    /// may create files in afterwards. Without it, snapshots are refused.
+    /// create their overlays; opened at start-up, one of the few places the
+    /// daemon may create files in afterwards (with --bitmap-dir and
+    /// --backup-dir). Without it, snapshots are refused.
     #[arg(long, value_name = "DIR")]
     pub snapshot_dir: Option<PathBuf>,
 

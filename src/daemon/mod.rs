@@ -61,7 +61,7 @@ fn spawn_api(
     )
     .map_err(|e| err(e.to_string()))?;
     log::info!(
-        "control API on {} (GET /api/v1/status, PUT /api/v1/resize, GET|PUT /api/v1/qos, GET /metrics, /metrics.json)",
+        "control API on {} (GET /api/v1/status, PUT /api/v1/resize, GET|PUT /api/v1/qos, PUT /api/v1/snapshot, GET|POST /api/v1/bitmaps[/add|/remove], GET|POST /api/v1/backup[/start|/stop], GET /metrics, /metrics.json)",
         path.display()
     );
     Ok(endpoint)
