@@ -242,7 +242,7 @@ fn bitmap(addr: &str, api: &std::path::Path, verb: &BitmapVerb) -> Result<(), Fa
         BitmapVerb::List { json } => {
             let answer = call(addr, "GET", "/api/v1/bitmaps", b"")?;
             if *json {
-                return Ok(out(&answer)?);
+                return out(&answer);
             }
             let list: Vec<crate::bitmap::BitmapInfo> = serde_json::from_str(&answer)
                 .map_err(|e| format!("{}: bad answer: {e}", api.display()))?;

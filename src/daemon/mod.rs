@@ -303,16 +303,20 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // code that gained control could not make a ring of its own. Each
     // connection borrows them and gives them back.
     let capacity = usize::from(cfg.args.queue_size);
+    // The format's handles are cloned out: the backing is moved into the
+    // match below (the RBD arm hands its disk to the closer).
     let qcow2 = match &cfg.backing {
-        config::Backing::File { qcow2, .. } => qcow2.as_ref(),
+        config::Backing::File { qcow2, .. } => {
+            qcow2.as_ref().map(|q| (q.live.clone(), q.meta.clone()))
+        }
         #[cfg(feature = "rbd")]
         config::Backing::Rbd(_) => None,
     };
-    let format = || match qcow2 {
-        Some(q) => ImageFormat::Qcow2(Box::new(Qcow2::new(q.live.clone(), q.meta.clone()))),
+    let format = move || match &qcow2 {
+        Some((live, meta)) => ImageFormat::Qcow2(Box::new(Qcow2::new(live.clone(), meta.clone()))),
         None => ImageFormat::Raw,
     };
-    match (cfg.args.engine, &cfg.backing) {
+    match (cfg.args.engine, cfg.backing) {
         (EngineKind::Null, _) => conn.serve(park(
             engines(&metrics, |_| Ok(NullEngine::new(capacity)))?,
             format,
