@@ -520,9 +520,7 @@ fn bad_nbd_input_leaves_the_guest_io_alone() {
 /// Where backups cannot run, `backup start` says why in one line: no
 /// --backup-dir, a qcow2 image (its bitmaps are sidecars, and work), a
 /// socket outside the backup directory; the qcow2 image's bitmap follows
-/// a live snapshot. (RBD images: refused the same
-/// way, from `daemon::config::backup_spec`; the Ceph cluster's tests in
-/// tests/rbd do not start a daemon for that one line.)
+/// a live snapshot. (RBD images: tests/rbd/rbd.rs.)
 #[test]
 fn backups_are_refused_with_a_reason() {
     if !nbd::have_tools() {
