@@ -4,13 +4,16 @@
 # valgrind, driven at QD16 by `ringblk bench` running natively, counting
 # only the queue worker's event handling (BlkBackend::handle_event).
 #
-#   scripts/callgrind.sh [--format raw|qcow2] [--engine null|uring] [DAEMON_BIN [BENCH_BIN]]
+#   scripts/callgrind.sh [--format raw|qcow2] [--engine null|uring] [--rw RW] [--bitmap]
+#                        [DAEMON_BIN [BENCH_BIN]]
 #
 # Defaults: raw, the null engine, target/release/ringblk. --format qcow2
 # serves a 64 MiB qcow2 image with every cluster allocated (qemu-img
 # preallocation=metadata): the format's fast path (map cache lookup, one
 # piece per 4 KiB read). The null engine does no I/O; uring does it for
-# real (the kernel's side is not counted).
+# real (the kernel's side is not counted). --rw is the bench's pattern
+# (default randread); --bitmap adds a dirty bitmap before the run (with
+# --rw randwrite: what a bitmap costs each write).
 #
 # Prints requests served, instructions counted, and their ratio. Polling is
 # off (--poll-us 0): a spin loop's count would depend on timing.
@@ -18,10 +21,14 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 format=raw
 engine=null
+rw=randread
+bitmap=no
 while [ $# -gt 0 ]; do
     case "$1" in
         --format) format=$2; shift 2 ;;
         --engine) engine=$2; shift 2 ;;
+        --rw) rw=$2; shift 2 ;;
+        --bitmap) bitmap=yes; shift ;;
         *) break ;;
     esac
 done
@@ -42,14 +49,18 @@ fi
 valgrind --tool=callgrind --callgrind-out-file="$out/cg.out" \
     --toggle-collect='*BlkBackend*handle_event*' \
     "$bin" serve --image "$out/d.img" --format "$format" --socket "$out/s.sock" --engine "$engine" \
-    --seccomp off --poll-us 0 --metrics "$out/m.sock" >"$out/daemon.log" 2>&1 &
+    --seccomp off --poll-us 0 --metrics "$out/m.sock" --api "$out/a.sock" >"$out/daemon.log" 2>&1 &
 vg=$!
 for _ in $(seq 100); do [ -S "$out/s.sock" ] && break; sleep 0.2; done
 sleep 1
-"$bench" bench --socket "$out/s.sock" --iodepth 16 --runtime 5s --ramp 500ms --no-pin >"$out/bench.log" 2>&1
+if [ "$bitmap" = yes ]; then
+    for _ in $(seq 100); do [ -S "$out/a.sock" ] && break; sleep 0.2; done
+    "$bin" ctl --api "$out/a.sock" bitmap add b >/dev/null
+fi
+"$bench" bench --socket "$out/s.sock" --rw "$rw" --iodepth 16 --runtime 5s --ramp 500ms --no-pin >"$out/bench.log" 2>&1
 requests=$(printf 'GET /metrics HTTP/1.0\r\n\r\n' | timeout 10 socat - "UNIX-CONNECT:$out/m.sock" |
     awk '/^ringblk_requests_total/ { s += $2 } END { print s }')
 kill -TERM "$vg"
 wait "$vg" || true
 ir=$(callgrind_annotate "$out/cg.out" | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }')
-echo "format=$format engine=$engine requests=$requests instructions=$ir per_request=$((ir / requests))"
+echo "format=$format engine=$engine rw=$rw bitmap=$bitmap requests=$requests instructions=$ir per_request=$((ir / requests))"

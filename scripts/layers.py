@@ -23,9 +23,11 @@ LAYERS = [
     ["virtio", "io", "metrics", "unix_socket", "bitmap", "format"],
     # QoS (token buckets over virtio's Direction); the NBD server.
     ["qos", "nbd"],
-    # The device's runtime state; the backup view (a bitmap, served over
-    # NBD).
-    ["device", "backup"],
+    # The backup's point-in-time view (copy-before-write, served over NBD).
+    ["backup"],
+    # The device's runtime state, its bitmaps and its running backup
+    # included.
+    ["device"],
     # How: the engine core, formats and engines.
     ["engine"],
     # When: the queue workers.

@@ -65,3 +65,71 @@ pub fn bind_with_mode(path: &Path, mode: u32) -> io::Result<UnixListener> {
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     })
 }
+
+/// A listening socket at `path`, for a socket made after start-up (the
+/// backup's NBD export), when no thread may change its umask any more
+/// (the seccomp filter has no `unshare` or `umask`): the socket's own
+/// inode gets mode 0600 with `fchmod` before `bind`, which Linux creates
+/// the file with, less the process umask (which leaves 0600 whole unless
+/// it takes the owner's own rights). A path that exists is an error
+/// (`AddrInUse`): nothing is replaced.
+pub fn bind_private(path: &Path) -> io::Result<UnixListener> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: all-zero is a valid sockaddr_un (AF_UNSPEC, empty path).
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.is_empty() || bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "a socket path must be 1 to {} bytes",
+                addr.sun_path.len() - 1
+            ),
+        ));
+    }
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: socket takes no pointers.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor nothing else owns; closed on every path.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+    // SAFETY: fchmod takes no pointers; `raw` is open (owned by `fd`).
+    if unsafe { libc::fchmod(raw, 0o600) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let len = (std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1) as libc::socklen_t;
+    // SAFETY: `addr` is a valid sockaddr_un that outlives the call, `len`
+    // covers its family and the NUL-terminated path within it.
+    if unsafe { libc::bind(raw, (&raw const addr).cast(), len) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: listen takes no pointers.
+    // (A listen that fails, which a fresh socket never does, leaves the
+    // file for the caller to remove: it may remove files only by its
+    // directory's descriptor.)
+    if unsafe { libc::listen(raw, 128) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(UnixListener::from(fd))
+}
+
+/// Removes `name` from the directory open as `dir` (`unlinkat`): how the
+/// daemon removes a file after start-up, by its directory's descriptor
+/// (the only way its seccomp filter allows).
+pub fn remove_at(dir: &std::fs::File, name: &str) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let c = std::ffi::CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: `c` is NUL-terminated and outlives the call; the directory's
+    // descriptor is open (borrowed from `dir`).
+    if unsafe { libc::unlinkat(dir.as_raw_fd(), c.as_ptr(), 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}

@@ -8,7 +8,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::device::{Device, FrontEnd, ResizeError, Resized};
+use crate::bitmap::BitmapInfo;
+use crate::device::{BackupInfo, Device, FrontEnd, ResizeError, Resized, TrackingError};
 use crate::io::LockState;
 use crate::qos::{QosChanges, QosError, QosLimits};
 use crate::virtio::SECTOR_SHIFT;
@@ -55,6 +56,10 @@ pub struct Status {
     pub front_end: Option<FrontEnd>,
     /// QoS limits (0: none).
     pub qos: QosLimits,
+    /// The dirty bitmaps.
+    pub bitmaps: Vec<BitmapInfo>,
+    /// The running backup, if any.
+    pub backup: Option<BackupInfo>,
 }
 
 /// What the daemon says about itself, beside the device.
@@ -114,6 +119,8 @@ impl Control {
             connected: d.connection().is_some(),
             front_end: d.front_end(),
             qos: d.qos().limits(),
+            bitmaps: d.bitmaps(),
+            backup: d.backup(),
         }
     }
 
@@ -130,6 +137,40 @@ impl Control {
         qos.set_limits(new)?;
         log::info!("QoS limits changed to {}", serde_json::json!(new));
         Ok(new)
+    }
+
+    /// See [`Device::bitmaps`].
+    pub fn bitmaps(&self) -> Vec<BitmapInfo> {
+        self.device.bitmaps()
+    }
+
+    /// See [`Device::bitmap_add`].
+    pub fn bitmap_add(&self, name: &str, granularity: u64) -> Result<BitmapInfo, TrackingError> {
+        self.device.bitmap_add(name, granularity)
+    }
+
+    /// See [`Device::bitmap_remove`].
+    pub fn bitmap_remove(&self, name: &str) -> Result<(), TrackingError> {
+        self.device.bitmap_remove(name)
+    }
+
+    /// See [`Device::backup`].
+    pub fn backup(&self) -> Option<BackupInfo> {
+        self.device.backup()
+    }
+
+    /// See [`Device::backup_start`].
+    pub fn backup_start(
+        &self,
+        socket: &std::path::Path,
+        bitmap: Option<&str>,
+    ) -> Result<BackupInfo, TrackingError> {
+        self.device.backup_start(socket, bitmap)
+    }
+
+    /// See [`Device::backup_stop`].
+    pub fn backup_stop(&self, failed: bool) -> Result<BackupInfo, TrackingError> {
+        self.device.backup_stop(failed)
     }
 
     /// See [`Device::snapshot`].

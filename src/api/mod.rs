@@ -230,6 +230,56 @@ pub const VERBS: &[Verb] = &[
         run: qos,
     },
     Verb {
+        methods: &[Method::GET],
+        path: "/api/v1/bitmaps",
+        control: true,
+        slow: false,
+        doc: "The dirty bitmaps: name, granularity, dirty bytes, consistent or not.",
+        run: bitmap_list,
+    },
+    // The bitmap and backup verbs that change something hold the guest's
+    // queues for a moment (`device::tracking`) and do file I/O.
+    Verb {
+        methods: &[Method::POST],
+        path: "/api/v1/bitmaps/add",
+        control: true,
+        slow: true,
+        doc: "Add a dirty bitmap: {\"name\": NAME, \"granularity\": BYTES or \"64K\" (optional)}; it records every change from now on.",
+        run: bitmap_add,
+    },
+    Verb {
+        methods: &[Method::POST],
+        path: "/api/v1/bitmaps/remove",
+        control: true,
+        slow: true,
+        doc: "Remove a dirty bitmap and its file: {\"name\": NAME}.",
+        run: bitmap_remove,
+    },
+    Verb {
+        methods: &[Method::GET],
+        path: "/api/v1/backup",
+        control: true,
+        slow: false,
+        doc: "The running backup, if any: its NBD socket, bitmap and copied clusters.",
+        run: backup_status,
+    },
+    Verb {
+        methods: &[Method::POST],
+        path: "/api/v1/backup/start",
+        control: true,
+        slow: true,
+        doc: "Export the disk as it is at this instant, read-only over NBD: {\"nbd\": SOCKET, \"bitmap\": NAME (optional)}.",
+        run: backup_start,
+    },
+    Verb {
+        methods: &[Method::POST],
+        path: "/api/v1/backup/stop",
+        control: true,
+        slow: true,
+        doc: "End the backup export: {\"failed\": bool}; failed puts the exported changes back into the bitmap.",
+        run: backup_stop,
+    },
+    Verb {
         methods: &[Method::PUT, Method::POST],
         path: "/api/v1/snapshot",
         control: true,
@@ -385,6 +435,111 @@ fn qos(ctx: &Ctx<'_>) -> Reply {
         Ok(l) => Reply::json(200, &l),
         Err(r) => r,
     }
+}
+
+/// A verb's answer, or its error as `{"error": ...}` with the status the
+/// error calls for.
+fn answer<T: serde::Serialize>(r: Result<T, Reply>) -> Reply {
+    match r {
+        Ok(v) => Reply::json(200, &v),
+        Err(r) => r,
+    }
+}
+
+fn tracking_error(e: crate::device::TrackingError) -> Reply {
+    Reply::error(e.status(), e.to_string())
+}
+
+/// GET /api/v1/bitmaps: every bitmap (name, granularity, dirty bytes,
+/// consistent).
+fn bitmap_list(ctx: &Ctx<'_>) -> Reply {
+    answer(control(ctx).map(|c| c.bitmaps()))
+}
+
+/// POST /api/v1/bitmaps/add body: `name`, and `granularity` in bytes or
+/// with a suffix ("64K"; default 64 KiB).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BitmapAddBody {
+    name: String,
+    granularity: Option<SizeValue>,
+}
+
+fn size_value(v: SizeValue, what: &str) -> Result<u64, Reply> {
+    match v {
+        SizeValue::Bytes(n) => Ok(n),
+        SizeValue::Text(s) => ringblk_metrics::parse_size(&s)
+            .map_err(|e| Reply::error(400, format!("bad {what}: {e}"))),
+    }
+}
+
+fn bitmap_add(ctx: &Ctx<'_>) -> Reply {
+    answer((|| {
+        let c = control(ctx)?;
+        let body: BitmapAddBody = ctx.json_body()?;
+        let granularity = match body.granularity {
+            Some(v) => size_value(v, "granularity")?,
+            None => crate::bitmap::DEFAULT_GRANULARITY,
+        };
+        c.bitmap_add(&body.name, granularity)
+            .map_err(tracking_error)
+    })())
+}
+
+/// POST /api/v1/bitmaps/remove body: `name`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BitmapRemoveBody {
+    name: String,
+}
+
+fn bitmap_remove(ctx: &Ctx<'_>) -> Reply {
+    answer((|| {
+        let c = control(ctx)?;
+        let body: BitmapRemoveBody = ctx.json_body()?;
+        c.bitmap_remove(&body.name).map_err(tracking_error)?;
+        Ok(serde_json::json!({ "removed": body.name }))
+    })())
+}
+
+/// GET /api/v1/backup: the running backup, or `null`.
+fn backup_status(ctx: &Ctx<'_>) -> Reply {
+    answer(control(ctx).map(|c| c.backup()))
+}
+
+/// POST /api/v1/backup/start body: `nbd` (the socket: a name in the
+/// daemon's --backup-dir, or a path there), and `bitmap`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BackupStartBody {
+    nbd: std::path::PathBuf,
+    bitmap: Option<String>,
+}
+
+fn backup_start(ctx: &Ctx<'_>) -> Reply {
+    answer((|| {
+        let c = control(ctx)?;
+        let body: BackupStartBody = ctx.json_body()?;
+        c.backup_start(&body.nbd, body.bitmap.as_deref())
+            .map_err(tracking_error)
+    })())
+}
+
+/// POST /api/v1/backup/stop body: `failed` (default false): put the
+/// exported bits back into the bitmap.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BackupStopBody {
+    #[serde(default)]
+    failed: bool,
+}
+
+fn backup_stop(ctx: &Ctx<'_>) -> Reply {
+    answer((|| {
+        let c = control(ctx)?;
+        let body: BackupStopBody = ctx.json_body()?;
+        c.backup_stop(body.failed).map_err(tracking_error)
+    })())
 }
 
 /// What an endpoint serves: the counters of `queues`, and with `control`

@@ -91,6 +91,12 @@ impl FileImage {
         FileImage::new(File::open(path)?)
     }
 
+    /// Wraps an open file or block device of `size` bytes (the device's
+    /// size as the daemon knows it; no syscall).
+    pub fn with_size(file: File, size: u64) -> FileImage {
+        FileImage { file, size }
+    }
+
     /// Wraps an open file or block device.
     pub fn new(file: File) -> io::Result<FileImage> {
         let meta = file.metadata()?;
@@ -173,6 +179,14 @@ impl CbwStore {
     /// now on every guest write must call [`before_write`](Self::before_write)
     /// first. `cluster` is a power of two of at least 4 KiB.
     pub fn new(image: Arc<dyn Image>, store_dir: &Path, cluster: u64) -> io::Result<CbwStore> {
+        CbwStore::with_file(image, tempfile::tempfile_in(store_dir)?, cluster)
+    }
+
+    /// [`CbwStore::new`] with its store in `store`, a file nobody else
+    /// uses (the daemon's: unlinked, opened at start-up), whose contents
+    /// are dropped: it is truncated to nothing, then made as long as the
+    /// image (sparse).
+    pub fn with_file(image: Arc<dyn Image>, store: File, cluster: u64) -> io::Result<CbwStore> {
         if !cluster.is_power_of_two() || !(4096..=(64 << 20)).contains(&cluster) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -180,7 +194,7 @@ impl CbwStore {
             ));
         }
         let size = image.size();
-        let store = tempfile::tempfile_in(store_dir)?;
+        store.set_len(0)?;
         store.set_len(size)?;
         let clusters = size.div_ceil(cluster);
         Ok(CbwStore {

@@ -209,6 +209,69 @@ impl DirtyBitmap {
         })
     }
 
+    /// A heap bitmap of a `disk_size`-byte disk from its words (a stored
+    /// bitmap read back): missing words are clean, words past the disk's
+    /// end and bits past its last granule are dropped.
+    pub fn from_words(
+        disk_size: u64,
+        granularity: u64,
+        words: impl IntoIterator<Item = u64>,
+        consistent: bool,
+    ) -> Result<DirtyBitmap, BitmapError> {
+        let b = DirtyBitmap::new(disk_size, granularity)?;
+        for (w, v) in b.words.as_slice().iter().zip(words) {
+            w.store(v, Ordering::Relaxed);
+        }
+        b.trim();
+        if !consistent {
+            b.set_inconsistent();
+        }
+        Ok(b)
+    }
+
+    /// A heap copy of this bitmap for a disk resized to `disk_size` bytes:
+    /// the bits of the common part kept, the grown part dirty (it reads as
+    /// zeroes now, which no earlier backup has).
+    pub fn resized(&self, disk_size: u64) -> Result<DirtyBitmap, BitmapError> {
+        let b = DirtyBitmap::from_words(
+            disk_size,
+            self.granularity(),
+            self.words
+                .as_slice()
+                .iter()
+                .map(|w| w.load(Ordering::Relaxed)),
+            self.is_consistent(),
+        )?;
+        b.mark_grown(self.disk_size);
+        Ok(b)
+    }
+
+    /// Marks what lies past `old_size`, when the disk grew from it.
+    fn mark_grown(&self, old_size: u64) {
+        if self.disk_size > old_size {
+            self.mark(old_size, self.disk_size - old_size);
+        }
+    }
+
+    /// Clears the bits of the last word that lie past the last granule
+    /// (left there by a larger disk), so that nothing counts them.
+    fn trim(&self) {
+        let words = self.words.as_slice();
+        let rem = self.bits % 64;
+        if let Some(last) = words.last().filter(|_| rem != 0) {
+            last.fetch_and((1u64 << rem) - 1, Ordering::Relaxed);
+        }
+    }
+
+    /// The words, as stored: bit `i` of the bitmap is bit `i % 64` of word
+    /// `i / 64` (little-endian in memory, so bit `i % 8` of byte `i / 8`).
+    pub fn words(&self) -> impl Iterator<Item = u64> + '_ {
+        self.words
+            .as_slice()
+            .iter()
+            .map(|w| w.load(Ordering::Relaxed))
+    }
+
     /// Bytes per bit.
     pub fn granularity(&self) -> u64 {
         1 << self.shift
@@ -388,32 +451,63 @@ impl DirtyBitmap {
 }
 
 /// What `bitmap list` shows of one bitmap.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BitmapInfo {
     pub name: String,
     pub granularity: u64,
+    /// Dirty granules times the granularity (the last one counted up to
+    /// the disk's end).
     pub dirty_bytes: u64,
+    /// Every change since it was added (or last cleared) is in it.
     pub consistent: bool,
 }
 
+impl DirtyBitmap {
+    /// What `bitmap list` shows of this bitmap, called `name`.
+    pub fn info(&self, name: &str) -> BitmapInfo {
+        BitmapInfo {
+            name: name.to_string(),
+            granularity: self.granularity(),
+            dirty_bytes: self.dirty_bytes(),
+            consistent: self.is_consistent(),
+        }
+    }
+}
+
 /// Where a disk's bitmaps persist: a sidecar file per bitmap for raw images
-/// and block devices ([`SidecarStore`]), qcow2's bitmap extension for qcow2
-/// images (phase 2, on the format layer).
+/// and block devices ([`SidecarStore`]); qcow2's bitmap extension for qcow2
+/// images would implement it on the format layer.
+///
+/// A store knows its bitmaps from the start; they are *loaded*
+/// ([`open`](Self::open)) while the daemon holds the image (its rings
+/// run, or a verb or a backup needs them) and *written out*
+/// ([`close`](Self::close)) when it lets go, so that the next holder (a
+/// migration's destination) loads what this one wrote.
 ///
 /// The contract that makes "complete, or marked inconsistent" hold:
-/// - [`open`](Self::open) loads every stored bitmap, and before returning
-///   records durably that they are in use; a bitmap found in use (the
-///   previous owner did not [`close`](Self::close) it) comes back
-///   inconsistent unless the store can prove it complete;
+/// - `open` loads every stored bitmap, and before returning records
+///   durably that they are in use; a bitmap found in use (the previous
+///   owner did not `close` it) comes back inconsistent unless the store
+///   can prove it complete;
 /// - every bit [`DirtyBitmap::mark`] sets on a bitmap the store made is
 ///   found by the next `open` after a kill -9 of this process, or that
 ///   bitmap is reported inconsistent;
 /// - `close` makes the bits durable and only then records that the bitmap
 ///   is no longer in use.
 pub trait BitmapStore: Send {
+    /// Where the bitmaps live, for messages: "sidecar files in DIR".
+    fn location(&self) -> String;
+    /// What `bitmap list` shows of the stored bitmaps of a
+    /// `disk_size`-byte disk, read without loading them or marking them in
+    /// use. A bitmap found in use after a host stop shows inconsistent, as
+    /// `open` will make it.
+    fn peek(&mut self, disk_size: u64) -> Result<Vec<BitmapInfo>, BitmapError>;
     /// Loads the stored bitmaps of a `disk_size`-byte disk, sorted by name,
-    /// and marks them in use.
-    fn open(&mut self, disk_size: u64) -> Result<Vec<(String, DirtyBitmap)>, BitmapError>;
+    /// and marks them in use. One that cannot be loaded comes back as its
+    /// error, and the others are loaded all the same. A bitmap of another
+    /// disk size (the image was resized while no daemon held it) is
+    /// resized, and inconsistent.
+    fn open(&mut self, disk_size: u64) -> Vec<(String, Result<DirtyBitmap, BitmapError>)>;
     /// Creates a new, clean, consistent bitmap, in use.
     fn add(
         &mut self,
@@ -423,9 +517,26 @@ pub trait BitmapStore: Send {
     ) -> Result<DirtyBitmap, BitmapError>;
     /// Deletes a bitmap's stored form.
     fn remove(&mut self, name: &str) -> Result<(), BitmapError>;
-    /// Records durably that a bitmap's state changed without a write to its
-    /// bits: it became inconsistent, or consistent again after a clear.
-    fn update(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError>;
+    /// Records durably whether the stored bitmap can be trusted, its bits
+    /// aside: `consistent` false while a backup holds bits taken out of it
+    /// (a daemon killed meanwhile must not find it complete), or when it
+    /// lost changes; true again after a clear, a merge back, or a backup
+    /// that succeeded (the bits are made durable first).
+    fn update(
+        &mut self,
+        name: &str,
+        bitmap: &DirtyBitmap,
+        consistent: bool,
+    ) -> Result<(), BitmapError>;
+    /// The disk was resized: the bitmap covers `disk_size` bytes from now
+    /// on, what it had of the common part kept, a grown part dirty. The
+    /// old bitmap must not be marked any more.
+    fn resize(
+        &mut self,
+        name: &str,
+        bitmap: &DirtyBitmap,
+        disk_size: u64,
+    ) -> Result<DirtyBitmap, BitmapError>;
     /// Clean stop: the bits durable, then the bitmap no longer in use.
     fn close(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError>;
 }

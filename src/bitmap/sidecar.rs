@@ -22,9 +22,10 @@
 //!
 //! The bits start at 4096: bit `i` (granule `i`, bytes `i × granularity` on)
 //! is bit `i % 8` of byte `i / 8`, as in qcow2's bitmap extension. The file
-//! is allocated in full when the bitmap is created, so that a write to the
-//! mapping never needs a block the file system might not have (which would
-//! be a SIGBUS, not an error).
+//! is allocated in full when the bitmap is created (or grown), so that a
+//! write to the mapping never needs a block the file system might not have
+//! (which would be a SIGBUS, not an error). It may be longer than its bits
+//! need (a disk that shrank).
 //!
 //! Why a bitmap is complete, or marked inconsistent:
 //! - [`open`](BitmapStore::open) writes IN_USE and the current boot id and
@@ -37,17 +38,31 @@
 //!   was in use, and bits still in the page cache may be lost: the bitmap
 //!   is marked INCONSISTENT (a backup tool then copies everything), and
 //!   stays so until it is cleared.
+//! - While a backup exports bits taken out of a bitmap, the file says
+//!   INCONSISTENT ([`update`](BitmapStore::update)): a daemon killed
+//!   before the backup ended lost those bits.
+//!
+//! After start-up the daemon opens no file by path (its seccomp filter has
+//! no `openat` but the one below): the directory and every sidecar found
+//! in it are opened by [`SidecarStore::new`], at start-up; a bitmap added
+//! later is created with `openat` on the directory's descriptor, with
+//! `O_CREAT | O_EXCL` (it never opens a file that exists); a removal is
+//! `unlinkat` on the same descriptor ([`SidecarStore::dir_fd`] and
+//! [`CREATE_FLAGS`] are what the filter allows).
 
-use std::collections::HashMap;
-use std::fs::{self, File, OpenOptions};
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::fs::{self, File};
 use std::io;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use memmap2::MmapOptions;
 
-use super::{BitmapError, BitmapStore, DirtyBitmap, check_name, geometry, granularity_shift};
+use super::{
+    BitmapError, BitmapInfo, BitmapStore, DirtyBitmap, check_name, geometry, granularity_shift,
+};
 
 const MAGIC: &[u8; 8] = b"RINGBMAP";
 const VERSION: u32 = 1;
@@ -56,6 +71,11 @@ pub const HEADER_SIZE: u64 = 4096;
 const FLAG_IN_USE: u32 = 1 << 0;
 const FLAG_INCONSISTENT: u32 = 1 << 1;
 const BOOT_ID_LEN: usize = 36;
+
+/// The flags of the only `openat` the daemon makes after start-up: a new
+/// sidecar, never an existing file, never through a symlink.
+pub const CREATE_FLAGS: i32 =
+    libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
 
 /// The boot id of the running kernel, which changes at every boot.
 pub fn current_boot_id() -> io::Result<[u8; BOOT_ID_LEN]> {
@@ -84,7 +104,12 @@ impl Header {
     /// The file's length: header, then the bits rounded up to a page (at
     /// least one word, so that the mapping is never empty).
     fn file_len(&self) -> u64 {
-        HEADER_SIZE + self.bits_len().max(8).next_multiple_of(4096)
+        HEADER_SIZE + self.map_len().next_multiple_of(4096)
+    }
+
+    /// The length of the mapping of the bits.
+    fn map_len(&self) -> u64 {
+        self.bits_len().max(8)
     }
 
     fn encode(&self) -> Vec<u8> {
@@ -103,11 +128,11 @@ impl Header {
     }
 
     fn decode(h: &[u8]) -> Result<Header, String> {
-        let u32_at = |o: usize| u32::from_le_bytes(h[o..o + 4].try_into().unwrap());
-        let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().unwrap());
         if h.len() < HEADER_SIZE as usize || &h[0..8] != MAGIC {
             return Err("not a ringblk bitmap (bad magic)".into());
         }
+        let u32_at = |o: usize| u32::from_le_bytes(h[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().unwrap());
         if u32_at(8) != VERSION {
             return Err(format!("version {} (this ringblk reads 1)", u32_at(8)));
         }
@@ -142,10 +167,37 @@ impl Header {
 /// The bitmaps of one image, each in its sidecar file.
 pub struct SidecarStore {
     dir: PathBuf,
+    /// The directory, opened at start-up: what later creations and
+    /// removals go through.
+    dir_fd: File,
     stem: String,
     boot_id: [u8; BOOT_ID_LEN],
-    /// Open sidecars by bitmap name (kept open for the header updates).
-    files: HashMap<String, File>,
+    /// Every sidecar of the image by bitmap name, open since start-up or
+    /// since its `add`.
+    files: BTreeMap<String, File>,
+}
+
+/// `openat(dir, name, flags, 0600)`.
+fn open_at(dir: &File, name: &str, flags: i32) -> io::Result<File> {
+    let c = CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: `c` is a NUL-terminated string that outlives the call; the
+    // directory fd is open (borrowed from `dir`); no other pointer.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags, 0o600 as libc::c_uint) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: openat returned a new descriptor that nothing else owns.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// `unlinkat(dir, name, 0)`.
+fn unlink_at(dir: &File, name: &str) -> io::Result<()> {
+    let c = CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: as in `open_at`.
+    if unsafe { libc::unlinkat(dir.as_raw_fd(), c.as_ptr(), 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 impl SidecarStore {
@@ -170,18 +222,62 @@ impl SidecarStore {
         SidecarStore::new(&dir, stem)
     }
 
-    /// The store of sidecars `dir/stem.bitmap.NAME`.
+    /// The store of sidecars `dir/stem.bitmap.NAME`: opens the directory
+    /// and every sidecar in it (nothing is read or marked yet). Removes
+    /// what an `add` that did not finish left: a file with no magic yet,
+    /// or a temporary `.stem.bitmap.NAME.new` of an older ringblk.
     pub fn new(dir: &Path, stem: &str) -> Result<SidecarStore, BitmapError> {
         let boot_id = current_boot_id().map_err(|source| BitmapError::Io {
             path: "/proc/sys/kernel/random/boot_id".into(),
             source,
         })?;
-        Ok(SidecarStore {
+        let dir_fd = File::open(dir).map_err(Self::io_err(dir))?;
+        let mut store = SidecarStore {
             dir: dir.to_path_buf(),
+            dir_fd,
             stem: stem.to_string(),
             boot_id,
-            files: HashMap::new(),
-        })
+            files: BTreeMap::new(),
+        };
+        let prefix = format!("{stem}.bitmap.");
+        let stale = format!(".{prefix}");
+        let entries = fs::read_dir(dir).map_err(Self::io_err(dir))?;
+        for entry in entries {
+            let entry = entry.map_err(Self::io_err(dir))?;
+            let Some(file_name) = entry.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            if file_name.starts_with(&stale) && file_name.ends_with(".new") {
+                let _ = fs::remove_file(entry.path());
+                continue;
+            }
+            let Some(name) = file_name.strip_prefix(&prefix) else {
+                continue;
+            };
+            if check_name(name).is_err() {
+                continue;
+            }
+            let path = store.path_of(name);
+            let file = open_at(
+                &store.dir_fd,
+                &file_name,
+                libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+            .map_err(Self::io_err(&path))?;
+            let mut magic = [0u8; 8];
+            let read = file.read_at(&mut magic, 0).map_err(Self::io_err(&path))?;
+            if magic == [0; 8] || read < magic.len() {
+                // Created by an `add` that did not get as far as its magic.
+                log::info!(
+                    "removing {}: a bitmap whose creation did not finish",
+                    path.display()
+                );
+                unlink_at(&store.dir_fd, &file_name).map_err(Self::io_err(&path))?;
+                continue;
+            }
+            store.files.insert(name.to_string(), file);
+        }
+        Ok(store)
     }
 
     /// Pretends to run in the boot `boot_id`: how a test simulates the
@@ -194,13 +290,25 @@ impl SidecarStore {
         self
     }
 
-    /// The sidecar of bitmap `name`.
-    pub fn path_of(&self, name: &str) -> PathBuf {
-        self.dir.join(format!("{}.bitmap.{name}", self.stem))
+    /// The directory the sidecars are in.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
-    fn temp_path_of(&self, name: &str) -> PathBuf {
-        self.dir.join(format!(".{}.bitmap.{name}.new", self.stem))
+    /// The directory's descriptor: the only one the daemon creates
+    /// (`openat` with [`CREATE_FLAGS`]) and removes (`unlinkat`) sidecars
+    /// in after start-up.
+    pub fn dir_fd(&self) -> RawFd {
+        self.dir_fd.as_raw_fd()
+    }
+
+    /// The sidecar of bitmap `name`.
+    pub fn path_of(&self, name: &str) -> PathBuf {
+        self.dir.join(self.file_name(name))
+    }
+
+    fn file_name(&self, name: &str) -> String {
+        format!("{}.bitmap.{name}", self.stem)
     }
 
     fn io_err(path: &Path) -> impl FnOnce(io::Error) -> BitmapError + '_ {
@@ -211,15 +319,58 @@ impl SidecarStore {
     }
 
     fn sync_dir(&self) -> Result<(), BitmapError> {
-        File::open(&self.dir)
-            .and_then(|d| d.sync_all())
-            .map_err(Self::io_err(&self.dir))
+        self.dir_fd.sync_all().map_err(Self::io_err(&self.dir))
     }
 
     fn write_header(file: &File, path: &Path, header: &Header) -> Result<(), BitmapError> {
         file.write_all_at(&header.encode(), 0)
             .and_then(|()| file.sync_data())
             .map_err(Self::io_err(path))
+    }
+
+    fn file(&self, name: &str) -> Result<&File, BitmapError> {
+        self.files
+            .get(name)
+            .ok_or_else(|| BitmapError::NotFound(name.to_string()))
+    }
+
+    /// Reads and checks a sidecar's header.
+    fn read_header(&self, name: &str) -> Result<(Header, u64), BitmapError> {
+        let path = self.path_of(name);
+        let corrupt = |why: String| BitmapError::Corrupt {
+            path: path.display().to_string(),
+            why,
+        };
+        let file = self.file(name)?;
+        let meta = file.metadata().map_err(Self::io_err(&path))?;
+        if !meta.is_file() {
+            return Err(corrupt("not a regular file".into()));
+        }
+        let mut raw = vec![0u8; HEADER_SIZE as usize];
+        file.read_exact_at(&mut raw, 0)
+            .map_err(|e| corrupt(format!("reading the header: {e}")))?;
+        let header = Header::decode(&raw).map_err(corrupt)?;
+        if header.name != name {
+            return Err(corrupt(format!(
+                "holds bitmap '{}', not '{name}'",
+                header.name.escape_debug()
+            )));
+        }
+        if meta.len() < header.file_len() {
+            return Err(corrupt(format!(
+                "{} bytes long, short of {}",
+                meta.len(),
+                header.file_len()
+            )));
+        }
+        Ok((header, meta.len()))
+    }
+
+    /// Whether a header found on disk can be trusted: not marked
+    /// inconsistent, and not left in use by another boot.
+    fn trusted(&self, header: &Header) -> bool {
+        let crashed_host = header.flags & FLAG_IN_USE != 0 && header.boot_id != self.boot_id;
+        header.flags & FLAG_INCONSISTENT == 0 && !crashed_host
     }
 
     /// Maps a sidecar's bits and makes the bitmap.
@@ -231,7 +382,7 @@ impl SidecarStore {
     ) -> Result<DirtyBitmap, BitmapError> {
         let map = MmapOptions::new()
             .offset(HEADER_SIZE)
-            .len(header.bits_len().max(8) as usize)
+            .len(header.map_len() as usize)
             .map_raw(file)
             .map_err(Self::io_err(path))?;
         DirtyBitmap::mapped(header.disk_size, header.shift, map, consistent).map_err(|why| {
@@ -242,65 +393,65 @@ impl SidecarStore {
         })
     }
 
-    /// Opens one sidecar and marks it in use.
-    fn open_one(&mut self, name: &str, disk_size: u64) -> Result<(DirtyBitmap, File), BitmapError> {
+    /// Loads one sidecar and marks it in use: see the module doc.
+    fn open_one(&self, name: &str, disk_size: u64) -> Result<DirtyBitmap, BitmapError> {
         let path = self.path_of(name);
-        let corrupt = |why: String| BitmapError::Corrupt {
-            path: path.display().to_string(),
-            why,
-        };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&path)
-            .map_err(Self::io_err(&path))?;
-        let meta = file.metadata().map_err(Self::io_err(&path))?;
-        if !meta.is_file() {
-            return Err(corrupt("not a regular file".into()));
-        }
-        let mut raw = vec![0u8; HEADER_SIZE as usize];
-        file.read_exact_at(&mut raw, 0)
-            .map_err(|e| corrupt(format!("reading the header: {e}")))?;
-        let mut header = Header::decode(&raw).map_err(corrupt)?;
-        if header.name != name {
-            return Err(corrupt(format!(
-                "holds bitmap '{}', not '{name}'",
-                header.name.escape_debug()
-            )));
-        }
-        if header.disk_size != disk_size {
-            return Err(corrupt(format!(
-                "covers a disk of {} bytes, this one has {disk_size}",
-                header.disk_size
-            )));
-        }
-        if meta.len() < header.file_len() {
-            return Err(corrupt(format!(
-                "{} bytes long, short of {}",
-                meta.len(),
-                header.file_len()
-            )));
-        }
-        let crashed_host = header.flags & FLAG_IN_USE != 0 && header.boot_id != self.boot_id;
-        if crashed_host {
+        let (mut header, file_len) = self.read_header(name)?;
+        let file = self.file(name)?;
+        let mut consistent = self.trusted(&header);
+        if !consistent && header.flags & FLAG_IN_USE != 0 && header.boot_id != self.boot_id {
             log::warn!(
                 "bitmap '{name}' ({}) was in use when the host stopped: marked inconsistent",
                 path.display()
             );
+        }
+        let old_size = header.disk_size;
+        if old_size != disk_size {
+            log::warn!(
+                "bitmap '{name}' ({}) covers a disk of {old_size} bytes, this one has {disk_size}: resized, and marked inconsistent (changes made while it was not in use are not in it)",
+                path.display()
+            );
+            consistent = false;
+            header.disk_size = disk_size;
+            Self::grow_file(file, &path, &header, file_len)?;
+        }
+        if !consistent {
             header.flags |= FLAG_INCONSISTENT;
         }
-        let consistent = header.flags & FLAG_INCONSISTENT == 0;
         header.flags |= FLAG_IN_USE;
         header.boot_id = self.boot_id;
-        Self::write_header(&file, &path, &header)?;
-        let bitmap = Self::map(&file, &path, &header, consistent)?;
-        Ok((bitmap, file))
+        Self::write_header(file, &path, &header)?;
+        let bitmap = Self::map(file, &path, &header, consistent)?;
+        if old_size != disk_size {
+            bitmap.trim();
+            bitmap.mark_grown(old_size);
+        }
+        Ok(bitmap)
     }
 
-    fn header_of(&self, name: &str, bitmap: &DirtyBitmap, in_use: bool) -> Header {
+    /// Makes the file long enough for `header`, allocated. Never shorter:
+    /// a mapping of its old length may still be alive.
+    fn grow_file(
+        file: &File,
+        path: &Path,
+        header: &Header,
+        file_len: u64,
+    ) -> Result<(), BitmapError> {
+        if file_len < header.file_len() {
+            allocate(file, header.file_len()).map_err(Self::io_err(path))?;
+        }
+        Ok(())
+    }
+
+    fn header_of(
+        &self,
+        name: &str,
+        bitmap: &DirtyBitmap,
+        in_use: bool,
+        consistent: bool,
+    ) -> Header {
         let mut flags = if in_use { FLAG_IN_USE } else { 0 };
-        if !bitmap.is_consistent() {
+        if !consistent {
             flags |= FLAG_INCONSISTENT;
         }
         Header {
@@ -313,8 +464,8 @@ impl SidecarStore {
     }
 }
 
-/// Allocates `len` bytes of `file` (zeroes), so that no later write to its
-/// mapping needs a block.
+/// Allocates the first `len` bytes of `file` (zeroes where nothing was
+/// written), so that no later write to its mapping needs a block.
 fn allocate(file: &File, len: u64) -> io::Result<()> {
     let l = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
     // SAFETY: fallocate takes no pointers; the fd is open for writing.
@@ -325,9 +476,11 @@ fn allocate(file: &File, len: u64) -> io::Result<()> {
     if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
         return Err(e);
     }
-    // A file system without fallocate: write the zeroes.
+    // A file system without fallocate: write zeroes where the file is not
+    // yet that long.
+    let start = file.metadata()?.len();
     let zeroes = vec![0u8; 1 << 20];
-    let mut off = 0;
+    let mut off = start;
     while off < len {
         let n = (len - off).min(zeroes.len() as u64) as usize;
         file.write_all_at(&zeroes[..n], off)?;
@@ -337,33 +490,35 @@ fn allocate(file: &File, len: u64) -> io::Result<()> {
 }
 
 impl BitmapStore for SidecarStore {
-    fn open(&mut self, disk_size: u64) -> Result<Vec<(String, DirtyBitmap)>, BitmapError> {
-        let prefix = format!("{}.bitmap.", self.stem);
-        let stale = format!(".{prefix}");
-        let mut names = Vec::new();
-        let entries = fs::read_dir(&self.dir).map_err(Self::io_err(&self.dir))?;
-        for entry in entries {
-            let entry = entry.map_err(Self::io_err(&self.dir))?;
-            let Some(file_name) = entry.file_name().to_str().map(str::to_string) else {
-                continue;
-            };
-            if file_name.starts_with(&stale) && file_name.ends_with(".new") {
-                // An `add` that did not finish: never a bitmap.
-                let _ = fs::remove_file(entry.path());
-            } else if let Some(name) = file_name.strip_prefix(&prefix)
-                && check_name(name).is_ok()
-            {
-                names.push(name.to_string());
-            }
-        }
-        names.sort();
+    fn location(&self) -> String {
+        format!("sidecar files in {}", self.dir.display())
+    }
+
+    fn peek(&mut self, disk_size: u64) -> Result<Vec<BitmapInfo>, BitmapError> {
         let mut out = Vec::new();
-        for name in names {
-            let (bitmap, file) = self.open_one(&name, disk_size)?;
-            self.files.insert(name.clone(), file);
-            out.push((name, bitmap));
+        for name in self.files.keys() {
+            let (header, _) = self.read_header(name)?;
+            let path = self.path_of(name);
+            let mut raw = vec![0u8; header.bits_len() as usize];
+            self.file(name)?
+                .read_exact_at(&mut raw, HEADER_SIZE)
+                .map_err(Self::io_err(&path))?;
+            let words = raw
+                .chunks_exact(8)
+                .map(|w| u64::from_le_bytes(w.try_into().unwrap()));
+            let consistent = self.trusted(&header) && header.disk_size == disk_size;
+            let b = DirtyBitmap::from_words(disk_size, 1 << header.shift, words, consistent)?;
+            b.mark_grown(header.disk_size);
+            out.push(b.info(name));
         }
         Ok(out)
+    }
+
+    fn open(&mut self, disk_size: u64) -> Vec<(String, Result<DirtyBitmap, BitmapError>)> {
+        self.files
+            .keys()
+            .map(|name| (name.clone(), self.open_one(name, disk_size)))
+            .collect()
     }
 
     fn add(
@@ -374,8 +529,7 @@ impl BitmapStore for SidecarStore {
     ) -> Result<DirtyBitmap, BitmapError> {
         check_name(name)?;
         let shift = granularity_shift(granularity)?;
-        let path = self.path_of(name);
-        if self.files.contains_key(name) || fs::symlink_metadata(&path).is_ok() {
+        if self.files.contains_key(name) {
             return Err(BitmapError::Exists(name.to_string()));
         }
         let header = Header {
@@ -385,24 +539,28 @@ impl BitmapStore for SidecarStore {
             boot_id: self.boot_id,
             name: name.to_string(),
         };
-        // Written whole under a temporary name, then renamed: a crash
-        // leaves either no bitmap or a complete one.
-        let temp = self.temp_path_of(name);
-        let _ = fs::remove_file(&temp);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&temp)
-            .map_err(Self::io_err(&temp))?;
+        let path = self.path_of(name);
+        let file = match open_at(&self.dir_fd, &self.file_name(name), CREATE_FLAGS) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                return Err(BitmapError::Corrupt {
+                    path: path.display().to_string(),
+                    why: "exists, and is not a bitmap of this image's (remove it first)".into(),
+                });
+            }
+            Err(e) => return Err(Self::io_err(&path)(e)),
+        };
+        // The magic last: a crash before it leaves a file that the next
+        // start removes, never one that passes for a bitmap.
+        let mut encoded = header.encode();
+        encoded[0..8].fill(0);
         let made = allocate(&file, header.file_len())
-            .and_then(|()| file.write_all_at(&header.encode(), 0))
+            .and_then(|()| file.write_all_at(&encoded, 0))
             .and_then(|()| file.sync_all())
-            .and_then(|()| fs::rename(&temp, &path));
+            .and_then(|()| file.write_all_at(MAGIC, 0))
+            .and_then(|()| file.sync_data());
         if let Err(e) = made {
-            let _ = fs::remove_file(&temp);
+            let _ = unlink_at(&self.dir_fd, &self.file_name(name));
             return Err(Self::io_err(&path)(e));
         }
         self.sync_dir()?;
@@ -413,40 +571,66 @@ impl BitmapStore for SidecarStore {
 
     fn remove(&mut self, name: &str) -> Result<(), BitmapError> {
         check_name(name)?;
+        if !self.files.contains_key(name) {
+            return Err(BitmapError::NotFound(name.to_string()));
+        }
         let path = self.path_of(name);
-        match fs::remove_file(&path) {
+        match unlink_at(&self.dir_fd, &self.file_name(name)) {
             Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(BitmapError::NotFound(name.to_string()));
-            }
+            // Removed behind our back: gone all the same.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(Self::io_err(&path)(e)),
         }
         self.files.remove(name);
         self.sync_dir()
     }
 
-    fn update(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError> {
+    fn update(
+        &mut self,
+        name: &str,
+        bitmap: &DirtyBitmap,
+        consistent: bool,
+    ) -> Result<(), BitmapError> {
         let path = self.path_of(name);
-        let file = self
-            .files
-            .get(name)
-            .ok_or_else(|| BitmapError::NotFound(name.to_string()))?;
-        if bitmap.is_consistent() {
-            // Consistent again (a clear): the cleared bits must be on disk
-            // before the header says they can be trusted.
+        let file = self.file(name)?;
+        if consistent {
+            // The bits must be on disk before the header says they can
+            // be trusted.
             bitmap.sync().map_err(Self::io_err(&path))?;
         }
-        Self::write_header(file, &path, &self.header_of(name, bitmap, true))
+        let header = self.header_of(name, bitmap, true, consistent);
+        Self::write_header(file, &path, &header)
+    }
+
+    fn resize(
+        &mut self,
+        name: &str,
+        bitmap: &DirtyBitmap,
+        disk_size: u64,
+    ) -> Result<DirtyBitmap, BitmapError> {
+        let path = self.path_of(name);
+        // Inconsistent on disk until the new size and bits are: a crash in
+        // between leaves a bitmap the next open resizes and distrusts.
+        self.update(name, bitmap, false)?;
+        let file = self.file(name)?;
+        let file_len = file.metadata().map_err(Self::io_err(&path))?.len();
+        let mut header = self.header_of(name, bitmap, true, false);
+        header.disk_size = disk_size;
+        Self::grow_file(file, &path, &header, file_len)?;
+        let resized = Self::map(file, &path, &header, bitmap.is_consistent())?;
+        resized.trim();
+        resized.mark_grown(bitmap.disk_size());
+        let consistent = resized.is_consistent();
+        self.update(name, &resized, consistent)?;
+        Ok(resized)
     }
 
     fn close(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError> {
         let path = self.path_of(name);
-        let file = self
-            .files
-            .remove(name)
-            .ok_or_else(|| BitmapError::NotFound(name.to_string()))?;
+        let file = self.file(name)?;
         bitmap.sync().map_err(Self::io_err(&path))?;
-        Self::write_header(&file, &path, &self.header_of(name, bitmap, false))
+        let header = self.header_of(name, bitmap, false, bitmap.is_consistent());
+        Self::write_header(file, &path, &header)
     }
 }
 
@@ -459,6 +643,14 @@ mod tests {
 
     fn store(dir: &Path) -> SidecarStore {
         SidecarStore::new(dir, "disk.img").unwrap()
+    }
+
+    /// `open`, every bitmap loaded.
+    fn load(s: &mut SidecarStore, size: u64) -> Vec<(String, DirtyBitmap)> {
+        s.open(size)
+            .into_iter()
+            .map(|(n, b)| (n, b.unwrap()))
+            .collect()
     }
 
     #[test]
@@ -504,7 +696,17 @@ mod tests {
         drop(b);
 
         let mut s = store(dir.path());
-        let loaded = s.open(SIZE).unwrap();
+        let peeked = s.peek(SIZE).unwrap();
+        assert_eq!(
+            peeked,
+            [BitmapInfo {
+                name: "nightly".into(),
+                granularity: G,
+                dirty_bytes: 2 * G + 4096,
+                consistent: true
+            }]
+        );
+        let loaded = load(&mut s, SIZE);
         assert_eq!(loaded.len(), 1);
         let (name, b) = &loaded[0];
         assert_eq!(name, "nightly");
@@ -525,29 +727,45 @@ mod tests {
         drop(s); // no close: as after kill -9
 
         let mut s = store(dir.path());
-        let loaded = s.open(SIZE).unwrap();
+        let loaded = load(&mut s, SIZE);
         assert!(loaded[0].1.is_consistent(), "same boot: complete");
         assert_eq!(loaded[0].1.dirty_bytes(), G);
         drop(loaded);
         drop(s); // again no close
 
         let mut s = store(dir.path()).with_boot_id("another-boot");
-        let loaded = s.open(SIZE).unwrap();
+        assert!(!s.peek(SIZE).unwrap()[0].consistent, "peek says so too");
+        let loaded = load(&mut s, SIZE);
         let (name, b) = &loaded[0];
         assert!(!b.is_consistent(), "another boot: inconsistent");
         s.close(name, b).unwrap();
         let mut s = store(dir.path());
-        let loaded = s.open(SIZE).unwrap();
+        let loaded = load(&mut s, SIZE);
         let (name, b) = &loaded[0];
         assert!(!b.is_consistent(), "inconsistency is sticky");
         b.clear();
-        s.update(name, b).unwrap();
+        s.update(name, b, true).unwrap();
         s.close(name, b).unwrap();
-        let loaded = store(dir.path()).with_boot_id("third").open(SIZE).unwrap();
+        let loaded = load(&mut store(dir.path()).with_boot_id("third"), SIZE);
         assert!(
             loaded[0].1.is_consistent(),
             "a cleared bitmap, closed cleanly"
         );
+    }
+
+    /// What `update` stores while a backup holds bits taken out of the
+    /// bitmap: found so after a kill -9, the bitmap is inconsistent.
+    #[test]
+    fn a_bitmap_left_inconsistent_on_disk_is_found_inconsistent() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(dir.path());
+        let b = s.add("a", G, SIZE).unwrap();
+        b.mark(0, G);
+        s.update("a", &b, false).unwrap();
+        assert!(b.is_consistent(), "in memory it stays as it was");
+        drop(s); // kill -9
+        let loaded = load(&mut store(dir.path()), SIZE);
+        assert!(!loaded[0].1.is_consistent());
     }
 
     #[test]
@@ -559,31 +777,70 @@ mod tests {
         s.remove("x").unwrap();
         assert!(matches!(s.remove("x"), Err(BitmapError::NotFound(_))));
         assert!(matches!(s.add("../x", G, SIZE), Err(BitmapError::Name(_))));
-        assert!(s.open(1 << 20).unwrap().is_empty());
+        assert!(s.open(1 << 20).is_empty());
 
-        // A stale temporary file is removed, a foreign file is refused
-        // with its name, and a wrong disk size is refused.
+        // A stale temporary file and an unfinished add are removed, a
+        // foreign file is refused with its name.
         fs::write(dir.path().join(".disk.img.bitmap.y.new"), b"junk").unwrap();
-        fs::write(dir.path().join("disk.img.bitmap.z"), vec![0u8; 8192]).unwrap();
-        let e = s.open(1 << 20).unwrap_err().to_string();
+        fs::write(dir.path().join("disk.img.bitmap.u"), vec![0u8; 8192]).unwrap();
+        fs::write(dir.path().join("disk.img.bitmap.z"), vec![1u8; 8192]).unwrap();
+        let mut s = store(dir.path());
+        assert!(!dir.path().join(".disk.img.bitmap.y.new").exists());
+        assert!(!dir.path().join("disk.img.bitmap.u").exists());
+        let e = s.peek(1 << 20).unwrap_err().to_string();
         assert!(
             e.contains("disk.img.bitmap.z") && e.contains("bad magic"),
             "{e}"
         );
-        assert!(!dir.path().join(".disk.img.bitmap.y.new").exists());
+        let opened = s.open(1 << 20);
+        assert!(opened[0].1.is_err(), "a foreign file is never mapped");
+        // A file in the way of an add is not taken over.
+        let e = s.add("z", G, SIZE).unwrap_err().to_string();
+        assert!(e.contains("exists"), "{e}");
         fs::remove_file(dir.path().join("disk.img.bitmap.z")).unwrap();
+
+        let mut s = store(dir.path());
         let b = s.add("w", G, SIZE).unwrap();
         s.close("w", &b).unwrap();
-        let e = store(dir.path()).open(SIZE + G).unwrap_err().to_string();
-        assert!(e.contains("covers a disk of"), "{e}");
         // Truncated: refused, never mapped short.
-        let f = OpenOptions::new()
+        let f = fs::OpenOptions::new()
             .write(true)
             .open(dir.path().join("disk.img.bitmap.w"))
             .unwrap();
         f.set_len(HEADER_SIZE + 100).unwrap();
-        let e = store(dir.path()).open(SIZE).unwrap_err().to_string();
-        assert!(e.contains("short of"), "{e}");
+        let e = store(dir.path()).open(SIZE).remove(0).1.unwrap_err();
+        assert!(e.to_string().contains("short of"), "{e}");
+    }
+
+    /// A bitmap of another disk size (the image was resized while no
+    /// daemon held it) is resized and distrusted; one resized while in use
+    /// keeps its bits and its trust, the grown part dirty.
+    #[test]
+    fn resizes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(dir.path());
+        let b = s.add("r", G, SIZE).unwrap();
+        b.mark(5 * G, 1);
+        let b = s.resize("r", &b, 2 * SIZE).unwrap();
+        assert!(b.is_consistent());
+        assert_eq!(b.disk_size(), 2 * SIZE);
+        assert_eq!(b.dirty_extents(), [(5 * G, G), (1000 * G, SIZE + 4096)]);
+        let b = s.resize("r", &b, 10 * G + 512).unwrap();
+        assert_eq!(b.dirty_extents(), [(5 * G, G)]);
+        s.close("r", &b).unwrap();
+        drop((b, s));
+        let mut s = store(dir.path());
+        let loaded = load(&mut s, 10 * G + 512);
+        assert!(loaded[0].1.is_consistent());
+        assert_eq!(loaded[0].1.dirty_extents(), [(5 * G, G)]);
+        s.close("r", &loaded[0].1).unwrap();
+        drop((loaded, s));
+        let mut s = store(dir.path());
+        assert!(!s.peek(20 * G).unwrap()[0].consistent);
+        let loaded = load(&mut s, 20 * G);
+        let b = &loaded[0].1;
+        assert!(!b.is_consistent(), "resized while not in use");
+        assert_eq!(b.dirty_extents(), [(5 * G, G), (10 * G, 10 * G)]);
     }
 
     #[test]

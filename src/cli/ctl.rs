@@ -47,6 +47,14 @@ pub enum CtlVerb {
     /// others stay), effective within a second. Prints the limits in
     /// force (JSON).
     Qos(crate::qos::QosChanges),
+    /// Dirty bitmaps: add, remove, list (changed-block tracking for
+    /// incremental backups; docs/backup.md).
+    #[command(subcommand)]
+    Bitmap(BitmapVerb),
+    /// A point-in-time backup served over NBD: start, stop, status
+    /// (docs/backup.md).
+    #[command(subcommand)]
+    Backup(BackupVerb),
     /// Take a live external snapshot of a qcow2 image: create the qcow2
     /// overlay NEW.qcow2, whose backing file is the current top of the
     /// chain, and switch every queue to it while the guest runs. Requests
@@ -74,6 +82,57 @@ pub enum CtlVerb {
         #[arg(long, requires = "interval")]
         count: Option<u64>,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BitmapVerb {
+    /// Add a bitmap that records every write, discard and write-zeroes
+    /// from now on; it persists (next to the image, or in the daemon's
+    /// --bitmap-dir).
+    Add {
+        /// 1 to 64 characters of A-Z a-z 0-9 . _ - (not starting with . or -).
+        name: String,
+        /// Bytes per bit: a power of two from 512 to 2G (K, M, G suffixes).
+        #[arg(long, value_name = "SIZE", default_value = "64K", value_parser = ringblk_metrics::parse_size)]
+        granularity: u64,
+    },
+    /// Remove a bitmap and its file.
+    Remove { name: String },
+    /// Every bitmap: name, granularity, dirty bytes, and whether it is
+    /// consistent (an inconsistent one may lack changes: take a full
+    /// backup).
+    List {
+        /// Print the JSON the daemon answers instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BackupVerb {
+    /// Serve the disk as it is at this instant, read-only over NBD on a
+    /// Unix socket (mode 0600) in the daemon's --backup-dir, while the
+    /// guest goes on writing: `qemu-img convert
+    /// nbd+unix:///?socket=SOCKET` or `nbdcopy` copies it.
+    Start {
+        /// The socket: a name in the daemon's --backup-dir, or a path there.
+        #[arg(long, value_name = "SOCKET")]
+        nbd: PathBuf,
+        /// Also export the changes this bitmap recorded up to this instant,
+        /// as the metadata context qemu:dirty-bitmap:NAME; the bitmap
+        /// records afresh from this instant.
+        #[arg(long, value_name = "NAME")]
+        bitmap: Option<String>,
+    },
+    /// End the backup: the export ends, what the view kept is dropped.
+    Stop {
+        /// The backup failed: put the exported bits back into the bitmap,
+        /// so that the next backup still copies those changes.
+        #[arg(long)]
+        failed: bool,
+    },
+    /// The running backup (JSON), or null.
+    Status,
 }
 
 /// Runs one verb against the daemon.
@@ -134,6 +193,8 @@ pub fn ctl(args: &CtlArgs) -> Result<(), Failure> {
             };
             out(&answer)?;
         }
+        CtlVerb::Bitmap(verb) => bitmap(&addr, &args.api, verb)?,
+        CtlVerb::Backup(verb) => backup(&addr, &args.api, verb)?,
         CtlVerb::Snapshot { overlay } => {
             let body = serde_json::json!({ "overlay": overlay_path(overlay) }).to_string();
             let answer = call(&addr, "PUT", "/api/v1/snapshot", body.as_bytes())?;
@@ -181,6 +242,132 @@ fn verbs_table(verbs: &[serde_json::Value]) -> String {
         ));
     }
     table
+}
+
+fn parse(api: &std::path::Path, answer: &str) -> Result<serde_json::Value, String> {
+    serde_json::from_str(answer).map_err(|e| format!("{}: bad answer: {e}", api.display()))
+}
+
+fn bitmap(addr: &str, api: &std::path::Path, verb: &BitmapVerb) -> Result<(), Failure> {
+    match verb {
+        BitmapVerb::Add { name, granularity } => {
+            let body = serde_json::json!({ "name": name, "granularity": granularity });
+            let r = parse(
+                api,
+                &call(
+                    addr,
+                    "POST",
+                    "/api/v1/bitmaps/add",
+                    body.to_string().as_bytes(),
+                )?,
+            )?;
+            out(&format!(
+                "bitmap '{name}' added (granularity {}): it records every change from now on\n",
+                r["granularity"]
+            ))?;
+        }
+        BitmapVerb::Remove { name } => {
+            let body = serde_json::json!({ "name": name });
+            call(
+                addr,
+                "POST",
+                "/api/v1/bitmaps/remove",
+                body.to_string().as_bytes(),
+            )?;
+            out(&format!("bitmap '{name}' removed\n"))?;
+        }
+        BitmapVerb::List { json } => {
+            let answer = call(addr, "GET", "/api/v1/bitmaps", b"")?;
+            if *json {
+                return out(&answer);
+            }
+            let list: Vec<crate::bitmap::BitmapInfo> = serde_json::from_str(&answer)
+                .map_err(|e| format!("{}: bad answer: {e}", api.display()))?;
+            out(&bitmap_table(&list))?;
+        }
+    }
+    Ok(())
+}
+
+/// `bitmap list`'s table.
+fn bitmap_table(list: &[crate::bitmap::BitmapInfo]) -> String {
+    let width = list.iter().map(|b| b.name.len()).max().unwrap_or(0).max(4);
+    let mut t = format!(
+        "{:<width$}  {:>11}  {:>15}  CONSISTENT\n",
+        "NAME", "GRANULARITY", "DIRTY BYTES"
+    );
+    for b in list {
+        t.push_str(&format!(
+            "{:<width$}  {:>11}  {:>15}  {}\n",
+            b.name,
+            b.granularity,
+            b.dirty_bytes,
+            if b.consistent {
+                "yes"
+            } else {
+                "NO: take a full backup"
+            }
+        ));
+    }
+    t
+}
+
+fn backup(addr: &str, api: &std::path::Path, verb: &BackupVerb) -> Result<(), Failure> {
+    match verb {
+        BackupVerb::Start { nbd, bitmap } => {
+            // A bare name is the daemon's to place (in its --backup-dir);
+            // a path is made absolute here, where it was meant.
+            let nbd = if nbd.parent().is_some_and(|p| !p.as_os_str().is_empty()) {
+                std::path::absolute(nbd).map_err(|e| format!("--nbd {}: {e}", nbd.display()))?
+            } else {
+                nbd.clone()
+            };
+            let body = serde_json::json!({ "nbd": nbd, "bitmap": bitmap });
+            let r = parse(
+                api,
+                &call(
+                    addr,
+                    "POST",
+                    "/api/v1/backup/start",
+                    body.to_string().as_bytes(),
+                )?,
+            )?;
+            let socket = r["socket"].as_str().unwrap_or_default();
+            let mut line = format!(
+                "backup started: the disk as it was at this instant ({} bytes), read-only on nbd+unix:///?socket={socket}",
+                r["size"]
+            );
+            if let Some(b) = bitmap {
+                line.push_str(&format!(
+                    ", with the changes bitmap '{b}' recorded as qemu:dirty-bitmap:{b} (it records afresh from now)"
+                ));
+            }
+            out(&format!("{line}\n"))?;
+        }
+        BackupVerb::Stop { failed } => {
+            let body = serde_json::json!({ "failed": failed });
+            let r = parse(
+                api,
+                &call(
+                    addr,
+                    "POST",
+                    "/api/v1/backup/stop",
+                    body.to_string().as_bytes(),
+                )?,
+            )?;
+            out(&format!(
+                "backup stopped{}: {} cluster(s) were copied before the guest overwrote them\n",
+                if *failed {
+                    " as failed (the bitmap has its bits back)"
+                } else {
+                    ""
+                },
+                r["copied_clusters"]
+            ))?;
+        }
+        BackupVerb::Status => out(&call(addr, "GET", "/api/v1/backup", b"")?)?,
+    }
+    Ok(())
 }
 
 /// What the daemon gets for `--overlay`: a bare name as it is (a name in

@@ -104,6 +104,20 @@ pub struct ServeArgs {
     #[arg(long)]
     pub image: Option<PathBuf>,
 
+    /// Where the dirty bitmaps of a raw image or block device live: one
+    /// sidecar file per bitmap, STEM.bitmap.NAME, STEM being the image's
+    /// file name [default: the image's directory; a block device's
+    /// bitmaps need this]. See docs/backup.md.
+    #[arg(long, value_name = "DIR")]
+    pub bitmap_dir: Option<PathBuf>,
+
+    /// Where `ctl backup start --nbd SOCKET` may create its NBD socket, and
+    /// where the backup keeps what the guest overwrites while it runs (an
+    /// unlinked file, as large as what the guest overwrites). Without it,
+    /// backups are refused. See docs/backup.md.
+    #[arg(long, value_name = "DIR")]
+    pub backup_dir: Option<PathBuf>,
+
     /// The image's format: raw, or qcow2 (version 3 read-write, version 2
     /// with --readonly; its backing chain of qcow2 and raw images read-only,
     /// their names resolved as QEMU does). The format is never probed: a
@@ -113,8 +127,9 @@ pub struct ServeArgs {
     pub format: crate::format::Format,
 
     /// Directory where live snapshots (`ringblk ctl snapshot --overlay`)
-    /// create their overlays; opened at start-up, the only place the daemon
-    /// may create files in afterwards. Without it, snapshots are refused.
+    /// create their overlays; opened at start-up, one of the few places the
+    /// daemon may create files in afterwards (with --bitmap-dir and
+    /// --backup-dir). Without it, snapshots are refused.
     #[arg(long, value_name = "DIR")]
     pub snapshot_dir: Option<PathBuf>,
 

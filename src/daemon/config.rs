@@ -87,6 +87,12 @@ pub struct Config {
     pub settings: Settings,
     /// Worker threads: `--threads`, or its default ([`default_threads`]).
     pub threads: usize,
+    /// The directories the daemon creates and removes files in after
+    /// start-up: the bitmaps' and the backups', each opened (for
+    /// Landlock) with the number of the device's own descriptor of it
+    /// (the one its `openat` and `unlinkat` name, for the seccomp filter).
+    pub bitmap_dir: Option<(std::fs::File, i32)>,
+    pub backup_dir: Option<(std::fs::File, i32)>,
 }
 
 /// `--threads`' default: a thread per queue, but no more threads than
@@ -245,6 +251,8 @@ impl Config {
         let err = |what: &'static str| {
             move |e: std::io::Error| DaemonError::Config(format!("{what}: {e}"))
         };
+        let (bitmaps, bitmap_dir) = bitmap_store(&args, &backing)?;
+        let (backups, backup_dir) = backup_spec(&args, &backing)?;
         let device = Device::new(DeviceSpec {
             name: backing.name(),
             limits,
@@ -273,8 +281,10 @@ impl Config {
                     Resize::Shared(std::sync::Arc::downgrade(&shared))
                 }
             },
+            bitmaps,
+            backups,
         })
-        .map_err(|e| DaemonError::Config(format!("QoS: {e}")))?;
+        .map_err(|e| DaemonError::Config(e.to_string()))?;
         let settings = Settings {
             notify: args.notify,
             signal: args.signal,
@@ -289,8 +299,159 @@ impl Config {
             device,
             settings,
             threads,
+            bitmap_dir,
+            backup_dir,
         })
     }
+}
+
+/// A directory opened again (for Landlock), with the number of the
+/// descriptor `fd` the device keeps of it.
+fn reopened(dir: &std::path::Path, fd: i32) -> Result<(std::fs::File, i32), DaemonError> {
+    let f = std::fs::File::open(dir)
+        .map_err(|e| DaemonError::Config(format!("{}: {e}", dir.display())))?;
+    Ok((f, fd))
+}
+
+/// Where the dirty bitmaps persist (or why there are none), and their
+/// directory. An explicit `--bitmap-dir` that cannot be used, or a
+/// sidecar that cannot be read, stops the start; the image's own
+/// directory that cannot be opened only leaves the device without
+/// bitmaps (said when one is asked for).
+#[allow(clippy::type_complexity)]
+fn bitmap_store(
+    args: &ServeArgs,
+    backing: &Backing,
+) -> Result<
+    (
+        Result<Box<dyn crate::bitmap::BitmapStore>, String>,
+        Option<(std::fs::File, i32)>,
+    ),
+    DaemonError,
+> {
+    let image = match backing {
+        Backing::File { image, .. } => image,
+        #[cfg(feature = "rbd")]
+        Backing::Rbd(_) => {
+            return Ok((
+                Err("dirty bitmaps are not supported on RBD images (librbd's object map and fast-diff, with rbd diff, track changes there)".into()),
+                None,
+            ));
+        }
+    };
+    if args.readonly {
+        return Ok((
+            Err("the image is exported read-only (--readonly): nothing changes it, so there is nothing to track".into()),
+            None,
+        ));
+    }
+    if image.is_block_device && args.bitmap_dir.is_none() {
+        return Ok((
+            Err(format!(
+                "{} is a block device: its bitmaps need a directory, given with --bitmap-dir DIR at start-up",
+                image.path.display()
+            )),
+            None,
+        ));
+    }
+    match crate::bitmap::SidecarStore::for_image(&image.path, args.bitmap_dir.as_deref()) {
+        Ok(store) => {
+            let dir = reopened(store.dir(), store.dir_fd())?;
+            Ok((Ok(Box::new(store)), Some(dir)))
+        }
+        Err(e) if args.bitmap_dir.is_some() => {
+            Err(DaemonError::Config(format!("--bitmap-dir: {e}")))
+        }
+        Err(e) => {
+            log::debug!("no dirty bitmaps: {e}");
+            Ok((
+                Err(format!("no dirty bitmaps next to the image: {e}")),
+                None,
+            ))
+        }
+    }
+}
+
+/// What backups need (or why there are none): `--backup-dir` opened, the
+/// image opened again for reading through the page cache (checked to be
+/// the same file), and an unlinked file in the directory for the
+/// copy-before-write store. All before the sandbox: the daemon opens no
+/// file by path after start-up.
+#[allow(clippy::type_complexity)]
+fn backup_spec(
+    args: &ServeArgs,
+    backing: &Backing,
+) -> Result<
+    (
+        Result<crate::device::BackupSpec, String>,
+        Option<(std::fs::File, i32)>,
+    ),
+    DaemonError,
+> {
+    use std::os::unix::fs::MetadataExt;
+    let image = match backing {
+        // The copy-before-write view reads the image file as the guest's
+        // disk: right for raw, not for qcow2, whose guest view goes
+        // through its tables and backing chain.
+        Backing::File { qcow2: Some(_), .. } => {
+            return Ok((
+                Err("backups of qcow2 images are not supported yet: take a live snapshot (ringblk ctl snapshot --overlay NEW.qcow2) and copy the frozen image with qemu-img convert".into()),
+                None,
+            ));
+        }
+        Backing::File { image, .. } => image,
+        #[cfg(feature = "rbd")]
+        Backing::Rbd(_) => {
+            return Ok((
+                Err("backups of RBD images are not supported: take an RBD snapshot (rbd snap create) and export it (rbd export, rbd export-diff)".into()),
+                None,
+            ));
+        }
+    };
+    let Some(dir) = &args.backup_dir else {
+        return Ok((
+            Err("backups need a directory for their NBD socket and their copy-before-write file: start the daemon with --backup-dir DIR".into()),
+            None,
+        ));
+    };
+    let err = |what: &str, e: std::io::Error| {
+        DaemonError::Config(format!("--backup-dir {}: {what}: {e}", dir.display()))
+    };
+    let dir = std::path::absolute(dir).map_err(|e| err("its absolute path", e))?;
+    let dir_fd = std::fs::File::open(&dir).map_err(|e| err("opening it", e))?;
+    if !dir_fd.metadata().map_err(|e| err("stat", e))?.is_dir() {
+        return Err(DaemonError::Config(format!(
+            "--backup-dir {}: not a directory",
+            dir.display()
+        )));
+    }
+    let store = tempfile::tempfile_in(&dir).map_err(|e| err("its copy-before-write file", e))?;
+    let reader = std::fs::File::open(&image.path).map_err(|e| {
+        DaemonError::Config(format!(
+            "{}: opening it for backups: {e}",
+            image.path.display()
+        ))
+    })?;
+    let meta = reader
+        .metadata()
+        .map_err(|e| DaemonError::Config(format!("{}: {e}", image.path.display())))?;
+    if (meta.dev(), meta.ino()) != image.dev_ino {
+        return Err(DaemonError::Config(format!(
+            "{}: replaced while the daemon started",
+            image.path.display()
+        )));
+    }
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&dir_fd);
+    let landlock = reopened(&dir, fd)?;
+    Ok((
+        Ok(crate::device::BackupSpec {
+            dir,
+            dir_fd,
+            image: reader,
+            store,
+        }),
+        Some(landlock),
+    ))
 }
 
 /// `--size` is the size of the default image, which it creates: with

@@ -11,6 +11,12 @@
 //!   (live snapshots' overlays);
 //! - removing the daemon's own sockets at shutdown (in their directories)
 //!   and its private directory (in `$TMPDIR`);
+//! - in the dirty bitmaps' directory (`--bitmap-dir`, else the image's
+//!   own: see docs/security.md), creating, reading, writing, truncating
+//!   and removing regular files (the sidecars; the seccomp filter lets it
+//!   create new files there, and open no existing one);
+//! - in the backups' directory (`--backup-dir`), making and removing a
+//!   Unix socket (a backup's NBD export);
 //! - nothing else on any path: no opening, creating, renaming, linking,
 //!   executing, truncating or listing anything else; with ABI 9, no
 //!   connect to a Unix socket by path.
@@ -68,6 +74,11 @@ pub struct Allowed {
     pub snapshot_dir: Option<File>,
     /// What the daemon removes at shutdown: each in its directory.
     pub removals: Vec<Removal>,
+    /// The dirty bitmaps' directory: sidecars are created, written,
+    /// truncated and removed there.
+    pub bitmap_dir: Option<File>,
+    /// The backups' directory: an NBD socket is made and removed there.
+    pub backup_dir: Option<File>,
 }
 
 /// Restricts the calling thread (and, with ABI 8, every thread) to
@@ -121,6 +132,21 @@ pub fn ruleset(profile: Profile, allowed: &Allowed) -> Result<RulesetCreated, Ru
     for file in &allowed.backing {
         r = r.add_rule(PathBeneath::new(file, AccessFs::ReadFile))?;
     }
+    if let Some(dir) = &allowed.bitmap_dir {
+        let access = AccessFs::MakeReg
+            | AccessFs::RemoveFile
+            | AccessFs::ReadFile
+            | AccessFs::WriteFile
+            | AccessFs::Truncate;
+        r = r.add_rule(PathBeneath::new(dir, access))?;
+    }
+    if let Some(dir) = &allowed.backup_dir {
+        r = r.add_rule(PathBeneath::new(
+            dir,
+            AccessFs::MakeSock | AccessFs::RemoveFile,
+        ))?;
+    }
+
     if let Some(dir) = &allowed.snapshot_dir {
         let access = AccessFs::MakeReg
             | AccessFs::ReadFile

@@ -209,11 +209,17 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     if let Some(p) = &cfg.args.api {
         files.push(removal(p)?);
     }
-    let unlink_dirs: Vec<i32> = files
+    let mut unlink_dirs: Vec<i32> = files
         .iter()
         .chain(&inner.paths.removals)
         .map(Removal::dir_fd)
         .collect();
+    // A removed bitmap's sidecar, a backup's socket.
+    unlink_dirs.extend(cfg.bitmap_dir.iter().chain(&cfg.backup_dir).map(|d| d.1));
+    let extras = seccomp::Extras {
+        bitmap_dir: cfg.bitmap_dir.as_ref().map(|d| d.1),
+        backups: cfg.backup_dir.is_some(),
+    };
     // A qcow2 image's snapshot directory: overlays are created and (when
     // a snapshot fails) removed there, by its descriptor.
     let snapshot_dir = device
@@ -253,6 +259,8 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             .transpose()
             .map_err(|e| DaemonError::Landlock(format!("the snapshot directory: {e}")))?,
         removals: files.iter().chain(&inner.paths.removals).cloned().collect(),
+        bitmap_dir: cfg.bitmap_dir.map(|d| d.0),
+        backup_dir: cfg.backup_dir.map(|d| d.0),
     };
     let closer = Closer::default();
     spawn_signal_handler(
@@ -278,6 +286,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         timers: &timers,
         inner: &mut inner,
         unlink_dirs,
+        extras,
         open_dir: snapshot_dir.as_ref().map(|(_, fd)| *fd),
         sandbox,
         profile: match &cfg.backing {
@@ -427,6 +436,8 @@ struct Connections<'a> {
     inner: &'a mut InnerSocket,
     /// Directory fds the daemon may remove files in after start-up.
     unlink_dirs: Vec<i32>,
+    /// What the seccomp filter allows for bitmaps and backups.
+    extras: seccomp::Extras,
     /// The directory fd the daemon may create files in after start-up (a
     /// qcow2 image's snapshot directory).
     open_dir: Option<i32>,
@@ -471,6 +482,7 @@ impl Connections<'_> {
         seccomp::install(
             self.args.seccomp,
             self.profile,
+            self.extras,
             &self.unlink_dirs,
             self.open_dir,
         )?;
@@ -805,6 +817,9 @@ fn spawn_signal_handler(
                 if let Some(c) = device.connection() {
                     c.drain_all();
                 }
+                // The rings are stopped: a backup ends (as failed), and
+                // the bitmaps are written out.
+                device.stop_tracking();
                 if let Err(e) = device.make_durable() {
                     log::error!("making the image durable failed: {e}");
                 }

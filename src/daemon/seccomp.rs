@@ -118,15 +118,42 @@ pub const EXIT_BAD_SYSCALL: i32 = 128 + libc::SIGSYS;
 /// `si_code` of a SIGSYS sent by seccomp (linux/signal.h).
 const SYS_SECCOMP: i32 = 1;
 
+/// What the daemon writes after start-up besides the image, which the
+/// filter then allows, and nothing of it otherwise.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Extras {
+    /// The dirty bitmaps' directory (its descriptor): sidecars are
+    /// created there (`openat` of that descriptor with
+    /// `bitmap::sidecar::CREATE_FLAGS` only), mapped, synced, and their
+    /// headers written.
+    pub bitmap_dir: Option<i32>,
+    /// Backups may run: an NBD server on a Unix socket made at `backup
+    /// start`, reads of the image and its allocation, and the
+    /// copy-before-write file.
+    pub backups: bool,
+}
+
+#[cfg(test)]
+impl Extras {
+    /// Neither bitmaps nor backups.
+    pub const NONE: Extras = Extras {
+        bitmap_dir: None,
+        backups: false,
+    };
+}
+
 /// Installs the filter for `mode` on all threads of the process. A kernel
 /// without seccomp filter support gets a warning, not an error.
 /// `unlink_dirs`: the directory fds (see `removal`) in which the daemon
-/// removes its sockets on the way out; `unlinkat` is allowed on those only.
+/// removes files (its sockets on the way out, a backup's socket, a
+/// bitmap's sidecar); `unlinkat` is allowed on those only.
 /// `open_dir`: the directory fd in which the daemon creates files (a qcow2
-/// image's snapshot directory); `openat` is allowed on that one only.
+/// image's snapshot directory); `openat` is allowed on that one only
+/// (besides a bitmap directory's, with [`Extras`]).
 pub fn install(
     mode: SeccompMode,
     profile: Profile,
+    extras: Extras,
     unlink_dirs: &[i32],
     open_dir: Option<i32>,
 ) -> Result<(), DaemonError> {
@@ -143,7 +170,14 @@ pub fn install(
         return Ok(());
     }
     let pid = std::process::id() as i32;
-    let program = compile(mismatch.clone(), profile, unlink_dirs, open_dir, pid)?;
+    let program = compile(
+        mismatch.clone(),
+        profile,
+        extras,
+        unlink_dirs,
+        open_dir,
+        pid,
+    )?;
     let no_clone3 = compile_no_clone3()?;
     if mismatch == SeccompAction::Trap {
         install_sigsys_handler()?;
@@ -166,7 +200,7 @@ pub fn install(
     log::debug!(
         "seccomp filter installed ({:?} profile, {} syscalls allowed, {})",
         profile,
-        allowed(profile, unlink_dirs, open_dir, pid).len(),
+        allowed(profile, extras, unlink_dirs, open_dir, pid).len(),
         match mode {
             SeccompMode::Log => "others logged",
             _ => "others fatal",
@@ -224,13 +258,14 @@ fn seccomp_err(e: seccompiler::BackendError) -> DaemonError {
 fn compile(
     mismatch: SeccompAction,
     profile: Profile,
+    extras: Extras,
     unlink_dirs: &[i32],
     open_dir: Option<i32>,
     pid: i32,
 ) -> Result<BpfProgram, DaemonError> {
     let err = seccomp_err;
     let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(err)?;
-    let rules = allowed(profile, unlink_dirs, open_dir, pid)
+    let rules = allowed(profile, extras, unlink_dirs, open_dir, pid)
         .into_iter()
         .map(|(nr, rules)| rules.map(|r| (nr, r)))
         .collect::<Result<BTreeMap<_, _>, _>>()
@@ -364,8 +399,21 @@ fn either(rules: impl IntoIterator<Item = Rules>) -> Rules {
 /// and restarted under a guest (`--seccomp log`, then the kernel's audit
 /// records) added `timerfd_create`, `timerfd_settime` and
 /// `restart_syscall`.
+///
+/// Bitmaps and backups ([`Extras`]) add, only where the device has them:
+/// for bitmaps, `openat` of the bitmaps' directory with the flags that
+/// create a new file and open no existing one, `fallocate` of a new
+/// sidecar (mode 0), `msync` and `fsync`; for backups, a Unix stream
+/// socket (`socket`, `fchmod` to 0600 before `bind`, `listen`), `poll` in
+/// its accept loop, and `lseek` with SEEK_DATA or SEEK_HOLE
+/// (`base:allocation`). (`pread64`/`pwrite64` of the image, the
+/// copy-before-write file and a sidecar's header are on every profile:
+/// qcow2's metadata thread needs them too.) Found with `strace -f` through
+/// the backup tests (`tests/socket/backup.rs`, the guest's in
+/// `tests/guest/backup.rs`), then run under `--seccomp enforce`.
 fn allowed(
     profile: Profile,
+    extras: Extras,
     unlink_dirs: &[i32],
     open_dir: Option<i32>,
     pid: i32,
@@ -555,11 +603,18 @@ fn allowed(
         // engine's blocking flush on an IOPOLL ring.
         (SYS_fdatasync, any()),
         // The io_uring engine's blocking discard and write-zeroes on an
-        // IOPOLL ring (`engine::sync`), in the modes it uses and no other.
-        (
-            SYS_fallocate,
-            arg_in(1, &crate::engine::FALLOCATE_MODES.map(|m| m as u64)),
-        ),
+        // IOPOLL ring (`engine::sync`), in the modes it uses and no other;
+        // a new sidecar is allocated in full (mode 0).
+        (SYS_fallocate, {
+            let mut modes: Vec<u64> = crate::engine::FALLOCATE_MODES
+                .iter()
+                .map(|&m| m as u64)
+                .collect();
+            if extras.bitmap_dir.is_some() {
+                modes.push(0);
+            }
+            arg_in(1, &modes)
+        }),
         // File::metadata of a received or created memfd; the size of a
         // qcow2 chain's files (the format checks table entries against it).
         (SYS_statx, any()),
@@ -569,21 +624,59 @@ fn allowed(
         (SYS_pread64, any()),
         (SYS_pwrite64, any()),
     ];
+    // Sockets of the daemon's own after start-up: TCP ones to an RBD
+    // cluster, a Unix one for a backup's NBD export.
+    let stream =
+        |family: c_int| args_eq(&[(0, family as u64), (1, (SOCK_STREAM | SOCK_CLOEXEC) as u64)]);
+    let mut sockets = Vec::new();
+    if rbd {
+        sockets.extend([stream(AF_INET), stream(AF_INET6)]);
+    }
+    if extras.backups {
+        sockets.push(stream(AF_UNIX));
+    }
+    if !sockets.is_empty() {
+        list.push((SYS_socket, either(sockets)));
+    }
+    if rbd || extras.backups {
+        // librbd's threads (see below), the RBD engine's wait on its
+        // completion eventfd; the NBD server's accept loop.
+        list.push((SYS_poll, any()));
+    }
+    if extras.backups {
+        // The NBD socket: made 0600 before it is bound (the address bind
+        // is given is behind a pointer: Landlock keeps it in the backup
+        // directory), and listened on.
+        list.push((SYS_fchmod, arg_in(1, &[0o600])));
+        list.push((SYS_bind, any()));
+        list.push((SYS_listen, any()));
+        // base:allocation: SEEK_DATA and SEEK_HOLE, nothing else.
+        list.push((SYS_lseek, arg_in(2, &[SEEK_DATA as u64, SEEK_HOLE as u64])));
+    }
+    // `openat`: one entry (a second would replace the first), the
+    // union of what bitmaps and snapshots need.
+    let mut openat = Vec::new();
+    if let Some(dir) = extras.bitmap_dir {
+        // A new sidecar, in the bitmaps' directory, never a file that
+        // exists (O_CREAT | O_EXCL, O_NOFOLLOW).
+        openat.push(args_eq(&[
+            (0, dir as u32 as u64),
+            (2, crate::bitmap::sidecar::CREATE_FLAGS as u32 as u64),
+        ]));
+        // Its bits made durable before its header says they can be
+        // trusted; the header, and the directory after a creation or a
+        // removal.
+        list.push((SYS_msync, any()));
+        list.push((SYS_fsync, any()));
+    }
     if rbd {
         // New connections to monitors and OSDs (see above): TCP sockets
-        // of either family and nothing else, and their connect. The
-        // filter cannot see the address connect is given; the only
+        // of either family and nothing else (above), and their connect.
+        // The filter cannot see the address connect is given; the only
         // sockets connect could reach anything with are these TCP ones
         // (every Unix socket the daemon holds is listening or connected
         // already, except the sd_notify one: see docs/security.md).
-        let tcp = |family: c_int| {
-            args_eq(&[(0, family as u64), (1, (SOCK_STREAM | SOCK_CLOEXEC) as u64)])
-        };
-        list.push((SYS_socket, either([tcp(AF_INET), tcp(AF_INET6)])));
         list.push((SYS_connect, any()));
-        // librbd's threads (see above); poll is also the RBD engine's wait
-        // on its completion eventfd.
-        list.push((SYS_poll, any()));
         list.push((SYS_getsockname, any()));
         // librbd asks for the host name when it takes the exclusive lock
         // from another client (found when each queue had its own handle
@@ -616,7 +709,10 @@ fn allowed(
     // and no other; Landlock limits what it may create there to regular
     // files beneath it (`daemon::landlock`).
     if let Some(dir) = open_dir {
-        list.push((SYS_openat, arg_in(0, &[dir as u32 as u64])));
+        openat.push(arg_in(0, &[dir as u32 as u64]));
+    }
+    if !openat.is_empty() {
+        list.push((SYS_openat, either(openat)));
     }
     list
 }

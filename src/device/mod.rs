@@ -13,7 +13,10 @@
 //!   first takes the lock (and has a qcow2 image's metadata read afresh),
 //!   the last lets it go (after a qcow2 image's metadata is made durable
 //!   and its caches dropped), so that a migration or a reconnect hands
-//!   the image over whole;
+//!   the image over whole; the first also loads the dirty bitmaps, the
+//!   last writes them out;
+//! - the dirty bitmaps and the running backup ([`tracking`]), and what
+//!   each write does for them before it reaches the image;
 //! - stopping (SIGTERM), and the intake: whether the rings take new
 //!   requests (not once the front-end's socket has closed, nor while
 //!   stopping);
@@ -31,6 +34,7 @@
 
 mod resize;
 mod snapshot;
+pub mod tracking;
 
 use std::fs::File;
 use std::io;
@@ -46,6 +50,17 @@ use crate::virtio::config::{VirtioBlkConfig, device_features};
 use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
 
 pub use resize::{ResizeError, Resized};
+pub use tracking::{BackupInfo, BackupSpec, Targets, Tracking, TrackingError};
+
+/// Why a device cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("QoS: {0}")]
+    Qos(#[from] QosError),
+    #[error("bitmaps: {0}")]
+    Bitmap(#[from] crate::bitmap::BitmapError),
+}
+
 pub use snapshot::Snapshot;
 
 /// GET_ID's answer: the serial, zero-padded to 20 bytes.
@@ -67,6 +82,12 @@ pub trait Connection: Send + Sync {
     /// Takes no more requests and completes everything in flight, on every
     /// queue.
     fn drain_all(&self);
+    /// Holds every queue: waits for the requests each has in flight to
+    /// complete (their completions published), then calls `f` with the
+    /// moment the first queue was held, while no queue starts a request;
+    /// then lets them go on. Requests taken off a ring but not started
+    /// wait until then. Queues of a connection that is over are skipped.
+    fn quiesce(&self, f: &mut dyn FnMut(std::time::Instant));
     /// Tells the front-end that the configuration space changed (the
     /// capacity, after a resize). Ok(None): it gave us no back-end channel
     /// (it did not negotiate BACKEND_REQ), so it cannot be told;
@@ -122,6 +143,10 @@ pub struct DeviceSpec {
     /// Taken while a ring runs (`--no-image-lock`, RBD: none).
     pub image_lock: Option<ImageLock>,
     pub backing: Backing,
+    /// Where the dirty bitmaps persist, or why this device has none.
+    pub bitmaps: Result<Box<dyn crate::bitmap::BitmapStore>, String>,
+    /// What backups need, or why this device has none.
+    pub backups: Result<BackupSpec, String>,
 }
 
 impl Default for DeviceSpec {
@@ -137,6 +162,8 @@ impl Default for DeviceSpec {
             qos: QosLimits::default(),
             image_lock: None,
             backing: Backing::None,
+            bitmaps: Err("no bitmaps on this device".into()),
+            backups: Err("no backups on this device".into()),
         }
     }
 }
@@ -175,13 +202,15 @@ pub struct Device {
     backing: Backing,
     /// One resize at a time.
     resizing: Mutex<()>,
-    /// Queues whose rings run (see [`Device::claim_image`]).
-    image_users: Mutex<usize>,
+    /// The dirty bitmaps, the running backup, the image's holders.
+    tracking: Tracking,
 }
 
 impl Device {
-    pub fn new(spec: DeviceSpec) -> Result<Device, QosError> {
+    pub fn new(spec: DeviceSpec) -> Result<Device, DeviceError> {
+        let size = spec.capacity_sectors << SECTOR_SHIFT;
         Ok(Device {
+            tracking: Tracking::new(spec.bitmaps, spec.backups, size)?,
             qos: Qos::new(spec.qos)?,
             name: spec.name,
             limits: spec.limits,
@@ -199,7 +228,6 @@ impl Device {
             front_end: Mutex::new(None),
             backing: spec.backing,
             resizing: Mutex::new(()),
-            image_users: Mutex::new(0),
         })
     }
 
@@ -335,47 +363,6 @@ impl Device {
         }
     }
 
-    /// A queue's ring starts: the queue uses the image until
-    /// [`Device::release_image`]. The first user takes the image lock
-    /// (`Err` while another process holds it: nothing is claimed then),
-    /// and has a qcow2 image's metadata read afresh from the file, which
-    /// another process (a migration's source, a QEMU) may have written
-    /// since this daemon last used it.
-    pub fn claim_image(&self) -> Result<(), crate::io::Locked> {
-        let mut users = lock(&self.image_users);
-        if *users == 0 {
-            if let Some(l) = &self.image_lock {
-                l.acquire()?;
-            }
-            if let Some(live) = self.qcow2() {
-                if let Err(e) = live.refresh() {
-                    log::error!("{}: reading the metadata afresh: {e}", self.name);
-                }
-            }
-        }
-        *users += 1;
-        Ok(())
-    }
-
-    /// A queue that claimed the image stops (its I/O completed and is
-    /// durable). The last one makes a qcow2 image's metadata durable and
-    /// drops its caches, then lets the lock go: the next process may
-    /// write the image.
-    pub fn release_image(&self) {
-        let mut users = lock(&self.image_users);
-        *users = users.saturating_sub(1);
-        if *users == 0 {
-            if let Some(live) = self.qcow2() {
-                if let Err(e) = live.refresh() {
-                    log::error!("{}: making the metadata durable: {e}", self.name);
-                }
-            }
-            if let Some(l) = &self.image_lock {
-                l.release();
-            }
-        }
-    }
-
     /// Makes everything written durable (the daemon stops): an fdatasync
     /// of the image file; for qcow2, its metadata first.
     pub fn make_durable(&self) -> std::io::Result<()> {
@@ -413,8 +400,4 @@ impl Device {
     pub fn set_front_end(&self, f: Option<FrontEnd>) {
         *self.front_end.lock().unwrap_or_else(|p| p.into_inner()) = f;
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -36,12 +36,19 @@ pub enum ResizeError {
         what: &'static str,
         source: io::Error,
     },
+    /// The bitmaps or the running backup refuse it.
+    #[error(transparent)]
+    Tracking(#[from] super::TrackingError),
 }
 
 impl ResizeError {
     /// Whether the daemon, not the request, is at fault.
     pub fn is_internal(&self) -> bool {
-        matches!(self, ResizeError::Io { .. })
+        match self {
+            ResizeError::Io { .. } => true,
+            ResizeError::Tracking(e) => e.status() >= 500,
+            _ => false,
+        }
     }
 }
 
@@ -162,14 +169,23 @@ impl Device {
             return Err(ResizeError::Shrink { from: old, to: new });
         }
         let publish = || self.capacity.store(new >> SECTOR_SHIFT, Ordering::Release);
-        if new < old {
-            publish();
-        }
-        if size.is_some() {
-            self.backing.set_size(new).map_err(io("resize"))?;
-        }
-        if new >= old {
-            publish();
+        let change = || {
+            if new < old {
+                publish();
+            }
+            if size.is_some() {
+                self.backing.set_size(new).map_err(io("resize"))?;
+            }
+            if new >= old {
+                publish();
+            }
+            Ok(())
+        };
+        if new == old {
+            change()?;
+        } else {
+            // The bitmaps follow the size, in the same switch.
+            self.resize_tracked(new, change)?;
         }
         if new != old {
             log::info!("resized from {old} to {new} bytes");

@@ -9,6 +9,10 @@
 //! - the queue's [`Format`] maps the request's range to a place on the
 //!   image, and the device's write cache decides whether a write is
 //!   write-through ([`Io::fua`]);
+//! - before a write, discard or write-zeroes is mapped, its range (the
+//!   guest's, whatever places the format splits it into) is marked in the
+//!   device's dirty bitmaps and, during a backup, the old data it
+//!   overwrites is copied first ([`Core::before_write`]);
 //! - one place: the engine starts it; what it finishes at once waits in
 //!   `done`;
 //! - reads of zeroes finish here; a request in several places (pieces)
@@ -35,7 +39,7 @@ use slab::Slab;
 
 use super::format::{Mapping, Piece, Place, Slow};
 use super::{Completion, Completions, Engine, Format, Full, ImageFormat, Io, Start};
-use crate::device::Device;
+use crate::device::{Device, Targets};
 use crate::format::Commit;
 use crate::metrics::RateLimiter;
 use crate::virtio::{GuestMem, Op, Request, Status};
@@ -70,6 +74,9 @@ pub struct Core<E, F = ImageFormat> {
     /// since the last flush that completed.
     unflushed: bool,
     log_limit: RateLimiter,
+    /// The bitmaps and backup each change goes through first, and their
+    /// number (see [`Core::before_write`]).
+    targets: (u64, Arc<Targets>),
 }
 
 /// A request the core tracks (see the module doc).
@@ -115,6 +122,7 @@ impl<E: Engine, F: Format> Core<E, F> {
             answers: Vec::new(),
             unflushed: false,
             log_limit: RateLimiter::new(10, std::time::Duration::from_secs(5)),
+            targets: Default::default(),
         })
     }
 
@@ -140,6 +148,12 @@ impl<E: Engine, F: Format> Core<E, F> {
             Op::Discard(r) | Op::WriteZeroes(r) => (r.offset(), r.len()),
             Op::Flush => (0, 0),
         };
+        if matches!(op, Op::Write | Op::Discard(_) | Op::WriteZeroes(_)) {
+            // Before the format maps it: the guest's range, once, however
+            // many places it becomes. A request given back (Full, Busy)
+            // comes again and is marked again, which changes nothing.
+            self.before_write(offset, len);
+        }
         let mapping = self.format.map(op, offset, len);
         if let Some(fds) = self.format.files_changed() {
             if let Err(e) = self.engine.set_files(&fds) {
@@ -182,6 +196,28 @@ impl<E: Engine, F: Format> Core<E, F> {
         }
         self.in_flight += 1;
         Ok(())
+    }
+
+    /// What a change to the image does before it reaches it: its range
+    /// marked in the dirty bitmaps, and during a backup the old data it
+    /// overwrites copied first ([`crate::device::tracking`]). Before the
+    /// engine starts it, so that a write that reached the image is in the
+    /// bitmaps even if the daemon dies before it completes (and so before
+    /// its completion is published). With nothing to do, one relaxed load.
+    #[inline]
+    fn before_write(&mut self, offset: u64, len: u64) {
+        let generation = self.device.tracking().generation();
+        if generation != 0 {
+            self.before_write_tracked(generation, offset, len);
+        }
+    }
+
+    #[cold]
+    fn before_write_tracked(&mut self, generation: u64, offset: u64, len: u64) {
+        if self.targets.0 != generation {
+            self.targets = self.device.tracking().targets();
+        }
+        self.targets.1.before_write(offset, len);
     }
 
     /// A request finished without I/O, taken now.
@@ -446,9 +482,10 @@ impl<E: Engine, F: Format> Core<E, F> {
     }
 
     /// The connection is over and nothing is in flight (see
-    /// [`Engine::reset`]).
+    /// [`Engine::reset`]). What the targets kept alive goes too.
     pub fn reset(&mut self) {
         self.engine.reset();
+        self.targets = Default::default();
     }
 }
 
@@ -468,11 +505,6 @@ fn completed(device: &Device, unflushed: &mut bool, req: Request, status: Status
         // migration, can see it.
         req.data().mark_written(written);
     }
-    // Changed-block tracking (a dirty bitmap for incremental backup) marks
-    // the range of a write, discard or write-zeroes here
-    // (`class.changes_image`), whatever its status (a failed write may
-    // have changed part of it), for the same reason: before the
-    // completion is published.
     Completion {
         req,
         status,

@@ -17,10 +17,9 @@
 //! transfers, the queue of requests finished without I/O, which completed
 //! changes are not yet flushed (so that a stopping ring flushes only when
 //! needed), the bytes each request wrote into the guest, and marking
-//! those in the dirty log during a migration. The place where a completed
-//! write, discard or write-zeroes marks its range in a dirty bitmap (for
-//! incremental backup) is there too, before the worker sees the
-//! completion: [`Core::reap`].
+//! those in the dirty log during a migration. What a write, discard or
+//! write-zeroes does first for the device's dirty bitmaps and a running
+//! backup is there too, before the engine starts it (`Core::before_write`).
 //!
 //! The contract of an engine ([`Engine`]):
 //! - [`Engine::start`] takes an [`Io`]. It is [`Start::Submitted`] and

@@ -14,6 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
 use super::session::{End, serve_connection};
 use super::{Export, Limits};
 use crate::metrics::ratelimit::SharedRateLimiter;
@@ -49,8 +51,9 @@ struct Shared {
 /// A running NBD server on a listening Unix socket. Dropping it stops it.
 pub struct Server {
     shared: Arc<Shared>,
-    /// Written to wake the accept thread when stopping.
-    waker: UnixStream,
+    /// Written to wake the accept thread when stopping (an eventfd: the
+    /// daemon's seccomp filter has no socketpair).
+    waker: Arc<EventFd>,
     accept: Option<JoinHandle<()>>,
     workers: Vec<JoinHandle<()>>,
 }
@@ -68,7 +71,8 @@ impl Server {
             ..limits
         };
         listener.set_nonblocking(true)?;
-        let (waker, wake_rx) = UnixStream::pair()?;
+        let waker = Arc::new(EventFd::new(EFD_NONBLOCK)?);
+        let wake_rx = waker.clone();
         let shared = Arc::new(Shared {
             max: limits.max_connections,
             ..Shared::default()
@@ -116,7 +120,7 @@ impl Server {
 
     fn shutdown(&mut self) {
         self.shared.stopping.store(true, Ordering::Release);
-        let _ = io::Write::write(&mut &self.waker, &[1]);
+        let _ = self.waker.write(1);
         if let Some(a) = self.accept.take() {
             let _ = a.join();
         }
@@ -145,7 +149,7 @@ impl Drop for Server {
 
 fn accept_loop(
     listener: &UnixListener,
-    wake: &UnixStream,
+    wake: &EventFd,
     tx: &SyncSender<(u64, UnixStream)>,
     shared: &Shared,
 ) {

@@ -1114,7 +1114,8 @@ impl<E: Engine> QueueWorker<E> {
     }
 
     /// Counts this queue among the image's users
-    /// ([`Device::claim_image`]: the first takes the image lock); false
+    /// ([`Device::claim_image`]: the first takes the image lock and loads
+    /// the dirty bitmaps); false
     /// while another process holds the lock. Tried when the ring starts,
     /// and for each request until it succeeds; never waits.
     fn try_lock(&mut self) -> bool {
@@ -1135,7 +1136,8 @@ impl<E: Engine> QueueWorker<E> {
     }
 
     /// The ring stopped: after its I/O completed and was made durable, the
-    /// next daemon may take the image.
+    /// next daemon may take the image (the last holder writes the bitmaps
+    /// out and gives up the lock).
     fn unlock_image(&mut self) {
         self.lock_deadline = None;
         if std::mem::take(&mut self.holds_lock) {
@@ -1144,6 +1146,31 @@ impl<E: Engine> QueueWorker<E> {
         if std::mem::take(&mut self.waits_lock) {
             if let Some(lock) = self.device.image_lock() {
                 lock.set_waiting(false);
+            }
+        }
+    }
+
+    /// Holds still for a switch of what writes do first (a backup's
+    /// instant, a bitmap added: [`crate::device::tracking`]): completes
+    /// and publishes every request in flight, and starts none; those
+    /// popped and waiting stay waiting. Called with the worker locked,
+    /// which keeps it from taking anything more until it is let go.
+    pub fn settle(&mut self) {
+        if self.core.in_flight() == 0 {
+            return;
+        }
+        let (Some(vring), Some(mem)) = (self.vring.clone(), self.mem.clone()) else {
+            return;
+        };
+        let mut state = vring.get_mut();
+        let view = RingView::new(state.get_queue(), &*mem);
+        while self.core.in_flight() > 0 {
+            if let Err(e) = self.core.wait() {
+                warn_limited!(self.log_limit, "settling queue: {e}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if let Err(e) = self.complete(&mut state, &view) {
+                warn_limited!(self.log_limit, "settling queue: {e}");
             }
         }
     }

@@ -261,6 +261,22 @@ impl<E: Engine> Connection for BlkBackend<E> {
         self.each_worker(|_, w| w.drain());
     }
 
+    fn quiesce(&self, f: &mut dyn FnMut(std::time::Instant)) {
+        // Every worker locked, in order (no other thread locks two), then
+        // each settled: none takes a kick, starts a request or runs a pass
+        // until the guards go.
+        let since = std::time::Instant::now();
+        let mut held: Vec<_> = self
+            .workers
+            .iter()
+            .map(|w| w.lock().unwrap_or_else(|p| p.into_inner()))
+            .collect();
+        for w in held.iter_mut().filter_map(|g| g.as_mut()) {
+            w.settle();
+        }
+        f(since);
+    }
+
     fn config_changed(&self) -> io::Result<Option<bool>> {
         // Cloned out: the answer may take a while, and GET_CONFIG (which
         // the front-end sends before it answers) must not wait for us.

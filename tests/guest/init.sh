@@ -2,7 +2,7 @@
 # /init of the ringblk test guest (busybox sh, PID 1).
 #
 # Reads its parameters from the kernel command line:
-#   ringblk.test=rw|ro|migrate|resize|qcow2  which checks to run
+#   ringblk.test=rw|ro|migrate|resize|qcow2|backup  which checks to run
 #   ringblk.new_sectors=N   (resize) the capacity the host resizes to
 #   ringblk.migrate=busy|idle   what the guest does while the host migrates it
 #                           (migrate only; see "Live migration" below)
@@ -29,6 +29,11 @@
 # In the migrate mode, instead of the rw mode's 32 .. 56:
 #   32 .. 56                   12 regions of 2 MiB the host filled
 #   57 .. 57 + 4 KiB           their SHA-256s, one line each (the host's)
+# In the backup mode, instead of the rw mode's:
+#   [0, fio_mb)                pattern A (sequential fio), then B (random
+#                              fio with verify) while the host backs it up
+#   40 MiB + 4 KiB (4 KiB), 44 MiB - 8 KiB (16 KiB), 50 MiB (1 MiB)
+#                              written after B, for the incremental backup
 # In the qcow2 mode (a qcow2 overlay over a base the host filled):
 #   0 .. fio_mb                fio write+verify, allocating in the overlay
 #   then the whole disk        an ext4 file system (see "qcow2" below)
@@ -519,6 +524,67 @@ resize_online() {
 
 if [ "$TEST" = resize ]; then
     resize_online
+    finish
+fi
+
+# ---- Backup (ringblk.test=backup): the host backs the disk up while the
+# guest overwrites it ----
+# Pattern A over [0, FIO_MB), flushed; RINGBLK-BACKUP, and the guest waits
+# for an NMI (the host has noted the disk and started the backup); then
+# fio random writes with verify over the same region (pattern B) while the
+# host copies the export, and three writes elsewhere at known offsets (the
+# host's incremental must list them); RINGBLK-INCR, and a second NMI once
+# the host has taken the incremental.
+# Waits up to 10 minutes for an NMI after the count $1; NAME $2.
+wait_nmi() {
+    i=0
+    while [ "$(nmi_count)" = "$1" ] && [ "$i" -lt 3000 ]; do
+        sleep 0.2
+        i=$((i + 1))
+    done
+    if [ "$(nmi_count)" = "$1" ]; then
+        fail "$2" "no NMI from the host within 10 minutes"
+        finish
+    fi
+    pass "$2"
+}
+backup_mode() {
+    if step fio-a fio --name=a --filename="$DEV" --ioengine=libaio --direct=1 \
+        --iodepth=16 --rw=write --bs=64k --offset=0 --size="${FIO_MB}M" \
+        --verify=crc32c --verify_fatal=1 --verify_state_save=0 --exitall_on_error=1; then
+        pass fio-a
+    else
+        fail fio-a "exit status $?"
+        show_log fio-a
+    fi
+    step backup-sync sync
+    nmis=$(nmi_count)
+    echo "RINGBLK-BACKUP"
+    wait_nmi "$nmis" backup-go
+    if step fio-b fio --name=b --filename="$DEV" --ioengine=libaio --direct=1 \
+        --iodepth=16 --rw=randwrite --bssplit=4k/50:16k/30:64k/20 --randseed=23 \
+        --offset=0 --size="${FIO_MB}M" --verify=crc32c --verify_fatal=1 \
+        --verify_state_save=0 --exitall_on_error=1; then
+        pass fio-b
+    else
+        fail fio-b "exit status $?"
+        show_log fio-b
+    fi
+    if step incr-1 dd if=/tmp/pattern of="$DEV" bs=4k seek=10241 count=1 oflag=direct conv=notrunc &&
+        step incr-2 dd if=/tmp/pattern of="$DEV" bs=4k seek=11262 count=4 oflag=direct conv=notrunc &&
+        step incr-3 dd if=/tmp/pattern of="$DEV" bs=64k seek=800 count=16 oflag=direct conv=notrunc &&
+        step incr-sync sync; then
+        pass incr-writes
+    else
+        fail incr-writes "the writes after the backup failed"
+    fi
+    nmis=$(nmi_count)
+    echo "RINGBLK-INCR"
+    wait_nmi "$nmis" incr-go
+}
+
+if [ "$TEST" = backup ]; then
+    backup_mode
     finish
 fi
 

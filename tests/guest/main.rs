@@ -13,6 +13,7 @@
 //! module, so a test is `FILE::NAME` (`cargo test --test guest
 //! migration::`). docs/testing.md says what goes where.
 
+mod backup;
 mod guest;
 mod guest_resize;
 mod migration;

@@ -47,6 +47,18 @@ fn kill_source_daemon_then_migrate() {
     });
 }
 
+/// A dirty bitmap through a busy guest's migration: added on the source
+/// before the boot, written out by the source's daemon as its rings stop,
+/// loaded by the destination's as its own start; afterwards it holds every
+/// granule the guest changed on either side.
+#[test]
+fn migrate_busy_with_a_dirty_bitmap() {
+    run(Migration {
+        bitmap: true,
+        ..Migration::busy(1)
+    });
+}
+
 /// A busy guest on a qcow2 overlay over the image file (`--format
 /// qcow2`): its reads fall through to the base, its writes allocate in the
 /// overlay on the source and then on the destination, whose daemon reads

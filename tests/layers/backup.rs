@@ -11,43 +11,19 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Once};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use ringblk::backup::{CbwStore, DEFAULT_CLUSTER, FileImage, Image, View};
 use ringblk::bitmap::{BitmapStore, DirtyBitmap, SidecarStore};
 use ringblk::nbd::{self, Limits, Server};
-use ringblk_testkit::{KIB, MIB, skip};
-
-/// Whether the NBD clients are here, installing them once if they are not.
-fn have_tools() -> bool {
-    static INSTALL: Once = Once::new();
-    let present = || {
-        ["nbdinfo", "nbdcopy", "qemu-img"].iter().all(|t| {
-            Command::new(t)
-                .arg("--version")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
-        })
-    };
-    INSTALL.call_once(|| {
-        if !present() {
-            let script = ringblk_testkit::workspace_root().join("scripts/nbd-tools.sh");
-            let _ = Command::new(script).status();
-        }
-    });
-    if present() {
-        return true;
-    }
-    skip("nbdinfo, nbdcopy or qemu-img is missing (scripts/nbd-tools.sh installs them)");
-    false
-}
+use ringblk_testkit::nbd::raw::{closed, go, greet, option, option_reply, request, simple_reply};
+use ringblk_testkit::nbd::{have_tools, map, run, uri};
+use ringblk_testkit::{KIB, MIB};
 
 fn test_dir() -> tempfile::TempDir {
     tempfile::Builder::new()
@@ -60,40 +36,6 @@ fn test_dir() -> tempfile::TempDir {
 fn pattern(seed: u64, off: u64, len: usize) -> Vec<u8> {
     (0..len as u64 / 8)
         .flat_map(|i| ((off + i * 8) ^ seed).to_le_bytes())
-        .collect()
-}
-
-fn uri(sock: &Path) -> String {
-    format!("nbd+unix:///?socket={}", sock.display())
-}
-
-/// Runs a tool, failing the test with its output when it fails.
-fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-/// `nbdinfo --map[=CONTEXT] --json`: `(offset, length, type)`.
-fn map(sock: &Path, context: Option<&str>) -> Vec<(u64, u64, u64)> {
-    let flag = match context {
-        Some(c) => format!("--map={c}"),
-        None => "--map".into(),
-    };
-    let json = run(Command::new("nbdinfo").args([&flag, "--json", &uri(sock)]));
-    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
-    v.as_array()
-        .unwrap_or_else(|| panic!("not a list: {json}"))
-        .iter()
-        .map(|e| {
-            let f = |k: &str| e[k].as_u64().unwrap_or_else(|| panic!("{k} in {e}"));
-            (f("offset"), f("length"), f("type"))
-        })
         .collect()
 }
 
@@ -280,93 +222,6 @@ fn copies_under_writes_are_the_instant() {
 // ---- Hostile clients ----
 
 /// A raw client: reads the server's greeting and sends its flags.
-fn greet(sock: &Path, client_flags: u32) -> UnixStream {
-    let mut s = UnixStream::connect(sock).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut g = [0u8; 18];
-    s.read_exact(&mut g).unwrap();
-    assert_eq!(&g[0..8], b"NBDMAGIC");
-    assert_eq!(&g[8..16], b"IHAVEOPT");
-    s.write_all(&client_flags.to_be_bytes()).unwrap();
-    s
-}
-
-fn option(s: &mut UnixStream, opt: u32, data: &[u8]) {
-    let mut m = b"IHAVEOPT".to_vec();
-    m.extend_from_slice(&opt.to_be_bytes());
-    m.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    m.extend_from_slice(data);
-    s.write_all(&m).unwrap();
-}
-
-/// One option reply: `(option, type, data)`.
-fn option_reply(s: &mut UnixStream) -> (u32, u32, Vec<u8>) {
-    let mut h = [0u8; 20];
-    s.read_exact(&mut h).unwrap();
-    assert_eq!(
-        u64::from_be_bytes(h[0..8].try_into().unwrap()),
-        0x3e889045565a9
-    );
-    let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
-    let mut d = vec![0u8; len as usize];
-    s.read_exact(&mut d).unwrap();
-    (
-        u32::from_be_bytes(h[8..12].try_into().unwrap()),
-        u32::from_be_bytes(h[12..16].try_into().unwrap()),
-        d,
-    )
-}
-
-/// Whether the server closed the connection (EOF) within 10 s.
-fn closed(s: &mut UnixStream) -> bool {
-    let mut b = [0u8; 64];
-    loop {
-        match s.read(&mut b) {
-            Ok(0) => return true,
-            Ok(_) => continue,
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
-            Err(_) => return false,
-        }
-    }
-}
-
-/// A client in transmission after NBD_OPT_GO (simple replies).
-fn go(sock: &Path) -> UnixStream {
-    let mut s = greet(sock, 3);
-    let mut d = 0u32.to_be_bytes().to_vec();
-    d.extend_from_slice(&0u16.to_be_bytes());
-    option(&mut s, 7, &d);
-    loop {
-        let (_, ty, _) = option_reply(&mut s);
-        match ty {
-            3 => continue, // NBD_REP_INFO
-            1 => return s, // NBD_REP_ACK
-            t => panic!("GO answered {t:#x}"),
-        }
-    }
-}
-
-fn request(s: &mut UnixStream, cmd: u16, handle: u64, offset: u64, len: u32) {
-    let mut r = 0x25609513u32.to_be_bytes().to_vec();
-    r.extend_from_slice(&0u16.to_be_bytes());
-    r.extend_from_slice(&cmd.to_be_bytes());
-    r.extend_from_slice(&handle.to_be_bytes());
-    r.extend_from_slice(&offset.to_be_bytes());
-    r.extend_from_slice(&len.to_be_bytes());
-    s.write_all(&r).unwrap();
-}
-
-/// A simple reply's `(error, handle)`.
-fn simple_reply(s: &mut UnixStream) -> (u32, u64) {
-    let mut h = [0u8; 16];
-    s.read_exact(&mut h).unwrap();
-    assert_eq!(u32::from_be_bytes(h[0..4].try_into().unwrap()), 0x67446698);
-    (
-        u32::from_be_bytes(h[4..8].try_into().unwrap()),
-        u64::from_be_bytes(h[8..16].try_into().unwrap()),
-    )
-}
-
 /// The server, and nbdinfo through it, still work.
 fn still_serves(fx: &Fixture) {
     let out = run(Command::new("nbdinfo").args(["--size", &uri(&fx.sock)]));
@@ -589,7 +444,7 @@ fn a_bitmap_survives_kill_9_and_a_host_stop_marks_it_inconsistent() {
         expected.mark(o, l);
     }
     let mut store = SidecarStore::new(dir.path(), "disk.img").unwrap();
-    let loaded = store.open(BM_SIZE).unwrap();
+    let loaded = open_all(&mut store);
     assert_eq!(loaded.len(), 1);
     let (name, b) = &loaded[0];
     assert_eq!(name, "k");
@@ -601,13 +456,22 @@ fn a_bitmap_survives_kill_9_and_a_host_stop_marks_it_inconsistent() {
     let mut store = SidecarStore::new(dir.path(), "disk.img")
         .unwrap()
         .with_boot_id("00000000-0000-0000-0000-000000000000");
-    let loaded = store.open(BM_SIZE).unwrap();
+    let loaded = open_all(&mut store);
     assert!(!loaded[0].1.is_consistent(), "another boot: inconsistent");
     // A clean close keeps it inconsistent, in the file.
     store.close("k", &loaded[0].1).unwrap();
-    let loaded = SidecarStore::new(dir.path(), "disk.img")
-        .unwrap()
-        .open(BM_SIZE)
-        .unwrap();
+    let loaded = open_all(&mut SidecarStore::new(dir.path(), "disk.img").unwrap());
     assert!(!loaded[0].1.is_consistent());
+}
+
+/// Every bitmap of `store`, each of which must load.
+fn open_all(store: &mut impl BitmapStore) -> Vec<(String, DirtyBitmap)> {
+    store
+        .open(BM_SIZE)
+        .into_iter()
+        .map(|(name, b)| {
+            let b = b.unwrap_or_else(|e| panic!("bitmap {name}: {e}"));
+            (name, b)
+        })
+        .collect()
 }

@@ -339,6 +339,50 @@ fn queues_share_one_image_handle_and_one_lock_owner() {
     d.assert_running();
 }
 
+/// Dirty bitmaps and backups on an RBD image (issue 23): refused, each
+/// with one line that says what to use instead, and the guest's I/O is
+/// not disturbed by the refusals.
+#[test]
+fn bitmaps_and_backups_are_refused_with_a_reason() {
+    let _no_guest = vm::no_guest();
+    let c = ceph::cluster();
+    let image = c.create_image(16);
+    let dir = ringblk_testkit::test_dir();
+    let api = dir.path().join("api.sock");
+    let backups = dir.path().join("backups");
+    std::fs::create_dir(&backups).expect("the backup directory");
+    let mut d = start_rbd(
+        &image,
+        &[
+            "--api",
+            api.to_str().expect("UTF-8 path"),
+            "--backup-dir",
+            backups.to_str().expect("UTF-8 path"),
+        ],
+    );
+    let mut cl = Client::connect(&d.socket, CHUNK);
+    use ringblk_testkit::nbd::{ctl_fails, ctl_ok};
+    ctl_fails(
+        &api,
+        &["bitmap", "add", "nightly"],
+        "dirty bitmaps are not supported on RBD images",
+    );
+    ctl_fails(
+        &api,
+        &["backup", "start", "--nbd", "b.sock"],
+        "backups of RBD images are not supported",
+    );
+    let list: serde_json::Value =
+        serde_json::from_str(&ctl_ok(&api, &["bitmap", "list", "--json"])).expect("JSON");
+    assert_eq!(list, serde_json::json!([]));
+    let data = pattern(0x23, 0, CHUNK);
+    assert_eq!(cl.write(0, &data), 0);
+    assert_pattern("read back", 0x23, 0, &cl.read(0, CHUNK));
+    assert!(std::fs::read_dir(&backups).unwrap().next().is_none());
+    drop(cl);
+    d.assert_running();
+}
+
 /// `PUT /api/v1/resize` on an RBD image: growing through the shared
 /// handle lets the same connection write past the old end at once;
 /// shrinking needs force; with no size, a size changed by `rbd resize`

@@ -21,6 +21,7 @@
 //! test's descriptors. docs/testing.md says what goes where.
 
 mod activation;
+mod backup;
 mod bench_launcher;
 mod blkio_client;
 mod bounce_limit;

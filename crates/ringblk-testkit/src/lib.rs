@@ -11,6 +11,7 @@
 //! - [`vm`]: real guests under QEMU (kernel, initramfs, console verdict,
 //!   QMP), and [`vm::migration`], a guest migrated between two daemons;
 //! - [`ceph`]: a single-node Ceph cluster for the RBD tests;
+//! - [`nbd`]: the backup's clients (nbdinfo, nbdcopy, qemu-img) and verbs;
 //! - [`qemu_img`]: qemu-img as the oracle for image files;
 //! - the host's side: patterns, images, loop devices, metrics.
 //!
@@ -31,6 +32,7 @@ pub mod ceph;
 mod client;
 mod daemon;
 pub mod frontend;
+pub mod nbd;
 pub mod qemu_img;
 pub mod vm;
 

@@ -123,6 +123,8 @@ fn allowed(l: &Layout, writable: bool) -> Allowed {
     Allowed {
         image: Some((file, writable)),
         backing: Vec::new(),
+        bitmap_dir: None,
+        backup_dir: None,
         snapshot_dir: None,
         removals: vec![
             Removal::file(&l.run.join("vm.sock")).unwrap(),

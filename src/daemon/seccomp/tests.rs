@@ -55,7 +55,7 @@ fn run_after(before: impl FnOnce(), under: &Under, f: impl FnOnce() -> bool) -> 
         let installed = install_sigsys_handler().is_ok()
             && [
                 compile_no_clone3(),
-                compile(action.clone(), *profile, dirs, None, me),
+                compile(action.clone(), *profile, Extras::NONE, dirs, None, me),
             ]
             .iter()
             .all(|p| {
@@ -113,7 +113,7 @@ fn errno() -> i32 {
 }
 
 fn nrs(profile: Profile) -> Vec<i64> {
-    allowed(profile, &[3], None, 1)
+    allowed(profile, Extras::NONE, &[3], None, 1)
         .iter()
         .map(|(nr, _)| *nr)
         .collect()
@@ -124,7 +124,7 @@ fn filters_compile_and_list_each_syscall_once() {
     assert!(!compile_no_clone3().unwrap().is_empty());
     for profile in [Profile::File, Profile::Rbd] {
         for action in [SeccompAction::Trap, SeccompAction::Log] {
-            let p = compile(action, profile, &[3], None, 1).unwrap();
+            let p = compile(action, profile, Extras::NONE, &[3], None, 1).unwrap();
             assert!(!p.is_empty());
         }
         let mut nrs = nrs(profile);

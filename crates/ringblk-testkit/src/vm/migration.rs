@@ -23,6 +23,11 @@
 //!   destination's first write takes the lock from the source's daemon,
 //!   which librbd hands over on request once the source's ring has
 //!   stopped.
+//! - a dirty bitmap ([`Migration::bitmap`], image files): the source's
+//!   daemon gets a bitmap before the guest boots; after the migration the
+//!   destination's holds every granule the guest changed on either side
+//!   (the image against its state before the boot) and nothing outside
+//!   what the guest writes, read with `nbdinfo` from a backup's export;
 //! - qcow2 ([`Storage::Qcow2`]): both daemons serve a qcow2 overlay over
 //!   the image file with `--format qcow2`; the source makes the metadata
 //!   durable when its rings stop, the destination reads it afresh when
@@ -164,6 +169,9 @@ pub struct Migration {
     /// Seconds of the busy guest's fio: long enough to span the migration
     /// with room to spare, and everything before it.
     pub fio_runtime: u32,
+    /// A dirty bitmap added on the source before the guest boots must
+    /// reach the destination whole (image files, ringblk only).
+    pub bitmap: bool,
 }
 
 impl Migration {
@@ -175,6 +183,7 @@ impl Migration {
             workload: Workload::Busy,
             kill: None,
             fio_runtime: 20,
+            bitmap: false,
         }
     }
 }
@@ -268,6 +277,17 @@ pub fn run(m: Migration) {
     if m.workload == Workload::Busy {
         write_cache_regions(&image, &nonce);
     }
+    // What the guest finds: a granule it changed differs from this.
+    let initial = dir.join("initial.img");
+    if m.bitmap {
+        assert!(
+            m.storage == Storage::File && backend == Backend::Ringblk,
+            "the bitmap case is for ringblk on an image file"
+        );
+        assert!(crate::nbd::have_tools(), "nbdinfo and qemu-img are needed");
+        fs::copy(&image, &initial).expect("copying the image");
+        fs::create_dir(dir.join("backups")).expect("the backup directory");
+    }
     // The cluster, if any, starts before the guest lock is taken.
     let served = Served::new(m.storage, &image);
     let _one = vm::one_guest();
@@ -288,6 +308,15 @@ pub fn run(m: Migration) {
     };
     extra.extend(served.args.iter().cloned());
     let start_daemon = |side: &Side| {
+        let mut extra = extra.clone();
+        if m.bitmap {
+            extra.extend([
+                "--api".into(),
+                api_of(dir, side).display().to_string(),
+                "--backup-dir".into(),
+                dir.join("backups").display().to_string(),
+            ]);
+        }
         let spec = DaemonSpec {
             socket: &side.socket,
             image: &served.image,
@@ -303,6 +332,11 @@ pub fn run(m: Migration) {
         (d, serial)
     };
     let (mut src_daemon, serial) = start_daemon(&src);
+    if m.bitmap {
+        // Before the destination's daemon starts: it finds the sidecar
+        // then (a daemon opens its bitmaps' files at start-up).
+        crate::nbd::ctl_ok(&api_of(dir, &src), &["bitmap", "add", "mig"]);
+    }
     let (mut dst_daemon, _) = start_daemon(&dst);
 
     let append = format!(
@@ -435,6 +469,9 @@ pub fn run(m: Migration) {
     }
 
     problems.extend(served.check_handover(writer_before, m.workload == Workload::Idle));
+    if m.bitmap {
+        problems.extend(check_bitmap(dir, &src, &dst, &image, &initial));
+    }
     problems.extend(check_guest(
         &m,
         &src,
@@ -477,6 +514,79 @@ pub fn run(m: Migration) {
         problems.len(),
         problems.join("\n  ")
     );
+}
+
+/// A side's control API socket ([`Migration::bitmap`]).
+fn api_of(dir: &Path, side: &Side) -> PathBuf {
+    dir.join(format!("{}-api.sock", side.name))
+}
+
+/// After a [`Migration::bitmap`] run, both guests gone: the bitmap the
+/// source's daemon wrote out as its rings stopped is the one the
+/// destination's loaded, and holds every granule that differs from
+/// `initial` (changed on either side) and nothing outside what the guest
+/// writes (its fio region and its pattern: `init.sh`'s migrate layout).
+fn check_bitmap(dir: &Path, src: &Side, dst: &Side, image: &Path, initial: &Path) -> Vec<String> {
+    const GRAN: u64 = 64 * 1024;
+    let mut problems = Vec::new();
+    let src_state = crate::nbd::bitmap_state(&api_of(dir, src), "mig");
+    let dst_state = crate::nbd::bitmap_state(&api_of(dir, dst), "mig");
+    eprintln!(
+        "bitmap 'mig' (dirty bytes, consistent): source {src_state:?}, destination {dst_state:?}"
+    );
+    let (Some((src_dirty, _)), Some((dst_dirty, true))) = (src_state, dst_state) else {
+        problems.push(format!(
+            "bitmap 'mig': source {src_state:?}, destination {dst_state:?} (want it on both, consistent)"
+        ));
+        return problems;
+    };
+    if dst_dirty < src_dirty || src_dirty == 0 {
+        problems.push(format!(
+            "bitmap 'mig': the source wrote out {src_dirty} dirty bytes, the destination holds {dst_dirty}"
+        ));
+    }
+    let sock = crate::nbd::backup_start(
+        &api_of(dir, dst),
+        &dir.join("backups"),
+        "mig.sock",
+        Some("mig"),
+    );
+    let marked = crate::nbd::dirty(&sock, "mig");
+    crate::nbd::ctl_ok(&api_of(dir, dst), &["backup", "stop"]);
+    let (now, before) = (
+        fs::read(image).expect("the image"),
+        fs::read(initial).expect("the initial image"),
+    );
+    let covered = |off: u64| marked.iter().any(|&(o, l)| o <= off && off < o + l);
+    let mut missing = Vec::new();
+    for g in 0..now.len() as u64 / GRAN {
+        let r = (g * GRAN) as usize..((g + 1) * GRAN) as usize;
+        if now[r.clone()] != before[r] && !covered(g * GRAN) {
+            missing.push(g * GRAN);
+        }
+    }
+    if !missing.is_empty() {
+        problems.push(format!(
+            "bitmap 'mig' misses {} changed granule(s), the first at {:?}",
+            missing.len(),
+            &missing[..missing.len().min(8)]
+        ));
+    }
+    let written = crate::nbd::granules(
+        &[
+            (0, FIO_MB * MIB),
+            (vm::GUEST_PATTERN_AT, vm::PATTERN_LEN as u64),
+        ],
+        GRAN,
+        IMAGE_SIZE,
+    );
+    let inside = |(o, l): (u64, u64)| written.iter().any(|&(wo, wl)| wo <= o && o + l <= wo + wl);
+    if let Some(r) = marked.iter().find(|&&r| !inside(r)) {
+        problems.push(format!(
+            "bitmap 'mig' marks {r:?}, outside what the guest writes ({written:?})"
+        ));
+    }
+    problems
 }
 
 /// The image both daemons serve: `--image` and the flags that go with it.

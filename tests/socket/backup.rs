@@ -1,0 +1,616 @@
+//! Dirty bitmaps and point-in-time backups through the daemon (issue 23):
+//! a libblkio client writes, `ringblk ctl` drives the verbs, and clients no
+//! one here wrote read the export: libnbd's `nbdinfo` and `nbdcopy`, and
+//! `qemu-img`, as docs/backup.md's procedure runs them.
+//!
+//! The reference for "the disk at the instant" is the image file read on
+//! the host while no write is in flight (every write acknowledged); the
+//! reference for a bitmap is the test's own list of what it wrote,
+//! widened to the granularity (`nbd::granules`).
+//!
+//! The tools come from scripts/nbd-tools.sh (scripts/test.sh runs it; so
+//! does the kit when they are missing and it may). Without them a test
+//! skips, except where `CI` is set: there it fails.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ringblk_testkit::nbd::{
+    self, backup_start, bitmap_state, ctl_fails, ctl_ok, dirty, granules, raw,
+};
+use ringblk_testkit::{Client, Daemon, DaemonOptions, KIB, MIB, pattern, read_file, test_dir};
+
+const SIZE: u64 = 32 * MIB;
+const GRAN: u64 = 64 * KIB;
+const BUF: usize = 4 * MIB as usize;
+
+/// A daemon with `--api DIR/api.sock --backup-dir DIR/backups`, serving
+/// `DIR/disk.img` (created when missing).
+fn start(dir: &Path, extra: &[&str]) -> Daemon {
+    let backups = dir.join("backups");
+    std::fs::create_dir_all(&backups).unwrap();
+    let image = dir.join("disk.img");
+    if !image.exists() {
+        ringblk_testkit::sparse_image(dir, "disk.img", SIZE);
+    }
+    let api = dir.join("api.sock");
+    let mut args = vec![
+        "--api",
+        api.to_str().unwrap(),
+        "--backup-dir",
+        backups.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    Daemon::start_in(
+        dir,
+        DaemonOptions {
+            image: Some(image),
+            args: &args,
+            ..DaemonOptions::default()
+        },
+    )
+}
+
+fn stop(mut d: Daemon) {
+    let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(20));
+    assert!(st.success(), "the daemon exited with {st}:\n{}", d.log());
+}
+
+/// Writes pattern `seed` over `[off, off + len)` in chunks of `BUF`.
+fn write_pattern(c: &mut Client, seed: u64, off: u64, len: u64) {
+    let mut at = off;
+    while at < off + len {
+        let n = (off + len - at).min(BUF as u64) as usize;
+        assert_eq!(c.write(at, &pattern(seed, at, n)), 0, "write at {at}");
+        at += n as u64;
+    }
+}
+
+/// The changes of a round: writes, a discard and a write-zeroes, at
+/// offsets that straddle granules; `(offset, length)` of each.
+fn scattered(c: &mut Client, seed: u64, base: u64) -> Vec<(u64, u64)> {
+    let mut done = Vec::new();
+    for (i, (off, len)) in [
+        (base + 4 * KIB, 4 * KIB),
+        (base + 3 * MIB - 4 * KIB, 12 * KIB),
+        (base + 7 * MIB + 512, 130 * KIB),
+        (base + 9 * MIB, 2 * MIB + 4 * KIB),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let off = off / 512 * 512;
+        let len = len.div_ceil(512) * 512;
+        assert_eq!(
+            c.write(off, &pattern(seed + i as u64, off, len as usize)),
+            0
+        );
+        done.push((off, len));
+    }
+    assert_eq!(c.discard(base + 12 * MIB, GRAN), 0);
+    done.push((base + 12 * MIB, GRAN));
+    assert_eq!(c.write_zeroes(base + 14 * MIB + 8 * KIB, 8 * KIB), 0);
+    done.push((base + 14 * MIB + 8 * KIB, 8 * KIB));
+    done
+}
+
+fn bytes(ranges: &[(u64, u64)]) -> u64 {
+    ranges.iter().map(|r| r.1).sum()
+}
+
+/// `nbdcopy` of the export into `dest`, started in the background.
+fn nbdcopy(sock: &Path, dest: &Path) -> std::process::Child {
+    Command::new("nbdcopy")
+        .arg(nbd::uri(sock))
+        .arg(dest)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("nbdcopy")
+}
+
+fn wait_ok(child: std::process::Child, what: &str) {
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{what}: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Asserts two files are equal, naming the first differing offset.
+#[track_caller]
+fn assert_same(what: &str, a: &Path, b: &Path) {
+    let (x, y) = (std::fs::read(a).unwrap(), std::fs::read(b).unwrap());
+    assert_eq!(x.len(), y.len(), "{what}: lengths");
+    if let Some(i) = x.iter().zip(&y).position(|(p, q)| p != q) {
+        panic!(
+            "{what}: {} and {} differ first at byte {i}",
+            a.display(),
+            b.display()
+        );
+    }
+}
+
+/// add, list (table and JSON), `ctl status`, the marks of writes, discards
+/// and write-zeroes at two granularities, remove; refusals are one line.
+#[test]
+fn bitmaps_are_added_listed_and_removed() {
+    if !nbd::have_tools() {
+        return;
+    }
+    let dir = test_dir();
+    let d = start(dir.path(), &[]);
+    let api = dir.path().join("api.sock");
+    ctl_ok(&api, &["bitmap", "add", "nightly"]);
+    ctl_ok(&api, &["bitmap", "add", "weekly", "--granularity", "1M"]);
+    assert_eq!(bitmap_state(&api, "nightly"), Some((0, true)));
+    assert_eq!(bitmap_state(&api, "weekly"), Some((0, true)));
+
+    let mut c = Client::connect(&d.socket, BUF);
+    let changed = scattered(&mut c, 7, 0);
+    assert_eq!(
+        bitmap_state(&api, "nightly"),
+        Some((bytes(&granules(&changed, GRAN, SIZE)), true))
+    );
+    assert_eq!(
+        bitmap_state(&api, "weekly"),
+        Some((bytes(&granules(&changed, MIB, SIZE)), true))
+    );
+    // Reads mark nothing.
+    let _ = c.read(20 * MIB, 64 * KIB as usize);
+    assert_eq!(
+        bitmap_state(&api, "nightly").unwrap().0,
+        bytes(&granules(&changed, GRAN, SIZE))
+    );
+
+    let table = ctl_ok(&api, &["bitmap", "list"]);
+    assert!(
+        table.contains("NAME") && table.contains("nightly"),
+        "{table}"
+    );
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("weekly") && l.ends_with("yes"))
+    );
+    let status: serde_json::Value = serde_json::from_str(&ctl_ok(&api, &["status"])).unwrap();
+    let names: Vec<&str> = status["bitmaps"]
+        .as_array()
+        .expect("status lists bitmaps")
+        .iter()
+        .map(|b| b["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["nightly", "weekly"]);
+
+    ctl_fails(&api, &["bitmap", "add", "nightly"], "already exists");
+    ctl_fails(
+        &api,
+        &["bitmap", "add", "odd", "--granularity", "3000"],
+        "power of two",
+    );
+    ctl_fails(&api, &["bitmap", "remove", "nope"], "no bitmap 'nope'");
+    ctl_ok(&api, &["bitmap", "remove", "weekly"]);
+    assert_eq!(bitmap_state(&api, "weekly"), None);
+    assert!(
+        !dir.path().join("disk.img.bitmap.weekly").exists(),
+        "the removed bitmap's sidecar stays: {:?}",
+        std::fs::read_dir(dir.path()).unwrap().collect::<Vec<_>>()
+    );
+    drop(c);
+    stop(d);
+}
+
+/// A full backup while the guest overwrites the disk: the copy (nbdcopy
+/// and qemu-img both) is the disk at `backup start`, byte for byte; the
+/// socket is 0600; `base:allocation` says where the data is.
+#[test]
+fn a_full_backup_under_writes_is_the_instant() {
+    if !nbd::have_tools() {
+        return;
+    }
+    let dir = test_dir();
+    let d = start(dir.path(), &[]);
+    let api = dir.path().join("api.sock");
+    let mut c = Client::connect(&d.socket, BUF);
+    // Pattern A over the first 24 MiB; the rest a hole.
+    write_pattern(&mut c, 0xa, 0, 24 * MIB);
+    assert_eq!(c.flush(), 0);
+    let at_start = dir.path().join("at-start.raw");
+    std::fs::copy(&d.image, &at_start).unwrap();
+
+    let sock = backup_start(&api, &dir.path().join("backups"), "full.sock", None);
+    let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the NBD socket's mode");
+    ctl_fails(
+        &api,
+        &["backup", "start", "--nbd", "second.sock"],
+        "a backup is running",
+    );
+
+    // B over everything while nbdcopy copies; then B again behind it.
+    let copy = dir.path().join("copy.raw");
+    let running = nbdcopy(&sock, &copy);
+    write_pattern(&mut c, 0xb, 0, SIZE);
+    wait_ok(running, "nbdcopy");
+    write_pattern(&mut c, 0xc, 8 * MIB, 8 * MIB);
+    let converted = dir.path().join("copy.qcow2");
+    nbd::convert_qcow2(&sock, &converted);
+    let restored = dir.path().join("restored.raw");
+    nbd::restore(&converted, &restored);
+
+    assert_same("nbdcopy of the export", &copy, &at_start);
+    assert_same("qemu-img convert of the export", &restored, &at_start);
+    // The guest's disk has B and C: the export did not leak into it.
+    assert!(read_file(&d.image, 0, 4096) == pattern(0xb, 0, 4096));
+    assert!(read_file(&d.image, 8 * MIB, 4096) == pattern(0xc, 8 * MIB, 4096));
+
+    let info: serde_json::Value =
+        serde_json::from_str(&ctl_ok(&api, &["backup", "status"])).unwrap();
+    assert!(info["copied_clusters"].as_u64().unwrap() > 0, "{info}");
+    let out = ctl_ok(&api, &["backup", "stop"]);
+    assert!(out.starts_with("backup stopped"), "{out}");
+    assert!(!sock.exists(), "the socket is removed at stop");
+    ctl_fails(&api, &["backup", "stop"], "no backup is running");
+    drop(c);
+    stop(d);
+}
+
+/// Full backup, more writes, incremental: the dirty map lists every change
+/// and nothing else beyond the granularity; the full backup with the
+/// incremental one on top, restored with qemu-img, is the disk at the
+/// second `backup start`. The bitmap records afresh from each start.
+#[test]
+fn an_incremental_backup_holds_every_change_and_nothing_else() {
+    if !nbd::have_tools() {
+        return;
+    }
+    let dir = test_dir();
+    let d = start(dir.path(), &[]);
+    let api = dir.path().join("api.sock");
+    let backups = dir.path().join("backups");
+    ctl_ok(&api, &["bitmap", "add", "inc"]);
+    let mut c = Client::connect(&d.socket, BUF);
+    write_pattern(&mut c, 1, 0, 16 * MIB);
+
+    // Full: with the bitmap, so that it starts afresh now.
+    let sock = backup_start(&api, &backups, "b.sock", Some("inc"));
+    assert_eq!(
+        dirty(&sock, "inc"),
+        granules(&[(0, 16 * MIB)], GRAN, SIZE),
+        "the first export's map"
+    );
+    assert_eq!(bitmap_state(&api, "inc"), Some((0, true)), "afresh");
+    let full = dir.path().join("full.qcow2");
+    nbd::convert_qcow2(&sock, &full);
+    ctl_ok(&api, &["backup", "stop"]);
+
+    let changed = scattered(&mut c, 100, 2 * MIB);
+    assert_eq!(c.flush(), 0);
+    let at_second = dir.path().join("at-second.raw");
+    std::fs::copy(&d.image, &at_second).unwrap();
+
+    let sock = backup_start(&api, &backups, "b.sock", Some("inc"));
+    // Writes after the instant are in the live bitmap, not the export.
+    write_pattern(&mut c, 200, 30 * MIB, MIB);
+    let want = granules(&changed, GRAN, SIZE);
+    assert_eq!(dirty(&sock, "inc"), want, "the incremental map");
+    assert_eq!(
+        bitmap_state(&api, "inc"),
+        Some((bytes(&granules(&[(30 * MIB, MIB)], GRAN, SIZE)), true))
+    );
+    let top = dir.path().join("inc.qcow2");
+    assert_eq!(nbd::incremental(&sock, "inc", &full, &top), want);
+    ctl_ok(&api, &["backup", "stop"]);
+    let restored = dir.path().join("restored.raw");
+    nbd::restore(&top, &restored);
+    assert_same("full + incremental", &restored, &at_second);
+    drop(c);
+    stop(d);
+}
+
+/// `backup stop --failed` puts the exported changes back: the next
+/// incremental holds them and what came after.
+#[test]
+fn a_failed_backup_loses_no_change() {
+    if !nbd::have_tools() {
+        return;
+    }
+    let dir = test_dir();
+    let d = start(dir.path(), &[]);
+    let api = dir.path().join("api.sock");
+    let backups = dir.path().join("backups");
+    ctl_ok(&api, &["bitmap", "add", "inc"]);
+    let mut c = Client::connect(&d.socket, BUF);
+    let first = scattered(&mut c, 1, 0);
+    let sock = backup_start(&api, &backups, "b.sock", Some("inc"));
+    let second = scattered(&mut c, 2, 16 * MIB);
+    let out = ctl_ok(&api, &["backup", "stop", "--failed"]);
+    assert!(out.contains("as failed"), "{out}");
+    assert!(!sock.exists());
+    let mut all = first.clone();
+    all.extend(&second);
+    let want = granules(&all, GRAN, SIZE);
+    assert_eq!(bitmap_state(&api, "inc"), Some((bytes(&want), true)));
+    let sock = backup_start(&api, &backups, "b.sock", Some("inc"));
+    assert_eq!(dirty(&sock, "inc"), want);
+    ctl_ok(&api, &["backup", "stop"]);
+    drop(c);
+    stop(d);
+}
+
+/// A bitmap survives a clean restart whole and consistent; after a
+/// kill -9 it is complete (every acknowledged write in it) or marked
+/// inconsistent, never silently short.
+#[test]
+fn bitmaps_persist_across_restart_and_kill_9() {
+    if !nbd::have_tools() {
+        return;
+    }
+    let dir = test_dir();
+    let api = dir.path().join("api.sock");
+    let backups = dir.path().join("backups");
+    let d = start(dir.path(), &[]);
+    ctl_ok(&api, &["bitmap", "add", "p"]);
+    let mut c = Client::connect(&d.socket, BUF);
+    let mut all = scattered(&mut c, 1, 0);
+    drop(c);
+    stop(d);
+    assert!(dir.path().join("disk.img.bitmap.p").exists());
+
+    let d = start(dir.path(), &[]);
+    let want = granules(&all, GRAN, SIZE);
+    assert_eq!(
+        bitmap_state(&api, "p"),
+        Some((bytes(&want), true)),
+        "after a clean restart"
+    );
+    let mut c = Client::connect(&d.socket, BUF);
+    all.extend(scattered(&mut c, 2, 16 * MIB));
+    // Acknowledged, then killed: no clean stop writes anything out.
+    let mut d = d;
+    let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    assert!(!st.success());
+    drop(c);
+    drop(d);
+
+    let d = start(dir.path(), &[]);
+    let want = granules(&all, GRAN, SIZE);
+    let (dirty_bytes, consistent) = bitmap_state(&api, "p").expect("the bitmap is there");
+    if consistent {
+        assert_eq!(dirty_bytes, bytes(&want), "complete after kill -9");
+        let sock = backup_start(&api, &backups, "b.sock", Some("p"));
+        assert_eq!(dirty(&sock, "p"), want);
+        ctl_ok(&api, &["backup", "stop"]);
+    } else {
+        let table = ctl_ok(&api, &["bitmap", "list"]);
+        assert!(table.contains("NO: take a full backup"), "{table}");
+    }
+    stop(d);
+}
+
+/// Hostile NBD clients while the guest does I/O: bad magic, unknown
+/// options, reads past the end, huge lengths, more connections than the
+/// cap, a client that never reads. Each gets its protocol error or is
+/// closed; the guest's I/O goes on, verified, and the daemon lives.
+#[test]
+fn bad_nbd_input_leaves_the_guest_io_alone() {
+    if !nbd::have_tools() {
+        return;
+    }
+    let dir = test_dir();
+    let mut d = start(dir.path(), &[]);
+    let api = dir.path().join("api.sock");
+    let mut c = Client::connect(&d.socket, BUF);
+    write_pattern(&mut c, 1, 0, SIZE);
+    let sock = backup_start(&api, &dir.path().join("backups"), "b.sock", None);
+
+    // The guest's side: writes and read-backs, on a thread of its own,
+    // for as long as the hostile clients take.
+    let stop_io = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let io = {
+        let (stop_io, socket) = (stop_io.clone(), d.socket.clone());
+        drop(c);
+        std::thread::spawn(move || {
+            let mut c = Client::connect(&socket, BUF);
+            let mut rounds = 0u64;
+            while !stop_io.load(std::sync::atomic::Ordering::Relaxed) || rounds < 3 {
+                let off = (rounds * 256 * KIB) % (SIZE - 256 * KIB);
+                let data = pattern(1000 + rounds, off, (256 * KIB) as usize);
+                assert_eq!(c.write(off, &data), 0, "guest write {rounds}");
+                assert!(c.read(off, data.len()) == data, "guest read {rounds}");
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+
+    // Bad option magic, unknown client flags, a 4 GiB option: closed.
+    let mut s = raw::greet(&sock, 3);
+    std::io::Write::write_all(&mut s, b"IHAVEOPX\0\0\0\x07\0\0\0\0").unwrap();
+    assert!(raw::closed(&mut s), "bad option magic");
+    let mut s = raw::greet(&sock, 1 << 7);
+    assert!(raw::closed(&mut s), "unknown client flags");
+    let mut s = raw::greet(&sock, 3);
+    std::io::Write::write_all(&mut s, b"IHAVEOPT\0\0\0\x63\xff\xff\xff\xff").unwrap();
+    assert!(raw::closed(&mut s), "a 4 GiB option");
+    // Unknown options: ERR_UNSUP, and the handshake goes on.
+    let mut s = raw::greet(&sock, 3);
+    for opt in [99u32, 5, 0x7fff] {
+        raw::option(&mut s, opt, b"junk");
+        assert_eq!(raw::option_reply(&mut s).1, 0x8000_0001, "option {opt}");
+    }
+    drop(s);
+    // Transmission: past the end, 4 GiB, offset overflow, a write.
+    let mut s = raw::go(&sock);
+    raw::request(&mut s, 0, 1, SIZE - 512, 1024);
+    assert_eq!(raw::simple_reply(&mut s), (22, 1), "a read past the end");
+    raw::request(&mut s, 0, 2, 0, u32::MAX);
+    assert_eq!(raw::simple_reply(&mut s), (22, 2), "a 4 GiB read");
+    raw::request(&mut s, 0, 3, u64::MAX - 10, 512);
+    assert_eq!(raw::simple_reply(&mut s), (22, 3), "offset overflow");
+    raw::request(&mut s, 1, 4, 0, 4096);
+    std::io::Write::write_all(&mut s, &[0xee; 4096]).unwrap();
+    assert_eq!(raw::simple_reply(&mut s), (1, 4), "a write: EPERM");
+    raw::request(&mut s, 1, 5, 0, u32::MAX);
+    assert!(raw::closed(&mut s), "a 4 GiB write ends the connection");
+    std::thread::sleep(Duration::from_millis(300)); // the slots above free
+    // A slow client: asks for 16 MiB, many times, and never reads; and
+    // the cap: 8 connections (silent ones), then each one more is closed
+    // at once.
+    let mut hog = raw::go(&sock);
+    for h in 0..8 {
+        raw::request(&mut hog, 0, h, 0, 16 << 20);
+    }
+    let silent: Vec<_> = (0..7)
+        .map(|_| std::os::unix::net::UnixStream::connect(&sock).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    for _ in 0..50 {
+        let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        assert!(raw::closed(&mut s), "past the cap");
+    }
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    drop(silent);
+    drop(hog);
+
+    stop_io.store(true, std::sync::atomic::Ordering::Relaxed);
+    let rounds = io.join().expect("the guest's I/O failed");
+    assert!(rounds >= 3);
+    d.assert_running();
+    // The export still serves a well-behaved client, once the slots
+    // free up, and is still the instant.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let out = Command::new("nbdinfo")
+            .args(["--size", &nbd::uri(&sock)])
+            .output()
+            .unwrap();
+        if out.status.success() {
+            assert_eq!(
+                String::from_utf8_lossy(&out.stdout).trim(),
+                SIZE.to_string()
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "the export never served again");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let copy = dir.path().join("copy.raw");
+    nbd::copy_full(&sock, &copy);
+    let got = std::fs::read(&copy).unwrap();
+    for off in (0..SIZE).step_by(MIB as usize) {
+        assert!(
+            got[off as usize..off as usize + 4096] == pattern(1, off, 4096)[..],
+            "the copy at {off} is not the instant"
+        );
+    }
+    let info: serde_json::Value =
+        serde_json::from_str(&ctl_ok(&api, &["backup", "status"])).unwrap();
+    assert!(info["refused"].as_u64().unwrap() >= 50, "{info}");
+    ctl_ok(&api, &["backup", "stop"]);
+    stop(d);
+}
+
+/// Where backups cannot run, `backup start` says why in one line: no
+/// --backup-dir, a qcow2 image (its bitmaps are sidecars, and work), a
+/// socket outside the backup directory; the qcow2 image's bitmap follows
+/// a live snapshot. (RBD images: tests/rbd/rbd.rs.)
+#[test]
+fn backups_are_refused_with_a_reason() {
+    if !nbd::have_tools() {
+        return;
+    }
+    // No --backup-dir.
+    let dir = test_dir();
+    let api = dir.path().join("api.sock");
+    let d = Daemon::start_in(
+        dir.path(),
+        DaemonOptions {
+            args: &["--api", api.to_str().unwrap()],
+            ..DaemonOptions::default()
+        },
+    );
+    ctl_fails(
+        &api,
+        &["backup", "start", "--nbd", "x.sock"],
+        "start the daemon with --backup-dir DIR",
+    );
+    stop(d);
+
+    // A socket elsewhere.
+    let dir = test_dir();
+    let d = start(dir.path(), &[]);
+    let api = dir.path().join("api.sock");
+    ctl_fails(
+        &api,
+        &["backup", "start", "--nbd", "/tmp/elsewhere.sock"],
+        "--backup-dir",
+    );
+    stop(d);
+
+    // qcow2: bitmaps (sidecar) yes, backups no.
+    let dir = test_dir();
+    let image = dir.path().join("disk.qcow2");
+    nbd::run(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&image)
+            .arg(SIZE.to_string()),
+    );
+    let backups = dir.path().join("backups");
+    std::fs::create_dir(&backups).unwrap();
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let api = dir.path().join("api.sock");
+    let d = Daemon::start_in(
+        dir.path(),
+        DaemonOptions {
+            image: Some(image.clone()),
+            args: &[
+                "--format",
+                "qcow2",
+                "--api",
+                api.to_str().unwrap(),
+                "--backup-dir",
+                backups.to_str().unwrap(),
+                "--snapshot-dir",
+                snaps.to_str().unwrap(),
+            ],
+            ..DaemonOptions::default()
+        },
+    );
+    // Under the default --seccomp enforce, with a snapshot directory too:
+    // a sidecar's openat and a snapshot's are both allowed.
+    ctl_ok(&api, &["bitmap", "add", "q"]);
+    let mut c = Client::connect(&d.socket, BUF);
+    // A write across a cluster boundary of a fresh image: allocations,
+    // pieces; the bitmap sees the guest's range.
+    let w = (64 * KIB - 4 * KIB, 8 * KIB);
+    assert_eq!(c.write(w.0, &pattern(5, w.0, w.1 as usize)), 0);
+    assert_eq!(
+        bitmap_state(&api, "q"),
+        Some((bytes(&granules(&[w], GRAN, SIZE)), true))
+    );
+    ctl_fails(
+        &api,
+        &["backup", "start", "--nbd", "q.sock"],
+        "backups of qcow2 images are not supported",
+    );
+    ctl_ok(&api, &["snapshot", "--overlay", "s1.qcow2"]);
+    let w2 = (5 * MIB, 4 * KIB);
+    assert_eq!(c.write(w2.0, &pattern(6, w2.0, w2.1 as usize)), 0);
+    assert_eq!(
+        bitmap_state(&api, "q"),
+        Some((bytes(&granules(&[w, w2], GRAN, SIZE)), true)),
+        "after a live snapshot"
+    );
+    drop(c);
+    stop(d);
+    assert!(dir.path().join("disk.qcow2.bitmap.q").exists());
+}
