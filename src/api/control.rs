@@ -1,18 +1,33 @@
 //! What the control API acts on: the device ([`crate::device::Device`]),
-//! whose state it reads and changes (resize, QoS). The HTTP side only
-//! parses and answers.
+//! whose state it reads and changes (resize, QoS), and what the daemon
+//! says about itself ([`Identity`]). The HTTP side only parses and
+//! answers.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::device::{Device, ResizeError, Resized};
+use crate::device::{Device, FrontEnd, ResizeError, Resized};
+use crate::io::LockState;
 use crate::qos::{QosChanges, QosError, QosLimits};
 use crate::virtio::SECTOR_SHIFT;
 
 /// GET status.
 #[derive(Debug, Serialize)]
 pub struct Status {
+    /// The daemon's version (its package's).
+    pub version: &'static str,
+    /// Seconds since the daemon started, to the millisecond.
+    pub uptime_s: f64,
+    /// The vhost-user socket's path (`fd N` for a socket passed in
+    /// without one).
+    pub socket: String,
+    /// GET_ID's answer: the serial the guest sees (up to 20 bytes).
+    pub serial: String,
+    /// The image lock: held, waiting (another process holds it), idle (no
+    /// ring runs), or off.
+    pub lock: LockState,
     /// The image's path, or `rbd:POOL/IMAGE`.
     pub image: String,
     /// raw, qcow2 or rbd.
@@ -35,18 +50,31 @@ pub struct Status {
     pub writeback: bool,
     /// A front-end is connected.
     pub connected: bool,
+    /// Its process (pid, uid, gid), as the kernel saw it connect; null
+    /// when none is connected.
+    pub front_end: Option<FrontEnd>,
     /// QoS limits (0: none).
     pub qos: QosLimits,
+}
+
+/// What the daemon says about itself, beside the device.
+#[derive(Clone, Debug)]
+pub struct Identity {
+    /// The vhost-user socket, as [`Status::socket`] shows it.
+    pub socket: String,
+    /// When the daemon started.
+    pub started: Instant,
 }
 
 /// The device, as the control API sees it.
 pub struct Control {
     device: Arc<Device>,
+    identity: Identity,
 }
 
 impl Control {
-    pub fn new(device: Arc<Device>) -> Control {
-        Control { device }
+    pub fn new(device: Arc<Device>, identity: Identity) -> Control {
+        Control { device, identity }
     }
 
     pub fn status(&self) -> Status {
@@ -58,7 +86,15 @@ impl Control {
                 .map(|p| p.display().to_string())
                 .collect()
         });
+        let uptime = self.identity.started.elapsed().as_millis() as f64 / 1000.0;
+        let serial = d.serial();
+        let serial_len = serial.iter().position(|&b| b == 0).unwrap_or(serial.len());
         Status {
+            version: env!("CARGO_PKG_VERSION"),
+            uptime_s: uptime,
+            socket: self.identity.socket.clone(),
+            serial: String::from_utf8_lossy(&serial[..serial_len]).into_owned(),
+            lock: d.image_lock().map_or(LockState::Off, |l| l.state()),
             image: d.name().to_string(),
             format: match (&chain, d.name().starts_with("rbd:")) {
                 (Some(_), _) => "qcow2",
@@ -76,6 +112,7 @@ impl Control {
             virtio_features: format!("{:#x}", d.features()),
             writeback: d.writeback(),
             connected: d.connection().is_some(),
+            front_end: d.front_end(),
             qos: d.qos().limits(),
         }
     }

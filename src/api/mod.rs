@@ -5,7 +5,9 @@
 //! Both serve the same table of verbs ([`VERBS`]); the metrics endpoint
 //! has no [`Control`], so a verb that needs one is not found there: no
 //! control verb is reachable over `--metrics`, over TCP in particular.
-//! Adding a verb is one function and one line in the table.
+//! Adding a verb is one function and one entry in the table; the table
+//! also lists itself (`GET /api/v1/verbs`, `ringblk ctl verbs`), and the
+//! daemon's log line for each endpoint and its 404 answers come from it.
 //!
 //! The server ([`server`]: hyper on a tokio current-thread runtime) bounds
 //! what any client can make it spend: threads, connections, head and body
@@ -25,7 +27,7 @@ use ringblk_metrics::prometheus;
 use ringblk_metrics::transport::MetricsAddr;
 use ringblk_metrics::{MetricsDoc, MetricsError, QueueMetrics};
 
-pub use control::{Control, Status};
+pub use control::{Control, Identity, Status};
 pub use server::{
     ANSWER_DEADLINE, Bound, ENDPOINT_FDS, MAX_CONNECTIONS, MAX_HEAD, REQUEST_DEADLINE, VERB_THREADS,
 };
@@ -73,6 +75,7 @@ impl Reply {
 
 /// What a verb sees.
 pub struct Ctx<'a> {
+    verbs: &'a [Verb],
     method: &'a Method,
     queues: &'a [Arc<QueueMetrics>],
     control: Option<&'a Control>,
@@ -118,7 +121,60 @@ pub struct Verb {
     path: &'static str,
     control: bool,
     slow: bool,
+    /// What it does, for `ringblk ctl verbs`.
+    doc: &'static str,
     run: fn(&Ctx<'_>) -> Reply,
+}
+
+impl Verb {
+    /// The methods it takes: GET, PUT, POST.
+    pub fn methods(&self) -> Vec<&'static str> {
+        self.methods.iter().map(Method::as_str).collect()
+    }
+
+    pub fn path(&self) -> &'static str {
+        self.path
+    }
+
+    /// Whether it needs the control side (then it is on `--api` only).
+    pub fn control(&self) -> bool {
+        self.control
+    }
+
+    pub fn doc(&self) -> &'static str {
+        self.doc
+    }
+
+    /// Whether an endpoint with (`control`) or without the control side
+    /// serves it.
+    fn served(&self, control: bool) -> bool {
+        !self.control || control
+    }
+
+    /// `GET|PUT /api/v1/qos`.
+    fn summary(&self) -> String {
+        format!("{} {}", self.methods().join("|"), self.path)
+    }
+}
+
+/// How [`VERBS`] lists itself: one entry per verb.
+#[derive(serde::Serialize)]
+struct VerbDoc {
+    methods: Vec<&'static str>,
+    path: &'static str,
+    control: bool,
+    doc: &'static str,
+}
+
+/// The verbs an endpoint with (`control`) or without the control side
+/// serves, in one line: `GET /metrics, GET /metrics.json, ...`.
+pub fn verb_list(control: bool) -> String {
+    let here: Vec<String> = VERBS
+        .iter()
+        .filter(|v| v.served(control))
+        .map(Verb::summary)
+        .collect();
+    here.join(", ")
 }
 
 /// Every verb, on every endpoint that has what it needs.
@@ -128,6 +184,7 @@ pub const VERBS: &[Verb] = &[
         path: "/metrics",
         control: false,
         slow: false,
+        doc: "The counters and latency histograms, in Prometheus's text format.",
         run: metrics_text,
     },
     Verb {
@@ -135,6 +192,7 @@ pub const VERBS: &[Verb] = &[
         path: "/metrics.json",
         control: false,
         slow: false,
+        doc: "The counters and latency histograms, as JSON (what `ringblk stats` reads).",
         run: metrics_json,
     },
     Verb {
@@ -142,7 +200,16 @@ pub const VERBS: &[Verb] = &[
         path: "/api/v1/status",
         control: true,
         slow: false,
+        doc: "The daemon and the device: version, uptime, socket, serial, image lock, image format (and a qcow2 image's chain), size, queues, features, write cache, the front-end connected (its pid), QoS.",
         run: status,
+    },
+    Verb {
+        methods: &[Method::GET],
+        path: "/api/v1/verbs",
+        control: false,
+        slow: false,
+        doc: "The verbs this endpoint serves: this list.",
+        run: verbs,
     },
     Verb {
         methods: &[Method::PUT, Method::POST],
@@ -151,6 +218,7 @@ pub const VERBS: &[Verb] = &[
         // Image I/O (an RBD resize is a round trip to the cluster), and
         // telling the front-end, which may be slow to read.
         slow: true,
+        doc: "Resize the disk the guest sees: {\"size\": BYTES or \"2G\", \"force\": bool} (no size: re-read the image's); shrinking needs force.",
         run: resize,
     },
     Verb {
@@ -158,6 +226,7 @@ pub const VERBS: &[Verb] = &[
         path: "/api/v1/qos",
         control: true,
         slow: false,
+        doc: "The QoS limits (GET), or change those given (PUT, by their JSON names; 0 removes one).",
         run: qos,
     },
     Verb {
@@ -167,6 +236,7 @@ pub const VERBS: &[Verb] = &[
         // It waits for the requests in flight, and formats and syncs the
         // overlay.
         slow: true,
+        doc: "A live external snapshot of a qcow2 image: {\"overlay\": \"NAME.qcow2\"} in --snapshot-dir becomes the top of the chain; the old top is never written again.",
         run: snapshot,
     },
 ];
@@ -195,6 +265,22 @@ fn metrics_json(ctx: &Ctx<'_>) -> Reply {
 fn control<'a>(ctx: &Ctx<'a>) -> Result<&'a Control, Reply> {
     ctx.control
         .ok_or_else(|| Reply::error(500, "no control API here"))
+}
+
+/// The verbs served here, from the table.
+fn verbs(ctx: &Ctx<'_>) -> Reply {
+    let here: Vec<VerbDoc> = ctx
+        .verbs
+        .iter()
+        .filter(|v| v.served(ctx.control.is_some()))
+        .map(|v| VerbDoc {
+            methods: v.methods(),
+            path: v.path,
+            control: v.control,
+            doc: v.doc,
+        })
+        .collect();
+    Reply::json(200, &here)
 }
 
 fn status(ctx: &Ctx<'_>) -> Reply {
@@ -321,17 +407,9 @@ impl Api {
     /// The verb `method path` names here, or the answer (404, 405) that it
     /// names none.
     fn route(&self, method: &Method, path: &str) -> Result<&'static Verb, Reply> {
-        let here = |v: &&Verb| !v.control || self.control.is_some();
+        let here = |v: &&Verb| v.served(self.control.is_some());
         let Some(verb) = self.verbs.iter().filter(here).find(|v| v.path == path) else {
-            let known: Vec<String> = self
-                .verbs
-                .iter()
-                .filter(here)
-                .map(|v| {
-                    let m: Vec<&str> = v.methods.iter().map(Method::as_str).collect();
-                    format!("{} {}", m.join("|"), v.path)
-                })
-                .collect();
+            let known: Vec<String> = self.verbs.iter().filter(here).map(Verb::summary).collect();
             return Err(Reply::error(
                 404,
                 format!("unknown verb {path}; here: {}", known.join(", ")),
@@ -350,6 +428,7 @@ impl Api {
     /// Runs `verb` (found by [`Api::route`]) on `body`.
     fn run(&self, verb: &Verb, method: &Method, body: &[u8]) -> Reply {
         (verb.run)(&Ctx {
+            verbs: self.verbs,
             method,
             queues: &self.queues,
             control: self.control.as_deref(),
@@ -416,8 +495,9 @@ pub fn spawn_metrics(addr: &str, queues: Vec<Arc<QueueMetrics>>) -> Result<Endpo
     let (bound, addr) = bind_metrics(addr)?;
     let endpoint = spawn(bound, addr, queues, None)?;
     log::info!(
-        "metrics on {} (GET /metrics, /metrics.json)",
-        endpoint.local_addr()
+        "metrics on {} ({})",
+        endpoint.local_addr(),
+        verb_list(false)
     );
     Ok(endpoint)
 }

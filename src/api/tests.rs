@@ -64,6 +64,70 @@ fn every_verb_is_routed_and_control_verbs_need_control() {
     assert_eq!(r.status, 200, "a query string is ignored");
 }
 
+/// A control side over a small test device.
+fn control() -> Arc<Control> {
+    let mut spec = crate::device::DeviceSpec::default();
+    spec.serial[..6].copy_from_slice(b"disk-7");
+    let device = Arc::new(crate::device::Device::new(spec).expect("a device"));
+    let identity = Identity {
+        socket: "/run/test.sock".into(),
+        started: std::time::Instant::now() - std::time::Duration::from_secs(3),
+    };
+    Arc::new(Control::new(device, identity))
+}
+
+/// `GET /api/v1/verbs` lists the table: every verb the endpoint serves,
+/// with its methods and doc, and no other.
+#[test]
+fn the_verbs_verb_lists_the_table() {
+    for control in [None, Some(control())] {
+        let on_api = control.is_some();
+        let api = Api::new(metrics(), control);
+        let r = api.dispatch(&Method::GET, "/api/v1/verbs", b"");
+        assert_eq!(r.status, 200, "{}", r.body);
+        let listed: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        let want: Vec<serde_json::Value> = VERBS
+            .iter()
+            .filter(|v| on_api || !v.control)
+            .map(|v| {
+                serde_json::json!({
+                    "methods": v.methods(),
+                    "path": v.path,
+                    "control": v.control,
+                    "doc": v.doc,
+                })
+            })
+            .collect();
+        assert_eq!(listed, serde_json::Value::Array(want), "on --api: {on_api}");
+    }
+    assert!(
+        VERBS.iter().all(|v| !v.doc.is_empty()),
+        "a verb without a doc"
+    );
+    assert_eq!(
+        verb_list(false),
+        "GET /metrics, GET /metrics.json, GET /api/v1/verbs"
+    );
+}
+
+/// The daemon's own fields of the status: version, uptime, socket,
+/// serial, lock, front-end.
+#[test]
+fn status_has_the_daemons_identity() {
+    let api = Api::new(metrics(), Some(control()));
+    let r = api.dispatch(&Method::GET, "/api/v1/status", b"");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let s: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(s["version"], env!("CARGO_PKG_VERSION"));
+    let up = s["uptime_s"].as_f64().expect("uptime");
+    assert!((3.0..60.0).contains(&up), "{s}");
+    assert_eq!(s["socket"], "/run/test.sock");
+    assert_eq!(s["serial"], "disk-7");
+    assert_eq!(s["lock"], "off", "the test device has no lock");
+    assert_eq!(s["connected"], false);
+    assert_eq!(s["front_end"], serde_json::Value::Null);
+}
+
 /// A table for the server's own tests: a verb that sleeps (on the verb
 /// threads), one that answers the body's length, and the counters.
 const TEST_VERBS: &[Verb] = &[
@@ -72,6 +136,7 @@ const TEST_VERBS: &[Verb] = &[
         path: "/slow",
         control: false,
         slow: true,
+        doc: "a test verb",
         run: |_| {
             std::thread::sleep(std::time::Duration::from_secs(1));
             Reply::error(200, "slept")
@@ -82,6 +147,7 @@ const TEST_VERBS: &[Verb] = &[
         path: "/len",
         control: false,
         slow: false,
+        doc: "a test verb",
         run: |ctx| Reply::error(200, ctx.body.len().to_string()),
     },
     Verb {
@@ -89,6 +155,7 @@ const TEST_VERBS: &[Verb] = &[
         path: "/metrics",
         control: false,
         slow: false,
+        doc: "a test verb",
         run: metrics_text,
     },
 ];

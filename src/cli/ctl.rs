@@ -21,8 +21,17 @@ pub struct CtlArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum CtlVerb {
-    /// Image, size, queues, features, connection state, QoS (JSON).
+    /// The daemon and its device (JSON): version, uptime, socket, serial,
+    /// image lock (held, waiting, idle, off), image, size, queues,
+    /// features, write cache, the front-end connected (its pid), QoS.
     Status,
+    /// The API's verbs, as the daemon lists them (GET /api/v1/verbs):
+    /// methods, path, what each does.
+    Verbs {
+        /// Print the daemon's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Resize the disk the guest sees, online. With SIZE (bytes, or with a
     /// K/M/G/T suffix), grow a file image to it; with none, re-read the
     /// image's size (a block device that grew). Shrinking needs --force.
@@ -76,6 +85,16 @@ pub fn ctl(args: &CtlArgs) -> Result<(), Failure> {
     }
     match &args.verb {
         CtlVerb::Status => out(&call(&addr, "GET", "/api/v1/status", b"")?)?,
+        CtlVerb::Verbs { json } => {
+            let answer = call(&addr, "GET", "/api/v1/verbs", b"")?;
+            if *json {
+                out(&answer)?;
+            } else {
+                let verbs: Vec<serde_json::Value> = serde_json::from_str(&answer)
+                    .map_err(|e| format!("{}: bad answer: {e}", args.api.display()))?;
+                out(&verbs_table(&verbs))?;
+            }
+        }
         CtlVerb::Resize { size, force } => {
             let mut body = serde_json::Map::new();
             if let Some(bytes) = size {
@@ -161,6 +180,24 @@ fn overlay_path(overlay: &std::path::Path) -> PathBuf {
         Ok(d) => d.join(name),
         Err(_) => overlay.to_path_buf(),
     }
+}
+
+/// `GET|PUT  /api/v1/qos  The QoS limits ...`, one line per verb.
+fn verbs_table(verbs: &[serde_json::Value]) -> String {
+    let mut table = String::new();
+    for v in verbs {
+        let methods: Vec<&str> = v["methods"]
+            .as_array()
+            .map(|m| m.iter().filter_map(|m| m.as_str()).collect())
+            .unwrap_or_default();
+        table.push_str(&format!(
+            "{:<15} {:<18} {}\n",
+            methods.join("|"),
+            v["path"].as_str().unwrap_or_default(),
+            v["doc"].as_str().unwrap_or_default()
+        ));
+    }
+    table
 }
 
 /// The body of a 200 answer; otherwise the daemon's `error`, or the

@@ -39,8 +39,8 @@ pub enum Command {
     /// Print the counters of a running daemon (started with --metrics or
     /// --api); `ctl --api PATH stats` is the same.
     Stats(stats::StatsArgs),
-    /// Control a running daemon over its --api socket: status, resize,
-    /// stats.
+    /// Control a running daemon over its --api socket: status, verbs,
+    /// resize, qos, stats.
     Ctl(ctl::CtlArgs),
     /// Load generator for any vhost-user-blk socket, and a side-by-side
     /// comparison with qemu-storage-daemon and the host's own io_uring:

@@ -1,11 +1,13 @@
 //! `ringblk stats`: the counters of a running daemon as a table, one column
-//! per queue, plus the ratios that tell how well the data path batches.
+//! per queue, plus the ratios that tell how well the data path batches,
+//! and the latency percentiles (p50, p99, p99.9) of each request type.
 
 use std::fmt::Write;
 use std::time::Duration;
 
 use ringblk_metrics::{
-    COUNTERS, Counter, Kind, MetricsError, QueueSnapshot, REQUEST_TYPES, Ratios, fetch, get,
+    COUNTERS, Counter, Kind, MetricsError, QueueSnapshot, REQUEST_TYPES, Ratios, RequestType,
+    fetch, get,
 };
 
 use super::exit::{Failure, out};
@@ -172,7 +174,36 @@ pub fn render(queues: &[QueueSnapshot], title: &str) -> String {
     derived("CQEs/pass", &|r| r.cqes_per_pass);
     derived("poll hits/iteration", &|r| r.poll_hit_rate);
     derived("poll us/IO", &|r| r.poll_us_per_io);
+    out.push('\n');
+    latency(&mut out, &cols);
     out
+}
+
+/// The percentiles shown for each request type.
+pub const PERCENTILES: [(&str, f64); 3] = [("p50", 0.5), ("p99", 0.99), ("p999", 0.999)];
+
+/// The latency rows: for reads and writes always, for the other measured
+/// types when some were counted, p50/p99/p99.9 in microseconds (the upper
+/// bound of the histogram bucket that holds it: at most 12.5% high).
+fn latency(out: &mut String, cols: &[&QueueSnapshot]) {
+    let Some(total) = cols.last() else {
+        return;
+    };
+    let _ = writeln!(out, "latency (us, pop to completion)");
+    for (t, name, op) in total.latency.iter() {
+        if op.count() == 0 && !matches!(t, RequestType::Read | RequestType::Write) {
+            continue;
+        }
+        for (p, q) in PERCENTILES {
+            let _ = write!(out, "{:<26}", format!("{name} {p}"));
+            for c in cols {
+                let v = c.latency.get(t).and_then(|op| op.quantile(q));
+                let cell = v.map_or("-".to_string(), |ns| format!("{:.1}", ns as f64 / 1000.0));
+                let _ = write!(out, "{cell:>14}");
+            }
+            out.push('\n');
+        }
+    }
 }
 
 #[cfg(test)]
@@ -201,7 +232,48 @@ mod tests {
                 .any(|l| l.starts_with("SQEs/submit") && l.contains("5.000"))
         );
         assert!(!t.contains("requests flush"), "zero rare types are hidden");
+        assert!(!t.contains("flush p50"), "zero rare types are hidden: {t}");
+        let p50 = t
+            .lines()
+            .find(|l| l.starts_with("read p50"))
+            .expect("read p50 row");
+        assert!(p50.ends_with("             -"), "nothing measured: {p50}");
         assert!(t.lines().any(|l| l.starts_with("poll us/IO")), "{t}");
+    }
+
+    #[test]
+    fn latency_percentiles_per_queue_and_in_total() {
+        let mut a = QueueSnapshot::default();
+        let mut b = QueueSnapshot::default();
+        let (ra, rb) = (
+            a.latency.get_mut(RequestType::Read).unwrap(),
+            b.latency.get_mut(RequestType::Read).unwrap(),
+        );
+        // q0: 98 fast reads and 2 slow; q1: 50 slow ones. In total, 98
+        // fast of 150.
+        for _ in 0..98 {
+            ra.record(10_000);
+        }
+        ra.record(5_000_000);
+        ra.record(5_000_000);
+        for _ in 0..50 {
+            rb.record(5_000_000);
+        }
+        b.latency
+            .get_mut(RequestType::Flush)
+            .unwrap()
+            .record(1_000_000);
+        let t = render(&[a, b], "test");
+        let row = |name: &str| -> Vec<String> {
+            let l = t.lines().find(|l| l.starts_with(name));
+            let l = l.unwrap_or_else(|| panic!("no {name} row in\n{t}"));
+            l[26..].split_whitespace().map(str::to_string).collect()
+        };
+        // 10 us is in [9.728, 10.240) us; 5 ms in [4.718592, 5.242880) ms.
+        assert_eq!(row("read p50 "), ["10.2", "5242.9", "10.2"], "{t}");
+        assert_eq!(row("read p99 "), ["5242.9", "5242.9", "5242.9"], "{t}");
+        assert_eq!(row("flush p999"), ["-", "1048.6", "1048.6"], "{t}");
+        assert_eq!(row("write p50"), ["-", "-", "-"], "{t}");
     }
 
     #[test]

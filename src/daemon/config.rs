@@ -36,6 +36,22 @@ pub enum Listen {
 }
 
 impl Listen {
+    /// The socket's path, as logs and `ctl status` show it; `fd N` for a
+    /// socket passed in that has none.
+    pub fn name(&self) -> String {
+        match self {
+            Listen::Bind(path) => path.display().to_string(),
+            Listen::Fd { listener, fd, .. } => match listener
+                .local_addr()
+                .ok()
+                .and_then(|a| a.as_pathname().map(|p| p.display().to_string()))
+            {
+                Some(p) => p,
+                None => format!("fd {fd}"),
+            },
+        }
+    }
+
     /// The listening socket passed in, taken: `--socket-fd N`, or
     /// systemd's when no socket is named. `serve` calls this first, before
     /// the daemon opens any descriptor of its own, so the number can only

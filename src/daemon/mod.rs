@@ -50,6 +50,7 @@ fn spawn_api(
     path: &Path,
     device: &Arc<Device>,
     metrics: &[Arc<QueueMetrics>],
+    identity: crate::api::Identity,
 ) -> Result<crate::api::Endpoint, DaemonError> {
     let err = |e: String| DaemonError::Config(format!("--api {}: {e}", path.display()));
     let listener = socket::bind(path, 0o600).map_err(|e| err(e.to_string()))?;
@@ -57,12 +58,13 @@ fn spawn_api(
         crate::api::Bound::Unix(listener),
         crate::metrics::MetricsAddr::Unix(path.to_path_buf()),
         metrics.to_vec(),
-        Some(Arc::new(crate::api::Control::new(device.clone()))),
+        Some(Arc::new(crate::api::Control::new(device.clone(), identity))),
     )
     .map_err(|e| err(e.to_string()))?;
     log::info!(
-        "control API on {} (GET /api/v1/status, PUT /api/v1/resize, GET|PUT /api/v1/qos, PUT /api/v1/snapshot, GET /metrics, /metrics.json)",
-        path.display()
+        "control API on {} ({})",
+        path.display(),
+        crate::api::verb_list(true)
     );
     Ok(endpoint)
 }
@@ -111,6 +113,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Runs `ringblk serve` until SIGINT, SIGTERM or SIGHUP.
 pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
+    let started = std::time::Instant::now();
     // First, while this is the only thread (both read and clear the
     // environment: LISTEN_FDS, NOTIFY_SOCKET), and before the daemon opens
     // anything: the socket passed in, so that its number cannot name a
@@ -142,36 +145,32 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     if device.qos().active() {
         log::info!("QoS limits: {}", device.qos().limits().summary());
     }
+    let socket_name = cfg.listen.name();
     let _api = match &cfg.args.api {
-        Some(path) => Some(spawn_api(path, &device, &metrics)?),
+        Some(path) => {
+            let identity = crate::api::Identity {
+                socket: socket_name.clone(),
+                started,
+            };
+            Some(spawn_api(path, &device, &metrics, identity)?)
+        }
         None => None,
     };
     // The vhost-user socket listens last: a front-end (or a script) that
     // finds it can use the API and the metrics endpoint at once.
     // The path the daemon bound, and removes on its way out.
     let mut bound = None;
-    let (listener, socket_name) = match cfg.listen {
+    let listener = match cfg.listen {
         Listen::Bind(path) => {
             let l = socket::bind(&path, cfg.args.socket_mode)?;
-            let name = path.display().to_string();
             bound = Some(path);
-            (l, name)
+            l
         }
         Listen::Fd {
-            listener: l,
-            fd,
-            from,
+            listener: l, from, ..
         } => {
-            let name = match l
-                .local_addr()
-                .ok()
-                .and_then(|a| a.as_pathname().map(Path::to_owned))
-            {
-                Some(p) => p.display().to_string(),
-                None => format!("fd {fd}"),
-            };
-            log::info!("using the listening socket passed by {from}: {name}");
-            (l, name)
+            log::info!("using the listening socket passed by {from}: {socket_name}");
+            l
         }
     };
     // `--threads` queue threads (`BlkBackend::queues_per_thread`).
@@ -534,6 +533,7 @@ impl Connections<'_> {
         // if `run` did); then the engines come back for the next one.
         backend.drain_all();
         device.set_connection(None);
+        device.set_front_end(None);
         let replaced = crate::vhost::sigbus::replaced_pages() - replaced;
         if replaced > 0 {
             log::warn!(
@@ -595,6 +595,7 @@ impl Connections<'_> {
             }
         }
         self.device.set_connection(Some(backend.clone()));
+        self.device.set_front_end(socket::peer(&front));
         // vhost-user-backend accepts its own connection; give it one end of
         // a private socket and relay the front-end's messages to it.
         let back = self.inner.connect()?;

@@ -435,11 +435,14 @@ fn allowed(
         // accept4, the back-end channel from the front-end. (The RBD
         // profile adds TCP sockets to the cluster: see below.)
         // vhost-user-backend checks the back-end channel a front-end hands
-        // over (SET_BACKEND_REQ_FD) is a Unix stream socket.
+        // over (SET_BACKEND_REQ_FD) is a Unix stream socket; the daemon
+        // reads who the front-end it accepted is (SO_PEERCRED, for
+        // `ctl status`).
         (
             SYS_getsockopt,
             either(
-                [SO_DOMAIN, SO_TYPE].map(|opt| args_eq(&[(1, SOL_SOCKET as u64), (2, opt as u64)])),
+                [SO_DOMAIN, SO_TYPE, SO_PEERCRED]
+                    .map(|opt| args_eq(&[(1, SOL_SOCKET as u64), (2, opt as u64)])),
             ),
         ),
         // The relay's read timeouts on a front-end that stalls mid-message,

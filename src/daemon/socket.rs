@@ -3,11 +3,44 @@
 
 use std::fs;
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
-use std::os::unix::net::UnixListener;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 
 use super::DaemonError;
+use crate::device::FrontEnd;
+
+/// The process at the other end of `stream`, as the kernel recorded it
+/// when it connected (SO_PEERCRED); None if the kernel does not say.
+pub fn peer(stream: &UnixStream) -> Option<FrontEnd> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let size = std::mem::size_of::<libc::ucred>();
+    let mut len = size as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes through the pointer,
+    // which points to `cred`, a live local of that size; the fd is open
+    // while `stream` is borrowed.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast::<libc::c_void>(),
+            &mut len,
+        )
+    };
+    if r != 0 || len as usize != size {
+        return None;
+    }
+    Some(FrontEnd {
+        pid: u32::try_from(cred.pid).unwrap_or(0),
+        uid: cred.uid,
+        gid: cred.gid,
+    })
+}
 
 /// Binds `path`, replacing a stale socket file but never one a live daemon
 /// still accepts on. Its directory must exist. The file is born with `mode`: nothing changes it by

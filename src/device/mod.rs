@@ -17,7 +17,8 @@
 //! - stopping (SIGTERM), and the intake: whether the rings take new
 //!   requests (not once the front-end's socket has closed, nor while
 //!   stopping);
-//! - the connection being served, if any ([`Connection`]).
+//! - the connection being served, if any ([`Connection`]), and the
+//!   process at its other end ([`FrontEnd`]).
 //!
 //! The configuration space the driver reads is derived from these
 //! ([`Device::config`]), never stored beside them.
@@ -49,6 +50,16 @@ pub use snapshot::Snapshot;
 
 /// GET_ID's answer: the serial, zero-padded to 20 bytes.
 pub type Serial = [u8; VIRTIO_BLK_ID_BYTES as usize];
+
+/// The front-end's process, as the kernel recorded it when it connected
+/// to the vhost-user socket (`SO_PEERCRED`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct FrontEnd {
+    /// 0 when it is in a PID namespace the daemon cannot see into.
+    pub pid: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
 
 /// What the daemon and the control API need of the connection being
 /// served, whatever its engine (the vhost-user backend implements it).
@@ -159,6 +170,8 @@ pub struct Device {
     image_lock: Option<ImageLock>,
     /// The connection being served (`None` between connections).
     connection: Mutex<Option<Arc<dyn Connection>>>,
+    /// Who is at its other end, if the kernel said.
+    front_end: Mutex<Option<FrontEnd>>,
     backing: Backing,
     /// One resize at a time.
     resizing: Mutex<()>,
@@ -183,6 +196,7 @@ impl Device {
             intake_closed: AtomicBool::new(false),
             image_lock: spec.image_lock,
             connection: Mutex::new(None),
+            front_end: Mutex::new(None),
             backing: spec.backing,
             resizing: Mutex::new(()),
             image_users: Mutex::new(0),
@@ -388,6 +402,16 @@ impl Device {
     /// A connection starts being served (`Some`) or has ended (`None`).
     pub fn set_connection(&self, c: Option<Arc<dyn Connection>>) {
         *self.connection.lock().unwrap_or_else(|p| p.into_inner()) = c;
+    }
+
+    /// The front-end's process, while one is connected.
+    pub fn front_end(&self) -> Option<FrontEnd> {
+        *self.front_end.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A front-end connected (`Some`), or its connection ended (`None`).
+    pub fn set_front_end(&self, f: Option<FrontEnd>) {
+        *self.front_end.lock().unwrap_or_else(|p| p.into_inner()) = f;
     }
 }
 

@@ -27,12 +27,40 @@ use std::sync::Mutex;
 #[derive(Debug)]
 pub struct ImageLock {
     /// A duplicate of the image's fd (its top, for a qcow2 chain: what is
-    /// written): the same open file description, whose lock this is.
-    /// Locks belong to the description, so the lock goes when the last fd
-    /// of it is closed. With it, how many queues have started and not
-    /// stopped: the lock is held while that is above 0.
-    state: Mutex<(File, usize)>,
+    /// written; a live snapshot replaces it): the same open file
+    /// description, whose lock this is. Locks belong to the description,
+    /// so the lock goes when the last fd of it is closed. Locked after
+    /// `holders` where both are.
+    file: Mutex<File>,
     exclusive: bool,
+    holders: Mutex<Holders>,
+}
+
+/// Who holds or wants the lock, in this process.
+#[derive(Debug, Default)]
+struct Holders {
+    /// How many queues have started and not stopped. The lock is held
+    /// while this is above 0.
+    users: usize,
+    /// How many running queues were refused it (another process holds
+    /// it) and try again.
+    waiting: usize,
+}
+
+/// The image lock's state, as `ctl status` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LockState {
+    /// No lock is taken (`--no-image-lock`, an RBD image).
+    Off,
+    /// Not held, and no ring runs (no front-end, or its rings stopped).
+    Idle,
+    /// Held: this daemon's rings write the image.
+    Held,
+    /// A ring runs without it: another process holds it. Requests wait
+    /// for it a few seconds after the ring starts, then fail with IOERR
+    /// until it is released.
+    Waiting,
 }
 
 /// Another process holds a conflicting lock.
@@ -45,18 +73,18 @@ impl ImageLock {
     /// `exclusive` for a read-write export.
     pub fn new(image: &File, exclusive: bool) -> io::Result<ImageLock> {
         Ok(ImageLock {
-            state: Mutex::new((image.try_clone()?, 0)),
+            file: Mutex::new(image.try_clone()?),
             exclusive,
+            holders: Mutex::new(Holders::default()),
         })
     }
 
     /// A queue starts: takes the lock if no queue holds it. Each `Ok` is
     /// matched by one [`ImageLock::release`].
     pub fn acquire(&self) -> Result<(), Locked> {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let (file, users) = &mut *state;
-        if *users == 0 {
-            match set(file, self.kind()) {
+        let mut holders = self.holders();
+        if holders.users == 0 {
+            match self.set(self.kind()) {
                 Ok(()) => {}
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) => {
                     return Err(Locked);
@@ -69,19 +97,42 @@ impl ImageLock {
                 }
             }
         }
-        *users += 1;
+        holders.users += 1;
         Ok(())
     }
 
     /// A queue that acquired the lock stops; the last one releases it.
     pub fn release(&self) {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let (file, users) = &mut *state;
-        *users = users.saturating_sub(1);
-        if *users == 0 {
-            if let Err(e) = set(file, libc::F_UNLCK) {
+        let mut holders = self.holders();
+        holders.users = holders.users.saturating_sub(1);
+        if holders.users == 0 {
+            if let Err(e) = self.set(libc::F_UNLCK) {
                 log::warn!("cannot unlock the image: {e}");
             }
+        }
+    }
+
+    /// A running queue was refused the lock and will try again (`true`),
+    /// or no longer does (`false`: it got it, or stopped). Each `true` is
+    /// matched by one `false`.
+    pub fn set_waiting(&self, on: bool) {
+        let mut holders = self.holders();
+        if on {
+            holders.waiting += 1;
+        } else {
+            holders.waiting = holders.waiting.saturating_sub(1);
+        }
+    }
+
+    /// Held, waited for, or neither.
+    pub fn state(&self) -> LockState {
+        let holders = self.holders();
+        if holders.users > 0 {
+            LockState::Held
+        } else if holders.waiting > 0 {
+            LockState::Waiting
+        } else {
+            LockState::Idle
         }
     }
 
@@ -90,16 +141,20 @@ impl ImageLock {
     /// and a conflict fails the move (nothing changes).
     pub fn relock(&self, file: &File) -> io::Result<()> {
         let new = file.try_clone()?;
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let (old, users) = &mut *state;
-        if *users > 0 {
+        let holders = self.holders();
+        let mut old = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        if holders.users > 0 {
             set(&new, self.kind())?;
-            if let Err(e) = set(old, libc::F_UNLCK) {
+            if let Err(e) = set(&old, libc::F_UNLCK) {
                 log::warn!("cannot unlock the former top of the chain: {e}");
             }
         }
         *old = new;
         Ok(())
+    }
+
+    fn holders(&self) -> std::sync::MutexGuard<'_, Holders> {
+        self.holders.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn kind(&self) -> libc::c_int {
@@ -108,6 +163,10 @@ impl ImageLock {
         } else {
             libc::F_RDLCK
         }
+    }
+
+    fn set(&self, kind: libc::c_int) -> io::Result<()> {
+        set(&self.file.lock().unwrap_or_else(|p| p.into_inner()), kind)
     }
 }
 
@@ -149,16 +208,40 @@ mod tests {
         let a = ImageLock::new(&open(&path), true).unwrap();
         let b = ImageLock::new(&open(&path), true).unwrap();
         let reader = ImageLock::new(&open(&path), false).unwrap();
+        assert_eq!(a.state(), LockState::Idle);
         a.acquire().unwrap();
         a.acquire().unwrap();
+        assert_eq!(a.state(), LockState::Held);
         assert!(b.acquire().is_err());
+        b.set_waiting(true);
+        assert_eq!(b.state(), LockState::Waiting);
         assert!(reader.acquire().is_err());
         a.release();
         assert!(b.acquire().is_err(), "one of a's queues still runs");
         a.release();
         b.acquire().unwrap();
+        b.set_waiting(false);
+        assert_eq!(b.state(), LockState::Held);
+        assert_eq!(a.state(), LockState::Idle);
         b.release();
+        assert_eq!(b.state(), LockState::Idle);
         reader.acquire().unwrap();
+    }
+
+    #[test]
+    fn readers_share() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        File::create(&path).unwrap().set_len(4096).unwrap();
+        let r1 = ImageLock::new(&open(&path), false).unwrap();
+        let r2 = ImageLock::new(&open(&path), false).unwrap();
+        let w = ImageLock::new(&open(&path), true).unwrap();
+        r1.acquire().unwrap();
+        r2.acquire().unwrap();
+        assert!(w.acquire().is_err());
+        r1.release();
+        r2.release();
+        w.acquire().unwrap();
     }
 
     /// A live snapshot moves the lock to the new top while a queue runs;
@@ -188,21 +271,5 @@ mod tests {
             .unwrap()
             .acquire()
             .unwrap();
-    }
-
-    #[test]
-    fn readers_share() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("img");
-        File::create(&path).unwrap().set_len(4096).unwrap();
-        let r1 = ImageLock::new(&open(&path), false).unwrap();
-        let r2 = ImageLock::new(&open(&path), false).unwrap();
-        let w = ImageLock::new(&open(&path), true).unwrap();
-        r1.acquire().unwrap();
-        r2.acquire().unwrap();
-        assert!(w.acquire().is_err());
-        r1.release();
-        r2.release();
-        w.acquire().unwrap();
     }
 }

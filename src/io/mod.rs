@@ -6,7 +6,7 @@ mod image;
 mod lock;
 
 pub use image::{BLKDISCARD, BLKGETSIZE64, Image, ImageError, ImageOptions, device_size};
-pub use lock::{ImageLock, Locked};
+pub use lock::{ImageLock, LockState, Locked};
 
 mod rbd_spec;
 

@@ -10,11 +10,14 @@
 //! - [`poll`]: the adaptive busy-poll window;
 //! - [`inflight`]: the inflight journal (VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD),
 //!   and [`resubmit`]: replaying what a previous back-end left in flight;
-//! - [`timer`]: the queue's wake-up timer.
+//! - [`timer`]: the queue's wake-up timer;
+//! - [`arrivals`]: when requests left on the avail ring were first seen,
+//!   for their latency.
 //!
 //! The vhost-user glue above ([`crate::vhost`]) owns the workers and
 //! routes each queue thread's events to them.
 
+pub mod arrivals;
 pub mod inflight;
 pub mod poll;
 pub mod resubmit;

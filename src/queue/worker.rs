@@ -37,6 +37,19 @@
 //! others' events (polling all of a thread's queues together is not
 //! built).
 //!
+//! Latency ([`QueueMetrics::latency`]) is measured here, the layer that
+//! decides when a request is taken and when it is answered: from the pass
+//! that popped it to the pass that completed it, so QoS throttling and
+//! image-lock waits count. Where the worker held off popping (throttled,
+//! waiting for the lock, engine full), a request is dated from the first
+//! pass that saw it on the avail ring instead ([`super::arrivals`]). The
+//! clock is read once per pop that took something and once per
+//! completion pass that finished something, not per request: each
+//! request of a batch gets the batch's time. What that leaves out is the
+//! worker's own bookkeeping of the batch (parsing the chains popped with
+//! it, writing the used elements of those completed before it), a few
+//! hundred nanoseconds at most, well under a bucket's width.
+//!
 //! Publishing writes all used elements, stores used->idx once (release),
 //! decides once whether the guest wants an interrupt and writes the call
 //! eventfd at most once (`--notify batched`).
@@ -68,6 +81,7 @@ use crate::virtio::ring::{RingError, RingShadow, RingView};
 use crate::virtio::{Direction, GuestMem, Request, Status};
 use crate::{info_limited, warn_limited};
 
+use super::arrivals::Arrivals;
 use super::inflight::InflightQueue;
 use super::poll::{AdaptivePoll, CpuClaim, Outcome, PREEMPT_GAP, Wait};
 use super::resubmit::Replay;
@@ -89,12 +103,10 @@ const LOCK_RETRY: Duration = Duration::from_millis(10);
 
 /// Requests a worker whose thread serves other queues takes in one pass
 /// before it lets them have a turn. A queue waits at most this many of each
-/// thread-mate's requests: with a ring's worth (256) for a turn, two
-/// page-cache-fed queues on one thread saw a 1.2 ms p99 on a 16-CPU
-/// machine. On 2 queues at depth 16 on one CPU of the 2-vCPU development
-/// machine, p99 was 137, 153 and 210-273 µs for turns of 8, 16 and 32
-/// requests (qsd: 92-162 µs), IOPS 1.34, 1.40 and 1.51-1.58× qsd's
-/// (docs/benchmarks.md). The price is three syscalls per turn.
+/// thread-mate's requests; a longer turn raises the others' tail latency,
+/// a shorter one costs more syscalls (three per turn). Measured for turns
+/// of 8, 16, 32 and 256 in docs/benchmarks.md, "What if there are fewer
+/// CPUs than queues?".
 pub const TURN: usize = 16;
 
 /// How the used ring is published and the guest notified.
@@ -178,6 +190,9 @@ pub struct QueueWorker<E: Engine> {
     closed: bool,
     /// This queue counts among the image lock's users (see `try_lock`).
     holds_lock: bool,
+    /// This queue counts among those waiting for the image lock: its ring
+    /// runs, and another process holds the lock.
+    waits_lock: bool,
     /// Until when requests wait for the image lock, rather than fail,
     /// while another process holds it: set when the ring starts without
     /// it.
@@ -220,6 +235,19 @@ pub struct QueueWorker<E: Engine> {
     front_admitted: bool,
     /// Since when the head of `deferred` waits for QoS tokens.
     throttled_since: Option<Instant>,
+    /// The start of the worker's clock (see [`clock`]).
+    epoch: Instant,
+    /// When requests not popped yet were seen on the ring, while the
+    /// worker held off popping.
+    arrivals: Arrivals,
+}
+
+/// Nanoseconds since `epoch`: one read of CLOCK_MONOTONIC (the vDSO's,
+/// ~20-25 ns), what a request's latency is measured with. (A u64 of
+/// nanoseconds lasts 584 years.)
+#[inline]
+fn clock(epoch: Instant) -> u64 {
+    epoch.elapsed().as_nanos() as u64
 }
 
 impl<E: Engine> QueueWorker<E> {
@@ -248,6 +276,7 @@ impl<E: Engine> QueueWorker<E> {
             started: false,
             closed: false,
             holds_lock: false,
+            waits_lock: false,
             mem: None,
             vring: None,
             poll,
@@ -265,6 +294,8 @@ impl<E: Engine> QueueWorker<E> {
             lock_deadline: None,
             front_admitted: false,
             throttled_since: None,
+            epoch: Instant::now(),
+            arrivals: Arrivals::new(size),
         }
     }
 
@@ -363,6 +394,7 @@ impl<E: Engine> QueueWorker<E> {
         let view = &view;
         if !self.started {
             self.shadow.reset(state.get_queue());
+            self.arrivals.clear();
             self.started = true;
             if !self.try_lock() {
                 // Requests wait for it (see `gate`), for a while.
@@ -534,9 +566,13 @@ impl<E: Engine> QueueWorker<E> {
         // answer below.
         let queue = state.get_queue_mut();
         queue.set_next_avail(used.wrapping_add(rec.resubmit.len() as u16));
+        let now = clock(self.epoch);
         for p in parsed.drain(..) {
             match p {
-                Ok(req) => self.start(state.get_queue_mut(), view, req),
+                Ok(mut req) => {
+                    req.set_popped(now);
+                    self.start(state.get_queue_mut(), view, req)
+                }
                 Err(rej) => self.reject(state.get_queue_mut(), view, rej),
             }
         }
@@ -738,7 +774,8 @@ impl<E: Engine> QueueWorker<E> {
             status: Status::IoErr,
             written: 0,
         };
-        self.finish(queue, view, c);
+        let now = clock(self.epoch);
+        self.finish(queue, view, c, now);
     }
 
     /// Asks QoS whether `req` may go to the engine now. With no limits
@@ -800,6 +837,12 @@ impl<E: Engine> QueueWorker<E> {
     ) -> Result<(usize, bool), RingError> {
         if !self.start_deferred(state.get_queue_mut(), view, false) || self.core.room() == 0 {
             self.commit();
+            // What waits on the ring meanwhile is dated from now.
+            let queue = state.get_queue();
+            if let Ok(idx) = view.avail_idx() {
+                self.arrivals
+                    .saw(queue.next_avail(), idx, clock(self.epoch));
+            }
             return Ok((0, true));
         }
         let limit = match self.cfg.max_batch {
@@ -811,6 +854,7 @@ impl<E: Engine> QueueWorker<E> {
         let (limits, capacity) = (self.device.limits(), self.device.capacity());
         let journal = &mut self.journal;
         let parser = &mut self.parser;
+        let next = state.get_queue().next_avail();
         let popped = self
             .shadow
             .pop(state.get_queue_mut(), view, limit, |chain| {
@@ -821,9 +865,24 @@ impl<E: Engine> QueueWorker<E> {
                 }
                 parsed.push(parser.parse(chain, mem, limits, capacity, queue_size));
             });
-        for p in parsed.drain(..) {
+        // The batch's time, for each of its requests, unless one was seen
+        // waiting before.
+        let now = if parsed.is_empty() {
+            0
+        } else {
+            clock(self.epoch)
+        };
+        let seen = !self.arrivals.is_empty();
+        for (i, p) in parsed.drain(..).enumerate() {
             match p {
-                Ok(req) => self.start(state.get_queue_mut(), view, req),
+                Ok(mut req) => {
+                    let at = match seen {
+                        true => self.arrivals.first_seen(next, i).unwrap_or(now),
+                        false => now,
+                    };
+                    req.set_popped(at.min(now));
+                    self.start(state.get_queue_mut(), view, req)
+                }
                 Err(rej) => self.reject(state.get_queue_mut(), view, rej),
             }
             if self.cfg.notify == NotifyMode::PerRequest {
@@ -876,10 +935,16 @@ impl<E: Engine> QueueWorker<E> {
     ) -> Result<(), RingError> {
         self.reap();
         let mut reaped = std::mem::take(&mut self.reaped);
+        // The pass's time, for each request it finishes.
+        let now = if reaped.is_empty() {
+            0
+        } else {
+            clock(self.epoch)
+        };
         // Every reaped request is finished, whatever happens to the others.
         let mut published = Ok(());
         for c in reaped.drain(..) {
-            self.finish(state.get_queue_mut(), view, c);
+            self.finish(state.get_queue_mut(), view, c, now);
             if self.cfg.notify == NotifyMode::PerRequest && published.is_ok() {
                 published = self.publish(state, view);
             }
@@ -891,17 +956,18 @@ impl<E: Engine> QueueWorker<E> {
         self.publish(state, view)
     }
 
-    /// Writes a finished request's status byte and used element. Its own
+    /// Writes a finished request's status byte and used element, and
+    /// counts it as done at `now` (the worker's [`clock`]). Its own
     /// memory snapshot takes the status; the used ring is in `mem`, the
     /// current one. A ring that cannot take the element is logged: the
     /// request is done either way.
-    fn finish(&mut self, queue: &mut Queue, view: &RingView<'_>, c: Completion) {
+    fn finish(&mut self, queue: &mut Queue, view: &RingView<'_>, c: Completion, now: u64) {
         let Completion {
             req,
             status,
             written,
         } = c;
-        self.count_done(&req, status);
+        self.count_done(&req, status, now);
         status.write(req.mem(), req.status_addr());
         let len = if status.is_ok() { written + 1 } else { 1 };
         let head = req.head();
@@ -1001,10 +1067,16 @@ impl<E: Engine> QueueWorker<E> {
         Ok(())
     }
 
-    fn count_done(&self, req: &Request, status: Status) {
+    /// Counts a request finished at `now`: by type, its bytes or its
+    /// error, and its latency (next to its count, so that the histograms
+    /// add up to the request counters).
+    #[inline]
+    fn count_done(&self, req: &Request, status: Status, now: u64) {
         let m = &self.metrics;
         let class = req.kind().class();
         m.count_request(class.metric);
+        m.latency
+            .record(class.metric, now.saturating_sub(req.popped()));
         if status.is_ok() {
             let bytes = u64::from(req.data_len());
             match class.bytes {
@@ -1053,6 +1125,12 @@ impl<E: Engine> QueueWorker<E> {
         if self.holds_lock {
             self.lock_deadline = None;
         }
+        if self.waits_lock == self.holds_lock {
+            self.waits_lock = !self.holds_lock;
+            if let Some(lock) = self.device.image_lock() {
+                lock.set_waiting(self.waits_lock);
+            }
+        }
         self.holds_lock
     }
 
@@ -1062,6 +1140,11 @@ impl<E: Engine> QueueWorker<E> {
         self.lock_deadline = None;
         if std::mem::take(&mut self.holds_lock) {
             self.device.release_image();
+        }
+        if std::mem::take(&mut self.waits_lock)
+            && let Some(lock) = self.device.image_lock()
+        {
+            lock.set_waiting(false);
         }
     }
 

@@ -708,6 +708,13 @@ fn qos_stopping_the_ring_completes_throttled_requests_at_once() {
     );
     let m = rig.worker.metrics.snapshot();
     assert_eq!(m.throttled_requests, 1, "{m:?}");
+    // Their latency runs from the pop, so it holds the wait for tokens;
+    // the first one's does not.
+    let w = m.latency.get(RequestType::Write).expect("measured");
+    assert_eq!(w.count(), 4);
+    assert_eq!(w.count(), m.requests[RequestType::Write as usize]);
+    assert!(w.quantile(1.0).unwrap() >= 50_000_000, "{w:?}");
+    assert!(w.quantile(0.25).unwrap() < 50_000_000, "{w:?}");
 }
 
 /// An engine that says busy-polling does not pay (RBD) gets no poll
@@ -818,6 +825,8 @@ fn waiting_for_the_image_lock_does_not_sleep_on_the_queue_thread() {
         t.elapsed()
     );
     assert_eq!(rig.driver.used_idx(), 0, "the write waits for the lock");
+    let state = || rig.device.image_lock().expect("a lock").state();
+    assert_eq!(state(), crate::io::LockState::Waiting);
 
     holder.release();
     let mut p = libc::pollfd {
@@ -831,6 +840,10 @@ fn waiting_for_the_image_lock_does_not_sleep_on_the_queue_thread() {
     rig.complete_until(1);
     assert_eq!(rig.status(0), 0);
     assert_eq!(rig.image_at(8 * 512, 4096), vec![0x77; 4096]);
+    let state = || rig.device.image_lock().expect("a lock").state();
+    assert_eq!(state(), crate::io::LockState::Held);
+    rig.worker.stop();
+    assert_eq!(state(), crate::io::LockState::Idle);
 }
 
 /// Once the intake is closed (the front-end's socket closed), a kick takes

@@ -108,6 +108,9 @@ pub struct Request {
     data: GuestBuffers,
     /// Where the status byte goes.
     status: GuestAddress,
+    /// When the queue's worker popped it, on the worker's clock (its
+    /// latency is measured from there): see [`Request::set_popped`].
+    popped: u64,
 }
 
 /// A request refused before any I/O. `status` is `None` when the chain has
@@ -313,6 +316,7 @@ impl Parser {
             kind,
             data,
             status,
+            popped: 0,
         })
     }
 }
@@ -321,6 +325,19 @@ impl Request {
     /// Head descriptor index: what goes back in the used element.
     pub fn head(&self) -> u16 {
         self.head
+    }
+
+    /// Records when the request was taken off the ring, in whatever
+    /// unit the caller's clock has (the queue worker's: nanoseconds).
+    #[inline]
+    pub fn set_popped(&mut self, at: u64) {
+        self.popped = at;
+    }
+
+    /// What [`Request::set_popped`] recorded (0 if nothing).
+    #[inline]
+    pub fn popped(&self) -> u64 {
+        self.popped
     }
 
     pub fn kind(&self) -> RequestKind {

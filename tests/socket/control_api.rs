@@ -420,3 +420,102 @@ fn qos_limits_are_shown_changed_and_removed() {
     assert_eq!(v["bps_read"], 0);
     d.assert_running();
 }
+
+/// What the status says of the daemon itself: its version, an uptime
+/// that grows, its socket and serial, the front-end connected (this test
+/// process, from SO_PEERCRED under the seccomp filter), and the image
+/// lock: held while this daemon's ring runs, waiting while another
+/// daemon holds it, idle once its front-end is gone. `ctl verbs` lists
+/// the daemon's table.
+#[test]
+fn status_names_the_daemon_its_front_end_and_the_lock() {
+    let dir = test_dir();
+    let (mut d, api) = start(dir.path(), None, &["--serial", "disk-42"]);
+    let s = status(&api);
+    assert_eq!(s["version"], env!("CARGO_PKG_VERSION"), "{s}");
+    assert_eq!(s["socket"], d.socket.to_str().unwrap(), "{s}");
+    assert_eq!(s["serial"], "disk-42", "{s}");
+    let up = s["uptime_s"].as_f64().expect("uptime_s");
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let later = status(&api)["uptime_s"].as_f64().expect("uptime_s");
+    assert!(later >= up + 1.0, "uptime went from {up} to {later}");
+    wait_for(&api, "the fixture's probe to leave", |s| {
+        s["connected"] == false
+    });
+    let s = status(&api);
+    assert_eq!(s["front_end"], serde_json::Value::Null, "{s}");
+    assert_eq!(s["lock"], "idle", "{s}");
+
+    let mut c = Client::connect(&d.socket, 64 << 10);
+    assert_eq!(c.write(0, &pattern(1, 0, 4096)), 0);
+    let s = status(&api);
+    assert_eq!(s["front_end"]["pid"], std::process::id(), "{s}");
+    // SAFETY: getuid takes no arguments and cannot fail.
+    assert_eq!(s["front_end"]["uid"], unsafe { libc::getuid() }, "{s}");
+    assert_eq!(s["lock"], "held", "{s}");
+
+    // A second daemon on the same image waits for the lock while the
+    // first one's ring runs, and takes it once that front-end has left.
+    let dir2 = test_dir();
+    let (_d2, api2) = start(dir2.path(), Some(d.image.clone()), &[]);
+    let mut c2 = Client::connect(&_d2.socket, 64 << 10);
+    assert_eq!(c2.write(4096, &pattern(2, 4096, 4096)), -libc::EIO);
+    assert_eq!(status(&api2)["lock"], "waiting");
+    assert_eq!(status(&api)["lock"], "held");
+    drop(c);
+    wait_for(&api, "the first daemon to release the lock", |s| {
+        s["lock"] == "idle" && s["front_end"].is_null()
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while c2.write(4096, &pattern(2, 4096, 4096)) != 0 {
+        assert!(std::time::Instant::now() < deadline, "never got the lock");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(status(&api2)["lock"], "held");
+
+    // The verbs, as the table lists them.
+    let o = ctl(&api, &["verbs", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let listed: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("JSON");
+    let want: Vec<serde_json::Value> = ringblk::api::VERBS
+        .iter()
+        .map(|v| {
+            serde_json::json!({
+                "methods": v.methods(),
+                "path": v.path(),
+                "control": v.control(),
+                "doc": v.doc(),
+            })
+        })
+        .collect();
+    assert_eq!(listed, serde_json::Value::Array(want));
+    let o = ctl(&api, &["verbs"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let table = stdout(&o);
+    assert_eq!(table.lines().count(), ringblk::api::VERBS.len(), "{table}");
+    for v in ringblk::api::VERBS {
+        let line = table
+            .lines()
+            .find(|l| l.contains(&format!(" {} ", v.path())));
+        let line = line.unwrap_or_else(|| panic!("no {} in:\n{table}", v.path()));
+        assert!(line.starts_with(&v.methods().join("|")), "{line}");
+        assert!(line.ends_with(v.doc()), "{line}");
+    }
+    d.assert_running();
+}
+
+/// Polls the status until `ok` holds (5 s at most).
+fn wait_for(api: &Path, what: &str, ok: impl Fn(&serde_json::Value) -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let s = status(api);
+        if ok(&s) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "waited 5 s for {what}: {s}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

@@ -36,6 +36,7 @@ mod http_limits;
 mod image_lock;
 mod inflight_recovery;
 mod kit;
+mod latency;
 mod log_limits;
 mod lost_interrupt;
 mod memory_slots;

@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
+use crate::latency::{Latency, LatencySnapshot};
+
 /// Declares [`RequestType`] and the label values it indexes.
 macro_rules! request_types {
     ($($variant:ident = $label:literal,)*) => {
@@ -89,6 +91,8 @@ macro_rules! counters {
             /// Requests completed, by [`RequestType`].
             pub requests: [AtomicU64; REQUEST_TYPES.len()],
             $(#[doc = $help] $(#[doc = $doc])* pub $name: AtomicU64,)*
+            /// Time from pop to completion, by request type.
+            pub latency: Latency,
         }
 
         /// A point-in-time copy of [`QueueMetrics`]. A counter missing
@@ -99,6 +103,7 @@ macro_rules! counters {
         pub struct QueueSnapshot {
             pub requests: [u64; REQUEST_TYPES.len()],
             $(#[doc = $help] pub $name: u64,)*
+            pub latency: LatencySnapshot,
         }
 
         impl QueueMetrics {
@@ -108,6 +113,7 @@ macro_rules! counters {
                 QueueSnapshot {
                     requests: std::array::from_fn(|i| get(&self.requests[i])),
                     $($name: get(&self.$name),)*
+                    latency: self.latency.snapshot(),
                 }
             }
         }
@@ -118,6 +124,7 @@ macro_rules! counters {
                 QueueSnapshot {
                     requests: std::array::from_fn(|i| f(self.requests[i], o.requests[i])),
                     $($name: f(self.$name, o.$name),)*
+                    latency: self.latency.zip(&o.latency, &f),
                 }
             }
         }

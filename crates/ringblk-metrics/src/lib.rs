@@ -3,6 +3,8 @@
 //! - [`QueueMetrics`]: the per-queue atomics the daemon's data path
 //!   increments, each declared once in [`COUNTERS`]'s table, and their
 //!   plain [`QueueSnapshot`];
+//! - [`Latency`]: the per-queue latency histograms, by request type, and
+//!   their [`LatencySnapshot`];
 //! - [`derived`](Ratios): totals, differences and per-I/O ratios;
 //! - [`prometheus`]: the text exposition; [`MetricsDoc`]: the JSON one;
 //! - [`fetch`] and [`get`]: the client of the daemon's `--metrics`
@@ -18,6 +20,7 @@ mod client;
 mod counters;
 pub mod cpu;
 mod derived;
+pub mod latency;
 pub mod prometheus;
 mod size;
 pub mod transport;
@@ -28,6 +31,7 @@ pub use counters::{
     REQUESTS_HELP, RequestType,
 };
 pub use derived::Ratios;
+pub use latency::{LATENCY_TYPES, Latency, LatencySnapshot, OpLatency};
 pub use size::parse_size;
 pub use transport::MetricsAddr;
 

@@ -1,11 +1,13 @@
 //! Prometheus text exposition format (version 0.0.4), hand-rolled: a few
-//! dozen counter lines do not justify a client library and its registry.
+//! dozen counter lines and one histogram family do not justify a client
+//! library and its registry.
 
 use std::fmt::Write;
 
 use crate::counters::{
     COUNTERS, Counter, ERRORS_HELP, Kind, QueueSnapshot, REQUEST_TYPES, REQUESTS_HELP,
 };
+use crate::latency::{LATENCY_HELP, PROMETHEUS_POWERS};
 
 /// Content type of the text format, as Prometheus expects it.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -54,7 +56,38 @@ pub fn encode(queues: &[QueueSnapshot]) -> String {
             );
         }
     }
+    latency(&mut out, queues);
     out
+}
+
+/// `ringblk_request_duration_seconds`, a histogram per queue and request
+/// type: cumulative counts at each of [`PROMETHEUS_POWERS`] (bucket
+/// boundaries of the daemon's finer histogram, so exact), `+Inf`, the sum
+/// in seconds and the count.
+fn latency(out: &mut String, queues: &[QueueSnapshot]) {
+    let name = "ringblk_request_duration_seconds";
+    let _ = writeln!(out, "# HELP {name} {LATENCY_HELP}");
+    let _ = writeln!(out, "# TYPE {name} histogram");
+    for (q, s) in queues.iter().enumerate() {
+        for (_, t, op) in s.latency.iter() {
+            let labels = format!("queue=\"{q}\",type=\"{t}\"");
+            // One pass over the non-empty buckets, shortest first.
+            let mut buckets = op.buckets().peekable();
+            let mut below = 0;
+            for k in PROMETHEUS_POWERS {
+                let bound = 1u64 << k;
+                while let Some((_, n)) = buckets.next_if(|&(end, _)| end <= bound) {
+                    below += n;
+                }
+                let le = bound as f64 / 1e9;
+                let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {below}");
+            }
+            let count = op.count();
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
+            let _ = writeln!(out, "{name}_sum{{{labels}}} {}", op.sum_ns as f64 / 1e9);
+            let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+        }
+    }
 }
 
 fn family(out: &mut String, name: &str, help: &str) {
@@ -65,6 +98,7 @@ fn family(out: &mut String, name: &str, help: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::LatencySnapshot;
 
     /// Checks the shape of every line against the text format: comments are
     /// HELP/TYPE for a known family, samples are `name{labels} integer`.
@@ -81,11 +115,14 @@ mod tests {
             ..Default::default()
         };
         let text = encode(&[a, b]);
+        assert!(text.contains(
+            "ringblk_request_duration_seconds_bucket{queue=\"1\",type=\"flush\",le=\"+Inf\"} 0\n"
+        ));
         let mut typed = std::collections::HashSet::new();
         for line in text.lines() {
             if let Some(rest) = line.strip_prefix("# TYPE ") {
                 let (name, kind) = rest.split_once(' ').expect("TYPE has a kind");
-                assert!(kind == "counter" || kind == "gauge", "{line}");
+                assert!(["counter", "gauge", "histogram"].contains(&kind), "{line}");
                 assert!(typed.insert(name.to_string()), "duplicate TYPE {name}");
                 continue;
             }
@@ -93,11 +130,22 @@ mod tests {
                 continue;
             }
             let (series, value) = line.rsplit_once(' ').expect("sample has a value");
-            value
-                .parse::<u64>()
-                .unwrap_or_else(|_| panic!("bad value in {line}"));
             let name = series.split('{').next().unwrap_or_default();
-            assert!(typed.contains(name), "sample before TYPE: {line}");
+            if name.ends_with("_sum") {
+                value
+                    .parse::<f64>()
+                    .unwrap_or_else(|_| panic!("bad value in {line}"));
+            } else {
+                value
+                    .parse::<u64>()
+                    .unwrap_or_else(|_| panic!("bad value in {line}"));
+            }
+            // A histogram's samples are its family's name and a suffix.
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|x| name.strip_suffix(x).filter(|f| typed.contains(*f)))
+                .unwrap_or(name);
+            assert!(typed.contains(family), "sample before TYPE: {line}");
             assert!(
                 name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
                 "{line}"
@@ -144,16 +192,84 @@ mod tests {
                     poll_preempted: next(),
                     poll_cpu_busy: next(),
                     yields: next(),
+                    latency: {
+                        let mut l = LatencySnapshot::default();
+                        for (i, t) in crate::LATENCY_TYPES.iter().enumerate() {
+                            let op = l.get_mut(*t).expect("measured");
+                            // 1.5 µs, 3 ms, 20 s, at most 3 each.
+                            for _ in 0..(next() + i as u64) % 3 + q {
+                                op.record(1_500);
+                            }
+                            op.record(3_000_000 * (i as u64 + 1));
+                            if i == 4 {
+                                op.record(20_000_000_000);
+                            }
+                        }
+                        l
+                    },
                 }
             })
             .collect();
         let text = encode(&queues);
+        if std::env::var_os("RINGBLK_BLESS").is_some() {
+            // An intended change: write the new text, and review its diff.
+            let golden = concat!(env!("CARGO_MANIFEST_DIR"), "/src/exposition.golden.txt");
+            std::fs::write(golden, &text).expect("writing the golden text");
+        }
         assert_eq!(text, include_str!("exposition.golden.txt"));
         let json = serde_json::to_string(&queues[1]).expect("serializes");
         assert_eq!(
             json,
-            r#"{"requests":[101,102,103,104,105,106,107],"read_bytes":108,"write_bytes":109,"errors_ioerr":110,"errors_unsupp":111,"errors_no_status":112,"kicks":113,"notifications":114,"notifications_suppressed":115,"submit_calls":116,"submitted_sqes":117,"completion_passes":118,"completions":119,"bounced":120,"poll_iterations":121,"poll_hits":122,"throttled_requests":123,"throttled_ns":124,"poll_ns":125,"poll_preempted":126,"poll_cpu_busy":127,"yields":128}"#
+            r#"{"requests":[101,102,103,104,105,106,107],"read_bytes":108,"write_bytes":109,"errors_ioerr":110,"errors_unsupp":111,"errors_no_status":112,"kicks":113,"notifications":114,"notifications_suppressed":115,"submit_calls":116,"submitted_sqes":117,"completion_passes":118,"completions":119,"bounced":120,"poll_iterations":121,"poll_hits":122,"throttled_requests":123,"throttled_ns":124,"poll_ns":125,"poll_preempted":126,"poll_cpu_busy":127,"yields":128,"latency":{"read":{"count":2,"sum_ns":3001500,"buckets":[[1536,1],[3145728,1]]},"write":{"count":4,"sum_ns":6004500,"buckets":[[1536,3],[6291456,1]]},"flush":{"count":3,"sum_ns":9003000,"buckets":[[1536,2],[9437184,1]]},"discard":{"count":2,"sum_ns":12001500,"buckets":[[1536,1],[12582912,1]]},"write_zeroes":{"count":5,"sum_ns":20015004500,"buckets":[[1536,3],[15728640,1],[21474836480,1]]}}}"#
         );
+    }
+
+    /// Each histogram's buckets are cumulative, end at its count, and
+    /// count what was recorded below each bound.
+    #[test]
+    fn histogram_buckets_are_cumulative_and_end_at_the_count() {
+        let mut s = QueueSnapshot::default();
+        let read = s
+            .latency
+            .get_mut(crate::RequestType::Read)
+            .expect("measured");
+        for ns in [900, 1_000, 5_000, 1_000_000, 100_000_000_000] {
+            read.record(ns);
+        }
+        let text = encode(&[s]);
+        let series = |le: &str| {
+            let line = format!(
+                "ringblk_request_duration_seconds_bucket{{queue=\"0\",type=\"read\",le=\"{le}\"}} "
+            );
+            let l = text.lines().find(|l| l.starts_with(&line));
+            l.unwrap_or_else(|| panic!("no {line} in\n{text}"))[line.len()..]
+                .parse::<u64>()
+                .expect("a count")
+        };
+        assert_eq!(series("0.000001024"), 2);
+        assert_eq!(series("0.000002048"), 2);
+        assert_eq!(series("0.000008192"), 3);
+        assert_eq!(series("0.001048576"), 4, "1 ms is below 2^20 ns");
+        assert_eq!(series("17.179869184"), 4);
+        assert_eq!(series("+Inf"), 5);
+        assert!(
+            text.contains("ringblk_request_duration_seconds_count{queue=\"0\",type=\"read\"} 5\n")
+        );
+        assert!(
+            text.contains(
+                "ringblk_request_duration_seconds_sum{queue=\"0\",type=\"read\"} 100.0010069\n"
+            ),
+            "{text}"
+        );
+        let mut last = 0;
+        for l in text
+            .lines()
+            .filter(|l| l.contains("_bucket{queue=\"0\",type=\"read\""))
+        {
+            let n: u64 = l.rsplit_once(' ').unwrap().1.parse().unwrap();
+            assert!(n >= last, "not cumulative: {l}");
+            last = n;
+        }
     }
 
     /// A counter added to the table must reach the JSON and the exposition

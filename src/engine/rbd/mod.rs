@@ -303,9 +303,9 @@ impl Engine for RbdEngine {
         Ok(())
     }
 
-    /// librbd completes on its own threads, rarely within a poll window:
-    /// polling found work in at most 7 % of its windows and cost IOPS
-    /// (docs/benchmarks.md, "Busy-polling does not pay on RBD").
+    /// librbd completes on its own threads, rarely within a poll window,
+    /// so polling does not pay here (measured in docs/benchmarks.md,
+    /// "Busy-polling does not pay on RBD").
     fn completions(&self) -> Completions {
         Completions::Signalled {
             fd: self.completed.fd(),
