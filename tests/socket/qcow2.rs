@@ -864,6 +864,10 @@ fn a_restart_refuses_snapshot_records_the_images_disagree_with() {
     ];
     let mut d = serve(&c, dir.path(), &args);
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    // The records' names are not overlays'.
+    let reserved = ctl(&api, &["snapshot", "--overlay", "x.ringblk-snapshot"]);
+    assert_eq!(reserved.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&reserved.stderr).contains("snapshot records"));
     snapshot(&api, "s1.qcow2");
     write_round(&mut client, &c, 1, 4);
     drop(client);
