@@ -187,7 +187,7 @@ impl SnapshotDir {
         let file = self
             .open_at(&name, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)
             .map_err(err)?;
-        if let Err(e) = record.write_to(&file).and_then(|()| self.dir.sync_all()) {
+        if let Err(e) = record.write_to(&file).and_then(|()| self.dir.sync_data()) {
             self.remove(&name);
             return Err(err(e));
         }

@@ -25,8 +25,8 @@
 //!
 //! **Order.** The overlay is formatted and synced first, then the record
 //! is created (`O_CREAT|O_EXCL`: no rename, which the sandbox does not
-//! allow, and never an overwrite), written, synced, and the directory
-//! synced; only then do requests go to the overlay. A crash before the
+//! allow, and never an overwrite), written, synced (fdatasync), and the
+//! directory synced; only then do requests go to the overlay. A crash before the
 //! record is durable leaves the old top served and the overlay unused (a
 //! record cut short is not one: it does not parse, and is skipped with a
 //! warning); after, the new top is served. The old top is never written
@@ -89,10 +89,12 @@ impl Record {
         s
     }
 
-    /// Writes the record into `file` (just created, empty) and syncs it.
+    /// Writes the record into `file` (just created, empty) and syncs it
+    /// (fdatasync: it carries the new size; the seccomp filter allows it,
+    /// not fsync).
     pub fn write_to(&self, mut file: &File) -> io::Result<()> {
         file.write_all(self.line().as_bytes())?;
-        file.sync_all()
+        file.sync_data()
     }
 }
 
