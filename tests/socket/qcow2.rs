@@ -848,7 +848,8 @@ fn a_restart_after_live_snapshots_serves_the_new_top() {
 /// Records the images disagree with are refused at start, with one line
 /// that says what to do: the overlay a record names is missing, or it is
 /// there but its backing file is not the image the record says it
-/// superseded. The old top is not served meanwhile.
+/// superseded. The old top is not served meanwhile. Before that, a
+/// snapshot whose record cannot be created fails and leaves nothing.
 #[test]
 fn a_restart_refuses_snapshot_records_the_images_disagree_with() {
     let dir = test_dir();
@@ -868,6 +869,18 @@ fn a_restart_refuses_snapshot_records_the_images_disagree_with() {
     let reserved = ctl(&api, &["snapshot", "--overlay", "x.ringblk-snapshot"]);
     assert_eq!(reserved.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&reserved.stderr).contains("snapshot records"));
+    // A snapshot whose record cannot be created (a file of its name is
+    // there) fails whole: no overlay is left, the stranger's file stays,
+    // and the old top goes on taking writes.
+    let stranger = snaps.join("s0.qcow2.ringblk-snapshot");
+    std::fs::write(&stranger, b"not ours").unwrap();
+    let failed = ctl(&api, &["snapshot", "--overlay", "s0.qcow2"]);
+    assert_eq!(failed.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&failed.stderr);
+    assert!(err.contains("writing the snapshot record"), "{err}");
+    assert!(!snaps.join("s0.qcow2").exists());
+    assert_eq!(std::fs::read(&stranger).unwrap(), b"not ours");
+    write_round(&mut client, &c, 50, 2);
     snapshot(&api, "s1.qcow2");
     write_round(&mut client, &c, 1, 4);
     drop(client);
