@@ -691,11 +691,15 @@ fn bad_images_are_refused_or_fail_their_requests() {
     stop(daemon);
 }
 
+/// `ctl status`, parsed.
+fn status(api: &Path) -> serde_json::Value {
+    let out = ctl(api, &["status"]);
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// The chain `ctl status` shows, top first.
 fn status_chain(api: &Path) -> Vec<String> {
-    let out = ctl(api, &["status"]);
-    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    status["chain"]
+    status(api)["chain"]
         .as_array()
         .unwrap()
         .iter()
@@ -752,8 +756,9 @@ fn reads_as_reference(client: &mut Client, c: &Chain, when: &str) {
 /// reads every write it made, those after the snapshots included. Two
 /// snapshots, a kill -9 after each. The old tops are byte for byte what
 /// they were at their snapshots; every image checks clean; `ctl status`
-/// shows the followed chain. A record cut short (a snapshot that crashed
-/// before its record was synced) is skipped.
+/// shows the followed chain, and the serial is the one the guest had. A
+/// record cut short (a snapshot that crashed before its record was
+/// synced) is skipped.
 #[test]
 fn a_restart_after_live_snapshots_serves_the_new_top() {
     let dir = test_dir();
@@ -768,6 +773,7 @@ fn a_restart_after_live_snapshots_serves_the_new_top() {
         snaps.to_str().unwrap(),
     ];
     let mut d = serve(&c, dir.path(), &args);
+    let serial = status(&api)["serial"].clone();
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     write_round(&mut client, &c, 1, 8);
     let at_s1 = dir.path().join("at-s1.raw");
@@ -803,6 +809,8 @@ fn a_restart_after_live_snapshots_serves_the_new_top() {
         status_chain(&api),
         [canonical(&s1), canonical(&c.top), canonical(&c.base)]
     );
+    // The guest sees the same disk: the serial is the named image's.
+    assert_eq!(status(&api)["serial"], serial);
     // A second snapshot, of the followed top, and a second kill -9.
     write_round(&mut client, &c, 200, 4);
     snapshot(&api, "s2.qcow2");
