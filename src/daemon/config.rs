@@ -124,6 +124,11 @@ pub enum Backing {
     /// A file or block device, served by io_uring (or the null engine).
     File {
         image: Image,
+        /// The image as `--image` named it: the disk's name, which its
+        /// status and its dirty bitmaps' sidecars go by. After a live
+        /// snapshot and a restart the served top (`image`) is a later
+        /// overlay ([`crate::format::records`]); the disk is the same.
+        named: PathBuf,
         /// The default image did not exist and was created.
         created: bool,
         /// How each queue's io_uring engine is set up (`--engine uring`).
@@ -157,7 +162,7 @@ impl Backing {
     /// What to call it in the log.
     pub fn name(&self) -> String {
         match self {
-            Backing::File { image, .. } => image.path.display().to_string(),
+            Backing::File { named, .. } => named.display().to_string(),
             #[cfg(feature = "rbd")]
             Backing::Rbd(disk) => disk.opts.spec.to_string(),
         }
@@ -331,8 +336,8 @@ fn bitmap_store(
     ),
     DaemonError,
 > {
-    let image = match backing {
-        Backing::File { image, .. } => image,
+    let (image, named) = match backing {
+        Backing::File { image, named, .. } => (image, named),
         #[cfg(feature = "rbd")]
         Backing::Rbd(_) => {
             return Ok((
@@ -356,7 +361,7 @@ fn bitmap_store(
             None,
         ));
     }
-    match crate::bitmap::SidecarStore::for_image(&image.path, args.bitmap_dir.as_deref()) {
+    match crate::bitmap::SidecarStore::for_image(named, args.bitmap_dir.as_deref()) {
         Ok(store) => {
             let dir = reopened(store.dir(), store.dir_fd())?;
             Ok((Ok(Box::new(store)), Some(dir)))
@@ -575,6 +580,7 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
     Ok((
         Backing::File {
             image,
+            named,
             created,
             uring,
             qcow2,

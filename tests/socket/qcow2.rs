@@ -774,6 +774,13 @@ fn a_restart_after_live_snapshots_serves_the_new_top() {
     ];
     let mut d = serve(&c, dir.path(), &args);
     let serial = status(&api)["serial"].clone();
+    // A dirty bitmap, whose sidecar goes by the named image.
+    let out = ctl(&api, &["bitmap", "add", "b"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     write_round(&mut client, &c, 1, 8);
     let at_s1 = dir.path().join("at-s1.raw");
@@ -809,8 +816,23 @@ fn a_restart_after_live_snapshots_serves_the_new_top() {
         status_chain(&api),
         [canonical(&s1), canonical(&c.top), canonical(&c.base)]
     );
-    // The guest sees the same disk: the serial is the named image's.
+    // The guest sees the same disk: the serial is the named image's, and
+    // so are the status's name and the bitmap's sidecar (complete after a
+    // kill -9, with the writes from before and after the snapshot).
     assert_eq!(status(&api)["serial"], serial);
+    assert_eq!(
+        status(&api)["image"].as_str().map(Path::new),
+        Some(c.top.as_path())
+    );
+    let out = ctl(&api, &["bitmap", "list", "--json"]);
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("bitmap list: {e}: {}", String::from_utf8_lossy(&out.stderr)));
+    let b = list
+        .as_array()
+        .and_then(|l| l.iter().find(|b| b["name"] == "b"))
+        .unwrap_or_else(|| panic!("bitmap b lost across the restart: {list}"));
+    assert_eq!(b["consistent"], true, "{b}");
+    assert!(b["dirty_bytes"].as_u64().unwrap() > 0, "{b}");
     // A second snapshot, of the followed top, and a second kill -9.
     write_round(&mut client, &c, 200, 4);
     snapshot(&api, "s2.qcow2");
