@@ -29,7 +29,8 @@ pub struct Status {
     /// The image lock: held, waiting (another process holds it), idle (no
     /// ring runs), or off.
     pub lock: LockState,
-    /// The image's path, or `rbd:POOL/IMAGE`.
+    /// The image as `--image` named it, or `rbd:POOL/IMAGE`. After a live
+    /// snapshot the top written is another file: see `chain`.
     pub image: String,
     /// raw, qcow2 or rbd.
     pub format: &'static str,

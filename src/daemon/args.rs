@@ -129,7 +129,9 @@ pub struct ServeArgs {
     /// Directory where live snapshots (`ringblk ctl snapshot --overlay`)
     /// create their overlays; opened at start-up, one of the few places the
     /// daemon may create files in afterwards (with --bitmap-dir and
-    /// --backup-dir). Without it, snapshots are refused.
+    /// --backup-dir). Without it, snapshots are refused. Each snapshot is
+    /// recorded there (NEW.ringblk-snapshot); at start, an --image a record
+    /// says was superseded is followed to the current top, which is served.
     #[arg(long, value_name = "DIR")]
     pub snapshot_dir: Option<PathBuf>,
 

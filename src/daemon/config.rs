@@ -4,7 +4,8 @@ mod rundir;
 
 use std::num::NonZeroUsize;
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
@@ -13,6 +14,7 @@ use super::args::{
 };
 use crate::device::{Backing as Resize, Device, DeviceSpec, Serial};
 use crate::engine::{Meta, UringConfig};
+use crate::format::records::Followed;
 use crate::format::{Format, Live, SnapshotDir};
 use crate::io::{Image, ImageLock, ImageOptions, RbdSpec};
 use crate::qos::QosLimits;
@@ -122,6 +124,11 @@ pub enum Backing {
     /// A file or block device, served by io_uring (or the null engine).
     File {
         image: Image,
+        /// The image as `--image` named it: the disk's name, which its
+        /// status and its dirty bitmaps' sidecars go by. After a live
+        /// snapshot and a restart the served top (`image`) is a later
+        /// overlay ([`crate::format::records`]); the disk is the same.
+        named: PathBuf,
         /// The default image did not exist and was created.
         created: bool,
         /// How each queue's io_uring engine is set up (`--engine uring`).
@@ -155,7 +162,7 @@ impl Backing {
     /// What to call it in the log.
     pub fn name(&self) -> String {
         match self {
-            Backing::File { image, .. } => image.path.display().to_string(),
+            Backing::File { named, .. } => named.display().to_string(),
             #[cfg(feature = "rbd")]
             Backing::Rbd(disk) => disk.opts.spec.to_string(),
         }
@@ -329,8 +336,8 @@ fn bitmap_store(
     ),
     DaemonError,
 > {
-    let image = match backing {
-        Backing::File { image, .. } => image,
+    let (image, named) = match backing {
+        Backing::File { image, named, .. } => (image, named),
         #[cfg(feature = "rbd")]
         Backing::Rbd(_) => {
             return Ok((
@@ -354,7 +361,7 @@ fn bitmap_store(
             None,
         ));
     }
-    match crate::bitmap::SidecarStore::for_image(&image.path, args.bitmap_dir.as_deref()) {
+    match crate::bitmap::SidecarStore::for_image(named, args.bitmap_dir.as_deref()) {
         Ok(store) => {
             let dir = reopened(store.dir(), store.dir_fd())?;
             Ok((Ok(Box::new(store)), Some(dir)))
@@ -484,6 +491,12 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
     if let Some(warning) = crate::format::raw_qcow2_warning(&path, args.format) {
         log::warn!("{warning}");
     }
+    // After a live snapshot the top is another file (see format::records).
+    let named = path;
+    let followed = follow_snapshots(args, &named)?;
+    let path = followed
+        .as_ref()
+        .map_or_else(|| named.clone(), |f| f.top.clone());
     let created = match &args.image {
         Some(_) => false,
         None => Image::create_if_missing(&path, args.size.unwrap_or(DEFAULT_IMAGE_SIZE))?,
@@ -519,7 +532,7 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
     }
     let qcow2 = match args.format {
         Format::Raw => None,
-        Format::Qcow2 => Some(open_qcow2(args, &image)?),
+        Format::Qcow2 => Some(open_qcow2(args, &image, followed.as_ref())?),
     };
     let fds = match &qcow2 {
         Some(q) => q.live.current().io_fds(),
@@ -555,10 +568,19 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
         bounce_limit: crate::virtio::request::MAX_DATA_BYTES as usize,
         is_block_device: image.is_block_device,
     };
-    let (block_size, serial) = (image.block_size, image.default_serial());
+    // The guest keeps the serial it had before the snapshot: the named
+    // image's.
+    let serial = match &followed {
+        Some(_) => std::fs::metadata(&named)
+            .map(|m| crate::io::serial_of((m.dev(), m.ino())))
+            .map_err(|e| DaemonError::Config(format!("{}: {e}", named.display())))?,
+        None => image.default_serial(),
+    };
+    let block_size = image.block_size;
     Ok((
         Backing::File {
             image,
+            named,
             created,
             uring,
             qcow2,
@@ -592,9 +614,30 @@ fn check_format(args: &ServeArgs) -> Result<(), DaemonError> {
     Ok(())
 }
 
+/// With `--format qcow2 --snapshot-dir DIR`: where the snapshot records
+/// in DIR lead from the image `named` (see [`crate::format::records`]);
+/// None: serve `named`.
+fn follow_snapshots(args: &ServeArgs, named: &Path) -> Result<Option<Followed>, DaemonError> {
+    let (Format::Qcow2, Some(dir), Some(_)) = (args.format, &args.snapshot_dir, &args.image) else {
+        return Ok(None);
+    };
+    let dir = std::fs::canonicalize(dir)
+        .map_err(|e| DaemonError::Config(format!("--snapshot-dir {}: {e}", dir.display())))?;
+    // A missing image gets its error from opening it.
+    let Ok(named) = std::fs::canonicalize(named) else {
+        return Ok(None);
+    };
+    crate::format::records::follow(&dir, &named).map_err(DaemonError::Config)
+}
+
 /// Opens `image` as qcow2, with its backing chain, and starts its metadata
-/// thread.
-fn open_qcow2(args: &ServeArgs, image: &Image) -> Result<Qcow2Setup, DaemonError> {
+/// thread. `followed`: `image` is the top the snapshot records led to,
+/// whose chain must go through each image they name.
+fn open_qcow2(
+    args: &ServeArgs,
+    image: &Image,
+    followed: Option<&Followed>,
+) -> Result<Qcow2Setup, DaemonError> {
     let snapshots = args
         .snapshot_dir
         .as_deref()
@@ -613,7 +656,18 @@ fn open_qcow2(args: &ServeArgs, image: &Image) -> Result<Qcow2Setup, DaemonError
         args.direct && args.engine == EngineKind::Uring,
         snapshots,
     )
-    .map_err(|e| DaemonError::Config(e.to_string()))?;
+    .map_err(|e| match followed {
+        Some(f) => DaemonError::Config(format!(
+            "{} was superseded by the live snapshot {}, which cannot be served: {e}; restore it, or, to serve {0} as it was at the snapshot, remove the snapshot records in {}",
+            named_of(f).display(),
+            f.top.display(),
+            args.snapshot_dir.as_deref().unwrap_or(Path::new("")).display()
+        )),
+        None => DaemonError::Config(e.to_string()),
+    })?;
+    if let Some(f) = followed {
+        check_followed(args, &live, f)?;
+    }
     let size = live.size();
     let block = image.block_size;
     if size == 0 || size % u64::from(block) != 0 {
@@ -639,6 +693,52 @@ fn open_qcow2(args: &ServeArgs, image: &Image) -> Result<Qcow2Setup, DaemonError
         live: std::sync::Arc::new(live),
         meta,
     })
+}
+
+/// The image `--image` named, which the records in `f` lead from.
+fn named_of(f: &Followed) -> &Path {
+    f.chain.last().map_or(Path::new(""), |p| p.as_path())
+}
+
+/// Checks that the top the snapshot records led to has, below it, each
+/// image they name, in order (the records and the files agree); then says
+/// at WARN what is served.
+fn check_followed(args: &ServeArgs, live: &Live, f: &Followed) -> Result<(), DaemonError> {
+    let named = named_of(f);
+    let chain: Vec<PathBuf> = live
+        .chain()
+        .iter()
+        .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()))
+        .collect();
+    let dir = args.snapshot_dir.as_deref().unwrap_or(Path::new(""));
+    for (i, want) in f.chain.iter().enumerate().skip(1) {
+        if chain.get(i) != Some(want) {
+            let over = &f.chain[i - 1];
+            return Err(DaemonError::Config(format!(
+                "the snapshot records in {} say {} was superseded by {}, but the backing file of {2} is {}, not {1}: the records and the images disagree; serve the intended top with --image, or remove the wrong record",
+                dir.display(),
+                want.display(),
+                over.display(),
+                chain
+                    .get(i)
+                    .map_or("none".to_string(), |p| p.display().to_string())
+            )));
+        }
+    }
+    let first = &f.chain[f.chain.len() - 2];
+    let later = if f.chain.len() > 2 {
+        format!(" (and {} later ones)", f.chain.len() - 2)
+    } else {
+        String::new()
+    };
+    log::warn!(
+        "{} was superseded by live snapshot {} at {}{later}; serving {}",
+        named.display(),
+        first.display(),
+        crate::format::records::utc(f.at),
+        f.top.display()
+    );
+    Ok(())
 }
 
 /// Connects to the cluster and opens the RBD image: a missing pool or

@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 
 use super::FormatError;
 use super::qcow2::{OpenOptions, Qcow2Image};
+use super::records::{RECORD_SUFFIX, Record};
 
 /// How long a snapshot waits for the requests in flight to finish.
 pub const QUIESCE_WAIT: Duration = Duration::from_secs(30);
@@ -146,6 +147,11 @@ impl SnapshotDir {
         {
             return Err(bad("not a file name"));
         }
+        if name.ends_with(RECORD_SUFFIX) {
+            return Err(bad(&format!(
+                "names ending in {RECORD_SUFFIX} are the snapshot records'"
+            )));
+        }
         Ok(name)
     }
 
@@ -167,6 +173,25 @@ impl SnapshotDir {
         }
         // SAFETY: `fd` was just opened and is owned by nothing else.
         Ok(unsafe { File::from_raw_fd(fd) })
+    }
+
+    /// Creates the snapshot record `record` (see [`super::records`]):
+    /// `O_EXCL`, written, synced, and the directory synced, which makes
+    /// the overlay's name durable too. A record cut short is removed.
+    fn record(&self, record: &Record) -> Result<(), FormatError> {
+        let name = Record::name_for(&record.by);
+        let err = |e: io::Error| FormatError::Open {
+            path: self.path.join(&name).display().to_string(),
+            reason: format!("writing the snapshot record: {e}"),
+        };
+        let file = self
+            .open_at(&name, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)
+            .map_err(err)?;
+        if let Err(e) = record.write_to(&file).and_then(|()| self.dir.sync_data()) {
+            self.remove(&name);
+            return Err(err(e));
+        }
+        Ok(())
     }
 
     /// Removes `name` (an overlay a failed snapshot created).
@@ -233,7 +258,7 @@ impl Live {
             reason: e.to_string(),
         })?;
         let image = Qcow2Image::open(&path, &options)?;
-        let io_files = io_files(&image, direct, None)?;
+        let io_files = io_files(&image, direct)?;
         Ok(Live {
             current: Mutex::new(Arc::new(Served {
                 image,
@@ -386,14 +411,25 @@ impl Live {
         } else {
             None
         };
-        self.pause()?;
-        relock(&file).map_err(SnapshotError::Lock)?;
-        let backing = old.image.chain()[0].display().to_string();
+        let old_top = old.image.chain()[0].clone();
+        let backing = old_top.display().to_string();
+        let record =
+            Record::new(&old_top, name).map_err(|e| SnapshotError::Name(name.to_string(), e))?;
         let io_top = match direct {
             Some(f) => f,
             None => file.try_clone().map_err(FormatError::io("dup"))?,
         };
-        let image = match old.image.snapshot(file, path, &backing, &self.options) {
+        // Before the switch is recorded: nothing may fail after it.
+        let io_files = io_files_after_snapshot(io_top, &old.io_files)?;
+        self.pause()?;
+        relock(&file).map_err(SnapshotError::Lock)?;
+        // The record is made durable once the overlay is, and before any
+        // request goes to it (see [`super::records`]).
+        let write_record = || dir.record(&record);
+        let image = match old
+            .image
+            .snapshot(file, path, &backing, &self.options, write_record)
+        {
             Ok(i) => i,
             Err(e) => {
                 if let Some(top) = old.io_files.first() {
@@ -402,14 +438,6 @@ impl Live {
                 return Err(e.into());
             }
         };
-        // The new file's name is durable before anything depends on it.
-        if let Err(e) = dir.dir.sync_data() {
-            log::warn!(
-                "fdatasync of the snapshot directory {}: {e}",
-                dir.path.display()
-            );
-        }
-        let io_files = io_files(&image, false, Some((io_top, &old.io_files)))?;
         let generation = old.generation + 1;
         let chain = image.chain();
         *lock(&self.current) = Arc::new(Served {
@@ -449,21 +477,20 @@ impl Live {
     }
 }
 
+/// The files the engine does data I/O on after a snapshot: the new top's
+/// own, `top`, and the old chain's, `below`.
+fn io_files_after_snapshot(top: File, below: &[File]) -> Result<Vec<File>, FormatError> {
+    let mut files = vec![top];
+    for f in below {
+        files.push(f.try_clone().map_err(FormatError::io("dup"))?);
+    }
+    Ok(files)
+}
+
 /// The files the engine does data I/O on, for `image`: with `direct`, its
 /// files opened again O_DIRECT (by /proc/self/fd, at start-up); else
-/// duplicates. `after_snapshot`: the new top's own, and the old chain's.
-fn io_files(
-    image: &Qcow2Image,
-    direct: bool,
-    after_snapshot: Option<(File, &[File])>,
-) -> Result<Vec<File>, FormatError> {
-    if let Some((top, below)) = after_snapshot {
-        let mut files = vec![top];
-        for f in below {
-            files.push(f.try_clone().map_err(FormatError::io("dup"))?);
-        }
-        return Ok(files);
-    }
+/// duplicates.
+fn io_files(image: &Qcow2Image, direct: bool) -> Result<Vec<File>, FormatError> {
     image
         .files()
         .into_iter()

@@ -36,6 +36,7 @@
 pub mod live;
 pub mod qcow2;
 pub mod raw;
+pub mod records;
 
 #[cfg(feature = "test-utils")]
 pub mod fuzzing;

@@ -217,11 +217,16 @@ impl Image {
     /// A serial derived from the image's identity: the same file gives the
     /// same serial across restarts. At most 20 bytes (VIRTIO_BLK_ID_BYTES).
     pub fn default_serial(&self) -> String {
-        let (dev, ino) = self.dev_ino;
-        let mut s = format!("rb{dev:x}-{ino:x}");
-        s.truncate(20);
-        s
+        serial_of(self.dev_ino)
     }
+}
+
+/// The default serial of the file with these device and inode numbers
+/// (see [`Image::default_serial`]).
+pub fn serial_of((dev, ino): (u64, u64)) -> String {
+    let mut s = format!("rb{dev:x}-{ino:x}");
+    s.truncate(20);
+    s
 }
 
 /// See [`Image::dio_align`]: BLKSSZGET on a block device; STATX_DIOALIGN

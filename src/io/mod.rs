@@ -5,7 +5,9 @@
 mod image;
 mod lock;
 
-pub use image::{BLKDISCARD, BLKGETSIZE64, Image, ImageError, ImageOptions, device_size};
+pub use image::{
+    BLKDISCARD, BLKGETSIZE64, Image, ImageError, ImageOptions, device_size, serial_of,
+};
 pub use lock::{ImageLock, LockState, Locked};
 
 mod rbd_spec;

@@ -504,11 +504,17 @@ fn a_live_snapshot_under_writes_loses_nothing() {
 /// Starts `serve --format qcow2` on `image` and expects a refusal: exit
 /// status 1 within 20 s, one `ringblk:` line saying `what`, no panic.
 fn refused(dir: &Path, image: &Path, what: &str) {
+    refused_with(dir, image, &[], what)
+}
+
+/// [`refused`], with `args` added to the command line.
+fn refused_with(dir: &Path, image: &Path, args: &[&str], what: &str) {
     let mut child = std::process::Command::new(ringblk_testkit::ringblk_bin())
         .args(["serve", "--format", "qcow2", "--socket"])
         .arg(dir.join("refused.sock"))
         .arg("--image")
         .arg(image)
+        .args(args)
         .env("TMPDIR", dir)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
@@ -683,4 +689,256 @@ fn bad_images_are_refused_or_fail_their_requests() {
     );
     drop(client);
     stop(daemon);
+}
+
+/// `ctl status`, parsed.
+fn status(api: &Path) -> serde_json::Value {
+    let out = ctl(api, &["status"]);
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The chain `ctl status` shows, top first.
+fn status_chain(api: &Path) -> Vec<String> {
+    status(api)["chain"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect()
+}
+
+fn canonical(p: &Path) -> String {
+    std::fs::canonicalize(p)
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
+/// `ctl snapshot --overlay NAME`, which must succeed.
+fn snapshot(api: &Path, name: &str) {
+    let out = ctl(api, &["snapshot", "--overlay", name]);
+    assert!(
+        out.status.success(),
+        "ctl snapshot: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Writes `n` 40 KiB writes of pattern `seed + i`, spread over the disk
+/// (over clusters the lower images have, and new ones), through `client`
+/// and into the reference.
+fn write_round(client: &mut Client, c: &Chain, seed: u64, n: u64) {
+    for i in 0..n {
+        let offset = (i * 5 + seed % 3) * CLUSTER + 4 * KIB;
+        let data = c.write(seed + i, offset, 40 * KIB as usize);
+        assert_eq!(client.write(offset, &data), 0, "write at {offset}");
+    }
+    assert_eq!(client.flush(), 0);
+}
+
+/// The whole disk, read through `client`, equals the reference.
+fn reads_as_reference(client: &mut Client, c: &Chain, when: &str) {
+    let chunk = 2 * MIB;
+    for offset in (0..SIZE).step_by(chunk as usize) {
+        let got = client.read(offset, chunk as usize);
+        assert!(
+            got == c.expected(offset, chunk as usize),
+            "{when}: the 2 MiB at {offset} differ from what the guest wrote"
+        );
+    }
+}
+
+/// A restart after live snapshots, with the very same command line (as
+/// systemd restarts a daemon that was killed): the daemon follows the
+/// snapshot records to the current top, says so at WARN, and the guest
+/// reads every write it made, those after the snapshots included. Two
+/// snapshots, a kill -9 after each. The old tops are byte for byte what
+/// they were at their snapshots; every image checks clean; `ctl status`
+/// shows the followed chain, and the serial is the one the guest had. A
+/// record cut short (a snapshot that crashed before its record was
+/// synced) is skipped.
+#[test]
+fn a_restart_after_live_snapshots_serves_the_new_top() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let args = [
+        "--api",
+        api.to_str().unwrap(),
+        "--snapshot-dir",
+        snaps.to_str().unwrap(),
+    ];
+    let mut d = serve(&c, dir.path(), &args);
+    let serial = status(&api)["serial"].clone();
+    // A dirty bitmap, whose sidecar goes by the named image.
+    let out = ctl(&api, &["bitmap", "add", "b"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    write_round(&mut client, &c, 1, 8);
+    let at_s1 = dir.path().join("at-s1.raw");
+    std::fs::copy(&c.reference, &at_s1).unwrap();
+    snapshot(&api, "s1.qcow2");
+    let top_sum = sha256(&c.top);
+    write_round(&mut client, &c, 100, 8);
+    drop(client);
+    let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    assert!(!st.success());
+    // A record cut short by a crash: not a record.
+    std::fs::write(
+        snaps.join("s9.qcow2.ringblk-snapshot"),
+        b"{\"ringblk_snapshot\":1,\"supersed",
+    )
+    .unwrap();
+
+    let s1 = snaps.join("s1.qcow2");
+    let mut d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    reads_as_reference(&mut client, &c, "after the first restart");
+    let log = d.log();
+    let warn = log
+        .lines()
+        .find(|l| l.contains("was superseded by live snapshot"))
+        .unwrap_or_else(|| panic!("no line says the image was superseded:\n{log}"));
+    assert!(warn.contains("WARN"), "{warn}");
+    assert!(
+        warn.contains(&format!("serving {}", canonical(&s1))),
+        "{warn}"
+    );
+    assert_eq!(
+        status_chain(&api),
+        [canonical(&s1), canonical(&c.top), canonical(&c.base)]
+    );
+    // The guest sees the same disk: the serial is the named image's, and
+    // so are the status's name and the bitmap's sidecar (complete after a
+    // kill -9, with the writes from before and after the snapshot).
+    assert_eq!(status(&api)["serial"], serial);
+    assert_eq!(
+        status(&api)["image"].as_str().map(Path::new),
+        Some(c.top.as_path())
+    );
+    let out = ctl(&api, &["bitmap", "list", "--json"]);
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("bitmap list: {e}: {}", String::from_utf8_lossy(&out.stderr)));
+    let b = list
+        .as_array()
+        .and_then(|l| l.iter().find(|b| b["name"] == "b"))
+        .unwrap_or_else(|| panic!("bitmap b lost across the restart: {list}"));
+    assert_eq!(b["consistent"], true, "{b}");
+    assert!(b["dirty_bytes"].as_u64().unwrap() > 0, "{b}");
+    // A second snapshot, of the followed top, and a second kill -9.
+    write_round(&mut client, &c, 200, 4);
+    snapshot(&api, "s2.qcow2");
+    let s1_sum = sha256(&s1);
+    let at_s2 = dir.path().join("at-s2.raw");
+    std::fs::copy(&c.reference, &at_s2).unwrap();
+    write_round(&mut client, &c, 300, 8);
+    drop(client);
+    let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    assert!(!st.success());
+
+    let s2 = snaps.join("s2.qcow2");
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    reads_as_reference(&mut client, &c, "after the second restart");
+    assert_eq!(
+        status_chain(&api),
+        [
+            canonical(&s2),
+            canonical(&s1),
+            canonical(&c.top),
+            canonical(&c.base)
+        ]
+    );
+    write_round(&mut client, &c, 400, 4);
+    drop(client);
+    stop(d);
+    assert_eq!(sha256(&c.top), top_sum, "the old top was written");
+    assert_eq!(
+        sha256(&s1),
+        s1_sum,
+        "s1 was written after it was superseded"
+    );
+    assert_eq!(sha256(&c.base), c.base_sum);
+    check_clean(&c.top);
+    check_clean(&s1);
+    check_clean(&s2);
+    compare_identical(&c.top, &at_s1);
+    compare_identical(&s1, &at_s2);
+    compare_identical(&s2, &c.reference);
+}
+
+/// Records the images disagree with are refused at start, with one line
+/// that says what to do: the overlay a record names is missing, or it is
+/// there but its backing file is not the image the record says it
+/// superseded. The old top is not served meanwhile. Before that, a
+/// snapshot whose record cannot be created fails and leaves nothing.
+#[test]
+fn a_restart_refuses_snapshot_records_the_images_disagree_with() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let args = [
+        "--api",
+        api.to_str().unwrap(),
+        "--snapshot-dir",
+        snaps.to_str().unwrap(),
+    ];
+    let mut d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    // The records' names are not overlays'.
+    let reserved = ctl(&api, &["snapshot", "--overlay", "x.ringblk-snapshot"]);
+    assert_eq!(reserved.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&reserved.stderr).contains("snapshot records"));
+    // A snapshot whose record cannot be created (a file of its name is
+    // there) fails whole: no overlay is left, the stranger's file stays,
+    // and the old top goes on taking writes.
+    let stranger = snaps.join("s0.qcow2.ringblk-snapshot");
+    std::fs::write(&stranger, b"not ours").unwrap();
+    let failed = ctl(&api, &["snapshot", "--overlay", "s0.qcow2"]);
+    assert_eq!(failed.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&failed.stderr);
+    assert!(err.contains("writing the snapshot record"), "{err}");
+    assert!(!snaps.join("s0.qcow2").exists());
+    assert_eq!(std::fs::read(&stranger).unwrap(), b"not ours");
+    write_round(&mut client, &c, 50, 2);
+    snapshot(&api, "s1.qcow2");
+    write_round(&mut client, &c, 1, 4);
+    drop(client);
+    let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    assert!(!st.success());
+    let top_sum = sha256(&c.top);
+    let s1 = snaps.join("s1.qcow2");
+    let moved = dir.path().join("s1-moved.qcow2");
+    std::fs::rename(&s1, &moved).unwrap();
+    refused_with(dir.path(), &c.top, &args, "which is missing");
+    // An overlay of that name whose backing file is the base, not the
+    // image the record says it superseded.
+    overlay(&c.base, "raw", &s1);
+    refused_with(
+        dir.path(),
+        &c.top,
+        &args,
+        "the records and the images disagree",
+    );
+    assert_eq!(sha256(&c.top), top_sum, "the old top was written");
+    check_clean(&c.top);
+    // Put back, the chain is served again.
+    std::fs::rename(&moved, &s1).unwrap();
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    reads_as_reference(&mut client, &c, "with the overlay back");
+    drop(client);
+    stop(d);
+    check_clean(&s1);
+    compare_identical(&s1, &c.reference);
 }

@@ -623,6 +623,10 @@ impl Qcow2Image {
     /// format qcow2; as large as this image, with its cluster size), and
     /// opens it with this image's chain below it.
     ///
+    /// `record` runs once the overlay is formatted, synced and opened, and
+    /// before this image's files move down: it makes the switch durable
+    /// (the snapshot record); if it fails, so does the snapshot.
+    ///
     /// The caller has stopped the requests to this image. Before the
     /// overlay is made, everything of this image is committed and synced,
     /// and its top is frozen: it is never written again, a point-in-time
@@ -635,6 +639,7 @@ impl Qcow2Image {
         path: &Path,
         backing_name: &str,
         options: &OpenOptions,
+        record: impl FnOnce() -> Result<(), FormatError>,
     ) -> Result<Qcow2Image, FormatError> {
         if !self.writable {
             return Err(FormatError::ReadOnly);
@@ -655,7 +660,7 @@ impl Qcow2Image {
                 .map_err(FormatError::io("fdatasync"))?;
             self.files[0].freeze();
         }
-        let made = self.make_overlay(file, path, backing_name, options);
+        let made = self.make_overlay(file, path, backing_name, options, record);
         if made.is_err() {
             self.files[0].thaw();
         }
@@ -669,6 +674,7 @@ impl Qcow2Image {
         path: &Path,
         backing_name: &str,
         options: &OpenOptions,
+        record: impl FnOnce() -> Result<(), FormatError>,
     ) -> Result<Qcow2Image, FormatError> {
         let err = |e: io::Error| open_err(path, e);
         // Formatting: imago's writes go straight through (an unloaded
@@ -693,6 +699,7 @@ impl Qcow2Image {
         check_l1_covers(path, &header, q.size())?;
         q.set_backing(Some(Arc::clone(&self.top)));
         let top: Layer = Arc::new(FormatAccess::new(q));
+        record()?;
         for f in &self.files {
             f.move_down();
         }

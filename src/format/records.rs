@@ -1,0 +1,258 @@
+//! Snapshot records: what a live snapshot leaves in the snapshot directory
+//! so that a restarted daemon serves the new top, not the old one.
+//!
+//! A live snapshot makes an overlay the top of the chain; the image named
+//! by `--image` is from then on a point-in-time image, never written
+//! again. Nothing on the command line says so: systemd, an upgrade or an
+//! operator restarting the daemon with the same command line would serve
+//! the old top read-write again, losing every write made since (they are
+//! in the overlay) and changing the overlay's backing under it. So each
+//! snapshot records the switch, and the daemon follows the records at
+//! start-up ([`follow`]).
+//!
+//! **The record.** One file per snapshot, in the snapshot directory, named
+//! after the overlay: `NEW` gets `NEW.ringblk-snapshot`
+//! ([`RECORD_SUFFIX`]; overlay names ending so are refused). It holds one
+//! line of JSON:
+//!
+//! ```text
+//! {"ringblk_snapshot":1,"superseded":"/abs/path/of/the/old/top","by":"NEW","at":1764118200}
+//! ```
+//!
+//! `superseded` is the old top's absolute path, as the overlay's backing
+//! file names it; `by` is the overlay's file name in the directory; `at`
+//! the time of the snapshot in seconds since the epoch.
+//!
+//! **Order.** The overlay is formatted and synced first, then the record
+//! is created (`O_CREAT|O_EXCL`: no rename, which the sandbox does not
+//! allow, and never an overwrite), written, synced (fdatasync), and the
+//! directory synced; only then do requests go to the overlay. A crash before the
+//! record is durable leaves the old top served and the overlay unused (a
+//! record cut short is not one: it does not parse, and is skipped with a
+//! warning); after, the new top is served. The old top is never written
+//! under an overlay that was used.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// What a record's file name ends with: `NEW` + this.
+pub const RECORD_SUFFIX: &str = ".ringblk-snapshot";
+
+/// The version [`Record::ringblk_snapshot`] has.
+const VERSION: u32 = 1;
+
+/// One snapshot: `superseded` was the top until the overlay `by` was put
+/// above it, at `at`.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Record {
+    pub ringblk_snapshot: u32,
+    pub superseded: String,
+    pub by: String,
+    pub at: u64,
+}
+
+impl Record {
+    pub fn new(superseded: &Path, by: &str) -> Result<Record, String> {
+        let superseded = superseded
+            .to_str()
+            .ok_or_else(|| {
+                format!(
+                    "{}: a snapshot record names the old top, and this path is not UTF-8",
+                    superseded.display()
+                )
+            })?
+            .to_string();
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Ok(Record {
+            ringblk_snapshot: VERSION,
+            superseded,
+            by: by.to_string(),
+            at,
+        })
+    }
+
+    /// The file name of the record of the overlay `by`.
+    pub fn name_for(by: &str) -> String {
+        format!("{by}{RECORD_SUFFIX}")
+    }
+
+    /// The line the record's file holds.
+    pub fn line(&self) -> String {
+        let mut s = serde_json::to_string(self).unwrap_or_default();
+        s.push('\n');
+        s
+    }
+
+    /// Writes the record into `file` (just created, empty) and syncs it
+    /// (fdatasync: it carries the new size; the seccomp filter allows it,
+    /// not fsync).
+    pub fn write_to(&self, mut file: &File) -> io::Result<()> {
+        file.write_all(self.line().as_bytes())?;
+        file.sync_data()
+    }
+}
+
+/// Where [`follow`] led: the top to serve, and the steps that led there.
+#[derive(Debug)]
+pub struct Followed {
+    /// The current top: the last overlay.
+    pub top: PathBuf,
+    /// Each image followed, top first, down to the named one: what the
+    /// top's backing chain must begin with.
+    pub chain: Vec<PathBuf>,
+    /// The first snapshot's time (the named image's own supersession).
+    pub at: u64,
+}
+
+/// Reads the records in `dir` (canonical) and follows them from `image`
+/// (canonical). `Ok(None)`: no record names `image`, serve it. An error
+/// is one line saying what is inconsistent and what to do.
+pub fn follow(dir: &Path, image: &Path) -> Result<Option<Followed>, String> {
+    let records = read_all(dir)?;
+    let mut by_old: HashMap<&str, &(PathBuf, Record)> = HashMap::new();
+    for r in &records {
+        if let Some(other) = by_old.insert(r.1.superseded.as_str(), r) {
+            return Err(format!(
+                "the snapshot records {} and {} both say {} was superseded; remove the one that is wrong",
+                other.0.display(),
+                r.0.display(),
+                r.1.superseded
+            ));
+        }
+    }
+    let Some(image_str) = image.to_str() else {
+        return Ok(None);
+    };
+    let mut cur = image_str.to_string();
+    let mut chain = vec![image.to_path_buf()];
+    let mut at = None;
+    while let Some((file, rec)) = by_old.get(cur.as_str()).copied() {
+        if chain.len() > super::qcow2::MAX_CHAIN {
+            return Err(format!(
+                "the snapshot records in {} lead from {} through more than {} images (a loop?); fix or remove the records",
+                dir.display(),
+                image.display(),
+                super::qcow2::MAX_CHAIN
+            ));
+        }
+        let next = dir.join(&rec.by);
+        if rec.by.contains('/') || !next.is_file() {
+            return Err(format!(
+                "{} was superseded by the live snapshot {} (record {}), which is missing; restore it (the writes after the snapshot are there), or, to serve {} as it was at the snapshot, remove the record",
+                rec.superseded,
+                next.display(),
+                file.display(),
+                rec.superseded
+            ));
+        }
+        at.get_or_insert(rec.at);
+        chain.insert(0, next.clone());
+        cur = next.to_string_lossy().into_owned();
+    }
+    let Some(at) = at else { return Ok(None) };
+    Ok(Some(Followed {
+        top: chain[0].clone(),
+        chain,
+        at,
+    }))
+}
+
+/// Every record in `dir`: a file named `*`[`RECORD_SUFFIX`] that parses.
+/// One that does not (a snapshot cut short before its record was synced)
+/// is skipped with a warning.
+fn read_all(dir: &Path) -> Result<Vec<(PathBuf, Record)>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| format!("{}: {e}", dir.display()))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.ends_with(RECORD_SUFFIX) {
+            continue;
+        }
+        let path = entry.path();
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        match serde_json::from_str::<Record>(text.trim_end()) {
+            Ok(r) if r.ringblk_snapshot == VERSION => out.push((path, r)),
+            Ok(r) => {
+                return Err(format!(
+                    "{}: a snapshot record of version {}, which this ringblk does not know (it knows {VERSION})",
+                    path.display(),
+                    r.ringblk_snapshot
+                ));
+            }
+            Err(_) => log::warn!(
+                "{}: not a complete snapshot record (a snapshot cut short before it was recorded; its overlay was never used); ignored",
+                path.display()
+            ),
+        }
+    }
+    Ok(out)
+}
+
+/// `at` (seconds since the epoch) as `YYYY-MM-DDTHH:MM:SSZ`.
+pub fn utc(at: u64) -> String {
+    let (days, secs) = ((at / 86_400) as i64, at % 86_400);
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_formats_known_instants() {
+        assert_eq!(utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(utc(1_764_118_200), "2025-11-26T00:50:00Z");
+    }
+
+    #[test]
+    fn records_are_followed_and_cut_short_ones_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = std::fs::canonicalize(dir.path()).unwrap();
+        let base = d.join("base.qcow2");
+        for n in ["base.qcow2", "s1", "s2"] {
+            std::fs::write(d.join(n), b"x").unwrap();
+        }
+        assert!(follow(&d, &base).unwrap().is_none());
+        let r1 = Record::new(&base, "s1").unwrap();
+        std::fs::write(d.join(Record::name_for("s1")), r1.line()).unwrap();
+        let r2 = Record::new(&d.join("s1"), "s2").unwrap();
+        std::fs::write(d.join(Record::name_for("s2")), r2.line()).unwrap();
+        std::fs::write(d.join(Record::name_for("s3")), &r2.line()[..20]).unwrap();
+        let f = follow(&d, &base).unwrap().unwrap();
+        assert_eq!(f.top, d.join("s2"));
+        assert_eq!(f.chain, vec![d.join("s2"), d.join("s1"), base.clone()]);
+        // From the middle of the chain too.
+        assert_eq!(
+            follow(&d, &d.join("s1")).unwrap().unwrap().top,
+            d.join("s2")
+        );
+        std::fs::remove_file(d.join("s2")).unwrap();
+        let e = follow(&d, &base).unwrap_err();
+        assert!(e.contains("which is missing"), "{e}");
+    }
+}
