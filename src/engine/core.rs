@@ -342,7 +342,7 @@ impl<E: Engine, F: Format> Core<E, F> {
         let t = &mut self.tracked[tag as usize];
         if t.status.is_ok() {
             if let Some(ticket) = t.ticket.take() {
-                self.format.start_commit(tag, ticket);
+                self.format.start_commit(tag, ticket, t.fua);
                 return;
             }
         }

@@ -29,7 +29,9 @@
 //! ticket with its pieces; after the write's data I/O, and before its
 //! completion is published, the core asks the format to commit
 //! ([`Format::start_commit`]), so that the metadata the write needs is in
-//! the image file when the guest learns the write is done.
+//! the image file when the guest learns the write is done; for a
+//! write-through write (the device's write cache off) also on the disk:
+//! the commit ends with an fdatasync, as the data went with FUA.
 //!
 //! Flush maps to file 0 (the chain's writable top): the format keeps no
 //! metadata back from it (every completed write's was committed before
@@ -149,8 +151,8 @@ pub trait Format: Send {
     fn start_slow(&mut self, _tag: u32, _op: Op, _offset: u64, _len: u64) {}
 
     /// Starts the commit of `ticket` for request `tag`, whose data I/O is
-    /// done.
-    fn start_commit(&mut self, _tag: u32, _ticket: Commit) {}
+    /// done; `durable` (a write-through write) makes it an fdatasync too.
+    fn start_commit(&mut self, _tag: u32, _ticket: Commit, _durable: bool) {}
 
     /// Requests with metadata work under way.
     #[inline]
@@ -230,9 +232,9 @@ impl Format for ImageFormat {
         }
     }
 
-    fn start_commit(&mut self, tag: u32, ticket: Commit) {
+    fn start_commit(&mut self, tag: u32, ticket: Commit, durable: bool) {
         if let ImageFormat::Qcow2(q) = self {
-            q.start_commit(tag, ticket);
+            q.start_commit(tag, ticket, durable);
         }
     }
 
@@ -442,8 +444,8 @@ impl Format for Qcow2 {
         self.send(tag, work);
     }
 
-    fn start_commit(&mut self, tag: u32, ticket: Commit) {
-        self.send(tag, Work::Commit(ticket));
+    fn start_commit(&mut self, tag: u32, ticket: Commit, durable: bool) {
+        self.send(tag, Work::Commit { ticket, durable });
     }
 
     #[inline]

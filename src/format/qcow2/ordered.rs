@@ -424,9 +424,11 @@ impl FileState {
             ));
         }
         if !o.loaded {
+            o.unsynced |= UNSYNCED_OTHER;
             return self.pwrite(&data, offset);
         }
         if !o.enabled {
+            o.unsynced |= UNSYNCED_OTHER;
             self.pwrite(&data, offset)?;
             let class = Self::classify(&o, offset);
             if matches!(class, Class::Header | Class::L1 | Class::RefTable) {
@@ -518,6 +520,22 @@ impl FileState {
     pub fn sync_now(&self) -> io::Result<()> {
         match &self.order {
             Some(order) => self.fdatasync(&mut lock(order)),
+            None => self.file.sync_data(),
+        }
+    }
+
+    /// fdatasync if anything was pwritten through the ordering since the
+    /// last one (a write-through commit: nothing to do when another
+    /// commit's fdatasync already covered its metadata).
+    pub fn sync_if_unsynced(&self) -> io::Result<()> {
+        match &self.order {
+            Some(order) => {
+                let mut o = lock(order);
+                if o.unsynced != 0 {
+                    self.fdatasync(&mut o)?;
+                }
+                Ok(())
+            }
             None => self.file.sync_data(),
         }
     }
