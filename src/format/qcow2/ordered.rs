@@ -35,7 +35,9 @@
 //! So a group of allocations costs one fdatasync (copy-on-write data and
 //! refblocks, then the L2 tables); when a new L2 table, refblock or L1
 //! table was hooked up, one more before the pointer writes and one after
-//! each of them.
+//! each of them. A group with a write-through write in it takes one more
+//! after its L2 tables ([`FileState::sync_if_unsynced`]); with the write
+//! cache on, the next FLUSH's fdatasync covers them.
 //!
 //! With a [`Journal`] attached (tests), every pwrite and fdatasync that
 //! reaches the file is recorded in order, so a test can rebuild the image
