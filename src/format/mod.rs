@@ -22,7 +22,8 @@
 //!    to the queue. Other requests of the queue go on meanwhile.
 //! 3. After the data I/O of a write, if `resolve` returned a [`Commit`]
 //!    ticket, [`Image::commit`] makes the metadata that write needs reach
-//!    the image file before the completion is published.
+//!    the image file before the completion is published (and the disk,
+//!    for a write-through write).
 //! 4. FLUSH: the engine's fdatasync of every file it wrote, then
 //!    [`Image::flush`].
 //!
