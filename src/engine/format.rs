@@ -147,8 +147,9 @@ pub trait Format: Send {
     }
 
     /// Starts the metadata work of request `tag`, which `map` answered
-    /// [`Mapping::Slow`] for.
-    fn start_slow(&mut self, _tag: u32, _op: Op, _offset: u64, _len: u64) {}
+    /// [`Mapping::Slow`] for; `durable` (write-through): a write-zeroes or
+    /// discard is on the disk when it is done.
+    fn start_slow(&mut self, _tag: u32, _op: Op, _offset: u64, _len: u64, _durable: bool) {}
 
     /// Starts the commit of `ticket` for request `tag`, whose data I/O is
     /// done; `durable` (a write-through write) makes it an fdatasync too.
@@ -226,9 +227,9 @@ impl Format for ImageFormat {
         }
     }
 
-    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64) {
+    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64, durable: bool) {
         if let ImageFormat::Qcow2(q) = self {
-            q.start_slow(tag, op, offset, len);
+            q.start_slow(tag, op, offset, len, durable);
         }
     }
 
@@ -421,7 +422,7 @@ impl Format for Qcow2 {
         Ok(completions)
     }
 
-    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64) {
+    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64, durable: bool) {
         let work = match op {
             Op::Read => Work::Resolve {
                 offset,
@@ -437,8 +438,13 @@ impl Format for Qcow2 {
                 offset,
                 len,
                 unmap: r.unmap,
+                durable,
             },
-            Op::Discard(_) => Work::Discard { offset, len },
+            Op::Discard(_) => Work::Discard {
+                offset,
+                len,
+                durable,
+            },
             Op::Flush => unreachable!("a flush is never slow"),
         };
         self.send(tag, work);

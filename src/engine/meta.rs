@@ -43,10 +43,20 @@ pub enum Work {
     /// The metadata a write's allocation needs, in the file; `durable`
     /// (a write-through write): on the disk too.
     Commit { ticket: Commit, durable: bool },
-    /// Write-zeroes of the range, whole.
-    Zero { offset: u64, len: u64, unmap: bool },
-    /// Discard of the range.
-    Discard { offset: u64, len: u64 },
+    /// Write-zeroes of the range, whole; `durable` (write-through): on
+    /// the disk when done.
+    Zero {
+        offset: u64,
+        len: u64,
+        unmap: bool,
+        durable: bool,
+    },
+    /// Discard of the range; `durable` as for `Zero`.
+    Discard {
+        offset: u64,
+        len: u64,
+        durable: bool,
+    },
 }
 
 /// One piece of work for request `tag` of the queue whose inbox this is.
@@ -211,8 +221,21 @@ fn work(job: &Job, log_limit: &mut RateLimiter) -> Slow {
     let image = &job.served.image;
     let result = match job.work {
         Work::Resolve { offset, len, dir } => return resolve(job, offset, len, dir, log_limit),
-        Work::Zero { offset, len, unmap } => image.zero_range(offset, len, unmap),
-        Work::Discard { offset, len } => image.discard(offset, len),
+        Work::Zero {
+            offset,
+            len,
+            unmap,
+            durable,
+        } => image
+            .zero_range(offset, len, unmap)
+            .and_then(|()| durable_if(image, durable)),
+        Work::Discard {
+            offset,
+            len,
+            durable,
+        } => image
+            .discard(offset, len)
+            .and_then(|()| durable_if(image, durable)),
         Work::Commit { .. } => unreachable!("commits are grouped"),
     };
     match result {
@@ -222,6 +245,15 @@ fn work(job: &Job, log_limit: &mut RateLimiter) -> Slow {
             Slow::Failed
         }
     }
+}
+
+/// A write-through write-zeroes or discard: its metadata (and the zeroes
+/// written through the format) on the disk before it completes.
+fn durable_if(
+    image: &crate::format::qcow2::Qcow2Image,
+    durable: bool,
+) -> Result<(), crate::format::FormatError> {
+    if durable { image.flush() } else { Ok(()) }
 }
 
 fn resolve(job: &Job, offset: u64, len: u64, dir: Dir, log_limit: &mut RateLimiter) -> Slow {
