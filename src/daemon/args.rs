@@ -194,7 +194,8 @@ pub struct ServeArgs {
     pub block_size: Option<u32>,
 
     /// Report a write-through cache (WCE=0) and make every write durable
-    /// before it is acknowledged (each write carries RWF_DSYNC).
+    /// before it is acknowledged (each write carries RWF_DSYNC; on qcow2
+    /// the metadata of an allocating write is fdatasynced too).
     #[arg(long)]
     pub writethrough: bool,
 

@@ -191,7 +191,7 @@ impl<E: Engine, F: Format> Core<E, F> {
             }
             Mapping::Slow => {
                 let tag = self.track(req, op, fua);
-                self.format.start_slow(tag, op, offset, len);
+                self.format.start_slow(tag, op, offset, len, fua);
             }
         }
         self.in_flight += 1;
@@ -342,7 +342,7 @@ impl<E: Engine, F: Format> Core<E, F> {
         let t = &mut self.tracked[tag as usize];
         if t.status.is_ok() {
             if let Some(ticket) = t.ticket.take() {
-                self.format.start_commit(tag, ticket);
+                self.format.start_commit(tag, ticket, t.fua);
                 return;
             }
         }
@@ -521,7 +521,7 @@ mod tests {
 
     use super::*;
     use crate::device::DeviceSpec;
-    use crate::engine::format::Extent;
+    use crate::engine::format::{Extent, Resolved};
     use crate::virtio::testing::{self, DATA, Driver, HDR, guest_memory, limits, r, status, w};
 
     /// Records what it is asked; completes on `reap`.
@@ -660,6 +660,76 @@ mod tests {
         assert_eq!(
             done.iter().map(|c| c.written).collect::<Vec<_>>(),
             vec![512, 0]
+        );
+    }
+
+    /// Allocates every write: slow, resolved to file 0 with a ticket, then
+    /// committed. Records whether the slow work and the commit were asked
+    /// to be durable.
+    #[derive(Default)]
+    struct Allocating {
+        answers: Vec<(u32, Slow)>,
+        slow: Vec<bool>,
+        commits: Vec<bool>,
+    }
+    impl Format for Allocating {
+        fn map(&mut self, _op: Op, _offset: u64, _len: u64) -> Mapping {
+            Mapping::Slow
+        }
+        fn start_slow(&mut self, tag: u32, _op: Op, offset: u64, len: u64, durable: bool) {
+            self.slow.push(durable);
+            let pieces = vec![Piece {
+                at: 0,
+                len: len as u32,
+                place: Place::Host(Extent { file: 0, offset }),
+            }];
+            let ticket = Some(Commit(1));
+            self.answers
+                .push((tag, Slow::Resolved(Resolved { pieces, ticket })));
+        }
+        fn start_commit(&mut self, tag: u32, _ticket: Commit, durable: bool) {
+            self.commits.push(durable);
+            self.answers.push((tag, Slow::Done));
+        }
+        fn slow_in_flight(&self) -> usize {
+            self.answers.len()
+        }
+        fn reap_slow(&mut self, f: &mut dyn FnMut(u32, Slow)) {
+            for (tag, answer) in self.answers.drain(..) {
+                f(tag, answer);
+            }
+        }
+    }
+
+    /// With the write cache off, an allocating write's commit (and its
+    /// slow work) is asked to be durable: the metadata it needs must be on
+    /// the disk when it completes, not only its FUA data.
+    #[test]
+    fn a_write_through_allocation_commits_durably() {
+        let mem = guest_memory();
+        let mut d = Driver::new(&mem, 16);
+        let dev = device();
+        let mut core =
+            Core::with_format(Recorder::default(), Allocating::default(), dev.clone()).unwrap();
+        let write = &[r(HDR, 16), r(DATA, 512), status()];
+        let mut done = Vec::new();
+        for writeback in [true, false] {
+            dev.set_writeback(writeback);
+            core.submit(request(&mut d, VIRTIO_BLK_T_OUT, 8, write))
+                .unwrap();
+            // Resolve, data I/O, commit: a reap each.
+            for _ in 0..3 {
+                done.extend(reap_all(&mut core));
+            }
+        }
+        assert_eq!(done.len(), 2, "both writes complete");
+        assert!(done.iter().all(|c| c.status == Status::Ok));
+        assert_eq!(core.format.slow, vec![false, true]);
+        assert_eq!(core.format.commits, vec![false, true]);
+        assert_eq!(
+            core.engine.started.iter().map(|s| s.2).collect::<Vec<_>>(),
+            vec![false, true],
+            "the write-through write's data goes with FUA"
         );
     }
 

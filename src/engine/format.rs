@@ -29,7 +29,9 @@
 //! ticket with its pieces; after the write's data I/O, and before its
 //! completion is published, the core asks the format to commit
 //! ([`Format::start_commit`]), so that the metadata the write needs is in
-//! the image file when the guest learns the write is done.
+//! the image file when the guest learns the write is done; for a
+//! write-through write (the device's write cache off) also on the disk:
+//! the commit ends with an fdatasync, as the data went with FUA.
 //!
 //! Flush maps to file 0 (the chain's writable top): the format keeps no
 //! metadata back from it (every completed write's was committed before
@@ -145,12 +147,13 @@ pub trait Format: Send {
     }
 
     /// Starts the metadata work of request `tag`, which `map` answered
-    /// [`Mapping::Slow`] for.
-    fn start_slow(&mut self, _tag: u32, _op: Op, _offset: u64, _len: u64) {}
+    /// [`Mapping::Slow`] for; `durable` (write-through): a write-zeroes or
+    /// discard is on the disk when it is done.
+    fn start_slow(&mut self, _tag: u32, _op: Op, _offset: u64, _len: u64, _durable: bool) {}
 
     /// Starts the commit of `ticket` for request `tag`, whose data I/O is
-    /// done.
-    fn start_commit(&mut self, _tag: u32, _ticket: Commit) {}
+    /// done; `durable` (a write-through write) makes it an fdatasync too.
+    fn start_commit(&mut self, _tag: u32, _ticket: Commit, _durable: bool) {}
 
     /// Requests with metadata work under way.
     #[inline]
@@ -224,15 +227,15 @@ impl Format for ImageFormat {
         }
     }
 
-    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64) {
+    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64, durable: bool) {
         if let ImageFormat::Qcow2(q) = self {
-            q.start_slow(tag, op, offset, len);
+            q.start_slow(tag, op, offset, len, durable);
         }
     }
 
-    fn start_commit(&mut self, tag: u32, ticket: Commit) {
+    fn start_commit(&mut self, tag: u32, ticket: Commit, durable: bool) {
         if let ImageFormat::Qcow2(q) = self {
-            q.start_commit(tag, ticket);
+            q.start_commit(tag, ticket, durable);
         }
     }
 
@@ -419,7 +422,7 @@ impl Format for Qcow2 {
         Ok(completions)
     }
 
-    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64) {
+    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64, durable: bool) {
         let work = match op {
             Op::Read => Work::Resolve {
                 offset,
@@ -435,15 +438,20 @@ impl Format for Qcow2 {
                 offset,
                 len,
                 unmap: r.unmap,
+                durable,
             },
-            Op::Discard(_) => Work::Discard { offset, len },
+            Op::Discard(_) => Work::Discard {
+                offset,
+                len,
+                durable,
+            },
             Op::Flush => unreachable!("a flush is never slow"),
         };
         self.send(tag, work);
     }
 
-    fn start_commit(&mut self, tag: u32, ticket: Commit) {
-        self.send(tag, Work::Commit(ticket));
+    fn start_commit(&mut self, tag: u32, ticket: Commit, durable: bool) {
+        self.send(tag, Work::Commit { ticket, durable });
     }
 
     #[inline]

@@ -16,7 +16,9 @@
 //! thread takes every job waiting, answers the resolves, zeroes and
 //! discards first (their requests' data I/O can start at once), then does
 //! one commit for all the commit jobs of the batch (group commit: one
-//! round of metadata writes and fdatasyncs for every write waiting).
+//! round of metadata writes and fdatasyncs for every write waiting, and
+//! one more fdatasync after them when a write of the batch is
+//! write-through).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -38,12 +40,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub enum Work {
     /// Where `len` bytes at `offset` are, allocating for a write.
     Resolve { offset: u64, len: u64, dir: Dir },
-    /// The metadata a write's allocation needs, in the file.
-    Commit(Commit),
-    /// Write-zeroes of the range, whole.
-    Zero { offset: u64, len: u64, unmap: bool },
-    /// Discard of the range.
-    Discard { offset: u64, len: u64 },
+    /// The metadata a write's allocation needs, in the file; `durable`
+    /// (a write-through write): on the disk too.
+    Commit { ticket: Commit, durable: bool },
+    /// Write-zeroes of the range, whole; `durable` (write-through): on
+    /// the disk when done.
+    Zero {
+        offset: u64,
+        len: u64,
+        unmap: bool,
+        durable: bool,
+    },
+    /// Discard of the range; `durable` as for `Zero`.
+    Discard {
+        offset: u64,
+        len: u64,
+        durable: bool,
+    },
 }
 
 /// One piece of work for request `tag` of the queue whose inbox this is.
@@ -138,8 +151,8 @@ fn run(rx: Receiver<Job>) {
         batch.push(first);
         batch.extend(rx.try_iter());
         for job in batch.drain(..) {
-            if let Work::Commit(t) = job.work {
-                commits.push((t, job));
+            if let Work::Commit { ticket, durable } = job.work {
+                commits.push(((ticket, durable), job));
                 continue;
             }
             let answer = work(&job, &mut log_limit);
@@ -153,13 +166,14 @@ fn run(rx: Receiver<Job>) {
         while let Some((_, first)) = commits.first() {
             let served = first.served.clone();
             let same = |j: &Job| Arc::ptr_eq(&j.served, &served);
+            // Durable if any write of the group is write-through.
             let ticket = commits
                 .iter()
                 .filter(|(_, j)| same(j))
                 .map(|(t, _)| *t)
-                .max();
+                .reduce(|(a, da), (b, db)| (a.max(b), da || db));
             let result = match ticket {
-                Some(t) => served.image.commit(t),
+                Some((t, durable)) => served.image.commit(t, durable),
                 None => Ok(()),
             };
             if let Err(e) = &result {
@@ -207,9 +221,22 @@ fn work(job: &Job, log_limit: &mut RateLimiter) -> Slow {
     let image = &job.served.image;
     let result = match job.work {
         Work::Resolve { offset, len, dir } => return resolve(job, offset, len, dir, log_limit),
-        Work::Zero { offset, len, unmap } => image.zero_range(offset, len, unmap),
-        Work::Discard { offset, len } => image.discard(offset, len),
-        Work::Commit(_) => unreachable!("commits are grouped"),
+        Work::Zero {
+            offset,
+            len,
+            unmap,
+            durable,
+        } => image
+            .zero_range(offset, len, unmap)
+            .and_then(|()| durable_if(image, durable)),
+        Work::Discard {
+            offset,
+            len,
+            durable,
+        } => image
+            .discard(offset, len)
+            .and_then(|()| durable_if(image, durable)),
+        Work::Commit { .. } => unreachable!("commits are grouped"),
     };
     match result {
         Ok(()) => Slow::Done,
@@ -218,6 +245,15 @@ fn work(job: &Job, log_limit: &mut RateLimiter) -> Slow {
             Slow::Failed
         }
     }
+}
+
+/// A write-through write-zeroes or discard: its metadata (and the zeroes
+/// written through the format) on the disk before it completes.
+fn durable_if(
+    image: &crate::format::qcow2::Qcow2Image,
+    durable: bool,
+) -> Result<(), crate::format::FormatError> {
+    if durable { image.flush() } else { Ok(()) }
 }
 
 fn resolve(job: &Job, offset: u64, len: u64, dir: Dir, log_limit: &mut RateLimiter) -> Slow {

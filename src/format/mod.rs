@@ -22,7 +22,8 @@
 //!    to the queue. Other requests of the queue go on meanwhile.
 //! 3. After the data I/O of a write, if `resolve` returned a [`Commit`]
 //!    ticket, [`Image::commit`] makes the metadata that write needs reach
-//!    the image file before the completion is published.
+//!    the image file before the completion is published (and the disk,
+//!    for a write-through write).
 //! 4. FLUSH: the engine's fdatasync of every file it wrote, then
 //!    [`Image::flush`].
 //!
@@ -228,12 +229,15 @@ impl Image {
     }
 
     /// Returns once the metadata of every allocation up to `ticket` is in
-    /// the image file (pwritten; a kill -9 cannot lose it). Concurrent
-    /// callers share the writes (group commit). Blocks.
-    pub fn commit(&self, ticket: Commit) -> Result<(), FormatError> {
+    /// the image file (pwritten; a kill -9 cannot lose it), and with
+    /// `durable` (a write-through write: the device's write cache is off)
+    /// on the disk too (fdatasync), so that a power loss cannot lose the
+    /// completed write either. Concurrent callers share the writes and the
+    /// fdatasync (group commit). Blocks.
+    pub fn commit(&self, ticket: Commit, durable: bool) -> Result<(), FormatError> {
         match self {
             Image::Raw(_) => Ok(()),
-            Image::Qcow2(q) => q.commit(ticket),
+            Image::Qcow2(q) => q.commit(ticket, durable),
         }
     }
 

@@ -517,16 +517,24 @@ impl Qcow2Image {
     }
 
     /// See [`super::Image::commit`].
-    pub fn commit(&self, ticket: Commit) -> Result<(), FormatError> {
-        if self.committed.load(Ordering::Acquire) >= ticket.0 {
+    pub fn commit(&self, ticket: Commit, durable: bool) -> Result<(), FormatError> {
+        if !durable && self.committed.load(Ordering::Acquire) >= ticket.0 {
             return Ok(());
         }
         let _group = lock(&self.commit_lock);
-        if self.committed.load(Ordering::Acquire) >= ticket.0 {
-            return Ok(());
+        if self.committed.load(Ordering::Acquire) < ticket.0 {
+            let _meta = lock(&self.meta);
+            self.commit_locked()?;
         }
-        let _meta = lock(&self.meta);
-        self.commit_locked()
+        if durable {
+            // The L2 entries (and anything else) pwritten since the last
+            // fdatasync, this ticket's among them, whoever committed them.
+            // The write's own data went with FUA (RWF_DSYNC).
+            self.files[0]
+                .sync_if_unsynced()
+                .map_err(FormatError::io("fdatasync"))?;
+        }
+        Ok(())
     }
 
     /// See [`super::Image::flush`].
@@ -876,6 +884,13 @@ impl Qcow2Image {
     /// pwrite of file 0, recorded in the journal when there is one.
     pub fn data_write(&self, data: &[u8], host: u64) -> io::Result<()> {
         self.files[0].data_write(data, host)
+    }
+
+    /// A write-through guest-data write of the harness (tests): the data,
+    /// then an fdatasync (what the engine's RWF_DSYNC does), both recorded.
+    pub fn data_write_dsync(&self, data: &[u8], host: u64) -> io::Result<()> {
+        self.files[0].data_write(data, host)?;
+        self.files[0].sync_now()
     }
 }
 

@@ -35,7 +35,9 @@
 //! So a group of allocations costs one fdatasync (copy-on-write data and
 //! refblocks, then the L2 tables); when a new L2 table, refblock or L1
 //! table was hooked up, one more before the pointer writes and one after
-//! each of them.
+//! each of them. A group with a write-through write in it takes one more
+//! after its L2 tables ([`FileState::sync_if_unsynced`]); with the write
+//! cache on, the next FLUSH's fdatasync covers them.
 //!
 //! With a [`Journal`] attached (tests), every pwrite and fdatasync that
 //! reaches the file is recorded in order, so a test can rebuild the image
@@ -424,9 +426,11 @@ impl FileState {
             ));
         }
         if !o.loaded {
+            o.unsynced |= UNSYNCED_OTHER;
             return self.pwrite(&data, offset);
         }
         if !o.enabled {
+            o.unsynced |= UNSYNCED_OTHER;
             self.pwrite(&data, offset)?;
             let class = Self::classify(&o, offset);
             if matches!(class, Class::Header | Class::L1 | Class::RefTable) {
@@ -518,6 +522,22 @@ impl FileState {
     pub fn sync_now(&self) -> io::Result<()> {
         match &self.order {
             Some(order) => self.fdatasync(&mut lock(order)),
+            None => self.file.sync_data(),
+        }
+    }
+
+    /// fdatasync if anything was pwritten through the ordering since the
+    /// last one (a write-through commit: nothing to do when another
+    /// commit's fdatasync already covered its metadata).
+    pub fn sync_if_unsynced(&self) -> io::Result<()> {
+        match &self.order {
+            Some(order) => {
+                let mut o = lock(order);
+                if o.unsynced != 0 {
+                    self.fdatasync(&mut o)?;
+                }
+                Ok(())
+            }
             None => self.file.sync_data(),
         }
     }

@@ -127,6 +127,16 @@ fn read_piece(
 /// Writes through the contract: fast map, allocation on the slow path,
 /// data straight to the host offsets, then the commit before "completion".
 pub fn write(img: &Image, offset: u64, data: &[u8]) -> Result<(), FormatError> {
+    write_as(img, offset, data, false)
+}
+
+/// A write with the device's write cache off (`--writethrough`): the data
+/// with FUA (pwrite and fdatasync, as RWF_DSYNC), then a durable commit.
+pub fn write_through(img: &Image, offset: u64, data: &[u8]) -> Result<(), FormatError> {
+    write_as(img, offset, data, true)
+}
+
+fn write_as(img: &Image, offset: u64, data: &[u8], fua: bool) -> Result<(), FormatError> {
     let mut pieces = Vec::new();
     img.map(offset, data.len() as u64, Dir::Write, &mut pieces);
     let mut ticket = None;
@@ -149,16 +159,17 @@ pub fn write(img: &Image, offset: u64, data: &[u8]) -> Result<(), FormatError> {
     }
     for (guest, len, host) in direct {
         let at = (guest - offset) as usize;
-        data_write(img, &data[at..at + len as usize], host)?;
+        data_write(img, &data[at..at + len as usize], host, fua)?;
     }
     if let Some(t) = ticket {
-        img.commit(t)?;
+        img.commit(t, fua)?;
     }
     Ok(())
 }
 
-fn data_write(img: &Image, data: &[u8], host: u64) -> Result<(), FormatError> {
+fn data_write(img: &Image, data: &[u8], host: u64, fua: bool) -> Result<(), FormatError> {
     let r = match img {
+        Image::Qcow2(q) if fua => q.data_write_dsync(data, host),
         Image::Qcow2(q) => q.data_write(data, host),
         Image::Raw(_) => img.files()[0].write_all_at(data, host),
     };
