@@ -694,6 +694,22 @@ fn start_qcow2(dir: &Path, cluster: u64) -> Daemon {
         raw_base.to_str().unwrap(),
         base.to_str().unwrap(),
     ]);
+    // Its data is all compressed clusters (the pattern compresses).
+    let check: serde_json::Value =
+        serde_json::from_str(&nbd::run(Command::new("qemu-img").args([
+            "check",
+            "--output=json",
+            base.to_str().unwrap(),
+        ])))
+        .unwrap();
+    assert_eq!(
+        check["compressed-clusters"], check["allocated-clusters"],
+        "{check}"
+    );
+    assert!(
+        check["compressed-clusters"].as_u64().unwrap() > 0,
+        "{check}"
+    );
     qemu_img(&[
         "create",
         "-q",
