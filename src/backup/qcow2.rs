@@ -9,10 +9,14 @@
 //! Why the view's read-then-check (see the parent module) still holds: a
 //! guest write changes a guest cluster's data *or its mapping* only after
 //! `before_write` copied it, because the engine core calls `before_write`
-//! before the format maps the write (and so before it allocates). An
-//! allocation copies the rest of its qcow2 cluster from the backing file;
-//! the store's cluster is made at least the top's cluster size, so that
-//! copy stays inside clusters `before_write` already copied. The chain
+//! before the format maps the write (and so before it allocates). A
+//! partial write's allocation copies the rest of its qcow2 cluster up
+//! from the backing file inside the format's slow path (imago's
+//! `ensure_data_mapping`), under the metadata lock this reader's mapping
+//! takes too: a read maps either the old place, or the new one with the
+//! old data already in it. Besides, the store's cluster is made at least
+//! the top's cluster size, so that a copy-up stays inside clusters
+//! `before_write` already copied, whatever the format's order. The chain
 //! itself does not change during a backup: a live snapshot is refused
 //! while one runs (`Device::snapshot`), and so is a resize.
 
