@@ -404,7 +404,7 @@ fn snapshot(ctx: &Ctx<'_>) -> Reply {
                 E::Create { source, .. } if source.kind() == std::io::ErrorKind::AlreadyExists => {
                     409
                 }
-                E::Busy(_) | E::Lock(_) => 409,
+                E::Busy(_) | E::Lock(_) | E::Refused(_) => 409,
                 E::Create { .. } | E::Format(_) => 500,
             };
             Reply::error(status, e.to_string())

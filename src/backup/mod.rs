@@ -1,9 +1,8 @@
 //! The point-in-time view a backup exports (docs/backup.md): the disk as
 //! it was at one instant, while the guest keeps writing.
 //!
-//! For a raw image or block device it is copy-before-write (CBW): before a
-//! guest write, discard or write-zeroes reaches a cluster of the image
-//! that was not copied yet, [`CbwStore::before_write`] copies the
+//! It is copy-before-write (CBW): before a guest write, discard or
+//! write-zeroes reaches a cluster of the disk that was not copied yet, [`CbwStore::before_write`] copies the
 //! cluster's old data into a temporary sparse file (unlinked: it goes away
 //! with the store). The [`View`] reads a cluster from that file if it was
 //! copied, else from the image.
@@ -19,8 +18,11 @@
 //! guest's path costs one load per cluster once a cluster is copied, and
 //! takes no lock.
 //!
-//! It stands on the small [`Image`] trait, not on the engine: phase 2
-//! calls `before_write` where a write is admitted, before it is submitted.
+//! It stands on the small [`Image`] trait, the guest's disk, not on the
+//! engine: a raw image or block device is its file ([`FileImage`]); a
+//! qcow2 image is read through its chain ([`Qcow2Disk`]). The engine core
+//! calls `before_write` where a write is admitted, before the format maps
+//! it and before it is submitted.
 
 use std::fs::File;
 use std::io;
@@ -34,10 +36,13 @@ use crate::bitmap::DirtyBitmap;
 use crate::nbd::proto::{STATE_DIRTY, STATE_HOLE, STATE_ZERO};
 use crate::nbd::{Export, MetaContext};
 
+mod qcow2;
+pub use qcow2::Qcow2Disk;
+
 /// The default CBW cluster: 64 KiB, as QEMU's backup job.
 pub const DEFAULT_CLUSTER: u64 = 64 << 10;
 
-/// The image under the view, as the view needs it.
+/// The guest's disk under the view, as the view needs it.
 pub trait Image: Send + Sync {
     /// Its size in bytes.
     fn size(&self) -> u64;

@@ -241,3 +241,79 @@ fn the_view_exports_the_frozen_bitmap() {
         0
     );
 }
+
+/// A qcow2 overlay (256 KiB clusters) over a raw base of 4 MiB, virtual
+/// size 8 MiB: the view reads the guest's disk through the chain, keeps
+/// the instant across a partial write that allocates and copies up, and
+/// a discard, and `base:allocation` says data over the base, a hole past
+/// it. The store's cluster is the overlay's.
+#[test]
+fn a_qcow2_view_reads_the_chain_and_keeps_the_instant() {
+    use crate::format::{Dir, Live, OpenOptions as Qcow2Options, Where};
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base.raw");
+    std::fs::write(&base, pattern(1, 0, (4 * MIB) as usize)).unwrap();
+    let top = dir.path().join("top.qcow2");
+    ringblk_testkit::qemu_img::qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=262144",
+        "-F",
+        "raw",
+        "-b",
+        base.to_str().unwrap(),
+        top.to_str().unwrap(),
+        &(8 * MIB).to_string(),
+    ]);
+    let live = Arc::new(Live::open(&top, Qcow2Options::default(), false, None).unwrap());
+    let disk = Arc::new(Qcow2Disk::new(live.clone(), 8 * MIB));
+    let mut at_start = pattern(1, 0, (4 * MIB) as usize);
+    at_start.resize((8 * MIB) as usize, 0);
+    let mut buf = vec![0xffu8; (8 * MIB) as usize];
+    disk.read_at(&mut buf, 0).unwrap();
+    assert!(buf == at_start, "the disk through the chain");
+    assert_eq!(disk.allocation(0, 8 * MIB).unwrap(), (4 * MIB, 0));
+    assert_eq!(
+        disk.allocation(4 * MIB, 8 * MIB).unwrap(),
+        (4 * MIB, STATE_HOLE | STATE_ZERO)
+    );
+
+    let cluster = Qcow2Disk::cluster(&live, DEFAULT_CLUSTER);
+    assert_eq!(cluster, 256 << 10);
+    let cbw = CbwStore::new(disk.clone(), dir.path(), cluster).unwrap();
+    // A guest write of 4 KiB at 68 KiB, as the engine does it: the copy
+    // first, then the format allocates (copying the rest of the cluster
+    // up from the base), then the data.
+    let w = 68 << 10;
+    cbw.before_write(w, 4096);
+    let served = live.current();
+    let mut pieces = Vec::new();
+    let ticket = served
+        .image
+        .resolve(w, 4096, Dir::Write, &mut pieces)
+        .unwrap();
+    let Where::Data { file: 0, offset } = pieces[0].at else {
+        panic!("{pieces:?}");
+    };
+    served
+        .image
+        .data_write(&pattern(2, w, 4096), offset)
+        .unwrap();
+    if let Some(t) = ticket {
+        served.image.commit(t, false).unwrap();
+    }
+    // A discard of the second cluster, copied first.
+    cbw.before_write(256 << 10, 256 << 10);
+    served.image.discard(256 << 10, 256 << 10).unwrap();
+
+    disk.read_at(&mut buf[..4096], w).unwrap();
+    assert!(buf[..4096] == pattern(2, w, 4096), "the guest's write");
+    disk.read_at(&mut buf[..4096], 256 << 10).unwrap();
+    assert!(buf[..4096] == [0; 4096], "the discard reads as zeroes");
+    cbw.read(0, &mut buf).unwrap();
+    assert!(buf == at_start, "the view is the instant");
+    assert_eq!(cbw.stats().copied_clusters, 2);
+}

@@ -202,6 +202,10 @@ pub struct Device {
     backing: Backing,
     /// One resize at a time.
     resizing: Mutex<()>,
+    /// Held by a live snapshot and by a backup's start: a snapshot sees
+    /// a backup that started before it, and refuses (it would change the
+    /// chain under the backup's view).
+    chain_change: Mutex<()>,
     /// The dirty bitmaps, the running backup, the image's holders.
     tracking: Tracking,
 }
@@ -228,6 +232,7 @@ impl Device {
             front_end: Mutex::new(None),
             backing: spec.backing,
             resizing: Mutex::new(()),
+            chain_change: Mutex::new(()),
         })
     }
 

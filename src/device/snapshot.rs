@@ -23,13 +23,22 @@ pub struct Snapshot {
 impl Device {
     /// Puts a new qcow2 overlay, `overlay`, above the chain: requests in
     /// flight complete on the old top, those after go to the new one, and
-    /// the image lock moves with the top.
+    /// the image lock moves with the top. Refused while a backup runs.
     pub fn snapshot(&self, overlay: &Path) -> Result<Snapshot, SnapshotError> {
         let Some(live) = self.qcow2() else {
             return Err(SnapshotError::NotQcow2);
         };
         if self.limits.readonly {
             return Err(SnapshotError::ReadOnly);
+        }
+        // A backup's view reads the guest's disk through this chain: it
+        // must not change under it.
+        let _chain = self.chain_change.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = self.backup() {
+            return Err(SnapshotError::Refused(format!(
+                "a backup is running (NBD on {}); a live snapshot would change the chain under its view: `backup stop` it first",
+                b.socket
+            )));
         }
         let relock = |file: &std::fs::File| match &self.image_lock {
             Some(l) => l.relock(file),

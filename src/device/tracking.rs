@@ -51,7 +51,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::{Device, ResizeError};
-use crate::backup::{CbwStats, CbwStore, DEFAULT_CLUSTER, FileImage, View};
+use crate::backup::{CbwStats, CbwStore, DEFAULT_CLUSTER, FileImage, Qcow2Disk, View};
 use crate::bitmap::{BitmapError, BitmapInfo, BitmapStore, DEFAULT_GRANULARITY, DirtyBitmap};
 use crate::io::Locked;
 use crate::nbd::{self, ServerStats};
@@ -138,7 +138,8 @@ pub struct BackupSpec {
     /// That directory, opened: the socket is removed through it.
     pub dir_fd: File,
     /// The image, opened again for reading through the page cache (the
-    /// engines' descriptor may be O_DIRECT).
+    /// engines' descriptor may be O_DIRECT). A raw image's view reads it;
+    /// a qcow2 image's reads the chain's own files, through its tables.
     pub image: File,
     /// The copy-before-write store: an unlinked file in `dir`, truncated
     /// to nothing between backups.
@@ -615,6 +616,8 @@ impl Device {
                 .map_err(TrackingError::Unsupported)?;
         }
         let (path, name) = socket_in(&dir, socket)?;
+        // A live snapshot waits for this start, then sees the backup.
+        let _chain = self.chain_change.lock().unwrap_or_else(|e| e.into_inner());
         // The image is held until `backup stop`; the bitmaps are loaded.
         self.claim_image()?;
         let started = self.start_holding(&path, &name, bitmap, image, store);
@@ -664,9 +667,17 @@ impl Device {
             }
         }
         let size = self.size();
-        let image: Arc<dyn crate::backup::Image> = Arc::new(FileImage::with_size(image, size));
+        // The guest's disk: a raw image's file, or a qcow2 image's chain
+        // (the store's cluster then covers the top's, see Qcow2Disk).
+        let (image, cluster): (Arc<dyn crate::backup::Image>, u64) = match self.qcow2() {
+            Some(live) => (
+                Arc::new(Qcow2Disk::new(live.clone(), size)),
+                Qcow2Disk::cluster(live, DEFAULT_CLUSTER),
+            ),
+            None => (Arc::new(FileImage::with_size(image, size)), DEFAULT_CLUSTER),
+        };
         let (switched, switch_us) = self.quiesced(|| {
-            let cbw = Arc::new(CbwStore::with_file(image, store, DEFAULT_CLUSTER)?);
+            let cbw = Arc::new(CbwStore::with_file(image, store, cluster)?);
             let frozen = live.as_ref().map(|(n, b)| (n.clone(), Arc::new(b.take())));
             let mut inner = self.tracking.lock();
             inner.backup = Some(Running {

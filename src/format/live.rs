@@ -217,6 +217,9 @@ pub enum SnapshotError {
     Name(String, String),
     #[error("the image is read-only")]
     ReadOnly,
+    /// The device refuses it now (a backup is running): why.
+    #[error("{0}")]
+    Refused(String),
     #[error("cannot create {path}: {source}")]
     Create { path: String, source: io::Error },
     #[error("requests in flight did not finish within {0:?}; nothing was changed")]

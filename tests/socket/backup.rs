@@ -518,9 +518,10 @@ fn bad_nbd_input_leaves_the_guest_io_alone() {
 }
 
 /// Where backups cannot run, `backup start` says why in one line: no
-/// --backup-dir, a qcow2 image (its bitmaps are sidecars, and work), a
-/// socket outside the backup directory; the qcow2 image's bitmap follows
-/// a live snapshot. (RBD images: tests/rbd/rbd.rs.)
+/// --backup-dir, a socket outside the backup directory. A qcow2 image's
+/// bitmaps are sidecars, and work; a live snapshot is refused while a
+/// backup runs; the bitmap follows a live snapshot. (RBD images:
+/// tests/rbd/rbd.rs.)
 #[test]
 fn backups_are_refused_with_a_reason() {
     if !nbd::have_tools() {
@@ -554,7 +555,7 @@ fn backups_are_refused_with_a_reason() {
     );
     stop(d);
 
-    // qcow2: bitmaps (sidecar) yes, backups no.
+    // qcow2: bitmaps (sidecar), backups, and snapshots between them.
     let dir = test_dir();
     let image = dir.path().join("disk.qcow2");
     nbd::run(
@@ -597,11 +598,17 @@ fn backups_are_refused_with_a_reason() {
         bitmap_state(&api, "q"),
         Some((bytes(&granules(&[w], GRAN, SIZE)), true))
     );
+    // A backup of a qcow2 image runs; a live snapshot would change the
+    // chain under its view, and is refused until it stops.
+    let sock = backup_start(&api, &backups, "q.sock", None);
     ctl_fails(
         &api,
-        &["backup", "start", "--nbd", "q.sock"],
-        "backups of qcow2 images are not supported",
+        &["snapshot", "--overlay", "s1.qcow2"],
+        "a backup is running",
     );
+    assert!(!snaps.join("s1.qcow2").exists(), "no overlay was made");
+    ctl_ok(&api, &["backup", "stop"]);
+    assert!(!sock.exists());
     ctl_ok(&api, &["snapshot", "--overlay", "s1.qcow2"]);
     let w2 = (5 * MIB, 4 * KIB);
     assert_eq!(c.write(w2.0, &pattern(6, w2.0, w2.1 as usize)), 0);
@@ -613,4 +620,278 @@ fn backups_are_refused_with_a_reason() {
     drop(c);
     stop(d);
     assert!(dir.path().join("disk.qcow2.bitmap.q").exists());
+}
+
+/// `qemu-img ARGS`, which must succeed.
+fn qemu_img(args: &[&str]) {
+    nbd::run(Command::new("qemu-img").args(args));
+}
+
+/// The guest's disk as the guest reads it, into the raw file `dest`: the
+/// reference, taken while no write is in flight. (qemu-img cannot open
+/// the chain while the daemon holds it, even with -U; each test checks
+/// the daemon's reads against qemu-img's once the daemon is gone, and
+/// the reference against what was written.)
+fn guest_disk(c: &mut Client, dest: &Path) {
+    let mut v = Vec::with_capacity(SIZE as usize);
+    for at in (0..SIZE).step_by(BUF) {
+        v.extend_from_slice(&c.read(at, BUF));
+    }
+    std::fs::write(dest, v).unwrap();
+}
+
+/// The guest's disk of a qcow2 chain as qemu-img reads it, into `dest`.
+fn qcow2_disk(top: &Path, dest: &Path) {
+    qemu_img(&[
+        "convert",
+        "-f",
+        "qcow2",
+        "-O",
+        "raw",
+        top.to_str().unwrap(),
+        dest.to_str().unwrap(),
+    ]);
+}
+
+/// What [`qcow2_pattern_a`] leaves, at a few places of each kind.
+fn assert_pattern_a(disk: &Path) {
+    let at = |off: u64| read_file(disk, off, 4096);
+    assert!(at(MIB) == pattern(0xa, MIB, 4096), "A in the overlay");
+    assert!(at(5 * MIB) == pattern(0xba5e, 5 * MIB, 4096), "the base");
+    assert!(at(6 * MIB + 8 * KIB) == vec![0; 4096], "zero clusters");
+    assert!(
+        at(10 * MIB + 68 * KIB) == pattern(0xa, 0, 4096),
+        "a partial"
+    );
+    assert!(
+        at(10 * MIB + 72 * KIB) == pattern(0xba5e, 10 * MIB + 72 * KIB, 4096),
+        "the base's rest of a partial cluster"
+    );
+    assert!(at(24 * MIB) == vec![0; 4096], "unallocated");
+}
+
+/// A qcow2 overlay `DIR/disk.qcow2` (clusters of `cluster` bytes) over a
+/// compressed qcow2 base holding pattern 0xba5e over its first 20 MiB
+/// (the rest unallocated), served with `--format qcow2`, `--api` and
+/// `--backup-dir`.
+fn start_qcow2(dir: &Path, cluster: u64) -> Daemon {
+    let raw_base = dir.join("base.raw");
+    std::fs::write(&raw_base, {
+        let mut v = pattern(0xba5e, 0, (20 * MIB) as usize);
+        v.resize(SIZE as usize, 0);
+        v
+    })
+    .unwrap();
+    let base = dir.join("base.qcow2");
+    let top = dir.join("disk.qcow2");
+    qemu_img(&[
+        "convert",
+        "-c",
+        "-f",
+        "raw",
+        "-O",
+        "qcow2",
+        raw_base.to_str().unwrap(),
+        base.to_str().unwrap(),
+    ]);
+    // Its data is all compressed clusters (the pattern compresses).
+    let check: serde_json::Value =
+        serde_json::from_str(&nbd::run(Command::new("qemu-img").args([
+            "check",
+            "--output=json",
+            base.to_str().unwrap(),
+        ])))
+        .unwrap();
+    assert_eq!(
+        check["compressed-clusters"], check["allocated-clusters"],
+        "{check}"
+    );
+    assert!(
+        check["compressed-clusters"].as_u64().unwrap() > 0,
+        "{check}"
+    );
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        &format!("cluster_size={cluster}"),
+        "-F",
+        "qcow2",
+        "-b",
+        base.to_str().unwrap(),
+        top.to_str().unwrap(),
+    ]);
+    let backups = dir.join("backups");
+    std::fs::create_dir_all(&backups).unwrap();
+    let api = dir.join("api.sock");
+    Daemon::start_in(
+        dir,
+        DaemonOptions {
+            image: Some(top),
+            args: &[
+                "--format",
+                "qcow2",
+                "--api",
+                api.to_str().unwrap(),
+                "--backup-dir",
+                backups.to_str().unwrap(),
+            ],
+            ..DaemonOptions::default()
+        },
+    )
+}
+
+/// The first guest's writes on a qcow2 overlay: pattern A over
+/// [0, 4 MiB) (allocated in the overlay), zeroes over [6, 7) MiB (zero
+/// clusters over the base's data), 4 KiB of A inside [10, 11) MiB (a
+/// partial cluster: the rest copied up from the base). The rest of
+/// [0, 20) MiB is the base's (compressed), [20, 32) MiB unallocated.
+fn qcow2_pattern_a(c: &mut Client) {
+    write_pattern(c, 0xa, 0, 4 * MIB);
+    assert_eq!(c.write_zeroes(6 * MIB, MIB), 0);
+    assert_eq!(c.write(10 * MIB + 68 * KIB, &pattern(0xa, 0, 4096)), 0);
+    assert_eq!(c.flush(), 0);
+}
+
+/// Overwrites, after the instant, every kind of place on the overlay:
+/// small writes inside clusters still in the base, in zero clusters and
+/// in unallocated ones (each allocation copies the rest of its cluster
+/// up), then B over the whole disk.
+fn qcow2_overwrite(c: &mut Client, seed: u64) {
+    for k in 0..SIZE / MIB {
+        let off = k * MIB + 132 * KIB;
+        assert_eq!(c.write(off, &pattern(seed + 1, off, 4096)), 0);
+    }
+    assert_eq!(c.discard(2 * MIB, MIB), 0);
+    write_pattern(c, seed, 0, SIZE);
+}
+
+/// A full backup of a qcow2 overlay whose disk is partly in a compressed
+/// base, partly zero clusters, partly unallocated, while the guest
+/// overwrites all of it: nbdcopy and qemu-img copies of the export are
+/// the guest's disk at `backup start`; `base:allocation` reports the
+/// chain's holes; the image checks clean afterwards. Overlay clusters of
+/// 64 KiB and of 256 KiB (larger than the default copy-before-write
+/// cluster).
+#[test]
+fn a_qcow2_backup_under_writes_is_the_instant() {
+    if !nbd::have_tools() {
+        return;
+    }
+    for cluster in [64 * KIB, 256 * KIB] {
+        let dir = test_dir();
+        let d = start_qcow2(dir.path(), cluster);
+        let api = dir.path().join("api.sock");
+        let top = dir.path().join("disk.qcow2");
+        let mut c = Client::connect(&d.socket, BUF);
+        qcow2_pattern_a(&mut c);
+        let at_start = dir.path().join("at-start.raw");
+        guest_disk(&mut c, &at_start);
+        assert_pattern_a(&at_start);
+
+        let sock = backup_start(&api, &dir.path().join("backups"), "q.sock", None);
+        // Data where the chain has it; [20, 32) MiB unallocated: a hole.
+        let map = nbd::map(&sock, None);
+        let at = |off: u64| {
+            map.iter()
+                .find(|e| e.0 <= off && off < e.0 + e.1)
+                .map(|e| e.2)
+                .unwrap_or_else(|| panic!("{off} not in {map:?}"))
+        };
+        assert_eq!(at(0), 0, "overlay data: {map:?}");
+        assert_eq!(at(12 * MIB), 0, "base data: {map:?}");
+        assert_eq!(at(24 * MIB), 3, "unallocated: {map:?}");
+        assert_eq!(at(6 * MIB), 3, "zero clusters: {map:?}");
+
+        let copy = dir.path().join("copy.raw");
+        let running = nbdcopy(&sock, &copy);
+        qcow2_overwrite(&mut c, 0xb);
+        wait_ok(running, "nbdcopy");
+        qcow2_overwrite(&mut c, 0xc);
+        let converted = dir.path().join("copy.qcow2");
+        nbd::convert_qcow2(&sock, &converted);
+        let restored = dir.path().join("restored.raw");
+        nbd::restore(&converted, &restored);
+        assert_same("nbdcopy of the export", &copy, &at_start);
+        assert_same("qemu-img convert of the export", &restored, &at_start);
+
+        let info: serde_json::Value =
+            serde_json::from_str(&ctl_ok(&api, &["backup", "status"])).unwrap();
+        assert!(info["copied_clusters"].as_u64().unwrap() > 0, "{info}");
+        assert_eq!(info["failed"], false, "{info}");
+        ctl_ok(&api, &["backup", "stop"]);
+        // The guest's disk is C: the export did not leak into it.
+        let now = dir.path().join("now.raw");
+        guest_disk(&mut c, &now);
+        assert!(read_file(&now, 0, 4096) == pattern(0xc, 0, 4096));
+        assert!(read_file(&now, 24 * MIB, 4096) == pattern(0xc, 24 * MIB, 4096));
+        drop(c);
+        stop(d);
+        let by_qemu = dir.path().join("by-qemu.raw");
+        qcow2_disk(&top, &by_qemu);
+        assert_same("qemu-img's read of the overlay", &by_qemu, &now);
+        assert_eq!(
+            ringblk_testkit::qemu_img::check(&top),
+            (0, 0),
+            "qemu-img check of the overlay ({cluster}-byte clusters)"
+        );
+    }
+}
+
+/// Full and incremental backups of a qcow2 overlay with `--bitmap`: the
+/// dirty map is every change since the full one, and the full backup with
+/// the incremental one on top is the guest's disk at the second `backup
+/// start`, though the guest overwrote it meanwhile.
+#[test]
+fn an_incremental_qcow2_backup_holds_every_change() {
+    if !nbd::have_tools() {
+        return;
+    }
+    let dir = test_dir();
+    let d = start_qcow2(dir.path(), 64 * KIB);
+    let api = dir.path().join("api.sock");
+    let backups = dir.path().join("backups");
+    let top = dir.path().join("disk.qcow2");
+    ctl_ok(&api, &["bitmap", "add", "inc"]);
+    let mut c = Client::connect(&d.socket, BUF);
+    qcow2_pattern_a(&mut c);
+    let at_first = dir.path().join("at-first.raw");
+    guest_disk(&mut c, &at_first);
+    assert_pattern_a(&at_first);
+
+    let sock = backup_start(&api, &backups, "b.sock", Some("inc"));
+    let full = dir.path().join("full.qcow2");
+    nbd::convert_qcow2(&sock, &full);
+    ctl_ok(&api, &["backup", "stop"]);
+    let restored = dir.path().join("full.raw");
+    nbd::restore(&full, &restored);
+    assert_same("the full backup", &restored, &at_first);
+
+    // Changes in the overlay, in the base's clusters, in unallocated ones.
+    let changed = scattered(&mut c, 100, 2 * MIB);
+    assert_eq!(c.flush(), 0);
+    let at_second = dir.path().join("at-second.raw");
+    guest_disk(&mut c, &at_second);
+
+    let sock = backup_start(&api, &backups, "b.sock", Some("inc"));
+    // The guest overwrites everything while the incremental is taken.
+    qcow2_overwrite(&mut c, 0xd);
+    let want = granules(&changed, GRAN, SIZE);
+    assert_eq!(dirty(&sock, "inc"), want, "the incremental map");
+    let inc = dir.path().join("inc.qcow2");
+    assert_eq!(nbd::incremental(&sock, "inc", &full, &inc), want);
+    ctl_ok(&api, &["backup", "stop"]);
+    let restored = dir.path().join("restored.raw");
+    nbd::restore(&inc, &restored);
+    assert_same("full + incremental", &restored, &at_second);
+    let now = dir.path().join("now.raw");
+    guest_disk(&mut c, &now);
+    drop(c);
+    stop(d);
+    let by_qemu = dir.path().join("by-qemu.raw");
+    qcow2_disk(&top, &by_qemu);
+    assert_same("qemu-img's read of the overlay", &by_qemu, &now);
+    assert_eq!(ringblk_testkit::qemu_img::check(&top), (0, 0));
 }
