@@ -199,23 +199,10 @@ fn read_all(dir: &Path) -> Result<Vec<(PathBuf, Record)>, String> {
 
 /// `at` (seconds since the epoch) as `YYYY-MM-DDTHH:MM:SSZ`.
 pub fn utc(at: u64) -> String {
-    let (days, secs) = ((at / 86_400) as i64, at % 86_400);
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        secs / 3600,
-        secs / 60 % 60,
-        secs % 60
-    )
+    i64::try_from(at)
+        .ok()
+        .and_then(|s| jiff::Timestamp::from_second(s).ok())
+        .map_or_else(|| format!("{at} s after the epoch"), |t| t.to_string())
 }
 
 #[cfg(test)]
