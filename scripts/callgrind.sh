@@ -51,6 +51,8 @@ valgrind --tool=callgrind --callgrind-out-file="$out/cg.out" \
     "$bin" serve --image "$out/d.img" --format "$format" --socket "$out/s.sock" --engine "$engine" \
     --seccomp off --poll-us 0 --metrics "$out/m.sock" --api "$out/a.sock" >"$out/daemon.log" 2>&1 &
 vg=$!
+# A failed step (set -e) must not leave the daemon running under valgrind.
+trap 'kill "$vg" 2>/dev/null || true; rm -rf "$out"' EXIT
 for _ in $(seq 100); do [ -S "$out/s.sock" ] && break; sleep 0.2; done
 sleep 1
 if [ "$bitmap" = yes ]; then
