@@ -24,7 +24,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ringblk_testkit::nbd::{self, backup_start, ctl_ok, dirty, granules};
+use ringblk_testkit::ctl_ok;
+use ringblk_testkit::nbd::{self, backup_start, dirty, granules};
 use ringblk_testkit::vm;
 use ringblk_testkit::vm::qmp::Qmp;
 use ringblk_testkit::vm::{

@@ -49,18 +49,7 @@ fn overlay_over(dir: &Path, kind: &str, size: u64) -> (PathBuf, PathBuf) {
     };
     let top = dir.join("top.qcow2");
     // A relative backing name: resolved against the overlay's directory.
-    let name = base.file_name().unwrap().to_str().unwrap();
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        name,
-        "-F",
-        fmt,
-        top.to_str().unwrap(),
-    ]);
+    overlay(&base, fmt, &top);
     (top, base)
 }
 

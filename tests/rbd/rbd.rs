@@ -361,7 +361,7 @@ fn bitmaps_and_backups_are_refused_with_a_reason() {
         ],
     );
     let mut cl = Client::connect(&d.socket, CHUNK);
-    use ringblk_testkit::nbd::{ctl_fails, ctl_ok};
+    use ringblk_testkit::{ctl_fails, ctl_ok};
     ctl_fails(
         &api,
         &["bitmap", "add", "nightly"],

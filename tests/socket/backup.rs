@@ -17,10 +17,10 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ringblk_testkit::nbd::{
-    self, backup_start, bitmap_state, ctl_fails, ctl_ok, dirty, granules, raw,
+use ringblk_testkit::nbd::{self, backup_start, bitmap_state, dirty, granules, raw};
+use ringblk_testkit::{
+    Client, Daemon, DaemonOptions, KIB, MIB, ctl_fails, ctl_ok, pattern, read_file, test_dir,
 };
-use ringblk_testkit::{Client, Daemon, DaemonOptions, KIB, MIB, pattern, read_file, test_dir};
 
 const SIZE: u64 = 32 * MIB;
 const GRAN: u64 = 64 * KIB;

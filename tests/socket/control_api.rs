@@ -9,21 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use ringblk_testkit::{
-    Client, Daemon, DaemonOptions, LoopDevice, MIB, is_root, pattern, ringblk_bin, test_dir,
+    Client, Daemon, DaemonOptions, LoopDevice, MIB, ctl, is_root, pattern, ringblk_bin, test_dir,
 };
 
 const SIZE: u64 = 64 * MIB;
-
-/// `ringblk ctl --api API ARGS`.
-fn ctl(api: &Path, args: &[&str]) -> Output {
-    Command::new(ringblk_bin())
-        .arg("ctl")
-        .arg("--api")
-        .arg(api)
-        .args(args)
-        .output()
-        .expect("running ringblk ctl")
-}
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ringblk_testkit::qemu_img::{check_clean, compare_identical, overlay, qemu_img, sha256};
-use ringblk_testkit::{Client, Daemon, DaemonOptions, KIB, MIB, Op, test_dir};
+use ringblk_testkit::{Client, Daemon, DaemonOptions, KIB, MIB, Op, ctl, test_dir};
 
 const SIZE: u64 = 32 * MIB;
 const CLUSTER: u64 = 64 * KIB;
@@ -286,17 +286,6 @@ fn many_queues_allocate_at_once() {
         stop(d);
         c.verify();
     }
-}
-
-/// `ringblk ctl --api API ARGS`.
-fn ctl(api: &Path, args: &[&str]) -> std::process::Output {
-    std::process::Command::new(ringblk_testkit::ringblk_bin())
-        .arg("ctl")
-        .arg("--api")
-        .arg(api)
-        .args(args)
-        .output()
-        .expect("running ringblk ctl")
 }
 
 /// `qemu-img convert` of `image` to a raw file next to it.

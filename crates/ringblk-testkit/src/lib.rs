@@ -30,6 +30,7 @@
 
 pub mod ceph;
 mod client;
+mod ctl;
 mod daemon;
 pub mod frontend;
 pub mod nbd;
@@ -45,6 +46,7 @@ use std::time::Duration;
 use tempfile::TempDir;
 
 pub use client::{Client, Op, Sustained, chunked};
+pub use ctl::{ctl, ctl_fails, ctl_ok};
 pub use daemon::{Daemon, DaemonOptions};
 
 pub const KIB: u64 = 1 << 10;

@@ -5,10 +5,10 @@
 //! for the verbs.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Once;
 
-use crate::{ringblk_bin, skip, workspace_root};
+use crate::{ctl_ok, skip, workspace_root};
 
 /// Whether nbdinfo, nbdcopy and qemu-img are here, installing them once
 /// (scripts/nbd-tools.sh) if they are not. Without them a test skips,
@@ -162,40 +162,6 @@ pub fn restore(chain_top: &Path, dest: &Path) {
         .args(["convert", "-O", "raw"])
         .arg(chain_top)
         .arg(dest));
-}
-
-/// `ringblk ctl --api API ARGS`.
-pub fn ctl(api: &Path, args: &[&str]) -> Output {
-    Command::new(ringblk_bin())
-        .arg("ctl")
-        .arg("--api")
-        .arg(api)
-        .args(args)
-        .output()
-        .expect("running ringblk ctl")
-}
-
-/// `ctl`, which must succeed; its standard output.
-#[track_caller]
-pub fn ctl_ok(api: &Path, args: &[&str]) -> String {
-    let o = ctl(api, args);
-    assert!(
-        o.status.success(),
-        "ringblk ctl {args:?}: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-/// `ctl`, which must fail with one line containing `what`.
-#[track_caller]
-pub fn ctl_fails(api: &Path, args: &[&str], what: &str) {
-    let o = ctl(api, args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "ringblk ctl {args:?}: {err}");
-    assert_eq!(err.lines().count(), 1, "one line: {err}");
-    assert!(err.contains(what), "'{what}' not in: {err}");
 }
 
 /// A bitmap of `ctl bitmap list --json`: (dirty bytes, consistent).

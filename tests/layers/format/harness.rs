@@ -6,7 +6,9 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use ringblk::format::{Dir, Format, FormatError, Image, OpenOptions, Piece, Where};
-pub use ringblk_testkit::qemu_img::{check, check_clean, compare_identical, qemu_img, run, sha256};
+pub use ringblk_testkit::qemu_img::{
+    check, check_clean, compare_identical, overlay, qemu_img, run, sha256,
+};
 
 pub const MIB: u64 = 1 << 20;
 

@@ -335,7 +335,7 @@ pub fn run(m: Migration) {
     if m.bitmap {
         // Before the destination's daemon starts: it finds the sidecar
         // then (a daemon opens its bitmaps' files at start-up).
-        crate::nbd::ctl_ok(&api_of(dir, &src), &["bitmap", "add", "mig"]);
+        crate::ctl_ok(&api_of(dir, &src), &["bitmap", "add", "mig"]);
     }
     let (mut dst_daemon, _) = start_daemon(&dst);
 
@@ -552,7 +552,7 @@ fn check_bitmap(dir: &Path, src: &Side, dst: &Side, image: &Path, initial: &Path
         Some("mig"),
     );
     let marked = crate::nbd::dirty(&sock, "mig");
-    crate::nbd::ctl_ok(&api_of(dir, dst), &["backup", "stop"]);
+    crate::ctl_ok(&api_of(dir, dst), &["backup", "stop"]);
     let (now, before) = (
         fs::read(image).expect("the image"),
         fs::read(initial).expect("the initial image"),
