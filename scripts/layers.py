@@ -17,6 +17,8 @@ import re
 import sys
 
 LAYERS = [
+    # Facts of the running host (its boot id).
+    ["host"],
     # Leaves: the split ring and typed requests; the image file; counters
     # and rate-limited logs; socket files; dirty bitmaps; image formats
     # (where a guest offset lives: raw, qcow2).

@@ -2,6 +2,7 @@
 //!
 //! Layers, bottom to top; each imports only from layers below it
 //! (`scripts/layers.py` checks):
+//! - [`host`]: facts of the running host (its boot id);
 //! - leaves: [`virtio`] (the split ring as we drive it, and the typed,
 //!   validated block [`virtio::Request`] with its guest buffers), [`io`]
 //!   (the image file: opening, creating, locking it), [`metrics`]
@@ -37,6 +38,7 @@ pub mod daemon;
 pub mod device;
 pub mod engine;
 pub mod format;
+pub mod host;
 pub mod io;
 pub mod metrics;
 pub mod nbd;

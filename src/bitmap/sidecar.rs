@@ -70,21 +70,13 @@ const VERSION: u32 = 1;
 pub const HEADER_SIZE: u64 = 4096;
 const FLAG_IN_USE: u32 = 1 << 0;
 const FLAG_INCONSISTENT: u32 = 1 << 1;
-const BOOT_ID_LEN: usize = 36;
+use crate::host::BOOT_ID_LEN;
 
 /// The flags of the only `openat` the daemon makes after start-up: a new
 /// sidecar, never an existing file, never through a symlink.
 pub const CREATE_FLAGS: i32 =
     libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
 
-/// The boot id of the running kernel, which changes at every boot.
-pub fn current_boot_id() -> io::Result<[u8; BOOT_ID_LEN]> {
-    let s = fs::read_to_string("/proc/sys/kernel/random/boot_id")?;
-    s.trim()
-        .as_bytes()
-        .try_into()
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "unexpected boot_id format"))
-}
 
 /// The fields of a sidecar header.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -227,7 +219,7 @@ impl SidecarStore {
     /// what an `add` that did not finish left: a file with no magic yet,
     /// or a temporary `.stem.bitmap.NAME.new` of an older ringblk.
     pub fn new(dir: &Path, stem: &str) -> Result<SidecarStore, BitmapError> {
-        let boot_id = current_boot_id().map_err(|source| BitmapError::Io {
+        let boot_id = crate::host::boot_id().map_err(|source| BitmapError::Io {
             path: "/proc/sys/kernel/random/boot_id".into(),
             source,
         })?;

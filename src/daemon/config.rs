@@ -639,8 +639,12 @@ fn open_qcow2(
                 .map_err(|e| DaemonError::Config(format!("--snapshot-dir {}: {e}", d.display())))
         })
         .transpose()?;
+    // The L2 log lives next to the image `--image` names: a restart with
+    // the same command line finds it, also after snapshots moved the top.
+    let named = followed.map_or(image.path.as_path(), named_of);
     let options = crate::format::OpenOptions {
         writable: !args.readonly,
+        l2_log: (!args.readonly).then(|| crate::format::qcow2::l2log::path_for(named)),
         ..Default::default()
     };
     let live = Live::open(

@@ -458,7 +458,7 @@ impl Device {
                 lock.acquire()?;
             }
             if let Some(live) = self.qcow2() {
-                if let Err(e) = live.refresh() {
+                if let Err(e) = live.claim() {
                     log::error!("{}: reading the metadata afresh: {e}", self.name);
                 }
             }

@@ -319,6 +319,35 @@ impl Live {
         self.current().image.invalidate()
     }
 
+    /// [`Live::refresh`] for a daemon that has just taken the image lock:
+    /// the L2 log is taken into use too (see [`Qcow2Image::claim`]), and
+    /// what it had is said in the log.
+    pub fn claim(&self) -> Result<(), FormatError> {
+        let served = self.current();
+        let adopted = served.image.claim()?;
+        let top = served.image.chain().into_iter().next().unwrap_or_default();
+        let log = served
+            .image
+            .l2_log_path()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        if adopted.replayed > 0 {
+            log::warn!(
+                "{}: a daemon stopped uncleanly on it; wrote the {} L2 entries it had left in {log} into the image",
+                top.display(),
+                adopted.replayed
+            );
+        }
+        if let Some(why) = adopted.dropped {
+            log::warn!(
+                "{}: a daemon stopped uncleanly on it, and its L2 log {log} does not apply ({why}); \
+                 the image is as its last write-out left it (writes the guest had not flushed may be lost)",
+                top.display()
+            );
+        }
+        Ok(())
+    }
+
     /// A queue's gate; `wake` brings its worker back after a pause.
     pub fn gate(&self, wake: Box<dyn Fn() + Send + Sync>) -> Arc<Gate> {
         let g = Arc::new(Gate {

@@ -10,6 +10,7 @@
 //!   never probed, depth bounded, loops refused), the slow path (one
 //!   metadata operation at a time under `meta`), and group commit.
 
+pub mod l2log;
 pub mod map_cache;
 pub mod ordered;
 
@@ -28,8 +29,9 @@ use imago::raw::Raw;
 use imago::{FormatAccess, FormatCreateBuilder, Mapping};
 
 use super::{Commit, Dir, FormatError, Piece, Where};
+use l2log::L2Log;
 use map_cache::{Loc, MAX_FILES, MapCache};
-pub use ordered::{ChainFile, FileState, Journal, JournalOp};
+pub use ordered::{Adopted, ChainFile, FileState, Journal, JournalOp};
 
 /// One image of a chain as imago holds it; shared, so that a snapshot's
 /// overlay can take the old top as its backing file.
@@ -54,6 +56,11 @@ pub struct OpenOptions {
     pub ordered: bool,
     /// Tests only: record every write and fdatasync of the top.
     pub journal: Option<Arc<Journal>>,
+    /// The L2 log of a writable top (see [`l2log`]): opened at open,
+    /// taken into use by [`Qcow2Image::claim`]. Without one, each group of
+    /// allocating writes takes an fdatasync before its L2 entries, and a
+    /// marked image (a daemon with a log was killed on it) is refused.
+    pub l2_log: Option<PathBuf>,
 }
 
 impl Default for OpenOptions {
@@ -64,6 +71,7 @@ impl Default for OpenOptions {
             map_cache_entries: 1 << 16,
             ordered: true,
             journal: None,
+            l2_log: None,
         }
     }
 }
@@ -95,6 +103,8 @@ pub struct Qcow2Image {
     /// that a write never takes the fast path to a cluster whose
     /// allocation a kill -9 could still lose. Under `meta`.
     uncommitted: Mutex<Vec<(u64, Loc)>>,
+    /// The top's L2 log, if it has one (see [`l2log`]).
+    l2log: Option<Arc<L2Log>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -151,6 +161,18 @@ impl Qcow2Image {
             min_cluster_bits: 21,
         };
         let max_chain = options.max_chain.clamp(1, MAX_FILES);
+        let l2log = match (&options.l2_log, options.writable) {
+            (Some(p), true) => Some(Arc::new(L2Log::open(p).map_err(|e| {
+                open_err(
+                    path,
+                    format!(
+                        "its L2 log {}: {e} (the daemon keeps it next to the image)",
+                        p.display()
+                    ),
+                )
+            })?)),
+            _ => None,
+        };
         let (top, header) = open_qcow2(path, options, max_chain, &mut chain)?;
         let version = be32(&header[4..8]);
         let cluster_bits = be32(&header[20..24]);
@@ -169,6 +191,7 @@ impl Qcow2Image {
             committed: AtomicU64::new(0),
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
+            l2log,
         })
     }
 
@@ -671,6 +694,12 @@ impl Qcow2Image {
         let made = self.make_overlay(file, path, backing_name, options, record);
         if made.is_err() {
             self.files[0].thaw();
+            // The log may name the overlay by now: it is the old top's again.
+            if let Some(log) = &self.l2log {
+                self.files[0]
+                    .adopt_log(Arc::clone(log))
+                    .map_err(FormatError::io("taking the L2 log back"))?;
+            }
         }
         made
     }
@@ -707,6 +736,11 @@ impl Qcow2Image {
         check_l1_covers(path, &header, q.size())?;
         q.set_backing(Some(Arc::clone(&self.top)));
         let top: Layer = Arc::new(FormatAccess::new(q));
+        // The log follows the top: the old top's was written out and
+        // emptied before it was frozen.
+        if let Some(log) = &self.l2log {
+            state.adopt_log(Arc::clone(log)).map_err(err)?;
+        }
         record()?;
         for f in &self.files {
             f.move_down();
@@ -728,6 +762,7 @@ impl Qcow2Image {
             committed: AtomicU64::new(0),
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
+            l2log: self.l2log.clone(),
         })
     }
 
@@ -853,13 +888,32 @@ impl Qcow2Image {
     /// (the source of a migration before it stops, and the side that gets
     /// the image back).
     pub fn invalidate(&self) -> Result<(), FormatError> {
+        self.reread(false).map(|_| ())
+    }
+
+    /// [`Qcow2Image::invalidate`], for a daemon that has just taken the
+    /// image lock: then also the L2 log is taken into use (what a daemon
+    /// killed on the image left in it written into the image first; see
+    /// [`l2log`]). Allocating writes hold their L2 entries back from then
+    /// on. Returns what the log had.
+    pub fn claim(&self) -> Result<Adopted, FormatError> {
+        self.reread(true)
+    }
+
+    fn reread(&self, claim: bool) -> Result<Adopted, FormatError> {
         let _group = lock(&self.commit_lock);
         let _meta = lock(&self.meta);
+        let mut adopted = Adopted::default();
         if self.writable {
             self.commit_locked()?;
             self.files[0]
                 .sync_now()
                 .map_err(FormatError::io("fdatasync"))?;
+            if let (true, Some(log)) = (claim, &self.l2log) {
+                adopted = self.files[0]
+                    .adopt_log(Arc::clone(log))
+                    .map_err(FormatError::io("applying the L2 log"))?;
+            }
         }
         self.cache.clear();
         lock(&self.uncommitted).clear();
@@ -871,7 +925,18 @@ impl Qcow2Image {
         self.size.store(self.top.size(), Ordering::Release);
         self.files[0]
             .load_shadow()
-            .map_err(FormatError::io("rereading metadata"))
+            .map_err(FormatError::io("rereading metadata"))?;
+        Ok(adopted)
+    }
+
+    /// The top's L2 log, if it has one.
+    pub fn l2_log_path(&self) -> Option<&Path> {
+        self.l2log.as_deref().map(L2Log::path)
+    }
+
+    /// Bytes of L2 tables held back from the file now (see [`l2log`]).
+    pub fn held_l2_bytes(&self) -> usize {
+        self.files[0].held_l2_bytes()
     }
 
     /// fdatasyncs of the top so far: the ordering's cost, for tests and
@@ -955,6 +1020,17 @@ fn open_qcow2(
         return Err(open_err(
             path,
             "qcow2 version 2 is served read-only (--read-only), or upgrade it: qemu-img amend -o compat=1.1",
+        ));
+    }
+    let incompat = u64::from_be_bytes(header[72..80].try_into().unwrap_or([0; 8]));
+    if incompat & l2log::MARK != 0 && !(writable && options.l2_log.is_some()) {
+        return Err(open_err(
+            path,
+            format!(
+                "holds L2 entries in its L2 log ({}) from a daemon that stopped uncleanly; \
+                 serve it read-write with ringblk once (--format qcow2), which writes them in",
+                l2log::path_for(path).display()
+            ),
         ));
     }
     if writable && be32(&header[60..64]) != 0 {

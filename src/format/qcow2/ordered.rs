@@ -43,7 +43,7 @@
 //! reaches the file is recorded in order, so a test can rebuild the image
 //! as a power loss could have left it.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::fs::File;
 use std::io;
@@ -55,6 +55,16 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use imago::Storage;
 use imago::io_buffers::{IoVector, IoVectorMut};
 use imago::storage::drivers::CommonStorageHelper;
+
+use super::l2log::{self, INCOMPAT_OFFSET, L2Log};
+
+/// The byte of the header that holds [`l2log::MARK`] (incompatible
+/// features are big-endian: bit 62 is in their first byte).
+const MARK_BYTE: u64 = INCOMPAT_OFFSET;
+const MARK_BIT: u8 = (l2log::MARK >> 56) as u8;
+
+/// Past this many bytes of held L2 tables they are written out.
+const MAX_HELD_L2: usize = 64 << 20;
 
 /// One operation that reached an image file, as a [`Journal`] records it.
 #[derive(Clone, Debug)]
@@ -120,6 +130,24 @@ struct Order {
     held: Vec<(u64, Vec<u8>)>,
     /// Refblock writes that free clusters, held back behind `held`.
     held_frees: Vec<(u64, Vec<u8>)>,
+    /// The L2 log adopted ([`FileState::adopt_log`]): L2 table writes are
+    /// held in `held_l2` and their changed entries logged, rather than
+    /// written after an fdatasync (see [`super::l2log`]).
+    l2log: Option<Arc<L2Log>>,
+    /// L2 tables held back, by offset in the file: their newest content.
+    held_l2: BTreeMap<u64, Vec<u8>>,
+    held_l2_bytes: usize,
+    /// The file has [`l2log::MARK`] set (in the page cache at least).
+    marked: bool,
+}
+
+/// What adopting the L2 log found.
+#[derive(Debug, Default)]
+pub struct Adopted {
+    /// Entries of the log written into the image's L2 tables.
+    pub replayed: usize,
+    /// The image was marked but its log did not apply, and why.
+    pub dropped: Option<String>,
 }
 
 /// One file of a chain as imago holds it; the format layer keeps another
@@ -198,6 +226,10 @@ impl FileState {
             frozen: false,
             held: Vec::new(),
             held_frees: Vec::new(),
+            l2log: None,
+            held_l2: BTreeMap::new(),
+            held_l2_bytes: 0,
+            marked: false,
         };
         self.order = Some(Mutex::new(order));
         self.journal = journal;
@@ -373,8 +405,154 @@ impl FileState {
             for (at, data) in o.held.iter().chain(o.held_frees.iter()) {
                 overlay(buf, offset, data, *at);
             }
+            let end = offset + buf.len() as u64;
+            let from = offset.saturating_sub((1u64 << o.cluster_bits) - 1);
+            for (at, data) in o.held_l2.range(from..end) {
+                overlay(buf, offset, data, *at);
+            }
+        }
+        // imago never sees the L2 log's mark (see `l2log`).
+        patch_mark(buf, offset, false);
+        Ok(())
+    }
+
+    /// Whether the file has [`l2log::MARK`] set.
+    fn file_marked(&self) -> io::Result<bool> {
+        let mut b = [0u8; 1];
+        self.file.read_exact_at(&mut b, MARK_BYTE)?;
+        Ok(b[0] & MARK_BIT != 0)
+    }
+
+    /// Sets or clears [`l2log::MARK`] in the file.
+    fn set_mark(&self, o: &mut Order, on: bool) -> io::Result<()> {
+        let mut b = [0u8; 1];
+        self.file.read_exact_at(&mut b, MARK_BYTE)?;
+        patch_mark(&mut b, MARK_BYTE, on);
+        self.pwrite(&b, MARK_BYTE)?;
+        o.unsynced |= UNSYNCED_OTHER;
+        o.marked = on;
+        Ok(())
+    }
+
+    /// An L2 table write with the log adopted: the entries that change
+    /// are logged (the mark set first), the table held back.
+    fn hold_l2(&self, o: &mut Order, data: Vec<u8>, offset: u64) -> io::Result<()> {
+        let Some(log) = o.l2log.clone() else {
+            return Err(io::Error::other("no L2 log"));
+        };
+        let mut changed = Vec::new();
+        {
+            let from_file;
+            let prev: &[u8] = match o.held_l2.get(&offset) {
+                Some(p) if p.len() == data.len() => p,
+                _ => {
+                    let mut b = vec![0u8; data.len()];
+                    self.read_overlaid(None, &mut b, offset)?;
+                    from_file = b;
+                    &from_file
+                }
+            };
+            for (i, (new, old)) in data.chunks_exact(8).zip(prev.chunks_exact(8)).enumerate() {
+                if new != old {
+                    changed.push((offset + 8 * i as u64, be64(new, 0)));
+                }
+            }
+        }
+        if changed.is_empty() {
+            return Ok(());
+        }
+        if !o.marked {
+            self.set_mark(o, true)?;
+        }
+        let log_len = log.append(&changed)?;
+        let len = data.len();
+        if let Some(old) = o.held_l2.insert(offset, data) {
+            o.held_l2_bytes -= old.len();
+        }
+        o.held_l2_bytes += len;
+        if log_len > l2log::MAX_LOG || o.held_l2_bytes > MAX_HELD_L2 {
+            self.write_out(o)?;
         }
         Ok(())
+    }
+
+    /// Writes the held L2 tables into the file, once what they point to is
+    /// durable, then clears the mark and empties the log: from here on the
+    /// file's own L2 tables have every entry (in the page cache; an
+    /// fdatasync makes them durable).
+    fn write_out(&self, o: &mut Order) -> io::Result<()> {
+        if !o.held_l2.is_empty() {
+            if o.unsynced & (UNSYNCED_OTHER | UNSYNCED_RB) != 0 {
+                self.fdatasync(o)?;
+            }
+            for (offset, data) in std::mem::take(&mut o.held_l2) {
+                self.pwrite(&data, offset)?;
+            }
+            o.held_l2_bytes = 0;
+            o.unsynced |= UNSYNCED_L2;
+        }
+        if o.marked {
+            self.set_mark(o, false)?;
+            if let Some(log) = &o.l2log {
+                log.reset(&self.file)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes `log` as this file's L2 log (the image lock is held: no other
+    /// process writes the file). If the file is marked, a daemon holding
+    /// it stopped uncleanly: the log's entries are written into the L2
+    /// tables first when the log is this boot's and this file's (a kill
+    /// -9), else dropped (a host stop: only what the page cache held is
+    /// gone), and the mark is cleared either way. Called with imago's
+    /// caches written; the caller has imago reread them afterwards.
+    pub fn adopt_log(&self, log: Arc<L2Log>) -> io::Result<Adopted> {
+        let Some(order) = &self.order else {
+            return Ok(Adopted::default());
+        };
+        let mut o = lock(order);
+        if !o.enabled || o.frozen {
+            return Ok(Adopted::default());
+        }
+        self.write_out(&mut o)?;
+        let mut adopted = Adopted::default();
+        if self.file_marked()? {
+            self.reload_shadow(&mut o, true, true, true)?;
+            let found = log.entries_for(&self.file)?;
+            let bad = found
+                .entries
+                .iter()
+                .find(|(at, _)| at % 8 != 0 || !o.l2_clusters.contains(&(at >> o.cluster_bits)));
+            match (found.stale, bad) {
+                (Some(why), _) => adopted.dropped = Some(why),
+                (None, Some((at, _))) => {
+                    adopted.dropped = Some(format!(
+                        "its entry at {at:#x} is not in an L2 table of the image"
+                    ))
+                }
+                (None, None) if !found.entries.is_empty() => {
+                    self.fdatasync(&mut o)?;
+                    for &(at, value) in &found.entries {
+                        self.pwrite(&value.to_be_bytes(), at)?;
+                    }
+                    adopted.replayed = found.entries.len();
+                }
+                (None, None) => {}
+            }
+            self.set_mark(&mut o, false)?;
+            self.fdatasync(&mut o)?;
+        }
+        log.reset(&self.file)?;
+        o.l2log = Some(log);
+        Ok(adopted)
+    }
+
+    /// Bytes of L2 tables held back now.
+    pub fn held_l2_bytes(&self) -> usize {
+        self.order
+            .as_ref()
+            .map_or(0, |o| lock(o).held_l2_bytes)
     }
 
     fn pwrite(&self, data: &[u8], offset: u64) -> io::Result<()> {
@@ -425,11 +603,18 @@ impl FileState {
                 "write to a former top of the chain (a snapshot froze it)",
             ));
         }
+        let mut data = data;
         if !o.loaded {
+            // imago at open (clearing autoclear bits): the mark, which it
+            // does not see, stays as the file has it.
+            if covers_mark(&data, offset) {
+                patch_mark(&mut data, offset, self.file_marked()?);
+            }
             o.unsynced |= UNSYNCED_OTHER;
             return self.pwrite(&data, offset);
         }
         if !o.enabled {
+            patch_mark(&mut data, offset, o.marked);
             o.unsynced |= UNSYNCED_OTHER;
             self.pwrite(&data, offset)?;
             let class = Self::classify(&o, offset);
@@ -443,6 +628,9 @@ impl FileState {
             Class::Header | Class::L1 | Class::RefTable => o.held.push((offset, data)),
             Class::RefBlock => {
                 if let Some(raised) = self.raises_only(&o, &data, offset)? {
+                    // A cluster freed: the L2 tables that dropped it must
+                    // be in the file first.
+                    self.write_out(&mut o)?;
                     if !o.held.is_empty() {
                         // The raised refcounts (e.g. of the new table the
                         // held pointers point to) go now; the lowered ones
@@ -458,6 +646,9 @@ impl FileState {
                 }
                 self.pwrite(&data, offset)?;
                 o.unsynced |= UNSYNCED_RB;
+            }
+            Class::L2 if o.l2log.is_some() && data.len() % 8 == 0 => {
+                self.hold_l2(&mut o, data, offset)?;
             }
             Class::L2 => {
                 if o.unsynced & (UNSYNCED_OTHER | UNSYNCED_RB) != 0 {
@@ -485,8 +676,11 @@ impl FileState {
         if o.held.is_empty() && o.held_frees.is_empty() {
             return Ok(false);
         }
+        // The L2 tables the new pointers may lead to, first.
+        self.write_out(&mut o)?;
         let held = std::mem::take(&mut o.held);
-        for (offset, data) in held {
+        for (offset, mut data) in held {
+            patch_mark(&mut data, offset, o.marked);
             self.fdatasync(&mut o)?;
             self.pwrite(&data, offset)?;
             let class = Self::classify(&o, offset);
@@ -518,10 +712,15 @@ impl FileState {
             .is_some_and(|o| !lock(o).held.is_empty())
     }
 
-    /// fdatasync, noting that nothing is unsynced any more.
+    /// Writes out the held L2 tables, then fdatasync: everything written
+    /// so far is durable.
     pub fn sync_now(&self) -> io::Result<()> {
         match &self.order {
-            Some(order) => self.fdatasync(&mut lock(order)),
+            Some(order) => {
+                let mut o = lock(order);
+                self.write_out(&mut o)?;
+                self.fdatasync(&mut o)
+            }
             None => self.file.sync_data(),
         }
     }
@@ -533,6 +732,7 @@ impl FileState {
         match &self.order {
             Some(order) => {
                 let mut o = lock(order);
+                self.write_out(&mut o)?;
                 if o.unsynced != 0 {
                     self.fdatasync(&mut o)?;
                 }
@@ -627,6 +827,20 @@ fn refcount_max(a: &[u8], b: &[u8], bits: u32) -> Vec<u8> {
                 })
             })
             .collect()
+    }
+}
+
+/// Whether a write of `data` at `offset` covers the byte of the mark.
+fn covers_mark(data: &[u8], offset: u64) -> bool {
+    offset <= MARK_BYTE && MARK_BYTE < offset + data.len() as u64
+}
+
+/// Sets (`on`) or clears [`l2log::MARK`] in `buf`, read from or to be
+/// written at file offset `offset`, if it covers the mark's byte.
+fn patch_mark(buf: &mut [u8], offset: u64, on: bool) {
+    if covers_mark(buf, offset) {
+        let b = &mut buf[(MARK_BYTE - offset) as usize];
+        *b = if on { *b | MARK_BIT } else { *b & !MARK_BIT };
     }
 }
 

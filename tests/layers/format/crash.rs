@@ -86,12 +86,49 @@ impl Replayer {
     }
 }
 
+/// How the workload opens its image.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// imago's own write order (what the ordering prevents).
+    Unordered,
+    /// Ordered, without an L2 log: an fdatasync before each group's L2
+    /// tables.
+    Ordered,
+    /// Ordered, with the L2 log (as the daemon runs): L2 tables held back
+    /// until a FLUSH or a bound, their entries logged.
+    Logged,
+}
+
+/// Opens `top` for a workload in `mode`, with the journal of every write
+/// and fdatasync attached.
+fn open_for(top: &Path, mode: Mode, journal: &Arc<Journal>) -> Image {
+    let options = OpenOptions {
+        ordered: mode != Mode::Unordered,
+        journal: Some(Arc::clone(journal)),
+        ..OpenOptions::default()
+    };
+    match mode {
+        Mode::Logged => open_logged(top, options).0,
+        _ => Image::open(top, Format::Qcow2, &options).unwrap(),
+    }
+}
+
+/// What the daemon does when it next takes an image after a power loss:
+/// the L2 log is not this boot's (here: there is none), so the mark is
+/// cleared and the image is served as its L2 tables are.
+fn after_power_loss(path: &Path) {
+    let log = ringblk::format::qcow2::l2log::path_for(path);
+    let _ = std::fs::remove_file(&log);
+    drop(open_logged(path, OpenOptions::default()));
+    let _ = std::fs::remove_file(&log);
+}
+
 /// Runs the workload with a journal and checks power-loss images at up to
 /// `boundaries` fdatasyncs, `subsets` random subsets of the writes after
 /// each. Returns (images checked, images corrupt, most leaks).
 fn power_loss_replays(
     name: &str,
-    ordered: bool,
+    mode: Mode,
     boundaries: usize,
     subsets: usize,
 ) -> (usize, usize, u64) {
@@ -101,12 +138,7 @@ fn power_loss_replays(
     let initial = std::fs::read(&top).unwrap();
     let journal = Arc::new(Journal::default());
     {
-        let options = OpenOptions {
-            ordered,
-            journal: Some(Arc::clone(&journal)),
-            ..OpenOptions::default()
-        };
-        let img = Image::open(&top, Format::Qcow2, &options).unwrap();
+        let img = open_for(&top, mode, &journal);
         workload(&img, size);
         flush(&img).unwrap();
     }
@@ -172,6 +204,9 @@ fn power_loss_replays(
                 }
             }
             std::fs::write(&replay_path, &image).unwrap();
+            if mode == Mode::Logged {
+                after_power_loss(&replay_path);
+            }
             let (c, l) = check(&replay_path);
             checked += 1;
             if c > 0 {
@@ -197,15 +232,18 @@ fn power_loss_replays(
 /// are allowed and reported).
 #[test]
 fn power_loss_leaves_no_corruption() {
-    let (checked, corrupt, leaks) = power_loss_replays("power-loss", true, 120, 4);
-    eprintln!(
-        "power loss: {checked} images checked, {corrupt} corrupt, at most {leaks} leaked clusters"
-    );
-    assert!(checked >= 100, "only {checked} images checked");
-    assert_eq!(
-        corrupt, 0,
-        "{corrupt} of {checked} power-loss images are corrupt"
-    );
+    for (mode, what) in [(Mode::Ordered, "no L2 log"), (Mode::Logged, "L2 log")] {
+        let name = format!("power-loss-{}", what.replace(' ', "-"));
+        let (checked, corrupt, leaks) = power_loss_replays(&name, mode, 120, 4);
+        eprintln!(
+            "power loss ({what}): {checked} images checked, {corrupt} corrupt, at most {leaks} leaked clusters"
+        );
+        assert!(checked >= 100, "{what}: only {checked} images checked");
+        assert_eq!(
+            corrupt, 0,
+            "{what}: {corrupt} of {checked} power-loss images are corrupt"
+        );
+    }
 }
 
 /// The checker finds what the ordering prevents: imago's writes in its own
@@ -213,7 +251,7 @@ fn power_loss_leaves_no_corruption() {
 /// before the refcounts of what they point to) leave corrupt images.
 #[test]
 fn power_loss_without_ordering_is_caught() {
-    let (checked, corrupt, _) = power_loss_replays("power-loss-unordered", false, 40, 12);
+    let (checked, corrupt, _) = power_loss_replays("power-loss-unordered", Mode::Unordered, 40, 12);
     eprintln!("unordered: {checked} images checked, {corrupt} corrupt");
     assert!(
         corrupt > 0,
@@ -228,7 +266,7 @@ fn power_loss_without_ordering_is_caught() {
 /// point; the image is rebuilt as a power loss there leaves it at worst
 /// (only what an fdatasync made durable), checks clean and reads back
 /// every write it must keep. Returns (points checked, most leaks).
-fn power_loss_keeps_durable_writes(name: &str, writethrough: bool) -> (usize, u64) {
+fn power_loss_keeps_durable_writes(name: &str, writethrough: bool, mode: Mode) -> (usize, u64) {
     let dir = scratch(name);
     let size = 48 * MIB;
     let top = small_cluster_overlay(&dir, size);
@@ -238,12 +276,7 @@ fn power_loss_keeps_durable_writes(name: &str, writethrough: bool) -> (usize, u6
     let mut points: Vec<(usize, usize)> = Vec::new();
     let mut writes: Vec<(u64, u64, u64)> = Vec::new();
     {
-        let options = OpenOptions {
-            ordered: true,
-            journal: Some(Arc::clone(&journal)),
-            ..OpenOptions::default()
-        };
-        let img = Image::open(&top, Format::Qcow2, &options).unwrap();
+        let img = open_for(&top, mode, &journal);
         let mut rng = Rng(0xd00d + u64::from(writethrough));
         for i in 0..96u64 {
             let len = 512 * (1 + rng.below(24));
@@ -294,6 +327,9 @@ fn power_loss_keeps_durable_writes(name: &str, writethrough: bool) -> (usize, u6
             continue;
         }
         std::fs::write(&replay_path, &durable).unwrap();
+        if mode == Mode::Logged {
+            after_power_loss(&replay_path);
+        }
         let (corrupt, leaks) = check(&replay_path);
         assert_eq!(corrupt, 0, "power loss after write {keep}: corrupt image");
         most_leaks = most_leaks.max(leaks);
@@ -320,18 +356,30 @@ fn power_loss_keeps_durable_writes(name: &str, writethrough: bool) -> (usize, u6
 /// of the writes completed so far (their L2 entries are durable too).
 #[test]
 fn power_loss_keeps_every_completed_write_through() {
-    let (checked, leaks) = power_loss_keeps_durable_writes("power-loss-writethrough", true);
-    eprintln!("write-through: {checked} power-loss images, at most {leaks} leaked clusters");
-    assert!(checked >= 30, "only {checked} images checked");
+    for mode in [Mode::Ordered, Mode::Logged] {
+        let name = format!("power-loss-writethrough-{}", mode as u8);
+        let (checked, leaks) = power_loss_keeps_durable_writes(&name, true, mode);
+        eprintln!(
+            "write-through (L2 log: {}): {checked} power-loss images, at most {leaks} leaked clusters",
+            mode == Mode::Logged
+        );
+        assert!(checked >= 30, "only {checked} images checked");
+    }
 }
 
 /// Write-back: a power loss right after a FLUSH was acknowledged loses
 /// none of the writes completed before it.
 #[test]
 fn power_loss_keeps_every_flushed_write() {
-    let (checked, leaks) = power_loss_keeps_durable_writes("power-loss-flushed", false);
-    eprintln!("after FLUSH: {checked} power-loss images, at most {leaks} leaked clusters");
-    assert!(checked >= 12, "only {checked} images checked");
+    for mode in [Mode::Ordered, Mode::Logged] {
+        let name = format!("power-loss-flushed-{}", mode as u8);
+        let (checked, leaks) = power_loss_keeps_durable_writes(&name, false, mode);
+        eprintln!(
+            "after FLUSH (L2 log: {}): {checked} power-loss images, at most {leaks} leaked clusters",
+            mode == Mode::Logged
+        );
+        assert!(checked >= 12, "only {checked} images checked");
+    }
 }
 
 const CHILD_ENV: &str = "RINGBLK_FORMAT_CRASH_CHILD";
@@ -348,7 +396,12 @@ fn crash_child() {
     let path = parts.next().unwrap().to_string();
     let round: u64 = parts.next().unwrap().parse().unwrap();
     let threads: u64 = parts.next().unwrap().parse().unwrap();
-    let img = Arc::new(open(Path::new(&path), true));
+    let logged = parts.next() == Some("logged");
+    let img = Arc::new(if logged {
+        open_logged(Path::new(&path), OpenOptions::default()).0
+    } else {
+        open(Path::new(&path), true)
+    });
     let blocks = img.size() / 4096;
     std::thread::scope(|s| {
         for t in 0..threads {
@@ -373,10 +426,24 @@ fn crash_child() {
 /// kill -9 at random points of allocating writes, five times on one image:
 /// each time `qemu-img check` finds no corruption, every acknowledged
 /// write reads back, and a resubmission of the writes in flight (inflight
-/// replay, which may allocate again) keeps the image consistent.
+/// replay, which may allocate again) keeps the image consistent. Without
+/// an L2 log.
 #[test]
 fn kill_9_loses_no_acknowledged_write() {
-    let dir = scratch("kill9");
+    kill_9_rounds("kill9", false);
+}
+
+/// The same with the L2 log, as the daemon runs: the child never flushes,
+/// so each kill leaves L2 entries only in the log, and the image marked;
+/// QEMU refuses the marked image, and the next open with the log writes
+/// them in.
+#[test]
+fn kill_9_with_the_l2_log_loses_no_acknowledged_write() {
+    kill_9_rounds("kill9-logged", true);
+}
+
+fn kill_9_rounds(name: &str, logged: bool) {
+    let dir = scratch(name);
     let size = 64 * MIB;
     let top = small_cluster_overlay(&dir, size);
     let exe = std::env::current_exe().unwrap();
@@ -387,6 +454,7 @@ fn kill_9_loses_no_acknowledged_write() {
     let mut acked: Vec<(u64, u64)> = Vec::new();
     let mut rng = Rng(77);
     let mut leak_counts = Vec::new();
+    let mut replayed = Vec::new();
     for round in 0..5u64 {
         let threads = 4;
         let mut child = Command::new(&exe)
@@ -396,7 +464,14 @@ fn kill_9_loses_no_acknowledged_write() {
                 "--nocapture",
                 "--test-threads=1",
             ])
-            .env(CHILD_ENV, format!("{},{round},{threads}", top.display()))
+            .env(
+                CHILD_ENV,
+                format!(
+                    "{},{round},{threads},{}",
+                    top.display(),
+                    if logged { "logged" } else { "plain" }
+                ),
+            )
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -432,6 +507,24 @@ fn kill_9_loses_no_acknowledged_write() {
             }
             rest.clear();
         }
+        if logged {
+            // Marked: QEMU will not open it without the log's entries...
+            let info = Command::new("qemu-img")
+                .args(["info", "-f", "qcow2"])
+                .arg(&top)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&info.stderr);
+            assert!(
+                !info.status.success() && err.contains("incompatible feature"),
+                "round {round}: qemu-img opened the image with L2 entries in the log: {err}"
+            );
+            // ...which the next open writes in.
+            let (img, n) = open_logged(&top, OpenOptions::default());
+            assert!(n > 0, "round {round}: nothing in the L2 log after the kill");
+            replayed.push(n);
+            drop(img);
+        }
         let leaks = check_clean(&top);
         leak_counts.push(leaks);
         // Every acknowledged write is there (the last ack of a block wins;
@@ -455,7 +548,11 @@ fn kill_9_loses_no_acknowledged_write() {
         // Inflight replay: the writes that may have been in flight are
         // submitted again after the restart (the same data to the same
         // blocks), possibly allocating again.
-        let img = open(&top, true);
+        let img = if logged {
+            open_logged(&top, OpenOptions::default()).0
+        } else {
+            open(&top, true)
+        };
         for t in 0..threads {
             let mut rng2 = Rng(0x9999 + round * 100 + t);
             let slot = round * threads + t;
@@ -472,7 +569,7 @@ fn kill_9_loses_no_acknowledged_write() {
         check_clean(&top);
     }
     eprintln!(
-        "kill -9: {} acknowledged writes, leaked clusters after each kill: {leak_counts:?}",
+        "kill -9 ({name}): {} acknowledged writes, leaked clusters after each kill: {leak_counts:?}, L2 log entries written in: {replayed:?}",
         acked.len()
     );
     let _ = std::fs::File::open(&top).unwrap().read_at(&mut [0u8; 1], 0);

@@ -66,6 +66,24 @@ pub fn open(path: &Path, writable: bool) -> Image {
     Image::open(path, Format::Qcow2, &options).unwrap_or_else(|e| panic!("open: {e}"))
 }
 
+/// Opens the qcow2 image at `path` read-write as the daemon does: with its
+/// L2 log (`PATH.ringblk-l2log`) taken into use, which writes in what a
+/// process killed on the image left in it. Returns the image and how many
+/// entries that was.
+pub fn open_logged(path: &Path, options: OpenOptions) -> (Image, usize) {
+    let options = OpenOptions {
+        writable: true,
+        l2_log: Some(ringblk::format::qcow2::l2log::path_for(path)),
+        ..options
+    };
+    let img = Image::open(path, Format::Qcow2, &options).unwrap_or_else(|e| panic!("open: {e}"));
+    let replayed = match &img {
+        Image::Qcow2(q) => q.claim().unwrap_or_else(|e| panic!("claim: {e}")).replayed,
+        Image::Raw(_) => 0,
+    };
+    (img, replayed)
+}
+
 fn pread(img: &Image, file: usize, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
     let files = img.files();
     let f = files[file];
