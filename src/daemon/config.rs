@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
 use super::args::{
-    DEFAULT_IMAGE_NAME, DEFAULT_IMAGE_SIZE, DEFAULT_SOCKET_NAME, EngineKind, ServeArgs,
+    DEFAULT_IMAGE_NAME, DEFAULT_IMAGE_SIZE, DEFAULT_SOCKET_NAME, EngineKind, L2LogMode, ServeArgs,
 };
 use crate::device::{Backing as Resize, Device, DeviceSpec, Serial};
 use crate::engine::{Meta, UringConfig};
@@ -644,7 +644,8 @@ fn open_qcow2(
     let named = followed.map_or(image.path.as_path(), named_of);
     let options = crate::format::OpenOptions {
         writable: !args.readonly,
-        l2_log: (!args.readonly).then(|| crate::format::qcow2::l2log::path_for(named)),
+        l2_log: (!args.readonly && args.l2_log == L2LogMode::On)
+            .then(|| crate::format::qcow2::l2log::path_for(named)),
         ..Default::default()
     };
     let live = Live::open(

@@ -88,6 +88,8 @@ pub const MAX_LOG: u64 = 8 << 20;
 pub struct L2Log {
     file: File,
     path: PathBuf,
+    /// This boot's id, read at open (the sandbox allows no `openat` later).
+    boot: [u8; BOOT_ID_LEN],
     state: Mutex<State>,
 }
 
@@ -121,6 +123,7 @@ impl L2Log {
         Ok(L2Log {
             file,
             path: path.to_path_buf(),
+            boot: boot_id()?,
             state: Mutex::new(State {
                 generation: 0,
                 end: HEADER,
@@ -153,7 +156,7 @@ impl L2Log {
         if le64(&h, 24) != meta.dev() || le64(&h, 32) != meta.ino() {
             return stale("it is another image's");
         }
-        if h[40..76] != boot_id()? {
+        if h[40..76] != self.boot {
             return stale("it was written before the host restarted");
         }
         let generation = le64(&h, 16);
@@ -196,7 +199,7 @@ impl L2Log {
         h[16..24].copy_from_slice(&st.generation.to_le_bytes());
         h[24..32].copy_from_slice(&meta.dev().to_le_bytes());
         h[32..40].copy_from_slice(&meta.ino().to_le_bytes());
-        h[40..40 + BOOT_ID_LEN].copy_from_slice(&boot_id()?);
+        h[40..40 + BOOT_ID_LEN].copy_from_slice(&self.boot);
         self.file.write_all_at(&h, 0)?;
         st.end = HEADER;
         Ok(())

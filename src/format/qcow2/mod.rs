@@ -416,20 +416,45 @@ impl Qcow2Image {
                         Mapping::Raw { storage, .. } => storage.0.index() == 0,
                         _ => false,
                     };
-                    let overwrite = pos == cstart && wend == cend;
-                    let (_, host, got) = self
+                    // The request's own range is overwritten by its data
+                    // write, so only the rest of the cluster is copied (as
+                    // QEMU copies head and tail): the data write then finds
+                    // no page of its own range dirty in the page cache,
+                    // which an O_DIRECT write would have to write back and
+                    // drop first. imago skips a range at either end of the
+                    // cluster; for one in the middle, the tail is read
+                    // through the chain first and written once the cluster
+                    // is allocated. The L2 entry reaches the file only
+                    // after the data write completed (`commit`).
+                    let tail = if pos > cstart && wend < cend {
+                        let mut tail = vec![0u8; (cend - wend) as usize];
+                        self.top
+                            .read(&mut tail, wend)
+                            .map_err(FormatError::io("copy-on-write"))?;
+                        Some(tail)
+                    } else {
+                        None
+                    };
+                    let skip_end = if tail.is_some() { cend } else { wend };
+                    let (_, at, got) = self
                         .top
-                        .ensure_data_mapping(cstart, cend - cstart, overwrite)
+                        .ensure_data_mapping(pos, skip_end - pos, true)
                         .map_err(FormatError::io("allocating"))?;
-                    if got < cend - cstart {
+                    if let Some(tail) = &tail {
+                        self.top
+                            .write(tail, wend)
+                            .map_err(FormatError::io("copy-on-write"))?;
+                    }
+                    if got < skip_end - pos || at < pos - cstart {
                         return Err(FormatError::Io {
                             context: "allocating",
                             source: io::Error::other(format!(
-                                "allocated {got} of {} bytes at {cstart:#x}",
-                                cend - cstart
+                                "allocated {got} of {} bytes at {pos:#x}",
+                                wend - pos
                             )),
                         });
                     }
+                    let host = at - (pos - cstart);
                     if self.files[0].is_metadata(host >> cb) {
                         return Err(FormatError::Io {
                             context: "allocating",

@@ -130,15 +130,22 @@ struct Order {
     held: Vec<(u64, Vec<u8>)>,
     /// Refblock writes that free clusters, held back behind `held`.
     held_frees: Vec<(u64, Vec<u8>)>,
-    /// The L2 log adopted ([`FileState::adopt_log`]): L2 table writes are
-    /// held in `held_l2` and their changed entries logged, rather than
-    /// written after an fdatasync (see [`super::l2log`]).
+    /// The L2 log adopted ([`FileState::adopt_log`]): writes of L2 tables,
+    /// and of refblocks that only raise refcounts, are held in `held_l2`
+    /// and their changed entries logged, rather than written (the L2
+    /// tables after an fdatasync) at once (see [`super::l2log`]).
     l2log: Option<Arc<L2Log>>,
-    /// L2 tables held back, by offset in the file: their newest content.
-    held_l2: BTreeMap<u64, Vec<u8>>,
+    /// Tables held back, by offset in the file: their newest content.
+    held_l2: BTreeMap<u64, Held>,
     held_l2_bytes: usize,
     /// The file has [`l2log::MARK`] set (in the page cache at least).
     marked: bool,
+}
+
+/// A table held back from the file.
+struct Held {
+    refblock: bool,
+    data: Vec<u8>,
 }
 
 /// What adopting the L2 log found.
@@ -407,8 +414,8 @@ impl FileState {
             }
             let end = offset + buf.len() as u64;
             let from = offset.saturating_sub((1u64 << o.cluster_bits) - 1);
-            for (at, data) in o.held_l2.range(from..end) {
-                overlay(buf, offset, data, *at);
+            for (at, held) in o.held_l2.range(from..end) {
+                overlay(buf, offset, &held.data, *at);
             }
         }
         // imago never sees the L2 log's mark (see `l2log`).
@@ -434,17 +441,29 @@ impl FileState {
         Ok(())
     }
 
-    /// An L2 table write with the log adopted: the entries that change
-    /// are logged (the mark set first), the table held back.
-    fn hold_l2(&self, o: &mut Order, data: Vec<u8>, offset: u64) -> io::Result<()> {
+    /// A table write with the log adopted: the 8-byte words that change
+    /// are logged (the mark set first), the table held back. Gives the
+    /// write back (and does nothing) for a refblock that lowers a
+    /// refcount, or while pointer writes are held: it takes the ordered
+    /// path, which frees clusters only after the pointers are durable.
+    fn hold(
+        &self,
+        o: &mut Order,
+        data: Vec<u8>,
+        offset: u64,
+        refblock: bool,
+    ) -> io::Result<Option<Vec<u8>>> {
         let Some(log) = o.l2log.clone() else {
-            return Err(io::Error::other("no L2 log"));
+            return Ok(Some(data));
         };
+        if data.len() % 8 != 0 || (refblock && !(o.held.is_empty() && o.held_frees.is_empty())) {
+            return Ok(Some(data));
+        }
         let mut changed = Vec::new();
         {
             let from_file;
             let prev: &[u8] = match o.held_l2.get(&offset) {
-                Some(p) if p.len() == data.len() => p,
+                Some(p) if p.data.len() == data.len() => &p.data,
                 _ => {
                     let mut b = vec![0u8; data.len()];
                     self.read_overlaid(None, &mut b, offset)?;
@@ -452,28 +471,32 @@ impl FileState {
                     &from_file
                 }
             };
+            let bits = 1u32 << o.refcount_order;
             for (i, (new, old)) in data.chunks_exact(8).zip(prev.chunks_exact(8)).enumerate() {
                 if new != old {
+                    if refblock && refcount_max(old, new, bits) != new {
+                        return Ok(Some(data));
+                    }
                     changed.push((offset + 8 * i as u64, be64(new, 0)));
                 }
             }
         }
         if changed.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         if !o.marked {
             self.set_mark(o, true)?;
         }
         let log_len = log.append(&changed)?;
         let len = data.len();
-        if let Some(old) = o.held_l2.insert(offset, data) {
-            o.held_l2_bytes -= old.len();
+        if let Some(old) = o.held_l2.insert(offset, Held { refblock, data }) {
+            o.held_l2_bytes -= old.data.len();
         }
         o.held_l2_bytes += len;
         if log_len > l2log::MAX_LOG || o.held_l2_bytes > MAX_HELD_L2 {
             self.write_out(o)?;
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Writes the held L2 tables into the file, once what they point to is
@@ -482,14 +505,20 @@ impl FileState {
     /// fdatasync makes them durable).
     fn write_out(&self, o: &mut Order) -> io::Result<()> {
         if !o.held_l2.is_empty() {
-            if o.unsynced & (UNSYNCED_OTHER | UNSYNCED_RB) != 0 {
-                self.fdatasync(o)?;
+            let held = std::mem::take(&mut o.held_l2);
+            // Refcounts first, durable with the data before any L2 entry
+            // that needs them: the copy-on-write data, and the guest's
+            // own writes to the clusters, which completed before their
+            // entries were held (they need not have gone through here).
+            for (offset, h) in held.iter().filter(|(_, h)| h.refblock) {
+                self.pwrite(&h.data, *offset)?;
             }
-            for (offset, data) in std::mem::take(&mut o.held_l2) {
-                self.pwrite(&data, offset)?;
+            self.fdatasync(o)?;
+            for (offset, h) in held.iter().filter(|(_, h)| !h.refblock) {
+                self.pwrite(&h.data, *offset)?;
+                o.unsynced |= UNSYNCED_L2;
             }
             o.held_l2_bytes = 0;
-            o.unsynced |= UNSYNCED_L2;
         }
         if o.marked {
             self.set_mark(o, false)?;
@@ -520,20 +549,27 @@ impl FileState {
         if self.file_marked()? {
             self.reload_shadow(&mut o, true, true, true)?;
             let found = log.entries_for(&self.file)?;
-            let bad = found
-                .entries
-                .iter()
-                .find(|(at, _)| at % 8 != 0 || !o.l2_clusters.contains(&(at >> o.cluster_bits)));
+            let is_rb = |at: u64| o.rb_clusters.contains(&(at >> o.cluster_bits));
+            let bad = found.entries.iter().find(|&&(at, _)| {
+                at % 8 != 0 || !(o.l2_clusters.contains(&(at >> o.cluster_bits)) || is_rb(at))
+            });
             match (found.stale, bad) {
                 (Some(why), _) => adopted.dropped = Some(why),
                 (None, Some((at, _))) => {
                     adopted.dropped = Some(format!(
-                        "its entry at {at:#x} is not in an L2 table of the image"
+                        "its entry at {at:#x} is in no L2 table or refblock of the image"
                     ))
                 }
                 (None, None) if !found.entries.is_empty() => {
+                    // The refcounts durable before the L2 entries, as at a
+                    // write-out.
+                    let (rbs, l2s): (Vec<_>, Vec<_>) =
+                        found.entries.iter().partition(|&&(at, _)| is_rb(at));
+                    for (at, value) in rbs {
+                        self.pwrite(&value.to_be_bytes(), at)?;
+                    }
                     self.fdatasync(&mut o)?;
-                    for &(at, value) in &found.entries {
+                    for (at, value) in l2s {
                         self.pwrite(&value.to_be_bytes(), at)?;
                     }
                     adopted.replayed = found.entries.len();
@@ -627,6 +663,14 @@ impl FileState {
         match Self::classify(&o, offset) {
             Class::Header | Class::L1 | Class::RefTable => o.held.push((offset, data)),
             Class::RefBlock => {
+                let Some(data) = self.hold(&mut o, data, offset, true)? else {
+                    return Ok(());
+                };
+                // An older version of this block is held: it must not be
+                // written over this one later.
+                if o.held_l2.contains_key(&offset) {
+                    self.write_out(&mut o)?;
+                }
                 if let Some(raised) = self.raises_only(&o, &data, offset)? {
                     // A cluster freed: the L2 tables that dropped it must
                     // be in the file first.
@@ -647,10 +691,10 @@ impl FileState {
                 self.pwrite(&data, offset)?;
                 o.unsynced |= UNSYNCED_RB;
             }
-            Class::L2 if o.l2log.is_some() && data.len() % 8 == 0 => {
-                self.hold_l2(&mut o, data, offset)?;
-            }
             Class::L2 => {
+                let Some(data) = self.hold(&mut o, data, offset, false)? else {
+                    return Ok(());
+                };
                 if o.unsynced & (UNSYNCED_OTHER | UNSYNCED_RB) != 0 {
                     self.fdatasync(&mut o)?;
                 }
