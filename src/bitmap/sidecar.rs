@@ -77,7 +77,6 @@ use crate::host::BOOT_ID_LEN;
 pub const CREATE_FLAGS: i32 =
     libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
 
-
 /// The fields of a sidecar header.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Header {

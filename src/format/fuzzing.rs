@@ -3,7 +3,10 @@
 //! `cargo test`.
 //!
 //! The input is an image file: the first byte holds flags (bit 0: open it
-//! writable), the rest is the file. It is opened as qcow2 with a chain
+//! writable; bit 1: an L2 log comes first, its length in 4 bytes
+//! little-endian, then its bytes, with the image's identity and this
+//! boot's id written over its header so that it is read), the rest is the
+//! file. It is opened as qcow2 with a chain
 //! bound of 1 (a backing file named in the input is never opened: the
 //! input may name any host file), then the whole guest range is mapped
 //! and resolved in a few pieces, compressed data read, and, when writable,
@@ -57,15 +60,33 @@ fn check_pieces(img: &Image, offset: u64, len: u64, dir: Dir, pieces: &[Piece]) 
 /// Runs one input. Panics only on a broken promise.
 pub fn run_one(data: &[u8]) -> Outcome {
     let (flags, image) = data.split_first().map_or((0, &[][..]), |(f, r)| (*f, r));
+    let (log, image) = match image {
+        [a, b, c, d, rest @ ..] if flags & 2 != 0 => {
+            let n = (u32::from_le_bytes([*a, *b, *c, *d]) as usize).min(rest.len());
+            (Some(rest[..n].to_vec()), &rest[n..])
+        }
+        _ => (None, image),
+    };
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("image.qcow2");
-    std::fs::File::create(&path)
-        .and_then(|mut f| f.write_all(image))
-        .expect("writing the input");
+    let file = std::fs::File::create(&path).expect("creating the input");
+    (&file).write_all(image).expect("writing the input");
+    let log_path = super::qcow2::l2log::path_for(&path);
+    if let Some(mut log) = log {
+        use std::os::unix::fs::MetadataExt;
+        let meta = file.metadata().expect("stat");
+        if log.len() >= 76 {
+            log[24..32].copy_from_slice(&meta.dev().to_le_bytes());
+            log[32..40].copy_from_slice(&meta.ino().to_le_bytes());
+            log[40..76].copy_from_slice(&crate::host::boot_id().expect("boot id"));
+        }
+        std::fs::write(&log_path, &log).expect("writing the log");
+    }
     let options = OpenOptions {
         writable: flags & 1 != 0,
         max_chain: 1,
         map_cache_entries: 64,
+        l2_log: Some(log_path),
         ..OpenOptions::default()
     };
     let img = match Image::open(&path, Format::Qcow2, &options) {
@@ -81,6 +102,10 @@ pub fn run_one(data: &[u8]) -> Outcome {
         Ok(()) => ok += 1,
         Err(_) => failed += 1,
     };
+    // As a daemon taking the image lock: the L2 log written in.
+    if let Image::Qcow2(q) = &img {
+        tally(q.claim().map(|_| ()));
+    }
     let size = img.size();
     // A few ranges across the disk (bounded work for absurd sizes).
     let step = (size / 4).max(512);

@@ -931,3 +931,68 @@ fn a_restart_refuses_snapshot_records_the_images_disagree_with() {
     check_clean(&s1);
     compare_identical(&s1, &c.reference);
 }
+
+/// `qemu-img info` of `image`: its error output if it fails.
+fn qemu_img_refuses(image: &Path) -> Option<String> {
+    let out = std::process::Command::new("qemu-img")
+        .args(["info", "-f", "qcow2"])
+        .arg(image)
+        .output()
+        .unwrap();
+    (!out.status.success()).then(|| String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// kill -9 of the daemon while the guest is connected and has not
+/// flushed: the L2 entries of its allocating writes are in the L2 log
+/// only, and the image is marked, so QEMU refuses it rather than serve it
+/// without them. The daemon restarted with the same command line writes
+/// the log into the image (and says so), every acknowledged write reads
+/// back, and after a clean stop QEMU reads the image, checks it clean and
+/// finds it identical to the reference. The same with `--l2-log off`: no
+/// log, nothing marked, nothing lost either.
+#[test]
+fn a_kill_9_leaves_allocations_in_the_l2_log_and_loses_none() {
+    for l2_log in ["on", "off"] {
+        let dir = test_dir();
+        let c = chain(dir.path(), "raw", SIZE);
+        let args = ["--l2-log", l2_log];
+        let d = serve(&c, dir.path(), &args);
+        let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+        // Allocating writes of 4 KiB in the middle of clusters, acknowledged,
+        // never flushed.
+        for i in 0..64u64 {
+            let offset = i * 3 * CLUSTER + 8 * KIB;
+            let data = c.write(500 + i, offset, 4 * KIB as usize);
+            assert_eq!(client.write(offset, &data), 0, "write at {offset}");
+        }
+        let mut d = d;
+        let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+        assert!(!st.success());
+        drop(client);
+        let log = dir.path().join("top.qcow2.ringblk-l2log");
+        match (l2_log, qemu_img_refuses(&c.top)) {
+            ("on", Some(err)) => {
+                assert!(err.contains("incompatible feature"), "{err}");
+                assert!(log.exists(), "no L2 log next to the image");
+            }
+            ("on", None) => panic!("QEMU opened an image whose L2 entries are in the log"),
+            (_, Some(err)) => panic!("--l2-log off: qemu-img refused the image: {err}"),
+            (_, None) => assert!(!log.exists(), "--l2-log off made an L2 log"),
+        }
+
+        let d = serve(&c, dir.path(), &args);
+        let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+        reads_as_reference(&mut client, &c, "after the kill -9 and restart");
+        drop(client);
+        if l2_log == "on" {
+            let out = d.log();
+            assert!(
+                out.lines()
+                    .any(|l| l.contains("L2 entries it had left in") && l.contains("WARN")),
+                "the restart did not say it wrote the log in:\n{out}"
+            );
+        }
+        stop(d);
+        c.verify();
+    }
+}

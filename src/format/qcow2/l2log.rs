@@ -84,6 +84,10 @@ const MAX_RECORD_ENTRIES: u32 = 1 << 18;
 /// Past this size the held tables are written out and the log emptied.
 pub const MAX_LOG: u64 = 8 << 20;
 
+/// Records past this offset are not read: the log never grows beyond
+/// [`MAX_LOG`] and one more record (a file from elsewhere may be larger).
+const READ_LIMIT: u64 = HEADER + MAX_LOG + RECORD_HEAD as u64 + MAX_RECORD_ENTRIES as u64 * 16;
+
 /// The log of one daemon's writable top.
 pub struct L2Log {
     file: File,
@@ -162,13 +166,18 @@ impl L2Log {
         let generation = le64(&h, 16);
         let mut entries = Vec::new();
         let mut at = HEADER;
-        loop {
+        while at < READ_LIMIT {
             let mut head = [0u8; RECORD_HEAD];
             if read_full(&self.file, &mut head, at)? < RECORD_HEAD {
                 break;
             }
             let count = le32(&head, 8);
-            if le64(&head, 0) != generation || count == 0 || count > MAX_RECORD_ENTRIES {
+            let end = at + RECORD_HEAD as u64 + u64::from(count) * 16;
+            if le64(&head, 0) != generation
+                || count == 0
+                || count > MAX_RECORD_ENTRIES
+                || end > READ_LIMIT
+            {
                 break;
             }
             let mut body = vec![0u8; count as usize * 16];

@@ -1053,7 +1053,7 @@ fn open_qcow2(
             path,
             format!(
                 "holds L2 entries in its L2 log ({}) from a daemon that stopped uncleanly; \
-                 serve it read-write with ringblk once (--format qcow2), which writes them in",
+                 serve it read-write once with ringblk (--format qcow2, the L2 log on, as by default), which writes them in",
                 l2log::path_for(path).display()
             ),
         ));

@@ -586,9 +586,7 @@ impl FileState {
 
     /// Bytes of L2 tables held back now.
     pub fn held_l2_bytes(&self) -> usize {
-        self.order
-            .as_ref()
-            .map_or(0, |o| lock(o).held_l2_bytes)
+        self.order.as_ref().map_or(0, |o| lock(o).held_l2_bytes)
     }
 
     fn pwrite(&self, data: &[u8], offset: u64) -> io::Result<()> {

@@ -574,3 +574,38 @@ fn kill_9_rounds(name: &str, logged: bool) {
     );
     let _ = std::fs::File::open(&top).unwrap().read_at(&mut [0u8; 1], 0);
 }
+
+/// An L2 log is a file from elsewhere as far as the next open knows: one
+/// whose entries point outside the image's L2 tables and refblocks (here:
+/// into the header) is not applied, the mark is cleared all the same, and
+/// the image is as its own tables have it, consistent. One of another
+/// image, or cut short, is not applied either (unit tests in l2log.rs).
+#[test]
+fn a_log_pointing_outside_the_tables_is_not_applied() {
+    use ringblk::format::qcow2::l2log::{L2Log, path_for};
+    let dir = scratch("l2log-hostile");
+    let top = small_cluster_overlay(&dir, 8 * MIB);
+    let header = std::fs::read(&top).unwrap()[..512].to_vec();
+    {
+        let (img, _) = open_logged(&top, OpenOptions::default());
+        let mut data = vec![0u8; 4096];
+        fill(9, 4096, &mut data);
+        write(&img, 4096, &data).unwrap();
+        // Killed: nothing written out.
+        std::mem::forget(img);
+    }
+    let image = std::fs::File::open(&top).unwrap();
+    let log = L2Log::open(&path_for(&top)).unwrap();
+    log.reset(&image).unwrap();
+    log.append(&[(0x40, u64::MAX)]).unwrap();
+    let (img, replayed) = open_logged(&top, OpenOptions::default());
+    assert_eq!(replayed, 0, "a hostile entry was written into the image");
+    drop(img);
+    let after = std::fs::read(&top).unwrap();
+    assert_eq!(
+        after[0x40..0x48],
+        header[0x40..0x48],
+        "the header was written"
+    );
+    check_clean(&top);
+}
