@@ -33,9 +33,11 @@
 //! write-through write (the device's write cache off) also on the disk:
 //! the commit ends with an fdatasync, as the data went with FUA.
 //!
-//! Flush maps to file 0 (the chain's writable top): the format keeps no
-//! metadata back from it (every completed write's was committed before
-//! its completion), so an fdatasync of that file covers both.
+//! Flush maps to file 0 (the chain's writable top) while the format keeps
+//! no metadata back from the file (every completed write's was committed
+//! before its completion), so an fdatasync of that file covers both. While
+//! it holds L2 tables back (their entries in its L2 log), a flush goes to
+//! the metadata thread, which writes them out in order and syncs.
 //!
 //! A raw image's path is [`Mapping::Host`] and nothing else: the default
 //! methods below are empty and inline away.
@@ -333,6 +335,7 @@ impl Format for Qcow2 {
         let dir = match op {
             Op::Read => Dir::Read,
             Op::Write => Dir::Write,
+            Op::Flush if self.served.image.holds_back() => return Mapping::Slow,
             Op::Flush => return Mapping::Host(Extent::default()),
             Op::Discard(_) | Op::WriteZeroes(_) => return Mapping::Slow,
         };
@@ -445,7 +448,7 @@ impl Format for Qcow2 {
                 len,
                 durable,
             },
-            Op::Flush => unreachable!("a flush is never slow"),
+            Op::Flush => Work::Flush,
         };
         self.send(tag, work);
     }

@@ -57,6 +57,8 @@ pub enum Work {
         len: u64,
         durable: bool,
     },
+    /// A FLUSH while the image holds metadata back: written out, synced.
+    Flush,
 }
 
 /// One piece of work for request `tag` of the queue whose inbox this is.
@@ -236,6 +238,7 @@ fn work(job: &Job, log_limit: &mut RateLimiter) -> Slow {
         } => image
             .discard(offset, len)
             .and_then(|()| durable_if(image, durable)),
+        Work::Flush => image.flush(),
         Work::Commit { .. } => unreachable!("commits are grouped"),
     };
     match result {

@@ -996,3 +996,27 @@ fn a_kill_9_leaves_allocations_in_the_l2_log_and_loses_none() {
         c.verify();
     }
 }
+
+/// A FLUSH makes the image whole without the L2 log: allocating writes,
+/// a FLUSH, then kill -9: the image is not marked, and QEMU alone (no
+/// ringblk replaying anything) reads every write, and checks it clean.
+#[test]
+fn a_flush_leaves_nothing_in_the_l2_log() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let mut d = serve(&c, dir.path(), &[]);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    for i in 0..64u64 {
+        let offset = i * 3 * CLUSTER + 8 * KIB;
+        let data = c.write(700 + i, offset, 4 * KIB as usize);
+        assert_eq!(client.write(offset, &data), 0, "write at {offset}");
+    }
+    assert_eq!(client.flush(), 0);
+    let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    assert!(!st.success());
+    drop(client);
+    if let Some(err) = qemu_img_refuses(&c.top) {
+        panic!("after a FLUSH, qemu-img refused the image: {err}");
+    }
+    c.verify();
+}

@@ -959,6 +959,13 @@ impl Qcow2Image {
         self.l2log.as_deref().map(L2Log::path)
     }
 
+    /// Whether metadata is held back from the file (see [`l2log`]): a
+    /// FLUSH must then go through [`Qcow2Image::flush`].
+    #[inline]
+    pub fn holds_back(&self) -> bool {
+        self.files[0].holding()
+    }
+
     /// Bytes of L2 tables held back from the file now (see [`l2log`]).
     pub fn held_l2_bytes(&self) -> usize {
         self.files[0].held_l2_bytes()

@@ -49,7 +49,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use imago::Storage;
@@ -177,6 +177,9 @@ pub struct FileState {
     journal: Option<Arc<Journal>>,
     /// fdatasyncs of this file so far (ordering and flushes).
     syncs: AtomicU64,
+    /// Tables are held back (see `Order::held_l2`): a FLUSH must write
+    /// them out, an fdatasync alone does not cover them.
+    holding: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -212,6 +215,7 @@ impl FileState {
             order: None,
             journal: None,
             syncs: AtomicU64::new(0),
+            holding: AtomicBool::new(false),
         })
     }
 
@@ -489,6 +493,7 @@ impl FileState {
         }
         let log_len = log.append(&changed)?;
         let len = data.len();
+        self.holding.store(true, Ordering::Release);
         if let Some(old) = o.held_l2.insert(offset, Held { refblock, data }) {
             o.held_l2_bytes -= old.data.len();
         }
@@ -519,6 +524,7 @@ impl FileState {
                 o.unsynced |= UNSYNCED_L2;
             }
             o.held_l2_bytes = 0;
+            self.holding.store(false, Ordering::Release);
         }
         if o.marked {
             self.set_mark(o, false)?;
@@ -582,6 +588,14 @@ impl FileState {
         log.reset(&self.file)?;
         o.l2log = Some(log);
         Ok(adopted)
+    }
+
+    /// Whether tables are held back now: a FLUSH must then go through
+    /// [`FileState::sync_now`], not an fdatasync of the file alone. Set
+    /// before the commit that held them returns, so a FLUSH that follows
+    /// a completed write sees it.
+    pub fn holding(&self) -> bool {
+        self.holding.load(Ordering::Acquire)
     }
 
     /// Bytes of L2 tables held back now.
