@@ -10,7 +10,9 @@
 //! one write and one write-zeroes done. The promises checked beyond "no
 //! panic": an open failure is one line; the pieces of a range cover it
 //! exactly, in order; a data piece names a file of the chain and does not
-//! overflow; a write never maps to a backing file.
+//! overflow; a write never maps to a backing file. The bitmaps
+//! extension's parser (qcow2/bitmaps.rs) also reads every input, writable
+//! or not: its errors are one line too.
 
 use std::io::Write;
 
@@ -57,6 +59,19 @@ fn check_pieces(img: &Image, offset: u64, len: u64, dir: Dir, pieces: &[Piece]) 
 /// Runs one input. Panics only on a broken promise.
 pub fn run_one(data: &[u8]) -> Outcome {
     let (flags, image) = data.split_first().map_or((0, &[][..]), |(f, r)| (*f, r));
+    let mut read = |buf: &mut [u8], off: u64| {
+        let at = usize::try_from(off).ok().filter(|&a| a <= image.len());
+        match at.and_then(|a| image.get(a..a.checked_add(buf.len())?)) {
+            Some(src) => {
+                buf.copy_from_slice(src);
+                Ok(())
+            }
+            None => Err(std::io::ErrorKind::UnexpectedEof.into()),
+        }
+    };
+    if let Err(msg) = super::qcow2::bitmaps::parse(&mut read, image.len() as u64) {
+        assert!(!msg.contains('\n'), "multi-line bitmaps error: {msg}");
+    }
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("image.qcow2");
     std::fs::File::create(&path)

@@ -722,3 +722,108 @@ fn invalidate_rereads_metadata() {
     read(&reader, 65536, &mut buf).unwrap();
     assert!(buf == want, "stale data after invalidate");
 }
+
+/// The bitmaps `qemu-img info` lists for `img`: `(name, flags)`.
+fn qemu_bitmaps(img: &Path) -> Vec<(String, Vec<String>)> {
+    let info = qemu_img(&["info", "--output=json", img.to_str().unwrap()]);
+    let v: serde_json::Value = serde_json::from_str(&info).unwrap();
+    let Some(list) = v["format-specific"]["data"]["bitmaps"].as_array() else {
+        return Vec::new();
+    };
+    list.iter()
+        .map(|b| {
+            let flags = b["flags"].as_array().unwrap().iter();
+            (
+                b["name"].as_str().unwrap().to_string(),
+                flags.map(|f| f.as_str().unwrap().to_string()).collect(),
+            )
+        })
+        .collect()
+}
+
+/// QEMU's persistent bitmaps (`qemu-img bitmap --add`) in an image ringblk
+/// writes: QEMU still lists them, flagged `in-use` (its "inconsistent":
+/// they miss ringblk's writes), and the image checks clean; a read-only
+/// open leaves them as they were. On the old code imago cleared the
+/// autoclear bit at open, so QEMU dropped the bitmaps: `qemu-img info`
+/// listed none (and `check` counted their clusters as leaks).
+#[test]
+fn qemu_bitmaps_are_marked_in_use_not_dropped() {
+    let dir = scratch("qemu-bitmaps");
+    let img = dir.join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", p, "4M"]);
+    qemu_img(&["bitmap", "--add", p, "b0"]);
+    qemu_img(&["bitmap", "--add", "-g", "512", p, "b1"]);
+    let flags = |want: &[&str]| -> Vec<(String, Vec<String>)> {
+        ["b0", "b1"]
+            .iter()
+            .map(|n| (n.to_string(), want.iter().map(|f| f.to_string()).collect()))
+            .collect()
+    };
+    assert_eq!(qemu_bitmaps(&img), flags(&["auto"]));
+
+    drop(open(&img, false));
+    assert_eq!(qemu_bitmaps(&img), flags(&["auto"]), "a read-only open");
+
+    let w = open(&img, true);
+    assert_eq!(
+        qemu_bitmaps(&img),
+        flags(&["in-use", "auto"]),
+        "in use before the first write"
+    );
+    let mut data = vec![0u8; 65536];
+    fill(3, 0, &mut data);
+    write(&w, 0, &data).unwrap();
+    flush(&w).unwrap();
+    // Dropping imago's caches rereads the header, whose autoclear bit
+    // imago did not leave set.
+    match &w {
+        Image::Qcow2(q) => q.invalidate().unwrap(),
+        Image::Raw(_) => unreachable!(),
+    }
+    write(&w, 2 * MIB, &data).unwrap();
+    flush(&w).unwrap();
+    drop(w);
+    assert_eq!(qemu_bitmaps(&img), flags(&["in-use", "auto"]));
+    check_clean(&img);
+    // QEMU's own way out: remove (or clear) the inconsistent bitmap.
+    qemu_img(&["bitmap", "--remove", p, "b1"]);
+    assert_eq!(qemu_bitmaps(&img).len(), 1);
+    check_clean(&img);
+}
+
+/// A bitmaps extension QEMU would refuse is refused, in one line, before
+/// anything is written: the file is unchanged.
+#[test]
+fn bad_bitmaps_extension_is_refused() {
+    let dir = scratch("bad-bitmaps");
+    let img = dir.join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", p, "4M"]);
+    qemu_img(&["bitmap", "--add", p, "b0"]);
+    let bytes = std::fs::read(&img).unwrap();
+    let be32 = |b: &[u8], at: usize| u32::from_be_bytes(b[at..at + 4].try_into().unwrap());
+    let mut at = be32(&bytes, 100) as usize;
+    while be32(&bytes, at) != 0x2385_2875 {
+        at += 8 + (be32(&bytes, at + 4) as usize).next_multiple_of(8);
+    }
+    // nb_bitmaps past QEMU's bound.
+    let mut bad = bytes.clone();
+    bad[at + 8..at + 12].copy_from_slice(&70000u32.to_be_bytes());
+    std::fs::write(&img, &bad).unwrap();
+    let err = open_err(&img);
+    assert!(
+        err.contains("bitmaps extension") && err.contains("70000 bitmaps"),
+        "{err}"
+    );
+    assert!(std::fs::read(&img).unwrap() == bad, "the file was written");
+    // A directory past the end of the file.
+    let mut bad = bytes.clone();
+    bad[at + 24..at + 32].copy_from_slice(&(1u64 << 40).to_be_bytes());
+    std::fs::write(&img, &bad).unwrap();
+    let err = open_err(&img);
+    assert!(err.contains("past the end of the file"), "{err}");
+    // Read-only, QEMU's bitmaps are not ringblk's business.
+    drop(open(&img, false));
+}

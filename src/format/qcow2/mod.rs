@@ -10,6 +10,7 @@
 //!   never probed, depth bounded, loops refused), the slow path (one
 //!   metadata operation at a time under `meta`), and group commit.
 
+pub mod bitmaps;
 pub mod map_cache;
 pub mod ordered;
 
@@ -95,6 +96,9 @@ pub struct Qcow2Image {
     /// that a write never takes the fast path to a cluster whose
     /// allocation a kill -9 could still lose. Under `meta`.
     uncommitted: Mutex<Vec<(u64, Loc)>>,
+    /// The top has QEMU's persistent bitmaps, which this open marked in
+    /// use, setting the autoclear bit again behind imago ([`bitmaps`]).
+    qemu_bitmaps: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -141,6 +145,8 @@ struct Chain {
     files: Vec<Arc<FileState>>,
     seen: HashSet<(u64, u64)>,
     min_cluster_bits: u32,
+    /// The writable top's QEMU bitmaps were marked in use.
+    qemu_bitmaps: bool,
 }
 
 impl Qcow2Image {
@@ -149,6 +155,7 @@ impl Qcow2Image {
             files: Vec::new(),
             seen: HashSet::new(),
             min_cluster_bits: 21,
+            qemu_bitmaps: false,
         };
         let max_chain = options.max_chain.clamp(1, MAX_FILES);
         let (top, header) = open_qcow2(path, options, max_chain, &mut chain)?;
@@ -169,6 +176,7 @@ impl Qcow2Image {
             committed: AtomicU64::new(0),
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
+            qemu_bitmaps: chain.qemu_bitmaps,
         })
     }
 
@@ -728,6 +736,8 @@ impl Qcow2Image {
             committed: AtomicU64::new(0),
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
+            // A new overlay has no bitmaps; the old top's stay in use.
+            qemu_bitmaps: false,
         })
     }
 
@@ -867,7 +877,16 @@ impl Qcow2Image {
         // them is that the on-disk state is consistent: everything was just
         // written and synced above (a read-only image has nothing to
         // write), and `meta` keeps every other metadata operation out.
-        unsafe { self.top.invalidate_cache() }.map_err(FormatError::io("rereading metadata"))?;
+        let reread = || unsafe { self.top.invalidate_cache() };
+        if self.qemu_bitmaps {
+            // imago refuses a header whose autoclear bits differ from what
+            // it left at open (bitmaps.rs).
+            bitmaps::Bitmaps::with_autoclear_cleared(self.files[0].file(), reread)
+                .map_err(FormatError::io("autoclear bits"))?
+        } else {
+            reread()
+        }
+        .map_err(FormatError::io("rereading metadata"))?;
         self.size.store(self.top.size(), Ordering::Release);
         self.files[0]
             .load_shadow()
@@ -963,6 +982,13 @@ fn open_qcow2(
             "has internal snapshots; writing to it is not supported (--read-only, or qemu-img snapshot -d)",
         ));
     }
+    // QEMU's bitmaps, checked before imago writes anything (bitmaps.rs).
+    let qemu_bitmaps = if writable {
+        bitmaps::Bitmaps::load(&file)
+            .map_err(|e| open_err(path, format!("bitmaps extension: {e}")))?
+    } else {
+        None
+    };
     let mut state = FileState::new(file, path, index).map_err(|e| open_err(path, e))?;
     if writable {
         state.make_ordered(options.ordered, options.journal.clone());
@@ -1020,6 +1046,27 @@ fn open_qcow2(
             })
         }
     };
+    // Last, once nothing else can refuse the open.
+    if let Some(mut b) = qemu_bitmaps {
+        let cluster_size = 1u64 << be32(&header[20..24]);
+        if b.directory_clusters(cluster_size)
+            .any(|c| state.is_metadata(c))
+        {
+            return Err(open_err(
+                path,
+                "bitmaps extension: the bitmap directory overlaps other metadata",
+            ));
+        }
+        b.mark_in_use(state.file()).map_err(|e| open_err(path, e))?;
+        chain.qemu_bitmaps = true;
+        let names: Vec<&str> = b.entries.iter().map(|e| e.name.as_str()).collect();
+        log::warn!(
+            "{}: QEMU's persistent bitmaps {} are marked in use (inconsistent): ringblk does not \
+             update qcow2 bitmaps yet (docs/backup.md)",
+            path.display(),
+            names.join(", ")
+        );
+    }
     q.set_backing(backing);
     Ok((Arc::new(FormatAccess::new(q)), header))
 }
