@@ -21,7 +21,11 @@
 //! QEMU loads it as inconsistent (a backup tool then copies everything,
 //! and `qemu-img bitmap --remove` or `--clear` recovers), and `qemu-img
 //! check` finds the image clean. A crash between the two steps leaves the
-//! autoclear bit clear: QEMU drops the bitmaps, which is safe too.
+//! autoclear bit clear: QEMU drops the bitmaps, which is safe too. imago
+//! rereads the header when it drops its caches (every claim and release
+//! of the image) and refuses one whose autoclear bits are not those it
+//! left at open, so its reads of that field are masked to zero
+//! (`FileState::mask_autoclear`): the file keeps the bit throughout.
 //!
 //! Everything is read from a file that came from elsewhere, so everything
 //! is bounded before it is used ([`parse`]): QEMU's limits on the
@@ -61,7 +65,7 @@ const MAX_GRANULARITY_BITS: u8 = 31;
 /// The fixed part of a directory entry.
 const ENTRY_HEADER: usize = 24;
 /// Where the autoclear features are in the header.
-const AUTOCLEAR_OFFSET: u64 = 88;
+pub const AUTOCLEAR_OFFSET: u64 = 88;
 
 /// One entry of the bitmap directory.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -346,18 +350,6 @@ impl Bitmaps {
         let autoclear = self.autoclear & AUTOCLEAR_BITMAPS;
         file.write_all_at(&autoclear.to_be_bytes(), AUTOCLEAR_OFFSET)?;
         file.sync_data()
-    }
-
-    /// Clears the autoclear bits on disk for as long as `f` runs: imago
-    /// rereads the header when it drops its caches and refuses one whose
-    /// autoclear bits differ from those it left at open. A crash meanwhile
-    /// leaves the bit clear, which QEMU reads as "bitmaps dropped".
-    pub fn with_autoclear_cleared<T>(file: &File, f: impl FnOnce() -> T) -> io::Result<T> {
-        file.write_all_at(&0u64.to_be_bytes(), AUTOCLEAR_OFFSET)?;
-        let out = f();
-        file.write_all_at(&AUTOCLEAR_BITMAPS.to_be_bytes(), AUTOCLEAR_OFFSET)?;
-        file.sync_data()?;
-        Ok(out)
     }
 }
 

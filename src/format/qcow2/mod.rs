@@ -96,9 +96,6 @@ pub struct Qcow2Image {
     /// that a write never takes the fast path to a cluster whose
     /// allocation a kill -9 could still lose. Under `meta`.
     uncommitted: Mutex<Vec<(u64, Loc)>>,
-    /// The top has QEMU's persistent bitmaps, which this open marked in
-    /// use, setting the autoclear bit again behind imago ([`bitmaps`]).
-    qemu_bitmaps: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -145,8 +142,6 @@ struct Chain {
     files: Vec<Arc<FileState>>,
     seen: HashSet<(u64, u64)>,
     min_cluster_bits: u32,
-    /// The writable top's QEMU bitmaps were marked in use.
-    qemu_bitmaps: bool,
 }
 
 impl Qcow2Image {
@@ -155,7 +150,6 @@ impl Qcow2Image {
             files: Vec::new(),
             seen: HashSet::new(),
             min_cluster_bits: 21,
-            qemu_bitmaps: false,
         };
         let max_chain = options.max_chain.clamp(1, MAX_FILES);
         let (top, header) = open_qcow2(path, options, max_chain, &mut chain)?;
@@ -176,7 +170,6 @@ impl Qcow2Image {
             committed: AtomicU64::new(0),
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
-            qemu_bitmaps: chain.qemu_bitmaps,
         })
     }
 
@@ -736,8 +729,6 @@ impl Qcow2Image {
             committed: AtomicU64::new(0),
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
-            // A new overlay has no bitmaps; the old top's stay in use.
-            qemu_bitmaps: false,
         })
     }
 
@@ -877,16 +868,7 @@ impl Qcow2Image {
         // them is that the on-disk state is consistent: everything was just
         // written and synced above (a read-only image has nothing to
         // write), and `meta` keeps every other metadata operation out.
-        let reread = || unsafe { self.top.invalidate_cache() };
-        if self.qemu_bitmaps {
-            // imago refuses a header whose autoclear bits differ from what
-            // it left at open (bitmaps.rs).
-            bitmaps::Bitmaps::with_autoclear_cleared(self.files[0].file(), reread)
-                .map_err(FormatError::io("autoclear bits"))?
-        } else {
-            reread()
-        }
-        .map_err(FormatError::io("rereading metadata"))?;
+        unsafe { self.top.invalidate_cache() }.map_err(FormatError::io("rereading metadata"))?;
         self.size.store(self.top.size(), Ordering::Release);
         self.files[0]
             .load_shadow()
@@ -1057,8 +1039,8 @@ fn open_qcow2(
                 "bitmaps extension: the bitmap directory overlaps other metadata",
             ));
         }
+        state.mask_autoclear();
         b.mark_in_use(state.file()).map_err(|e| open_err(path, e))?;
-        chain.qemu_bitmaps = true;
         let names: Vec<&str> = b.entries.iter().map(|e| e.name.as_str()).collect();
         log::warn!(
             "{}: QEMU's persistent bitmaps {} are marked in use (inconsistent): ringblk does not \

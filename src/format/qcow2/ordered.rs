@@ -49,7 +49,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use imago::Storage;
@@ -142,6 +142,10 @@ pub struct FileState {
     journal: Option<Arc<Journal>>,
     /// fdatasyncs of this file so far (ordering and flushes).
     syncs: AtomicU64,
+    /// imago reads the header's autoclear bits as zero, as it left them
+    /// at open, though the file has the bitmaps bit set again (bitmaps.rs):
+    /// imago refuses a reread header whose autoclear bits changed.
+    autoclear_masked: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -177,7 +181,13 @@ impl FileState {
             order: None,
             journal: None,
             syncs: AtomicU64::new(0),
+            autoclear_masked: AtomicBool::new(false),
         })
+    }
+
+    /// From now on imago reads the header's autoclear field as zero.
+    pub fn mask_autoclear(&self) {
+        self.autoclear_masked.store(true, Ordering::Relaxed);
     }
 
     /// Makes this the writable top: its writes are ordered from now on.
@@ -373,6 +383,9 @@ impl FileState {
             for (at, data) in o.held.iter().chain(o.held_frees.iter()) {
                 overlay(buf, offset, data, *at);
             }
+        }
+        if self.autoclear_masked.load(Ordering::Relaxed) {
+            overlay(buf, offset, &[0; 8], super::bitmaps::AUTOCLEAR_OFFSET);
         }
         Ok(())
     }
