@@ -69,8 +69,17 @@ pub fn run_one(data: &[u8]) -> Outcome {
             None => Err(std::io::ErrorKind::UnexpectedEof.into()),
         }
     };
-    if let Err(msg) = super::qcow2::bitmaps::parse(&mut read, image.len() as u64) {
-        assert!(!msg.contains('\n'), "multi-line bitmaps error: {msg}");
+    match super::qcow2::bitmaps::parse(&mut read, image.len() as u64) {
+        Err(msg) => assert!(!msg.contains('\n'), "multi-line bitmaps error: {msg}"),
+        Ok(Some(b)) => {
+            // The bits too, where they are small (a bitmap may be 512 MiB).
+            for i in (0..b.entries.len()).filter(|&i| b.bits_len(i) <= 1 << 20) {
+                if let Err(msg) = b.read_words(i, &mut read) {
+                    assert!(!msg.contains('\n'), "multi-line bitmaps error: {msg}");
+                }
+            }
+        }
+        Ok(None) => {}
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("image.qcow2");

@@ -62,6 +62,12 @@ const RESERVED_FLAGS: u32 = !(FLAG_IN_USE | FLAG_AUTO | FLAG_EXTRA_DATA_COMPATIB
 const TYPE_DIRTY_TRACKING: u8 = 1;
 const MIN_GRANULARITY_BITS: u8 = 9;
 const MAX_GRANULARITY_BITS: u8 = 31;
+/// A bitmap table entry: the data cluster's offset, "all ones" (bit 0,
+/// with no cluster), and the reserved bits (QEMU's
+/// `BME_TABLE_ENTRY_RESERVED_MASK`).
+const TABLE_OFFSET: u64 = 0x00ff_ffff_ffff_fe00;
+const TABLE_ALL_ONES: u64 = 1;
+const TABLE_RESERVED: u64 = 0xff00_0000_0000_01fe;
 /// The fixed part of a directory entry.
 const ENTRY_HEADER: usize = 24;
 /// Where the autoclear features are in the header.
@@ -96,6 +102,9 @@ pub struct Bitmaps {
     raw: Vec<u8>,
     /// The header's autoclear features as found.
     autoclear: u64,
+    cluster: u64,
+    disk_size: u64,
+    file_len: u64,
 }
 
 fn be16(b: &[u8], at: usize) -> u16 {
@@ -230,6 +239,9 @@ pub fn parse(
         entries,
         raw,
         autoclear,
+        cluster,
+        disk_size,
+        file_len,
     }))
 }
 
@@ -326,6 +338,77 @@ impl Bitmaps {
     pub fn load(file: &File) -> Result<Option<Bitmaps>, String> {
         let len = file.metadata().map_err(|e| e.to_string())?.len();
         parse(&mut |buf, off| file.read_exact_at(buf, off), len)
+    }
+
+    /// The length in bytes of bitmap `i`'s bits, whole words: what
+    /// [`read_words`](Self::read_words) allocates.
+    pub fn bits_len(&self, i: usize) -> u64 {
+        let bits = self
+            .disk_size
+            .div_ceil(1 << self.entries[i].granularity_bits);
+        bits.div_ceil(64) * 8
+    }
+
+    /// The bits of bitmap `i` of the directory, as words in the order
+    /// [`crate::bitmap`]'s `DirtyBitmap::from_words` takes them (bit `n`
+    /// of the bitmap is bit `n % 64` of word `n / 64`: bit `n % 8` of
+    /// byte `n / 8`, qcow2's order), one bit per granule of the disk.
+    /// `read(buf, offset)` reads the file. A bitmap in use has no bits to
+    /// trust and is an error, as is a table entry QEMU would refuse
+    /// (reserved bits, an unaligned cluster, a cluster past the end of
+    /// the file). Allocates at most the bitmap's own size (bounded by
+    /// [`MAX_PHYS_SIZE`] at parse time).
+    pub fn read_words(
+        &self,
+        i: usize,
+        read: &mut dyn FnMut(&mut [u8], u64) -> io::Result<()>,
+    ) -> Result<Vec<u64>, String> {
+        let e = &self.entries[i];
+        let what = format!("bitmap '{}'", e.name.escape_debug());
+        if e.in_use() {
+            return Err(format!("{what} is in use (inconsistent)"));
+        }
+        let bytes = self.bits_len(i);
+        // Checked at parse time: the table covers the disk, and the
+        // table's data is at most MAX_PHYS_SIZE.
+        let clusters = bytes.div_ceil(self.cluster);
+        if clusters > u64::from(e.table_size) || bytes > MAX_PHYS_SIZE {
+            return Err(format!("{what}: its table is too small for the disk"));
+        }
+        let mut table = vec![0u8; clusters as usize * 8];
+        read(&mut table, e.table_offset)
+            .map_err(|err| format!("{what}: reading its table: {err}"))?;
+        let mut data = vec![0u8; bytes as usize];
+        for (k, chunk) in data.chunks_mut(self.cluster as usize).enumerate() {
+            let entry = be64(&table, k * 8);
+            if entry & TABLE_RESERVED != 0 {
+                return Err(format!("{what}: table entry {k} has reserved bits set"));
+            }
+            let offset = entry & TABLE_OFFSET;
+            if offset == 0 {
+                if entry & TABLE_ALL_ONES != 0 {
+                    chunk.fill(0xff);
+                }
+                continue;
+            }
+            if entry & TABLE_ALL_ONES != 0 {
+                return Err(format!(
+                    "{what}: table entry {k} is all ones and has a cluster"
+                ));
+            }
+            check_range(
+                &format!("{what}: data"),
+                offset,
+                self.cluster,
+                self.cluster,
+                self.file_len,
+            )?;
+            read(chunk, offset).map_err(|err| format!("{what}: reading its data: {err}"))?;
+        }
+        Ok(data
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+            .collect())
     }
 
     /// The clusters of `cluster_size` bytes the directory occupies.
@@ -425,6 +508,51 @@ mod tests {
         // Autoclear clear: stale, ignored as QEMU does.
         let f = image(1 << 20, 0, &ext(2, dir.len() as u64, 3 * C), &dir);
         assert!(run(&f).unwrap().is_none());
+    }
+
+    /// Bits through the table: a data cluster, an all-ones entry, an
+    /// empty one; bad entries refused.
+    #[test]
+    fn reads_bits_through_the_table() {
+        // 512 B granules of a 2^25-byte disk: 2^16 bits, 8 KiB, one
+        // cluster. 2^30 bytes: 2^21 bits, 256 KiB, four clusters.
+        let size = 1u64 << 30;
+        let d = {
+            let mut e = entry("a", 4 * C, 0, 9);
+            e[8..12].copy_from_slice(&4u32.to_be_bytes());
+            e
+        };
+        let mut f = image(size, 1, &ext(1, d.len() as u64, 3 * C), &d);
+        let table = 4 * C as usize;
+        f[table..table + 8].copy_from_slice(&(5 * C).to_be_bytes());
+        f[table + 8..table + 16].copy_from_slice(&1u64.to_be_bytes());
+        f[5 * C as usize] = 0b1000_0001; // granules 0 and 7
+        let words = |f: &[u8]| {
+            let b = run(f).unwrap().unwrap();
+            b.read_words(0, &mut |buf, off| {
+                let s = off as usize;
+                buf.copy_from_slice(&f[s..s + buf.len()]);
+                Ok(())
+            })
+        };
+        let w = words(&f).unwrap();
+        assert_eq!(w.len(), (1 << 21) / 64);
+        assert_eq!(w[0], 0x81);
+        assert!(w[1..1024].iter().all(|&x| x == 0));
+        assert!(w[8192..16384].iter().all(|&x| x == u64::MAX), "all ones");
+        assert!(w[16384..].iter().all(|&x| x == 0));
+        for (bad, want) in [
+            (5 * C | 1 << 60, "reserved"),
+            (5 * C | 2, "reserved"),
+            (5 * C | 1, "all ones and has a cluster"),
+            (5 * C + 512, "cluster boundary"),
+            (100 * C, "past the end"),
+        ] {
+            let mut g = f.clone();
+            g[table..table + 8].copy_from_slice(&bad.to_be_bytes());
+            let err = words(&g).unwrap_err();
+            assert!(err.contains(want), "{bad:#x}: {err}");
+        }
     }
 
     #[test]
