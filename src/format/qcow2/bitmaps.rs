@@ -542,9 +542,9 @@ mod tests {
         assert!(w[8192..16384].iter().all(|&x| x == u64::MAX), "all ones");
         assert!(w[16384..].iter().all(|&x| x == 0));
         for (bad, want) in [
-            (5 * C | 1 << 60, "reserved"),
-            (5 * C | 2, "reserved"),
-            (5 * C | 1, "all ones and has a cluster"),
+            ((5 * C) | (1 << 60), "reserved"),
+            ((5 * C) | 2, "reserved"),
+            ((5 * C) | 1, "all ones and has a cluster"),
             (5 * C + 512, "cluster boundary"),
             (100 * C, "past the end"),
         ] {
