@@ -56,7 +56,7 @@ pub const MAX_PHYS_SIZE: u64 = 0x2000_0000;
 /// Directory entry flag: the bitmap is in use by a program that may not
 /// have written all of it (inconsistent).
 pub const FLAG_IN_USE: u32 = 1 << 0;
-const FLAG_AUTO: u32 = 1 << 1;
+pub(super) const FLAG_AUTO: u32 = 1 << 1;
 const FLAG_EXTRA_DATA_COMPATIBLE: u32 = 1 << 2;
 const RESERVED_FLAGS: u32 = !(FLAG_IN_USE | FLAG_AUTO | FLAG_EXTRA_DATA_COMPATIBLE);
 const TYPE_DIRTY_TRACKING: u8 = 1;
@@ -65,8 +65,8 @@ const MAX_GRANULARITY_BITS: u8 = 31;
 /// A bitmap table entry: the data cluster's offset, "all ones" (bit 0,
 /// with no cluster), and the reserved bits (QEMU's
 /// `BME_TABLE_ENTRY_RESERVED_MASK`).
-const TABLE_OFFSET: u64 = 0x00ff_ffff_ffff_fe00;
-const TABLE_ALL_ONES: u64 = 1;
+pub(super) const TABLE_OFFSET: u64 = 0x00ff_ffff_ffff_fe00;
+pub(super) const TABLE_ALL_ONES: u64 = 1;
 const TABLE_RESERVED: u64 = 0xff00_0000_0000_01fe;
 /// The fixed part of a directory entry.
 const ENTRY_HEADER: usize = 24;
@@ -99,23 +99,25 @@ pub struct Bitmaps {
     pub directory_offset: u64,
     pub entries: Vec<Entry>,
     /// The directory as read.
-    raw: Vec<u8>,
+    pub(super) raw: Vec<u8>,
     /// The header's autoclear features as found.
     autoclear: u64,
-    cluster: u64,
-    disk_size: u64,
-    file_len: u64,
+    pub(super) cluster: u64,
+    pub(super) disk_size: u64,
+    pub(super) file_len: u64,
+    /// Where the extension's 24 bytes are in the header.
+    pub(super) ext_at: u64,
 }
 
 fn be16(b: &[u8], at: usize) -> u16 {
     u16::from_be_bytes([b[at], b[at + 1]])
 }
 
-fn be32(b: &[u8], at: usize) -> u32 {
+pub(super) fn be32(b: &[u8], at: usize) -> u32 {
     u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes"))
 }
 
-fn be64(b: &[u8], at: usize) -> u64 {
+pub(super) fn be64(b: &[u8], at: usize) -> u64 {
     u64::from_be_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
@@ -242,6 +244,7 @@ pub fn parse(
         cluster,
         disk_size,
         file_len,
+        ext_at: data as u64,
     }))
 }
 

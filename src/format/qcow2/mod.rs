@@ -10,6 +10,7 @@
 //!   never probed, depth bounded, loops refused), the slow path (one
 //!   metadata operation at a time under `meta`), and group commit.
 
+pub mod bitmap_write;
 pub mod bitmaps;
 pub mod map_cache;
 pub mod ordered;
