@@ -155,7 +155,7 @@ pub fn store(file: &File, old: &Bitmaps, new: &[Stored]) -> io::Result<()> {
     let c = old.cluster;
     let rc = Refcounts::load(file, c)?;
     let file_len = file.metadata()?.len();
-    let start = file_len.next_multiple_of(c) / c;
+    let start = file_len.div_ceil(c);
 
     // Lay out the new clusters: per bitmap its non-zero data clusters and
     // its table, then the directory.
@@ -246,13 +246,15 @@ pub fn store(file: &File, old: &Bitmaps, new: &[Stored]) -> io::Result<()> {
     }
     for cl in start..end {
         let i = (cl / per) as usize;
-        if !blocks.contains_key(&i) {
-            let at = rc.table[i] & TABLE_OFFSET;
-            let mut b = vec![0u8; c as usize];
-            file.read_exact_at(&mut b, at)?;
-            blocks.insert(i, (at, b));
-        }
-        let (_, b) = blocks.get_mut(&i).expect("inserted");
+        let (_, b) = match blocks.entry(i) {
+            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                let at = rc.table[i] & TABLE_OFFSET;
+                let mut b = vec![0u8; c as usize];
+                file.read_exact_at(&mut b, at)?;
+                v.insert((at, b))
+            }
+        };
         if rc.get(b, cl % per) != 0 {
             return Err(invalid(format!(
                 "cluster {cl} past the end of the file has a refcount"
