@@ -9,6 +9,11 @@
 //! exist (the first bitmap of an image, or the removal of the last, needs
 //! the header's extension area rewritten; not done).
 //!
+//! The file must be one the format layer opened and checked (its refcount
+//! table covering the file, no refblock overlapping other metadata:
+//! `FileState::load_shadow`); the refcounts are trusted as QEMU trusts
+//! them.
+//!
 //! The order, each step fdatasynced before the next, so that a crash
 //! anywhere leaks clusters at worst (`qemu-img check` counts leaks, never
 //! calls them corruption) and never leaves a bitmap QEMU trusts wrongly:
