@@ -723,22 +723,8 @@ fn invalidate_rereads_metadata() {
     assert!(buf == want, "stale data after invalidate");
 }
 
-/// The bitmaps `qemu-img info` lists for `img`: `(name, flags)`.
 fn qemu_bitmaps(img: &Path) -> Vec<(String, Vec<String>)> {
-    let info = qemu_img(&["info", "--output=json", img.to_str().unwrap()]);
-    let v: serde_json::Value = serde_json::from_str(&info).unwrap();
-    let Some(list) = v["format-specific"]["data"]["bitmaps"].as_array() else {
-        return Vec::new();
-    };
-    list.iter()
-        .map(|b| {
-            let flags = b["flags"].as_array().unwrap().iter();
-            (
-                b["name"].as_str().unwrap().to_string(),
-                flags.map(|f| f.as_str().unwrap().to_string()).collect(),
-            )
-        })
-        .collect()
+    ringblk_testkit::qemu_img::bitmaps(img)
 }
 
 /// QEMU's persistent bitmaps (`qemu-img bitmap --add`) in an image ringblk
@@ -886,28 +872,8 @@ fn qemu_bitmap_bits_read_back() {
     );
 }
 
-/// What QEMU (qemu-nbd's `qemu:dirty-bitmap:NAME`, read by nbdinfo) says
-/// is dirty in bitmap `name` of `img`.
 fn qemu_dirty(img: &Path, name: &str) -> Vec<(u64, u64)> {
-    let sock = img.with_extension(format!("{name}.sock"));
-    let mut nbd = std::process::Command::new("qemu-nbd")
-        .args(["-r", "-f", "qcow2", "-B", name, "-k"])
-        .arg(&sock)
-        .arg(img)
-        .spawn()
-        .expect("qemu-nbd");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !sock.exists() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "qemu-nbd did not start"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let dirty = ringblk_testkit::nbd::dirty(&sock, name);
-    let _ = nbd.kill();
-    let _ = nbd.wait();
-    dirty
+    ringblk_testkit::nbd::qemu_nbd_dirty(img, name)
 }
 
 /// ringblk writes QEMU's bitmaps back (`bitmap_write::store`, not wired
@@ -934,7 +900,6 @@ fn written_back(cluster_size: &str) {
     use ringblk::format::qcow2::bitmaps::Bitmaps;
     use std::os::unix::fs::FileExt;
 
-    assert!(ringblk_testkit::nbd::have_tools() || std::env::var_os("CI").is_none());
     let dir = scratch(&format!("qemu-bitmap-write-{cluster_size}"));
     let img = dir.join("disk.qcow2");
     let p = img.to_str().unwrap();

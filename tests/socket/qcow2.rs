@@ -932,72 +932,87 @@ fn a_restart_refuses_snapshot_records_the_images_disagree_with() {
     compare_identical(&s1, &c.reference);
 }
 
-/// The names and flags of the bitmaps `qemu-img info` lists for `img`.
-fn qemu_bitmaps(img: &Path) -> Vec<(String, Vec<String>)> {
-    let info = qemu_img(&["info", "--output=json", img.to_str().unwrap()]);
-    let v: serde_json::Value = serde_json::from_str(&info).unwrap();
-    let Some(list) = v["format-specific"]["data"]["bitmaps"].as_array() else {
-        return Vec::new();
-    };
-    list.iter()
-        .map(|b| {
-            let flags = b["flags"].as_array().unwrap().iter();
-            (
-                b["name"].as_str().unwrap().to_string(),
-                flags.map(|f| f.as_str().unwrap().to_string()).collect(),
-            )
-        })
-        .collect()
-}
+use ringblk_testkit::qemu_img::bitmaps as qemu_bitmaps;
 
 /// QEMU's persistent bitmaps (`qemu-img bitmap --add`) on an image the
-/// daemon serves writable: after a clean stop and after a kill -9,
-/// `qemu-img info` lists them flagged `in-use` (QEMU's "inconsistent": a
-/// backup tool copies everything), `qemu-img check` finds the image clean
-/// and the writes are there. ringblk does not track them (docs/backup.md);
-/// it must not leave them looking complete. On the old code the bitmaps
-/// vanished from `qemu-img info` (imago cleared the autoclear bit) and
-/// their clusters were leaks.
+/// daemon serves writable are tracked in the image itself:
+/// - after a clean stop, `qemu-img info` lists them without `in-use`, QEMU
+///   (qemu-nbd's `qemu:dirty-bitmap:`, read by nbdinfo) finds dirty what
+///   the guest wrote and nothing else, and a bitmap added with `ringblk
+///   ctl bitmap add` is there too; `qemu-img check` finds no leak;
+/// - after a kill -9, they are `in-use` (QEMU's "inconsistent": a backup
+///   tool copies everything), and the image checks clean.
+///
+/// On the old code the bitmaps vanished from `qemu-img info` (imago
+/// cleared the autoclear bit at open) and their clusters were leaks.
 #[test]
-fn qemu_bitmaps_are_marked_in_use_not_dropped() {
+fn qemu_bitmaps_are_tracked_in_the_image() {
     for sig in [libc::SIGTERM, libc::SIGKILL] {
         let dir = test_dir();
         let img = dir.path().join("disk.qcow2");
         let p = img.to_str().unwrap();
         qemu_img(&["create", "-q", "-f", "qcow2", p, "8M"]);
         qemu_img(&["bitmap", "--add", p, "nightly"]);
-        assert_eq!(
-            qemu_bitmaps(&img),
-            [("nightly".to_string(), vec!["auto".to_string()])]
-        );
+        qemu_img(&["bitmap", "--add", "-g", "4096", p, "fine"]);
+        let api = dir.path().join("api.sock");
+        let api_arg = api.to_str().unwrap();
         let mut d = Daemon::start_in(
             dir.path(),
             DaemonOptions {
                 image: Some(img.clone()),
-                args: &["--format", "qcow2"],
+                args: &["--format", "qcow2", "--api", api_arg],
                 ..DaemonOptions::default()
             },
         );
+        let listed = ringblk_testkit::ctl_ok(&api, &["bitmap", "list"]);
+        assert!(
+            listed.contains("nightly") && listed.contains("fine"),
+            "{listed}"
+        );
+        ringblk_testkit::ctl_ok(&api, &["bitmap", "add", "ours", "--granularity", "1M"]);
         let mut client = Client::connect(&d.socket, MIB as usize);
         let mut data = vec![0u8; 128 * KIB as usize];
         fill(7, 0, &mut data);
         assert_eq!(client.write(MIB, &data), 0);
+        assert_eq!(client.write(5 * MIB + 4096, &data[..4096]), 0);
         assert_eq!(client.flush(), 0);
-        drop(client);
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
         if sig == libc::SIGTERM {
+            drop(client);
             stop(d);
+            let mut listed = qemu_bitmaps(&img);
+            listed.sort();
+            assert_eq!(
+                listed,
+                [
+                    ("fine".to_string(), s(&["auto"])),
+                    ("nightly".to_string(), s(&["auto"])),
+                    ("ours".to_string(), s(&["auto"])),
+                ]
+            );
+            let leaks = check_clean(&img);
+            assert_eq!(leaks, 0, "the old bitmap clusters leaked");
+            let dirty = |name| ringblk_testkit::nbd::qemu_nbd_dirty(&img, name);
+            assert_eq!(dirty("nightly"), [(MIB, 128 * KIB), (5 * MIB, 64 * KIB)]);
+            assert_eq!(dirty("fine"), [(MIB, 128 * KIB), (5 * MIB + 4096, 4096)]);
+            assert_eq!(dirty("ours"), [(MIB, MIB), (5 * MIB, MIB)]);
         } else {
+            // Killed while the front-end holds the image. ("ours" was
+            // written when the `bitmap add` verb let the image go.)
             d.signal_and_wait(sig, Duration::from_secs(20));
+            drop(client);
+            let mut listed = qemu_bitmaps(&img);
+            listed.sort();
+            assert_eq!(
+                listed,
+                [
+                    ("fine".to_string(), s(&["in-use", "auto"])),
+                    ("nightly".to_string(), s(&["in-use", "auto"])),
+                    ("ours".to_string(), s(&["in-use", "auto"])),
+                ]
+            );
+            check_clean(&img);
         }
-        assert_eq!(
-            qemu_bitmaps(&img),
-            [(
-                "nightly".to_string(),
-                vec!["in-use".to_string(), "auto".to_string()]
-            )],
-            "signal {sig}"
-        );
-        check_clean(&img);
         let raw = dir.path().join("disk.raw");
         qemu_img(&["convert", "-O", "raw", p, raw.to_str().unwrap()]);
         let got = std::fs::read(&raw).unwrap();

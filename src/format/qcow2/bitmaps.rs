@@ -107,6 +107,19 @@ pub struct Bitmaps {
     pub(super) file_len: u64,
     /// Where the extension's 24 bytes are in the header.
     pub(super) ext_at: u64,
+    /// Those bytes, as read.
+    ext_raw: Vec<u8>,
+}
+
+/// A bitmap as loaded from the image: its bits, or why they cannot be
+/// trusted (in use, or a bad table).
+#[derive(Debug)]
+pub struct Loaded {
+    pub name: String,
+    pub granularity_bits: u8,
+    /// QEMU's AUTO flag (the bitmap records while QEMU has the image).
+    pub auto: bool,
+    pub words: Result<Vec<u64>, String>,
 }
 
 fn be16(b: &[u8], at: usize) -> u16 {
@@ -245,6 +258,7 @@ pub fn parse(
         disk_size,
         file_len,
         ext_at: data as u64,
+        ext_raw: e.to_vec(),
     }))
 }
 
@@ -412,6 +426,30 @@ impl Bitmaps {
             .chunks_exact(8)
             .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
             .collect())
+    }
+
+    /// Every bitmap, its bits read where they can be trusted.
+    pub fn load_all(&self, file: &File) -> Vec<Loaded> {
+        let mut read = |buf: &mut [u8], off: u64| file.read_exact_at(buf, off);
+        self.entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| Loaded {
+                name: e.name.clone(),
+                granularity_bits: e.granularity_bits,
+                auto: e.flags & FLAG_AUTO != 0,
+                words: self.read_words(i, &mut read),
+            })
+            .collect()
+    }
+
+    /// What imago must keep reading of the header (`FileState::show_imago`):
+    /// the autoclear field as it left it (zero), the extension as found.
+    pub fn imago_view(&self) -> Vec<(u64, Vec<u8>)> {
+        vec![
+            (AUTOCLEAR_OFFSET, vec![0; 8]),
+            (self.ext_at, self.ext_raw.clone()),
+        ]
     }
 
     /// The clusters of `cluster_size` bytes the directory occupies.

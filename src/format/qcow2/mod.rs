@@ -97,6 +97,8 @@ pub struct Qcow2Image {
     /// that a write never takes the fast path to a cluster whose
     /// allocation a kill -9 could still lose. Under `meta`.
     uncommitted: Mutex<Vec<(u64, Loc)>>,
+    /// QEMU's persistent bitmaps of the top, if it has any.
+    qemu: Option<Mutex<QemuBitmaps>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -143,6 +145,20 @@ struct Chain {
     files: Vec<Arc<FileState>>,
     seen: HashSet<(u64, u64)>,
     min_cluster_bits: u32,
+    /// The writable top's QEMU bitmaps.
+    qemu: Option<QemuBitmaps>,
+}
+
+/// QEMU's persistent bitmaps of the writable top (bitmaps.rs,
+/// bitmap_write.rs): loaded and marked in use when the image is claimed,
+/// written back when it is let go ([`Qcow2Image::invalidate`]).
+struct QemuBitmaps {
+    /// The directory on disk; `None` once the extension is gone.
+    dir: Option<bitmaps::Bitmaps>,
+    /// The bits loaded at open, for the first claim.
+    loaded: Option<Vec<bitmaps::Loaded>>,
+    /// Bitmaps to write at the next quiet moment.
+    staged: Option<Vec<bitmap_write::Stored>>,
 }
 
 impl Qcow2Image {
@@ -151,6 +167,7 @@ impl Qcow2Image {
             files: Vec::new(),
             seen: HashSet::new(),
             min_cluster_bits: 21,
+            qemu: None,
         };
         let max_chain = options.max_chain.clamp(1, MAX_FILES);
         let (top, header) = open_qcow2(path, options, max_chain, &mut chain)?;
@@ -171,7 +188,94 @@ impl Qcow2Image {
             committed: AtomicU64::new(0),
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
+            qemu: chain.qemu.map(Mutex::new),
         })
+    }
+
+    /// Whether the top has QEMU's persistent bitmaps (served writable).
+    pub fn has_qemu_bitmaps(&self) -> bool {
+        self.qemu.is_some()
+    }
+
+    /// QEMU's bitmaps, loaded, and marked in use on disk before this
+    /// returns: the bits loaded at open the first time, else read afresh
+    /// from the file (another process may have written them since the
+    /// image was let go). Called when the image is claimed, before any
+    /// write.
+    pub fn open_qemu_bitmaps(&self) -> Result<Vec<bitmaps::Loaded>, FormatError> {
+        let Some(q) = &self.qemu else {
+            return Ok(Vec::new());
+        };
+        let _meta = lock(&self.meta);
+        let mut q = lock(q);
+        if let Some(loaded) = q.loaded.take() {
+            return Ok(loaded);
+        }
+        let file = self.files[0].file();
+        let bad = |e: String| FormatError::Io {
+            context: "bitmaps extension",
+            source: io::Error::new(io::ErrorKind::InvalidData, e),
+        };
+        let Some(mut b) = bitmaps::Bitmaps::load(file).map_err(bad)? else {
+            q.dir = None;
+            return Ok(Vec::new());
+        };
+        let c = 1u64 << self.cluster_bits;
+        if b.directory_clusters(c)
+            .any(|c| self.files[0].is_metadata(c))
+        {
+            return Err(bad("the bitmap directory overlaps other metadata".into()));
+        }
+        let loaded = b.load_all(file);
+        b.mark_in_use(file)
+            .map_err(FormatError::io("marking bitmaps in use"))?;
+        q.dir = Some(b);
+        Ok(loaded)
+    }
+
+    /// Bitmaps to write back at the next [`invalidate`](Self::invalidate)
+    /// (the image is let go), in place of those on disk. False when the top
+    /// has none to replace (no extension, or none any more).
+    pub fn stage_qemu_bitmaps(&self, bitmaps: Vec<bitmap_write::Stored>) -> bool {
+        match &self.qemu {
+            Some(q) => {
+                let mut q = lock(q);
+                let ok = q.dir.is_some();
+                if ok {
+                    q.staged = Some(bitmaps);
+                }
+                ok
+            }
+            None => false,
+        }
+    }
+
+    /// Writes the staged bitmaps (everything else committed and synced,
+    /// under `meta`): a failure leaves them in use, which is safe.
+    fn write_qemu_bitmaps(&self) {
+        let Some(q) = &self.qemu else {
+            return;
+        };
+        let mut q = lock(q);
+        let (Some(staged), Some(dir)) = (q.staged.take(), q.dir.as_ref()) else {
+            return;
+        };
+        let file = self.files[0].file();
+        let path = self.files[0].path().display().to_string();
+        match bitmap_write::store(file, dir, &staged).and_then(|()| self.files[0].grew()) {
+            Ok(()) => {
+                q.dir = match bitmaps::Bitmaps::load(file) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        log::error!("{path}: rereading the bitmaps written: {e}");
+                        None
+                    }
+                };
+            }
+            Err(e) => log::error!(
+                "{path}: writing QEMU's bitmaps back: {e}; they stay in use (inconsistent)"
+            ),
+        }
     }
 
     pub fn size(&self) -> u64 {
@@ -730,6 +834,8 @@ impl Qcow2Image {
             committed: AtomicU64::new(0),
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
+            // A new overlay has no bitmaps; the old top's stay in use.
+            qemu: None,
         })
     }
 
@@ -862,6 +968,9 @@ impl Qcow2Image {
             self.files[0]
                 .sync_now()
                 .map_err(FormatError::io("fdatasync"))?;
+            // imago is flushed and about to drop its caches: the moment
+            // to allocate behind it.
+            self.write_qemu_bitmaps();
         }
         self.cache.clear();
         lock(&self.uncommitted).clear();
@@ -1040,15 +1149,21 @@ fn open_qcow2(
                 "bitmaps extension: the bitmap directory overlaps other metadata",
             ));
         }
-        state.mask_autoclear();
+        // The bits as they were, before they are marked in use.
+        let loaded = b.load_all(state.file());
+        state.show_imago(b.imago_view());
         b.mark_in_use(state.file()).map_err(|e| open_err(path, e))?;
         let names: Vec<&str> = b.entries.iter().map(|e| e.name.as_str()).collect();
-        log::warn!(
-            "{}: QEMU's persistent bitmaps {} are marked in use (inconsistent): ringblk does not \
-             update qcow2 bitmaps yet (docs/backup.md)",
+        log::info!(
+            "{}: QEMU's persistent bitmaps {} marked in use while ringblk holds the image",
             path.display(),
             names.join(", ")
         );
+        chain.qemu = Some(QemuBitmaps {
+            dir: Some(b),
+            loaded: Some(loaded),
+            staged: None,
+        });
     }
     q.set_backing(backing);
     Ok((Arc::new(FormatAccess::new(q)), header))

@@ -49,8 +49,8 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use imago::Storage;
 use imago::io_buffers::{IoVector, IoVectorMut};
@@ -142,10 +142,12 @@ pub struct FileState {
     journal: Option<Arc<Journal>>,
     /// fdatasyncs of this file so far (ordering and flushes).
     syncs: AtomicU64,
-    /// imago reads the header's autoclear bits as zero, as it left them
-    /// at open, though the file has the bitmaps bit set again (bitmaps.rs):
-    /// imago refuses a reread header whose autoclear bits changed.
-    autoclear_masked: AtomicBool,
+    /// Header bytes imago reads as it left them at open, whatever the
+    /// file has: the autoclear field (zero; the file has the bitmaps bit
+    /// set again) and the bitmaps extension (the file's may point at a
+    /// directory written since). imago refuses a reread header whose
+    /// autoclear bits or extensions changed (bitmaps.rs).
+    imago_view: OnceLock<Vec<(u64, Vec<u8>)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -181,13 +183,21 @@ impl FileState {
             order: None,
             journal: None,
             syncs: AtomicU64::new(0),
-            autoclear_masked: AtomicBool::new(false),
+            imago_view: OnceLock::new(),
         })
     }
 
-    /// From now on imago reads the header's autoclear field as zero.
-    pub fn mask_autoclear(&self) {
-        self.autoclear_masked.store(true, Ordering::Relaxed);
+    /// The file grew behind imago (bitmaps written past its end).
+    pub fn grew(&self) -> io::Result<()> {
+        let len = self.file.metadata()?.len();
+        self.size.fetch_max(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// From now on imago reads these `(offset, bytes)` of the file as
+    /// given (once; a second call changes nothing).
+    pub fn show_imago(&self, view: Vec<(u64, Vec<u8>)>) {
+        let _ = self.imago_view.set(view);
     }
 
     /// Makes this the writable top: its writes are ordered from now on.
@@ -384,8 +394,8 @@ impl FileState {
                 overlay(buf, offset, data, *at);
             }
         }
-        if self.autoclear_masked.load(Ordering::Relaxed) {
-            overlay(buf, offset, &[0; 8], super::bitmaps::AUTOCLEAR_OFFSET);
+        for (at, data) in self.imago_view.get().into_iter().flatten() {
+            overlay(buf, offset, data, *at);
         }
         Ok(())
     }
