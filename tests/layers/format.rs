@@ -990,3 +990,82 @@ fn written_back(cluster_size: &str) {
     );
     assert_eq!(qemu_dirty(&img, "fresh"), [(0, MIB), (size / 2, size / 2)]);
 }
+
+fn qcow(i: &Image) -> &ringblk::format::Qcow2Image {
+    match i {
+        Image::Qcow2(q) => q,
+        Image::Raw(_) => unreachable!(),
+    }
+}
+
+/// A migration on shared storage, at the format layer: the destination
+/// opens the image while the source holds it (QEMU's bitmaps in use
+/// then), the source writes them back as it lets go, and the destination,
+/// claiming the image, loads what the source wrote, not what it saw at
+/// its open; its own write-back then frees the source's clusters, not
+/// the ones the source already freed (`qemu-img check`: no leak, no
+/// corruption). On the first version of the store the destination kept
+/// the directory it saw at open and freed its clusters a second time.
+#[test]
+fn qemu_bitmaps_follow_a_handover() {
+    use ringblk::bitmap::DirtyBitmap;
+    use ringblk::format::qcow2::bitmap_write::Stored;
+
+    let dir = scratch("qemu-bitmap-handover");
+    let img = dir.join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    let size = 16 * MIB;
+    qemu_img(&["create", "-q", "-f", "qcow2", p, "16M"]);
+    qemu_img(&["bitmap", "--add", p, "b"]);
+    let stored = |b: &DirtyBitmap| {
+        vec![Stored {
+            name: "b".into(),
+            granularity_bits: 16,
+            auto: true,
+            consistent: b.is_consistent(),
+            words: b.words().collect(),
+        }]
+    };
+    let load = |l: Vec<ringblk::format::qcow2::bitmaps::Loaded>| {
+        assert_eq!(l.len(), 1);
+        match l.into_iter().next().unwrap().words {
+            Ok(w) => DirtyBitmap::from_words(size, 65536, w, true).unwrap(),
+            Err(_) => {
+                let b = DirtyBitmap::new(size, 65536).unwrap();
+                b.set_inconsistent();
+                b
+            }
+        }
+    };
+
+    let source = open(&img, true);
+    let src = qcow(&source);
+    let a = load(src.open_qemu_bitmaps().unwrap());
+    assert!(a.is_consistent());
+    a.mark(MIB, 1);
+
+    let dest = open(&img, true);
+    let dst = qcow(&dest);
+
+    assert!(src.stage_qemu_bitmaps(stored(&a)));
+    src.invalidate().unwrap();
+    drop(source);
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("b".to_string(), vec!["auto".to_string()])]
+    );
+
+    let b = load(dst.open_qemu_bitmaps().unwrap());
+    assert!(
+        b.is_consistent(),
+        "the destination did not load what the source wrote"
+    );
+    assert_eq!(b.dirty_extents(), [(MIB, 65536)]);
+    b.mark(2 * MIB, 1);
+    assert!(dst.stage_qemu_bitmaps(stored(&b)));
+    dst.invalidate().unwrap();
+    drop(dest);
+    let leaks = check_clean(&img);
+    assert_eq!(leaks, 0);
+    assert_eq!(qemu_dirty(&img, "b"), [(MIB, 65536), (2 * MIB, 65536)]);
+}

@@ -452,6 +452,12 @@ impl Bitmaps {
         ]
     }
 
+    /// Whether `other` is the same directory, byte for byte, at the same
+    /// place: nobody wrote the bitmaps in between.
+    pub fn same_directory(&self, other: &Bitmaps) -> bool {
+        self.directory_offset == other.directory_offset && self.raw == other.raw
+    }
+
     /// The clusters of `cluster_size` bytes the directory occupies.
     pub fn directory_clusters(&self, cluster_size: u64) -> std::ops::Range<u64> {
         let end = self.directory_offset + self.raw.len() as u64;

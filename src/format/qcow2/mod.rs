@@ -198,20 +198,28 @@ impl Qcow2Image {
     }
 
     /// QEMU's bitmaps, loaded, and marked in use on disk before this
-    /// returns: the bits loaded at open the first time, else read afresh
-    /// from the file (another process may have written them since the
-    /// image was let go). Called when the image is claimed, before any
-    /// write.
+    /// returns. Called when the image is claimed, before any write. The
+    /// directory is always read afresh: another process (a migration's
+    /// source) may have written the bitmaps since; the bits loaded at open
+    /// serve only if nobody did (the directory is still the one this
+    /// open marked in use).
     pub fn open_qemu_bitmaps(&self) -> Result<Vec<bitmaps::Loaded>, FormatError> {
         let Some(q) = &self.qemu else {
             return Ok(Vec::new());
         };
         let _meta = lock(&self.meta);
         let mut q = lock(q);
-        if let Some(loaded) = q.loaded.take() {
-            return Ok(loaded);
-        }
         let file = self.files[0].file();
+        let at_open = q.loaded.take();
+        if let (Some(loaded), Some(dir)) = (at_open, q.dir.as_ref()) {
+            let now = bitmaps::Bitmaps::load(file);
+            if now
+                .as_ref()
+                .is_ok_and(|n| n.as_ref().is_some_and(|n| n.same_directory(dir)))
+            {
+                return Ok(loaded);
+            }
+        }
         let bad = |e: String| FormatError::Io {
             context: "bitmaps extension",
             source: io::Error::new(io::ErrorKind::InvalidData, e),
@@ -262,6 +270,19 @@ impl Qcow2Image {
         };
         let file = self.files[0].file();
         let path = self.files[0].path().display().to_string();
+        // The clusters to free are those of the directory on disk: never
+        // free what another writer's directory may no longer own.
+        let now = bitmaps::Bitmaps::load(file);
+        if !now
+            .as_ref()
+            .is_ok_and(|n| n.as_ref().is_some_and(|n| n.same_directory(dir)))
+        {
+            log::error!(
+                "{path}: the bitmap directory changed behind ringblk; QEMU's bitmaps are not \
+                 written back (they stay in use: inconsistent)"
+            );
+            return;
+        }
         match bitmap_write::store(file, dir, &staged).and_then(|()| self.files[0].grew()) {
             Ok(()) => {
                 q.dir = match bitmaps::Bitmaps::load(file) {
