@@ -966,7 +966,7 @@ fn written_back(cluster_size: &str) {
         consistent: true,
         words: fresh.words().collect(),
     });
-    store(&file, &old, &new).unwrap();
+    store(&file, &old, &new, &|_| false).unwrap();
     drop(file);
 
     let mut listed = qemu_bitmaps(&img);

@@ -150,7 +150,17 @@ fn entry_bytes(table_offset: u64, table_size: u32, flags: u32, s: &Stored) -> Ve
 /// Writes `new` as the image's bitmaps in place of those `old` describes
 /// (module docs). `file` must be the image `old` was parsed from, with
 /// nothing else writing it meanwhile.
-pub fn store(file: &File, old: &Bitmaps, new: &[Stored]) -> io::Result<()> {
+///
+/// `is_metadata(cluster)` says which clusters hold the image's own
+/// metadata (header, L1, L2, refcount table, refblocks): an old bitmap
+/// table or data cluster claimed to be there (a hostile image) is never
+/// freed.
+pub fn store(
+    file: &File,
+    old: &Bitmaps,
+    new: &[Stored],
+    is_metadata: &dyn Fn(u64) -> bool,
+) -> io::Result<()> {
     if new.is_empty() {
         return Err(io::Error::new(
             io::ErrorKind::Unsupported,
@@ -301,13 +311,18 @@ pub fn store(file: &File, old: &Bitmaps, new: &[Stored]) -> io::Result<()> {
     file.sync_data()?;
 
     // Step 4: free the old clusters (a crash before this leaks them).
-    free_old(file, old, &rc)
+    free_old(file, old, &rc, is_metadata)
 }
 
 /// Drops the refcounts of `old`'s directory, tables and data clusters.
 /// What does not check out (a cluster past the end, a refcount already
 /// zero) is left alone: a leak, never a double free.
-fn free_old(file: &File, old: &Bitmaps, rc: &Refcounts) -> io::Result<()> {
+fn free_old(
+    file: &File,
+    old: &Bitmaps,
+    rc: &Refcounts,
+    is_metadata: &dyn Fn(u64) -> bool,
+) -> io::Result<()> {
     let c = old.cluster;
     let file_len = file.metadata()?.len();
     let mut clusters = Vec::new();
@@ -326,8 +341,10 @@ fn free_old(file: &File, old: &Bitmaps, rc: &Refcounts) -> io::Result<()> {
         }
     }
     clusters.sort_unstable();
-    // A cluster named twice (a hostile table) is freed once.
+    // A cluster named twice (a hostile table) is freed once; one of the
+    // image's own metadata never.
     clusters.dedup();
+    clusters.retain(|&cl| cl != 0 && !is_metadata(cl));
     let per = rc.per_block();
     let mut block: Option<(usize, u64, Vec<u8>)> = None;
     for cl in clusters {

@@ -53,6 +53,10 @@ pub const MAX_NAME_SIZE: usize = 1023;
 pub const MAX_TABLE_SIZE: u32 = 0x800_0000;
 /// The most bytes of one bitmap's data (QEMU's `BME_MAX_PHYS_SIZE`).
 pub const MAX_PHYS_SIZE: u64 = 0x2000_0000;
+/// The most bytes of bits all the bitmaps of an image may need in
+/// memory: an image needing more is refused (a small hostile image may
+/// claim 65535 bitmaps of a huge disk).
+pub const MAX_LOADED: u64 = 1 << 30;
 /// Directory entry flag: the bitmap is in use by a program that may not
 /// have written all of it (inconsistent).
 pub const FLAG_IN_USE: u32 = 1 << 0;
@@ -237,6 +241,15 @@ pub fn parse(
     let mut raw = vec![0u8; dir_size as usize];
     read(&mut raw, dir_offset).map_err(|e| format!("reading the directory: {e}"))?;
     let entries = parse_directory(&raw, nb, cluster, disk_size, file_len)?;
+    let memory: u128 = entries
+        .iter()
+        .map(|e| u128::from(disk_size.div_ceil(1 << e.granularity_bits).div_ceil(8)))
+        .sum();
+    if memory > u128::from(MAX_LOADED) {
+        return Err(format!(
+            "its {nb} bitmaps need {memory} bytes of memory, more than {MAX_LOADED}"
+        ));
+    }
     // The directory must not share a cluster with the header or a table.
     let dir_clusters = dir_offset / cluster..(dir_offset + dir_size).div_ceil(cluster);
     for e in &entries {
@@ -428,17 +441,34 @@ impl Bitmaps {
             .collect())
     }
 
-    /// Every bitmap, its bits read where they can be trusted.
+    /// Every bitmap, its bits read where they can be trusted. At most
+    /// [`MAX_LOADED`] bytes of bits in all: past it a bitmap comes back
+    /// as an error (inconsistent), so that an image claiming 65535 large
+    /// bitmaps cannot make the daemon allocate without bound.
     pub fn load_all(&self, file: &File) -> Vec<Loaded> {
         let mut read = |buf: &mut [u8], off: u64| file.read_exact_at(buf, off);
+        let mut budget = MAX_LOADED;
         self.entries
             .iter()
             .enumerate()
-            .map(|(i, e)| Loaded {
-                name: e.name.clone(),
-                granularity_bits: e.granularity_bits,
-                auto: e.flags & FLAG_AUTO != 0,
-                words: self.read_words(i, &mut read),
+            .map(|(i, e)| {
+                let len = if e.in_use() { 0 } else { self.bits_len(i) };
+                let words = match budget.checked_sub(len) {
+                    Some(left) => {
+                        budget = left;
+                        self.read_words(i, &mut read)
+                    }
+                    None => Err(format!(
+                        "bitmap '{}': the image's bitmaps hold more than {MAX_LOADED} bytes of bits",
+                        e.name.escape_debug()
+                    )),
+                };
+                Loaded {
+                    name: e.name.clone(),
+                    granularity_bits: e.granularity_bits,
+                    auto: e.flags & FLAG_AUTO != 0,
+                    words,
+                }
             })
             .collect()
     }
@@ -650,6 +680,16 @@ mod tests {
         let d = entry("a", 4 * C, FLAG_IN_USE, 9);
         let f = image(1 << 40, 1, &ext(1, d.len() as u64, 3 * C), &d);
         assert!(run(&f).unwrap().is_some());
+        // Too much memory in all: 2^40 bytes at 512 B granules are 256 MiB
+        // of bits per bitmap; five of them.
+        let mut d = Vec::new();
+        for n in ["a", "b", "c", "d", "e"] {
+            let mut e = entry(n, 4 * C, FLAG_IN_USE, 9);
+            e[8..12].copy_from_slice(&1u32.to_be_bytes());
+            d.extend(e);
+        }
+        let f = image(1 << 40, 1, &ext(5, d.len() as u64, 3 * C), &d);
+        assert!(run(&f).unwrap_err().contains("bytes of memory"));
         // A name length past the directory.
         let mut d = entry("a", 4 * C, 0, 16);
         d[18..20].copy_from_slice(&1000u16.to_be_bytes());

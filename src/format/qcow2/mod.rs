@@ -283,7 +283,10 @@ impl Qcow2Image {
             );
             return;
         }
-        match bitmap_write::store(file, dir, &staged).and_then(|()| self.files[0].grew()) {
+        let is_metadata = |c: u64| self.files[0].is_metadata(c);
+        match bitmap_write::store(file, dir, &staged, &is_metadata)
+            .and_then(|()| self.files[0].grew())
+        {
             Ok(()) => {
                 q.dir = match bitmaps::Bitmaps::load(file) {
                     Ok(d) => d,
