@@ -3,11 +3,12 @@
 //! does: new data clusters, tables and directory, then the header's
 //! extension pointed at them, then the old ones freed.
 //!
-//! **Not wired in yet** (docs/backup.md): it must run while nothing else
-//! uses the file's refcounts — no imago instance open on it, or one
-//! flushed and about to drop its caches — and the extension must already
-//! exist (the first bitmap of an image, or the removal of the last, needs
-//! the header's extension area rewritten; not done).
+//! It must run while nothing else uses the file's refcounts: no imago
+//! instance open on it, or one flushed and about to drop its caches
+//! (`Qcow2Image::invalidate`, where the format layer calls it). The
+//! extension must already exist (the first bitmap of an image, or the
+//! removal of the last, needs the header's extension area rewritten; not
+//! done).
 //!
 //! The file must be one the format layer opened and checked (its refcount
 //! table covering the file, no refblock overlapping other metadata:

@@ -1,31 +1,31 @@
 //! QEMU's persistent dirty bitmaps in a qcow2 image (QEMU's
-//! docs/interop/qcow2.txt, "Bitmaps extension"; block/qcow2-bitmap.c),
-//! kept honest while ringblk writes the image.
+//! docs/interop/qcow2.txt, "Bitmaps extension"; block/qcow2-bitmap.c):
+//! reading and checking the extension, the directory and the bits, and
+//! marking the bitmaps in use. [`super::bitmap_write`] writes them back;
+//! `crate::device::qcow2_bitmaps` makes them the device's bitmaps
+//! (docs/backup.md).
 //!
-//! ringblk does not track these bitmaps yet (its own bitmaps are sidecar
-//! files, docs/backup.md). What it must never do is leave a bitmap that
-//! QEMU trusts but that misses the writes ringblk served. imago clears the
-//! header's autoclear bits when it opens an image writable, as the format
-//! asks of a program that does not know a feature; QEMU then drops the
-//! bitmaps ("a program lacking bitmap support modified this file") and
-//! `qemu-img info` no longer shows them. Instead, before the first guest
-//! write is served ([`Bitmaps::mark_in_use`]):
+//! imago clears the header's autoclear bits when it opens an image
+//! writable, as the format asks of a program that does not know a
+//! feature; QEMU would then drop the bitmaps ("a program lacking bitmap
+//! support modified this file"). Instead, once imago has opened the image
+//! and before the first guest write ([`Bitmaps::mark_in_use`]):
 //!
 //! 1. every entry of the bitmap directory gets its IN_USE flag, and the
 //!    directory is fdatasynced;
 //! 2. then the autoclear bit 0 (the bitmaps extension is valid) is set
 //!    again, and fdatasynced.
 //!
-//! IN_USE is QEMU's own "this bitmap may be missing changes": after
-//! ringblk, `qemu-img info` lists each bitmap with the flag `in-use`,
-//! QEMU loads it as inconsistent (a backup tool then copies everything,
-//! and `qemu-img bitmap --remove` or `--clear` recovers), and `qemu-img
-//! check` finds the image clean. A crash between the two steps leaves the
-//! autoclear bit clear: QEMU drops the bitmaps, which is safe too. imago
-//! rereads the header when it drops its caches (every claim and release
-//! of the image) and refuses one whose autoclear bits are not those it
-//! left at open, so its reads of that field are masked to zero
-//! (`FileState::mask_autoclear`): the file keeps the bit throughout.
+//! IN_USE is QEMU's own "this bitmap may be missing changes": until the
+//! bitmaps are written back at a clean release, `qemu-img info` lists
+//! each with the flag `in-use`, QEMU loads it as inconsistent, and
+//! `qemu-img check` finds the image clean. A crash between the two steps
+//! leaves the autoclear bit clear: QEMU drops the bitmaps, which is safe
+//! too. imago rereads the header when it drops its caches (every claim
+//! and release of the image) and refuses one whose autoclear bits or
+//! extensions are not those it found at open, so its reads of them show
+//! what it found ([`Bitmaps::imago_view`], `FileState::show_imago`): the
+//! file has the real ones.
 //!
 //! Everything is read from a file that came from elsewhere, so everything
 //! is bounded before it is used ([`parse`]): QEMU's limits on the
