@@ -1069,3 +1069,40 @@ fn qemu_bitmaps_follow_a_handover() {
     assert_eq!(leaks, 0);
     assert_eq!(qemu_dirty(&img, "b"), [(MIB, 65536), (2 * MIB, 65536)]);
 }
+
+/// A bitmaps extension broken behind the daemon's back (another program
+/// wrote the image while ringblk had let it go): the next claim's load
+/// fails in one line, and the image goes on serving.
+#[test]
+fn a_bitmaps_extension_broken_later_is_an_error_not_a_stop() {
+    let dir = scratch("qemu-bitmap-broken-later");
+    let img = dir.join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", p, "4M"]);
+    qemu_img(&["bitmap", "--add", p, "b"]);
+    let w = open(&img, true);
+    let q = qcow(&w);
+    assert_eq!(q.open_qemu_bitmaps().unwrap().len(), 1);
+    q.invalidate().unwrap();
+    // nb_bitmaps past QEMU's bound, written by "someone else".
+    let bytes = std::fs::read(&img).unwrap();
+    let be32 = |b: &[u8], at: usize| u32::from_be_bytes(b[at..at + 4].try_into().unwrap());
+    let mut at = be32(&bytes, 100) as usize;
+    while be32(&bytes, at) != 0x2385_2875 {
+        at += 8 + (be32(&bytes, at + 4) as usize).next_multiple_of(8);
+    }
+    let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &70000u32.to_be_bytes(), at as u64 + 8).unwrap();
+    let err = q.open_qemu_bitmaps().unwrap_err().to_string();
+    assert!(
+        err.contains("70000 bitmaps") && !err.contains('\n'),
+        "{err}"
+    );
+    let mut data = vec![0u8; 4096];
+    fill(5, 0, &mut data);
+    write(&w, 0, &data).unwrap();
+    flush(&w).unwrap();
+    let mut back = vec![0u8; 4096];
+    read(&w, 0, &mut back).unwrap();
+    assert!(back == data);
+}

@@ -1014,6 +1014,22 @@ fn qemu_bitmaps_are_tracked_in_the_image() {
                 ]
             );
             check_clean(&img);
+            // ringblk, restarted, finds them inconsistent too.
+            let d = Daemon::start_in(
+                dir.path(),
+                DaemonOptions {
+                    image: Some(img.clone()),
+                    args: &["--format", "qcow2", "--api", api_arg],
+                    ..DaemonOptions::default()
+                },
+            );
+            let table = ringblk_testkit::ctl_ok(&api, &["bitmap", "list"]);
+            let inconsistent = table
+                .lines()
+                .filter(|l| l.contains("NO: take a full backup"))
+                .count();
+            assert_eq!(inconsistent, 3, "{table}");
+            stop(d);
         }
         let raw = dir.path().join("disk.raw");
         qemu_img(&["convert", "-O", "raw", p, raw.to_str().unwrap()]);
