@@ -1062,3 +1062,54 @@ fn a_bad_bitmaps_extension_is_refused() {
         "the file was written"
     );
 }
+
+/// An incremental backup from a bitmap QEMU made (`qemu-img bitmap
+/// --add`): the export's `qemu:dirty-bitmap:` holds what the guest wrote
+/// before `backup start`, the bitmap records afresh from then, and after
+/// a clean stop QEMU finds in it exactly what the guest wrote after the
+/// instant.
+#[test]
+fn a_qemu_bitmap_drives_an_incremental_backup() {
+    use ringblk_testkit::nbd;
+    assert!(nbd::have_tools(), "nbdinfo is missing");
+    let dir = test_dir();
+    let img = dir.path().join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", p, "16M"]);
+    qemu_img(&["bitmap", "--add", p, "nightly"]);
+    let backups = dir.path().join("backups");
+    std::fs::create_dir_all(&backups).unwrap();
+    let api = dir.path().join("api.sock");
+    let d = Daemon::start_in(
+        dir.path(),
+        DaemonOptions {
+            image: Some(img.clone()),
+            args: &[
+                "--format",
+                "qcow2",
+                "--api",
+                api.to_str().unwrap(),
+                "--backup-dir",
+                backups.to_str().unwrap(),
+            ],
+            ..DaemonOptions::default()
+        },
+    );
+    let mut client = Client::connect(&d.socket, MIB as usize);
+    let mut data = vec![0u8; 64 * KIB as usize];
+    fill(3, 0, &mut data);
+    assert_eq!(client.write(MIB, &data), 0);
+    let sock = nbd::backup_start(&api, &backups, "b.sock", Some("nightly"));
+    assert_eq!(nbd::dirty(&sock, "nightly"), [(MIB, 64 * KIB)]);
+    assert_eq!(client.write(3 * MIB, &data), 0);
+    assert_eq!(client.flush(), 0);
+    ringblk_testkit::ctl_ok(&api, &["backup", "stop"]);
+    drop(client);
+    stop(d);
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("nightly".to_string(), vec!["auto".to_string()])]
+    );
+    assert_eq!(nbd::qemu_nbd_dirty(&img, "nightly"), [(3 * MIB, 64 * KIB)]);
+    assert_eq!(check_clean(&img), 0);
+}
