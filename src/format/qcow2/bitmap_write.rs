@@ -38,6 +38,65 @@ use super::bitmaps::{
     TABLE_OFFSET, be32, be64,
 };
 
+/// One operation of [`store`] on the file, as a [`Recorder`] keeps it.
+#[derive(Clone, Debug)]
+pub enum Op {
+    Write { offset: u64, data: Vec<u8> },
+    SetLen(u64),
+    Sync,
+}
+
+/// Records every write, truncation and fdatasync [`store`] makes (tests:
+/// they rebuild the file as a crash could have left it).
+#[derive(Default, Debug)]
+pub struct Recorder {
+    pub ops: std::sync::Mutex<Vec<Op>>,
+}
+
+/// The file as `store` uses it: reads and writes through it, each change
+/// also recorded when a recorder is given.
+struct Disk<'a> {
+    file: &'a File,
+    rec: Option<&'a Recorder>,
+}
+
+impl Disk<'_> {
+    fn note(&self, op: Op) {
+        if let Some(r) = self.rec {
+            r.ops.lock().unwrap_or_else(|p| p.into_inner()).push(op);
+        }
+    }
+
+    fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(data, offset)?;
+        self.note(Op::Write {
+            offset,
+            data: data.to_vec(),
+        });
+        Ok(())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)?;
+        self.note(Op::SetLen(len));
+        Ok(())
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        self.file.sync_data()?;
+        self.note(Op::Sync);
+        Ok(())
+    }
+
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+
+    fn metadata(&self) -> io::Result<std::fs::Metadata> {
+        self.file.metadata()
+    }
+}
+
 /// One bitmap to store.
 #[derive(Clone, Debug)]
 pub struct Stored {
@@ -64,7 +123,7 @@ struct Refcounts {
 }
 
 impl Refcounts {
-    fn load(file: &File, cluster: u64) -> io::Result<Refcounts> {
+    fn load(file: &Disk<'_>, cluster: u64) -> io::Result<Refcounts> {
         let mut h = [0u8; 104];
         file.read_exact_at(&mut h, 0)?;
         let table_offset = be64(&h, 48);
@@ -162,6 +221,18 @@ pub fn store(
     new: &[Stored],
     is_metadata: &dyn Fn(u64) -> bool,
 ) -> io::Result<()> {
+    store_recorded(file, old, new, is_metadata, None)
+}
+
+/// [`store`], each change recorded in `rec` (tests).
+pub fn store_recorded(
+    file: &File,
+    old: &Bitmaps,
+    new: &[Stored],
+    is_metadata: &dyn Fn(u64) -> bool,
+    rec: Option<&Recorder>,
+) -> io::Result<()> {
+    let file = &Disk { file, rec };
     if new.is_empty() {
         return Err(io::Error::new(
             io::ErrorKind::Unsupported,
@@ -319,7 +390,7 @@ pub fn store(
 /// What does not check out (a cluster past the end, a refcount already
 /// zero) is left alone: a leak, never a double free.
 fn free_old(
-    file: &File,
+    file: &Disk<'_>,
     old: &Bitmaps,
     rc: &Refcounts,
     is_metadata: &dyn Fn(u64) -> bool,
