@@ -18,6 +18,8 @@
 //!   that write. A kill -9 before it loses an added bitmap (it is not
 //!   found: a backup tool copies everything) and brings a removed one
 //!   back, in use (inconsistent).
+//! - QEMU's disabled bitmaps (no AUTO flag) record nothing, as in QEMU:
+//!   they are kept aside, written back as loaded, and not listed.
 //! - `update` writes nothing: while the image is held every bitmap is
 //!   IN_USE on disk, already "possibly incomplete" to whoever finds it.
 
@@ -44,6 +46,10 @@ pub struct Qcow2Store {
     known: BTreeMap<String, Known>,
     /// Closed so far, since the last staging.
     closed: Vec<Stored>,
+    /// QEMU's disabled bitmaps (no AUTO flag): they record nothing while
+    /// QEMU has the image, so nothing here either; written back as loaded
+    /// (and not listed by `ctl bitmap list`).
+    frozen: Vec<Stored>,
     /// What `peek` loaded at start-up, for the first `open`: loading
     /// again would find the bitmaps in use (the image's open marked them).
     peeked: Option<Vec<(String, Result<DirtyBitmap, BitmapError>)>>,
@@ -56,6 +62,7 @@ impl Qcow2Store {
             live,
             known: BTreeMap::new(),
             closed: Vec::new(),
+            frozen: Vec::new(),
             peeked: None,
         }
     }
@@ -78,9 +85,29 @@ impl Qcow2Store {
         };
         self.known.clear();
         self.closed.clear();
+        self.frozen.clear();
         let mut out = Vec::new();
         for l in loaded {
             let g = 1u64 << l.granularity_bits;
+            if !l.auto {
+                let consistent = l.words.is_ok();
+                let words = match l.words {
+                    Ok(w) => Some(w),
+                    Err(_) => DirtyBitmap::new(disk_size, g)
+                        .ok()
+                        .map(|b| b.words().collect()),
+                };
+                if let Some(words) = words {
+                    self.frozen.push(Stored {
+                        name: l.name,
+                        granularity_bits: l.granularity_bits,
+                        auto: false,
+                        consistent,
+                        words,
+                    });
+                }
+                continue;
+            }
             let bitmap = match l.words {
                 Ok(words) => DirtyBitmap::from_words(disk_size, g, words, true),
                 Err(why) => {
@@ -98,6 +125,14 @@ impl Qcow2Store {
             out.push((l.name, bitmap));
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
+        if self.known.is_empty() && !self.frozen.is_empty() {
+            // No close will come: the disabled ones go back at the next
+            // release as they are.
+            self.live
+                .current()
+                .image
+                .stage_qemu_bitmaps(self.frozen.clone());
+        }
         out
     }
 }
@@ -143,7 +178,7 @@ impl BitmapStore for Qcow2Store {
     ) -> Result<DirtyBitmap, BitmapError> {
         check_name(name)?;
         let shift = granularity_shift(granularity)?;
-        if self.known.contains_key(name) {
+        if self.known.contains_key(name) || self.frozen.iter().any(|f| f.name == name) {
             return Err(BitmapError::Exists(name.to_string()));
         }
         let b = DirtyBitmap::new(disk_size, granularity)?;
@@ -161,7 +196,7 @@ impl BitmapStore for Qcow2Store {
         if !self.known.contains_key(name) {
             return Err(BitmapError::NotFound(name.to_string()));
         }
-        if self.known.len() == 1 {
+        if self.known.len() + self.frozen.len() == 1 {
             return Err(self.err(format!(
                 "'{name}' is the image's last bitmap, and removing the bitmaps extension is not \
                  done: stop the daemon and run qemu-img bitmap --remove"
@@ -202,7 +237,8 @@ impl BitmapStore for Qcow2Store {
             words: bitmap.words().collect(),
         });
         if self.closed.len() == self.known.len() {
-            let all = std::mem::take(&mut self.closed);
+            let mut all = std::mem::take(&mut self.closed);
+            all.extend(self.frozen.iter().cloned());
             if !self.live.current().image.stage_qemu_bitmaps(all) {
                 return Err(self.err(
                     "the image no longer has a bitmap directory to write to (a live snapshot \

@@ -1113,3 +1113,50 @@ fn a_qemu_bitmap_drives_an_incremental_backup() {
     assert_eq!(nbd::qemu_nbd_dirty(&img, "nightly"), [(3 * MIB, 64 * KIB)]);
     assert_eq!(check_clean(&img), 0);
 }
+
+/// A disabled QEMU bitmap (`qemu-img bitmap --add --disable`: a frozen
+/// checkpoint) records nothing, as in QEMU, and comes back as it was,
+/// not in use; the enabled one beside it records the writes. Also with
+/// the disabled one alone, the write-back happens.
+#[test]
+fn a_disabled_qemu_bitmap_stays_as_it_was() {
+    for with_live in [true, false] {
+        let dir = test_dir();
+        let img = dir.path().join("disk.qcow2");
+        let p = img.to_str().unwrap();
+        qemu_img(&["create", "-q", "-f", "qcow2", p, "8M"]);
+        qemu_img(&["bitmap", "--add", "--disable", p, "frozen"]);
+        if with_live {
+            qemu_img(&["bitmap", "--add", p, "live"]);
+        }
+        let d = Daemon::start_in(
+            dir.path(),
+            DaemonOptions {
+                image: Some(img.clone()),
+                args: &["--format", "qcow2"],
+                ..DaemonOptions::default()
+            },
+        );
+        let mut client = Client::connect(&d.socket, MIB as usize);
+        let data = vec![7u8; 4096];
+        assert_eq!(client.write(2 * MIB, &data), 0);
+        assert_eq!(client.flush(), 0);
+        drop(client);
+        stop(d);
+        let mut listed = qemu_bitmaps(&img);
+        listed.sort();
+        let mut want = vec![("frozen".to_string(), Vec::<String>::new())];
+        if with_live {
+            want.push(("live".to_string(), vec!["auto".to_string()]));
+        }
+        assert_eq!(listed, want);
+        assert_eq!(ringblk_testkit::nbd::qemu_nbd_dirty(&img, "frozen"), []);
+        if with_live {
+            assert_eq!(
+                ringblk_testkit::nbd::qemu_nbd_dirty(&img, "live"),
+                [(2 * MIB, 64 * KIB)]
+            );
+        }
+        assert_eq!(check_clean(&img), 0);
+    }
+}
