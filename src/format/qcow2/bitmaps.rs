@@ -8,20 +8,23 @@
 //! imago clears the header's autoclear bits when it opens an image
 //! writable, as the format asks of a program that does not know a
 //! feature; QEMU would then drop the bitmaps ("a program lacking bitmap
-//! support modified this file"). Instead, once imago has opened the image
-//! and before the first guest write ([`Bitmaps::mark_in_use`]):
+//! support modified this file"). Instead imago is shown the field as zero
+//! from its open on (so it does not rewrite the header), and once it has
+//! opened the image, before the first guest write
+//! ([`Bitmaps::mark_in_use`]):
 //!
 //! 1. every entry of the bitmap directory gets its IN_USE flag, and the
 //!    directory is fdatasynced;
-//! 2. then the autoclear bit 0 (the bitmaps extension is valid) is set
-//!    again, and fdatasynced.
+//! 2. then the autoclear field is written with bit 0 (the bitmaps
+//!    extension is valid) set and any other bit cleared (features this
+//!    program does not know), and fdatasynced.
 //!
 //! IN_USE is QEMU's own "this bitmap may be missing changes": until the
 //! bitmaps are written back at a clean release, `qemu-img info` lists
 //! each with the flag `in-use`, QEMU loads it as inconsistent, and
-//! `qemu-img check` finds the image clean. A crash between the two steps
-//! leaves the autoclear bit clear: QEMU drops the bitmaps, which is safe
-//! too. imago rereads the header when it drops its caches (every claim
+//! `qemu-img check` finds the image clean. Bit 0 is never cleared on
+//! disk: a crash before step 1 leaves the image as it was found, after it
+//! the bitmaps in use. imago rereads the header when it drops its caches (every claim
 //! and release of the image) and refuses one whose autoclear bits or
 //! extensions are not those it found at open, so its reads of them show
 //! what it found ([`Bitmaps::imago_view`], `FileState::show_imago`): the

@@ -1109,6 +1109,13 @@ fn open_qcow2(
     if writable {
         state.make_ordered(options.ordered, options.journal.clone());
     }
+    if let Some(b) = &qemu_bitmaps {
+        // imago reads the autoclear field as zero from its open on, so it
+        // does not rewrite the whole header to clear it (which, with a
+        // migration's source still writing the image, could undo that
+        // one's header writes); `mark_in_use` below writes the field.
+        state.show_imago(b.imago_view());
+    }
     let state = Arc::new(state);
     chain.files.push(Arc::clone(&state));
     let mut q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(&state)), writable)
@@ -1175,7 +1182,6 @@ fn open_qcow2(
         }
         // The bits as they were, before they are marked in use.
         let loaded = b.load_all(state.file());
-        state.show_imago(b.imago_view());
         b.mark_in_use(state.file()).map_err(|e| open_err(path, e))?;
         let names: Vec<&str> = b.entries.iter().map(|e| e.name.as_str()).collect();
         log::info!(
