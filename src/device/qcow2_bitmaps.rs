@@ -159,10 +159,15 @@ impl BitmapStore for Qcow2Store {
     }
 
     fn open(&mut self, disk_size: u64) -> Vec<(String, Result<DirtyBitmap, BitmapError>)> {
+        // What start-up loaded serves only if nobody wrote the bitmaps
+        // since (a migration's source lets the image go after this
+        // daemon started: its bitmaps are on disk now).
+        let unchanged = self.live.current().image.qemu_directory_unchanged();
         match self.peeked.take() {
             Some(p)
-                if p.iter()
-                    .all(|(_, b)| b.as_ref().is_ok_and(|b| b.disk_size() == disk_size)) =>
+                if unchanged
+                    && p.iter()
+                        .all(|(_, b)| b.as_ref().is_ok_and(|b| b.disk_size() == disk_size)) =>
             {
                 p
             }

@@ -241,6 +241,20 @@ impl Qcow2Image {
         Ok(loaded)
     }
 
+    /// Whether the bitmap directory on disk is still the one this image
+    /// last loaded or wrote (nobody else wrote the bitmaps since).
+    pub fn qemu_directory_unchanged(&self) -> bool {
+        let Some(q) = &self.qemu else {
+            return false;
+        };
+        let q = lock(q);
+        let now = bitmaps::Bitmaps::load(self.files[0].file());
+        match (q.dir.as_ref(), now) {
+            (Some(dir), Ok(Some(now))) => dir.same_directory(&now),
+            _ => false,
+        }
+    }
+
     /// Bitmaps to write back at the next [`invalidate`](Self::invalidate)
     /// (the image is let go), in place of those on disk. False when the top
     /// has none to replace (no extension, or none any more).
@@ -277,9 +291,13 @@ impl Qcow2Image {
             .as_ref()
             .is_ok_and(|n| n.as_ref().is_some_and(|n| n.same_directory(dir)))
         {
+            // Whatever is there now misses this daemon's writes: in use.
+            if let Ok(Some(mut n)) = now {
+                let _ = n.mark_in_use(file);
+            }
             log::error!(
                 "{path}: the bitmap directory changed behind ringblk; QEMU's bitmaps are not \
-                 written back (they stay in use: inconsistent)"
+                 written back (they are marked in use: inconsistent)"
             );
             return;
         }
