@@ -1218,3 +1218,40 @@ fn qemu_bitmaps_follow_the_image_from_daemon_to_daemon() {
     );
     assert_eq!(check_clean(&img), 0);
 }
+
+/// A qcow2 image with QEMU's bitmaps grown online (`ctl resize`): the
+/// bitmaps grow with it (the new part dirty: it reads as zeroes now,
+/// which no earlier backup has) and QEMU reads them back at the new size,
+/// not in use, the image clean.
+#[test]
+fn qemu_bitmaps_grow_with_the_image() {
+    let dir = test_dir();
+    let img = dir.path().join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", p, "8M"]);
+    qemu_img(&["bitmap", "--add", p, "nightly"]);
+    let api = dir.path().join("api.sock");
+    let d = Daemon::start_in(
+        dir.path(),
+        DaemonOptions {
+            image: Some(img.clone()),
+            args: &["--format", "qcow2", "--api", api.to_str().unwrap()],
+            ..DaemonOptions::default()
+        },
+    );
+    let mut client = Client::connect(&d.socket, MIB as usize);
+    assert_eq!(client.write(MIB, &[1u8; 4096]), 0);
+    assert_eq!(client.flush(), 0);
+    ringblk_testkit::ctl_ok(&api, &["resize", &(16 * MIB).to_string()]);
+    drop(client);
+    stop(d);
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("nightly".to_string(), vec!["auto".to_string()])]
+    );
+    assert_eq!(
+        ringblk_testkit::nbd::qemu_nbd_dirty(&img, "nightly"),
+        [(MIB, 64 * KIB), (8 * MIB, 8 * MIB)]
+    );
+    assert_eq!(check_clean(&img), 0);
+}
