@@ -13,7 +13,7 @@
 //! where a set bit is in the page cache the moment `mark` returns: a kill -9
 //! of the daemon loses nothing it acknowledged. What survives a host crash
 //! is decided by the [`BitmapStore`] that persists them; qcow2's own bitmap
-//! extension plugs in behind the same trait.
+//! directory is behind the same trait (`crate::device::qcow2_bitmaps`).
 //!
 //! This module stands alone: it knows nothing of the worker or the engine.
 //! Phase 2 calls `mark` where a write, discard or write-zeroes is admitted,
@@ -474,9 +474,10 @@ impl DirtyBitmap {
     }
 }
 
-/// Where a disk's bitmaps persist: a sidecar file per bitmap for raw images
-/// and block devices ([`SidecarStore`]); qcow2's bitmap extension for qcow2
-/// images would implement it on the format layer.
+/// Where a disk's bitmaps persist: a sidecar file per bitmap for raw images,
+/// block devices and qcow2 images without QEMU's bitmaps extension
+/// ([`SidecarStore`]); the image's own bitmap directory for a qcow2 image
+/// with it (`crate::device::qcow2_bitmaps`, above the format layer).
 ///
 /// A store knows its bitmaps from the start; they are *loaded*
 /// ([`open`](Self::open)) while the daemon holds the image (its rings

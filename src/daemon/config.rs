@@ -337,6 +337,24 @@ fn bitmap_store(
     DaemonError,
 > {
     let (image, named) = match backing {
+        // QEMU's bitmap directory in the image: the bitmaps live there
+        // (docs/backup.md); sidecars of the image are not used.
+        Backing::File {
+            qcow2: Some(q),
+            named,
+            ..
+        } if !args.readonly && q.live.current().image.has_qemu_bitmaps() => {
+            log::info!(
+                "{}: dirty bitmaps in the image's own bitmap directory (QEMU's persistent bitmaps)",
+                named.display()
+            );
+            return Ok((
+                Ok(Box::new(crate::device::qcow2_bitmaps::Qcow2Store::new(
+                    q.live.clone(),
+                ))),
+                None,
+            ));
+        }
         Backing::File { image, named, .. } => (image, named),
         #[cfg(feature = "rbd")]
         Backing::Rbd(_) => {

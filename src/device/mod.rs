@@ -32,6 +32,7 @@
 //! asks; the control API resizes, reads and changes QoS; the daemon sets
 //! the connection and stops. Nothing here does I/O on the request path.
 
+pub mod qcow2_bitmaps;
 mod resize;
 mod snapshot;
 pub mod tracking;

@@ -13,7 +13,9 @@
 //! one write and one write-zeroes done. The promises checked beyond "no
 //! panic": an open failure is one line; the pieces of a range cover it
 //! exactly, in order; a data piece names a file of the chain and does not
-//! overflow; a write never maps to a backing file.
+//! overflow; a write never maps to a backing file. The bitmaps
+//! extension's parser (qcow2/bitmaps.rs) also reads every input, writable
+//! or not: its errors are one line too.
 
 use std::io::Write;
 
@@ -67,6 +69,28 @@ pub fn run_one(data: &[u8]) -> Outcome {
         }
         _ => (None, image),
     };
+    let mut read = |buf: &mut [u8], off: u64| {
+        let at = usize::try_from(off).ok().filter(|&a| a <= image.len());
+        match at.and_then(|a| image.get(a..a.checked_add(buf.len())?)) {
+            Some(src) => {
+                buf.copy_from_slice(src);
+                Ok(())
+            }
+            None => Err(std::io::ErrorKind::UnexpectedEof.into()),
+        }
+    };
+    match super::qcow2::bitmaps::parse(&mut read, image.len() as u64) {
+        Err(msg) => assert!(!msg.contains('\n'), "multi-line bitmaps error: {msg}"),
+        Ok(Some(b)) => {
+            // The bits too, where they are small (a bitmap may be 512 MiB).
+            for i in (0..b.entries.len()).filter(|&i| b.bits_len(i) <= 1 << 20) {
+                if let Err(msg) = b.read_words(i, &mut read) {
+                    assert!(!msg.contains('\n'), "multi-line bitmaps error: {msg}");
+                }
+            }
+        }
+        Ok(None) => {}
+    }
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("image.qcow2");
     let file = std::fs::File::create(&path).expect("creating the input");

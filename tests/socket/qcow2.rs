@@ -1020,3 +1020,327 @@ fn a_flush_leaves_nothing_in_the_l2_log() {
     }
     c.verify();
 }
+
+use ringblk_testkit::qemu_img::bitmaps as qemu_bitmaps;
+
+/// QEMU's persistent bitmaps (`qemu-img bitmap --add`) on an image the
+/// daemon serves writable are tracked in the image itself:
+/// - after a clean stop, `qemu-img info` lists them without `in-use`, QEMU
+///   (qemu-nbd's `qemu:dirty-bitmap:`, read by nbdinfo) finds dirty what
+///   the guest wrote and nothing else, and a bitmap added with `ringblk
+///   ctl bitmap add` is there too; `qemu-img check` finds no leak;
+/// - after a kill -9, they are `in-use` (QEMU's "inconsistent": a backup
+///   tool copies everything), and the image checks clean.
+///
+/// On the old code the bitmaps vanished from `qemu-img info` (imago
+/// cleared the autoclear bit at open) and their clusters were leaks.
+#[test]
+fn qemu_bitmaps_are_tracked_in_the_image() {
+    for sig in [libc::SIGTERM, libc::SIGKILL] {
+        let dir = test_dir();
+        let img = dir.path().join("disk.qcow2");
+        let p = img.to_str().unwrap();
+        qemu_img(&["create", "-q", "-f", "qcow2", p, "8M"]);
+        qemu_img(&["bitmap", "--add", p, "nightly"]);
+        qemu_img(&["bitmap", "--add", "-g", "4096", p, "fine"]);
+        let api = dir.path().join("api.sock");
+        let api_arg = api.to_str().unwrap();
+        let mut d = Daemon::start_in(
+            dir.path(),
+            DaemonOptions {
+                image: Some(img.clone()),
+                args: &["--format", "qcow2", "--api", api_arg],
+                ..DaemonOptions::default()
+            },
+        );
+        let listed = ringblk_testkit::ctl_ok(&api, &["bitmap", "list"]);
+        assert!(
+            listed.contains("nightly") && listed.contains("fine"),
+            "{listed}"
+        );
+        ringblk_testkit::ctl_ok(&api, &["bitmap", "add", "ours", "--granularity", "1M"]);
+        let mut client = Client::connect(&d.socket, MIB as usize);
+        let mut data = vec![0u8; 128 * KIB as usize];
+        fill(7, 0, &mut data);
+        assert_eq!(client.write(MIB, &data), 0);
+        assert_eq!(client.write(5 * MIB + 4096, &data[..4096]), 0);
+        assert_eq!(client.flush(), 0);
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        if sig == libc::SIGTERM {
+            // Stopped with the front-end still connected: the daemon lets
+            // the image go as it stops.
+            stop(d);
+            drop(client);
+            let mut listed = qemu_bitmaps(&img);
+            listed.sort();
+            assert_eq!(
+                listed,
+                [
+                    ("fine".to_string(), s(&["auto"])),
+                    ("nightly".to_string(), s(&["auto"])),
+                    ("ours".to_string(), s(&["auto"])),
+                ]
+            );
+            let leaks = check_clean(&img);
+            assert_eq!(leaks, 0, "the old bitmap clusters leaked");
+            let dirty = |name| ringblk_testkit::nbd::qemu_nbd_dirty(&img, name);
+            assert_eq!(dirty("nightly"), [(MIB, 128 * KIB), (5 * MIB, 64 * KIB)]);
+            assert_eq!(dirty("fine"), [(MIB, 128 * KIB), (5 * MIB + 4096, 4096)]);
+            assert_eq!(dirty("ours"), [(MIB, MIB), (5 * MIB, MIB)]);
+        } else {
+            // Killed while the front-end holds the image. ("ours" was
+            // written when the `bitmap add` verb let the image go.)
+            d.signal_and_wait(sig, Duration::from_secs(20));
+            drop(client);
+            let mut listed = qemu_bitmaps(&img);
+            listed.sort();
+            assert_eq!(
+                listed,
+                [
+                    ("fine".to_string(), s(&["in-use", "auto"])),
+                    ("nightly".to_string(), s(&["in-use", "auto"])),
+                    ("ours".to_string(), s(&["in-use", "auto"])),
+                ]
+            );
+            check_clean(&img);
+            // ringblk, restarted, finds them inconsistent too.
+            let d = Daemon::start_in(
+                dir.path(),
+                DaemonOptions {
+                    image: Some(img.clone()),
+                    args: &["--format", "qcow2", "--api", api_arg],
+                    ..DaemonOptions::default()
+                },
+            );
+            let table = ringblk_testkit::ctl_ok(&api, &["bitmap", "list"]);
+            let inconsistent = table
+                .lines()
+                .filter(|l| l.contains("NO: take a full backup"))
+                .count();
+            assert_eq!(inconsistent, 3, "{table}");
+            stop(d);
+        }
+        let raw = dir.path().join("disk.raw");
+        qemu_img(&["convert", "-O", "raw", p, raw.to_str().unwrap()]);
+        let got = std::fs::read(&raw).unwrap();
+        assert!(got[MIB as usize..MIB as usize + data.len()] == data[..]);
+    }
+}
+
+/// A bitmaps extension QEMU would refuse (here: 70000 bitmaps, past its
+/// bound of 65535) refuses the start in one line, and the file is left
+/// as it was.
+#[test]
+fn a_bad_bitmaps_extension_is_refused() {
+    let dir = test_dir();
+    let img = dir.path().join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", p, "8M"]);
+    qemu_img(&["bitmap", "--add", p, "nightly"]);
+    let mut bytes = std::fs::read(&img).unwrap();
+    let be32 = |b: &[u8], at: usize| u32::from_be_bytes(b[at..at + 4].try_into().unwrap());
+    let mut at = be32(&bytes, 100) as usize;
+    while be32(&bytes, at) != 0x2385_2875 {
+        at += 8 + (be32(&bytes, at + 4) as usize).next_multiple_of(8);
+    }
+    bytes[at + 8..at + 12].copy_from_slice(&70000u32.to_be_bytes());
+    std::fs::write(&img, &bytes).unwrap();
+    refused(dir.path(), &img, "bitmaps extension: 70000 bitmaps");
+    assert!(
+        std::fs::read(&img).unwrap() == bytes,
+        "the file was written"
+    );
+}
+
+/// An incremental backup from a bitmap QEMU made (`qemu-img bitmap
+/// --add`): the export's `qemu:dirty-bitmap:` holds what the guest wrote
+/// before `backup start`, the bitmap records afresh from then, and after
+/// a clean stop QEMU finds in it exactly what the guest wrote after the
+/// instant.
+#[test]
+fn a_qemu_bitmap_drives_an_incremental_backup() {
+    use ringblk_testkit::nbd;
+    assert!(nbd::have_tools(), "nbdinfo is missing");
+    let dir = test_dir();
+    let img = dir.path().join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", p, "16M"]);
+    qemu_img(&["bitmap", "--add", p, "nightly"]);
+    let backups = dir.path().join("backups");
+    std::fs::create_dir_all(&backups).unwrap();
+    let api = dir.path().join("api.sock");
+    let d = Daemon::start_in(
+        dir.path(),
+        DaemonOptions {
+            image: Some(img.clone()),
+            args: &[
+                "--format",
+                "qcow2",
+                "--api",
+                api.to_str().unwrap(),
+                "--backup-dir",
+                backups.to_str().unwrap(),
+            ],
+            ..DaemonOptions::default()
+        },
+    );
+    let mut client = Client::connect(&d.socket, MIB as usize);
+    let mut data = vec![0u8; 64 * KIB as usize];
+    fill(3, 0, &mut data);
+    assert_eq!(client.write(MIB, &data), 0);
+    let sock = nbd::backup_start(&api, &backups, "b.sock", Some("nightly"));
+    assert_eq!(nbd::dirty(&sock, "nightly"), [(MIB, 64 * KIB)]);
+    assert_eq!(client.write(3 * MIB, &data), 0);
+    assert_eq!(client.flush(), 0);
+    ringblk_testkit::ctl_ok(&api, &["backup", "stop"]);
+    drop(client);
+    stop(d);
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("nightly".to_string(), vec!["auto".to_string()])]
+    );
+    assert_eq!(nbd::qemu_nbd_dirty(&img, "nightly"), [(3 * MIB, 64 * KIB)]);
+    assert_eq!(check_clean(&img), 0);
+}
+
+/// A disabled QEMU bitmap (`qemu-img bitmap --add --disable`: a frozen
+/// checkpoint) records nothing, as in QEMU, and comes back as it was,
+/// not in use; the enabled one beside it records the writes. Also with
+/// the disabled one alone, the write-back happens.
+#[test]
+fn a_disabled_qemu_bitmap_stays_as_it_was() {
+    for with_live in [true, false] {
+        let dir = test_dir();
+        let img = dir.path().join("disk.qcow2");
+        let p = img.to_str().unwrap();
+        qemu_img(&["create", "-q", "-f", "qcow2", p, "8M"]);
+        qemu_img(&["bitmap", "--add", "--disable", p, "frozen"]);
+        if with_live {
+            qemu_img(&["bitmap", "--add", p, "live"]);
+        }
+        let d = Daemon::start_in(
+            dir.path(),
+            DaemonOptions {
+                image: Some(img.clone()),
+                args: &["--format", "qcow2"],
+                ..DaemonOptions::default()
+            },
+        );
+        let mut client = Client::connect(&d.socket, MIB as usize);
+        let data = vec![7u8; 4096];
+        assert_eq!(client.write(2 * MIB, &data), 0);
+        assert_eq!(client.flush(), 0);
+        drop(client);
+        stop(d);
+        let mut listed = qemu_bitmaps(&img);
+        listed.sort();
+        let mut want = vec![("frozen".to_string(), Vec::<String>::new())];
+        if with_live {
+            want.push(("live".to_string(), vec!["auto".to_string()]));
+        }
+        assert_eq!(listed, want);
+        assert_eq!(ringblk_testkit::nbd::qemu_nbd_dirty(&img, "frozen"), []);
+        if with_live {
+            assert_eq!(
+                ringblk_testkit::nbd::qemu_nbd_dirty(&img, "live"),
+                [(2 * MIB, 64 * KIB)]
+            );
+        }
+        assert_eq!(check_clean(&img), 0);
+    }
+}
+
+/// Two daemons on one image with QEMU's bitmaps, as in a migration on
+/// shared storage: the second is started while the first serves (so its
+/// start finds them in use), and gets the image when the first one's
+/// front-end leaves. The second then records on top of what the first
+/// wrote back: after both stop, QEMU finds both daemons' writes in the
+/// bitmap, not in use, and the image checks clean with no leak. On the
+/// first version of the store the second kept what it loaded at start-up
+/// (in use, so inconsistent) and lost the first one's bits.
+#[test]
+fn qemu_bitmaps_follow_the_image_from_daemon_to_daemon() {
+    let dir = test_dir();
+    let img = dir.path().join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", p, "8M"]);
+    qemu_img(&["bitmap", "--add", p, "nightly"]);
+    let start = |sub: &str| {
+        let d = dir.path().join(sub);
+        std::fs::create_dir_all(&d).unwrap();
+        Daemon::start_in(
+            &d,
+            DaemonOptions {
+                image: Some(img.clone()),
+                args: &["--format", "qcow2"],
+                ..DaemonOptions::default()
+            },
+        )
+    };
+    let first = start("first");
+    let mut a = Client::connect(&first.socket, MIB as usize);
+    let data = vec![5u8; 4096];
+    assert_eq!(a.write(MIB, &data), 0);
+    assert_eq!(a.flush(), 0);
+    let second = start("second");
+    let mut b = Client::connect(&second.socket, MIB as usize);
+    drop(a);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while b.write(3 * MIB, &data) != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second daemon never got the image"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(b.flush(), 0);
+    drop(b);
+    stop(second);
+    stop(first);
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("nightly".to_string(), vec!["auto".to_string()])]
+    );
+    assert_eq!(
+        ringblk_testkit::nbd::qemu_nbd_dirty(&img, "nightly"),
+        [(MIB, 64 * KIB), (3 * MIB, 64 * KIB)]
+    );
+    assert_eq!(check_clean(&img), 0);
+}
+
+/// A qcow2 image with QEMU's bitmaps grown online (`ctl resize`): the
+/// bitmaps grow with it (the new part dirty: it reads as zeroes now,
+/// which no earlier backup has) and QEMU reads them back at the new size,
+/// not in use, the image clean.
+#[test]
+fn qemu_bitmaps_grow_with_the_image() {
+    let dir = test_dir();
+    let img = dir.path().join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", p, "8M"]);
+    qemu_img(&["bitmap", "--add", p, "nightly"]);
+    let api = dir.path().join("api.sock");
+    let d = Daemon::start_in(
+        dir.path(),
+        DaemonOptions {
+            image: Some(img.clone()),
+            args: &["--format", "qcow2", "--api", api.to_str().unwrap()],
+            ..DaemonOptions::default()
+        },
+    );
+    let mut client = Client::connect(&d.socket, MIB as usize);
+    assert_eq!(client.write(MIB, &[1u8; 4096]), 0);
+    assert_eq!(client.flush(), 0);
+    ringblk_testkit::ctl_ok(&api, &["resize", &(16 * MIB).to_string()]);
+    drop(client);
+    stop(d);
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("nightly".to_string(), vec!["auto".to_string()])]
+    );
+    assert_eq!(
+        ringblk_testkit::nbd::qemu_nbd_dirty(&img, "nightly"),
+        [(MIB, 64 * KIB), (8 * MIB, 8 * MIB)]
+    );
+    assert_eq!(check_clean(&img), 0);
+}

@@ -290,3 +290,34 @@ pub mod raw {
         )
     }
 }
+
+/// What QEMU says is dirty in bitmap `name` of the qcow2 image `img`:
+/// qemu-nbd exports it read-only with `-B NAME`, and nbdinfo maps
+/// `qemu:dirty-bitmap:NAME` (neighbours merged).
+pub fn qemu_nbd_dirty(img: &Path, name: &str) -> Vec<(u64, u64)> {
+    assert!(have_tools(), "nbdinfo is missing");
+    crate::qemu_img::need_qemu_img();
+    let sock = img.with_extension(format!("{name}.nbd.sock"));
+    let _ = std::fs::remove_file(&sock);
+    let mut nbd = Command::new("qemu-nbd")
+        .args(["-r", "-f", "qcow2", "-B", name, "-k"])
+        .arg(&sock)
+        .arg(img)
+        .spawn()
+        .expect("running qemu-nbd");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !sock.exists() {
+        if let Ok(Some(st)) = nbd.try_wait() {
+            panic!("qemu-nbd exited with {st}");
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "qemu-nbd did not start"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = dirty(&sock, name);
+    let _ = nbd.kill();
+    let _ = nbd.wait();
+    out
+}

@@ -142,3 +142,24 @@ pub fn overlay(base: &Path, base_format: &str, top: &Path) {
         top.to_str().unwrap(),
     ]);
 }
+
+/// The persistent bitmaps `qemu-img info` lists for a qcow2 image:
+/// `(name, flags)` in its order (flags such as `in-use`, `auto`).
+pub fn bitmaps(img: &Path) -> Vec<(String, Vec<String>)> {
+    let info = qemu_img(&["info", "--output=json", img.to_str().expect("UTF-8 path")]);
+    let v: serde_json::Value = serde_json::from_str(&info).expect("qemu-img's JSON");
+    let Some(list) = v["format-specific"]["data"]["bitmaps"].as_array() else {
+        return Vec::new();
+    };
+    list.iter()
+        .map(|b| {
+            let flags = b["flags"].as_array().expect("flags").iter();
+            (
+                b["name"].as_str().expect("name").to_string(),
+                flags
+                    .map(|f| f.as_str().expect("flag").to_string())
+                    .collect(),
+            )
+        })
+        .collect()
+}

@@ -10,6 +10,8 @@
 //!   never probed, depth bounded, loops refused), the slow path (one
 //!   metadata operation at a time under `meta`), and group commit.
 
+pub mod bitmap_write;
+pub mod bitmaps;
 pub mod l2log;
 pub mod map_cache;
 pub mod ordered;
@@ -105,6 +107,8 @@ pub struct Qcow2Image {
     uncommitted: Mutex<Vec<(u64, Loc)>>,
     /// The top's L2 log, if it has one (see [`l2log`]).
     l2log: Option<Arc<L2Log>>,
+    /// QEMU's persistent bitmaps of the top, if it has any.
+    qemu: Option<Mutex<QemuBitmaps>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -151,6 +155,20 @@ struct Chain {
     files: Vec<Arc<FileState>>,
     seen: HashSet<(u64, u64)>,
     min_cluster_bits: u32,
+    /// The writable top's QEMU bitmaps.
+    qemu: Option<QemuBitmaps>,
+}
+
+/// QEMU's persistent bitmaps of the writable top (bitmaps.rs,
+/// bitmap_write.rs): loaded and marked in use when the image is claimed,
+/// written back when it is let go ([`Qcow2Image::invalidate`]).
+struct QemuBitmaps {
+    /// The directory on disk; `None` once the extension is gone.
+    dir: Option<bitmaps::Bitmaps>,
+    /// The bits loaded at open, for the first claim.
+    loaded: Option<Vec<bitmaps::Loaded>>,
+    /// Bitmaps to write at the next quiet moment.
+    staged: Option<Vec<bitmap_write::Stored>>,
 }
 
 impl Qcow2Image {
@@ -159,6 +177,7 @@ impl Qcow2Image {
             files: Vec::new(),
             seen: HashSet::new(),
             min_cluster_bits: 21,
+            qemu: None,
         };
         let max_chain = options.max_chain.clamp(1, MAX_FILES);
         let l2log = match (&options.l2_log, options.writable) {
@@ -192,7 +211,136 @@ impl Qcow2Image {
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
             l2log,
+            qemu: chain.qemu.map(Mutex::new),
         })
+    }
+
+    /// Whether the top has QEMU's persistent bitmaps (served writable).
+    pub fn has_qemu_bitmaps(&self) -> bool {
+        self.qemu.is_some()
+    }
+
+    /// QEMU's bitmaps, loaded, and marked in use on disk before this
+    /// returns. Called when the image is claimed, before any write. The
+    /// directory is always read afresh: another process (a migration's
+    /// source) may have written the bitmaps since; the bits loaded at open
+    /// serve only if nobody did (the directory is still the one this
+    /// open marked in use).
+    pub fn open_qemu_bitmaps(&self) -> Result<Vec<bitmaps::Loaded>, FormatError> {
+        let Some(q) = &self.qemu else {
+            return Ok(Vec::new());
+        };
+        let _meta = lock(&self.meta);
+        let mut q = lock(q);
+        let file = self.files[0].file();
+        let at_open = q.loaded.take();
+        if let (Some(loaded), Some(dir)) = (at_open, q.dir.as_ref()) {
+            let now = bitmaps::Bitmaps::load(file);
+            if now
+                .as_ref()
+                .is_ok_and(|n| n.as_ref().is_some_and(|n| n.same_directory(dir)))
+            {
+                return Ok(loaded);
+            }
+        }
+        let bad = |e: String| FormatError::Io {
+            context: "bitmaps extension",
+            source: io::Error::new(io::ErrorKind::InvalidData, e),
+        };
+        let Some(mut b) = bitmaps::Bitmaps::load(file).map_err(bad)? else {
+            q.dir = None;
+            return Ok(Vec::new());
+        };
+        let c = 1u64 << self.cluster_bits;
+        if b.directory_clusters(c)
+            .any(|c| self.files[0].is_metadata(c))
+        {
+            return Err(bad("the bitmap directory overlaps other metadata".into()));
+        }
+        let loaded = b.load_all(file);
+        b.mark_in_use(file)
+            .map_err(FormatError::io("marking bitmaps in use"))?;
+        q.dir = Some(b);
+        Ok(loaded)
+    }
+
+    /// Whether the bitmap directory on disk is still the one this image
+    /// last loaded or wrote (nobody else wrote the bitmaps since).
+    pub fn qemu_directory_unchanged(&self) -> bool {
+        let Some(q) = &self.qemu else {
+            return false;
+        };
+        let q = lock(q);
+        let now = bitmaps::Bitmaps::load(self.files[0].file());
+        match (q.dir.as_ref(), now) {
+            (Some(dir), Ok(Some(now))) => dir.same_directory(&now),
+            _ => false,
+        }
+    }
+
+    /// Bitmaps to write back at the next [`invalidate`](Self::invalidate)
+    /// (the image is let go), in place of those on disk. False when the top
+    /// has none to replace (no extension, or none any more).
+    pub fn stage_qemu_bitmaps(&self, bitmaps: Vec<bitmap_write::Stored>) -> bool {
+        match &self.qemu {
+            Some(q) => {
+                let mut q = lock(q);
+                let ok = q.dir.is_some();
+                if ok {
+                    q.staged = Some(bitmaps);
+                }
+                ok
+            }
+            None => false,
+        }
+    }
+
+    /// Writes the staged bitmaps (everything else committed and synced,
+    /// under `meta`): a failure leaves them in use, which is safe.
+    fn write_qemu_bitmaps(&self) {
+        let Some(q) = &self.qemu else {
+            return;
+        };
+        let mut q = lock(q);
+        let (Some(staged), Some(dir)) = (q.staged.take(), q.dir.as_ref()) else {
+            return;
+        };
+        let file = self.files[0].file();
+        let path = self.files[0].path().display().to_string();
+        // The clusters to free are those of the directory on disk: never
+        // free what another writer's directory may no longer own.
+        let now = bitmaps::Bitmaps::load(file);
+        if !now
+            .as_ref()
+            .is_ok_and(|n| n.as_ref().is_some_and(|n| n.same_directory(dir)))
+        {
+            // Whatever is there now misses this daemon's writes: in use.
+            if let Ok(Some(mut n)) = now {
+                let _ = n.mark_in_use(file);
+            }
+            log::error!(
+                "{path}: the bitmap directory changed behind ringblk; QEMU's bitmaps are not \
+                 written back (they are marked in use: inconsistent)"
+            );
+            return;
+        }
+        let is_metadata = |c: u64| self.files[0].is_metadata(c);
+        match bitmap_write::store(file, dir, &staged, &is_metadata)
+            .and_then(|()| self.files[0].grew())
+        {
+            Ok(()) => {
+                q.dir = match bitmaps::Bitmaps::load(file) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        log::error!("{path}: rereading the bitmaps written: {e}");
+                        None
+                    }
+                };
+            }
+            Err(e) => log::error!(
+                "{path}: writing QEMU's bitmaps back: {e}; they stay in use (inconsistent)"
+            ),
+        }
     }
 
     pub fn size(&self) -> u64 {
@@ -788,6 +936,8 @@ impl Qcow2Image {
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
             l2log: self.l2log.clone(),
+            // A new overlay has no bitmaps; the old top's stay in use.
+            qemu: None,
         })
     }
 
@@ -939,6 +1089,9 @@ impl Qcow2Image {
                     .adopt_log(Arc::clone(log))
                     .map_err(FormatError::io("applying the L2 log"))?;
             }
+            // imago is flushed and about to drop its caches: the moment
+            // to allocate behind it.
+            self.write_qemu_bitmaps();
         }
         self.cache.clear();
         lock(&self.uncommitted).clear();
@@ -1071,9 +1224,23 @@ fn open_qcow2(
             "has internal snapshots; writing to it is not supported (--read-only, or qemu-img snapshot -d)",
         ));
     }
+    // QEMU's bitmaps, checked before imago writes anything (bitmaps.rs).
+    let qemu_bitmaps = if writable {
+        bitmaps::Bitmaps::load(&file)
+            .map_err(|e| open_err(path, format!("bitmaps extension: {e}")))?
+    } else {
+        None
+    };
     let mut state = FileState::new(file, path, index).map_err(|e| open_err(path, e))?;
     if writable {
         state.make_ordered(options.ordered, options.journal.clone());
+    }
+    if let Some(b) = &qemu_bitmaps {
+        // imago reads the autoclear field as zero from its open on, so it
+        // does not rewrite the whole header to clear it (which, with a
+        // migration's source still writing the image, could undo that
+        // one's header writes); `mark_in_use` below writes the field.
+        state.show_imago(b.imago_view());
     }
     let state = Arc::new(state);
     chain.files.push(Arc::clone(&state));
@@ -1128,6 +1295,32 @@ fn open_qcow2(
             })
         }
     };
+    // Last, once nothing else can refuse the open.
+    if let Some(mut b) = qemu_bitmaps {
+        let cluster_size = 1u64 << be32(&header[20..24]);
+        if b.directory_clusters(cluster_size)
+            .any(|c| state.is_metadata(c))
+        {
+            return Err(open_err(
+                path,
+                "bitmaps extension: the bitmap directory overlaps other metadata",
+            ));
+        }
+        // The bits as they were, before they are marked in use.
+        let loaded = b.load_all(state.file());
+        b.mark_in_use(state.file()).map_err(|e| open_err(path, e))?;
+        let names: Vec<&str> = b.entries.iter().map(|e| e.name.as_str()).collect();
+        log::info!(
+            "{}: QEMU's persistent bitmaps {} marked in use while ringblk holds the image",
+            path.display(),
+            names.join(", ")
+        );
+        chain.qemu = Some(QemuBitmaps {
+            dir: Some(b),
+            loaded: Some(loaded),
+            staged: None,
+        });
+    }
     q.set_backing(backing);
     Ok((Arc::new(FormatAccess::new(q)), header))
 }

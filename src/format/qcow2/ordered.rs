@@ -50,7 +50,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use imago::Storage;
 use imago::io_buffers::{IoVector, IoVectorMut};
@@ -180,6 +180,12 @@ pub struct FileState {
     /// Tables are held back (see `Order::held_l2`): a FLUSH must write
     /// them out, an fdatasync alone does not cover them.
     holding: AtomicBool,
+    /// Header bytes imago reads as it left them at open, whatever the
+    /// file has: the autoclear field (zero; the file has the bitmaps bit
+    /// set again) and the bitmaps extension (the file's may point at a
+    /// directory written since). imago refuses a reread header whose
+    /// autoclear bits or extensions changed (bitmaps.rs).
+    imago_view: OnceLock<Vec<(u64, Vec<u8>)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -216,7 +222,21 @@ impl FileState {
             journal: None,
             syncs: AtomicU64::new(0),
             holding: AtomicBool::new(false),
+            imago_view: OnceLock::new(),
         })
+    }
+
+    /// The file grew behind imago (bitmaps written past its end).
+    pub fn grew(&self) -> io::Result<()> {
+        let len = self.file.metadata()?.len();
+        self.size.fetch_max(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// From now on imago reads these `(offset, bytes)` of the file as
+    /// given (once; a second call changes nothing).
+    pub fn show_imago(&self, view: Vec<(u64, Vec<u8>)>) {
+        let _ = self.imago_view.set(view);
     }
 
     /// Makes this the writable top: its writes are ordered from now on.
@@ -424,6 +444,9 @@ impl FileState {
         }
         // imago never sees the L2 log's mark (see `l2log`).
         patch_mark(buf, offset, false);
+        for (at, data) in self.imago_view.get().into_iter().flatten() {
+            overlay(buf, offset, data, *at);
+        }
         Ok(())
     }
 

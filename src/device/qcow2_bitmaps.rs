@@ -1,0 +1,256 @@
+//! The dirty bitmaps of a qcow2 image that has QEMU's persistent-bitmap
+//! extension: they live in the image's own bitmap directory, so QEMU and
+//! `qemu-img` see them (docs/backup.md).
+//!
+//! A [`BitmapStore`] over the format layer's QEMU bitmaps
+//! ([`crate::format::qcow2::bitmaps`], [`crate::format::qcow2::bitmap_write`]),
+//! kept as QEMU keeps them: in memory while the image is held, marked
+//! IN_USE on disk; written back when the image is let go.
+//! - [`open`](BitmapStore::open) (the image is claimed): the bits loaded,
+//!   and every bitmap marked IN_USE and fdatasynced before the first
+//!   write; one found IN_USE (its last holder did not close it: kill -9,
+//!   a crash, a program that does not write bitmaps) is inconsistent.
+//! - [`close`](BitmapStore::close) of the last bitmap stages them all; the
+//!   format layer writes them when the image is released, after imago's
+//!   last flush and before its caches are reread (`Qcow2Image::invalidate`):
+//!   new clusters, tables and directory, IN_USE clear, old clusters freed.
+//! - `add` and `remove` change the set in memory; it reaches the image at
+//!   that write. A kill -9 before it loses an added bitmap (it is not
+//!   found: a backup tool copies everything) and brings a removed one
+//!   back, in use (inconsistent).
+//! - QEMU's disabled bitmaps (no AUTO flag) record nothing, as in QEMU:
+//!   they are kept aside, written back as loaded, and not listed.
+//! - `update` writes nothing: while the image is held every bitmap is
+//!   IN_USE on disk, already "possibly incomplete" to whoever finds it.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::Arc;
+
+use crate::bitmap::{
+    BitmapError, BitmapInfo, BitmapStore, DirtyBitmap, check_name, granularity_shift,
+};
+use crate::format::Live;
+use crate::format::qcow2::bitmap_write::Stored;
+
+/// What the store knows of one bitmap between `open` and `close`.
+struct Known {
+    granularity_bits: u8,
+    auto: bool,
+}
+
+/// The bitmaps in a qcow2 image's bitmap directory.
+pub struct Qcow2Store {
+    live: Arc<Live>,
+    /// The bitmaps, by name.
+    known: BTreeMap<String, Known>,
+    /// Closed so far, since the last staging.
+    closed: Vec<Stored>,
+    /// QEMU's disabled bitmaps (no AUTO flag): they record nothing while
+    /// QEMU has the image, so nothing here either; written back as loaded
+    /// (and not listed by `ctl bitmap list`).
+    frozen: Vec<Stored>,
+    /// What `peek` loaded at start-up, for the first `open`: loading
+    /// again would find the bitmaps in use (the image's open marked them).
+    peeked: Option<Vec<(String, Result<DirtyBitmap, BitmapError>)>>,
+}
+
+impl Qcow2Store {
+    /// The store of the image `live` serves, whose top has QEMU bitmaps.
+    pub fn new(live: Arc<Live>) -> Qcow2Store {
+        Qcow2Store {
+            live,
+            known: BTreeMap::new(),
+            closed: Vec::new(),
+            frozen: Vec::new(),
+            peeked: None,
+        }
+    }
+
+    fn err(&self, why: impl Into<String>) -> BitmapError {
+        BitmapError::Io {
+            path: self.location(),
+            source: io::Error::other(why.into()),
+        }
+    }
+
+    /// Every bitmap of the image, loaded (and marked in use).
+    fn load(&mut self, disk_size: u64) -> Vec<(String, Result<DirtyBitmap, BitmapError>)> {
+        let loaded = match self.live.current().image.open_qemu_bitmaps() {
+            Ok(l) => l,
+            Err(e) => {
+                log::error!("{}: {e}", self.location());
+                return Vec::new();
+            }
+        };
+        self.known.clear();
+        self.closed.clear();
+        self.frozen.clear();
+        let mut out = Vec::new();
+        for l in loaded {
+            let g = 1u64 << l.granularity_bits;
+            if !l.auto {
+                let consistent = l.words.is_ok();
+                let words = match l.words {
+                    Ok(w) => Some(w),
+                    Err(_) => DirtyBitmap::new(disk_size, g)
+                        .ok()
+                        .map(|b| b.words().collect()),
+                };
+                if let Some(words) = words {
+                    self.frozen.push(Stored {
+                        name: l.name,
+                        granularity_bits: l.granularity_bits,
+                        auto: false,
+                        consistent,
+                        words,
+                    });
+                }
+                continue;
+            }
+            let bitmap = match l.words {
+                Ok(words) => DirtyBitmap::from_words(disk_size, g, words, true),
+                Err(why) => {
+                    log::warn!("qcow2 bitmap '{}': {why}", l.name.escape_debug());
+                    DirtyBitmap::new(disk_size, g).inspect(|b| b.set_inconsistent())
+                }
+            };
+            self.known.insert(
+                l.name.clone(),
+                Known {
+                    granularity_bits: l.granularity_bits,
+                    auto: l.auto,
+                },
+            );
+            out.push((l.name, bitmap));
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        if self.known.is_empty() && !self.frozen.is_empty() {
+            // No close will come: the disabled ones go back at the next
+            // release as they are.
+            self.live
+                .current()
+                .image
+                .stage_qemu_bitmaps(self.frozen.clone());
+        }
+        out
+    }
+}
+
+impl BitmapStore for Qcow2Store {
+    fn location(&self) -> String {
+        let chain = self.live.chain();
+        let top = chain.first().map(|p| p.display().to_string());
+        format!("the bitmap directory of {}", top.unwrap_or_default())
+    }
+
+    fn peek(&mut self, disk_size: u64) -> Result<Vec<BitmapInfo>, BitmapError> {
+        if self.peeked.is_none() {
+            self.peeked = Some(self.load(disk_size));
+        }
+        let mut out = Vec::new();
+        for (name, b) in self.peeked.iter().flatten() {
+            match b {
+                Ok(b) => out.push(b.info(name)),
+                Err(e) => return Err(self.err(format!("bitmap '{name}': {e}"))),
+            }
+        }
+        Ok(out)
+    }
+
+    fn open(&mut self, disk_size: u64) -> Vec<(String, Result<DirtyBitmap, BitmapError>)> {
+        // What start-up loaded serves only if nobody wrote the bitmaps
+        // since (a migration's source lets the image go after this
+        // daemon started: its bitmaps are on disk now).
+        let unchanged = self.live.current().image.qemu_directory_unchanged();
+        match self.peeked.take() {
+            Some(p)
+                if unchanged
+                    && p.iter()
+                        .all(|(_, b)| b.as_ref().is_ok_and(|b| b.disk_size() == disk_size)) =>
+            {
+                p
+            }
+            _ => self.load(disk_size),
+        }
+    }
+
+    fn add(
+        &mut self,
+        name: &str,
+        granularity: u64,
+        disk_size: u64,
+    ) -> Result<DirtyBitmap, BitmapError> {
+        check_name(name)?;
+        let shift = granularity_shift(granularity)?;
+        if self.known.contains_key(name) || self.frozen.iter().any(|f| f.name == name) {
+            return Err(BitmapError::Exists(name.to_string()));
+        }
+        let b = DirtyBitmap::new(disk_size, granularity)?;
+        self.known.insert(
+            name.to_string(),
+            Known {
+                granularity_bits: shift as u8,
+                auto: true,
+            },
+        );
+        Ok(b)
+    }
+
+    fn remove(&mut self, name: &str) -> Result<(), BitmapError> {
+        if !self.known.contains_key(name) {
+            return Err(BitmapError::NotFound(name.to_string()));
+        }
+        if self.known.len() + self.frozen.len() == 1 {
+            return Err(self.err(format!(
+                "'{name}' is the image's last bitmap, and removing the bitmaps extension is not \
+                 done: stop the daemon and run qemu-img bitmap --remove"
+            )));
+        }
+        self.known.remove(name);
+        Ok(())
+    }
+
+    fn update(
+        &mut self,
+        _name: &str,
+        _bitmap: &DirtyBitmap,
+        _consistent: bool,
+    ) -> Result<(), BitmapError> {
+        Ok(())
+    }
+
+    fn resize(
+        &mut self,
+        _name: &str,
+        bitmap: &DirtyBitmap,
+        disk_size: u64,
+    ) -> Result<DirtyBitmap, BitmapError> {
+        bitmap.resized(disk_size)
+    }
+
+    fn close(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError> {
+        let Some(k) = self.known.get(name) else {
+            return Err(BitmapError::NotFound(name.to_string()));
+        };
+        self.closed.retain(|s| s.name != name);
+        self.closed.push(Stored {
+            name: name.to_string(),
+            granularity_bits: k.granularity_bits,
+            auto: k.auto,
+            consistent: bitmap.is_consistent(),
+            words: bitmap.words().collect(),
+        });
+        if self.closed.len() == self.known.len() {
+            let mut all = std::mem::take(&mut self.closed);
+            all.extend(self.frozen.iter().cloned());
+            if !self.live.current().image.stage_qemu_bitmaps(all) {
+                return Err(self.err(
+                    "the image no longer has a bitmap directory to write to (a live snapshot \
+                     moved the top, or the extension is gone); the bitmaps stay in use",
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,450 @@
+//! Writing QEMU's persistent bitmaps back into a qcow2 image at a clean
+//! close, as QEMU's block/qcow2-bitmap.c `qcow2_store_persistent_dirty_bitmaps`
+//! does: new data clusters, tables and directory, then the header's
+//! extension pointed at them, then the old ones freed.
+//!
+//! It must run while nothing else uses the file's refcounts: no imago
+//! instance open on it, or one flushed and about to drop its caches
+//! (`Qcow2Image::invalidate`, where the format layer calls it). The
+//! extension must already exist (the first bitmap of an image, or the
+//! removal of the last, needs the header's extension area rewritten; not
+//! done).
+//!
+//! The file must be one the format layer opened and checked (its refcount
+//! table covering the file, no refblock overlapping other metadata:
+//! `FileState::load_shadow`); the refcounts are trusted as QEMU trusts
+//! them.
+//!
+//! The order, each step fdatasynced before the next, so that a crash
+//! anywhere leaks clusters at worst (`qemu-img check` counts leaks, never
+//! calls them corruption) and never leaves a bitmap QEMU trusts wrongly:
+//! 1. the new clusters are allocated past the end of the file: their
+//!    refcounts raised (in new refblocks where the refcount table has
+//!    none for them; all written before any of them is referenced), the
+//!    data, tables and directory written;
+//! 2. the refcount table's entries for new refblocks;
+//! 3. the extension's 24 bytes point at the new directory (entries with
+//!    IN_USE clear unless the bitmap is inconsistent) and the autoclear
+//!    bit 0 is set;
+//! 4. the refcounts of the old directory, tables and data clusters are
+//!    dropped.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+
+use super::bitmaps::{
+    AUTOCLEAR_BITMAPS, AUTOCLEAR_OFFSET, Bitmaps, FLAG_AUTO, FLAG_IN_USE, TABLE_ALL_ONES,
+    TABLE_OFFSET, be32, be64,
+};
+
+/// One operation of [`store`] on the file, as a [`Recorder`] keeps it.
+#[derive(Clone, Debug)]
+pub enum Op {
+    Write { offset: u64, data: Vec<u8> },
+    SetLen(u64),
+    Sync,
+}
+
+/// Records every write, truncation and fdatasync [`store`] makes (tests:
+/// they rebuild the file as a crash could have left it).
+#[derive(Default, Debug)]
+pub struct Recorder {
+    pub ops: std::sync::Mutex<Vec<Op>>,
+}
+
+/// The file as `store` uses it: reads and writes through it, each change
+/// also recorded when a recorder is given.
+struct Disk<'a> {
+    file: &'a File,
+    rec: Option<&'a Recorder>,
+}
+
+impl Disk<'_> {
+    fn note(&self, op: Op) {
+        if let Some(r) = self.rec {
+            r.ops.lock().unwrap_or_else(|p| p.into_inner()).push(op);
+        }
+    }
+
+    fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(data, offset)?;
+        self.note(Op::Write {
+            offset,
+            data: data.to_vec(),
+        });
+        Ok(())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)?;
+        self.note(Op::SetLen(len));
+        Ok(())
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        self.file.sync_data()?;
+        self.note(Op::Sync);
+        Ok(())
+    }
+
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+
+    fn metadata(&self) -> io::Result<std::fs::Metadata> {
+        self.file.metadata()
+    }
+}
+
+/// One bitmap to store.
+#[derive(Clone, Debug)]
+pub struct Stored {
+    pub name: String,
+    pub granularity_bits: u8,
+    /// QEMU's AUTO flag: QEMU keeps it enabled when it opens the image.
+    pub auto: bool,
+    /// False: stored with IN_USE set, as QEMU stores an inconsistent one.
+    pub consistent: bool,
+    /// The bits, in `DirtyBitmap::words` order, for the image's disk size.
+    pub words: Vec<u64>,
+}
+
+fn invalid(why: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, why.into())
+}
+
+/// The refcount structure of the file, as its header says.
+struct Refcounts {
+    cluster: u64,
+    order: u32,
+    table_offset: u64,
+    table: Vec<u64>,
+}
+
+impl Refcounts {
+    fn load(file: &Disk<'_>, cluster: u64) -> io::Result<Refcounts> {
+        let mut h = [0u8; 104];
+        file.read_exact_at(&mut h, 0)?;
+        let table_offset = be64(&h, 48);
+        let clusters = u64::from(be32(&h, 56));
+        let order = be32(&h, 96);
+        if order > 6 {
+            return Err(invalid(format!("refcount order {order}")));
+        }
+        // The table is bounded by imago's and QEMU's checks at open; and
+        // here by what a Vec of it costs (8 MiB for 1 TiB files at 64 KiB).
+        let len = clusters
+            .checked_mul(cluster)
+            .filter(|&l| l <= 64 << 20)
+            .ok_or_else(|| invalid("refcount table too large"))?;
+        let mut raw = vec![0u8; len as usize];
+        file.read_exact_at(&mut raw, table_offset)?;
+        Ok(Refcounts {
+            cluster,
+            order,
+            table_offset,
+            table: raw.chunks_exact(8).map(|e| be64(e, 0)).collect(),
+        })
+    }
+
+    /// Clusters one refblock covers.
+    fn per_block(&self) -> u64 {
+        (self.cluster * 8) >> self.order
+    }
+
+    /// Where refcount `index` of a refblock lies: byte, and for widths
+    /// under 8 bits the shift in it (QEMU: LSB first).
+    fn get(&self, block: &[u8], index: u64) -> u64 {
+        let bits = 1u64 << self.order;
+        if bits < 8 {
+            let bit = index * bits;
+            (u64::from(block[(bit / 8) as usize]) >> (bit % 8)) & ((1 << bits) - 1)
+        } else {
+            let w = (bits / 8) as usize;
+            let at = index as usize * w;
+            block[at..at + w]
+                .iter()
+                .fold(0u64, |v, &b| (v << 8) | u64::from(b))
+        }
+    }
+
+    fn set(&self, block: &mut [u8], index: u64, value: u64) {
+        let bits = 1u64 << self.order;
+        if bits < 8 {
+            let bit = index * bits;
+            let mask = ((1u64 << bits) - 1) as u8;
+            let b = &mut block[(bit / 8) as usize];
+            *b = (*b & !(mask << (bit % 8))) | (((value as u8) & mask) << (bit % 8));
+        } else {
+            let w = (bits / 8) as usize;
+            let at = index as usize * w;
+            block[at..at + w].copy_from_slice(&value.to_be_bytes()[8 - w..]);
+        }
+    }
+
+    fn max(&self) -> u64 {
+        if self.order == 6 {
+            u64::MAX
+        } else {
+            (1u64 << (1u64 << self.order)) - 1
+        }
+    }
+}
+
+/// The bytes of one directory entry.
+fn entry_bytes(table_offset: u64, table_size: u32, flags: u32, s: &Stored) -> Vec<u8> {
+    let mut e = Vec::with_capacity(24 + s.name.len() + 7);
+    e.extend(table_offset.to_be_bytes());
+    e.extend(table_size.to_be_bytes());
+    e.extend(flags.to_be_bytes());
+    e.push(1);
+    e.push(s.granularity_bits);
+    e.extend((s.name.len() as u16).to_be_bytes());
+    e.extend(0u32.to_be_bytes());
+    e.extend(s.name.as_bytes());
+    e.resize(e.len().next_multiple_of(8), 0);
+    e
+}
+
+/// Writes `new` as the image's bitmaps in place of those `old` describes
+/// (module docs). `file` must be the image `old` was parsed from, with
+/// nothing else writing it meanwhile.
+///
+/// `is_metadata(cluster)` says which clusters hold the image's own
+/// metadata (header, L1, L2, refcount table, refblocks): an old bitmap
+/// table or data cluster claimed to be there (a hostile image) is never
+/// freed.
+pub fn store(
+    file: &File,
+    old: &Bitmaps,
+    new: &[Stored],
+    is_metadata: &dyn Fn(u64) -> bool,
+) -> io::Result<()> {
+    store_recorded(file, old, new, is_metadata, None)
+}
+
+/// [`store`], each change recorded in `rec` (tests).
+pub fn store_recorded(
+    file: &File,
+    old: &Bitmaps,
+    new: &[Stored],
+    is_metadata: &dyn Fn(u64) -> bool,
+    rec: Option<&Recorder>,
+) -> io::Result<()> {
+    let file = &Disk { file, rec };
+    if new.is_empty() {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "removing the last bitmap (the extension itself) is not done",
+        ));
+    }
+    let c = old.cluster;
+    let rc = Refcounts::load(file, c)?;
+    let file_len = file.metadata()?.len();
+    let start = file_len.div_ceil(c);
+
+    // Lay out the new clusters: per bitmap its non-zero data clusters and
+    // its table, then the directory.
+    struct Layout {
+        data: Vec<(u64, Vec<u8>)>,
+        tables: Vec<(u64, Vec<u8>)>,
+        directory: Vec<u8>,
+    }
+    let mut next = start;
+    let mut alloc = |n: u64| {
+        let at = next;
+        next += n;
+        at
+    };
+    let mut layout = Layout {
+        data: Vec::new(),
+        tables: Vec::new(),
+        directory: Vec::new(),
+    };
+    for s in new {
+        let bytes: Vec<u8> = s.words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let mut table = Vec::new();
+        for chunk in bytes.chunks(c as usize) {
+            let entry = if chunk.iter().all(|&b| b == 0) {
+                0
+            } else if chunk.len() == c as usize && chunk.iter().all(|&b| b == 0xff) {
+                TABLE_ALL_ONES
+            } else {
+                let at = alloc(1) * c;
+                let mut data = chunk.to_vec();
+                data.resize(c as usize, 0);
+                layout.data.push((at, data));
+                at
+            };
+            table.extend(entry.to_be_bytes());
+        }
+        let table_size = u32::try_from(table.len() / 8)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| invalid(format!("bitmap '{}': bad size", s.name)))?;
+        let table_clusters = (table.len() as u64).div_ceil(c);
+        let table_at = alloc(table_clusters) * c;
+        table.resize((table_clusters * c) as usize, 0);
+        let mut flags = if s.auto { FLAG_AUTO } else { 0 };
+        if !s.consistent {
+            flags |= FLAG_IN_USE;
+        }
+        layout
+            .directory
+            .extend(entry_bytes(table_at, table_size, flags, s));
+        layout.tables.push((table_at, table));
+    }
+    let dir_size = layout.directory.len() as u64;
+    let dir_at = alloc(dir_size.div_ceil(c)) * c;
+    let used_end = next;
+
+    // Refblocks for clusters the refcount table has none for: placed after
+    // the rest, covering themselves too.
+    let per = rc.per_block();
+    let mut new_blocks: Vec<(usize, u64)> = Vec::new(); // (table index, cluster)
+    loop {
+        let end = used_end + new_blocks.len() as u64;
+        let missing: Vec<usize> = (start / per..end.div_ceil(per))
+            .map(|i| i as usize)
+            .filter(|&i| rc.table.get(i).is_none_or(|&e| e & TABLE_OFFSET == 0))
+            .collect();
+        if missing.len() == new_blocks.len() {
+            break;
+        }
+        new_blocks = missing
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| (i, used_end + k as u64))
+            .collect();
+    }
+    if let Some(&(i, _)) = new_blocks.iter().find(|(i, _)| *i >= rc.table.len()) {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("the refcount table would need to grow (entry {i}); not done"),
+        ));
+    }
+    let end = used_end + new_blocks.len() as u64;
+
+    // Step 1: refcounts of [start, end) to 1, then the contents.
+    let mut blocks: std::collections::BTreeMap<usize, (u64, Vec<u8>)> = Default::default();
+    for &(i, cl) in &new_blocks {
+        blocks.insert(i, (cl * c, vec![0u8; c as usize]));
+    }
+    for cl in start..end {
+        let i = (cl / per) as usize;
+        let (_, b) = match blocks.entry(i) {
+            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                let at = rc.table[i] & TABLE_OFFSET;
+                let mut b = vec![0u8; c as usize];
+                file.read_exact_at(&mut b, at)?;
+                v.insert((at, b))
+            }
+        };
+        if rc.get(b, cl % per) != 0 {
+            return Err(invalid(format!(
+                "cluster {cl} past the end of the file has a refcount"
+            )));
+        }
+        rc.set(b, cl % per, 1);
+    }
+    // The file grows to its new end first, so that no write lands past a
+    // hole the file system must fill.
+    file.set_len(end * c)?;
+    for (at, data) in layout.data.iter().chain(layout.tables.iter()) {
+        file.write_all_at(data, *at)?;
+    }
+    file.write_all_at(&layout.directory, dir_at)?;
+    for (at, b) in blocks.values() {
+        file.write_all_at(b, *at)?;
+    }
+    file.sync_data()?;
+
+    // Step 2: hook the new refblocks up.
+    if !new_blocks.is_empty() {
+        for &(i, cl) in &new_blocks {
+            file.write_all_at(&(cl * c).to_be_bytes(), rc.table_offset + i as u64 * 8)?;
+        }
+        file.sync_data()?;
+    }
+
+    // Step 3: the extension points at the new directory; valid.
+    let mut ext = Vec::with_capacity(24);
+    ext.extend((new.len() as u32).to_be_bytes());
+    ext.extend(0u32.to_be_bytes());
+    ext.extend(dir_size.to_be_bytes());
+    ext.extend(dir_at.to_be_bytes());
+    file.write_all_at(&ext, old.ext_at)?;
+    let mut autoclear = [0u8; 8];
+    file.read_exact_at(&mut autoclear, AUTOCLEAR_OFFSET)?;
+    let autoclear = u64::from_be_bytes(autoclear) | AUTOCLEAR_BITMAPS;
+    file.write_all_at(&autoclear.to_be_bytes(), AUTOCLEAR_OFFSET)?;
+    file.sync_data()?;
+
+    // Step 4: free the old clusters (a crash before this leaks them).
+    free_old(file, old, &rc, is_metadata)
+}
+
+/// Drops the refcounts of `old`'s directory, tables and data clusters.
+/// What does not check out (a cluster past the end, a refcount already
+/// zero) is left alone: a leak, never a double free.
+fn free_old(
+    file: &Disk<'_>,
+    old: &Bitmaps,
+    rc: &Refcounts,
+    is_metadata: &dyn Fn(u64) -> bool,
+) -> io::Result<()> {
+    let c = old.cluster;
+    let file_len = file.metadata()?.len();
+    let mut clusters = Vec::new();
+    let dir = old.directory_clusters(c);
+    clusters.extend(dir);
+    for e in &old.entries {
+        let table_len = u64::from(e.table_size) * 8;
+        let mut table = vec![0u8; table_len as usize];
+        file.read_exact_at(&mut table, e.table_offset)?;
+        clusters.extend(e.table_offset / c..(e.table_offset + table_len).div_ceil(c));
+        for t in table.chunks_exact(8) {
+            let off = be64(t, 0) & TABLE_OFFSET;
+            if off != 0 && off % c == 0 && off + c <= file_len {
+                clusters.push(off / c);
+            }
+        }
+    }
+    clusters.sort_unstable();
+    // A cluster named twice (a hostile table) is freed once; one of the
+    // image's own metadata never.
+    clusters.dedup();
+    clusters.retain(|&cl| cl != 0 && !is_metadata(cl));
+    let per = rc.per_block();
+    let mut block: Option<(usize, u64, Vec<u8>)> = None;
+    for cl in clusters {
+        let i = (cl / per) as usize;
+        if block.as_ref().is_none_or(|(bi, _, _)| *bi != i) {
+            if let Some((_, at, b)) = block.take() {
+                file.write_all_at(&b, at)?;
+            }
+            let Some(at) = rc
+                .table
+                .get(i)
+                .map(|e| e & TABLE_OFFSET)
+                .filter(|&a| a != 0)
+            else {
+                continue;
+            };
+            let mut b = vec![0u8; c as usize];
+            file.read_exact_at(&mut b, at)?;
+            block = Some((i, at, b));
+        }
+        let (_, _, b) = block.as_mut().expect("loaded");
+        let v = rc.get(b, cl % per);
+        if v > 0 && v < rc.max() {
+            rc.set(b, cl % per, v - 1);
+        }
+    }
+    if let Some((_, at, b)) = block {
+        file.write_all_at(&b, at)?;
+    }
+    file.sync_data()
+}
