@@ -174,6 +174,7 @@ impl Io {
     }
 
     /// The request, if this carries it whole.
+    #[inline]
     pub(crate) fn into_request(self) -> Option<Request> {
         match self.data {
             Data::Request(r) => Some(r),

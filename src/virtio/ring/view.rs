@@ -281,23 +281,28 @@ impl<M: GuestMemory + ?Sized> ViewChain<'_, '_, M> {
 impl<M: GuestMemory + ?Sized> Iterator for ViewChain<'_, '_, M> {
     type Item = Descriptor;
 
+    // A loop, not a recursion after an indirect table's switch: a
+    // recursive function is never inlined into the parser's loop.
+    #[inline]
     fn next(&mut self) -> Option<Descriptor> {
-        if self.ttl == 0 || self.next_index >= self.table_len {
-            return None;
+        loop {
+            if self.ttl == 0 || self.next_index >= self.table_len {
+                return None;
+            }
+            let desc = self.view.descriptor(&self.table, self.next_index)?;
+            if desc.refers_to_indirect_table() {
+                self.switch_to_indirect_table(&desc)?;
+                continue;
+            }
+            self.yielded_bytes = self.yielded_bytes.checked_add(desc.len())?;
+            if desc.has_next() {
+                self.next_index = desc.next();
+                self.ttl -= 1;
+            } else {
+                self.ttl = 0;
+            }
+            return Some(desc);
         }
-        let desc = self.view.descriptor(&self.table, self.next_index)?;
-        if desc.refers_to_indirect_table() {
-            self.switch_to_indirect_table(&desc)?;
-            return self.next();
-        }
-        self.yielded_bytes = self.yielded_bytes.checked_add(desc.len())?;
-        if desc.has_next() {
-            self.next_index = desc.next();
-            self.ttl -= 1;
-        } else {
-            self.ttl = 0;
-        }
-        Some(desc)
     }
 }
 
