@@ -185,7 +185,7 @@ impl Qcow2Image {
                 open_err(
                     path,
                     format!(
-                        "its L2 log {}: {e} (the daemon keeps it next to the image)",
+                        "its L2 log {}: {e} (it is kept next to the image, whose directory the daemon must be able to write; or serve with --l2-log off)",
                         p.display()
                     ),
                 )
