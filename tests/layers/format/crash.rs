@@ -352,34 +352,32 @@ fn power_loss_keeps_durable_writes(name: &str, writethrough: bool, mode: Mode) -
     (checked, most_leaks)
 }
 
+/// Runs [`power_loss_keeps_durable_writes`] with and without the L2 log,
+/// and wants at least `least` power-loss images checked in each.
+fn power_loss_keeps_in_both_modes(what: &str, writethrough: bool, least: usize) {
+    for mode in [Mode::Ordered, Mode::Logged] {
+        let name = format!("power-loss-{what}-{}", mode as u8);
+        let (checked, leaks) = power_loss_keeps_durable_writes(&name, writethrough, mode);
+        eprintln!(
+            "{what} (L2 log: {}): {checked} power-loss images, at most {leaks} leaked clusters",
+            mode == Mode::Logged
+        );
+        assert!(checked >= least, "{what}: only {checked} images checked");
+    }
+}
+
 /// Write-through: a power loss right after a write completed loses none
 /// of the writes completed so far (their L2 entries are durable too).
 #[test]
 fn power_loss_keeps_every_completed_write_through() {
-    for mode in [Mode::Ordered, Mode::Logged] {
-        let name = format!("power-loss-writethrough-{}", mode as u8);
-        let (checked, leaks) = power_loss_keeps_durable_writes(&name, true, mode);
-        eprintln!(
-            "write-through (L2 log: {}): {checked} power-loss images, at most {leaks} leaked clusters",
-            mode == Mode::Logged
-        );
-        assert!(checked >= 30, "only {checked} images checked");
-    }
+    power_loss_keeps_in_both_modes("writethrough", true, 30);
 }
 
 /// Write-back: a power loss right after a FLUSH was acknowledged loses
 /// none of the writes completed before it.
 #[test]
 fn power_loss_keeps_every_flushed_write() {
-    for mode in [Mode::Ordered, Mode::Logged] {
-        let name = format!("power-loss-flushed-{}", mode as u8);
-        let (checked, leaks) = power_loss_keeps_durable_writes(&name, false, mode);
-        eprintln!(
-            "after FLUSH (L2 log: {}): {checked} power-loss images, at most {leaks} leaked clusters",
-            mode == Mode::Logged
-        );
-        assert!(checked >= 12, "only {checked} images checked");
-    }
+    power_loss_keeps_in_both_modes("flushed", false, 12);
 }
 
 const CHILD_ENV: &str = "RINGBLK_FORMAT_CRASH_CHILD";
