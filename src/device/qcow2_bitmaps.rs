@@ -1,5 +1,5 @@
-//! The dirty bitmaps of a qcow2 image that has QEMU's persistent-bitmap
-//! extension: they live in the image's own bitmap directory, so QEMU and
+//! The dirty bitmaps of a qcow2 image served writable: they live in the
+//! image's own bitmap directory (QEMU's persistent bitmaps), so QEMU and
 //! `qemu-img` see them (docs/backup.md).
 //!
 //! A [`BitmapStore`] over the format layer's QEMU bitmaps
@@ -17,7 +17,11 @@
 //! - `add` and `remove` change the set in memory; it reaches the image at
 //!   that write. A kill -9 before it loses an added bitmap (it is not
 //!   found: a backup tool copies everything) and brings a removed one
-//!   back, in use (inconsistent).
+//!   back, in use (inconsistent), as QEMU does.
+//! - An image without the extension has it added by the write of its
+//!   first bitmap, and one whose last bitmap is removed has it removed
+//!   (QEMU allows no empty directory): the header cluster is rewritten
+//!   (`bitmap_write`).
 //! - QEMU's disabled bitmaps (no AUTO flag) record nothing, as in QEMU:
 //!   they are kept aside, written back as loaded, and not listed.
 //! - `update` writes nothing: while the image is held every bitmap is
@@ -201,13 +205,17 @@ impl BitmapStore for Qcow2Store {
         if !self.known.contains_key(name) {
             return Err(BitmapError::NotFound(name.to_string()));
         }
-        if self.known.len() + self.frozen.len() == 1 {
-            return Err(self.err(format!(
-                "'{name}' is the image's last bitmap, and removing the bitmaps extension is not \
-                 done: stop the daemon and run qemu-img bitmap --remove"
-            )));
-        }
         self.known.remove(name);
+        self.closed.retain(|s| s.name != name);
+        if self.known.is_empty() {
+            // No close will come: what is left (QEMU's disabled bitmaps,
+            // or nothing, and then the extension goes) is written at the
+            // next release.
+            self.live
+                .current()
+                .image
+                .stage_qemu_bitmaps(self.frozen.clone());
+        }
         Ok(())
     }
 

@@ -966,7 +966,8 @@ fn written_back(cluster_size: &str) {
         consistent: true,
         words: fresh.words().collect(),
     });
-    store(&file, &old, &new, &|_| false).unwrap();
+    let c: u64 = cluster_size.parse().unwrap();
+    store(&file, c, Some(&old), &new, &|_| false).unwrap();
     drop(file);
 
     let mut listed = qemu_bitmaps(&img);
@@ -1172,7 +1173,7 @@ fn qemu_bitmap_write_back_is_crash_safe() {
         },
     ];
     let rec = Recorder::default();
-    store_recorded(&file, &old, &new, &|_| false, Some(&rec)).unwrap();
+    store_recorded(&file, 512, Some(&old), &new, &|_| false, Some(&rec)).unwrap();
     drop(file);
     let ops = rec.ops.into_inner().unwrap();
     let syncs = ops.iter().filter(|o| matches!(o, Op::Sync)).count();
@@ -1243,4 +1244,119 @@ fn qemu_bitmap_write_back_is_crash_safe() {
         }
     }
     assert!(trusted > 0, "no state had a trusted bitmap (test is void)");
+}
+
+/// `qemu-img info`'s `backing-filename` of `img`.
+fn backing_name(img: &Path) -> String {
+    let info = qemu_img(&["info", "--output=json", img.to_str().unwrap()]);
+    let v: serde_json::Value = serde_json::from_str(&info).unwrap();
+    v["backing-filename"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// The first bitmap of an image without the bitmaps extension (a fresh
+/// `qemu-img create -b base -F raw` overlay) and the removal of the last
+/// one, through the format layer as the daemon drives it (staged, written
+/// when the image is let go): the header cluster is rewritten with the
+/// extension (the backing file name moved after it), QEMU lists the
+/// bitmap, not in use, reads its bits over NBD, and `qemu-img check`
+/// finds the image clean; imago, which rereads the header at every
+/// release, goes on serving; a resize after it (imago writes the header's
+/// first 72 bytes, with the backing file name's offset it read at open)
+/// keeps the name QEMU finds; the removal leaves no bitmap, no leak, and
+/// the guest's data. On the old code `stage_qemu_bitmaps` refused an
+/// image without the extension (the daemon used sidecars) and the last
+/// bitmap could not be removed.
+#[test]
+fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
+    use ringblk::bitmap::DirtyBitmap;
+    use ringblk::format::qcow2::bitmap_write::Stored;
+
+    let dir = scratch("qemu-bitmap-first");
+    let base = dir.join("base.raw");
+    let img = dir.join("top.qcow2");
+    let size = 16 * MIB;
+    raw_base(&base, size);
+    ringblk_testkit::qemu_img::overlay(&base, "raw", &img);
+    let name = backing_name(&img);
+    assert_eq!(name, "base.raw");
+    assert!(qemu_bitmaps(&img).is_empty());
+
+    let stored = |b: &DirtyBitmap| {
+        vec![Stored {
+            name: "b".into(),
+            granularity_bits: 16,
+            auto: true,
+            consistent: true,
+            words: b.words().collect(),
+        }]
+    };
+    let image = open(&img, true);
+    let q = qcow(&image);
+    assert!(q.has_qemu_bitmaps());
+    assert!(q.open_qemu_bitmaps().unwrap().is_empty());
+    let mut data = vec![0u8; 65536];
+    fill(7, MIB, &mut data);
+    write(&image, MIB, &data).unwrap();
+    flush(&image).unwrap();
+    let b = DirtyBitmap::new(size, 65536).unwrap();
+    b.mark(MIB, 65536);
+    assert!(q.stage_qemu_bitmaps(stored(&b)));
+    q.invalidate().unwrap();
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("b".to_string(), vec!["auto".to_string()])]
+    );
+    assert_eq!(backing_name(&img), name);
+    assert_eq!(check_clean(&img), 0);
+    assert_eq!(qemu_dirty(&img, "b"), [(MIB, 65536)]);
+
+    // Served on after the release: imago reread the header.
+    let mut more = vec![0u8; 65536];
+    fill(8, 3 * MIB, &mut more);
+    write(&image, 3 * MIB, &more).unwrap();
+    flush(&image).unwrap();
+    // A resize: imago writes the header's first bytes.
+    q.grow(2 * size).unwrap();
+    flush(&image).unwrap();
+    assert_eq!(
+        backing_name(&img),
+        name,
+        "imago's header write moved the name back"
+    );
+    let b = b.resized(2 * size).unwrap();
+    b.mark(3 * MIB, 65536);
+    assert!(q.stage_qemu_bitmaps(stored(&b)));
+    q.invalidate().unwrap();
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("b".to_string(), vec!["auto".to_string()])]
+    );
+    assert_eq!(backing_name(&img), name);
+    assert_eq!(check_clean(&img), 0);
+    // (The grown part is dirty: `DirtyBitmap::resized`.)
+    assert_eq!(
+        qemu_dirty(&img, "b"),
+        [(MIB, 65536), (3 * MIB, 65536), (size, size)]
+    );
+
+    // The last bitmap removed: the extension goes.
+    assert_eq!(q.open_qemu_bitmaps().unwrap().len(), 1);
+    assert!(q.stage_qemu_bitmaps(Vec::new()));
+    q.invalidate().unwrap();
+    drop(image);
+    assert!(qemu_bitmaps(&img).is_empty());
+    assert_eq!(backing_name(&img), name);
+    assert_eq!(check_clean(&img), 0);
+    let p = img.to_str().unwrap();
+    let mut expect = vec![0u8; 65536];
+    fill(7, MIB, &mut expect);
+    let back = dir.join("back.raw");
+    qemu_img(&["convert", "-O", "raw", p, back.to_str().unwrap()]);
+    let all = std::fs::read(&back).unwrap();
+    assert_eq!(all.len() as u64, 2 * size);
+    assert!(all[MIB as usize..MIB as usize + 65536] == expect[..]);
+    assert!(all[3 * MIB as usize..3 * MIB as usize + 65536] == more[..]);
 }

@@ -478,6 +478,8 @@ impl Bitmaps {
 
     /// What imago must keep reading of the header (`FileState::show_imago`):
     /// the autoclear field as it left it (zero), the extension as found.
+    /// (Superseded by [`header_view`], which the format layer uses; kept
+    /// for the tests that check the extension's bytes.)
     pub fn imago_view(&self) -> Vec<(u64, Vec<u8>)> {
         vec![
             (AUTOCLEAR_OFFSET, vec![0; 8]),
@@ -514,6 +516,40 @@ impl Bitmaps {
         file.write_all_at(&autoclear.to_be_bytes(), AUTOCLEAR_OFFSET)?;
         file.sync_data()
     }
+}
+
+/// What imago must keep reading of a writable top's header, whatever
+/// the file has (`FileState::show_imago`), taken from the file as imago
+/// found it: the backing file name's offset and size (adding or removing
+/// the bitmaps extension moves the name), the autoclear field as zero
+/// (imago clears it at open; the file has the bitmaps bit), and the rest
+/// of the first cluster after the fixed header (the extensions and the
+/// backing file name). imago refuses a reread header whose extensions,
+/// backing file name or autoclear bits changed. Empty for a header that
+/// is not a version 3 one imago could have opened.
+pub fn header_view(file: &File) -> io::Result<Vec<(u64, Vec<u8>)>> {
+    let file_len = file.metadata()?.len();
+    let mut h = [0u8; 104];
+    if file_len < h.len() as u64 {
+        return Ok(Vec::new());
+    }
+    file.read_exact_at(&mut h, 0)?;
+    let cluster_bits = be32(&h, 20);
+    if be32(&h, 4) < 3 || !(9..=21).contains(&cluster_bits) {
+        return Ok(Vec::new());
+    }
+    let area_len = (1u64 << cluster_bits).min(file_len);
+    let header_len = u64::from(be32(&h, 100));
+    if header_len < 104 || header_len >= area_len {
+        return Ok(Vec::new());
+    }
+    let mut rest = vec![0u8; (area_len - header_len) as usize];
+    file.read_exact_at(&mut rest, header_len)?;
+    Ok(vec![
+        (8, h[8..20].to_vec()),
+        (AUTOCLEAR_OFFSET, vec![0; 8]),
+        (header_len, rest),
+    ])
 }
 
 #[cfg(test)]
