@@ -763,7 +763,7 @@ fn a_restart_after_live_snapshots_serves_the_new_top() {
     ];
     let mut d = serve(&c, dir.path(), &args);
     let serial = status(&api)["serial"].clone();
-    // A dirty bitmap, whose sidecar goes by the named image.
+    // A dirty bitmap, in the image.
     let out = ctl(&api, &["bitmap", "add", "b"]);
     assert!(
         out.status.success(),
@@ -806,8 +806,10 @@ fn a_restart_after_live_snapshots_serves_the_new_top() {
         [canonical(&s1), canonical(&c.top), canonical(&c.base)]
     );
     // The guest sees the same disk: the serial is the named image's, and
-    // so are the status's name and the bitmap's sidecar (complete after a
-    // kill -9, with the writes from before and after the snapshot).
+    // so is the status's name. The bitmap is in the image: the snapshot
+    // wrote it into the new top, in use, so after the kill -9 it is found
+    // there, inconsistent (QEMU's in-use bitmap; a sidecar would have
+    // been complete, but qemu-img would not see it).
     assert_eq!(status(&api)["serial"], serial);
     assert_eq!(
         status(&api)["image"].as_str().map(Path::new),
@@ -820,8 +822,7 @@ fn a_restart_after_live_snapshots_serves_the_new_top() {
         .as_array()
         .and_then(|l| l.iter().find(|b| b["name"] == "b"))
         .unwrap_or_else(|| panic!("bitmap b lost across the restart: {list}"));
-    assert_eq!(b["consistent"], true, "{b}");
-    assert!(b["dirty_bytes"].as_u64().unwrap() > 0, "{b}");
+    assert_eq!(b["consistent"], false, "{b}");
     // A second snapshot, of the followed top, and a second kill -9.
     write_round(&mut client, &c, 200, 4);
     snapshot(&api, "s2.qcow2");

@@ -294,6 +294,40 @@ impl Qcow2Image {
         }
     }
 
+    /// Writes `bitmaps` as the image's bitmaps now, in place of those on
+    /// disk, as a release would ([`invalidate`](Self::invalidate): the
+    /// metadata made durable, the caches dropped), while the image stays
+    /// held. For a set of bitmaps that changed (added, removed), written
+    /// in use (inconsistent), so that a kill -9 finds them in the image.
+    /// The caller keeps every request out meanwhile (the device's
+    /// quiesce).
+    pub fn store_qemu_bitmaps_now(
+        &self,
+        bitmaps: Vec<bitmap_write::Stored>,
+    ) -> Result<(), FormatError> {
+        let Some(q) = &self.qemu else {
+            return Err(FormatError::ReadOnly);
+        };
+        let mut names: Vec<String> = bitmaps.iter().map(|b| b.name.clone()).collect();
+        names.sort();
+        lock(q).staged = Some(bitmaps);
+        self.invalidate()?;
+        let q = lock(q);
+        let mut now: Vec<String> = q
+            .dir
+            .iter()
+            .flat_map(|d| d.entries.iter().map(|e| e.name.clone()))
+            .collect();
+        now.sort();
+        if now != names {
+            return Err(FormatError::Io {
+                context: "writing the bitmap directory",
+                source: io::Error::other("not written (see the log)"),
+            });
+        }
+        Ok(())
+    }
+
     /// Writes the staged bitmaps (everything else committed and synced,
     /// under `meta`): a failure leaves them in use, which is safe.
     fn write_qemu_bitmaps(&self) {
@@ -915,6 +949,9 @@ impl Qcow2Image {
         let state = Arc::new(state);
         let mut q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(&state)), true)
             .map_err(err)?;
+        // The header as imago found it: what it keeps reading once the
+        // bitmaps written into this top add the extension.
+        state.show_imago(bitmaps::header_view(state.file()).map_err(err)?);
         state.load_shadow().map_err(err)?;
         let mut header = [0u8; 104];
         state.file().read_exact_at(&mut header, 0).map_err(err)?;
@@ -948,8 +985,14 @@ impl Qcow2Image {
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
             l2log: self.l2log.clone(),
-            // A new overlay has no bitmaps; the old top's stay in use.
-            qemu: None,
+            // A new overlay has no bitmaps: the device's are written into
+            // it at the next release (the old top's stay as they are on
+            // disk: in use, as this image marked them).
+            qemu: Some(Mutex::new(QemuBitmaps {
+                dir: None,
+                loaded: None,
+                staged: None,
+            })),
         })
     }
 
