@@ -1442,3 +1442,49 @@ fn adding_and_removing_the_extension_is_crash_safe() {
     }
     assert!(in_states[0] > 0 && in_states[1] > 0, "{in_states:?}");
 }
+
+/// A handover (as in a migration on shared storage) of a fresh overlay
+/// whose first bitmap the source adds: the source's write-back moves the
+/// backing file name after the new extension; the destination, opened
+/// before, claims the image and resizes it (imago writes the header's
+/// first 72 bytes, with the name's offset it read at its open). QEMU
+/// still finds the backing file, and the bitmap. Without the patch taken
+/// at each claim, the destination wrote the old offset back.
+#[test]
+fn a_handover_after_the_extension_was_added_keeps_the_backing_name() {
+    use ringblk::bitmap::DirtyBitmap;
+    use ringblk::format::qcow2::bitmap_write::Stored;
+
+    let dir = scratch("qemu-bitmap-first-handover");
+    let base = dir.join("base.raw");
+    let img = dir.join("top.qcow2");
+    let size = 16 * MIB;
+    raw_base(&base, size);
+    ringblk_testkit::qemu_img::overlay(&base, "raw", &img);
+    let name = backing_name(&img);
+    let source = open(&img, true);
+    let dest = open(&img, true);
+    let src = qcow(&source);
+    assert!(src.open_qemu_bitmaps().unwrap().is_empty());
+    let b = DirtyBitmap::new(size, 65536).unwrap();
+    b.mark(0, 1);
+    assert!(src.stage_qemu_bitmaps(vec![Stored {
+        name: "b".into(),
+        granularity_bits: 16,
+        auto: true,
+        consistent: true,
+        words: b.words().collect(),
+    }]));
+    src.invalidate().unwrap();
+    drop(source);
+    assert_eq!(backing_name(&img), name);
+
+    let dst = qcow(&dest);
+    dst.claim().unwrap();
+    assert_eq!(dst.open_qemu_bitmaps().unwrap().len(), 1);
+    dst.grow(2 * size).unwrap();
+    flush(&dest).unwrap();
+    assert_eq!(backing_name(&img), name, "the old offset was written back");
+    drop(dest);
+    check(&img);
+}

@@ -370,10 +370,9 @@ impl Qcow2Image {
         {
             Ok(moved) => {
                 if let Some(backing_at) = moved {
-                    // The header was rewritten: imago keeps reading it as
-                    // it found it (its view), and its writes of the header
-                    // carry the backing file name's new place.
-                    self.files[0].patch_imago_writes(vec![(8, backing_at.to_be_bytes().to_vec())]);
+                    log::debug!(
+                        "{path}: header rewritten, the backing file name now at {backing_at}"
+                    );
                 }
                 q.dir = match bitmaps::Bitmaps::load(file) {
                     Ok(d) => d,
@@ -1147,6 +1146,17 @@ impl Qcow2Image {
             // imago is flushed and about to drop its caches: the moment
             // to allocate behind it.
             self.write_qemu_bitmaps();
+            // imago reads the header as it found it at open (its view)
+            // and writes its first 72 bytes with the backing file name's
+            // offset and size it read then: those writes carry the file's
+            // own, which a bitmaps extension added or removed since (by
+            // this process, or by a migration's source) may have moved.
+            let mut real = vec![0u8; 12];
+            self.files[0]
+                .file()
+                .read_exact_at(&mut real, 8)
+                .map_err(FormatError::io("rereading the header"))?;
+            self.files[0].patch_imago_writes(vec![(8, real)]);
         }
         self.cache.clear();
         lock(&self.uncommitted).clear();
