@@ -171,7 +171,8 @@ pub struct Migration {
     /// with room to spare, and everything before it.
     pub fio_runtime: u32,
     /// A dirty bitmap added on the source before the guest boots must
-    /// reach the destination whole (image files, ringblk only).
+    /// reach the destination whole (image files and qcow2 overlays,
+    /// ringblk only).
     pub bitmap: bool,
 }
 
