@@ -22,12 +22,13 @@
 //! IN_USE is QEMU's own "this bitmap may be missing changes": until the
 //! bitmaps are written back at a clean release, `qemu-img info` lists
 //! each with the flag `in-use`, QEMU loads it as inconsistent, and
-//! `qemu-img check` finds the image clean. Bit 0 is never cleared on
-//! disk: a crash before step 1 leaves the image as it was found, after it
-//! the bitmaps in use. imago rereads the header when it drops its caches (every claim
+//! `qemu-img check` finds the image clean. Bit 0 is cleared on disk only
+//! with the extension itself (the last bitmap removed, `bitmap_write`): a
+//! crash before step 1 leaves the image as it was found, after it the
+//! bitmaps in use. imago rereads the header when it drops its caches (every claim
 //! and release of the image) and refuses one whose autoclear bits or
 //! extensions are not those it found at open, so its reads of them show
-//! what it found ([`Bitmaps::imago_view`], `FileState::show_imago`): the
+//! what it found ([`header_view`], `FileState::show_imago`): the
 //! file has the real ones.
 //!
 //! Everything is read from a file that came from elsewhere, so everything
@@ -114,8 +115,6 @@ pub struct Bitmaps {
     pub(super) file_len: u64,
     /// Where the extension's 24 bytes are in the header.
     pub(super) ext_at: u64,
-    /// Those bytes, as read.
-    ext_raw: Vec<u8>,
 }
 
 /// A bitmap as loaded from the image: its bits, or why they cannot be
@@ -274,7 +273,6 @@ pub fn parse(
         disk_size,
         file_len,
         ext_at: data as u64,
-        ext_raw: e.to_vec(),
     }))
 }
 
@@ -474,17 +472,6 @@ impl Bitmaps {
                 }
             })
             .collect()
-    }
-
-    /// What imago must keep reading of the header (`FileState::show_imago`):
-    /// the autoclear field as it left it (zero), the extension as found.
-    /// (Superseded by [`header_view`], which the format layer uses; kept
-    /// for the tests that check the extension's bytes.)
-    pub fn imago_view(&self) -> Vec<(u64, Vec<u8>)> {
-        vec![
-            (AUTOCLEAR_OFFSET, vec![0; 8]),
-            (self.ext_at, self.ext_raw.clone()),
-        ]
     }
 
     /// Whether `other` is the same directory, byte for byte, at the same

@@ -181,10 +181,12 @@ pub struct FileState {
     /// them out, an fdatasync alone does not cover them.
     holding: AtomicBool,
     /// Header bytes imago reads as it left them at open, whatever the
-    /// file has: the autoclear field (zero; the file has the bitmaps bit
-    /// set again) and the bitmaps extension (the file's may point at a
-    /// directory written since). imago refuses a reread header whose
-    /// autoclear bits or extensions changed (bitmaps.rs).
+    /// file has (`bitmaps::header_view`): the autoclear field (zero; the
+    /// file has the bitmaps bit), the backing file name's offset, and the
+    /// extensions and name (the file's bitmaps extension may point at a
+    /// directory written since, or have been added or removed, moving the
+    /// name). imago refuses a reread header whose autoclear bits,
+    /// extensions or backing file name changed (bitmaps.rs).
     imago_view: OnceLock<Vec<(u64, Vec<u8>)>>,
     /// Header bytes the file has that imago's writes of its header must
     /// carry instead of its own: the backing file name's offset, once a
