@@ -580,3 +580,92 @@ fn free_old(
     }
     file.sync_data()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A version 3 header of 512-byte clusters: `header_len`, a backing
+    /// file name of `name_len` bytes at `name_at` (0: none), and
+    /// `exts` (type, length) extensions after the header, each filled
+    /// with its length's bytes.
+    fn header(header_len: u32, exts: &[(u32, u32)], name_at: u64, name_len: u32) -> Vec<u8> {
+        let mut h = vec![0u8; 512];
+        h[..4].copy_from_slice(b"QFI\xfb");
+        h[4..8].copy_from_slice(&3u32.to_be_bytes());
+        h[8..16].copy_from_slice(&name_at.to_be_bytes());
+        h[16..20].copy_from_slice(&name_len.to_be_bytes());
+        h[20..24].copy_from_slice(&9u32.to_be_bytes());
+        h[96..100].copy_from_slice(&4u32.to_be_bytes());
+        h[100..104].copy_from_slice(&header_len.to_be_bytes());
+        let mut at = header_len as usize;
+        for &(kind, len) in exts {
+            if at + 8 > h.len() {
+                break;
+            }
+            h[at..at + 4].copy_from_slice(&kind.to_be_bytes());
+            h[at + 4..at + 8].copy_from_slice(&len.to_be_bytes());
+            at += 8 + (len as usize).next_multiple_of(8);
+        }
+        h
+    }
+
+    fn rewrite(bytes: &[u8], ext: Option<&[u8]>) -> (io::Result<Option<u64>>, Vec<u8>) {
+        let f = tempfile::tempfile().unwrap();
+        f.write_all_at(bytes, 0).unwrap();
+        let disk = Disk {
+            file: &f,
+            rec: None,
+        };
+        let r = rewrite_header(&disk, 512, ext);
+        let mut after = vec![0u8; bytes.len()];
+        f.read_exact_at(&mut after, 0).unwrap();
+        (r, after)
+    }
+
+    /// A header from elsewhere that does not hold together is refused
+    /// before anything is written, never a panic: a header length past
+    /// the cluster, a backing file name outside it, an extension running
+    /// past the name, a result that would not fit in the cluster.
+    #[test]
+    fn a_bad_or_full_header_is_refused_unwritten() {
+        let ext = [0u8; 24];
+        let mut bad = Vec::new();
+        bad.push(header(600, &[], 0, 0));
+        bad.push(header(104, &[], 500, 100));
+        bad.push(header(104, &[], u64::MAX - 4, 100));
+        bad.push(header(104, &[(0x6803_f857, 200)], 200, 10));
+        // 104 + 8 + 320 + 8 (end) + name 72 = 512: full; 32 bytes more
+        // for the bitmaps extension do not fit.
+        bad.push(header(104, &[(0x6803_f857, 320)], 440, 72));
+        for (i, h) in bad.iter().enumerate() {
+            let (r, after) = rewrite(h, Some(&ext));
+            assert!(r.is_err(), "header {i} was rewritten");
+            assert!(after == *h, "header {i} was written");
+        }
+    }
+
+    /// The extension goes in after the others, the end marker after it,
+    /// the backing file name after that (its offset updated), autoclear
+    /// bit 0 set; removing it restores the layout and clears the bit.
+    #[test]
+    fn the_extension_is_added_and_removed_in_place() {
+        let mut h = header(104, &[(0xe279_2aca, 6)], 128, 8);
+        h[112..118].copy_from_slice(b"qcow2\0");
+        h[128..136].copy_from_slice(b"base.img");
+        let ext: Vec<u8> = (0..24).collect();
+        let (r, added) = rewrite(&h, Some(&ext));
+        assert_eq!(r.unwrap(), Some(160));
+        assert_eq!(be64(&added, 8), 160);
+        assert_eq!(&added[160..168], b"base.img");
+        assert_eq!(be32(&added, 120), EXT_MAGIC);
+        assert_eq!(be32(&added, 124), 24);
+        assert_eq!(&added[128..152], &ext[..]);
+        assert_eq!(&added[152..160], &[0u8; 8]);
+        assert_eq!(be64(&added, 88) & AUTOCLEAR_BITMAPS, AUTOCLEAR_BITMAPS);
+        let (r, removed) = rewrite(&added, None);
+        assert_eq!(r.unwrap(), Some(128));
+        assert!(removed[..136] == h[..136], "the layout is not the original");
+        assert!(removed[136..].iter().all(|&b| b == 0));
+    }
+}
