@@ -1511,3 +1511,30 @@ fn a_ringblk_bitmap_in_an_overlay_drives_an_incremental_backup() {
     assert_eq!(nbd::qemu_nbd_dirty(&img, "b"), [(3 * MIB, 64 * KIB)]);
     assert_eq!(check_clean(&img), 0);
 }
+
+/// Sidecar bitmaps an older ringblk left next to a qcow2 image are not
+/// used (the image's bitmaps are in the image now): the start names them
+/// in a warning, and leaves them as they were.
+#[test]
+fn old_sidecars_of_a_qcow2_image_are_named_at_start() {
+    let dir = test_dir();
+    let base = dir.path().join("base.raw");
+    let img = dir.path().join("top.qcow2");
+    qemu_img(&["create", "-q", "-f", "raw", base.to_str().unwrap(), "16M"]);
+    overlay(&base, "raw", &img);
+    let sidecar = dir.path().join("top.qcow2.bitmap.nightly");
+    std::fs::write(&sidecar, b"an old sidecar").unwrap();
+    let d = start_overlay(dir.path(), &img, &[]);
+    let log = d.log();
+    let warn = log
+        .lines()
+        .find(|l| l.contains("sidecar bitmaps of an older ringblk"))
+        .unwrap_or_else(|| panic!("no warning names the sidecars:\n{log}"));
+    assert!(warn.contains("WARN"), "{warn}");
+    assert!(warn.contains(sidecar.to_str().unwrap()), "{warn}");
+    let api = dir.path().join("api.sock");
+    let listed = ringblk_testkit::ctl_ok(&api, &["bitmap", "list"]);
+    assert!(!listed.contains("nightly"), "{listed}");
+    stop(d);
+    assert_eq!(std::fs::read(&sidecar).unwrap(), b"an old sidecar");
+}
