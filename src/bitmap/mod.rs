@@ -540,6 +540,13 @@ pub trait BitmapStore: Send {
     ) -> Result<DirtyBitmap, BitmapError>;
     /// Clean stop: the bits durable, then the bitmap no longer in use.
     fn close(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError>;
+    /// A live snapshot put a new top above the image while the bitmaps
+    /// are open (called with every request kept out). A store that keeps
+    /// the bitmaps in the image makes the new top hold them; sidecars go
+    /// by the named image and need nothing.
+    fn top_moved(&mut self) -> Result<(), BitmapError> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -104,12 +104,12 @@ pub struct ServeArgs {
     #[arg(long)]
     pub image: Option<PathBuf>,
 
-    /// Where the dirty bitmaps of a raw image, a block device or a qcow2
-    /// image without QEMU's bitmaps extension live: one sidecar file per
-    /// bitmap, STEM.bitmap.NAME, STEM being the image's file name
-    /// [default: the image's directory; a block device's bitmaps need
-    /// this]. A qcow2 image with the extension (qemu-img bitmap --add)
-    /// keeps them in its own bitmap directory. See docs/backup.md.
+    /// Where the dirty bitmaps of a raw image or a block device live: one
+    /// sidecar file per bitmap, STEM.bitmap.NAME, STEM being the image's
+    /// file name [default: the image's directory; a block device's
+    /// bitmaps need this]. A qcow2 image keeps them in its own bitmap
+    /// directory (QEMU's persistent bitmaps, listed by qemu-img info).
+    /// See docs/backup.md.
     #[arg(long, value_name = "DIR")]
     pub bitmap_dir: Option<PathBuf>,
 

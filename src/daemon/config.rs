@@ -348,6 +348,16 @@ fn bitmap_store(
                 "{}: dirty bitmaps in the image's own bitmap directory (QEMU's persistent bitmaps)",
                 named.display()
             );
+            let left = sidecars_of(named, args.bitmap_dir.as_deref());
+            if !left.is_empty() {
+                log::warn!(
+                    "{}: sidecar bitmaps of an older ringblk are not used for a qcow2 image (its \
+                     bitmaps live in the image now): {}; add them again (ctl bitmap add) and \
+                     take a full backup, then delete the files",
+                    named.display(),
+                    left.join(", ")
+                );
+            }
             return Ok((
                 Ok(Box::new(crate::device::qcow2_bitmaps::Qcow2Store::new(
                     q.live.clone(),
@@ -395,6 +405,35 @@ fn bitmap_store(
             ))
         }
     }
+}
+
+/// The sidecar bitmap files (`NAME.bitmap.*`, as `SidecarStore` names
+/// them) of the image `named`, next to it or in `dir`; looked at only, at
+/// most 64 named.
+fn sidecars_of(named: &std::path::Path, dir: Option<&std::path::Path>) -> Vec<String> {
+    let Some(stem) = named.file_name().and_then(|n| n.to_str()) else {
+        return Vec::new();
+    };
+    let dir = match dir {
+        Some(d) => d.to_path_buf(),
+        None => match named.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => std::path::PathBuf::from("."),
+        },
+    };
+    let prefix = format!("{stem}.bitmap.");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|n| n.starts_with(&prefix))
+        .take(64)
+        .map(|n| dir.join(n).display().to_string())
+        .collect();
+    out.sort();
+    out
 }
 
 /// What backups need (or why there are none): `--backup-dir` opened, the

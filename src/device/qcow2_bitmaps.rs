@@ -1,5 +1,5 @@
-//! The dirty bitmaps of a qcow2 image that has QEMU's persistent-bitmap
-//! extension: they live in the image's own bitmap directory, so QEMU and
+//! The dirty bitmaps of a qcow2 image served writable: they live in the
+//! image's own bitmap directory (QEMU's persistent bitmaps), so QEMU and
 //! `qemu-img` see them (docs/backup.md).
 //!
 //! A [`BitmapStore`] over the format layer's QEMU bitmaps
@@ -14,10 +14,14 @@
 //!   format layer writes them when the image is released, after imago's
 //!   last flush and before its caches are reread (`Qcow2Image::invalidate`):
 //!   new clusters, tables and directory, IN_USE clear, old clusters freed.
-//! - `add` and `remove` change the set in memory; it reaches the image at
-//!   that write. A kill -9 before it loses an added bitmap (it is not
-//!   found: a backup tool copies everything) and brings a removed one
-//!   back, in use (inconsistent).
+//! - `add` and `remove` write the new set into the image at once (the
+//!   device's requests kept out meanwhile), every bitmap in use, so that
+//!   a kill -9 after them finds the set the user made: an added bitmap
+//!   comes back inconsistent (QEMU loses a bitmap added and not yet
+//!   stored), a removed one stays removed.
+//! - An image without the extension has it added by its first bitmap,
+//!   and one whose last bitmap is removed has it removed (QEMU allows no
+//!   empty directory): the header cluster is rewritten (`bitmap_write`).
 //! - QEMU's disabled bitmaps (no AUTO flag) record nothing, as in QEMU:
 //!   they are kept aside, written back as loaded, and not listed.
 //! - `update` writes nothing: while the image is held every bitmap is
@@ -53,6 +57,8 @@ pub struct Qcow2Store {
     /// What `peek` loaded at start-up, for the first `open`: loading
     /// again would find the bitmaps in use (the image's open marked them).
     peeked: Option<Vec<(String, Result<DirtyBitmap, BitmapError>)>>,
+    /// The disk's size as last seen (open, add, resize).
+    disk_size: u64,
 }
 
 impl Qcow2Store {
@@ -64,7 +70,35 @@ impl Qcow2Store {
             closed: Vec::new(),
             frozen: Vec::new(),
             peeked: None,
+            disk_size: 0,
         }
+    }
+
+    /// Writes the set of bitmaps as it is now into the image at once, each
+    /// in use (inconsistent; zero bits: QEMU loads none of an in-use
+    /// bitmap's), QEMU's disabled ones as loaded: after an `add` or a
+    /// `remove`, so that a kill -9 finds the set the user made (QEMU loses
+    /// a bitmap added and not yet stored). The real bits are written when
+    /// the image is let go. Called with every request kept out (the
+    /// device's quiesce around `add` and `remove`).
+    fn write_set(&self) -> Result<(), BitmapError> {
+        let mut all = Vec::new();
+        for (name, k) in &self.known {
+            let empty = DirtyBitmap::new(self.disk_size, 1u64 << k.granularity_bits)?;
+            all.push(Stored {
+                name: name.clone(),
+                granularity_bits: k.granularity_bits,
+                auto: k.auto,
+                consistent: false,
+                words: empty.words().collect(),
+            });
+        }
+        all.extend(self.frozen.iter().cloned());
+        self.live
+            .current()
+            .image
+            .store_qemu_bitmaps_now(all)
+            .map_err(|e| self.err(e.to_string()))
     }
 
     fn err(&self, why: impl Into<String>) -> BitmapError {
@@ -86,6 +120,7 @@ impl Qcow2Store {
         self.known.clear();
         self.closed.clear();
         self.frozen.clear();
+        self.disk_size = disk_size;
         let mut out = Vec::new();
         for l in loaded {
             let g = 1u64 << l.granularity_bits;
@@ -187,6 +222,7 @@ impl BitmapStore for Qcow2Store {
             return Err(BitmapError::Exists(name.to_string()));
         }
         let b = DirtyBitmap::new(disk_size, granularity)?;
+        self.disk_size = disk_size;
         self.known.insert(
             name.to_string(),
             Known {
@@ -194,6 +230,10 @@ impl BitmapStore for Qcow2Store {
                 auto: true,
             },
         );
+        if let Err(e) = self.write_set() {
+            self.known.remove(name);
+            return Err(e);
+        }
         Ok(b)
     }
 
@@ -201,13 +241,14 @@ impl BitmapStore for Qcow2Store {
         if !self.known.contains_key(name) {
             return Err(BitmapError::NotFound(name.to_string()));
         }
-        if self.known.len() + self.frozen.len() == 1 {
-            return Err(self.err(format!(
-                "'{name}' is the image's last bitmap, and removing the bitmaps extension is not \
-                 done: stop the daemon and run qemu-img bitmap --remove"
-            )));
+        let Some(k) = self.known.remove(name) else {
+            return Err(BitmapError::NotFound(name.to_string()));
+        };
+        if let Err(e) = self.write_set() {
+            self.known.insert(name.to_string(), k);
+            return Err(e);
         }
-        self.known.remove(name);
+        self.closed.retain(|s| s.name != name);
         Ok(())
     }
 
@@ -226,7 +267,19 @@ impl BitmapStore for Qcow2Store {
         bitmap: &DirtyBitmap,
         disk_size: u64,
     ) -> Result<DirtyBitmap, BitmapError> {
+        self.disk_size = disk_size;
         bitmap.resized(disk_size)
+    }
+
+    fn top_moved(&mut self) -> Result<(), BitmapError> {
+        // The new top has no bitmaps yet: the set goes into it now (in
+        // use), the bits at the release; the old top keeps its own, in
+        // use (inconsistent to QEMU).
+        self.closed.clear();
+        if self.known.is_empty() && self.frozen.is_empty() {
+            return Ok(());
+        }
+        self.write_set()
     }
 
     fn close(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError> {

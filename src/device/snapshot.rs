@@ -45,6 +45,7 @@ impl Device {
             None => Ok(()),
         };
         let chain = live.snapshot(overlay, relock)?;
+        self.bitmaps_follow_snapshot();
         let chain: Vec<String> = chain.iter().map(|p| p.display().to_string()).collect();
         log::info!(
             "live snapshot: the chain is now, top first, {}",

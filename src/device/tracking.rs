@@ -557,6 +557,28 @@ impl Device {
         made
     }
 
+    /// A live snapshot put a new top above the image: the bitmaps that
+    /// are open follow it into their store (see
+    /// [`BitmapStore::top_moved`]).
+    pub fn bitmaps_follow_snapshot(&self) {
+        let (moved, _) = self.quiesced(|| {
+            let mut inner = self.tracking.lock();
+            if inner.holders == 0 {
+                return Ok(());
+            }
+            match &mut inner.store {
+                Ok(store) => store.top_moved(),
+                Err(_) => Ok(()),
+            }
+        });
+        if let Err(e) = moved {
+            log::error!(
+                "{}: the bitmaps after the live snapshot: {e}; they are written at the next release",
+                self.name
+            );
+        }
+    }
+
     /// Removes a bitmap and its stored form.
     pub fn bitmap_remove(&self, name: &str) -> Result<(), TrackingError> {
         self.tracking

@@ -70,3 +70,18 @@ fn migrate_busy_qcow2_overlay() {
         ..Migration::busy(2)
     });
 }
+
+/// A dirty bitmap through a busy guest's migration on a fresh qcow2
+/// overlay: `ctl bitmap add` on the source puts it into the overlay (the
+/// bitmaps extension created), the source writes the bits back as its
+/// rings stop, the destination loads them as its own start; afterwards it
+/// holds every granule the guest changed on either side, and QEMU lists
+/// it in the overlay, not in use.
+#[test]
+fn migrate_busy_qcow2_overlay_with_a_dirty_bitmap() {
+    run(Migration {
+        storage: Storage::Qcow2,
+        bitmap: true,
+        ..Migration::busy(1)
+    });
+}

@@ -966,7 +966,8 @@ fn written_back(cluster_size: &str) {
         consistent: true,
         words: fresh.words().collect(),
     });
-    store(&file, &old, &new, &|_| false).unwrap();
+    let c: u64 = cluster_size.parse().unwrap();
+    store(&file, c, Some(&old), &new, &|_| false).unwrap();
     drop(file);
 
     let mut listed = qemu_bitmaps(&img);
@@ -1172,7 +1173,7 @@ fn qemu_bitmap_write_back_is_crash_safe() {
         },
     ];
     let rec = Recorder::default();
-    store_recorded(&file, &old, &new, &|_| false, Some(&rec)).unwrap();
+    store_recorded(&file, 512, Some(&old), &new, &|_| false, Some(&rec)).unwrap();
     drop(file);
     let ops = rec.ops.into_inner().unwrap();
     let syncs = ops.iter().filter(|o| matches!(o, Op::Sync)).count();
@@ -1181,43 +1182,7 @@ fn qemu_bitmap_write_back_is_crash_safe() {
     allowed.insert("b", vec![old_words, new[0].words.clone()]);
     allowed.insert("fresh", vec![new[1].words.clone()]);
 
-    let apply = |state: &mut Vec<u8>, op: &Op| match op {
-        Op::Write { offset, data } => {
-            let end = *offset as usize + data.len();
-            if state.len() < end {
-                state.resize(end, 0);
-            }
-            state[*offset as usize..end].copy_from_slice(data);
-        }
-        Op::SetLen(len) => state.resize(*len as usize, 0),
-        Op::Sync => {}
-    };
-    // The states a crash may leave.
-    let mut states = Vec::new();
-    let mut state = original.clone();
-    let mut synced = original.clone();
-    states.push(state.clone());
-    let mut group: Vec<&Op> = Vec::new();
-    for op in &ops {
-        apply(&mut state, op);
-        states.push(state.clone());
-        if matches!(op, Op::Sync) {
-            for single in &group {
-                let mut s = synced.clone();
-                for o in &group {
-                    if matches!(o, Op::SetLen(_)) {
-                        apply(&mut s, o);
-                    }
-                }
-                apply(&mut s, single);
-                states.push(s);
-            }
-            group.clear();
-            synced = state.clone();
-        } else {
-            group.push(op);
-        }
-    }
+    let states = crash_states(&original, &ops);
     let crash = dir.join("crash.qcow2");
     let mut trusted = 0;
     for (i, s) in states.iter().enumerate() {
@@ -1243,4 +1208,283 @@ fn qemu_bitmap_write_back_is_crash_safe() {
         }
     }
     assert!(trusted > 0, "no state had a trusted bitmap (test is void)");
+}
+
+/// `qemu-img info`'s `backing-filename` of `img`.
+fn backing_name(img: &Path) -> String {
+    let info = qemu_img(&["info", "--output=json", img.to_str().unwrap()]);
+    let v: serde_json::Value = serde_json::from_str(&info).unwrap();
+    v["backing-filename"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// The first bitmap of an image without the bitmaps extension (a fresh
+/// `qemu-img create -b base -F raw` overlay) and the removal of the last
+/// one, through the format layer as the daemon drives it (staged, written
+/// when the image is let go): the header cluster is rewritten with the
+/// extension (the backing file name moved after it), QEMU lists the
+/// bitmap, not in use, reads its bits over NBD, and `qemu-img check`
+/// finds the image clean; imago, which rereads the header at every
+/// release, goes on serving; a resize after it (imago writes the header's
+/// first 72 bytes, with the backing file name's offset it read at open)
+/// keeps the name QEMU finds; the removal leaves no bitmap, no leak, and
+/// the guest's data. On the old code `stage_qemu_bitmaps` refused an
+/// image without the extension (the daemon used sidecars) and the last
+/// bitmap could not be removed.
+#[test]
+fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
+    use ringblk::bitmap::DirtyBitmap;
+    use ringblk::format::qcow2::bitmap_write::Stored;
+
+    let dir = scratch("qemu-bitmap-first");
+    let base = dir.join("base.raw");
+    let img = dir.join("top.qcow2");
+    let size = 16 * MIB;
+    raw_base(&base, size);
+    ringblk_testkit::qemu_img::overlay(&base, "raw", &img);
+    let name = backing_name(&img);
+    assert_eq!(name, "base.raw");
+    assert!(qemu_bitmaps(&img).is_empty());
+
+    let stored = |b: &DirtyBitmap| {
+        vec![Stored {
+            name: "b".into(),
+            granularity_bits: 16,
+            auto: true,
+            consistent: true,
+            words: b.words().collect(),
+        }]
+    };
+    let image = open(&img, true);
+    let q = qcow(&image);
+    assert!(q.has_qemu_bitmaps());
+    assert!(q.open_qemu_bitmaps().unwrap().is_empty());
+    let mut data = vec![0u8; 65536];
+    fill(7, MIB, &mut data);
+    write(&image, MIB, &data).unwrap();
+    flush(&image).unwrap();
+    let b = DirtyBitmap::new(size, 65536).unwrap();
+    b.mark(MIB, 65536);
+    assert!(q.stage_qemu_bitmaps(stored(&b)));
+    q.invalidate().unwrap();
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("b".to_string(), vec!["auto".to_string()])]
+    );
+    assert_eq!(backing_name(&img), name);
+    assert_eq!(check_clean(&img), 0);
+    assert_eq!(qemu_dirty(&img, "b"), [(MIB, 65536)]);
+
+    // Served on after the release: imago reread the header.
+    let mut more = vec![0u8; 65536];
+    fill(8, 3 * MIB, &mut more);
+    write(&image, 3 * MIB, &more).unwrap();
+    flush(&image).unwrap();
+    // A resize: imago writes the header's first bytes.
+    q.grow(2 * size).unwrap();
+    flush(&image).unwrap();
+    assert_eq!(
+        backing_name(&img),
+        name,
+        "imago's header write moved the name back"
+    );
+    let b = b.resized(2 * size).unwrap();
+    b.mark(3 * MIB, 65536);
+    assert!(q.stage_qemu_bitmaps(stored(&b)));
+    q.invalidate().unwrap();
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("b".to_string(), vec!["auto".to_string()])]
+    );
+    assert_eq!(backing_name(&img), name);
+    assert_eq!(check_clean(&img), 0);
+    // (The grown part is dirty: `DirtyBitmap::resized`.)
+    assert_eq!(
+        qemu_dirty(&img, "b"),
+        [(MIB, 65536), (3 * MIB, 65536), (size, size)]
+    );
+
+    // The last bitmap removed: the extension goes.
+    assert_eq!(q.open_qemu_bitmaps().unwrap().len(), 1);
+    assert!(q.stage_qemu_bitmaps(Vec::new()));
+    q.invalidate().unwrap();
+    drop(image);
+    assert!(qemu_bitmaps(&img).is_empty());
+    assert_eq!(backing_name(&img), name);
+    assert_eq!(check_clean(&img), 0);
+    let p = img.to_str().unwrap();
+    let mut expect = vec![0u8; 65536];
+    fill(7, MIB, &mut expect);
+    let back = dir.join("back.raw");
+    qemu_img(&["convert", "-O", "raw", p, back.to_str().unwrap()]);
+    let all = std::fs::read(&back).unwrap();
+    assert_eq!(all.len() as u64, 2 * size);
+    assert!(all[MIB as usize..MIB as usize + 65536] == expect[..]);
+    assert!(all[3 * MIB as usize..3 * MIB as usize + 65536] == more[..]);
+}
+
+/// The states a crash during the recorded `ops` may leave a file that was
+/// `original`: each prefix of them, and, as writes between two
+/// fdatasyncs may land in any order, each single write of a group on top
+/// of the state synced before it.
+fn crash_states(original: &[u8], ops: &[ringblk::format::qcow2::bitmap_write::Op]) -> Vec<Vec<u8>> {
+    use ringblk::format::qcow2::bitmap_write::Op;
+    let apply = |state: &mut Vec<u8>, op: &Op| match op {
+        Op::Write { offset, data } => {
+            let end = *offset as usize + data.len();
+            if state.len() < end {
+                state.resize(end, 0);
+            }
+            state[*offset as usize..end].copy_from_slice(data);
+        }
+        Op::SetLen(len) => state.resize(*len as usize, 0),
+        Op::Sync => {}
+    };
+    let mut states = Vec::new();
+    let mut state = original.to_vec();
+    let mut synced = original.to_vec();
+    states.push(state.clone());
+    let mut group: Vec<&Op> = Vec::new();
+    for op in ops {
+        apply(&mut state, op);
+        states.push(state.clone());
+        if matches!(op, Op::Sync) {
+            for single in &group {
+                let mut s = synced.clone();
+                for o in &group {
+                    if matches!(o, Op::SetLen(_)) {
+                        apply(&mut s, o);
+                    }
+                }
+                apply(&mut s, single);
+                states.push(s);
+            }
+            group.clear();
+            synced = state.clone();
+        } else {
+            group.push(op);
+        }
+    }
+    states
+}
+
+/// Adding the bitmaps extension to a fresh overlay's header and removing
+/// it again, under power loss (as `qemu_bitmap_write_back_is_crash_safe`):
+/// in every state a crash may leave, `qemu-img check` finds no corruption
+/// (leaks allowed), QEMU finds the backing file, and the bitmap, when
+/// QEMU lists it, is either absent or complete (the bits written). The
+/// header is written once, after everything it points to is durable; the
+/// old clusters are freed only once the header without the extension is.
+#[test]
+fn adding_and_removing_the_extension_is_crash_safe() {
+    use ringblk::bitmap::DirtyBitmap;
+    use ringblk::format::qcow2::bitmap_write::{Op, Recorder, Stored, store_recorded};
+    use ringblk::format::qcow2::bitmaps::Bitmaps;
+
+    let dir = scratch("qemu-bitmap-ext-crash");
+    let base = dir.join("base.raw");
+    let img = dir.join("top.qcow2");
+    let size = 16 * MIB;
+    raw_base(&base, size);
+    ringblk_testkit::qemu_img::overlay(&base, "raw", &img);
+    run(
+        "qemu-io",
+        &["-f", "qcow2", "-c", "write 1M 64k", img.to_str().unwrap()],
+    );
+    let name = backing_name(&img);
+    let b = DirtyBitmap::new(size, 65536).unwrap();
+    b.mark(MIB, 65536);
+    let new = [Stored {
+        name: "b".into(),
+        granularity_bits: 16,
+        auto: true,
+        consistent: true,
+        words: b.words().collect(),
+    }];
+    let crash = dir.join("crash.qcow2");
+    let mut in_states = [0usize; 2];
+    for (round, adding) in [true, false].into_iter().enumerate() {
+        let original = std::fs::read(&img).unwrap();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&img)
+            .unwrap();
+        let old = Bitmaps::load(&file).unwrap();
+        assert_eq!(old.is_some(), !adding);
+        let rec = Recorder::default();
+        let set: &[Stored] = if adding { &new } else { &[] };
+        store_recorded(&file, 65536, old.as_ref(), set, &|_| false, Some(&rec)).unwrap();
+        drop(file);
+        let ops = rec.ops.into_inner().unwrap();
+        assert!(ops.iter().filter(|o| matches!(o, Op::Sync)).count() >= 2);
+        for (i, s) in crash_states(&original, &ops).iter().enumerate() {
+            std::fs::write(&crash, s).unwrap();
+            let (corruptions, _leaks) = check(&crash);
+            assert_eq!(corruptions, 0, "round {round}, state {i}: corrupt");
+            assert_eq!(backing_name(&crash), name, "round {round}, state {i}");
+            let listed = qemu_bitmaps(&crash);
+            if !listed.is_empty() {
+                in_states[round] += 1;
+                assert_eq!(listed, [("b".to_string(), vec!["auto".to_string()])]);
+                assert_eq!(
+                    qemu_dirty(&crash, "b"),
+                    [(MIB, 65536)],
+                    "round {round}, state {i}"
+                );
+            }
+        }
+        // Each round reached its end state.
+        assert_eq!(qemu_bitmaps(&img).is_empty(), !adding);
+        assert_eq!(check_clean(&img), 0);
+    }
+    assert!(in_states[0] > 0 && in_states[1] > 0, "{in_states:?}");
+}
+
+/// A handover (as in a migration on shared storage) of a fresh overlay
+/// whose first bitmap the source adds: the source's write-back moves the
+/// backing file name after the new extension; the destination, opened
+/// before, claims the image and resizes it (imago writes the header's
+/// first 72 bytes, with the name's offset it read at its open). QEMU
+/// still finds the backing file, and the bitmap. Without the patch taken
+/// at each claim, the destination wrote the old offset back.
+#[test]
+fn a_handover_after_the_extension_was_added_keeps_the_backing_name() {
+    use ringblk::bitmap::DirtyBitmap;
+    use ringblk::format::qcow2::bitmap_write::Stored;
+
+    let dir = scratch("qemu-bitmap-first-handover");
+    let base = dir.join("base.raw");
+    let img = dir.join("top.qcow2");
+    let size = 16 * MIB;
+    raw_base(&base, size);
+    ringblk_testkit::qemu_img::overlay(&base, "raw", &img);
+    let name = backing_name(&img);
+    let source = open(&img, true);
+    let dest = open(&img, true);
+    let src = qcow(&source);
+    assert!(src.open_qemu_bitmaps().unwrap().is_empty());
+    let b = DirtyBitmap::new(size, 65536).unwrap();
+    b.mark(0, 1);
+    assert!(src.stage_qemu_bitmaps(vec![Stored {
+        name: "b".into(),
+        granularity_bits: 16,
+        auto: true,
+        consistent: true,
+        words: b.words().collect(),
+    }]));
+    src.invalidate().unwrap();
+    drop(source);
+    assert_eq!(backing_name(&img), name);
+
+    let dst = qcow(&dest);
+    dst.claim().unwrap();
+    assert_eq!(dst.open_qemu_bitmaps().unwrap().len(), 1);
+    dst.grow(2 * size).unwrap();
+    flush(&dest).unwrap();
+    assert_eq!(backing_name(&img), name, "the old offset was written back");
+    drop(dest);
+    check(&img);
 }

@@ -519,8 +519,8 @@ fn bad_nbd_input_leaves_the_guest_io_alone() {
 
 /// Where backups cannot run, `backup start` says why in one line: no
 /// --backup-dir, a socket outside the backup directory. A qcow2 image's
-/// bitmaps are sidecars, and work; a live snapshot is refused while a
-/// backup runs; the bitmap follows a live snapshot. (RBD images:
+/// bitmaps live in the image, and work; a live snapshot is refused while a
+/// backup runs; the bitmap follows a live snapshot (into the new top). (RBD images:
 /// tests/rbd/rbd.rs.)
 #[test]
 fn backups_are_refused_with_a_reason() {
@@ -555,7 +555,7 @@ fn backups_are_refused_with_a_reason() {
     );
     stop(d);
 
-    // qcow2: bitmaps (sidecar), backups, and snapshots between them.
+    // qcow2: bitmaps (in the image), backups, and snapshots between them.
     let dir = test_dir();
     let image = dir.path().join("disk.qcow2");
     nbd::run(
@@ -586,8 +586,7 @@ fn backups_are_refused_with_a_reason() {
             ..DaemonOptions::default()
         },
     );
-    // Under the default --seccomp enforce, with a snapshot directory too:
-    // a sidecar's openat and a snapshot's are both allowed.
+    // Under the default --seccomp enforce, with a snapshot directory too.
     ctl_ok(&api, &["bitmap", "add", "q"]);
     let mut c = Client::connect(&d.socket, BUF);
     // A write across a cluster boundary of a fresh image: allocations,
@@ -619,7 +618,22 @@ fn backups_are_refused_with_a_reason() {
     );
     drop(c);
     stop(d);
-    assert!(dir.path().join("disk.qcow2.bitmap.q").exists());
+    // In the image, not a sidecar: in the top the snapshot made, where
+    // QEMU finds it.
+    assert!(!dir.path().join("disk.qcow2.bitmap.q").exists());
+    assert_eq!(
+        ringblk_testkit::qemu_img::bitmaps(&snaps.join("s1.qcow2")),
+        [("q".to_string(), vec!["auto".to_string()])]
+    );
+    // The old top keeps what was written into it before the snapshot,
+    // in use: QEMU calls it inconsistent.
+    assert_eq!(
+        ringblk_testkit::qemu_img::bitmaps(&image),
+        [(
+            "q".to_string(),
+            vec!["in-use".to_string(), "auto".to_string()]
+        )]
+    );
 }
 
 /// `qemu-img ARGS`, which must succeed.

@@ -5,10 +5,19 @@
 //!
 //! It must run while nothing else uses the file's refcounts: no imago
 //! instance open on it, or one flushed and about to drop its caches
-//! (`Qcow2Image::invalidate`, where the format layer calls it). The
-//! extension must already exist (the first bitmap of an image, or the
-//! removal of the last, needs the header's extension area rewritten; not
-//! done).
+//! (`Qcow2Image::invalidate`, where the format layer calls it).
+//!
+//! An image without the extension gets it with its first bitmaps, and
+//! one whose last bitmap goes loses it (QEMU allows no empty directory):
+//! the header cluster is rewritten as QEMU's `qcow2_update_header` lays
+//! it out (fixed header, extensions, end marker, backing file name), the
+//! new bytes in one write at offset 0, refused before anything is
+//! written if they do not fit in the cluster. That write replaces step 3
+//! below; for a removal steps 1 and 2 are empty. As in QEMU, the header
+//! write is the one step that relies on the device writing it whole (the
+//! extensions and name of a QEMU image end within its first 4 KiB
+//! block). The backing file name moves; the format layer makes imago's
+//! header writes carry its new place (`FileState::patch_imago_writes`).
 //!
 //! The file must be one the format layer opened and checked (its refcount
 //! table covering the file, no refblock overlapping other metadata:
@@ -25,7 +34,8 @@
 //! 2. the refcount table's entries for new refblocks;
 //! 3. the extension's 24 bytes point at the new directory (entries with
 //!    IN_USE clear unless the bitmap is inconsistent) and the autoclear
-//!    bit 0 is set;
+//!    bit 0 is set (or the header rewritten with the extension added or
+//!    removed, the bit set or cleared);
 //! 4. the refcounts of the old directory, tables and data clusters are
 //!    dropped.
 
@@ -34,8 +44,8 @@ use std::io;
 use std::os::unix::fs::FileExt;
 
 use super::bitmaps::{
-    AUTOCLEAR_BITMAPS, AUTOCLEAR_OFFSET, Bitmaps, FLAG_AUTO, FLAG_IN_USE, TABLE_ALL_ONES,
-    TABLE_OFFSET, be32, be64,
+    AUTOCLEAR_BITMAPS, AUTOCLEAR_OFFSET, Bitmaps, EXT_MAGIC, FLAG_AUTO, FLAG_IN_USE,
+    TABLE_ALL_ONES, TABLE_OFFSET, be32, be64,
 };
 
 /// One operation of [`store`] on the file, as a [`Recorder`] keeps it.
@@ -208,8 +218,11 @@ fn entry_bytes(table_offset: u64, table_size: u32, flags: u32, s: &Stored) -> Ve
 }
 
 /// Writes `new` as the image's bitmaps in place of those `old` describes
-/// (module docs). `file` must be the image `old` was parsed from, with
-/// nothing else writing it meanwhile.
+/// (module docs). `file` must be the image `old` was parsed from (`None`:
+/// it has no valid bitmaps extension), of `cluster`-byte clusters, with
+/// nothing else writing it meanwhile. Returns where the backing file name
+/// is now when the header was rewritten (an extension added or removed),
+/// if the image has one.
 ///
 /// `is_metadata(cluster)` says which clusters hold the image's own
 /// metadata (header, L1, L2, refcount table, refblocks): an old bitmap
@@ -217,30 +230,41 @@ fn entry_bytes(table_offset: u64, table_size: u32, flags: u32, s: &Stored) -> Ve
 /// freed.
 pub fn store(
     file: &File,
-    old: &Bitmaps,
+    cluster: u64,
+    old: Option<&Bitmaps>,
     new: &[Stored],
     is_metadata: &dyn Fn(u64) -> bool,
-) -> io::Result<()> {
-    store_recorded(file, old, new, is_metadata, None)
+) -> io::Result<Option<u64>> {
+    store_recorded(file, cluster, old, new, is_metadata, None)
 }
 
 /// [`store`], each change recorded in `rec` (tests).
 pub fn store_recorded(
     file: &File,
-    old: &Bitmaps,
+    cluster: u64,
+    old: Option<&Bitmaps>,
     new: &[Stored],
     is_metadata: &dyn Fn(u64) -> bool,
     rec: Option<&Recorder>,
-) -> io::Result<()> {
+) -> io::Result<Option<u64>> {
     let file = &Disk { file, rec };
-    if new.is_empty() {
-        return Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            "removing the last bitmap (the extension itself) is not done",
-        ));
+    let c = cluster;
+    if old.is_some_and(|o| o.cluster != c) {
+        return Err(invalid("the bitmaps' cluster size is not the image's"));
     }
-    let c = old.cluster;
     let rc = Refcounts::load(file, c)?;
+    if new.is_empty() {
+        // The last bitmap removed: the extension goes (QEMU allows no
+        // empty directory), then its clusters are freed.
+        let Some(old) = old else {
+            return Ok(None);
+        };
+        file.sync_data()?;
+        let moved = rewrite_header(file, c, None)?;
+        file.sync_data()?;
+        free_old(file, old, &rc, is_metadata)?;
+        return Ok(moved);
+    }
     let file_len = file.metadata()?.len();
     let start = file_len.div_ceil(c);
 
@@ -375,6 +399,12 @@ pub fn store_recorded(
     ext.extend(0u32.to_be_bytes());
     ext.extend(dir_size.to_be_bytes());
     ext.extend(dir_at.to_be_bytes());
+    let Some(old) = old else {
+        // The image's first bitmaps: the extension is added to the header.
+        let moved = rewrite_header(file, c, Some(&ext))?;
+        file.sync_data()?;
+        return Ok(moved);
+    };
     file.write_all_at(&ext, old.ext_at)?;
     let mut autoclear = [0u8; 8];
     file.read_exact_at(&mut autoclear, AUTOCLEAR_OFFSET)?;
@@ -383,7 +413,109 @@ pub fn store_recorded(
     file.sync_data()?;
 
     // Step 4: free the old clusters (a crash before this leaks them).
-    free_old(file, old, &rc, is_metadata)
+    free_old(file, old, &rc, is_metadata)?;
+    Ok(None)
+}
+
+/// Rewrites the header cluster with the bitmaps extension `ext` (its 24
+/// bytes) in place of any the header has, or with none (`None`), the
+/// autoclear bit 0 set or cleared to match, as QEMU's
+/// `qcow2_update_header` lays the cluster out: the fixed header, the
+/// extensions, the end marker, the backing file name (moved to follow
+/// them; QEMU reads extensions only up to the name). Everything is
+/// checked against the cluster before anything is written; the new
+/// bytes go in one write at offset 0, covering what the old layout used.
+/// Returns the backing file name's new offset, if the image has one.
+fn rewrite_header(file: &Disk<'_>, c: u64, ext: Option<&[u8]>) -> io::Result<Option<u64>> {
+    let file_len = file.metadata()?.len();
+    let area_len = c.min(file_len) as usize;
+    if area_len < 104 {
+        return Err(invalid("the header is cut short"));
+    }
+    let mut area = vec![0u8; area_len];
+    file.read_exact_at(&mut area, 0)?;
+    let header_len = be32(&area, 100) as usize;
+    if header_len < 104 || header_len >= area_len {
+        return Err(invalid(format!("header length {header_len}")));
+    }
+    let backing_at = be64(&area, 8);
+    let backing_len = be32(&area, 16) as usize;
+    let backing = if backing_at == 0 {
+        None
+    } else {
+        let at = usize::try_from(backing_at)
+            .ok()
+            .filter(|&a| {
+                a >= header_len && a.checked_add(backing_len).is_some_and(|e| e <= area_len)
+            })
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "the backing file name lies outside the header cluster",
+                )
+            })?;
+        Some(at)
+    };
+    // The extensions, as QEMU reads them: up to the backing file name.
+    let ext_end = backing.unwrap_or(area_len);
+    let mut kept: Vec<(u32, &[u8])> = Vec::new();
+    let mut at = header_len;
+    while at + 8 <= ext_end {
+        let (kind, len) = (be32(&area, at), be32(&area, at + 4) as usize);
+        if kind == 0 {
+            break;
+        }
+        let data = at + 8;
+        if len > ext_end - data {
+            return Err(invalid(format!(
+                "header extension {kind:#x} runs past the header"
+            )));
+        }
+        if kind != EXT_MAGIC {
+            kept.push((kind, &area[data..data + len]));
+        }
+        at = data + len.next_multiple_of(8);
+    }
+    let old_end = (at + 8)
+        .max(backing.map_or(0, |b| b + backing_len))
+        .min(area_len);
+
+    let mut out = area[..header_len].to_vec();
+    for (kind, data) in kept.iter().copied().chain(ext.map(|e| (EXT_MAGIC, e))) {
+        out.extend(kind.to_be_bytes());
+        out.extend((data.len() as u32).to_be_bytes());
+        out.extend(data);
+        out.resize(out.len().next_multiple_of(8), 0);
+    }
+    out.extend([0u8; 8]); // the end marker
+    let moved = backing.map(|b| {
+        let to = out.len() as u64;
+        out.extend_from_slice(&area[b..b + backing_len]);
+        to
+    });
+    if out.len() > c as usize {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "the header extensions and backing file name would not fit in the header cluster",
+        ));
+    }
+    if let Some(to) = moved {
+        out[8..16].copy_from_slice(&to.to_be_bytes());
+    }
+    let autoclear = be64(&out, AUTOCLEAR_OFFSET as usize);
+    let autoclear = if ext.is_some() {
+        autoclear | AUTOCLEAR_BITMAPS
+    } else {
+        autoclear & !AUTOCLEAR_BITMAPS
+    };
+    out[AUTOCLEAR_OFFSET as usize..AUTOCLEAR_OFFSET as usize + 8]
+        .copy_from_slice(&autoclear.to_be_bytes());
+    // What the old layout used beyond the new one is zeroed.
+    if out.len() < old_end {
+        out.resize(old_end, 0);
+    }
+    file.write_all_at(&out, 0)?;
+    Ok(moved)
 }
 
 /// Drops the refcounts of `old`'s directory, tables and data clusters.
@@ -447,4 +579,93 @@ fn free_old(
         file.write_all_at(&b, at)?;
     }
     file.sync_data()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A version 3 header of 512-byte clusters: `header_len`, a backing
+    /// file name of `name_len` bytes at `name_at` (0: none), and
+    /// `exts` (type, length) extensions after the header, each filled
+    /// with its length's bytes.
+    fn header(header_len: u32, exts: &[(u32, u32)], name_at: u64, name_len: u32) -> Vec<u8> {
+        let mut h = vec![0u8; 512];
+        h[..4].copy_from_slice(b"QFI\xfb");
+        h[4..8].copy_from_slice(&3u32.to_be_bytes());
+        h[8..16].copy_from_slice(&name_at.to_be_bytes());
+        h[16..20].copy_from_slice(&name_len.to_be_bytes());
+        h[20..24].copy_from_slice(&9u32.to_be_bytes());
+        h[96..100].copy_from_slice(&4u32.to_be_bytes());
+        h[100..104].copy_from_slice(&header_len.to_be_bytes());
+        let mut at = header_len as usize;
+        for &(kind, len) in exts {
+            if at + 8 > h.len() {
+                break;
+            }
+            h[at..at + 4].copy_from_slice(&kind.to_be_bytes());
+            h[at + 4..at + 8].copy_from_slice(&len.to_be_bytes());
+            at += 8 + (len as usize).next_multiple_of(8);
+        }
+        h
+    }
+
+    fn rewrite(bytes: &[u8], ext: Option<&[u8]>) -> (io::Result<Option<u64>>, Vec<u8>) {
+        let f = tempfile::tempfile().unwrap();
+        f.write_all_at(bytes, 0).unwrap();
+        let disk = Disk {
+            file: &f,
+            rec: None,
+        };
+        let r = rewrite_header(&disk, 512, ext);
+        let mut after = vec![0u8; bytes.len()];
+        f.read_exact_at(&mut after, 0).unwrap();
+        (r, after)
+    }
+
+    /// A header from elsewhere that does not hold together is refused
+    /// before anything is written, never a panic: a header length past
+    /// the cluster, a backing file name outside it, an extension running
+    /// past the name, a result that would not fit in the cluster.
+    #[test]
+    fn a_bad_or_full_header_is_refused_unwritten() {
+        let ext = [0u8; 24];
+        let mut bad = Vec::new();
+        bad.push(header(600, &[], 0, 0));
+        bad.push(header(104, &[], 500, 100));
+        bad.push(header(104, &[], u64::MAX - 4, 100));
+        bad.push(header(104, &[(0x6803_f857, 200)], 200, 10));
+        // 104 + 8 + 320 + 8 (end) + name 72 = 512: full; 32 bytes more
+        // for the bitmaps extension do not fit.
+        bad.push(header(104, &[(0x6803_f857, 320)], 440, 72));
+        for (i, h) in bad.iter().enumerate() {
+            let (r, after) = rewrite(h, Some(&ext));
+            assert!(r.is_err(), "header {i} was rewritten");
+            assert!(after == *h, "header {i} was written");
+        }
+    }
+
+    /// The extension goes in after the others, the end marker after it,
+    /// the backing file name after that (its offset updated), autoclear
+    /// bit 0 set; removing it restores the layout and clears the bit.
+    #[test]
+    fn the_extension_is_added_and_removed_in_place() {
+        let mut h = header(104, &[(0xe279_2aca, 6)], 128, 8);
+        h[112..118].copy_from_slice(b"qcow2\0");
+        h[128..136].copy_from_slice(b"base.img");
+        let ext: Vec<u8> = (0..24).collect();
+        let (r, added) = rewrite(&h, Some(&ext));
+        assert_eq!(r.unwrap(), Some(160));
+        assert_eq!(be64(&added, 8), 160);
+        assert_eq!(&added[160..168], b"base.img");
+        assert_eq!(be32(&added, 120), EXT_MAGIC);
+        assert_eq!(be32(&added, 124), 24);
+        assert_eq!(&added[128..152], &ext[..]);
+        assert_eq!(&added[152..160], &[0u8; 8]);
+        assert_eq!(be64(&added, 88) & AUTOCLEAR_BITMAPS, AUTOCLEAR_BITMAPS);
+        let (r, removed) = rewrite(&added, None);
+        assert_eq!(r.unwrap(), Some(128));
+        assert!(removed[..136] == h[..136], "the layout is not the original");
+        assert!(removed[136..].iter().all(|&b| b == 0));
+    }
 }

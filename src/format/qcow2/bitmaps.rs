@@ -22,12 +22,13 @@
 //! IN_USE is QEMU's own "this bitmap may be missing changes": until the
 //! bitmaps are written back at a clean release, `qemu-img info` lists
 //! each with the flag `in-use`, QEMU loads it as inconsistent, and
-//! `qemu-img check` finds the image clean. Bit 0 is never cleared on
-//! disk: a crash before step 1 leaves the image as it was found, after it
-//! the bitmaps in use. imago rereads the header when it drops its caches (every claim
+//! `qemu-img check` finds the image clean. Bit 0 is cleared on disk only
+//! with the extension itself (the last bitmap removed, `bitmap_write`): a
+//! crash before step 1 leaves the image as it was found, after it the
+//! bitmaps in use. imago rereads the header when it drops its caches (every claim
 //! and release of the image) and refuses one whose autoclear bits or
 //! extensions are not those it found at open, so its reads of them show
-//! what it found ([`Bitmaps::imago_view`], `FileState::show_imago`): the
+//! what it found ([`header_view`], `FileState::show_imago`): the
 //! file has the real ones.
 //!
 //! Everything is read from a file that came from elsewhere, so everything
@@ -114,8 +115,6 @@ pub struct Bitmaps {
     pub(super) file_len: u64,
     /// Where the extension's 24 bytes are in the header.
     pub(super) ext_at: u64,
-    /// Those bytes, as read.
-    ext_raw: Vec<u8>,
 }
 
 /// A bitmap as loaded from the image: its bits, or why they cannot be
@@ -274,7 +273,6 @@ pub fn parse(
         disk_size,
         file_len,
         ext_at: data as u64,
-        ext_raw: e.to_vec(),
     }))
 }
 
@@ -476,15 +474,6 @@ impl Bitmaps {
             .collect()
     }
 
-    /// What imago must keep reading of the header (`FileState::show_imago`):
-    /// the autoclear field as it left it (zero), the extension as found.
-    pub fn imago_view(&self) -> Vec<(u64, Vec<u8>)> {
-        vec![
-            (AUTOCLEAR_OFFSET, vec![0; 8]),
-            (self.ext_at, self.ext_raw.clone()),
-        ]
-    }
-
     /// Whether `other` is the same directory, byte for byte, at the same
     /// place: nobody wrote the bitmaps in between.
     pub fn same_directory(&self, other: &Bitmaps) -> bool {
@@ -514,6 +503,40 @@ impl Bitmaps {
         file.write_all_at(&autoclear.to_be_bytes(), AUTOCLEAR_OFFSET)?;
         file.sync_data()
     }
+}
+
+/// What imago must keep reading of a writable top's header, whatever
+/// the file has (`FileState::show_imago`), taken from the file as imago
+/// found it: the backing file name's offset and size (adding or removing
+/// the bitmaps extension moves the name), the autoclear field as zero
+/// (imago clears it at open; the file has the bitmaps bit), and the rest
+/// of the first cluster after the fixed header (the extensions and the
+/// backing file name). imago refuses a reread header whose extensions,
+/// backing file name or autoclear bits changed. Empty for a header that
+/// is not a version 3 one imago could have opened.
+pub fn header_view(file: &File) -> io::Result<Vec<(u64, Vec<u8>)>> {
+    let file_len = file.metadata()?.len();
+    let mut h = [0u8; 104];
+    if file_len < h.len() as u64 {
+        return Ok(Vec::new());
+    }
+    file.read_exact_at(&mut h, 0)?;
+    let cluster_bits = be32(&h, 20);
+    if be32(&h, 4) < 3 || !(9..=21).contains(&cluster_bits) {
+        return Ok(Vec::new());
+    }
+    let area_len = (1u64 << cluster_bits).min(file_len);
+    let header_len = u64::from(be32(&h, 100));
+    if header_len < 104 || header_len >= area_len {
+        return Ok(Vec::new());
+    }
+    let mut rest = vec![0u8; (area_len - header_len) as usize];
+    file.read_exact_at(&mut rest, header_len)?;
+    Ok(vec![
+        (8, h[8..20].to_vec()),
+        (AUTOCLEAR_OFFSET, vec![0; 8]),
+        (header_len, rest),
+    ])
 }
 
 #[cfg(test)]

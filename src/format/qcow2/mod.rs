@@ -215,7 +215,9 @@ impl Qcow2Image {
         })
     }
 
-    /// Whether the top has QEMU's persistent bitmaps (served writable).
+    /// Whether the top keeps QEMU's persistent bitmaps: it is served
+    /// writable (with the bitmaps extension, or without, and then the first
+    /// bitmap written back creates it).
     pub fn has_qemu_bitmaps(&self) -> bool {
         self.qemu.is_some()
     }
@@ -279,20 +281,51 @@ impl Qcow2Image {
     }
 
     /// Bitmaps to write back at the next [`invalidate`](Self::invalidate)
-    /// (the image is let go), in place of those on disk. False when the top
-    /// has none to replace (no extension, or none any more).
+    /// (the image is let go), in place of those on disk (none: the
+    /// extension, if any, is removed). False when the top keeps no bitmaps
+    /// (not writable).
     pub fn stage_qemu_bitmaps(&self, bitmaps: Vec<bitmap_write::Stored>) -> bool {
         match &self.qemu {
             Some(q) => {
-                let mut q = lock(q);
-                let ok = q.dir.is_some();
-                if ok {
-                    q.staged = Some(bitmaps);
-                }
-                ok
+                lock(q).staged = Some(bitmaps);
+                true
             }
             None => false,
         }
+    }
+
+    /// Writes `bitmaps` as the image's bitmaps now, in place of those on
+    /// disk, as a release would ([`invalidate`](Self::invalidate): the
+    /// metadata made durable, the caches dropped), while the image stays
+    /// held. For a set of bitmaps that changed (added, removed), written
+    /// in use (inconsistent), so that a kill -9 finds them in the image.
+    /// The caller keeps every request out meanwhile (the device's
+    /// quiesce).
+    pub fn store_qemu_bitmaps_now(
+        &self,
+        bitmaps: Vec<bitmap_write::Stored>,
+    ) -> Result<(), FormatError> {
+        let Some(q) = &self.qemu else {
+            return Err(FormatError::ReadOnly);
+        };
+        let mut names: Vec<String> = bitmaps.iter().map(|b| b.name.clone()).collect();
+        names.sort();
+        lock(q).staged = Some(bitmaps);
+        self.invalidate()?;
+        let q = lock(q);
+        let mut now: Vec<String> = q
+            .dir
+            .iter()
+            .flat_map(|d| d.entries.iter().map(|e| e.name.clone()))
+            .collect();
+        now.sort();
+        if now != names {
+            return Err(FormatError::Io {
+                context: "writing the bitmap directory",
+                source: io::Error::other("not written (see the log)"),
+            });
+        }
+        Ok(())
     }
 
     /// Writes the staged bitmaps (everything else committed and synced,
@@ -302,18 +335,24 @@ impl Qcow2Image {
             return;
         };
         let mut q = lock(q);
-        let (Some(staged), Some(dir)) = (q.staged.take(), q.dir.as_ref()) else {
+        let Some(staged) = q.staged.take() else {
             return;
         };
+        let dir = q.dir.as_ref();
+        if dir.is_none() && staged.is_empty() {
+            return;
+        }
         let file = self.files[0].file();
         let path = self.files[0].path().display().to_string();
         // The clusters to free are those of the directory on disk: never
         // free what another writer's directory may no longer own.
         let now = bitmaps::Bitmaps::load(file);
-        if !now
-            .as_ref()
-            .is_ok_and(|n| n.as_ref().is_some_and(|n| n.same_directory(dir)))
-        {
+        let unchanged = match (&now, dir) {
+            (Ok(Some(n)), Some(d)) => n.same_directory(d),
+            (Ok(None), None) => true,
+            _ => false,
+        };
+        if !unchanged {
             // Whatever is there now misses this daemon's writes: in use.
             if let Ok(Some(mut n)) = now {
                 let _ = n.mark_in_use(file);
@@ -325,10 +364,16 @@ impl Qcow2Image {
             return;
         }
         let is_metadata = |c: u64| self.files[0].is_metadata(c);
-        match bitmap_write::store(file, dir, &staged, &is_metadata)
-            .and_then(|()| self.files[0].grew())
+        let c = 1u64 << self.cluster_bits;
+        match bitmap_write::store(file, c, dir, &staged, &is_metadata)
+            .and_then(|moved| self.files[0].grew().map(|()| moved))
         {
-            Ok(()) => {
+            Ok(moved) => {
+                if let Some(backing_at) = moved {
+                    log::debug!(
+                        "{path}: header rewritten, the backing file name now at {backing_at}"
+                    );
+                }
                 q.dir = match bitmaps::Bitmaps::load(file) {
                     Ok(d) => d,
                     Err(e) => {
@@ -903,6 +948,9 @@ impl Qcow2Image {
         let state = Arc::new(state);
         let mut q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(&state)), true)
             .map_err(err)?;
+        // The header as imago found it: what it keeps reading once the
+        // bitmaps written into this top add the extension.
+        state.show_imago(bitmaps::header_view(state.file()).map_err(err)?);
         state.load_shadow().map_err(err)?;
         let mut header = [0u8; 104];
         state.file().read_exact_at(&mut header, 0).map_err(err)?;
@@ -936,8 +984,14 @@ impl Qcow2Image {
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
             l2log: self.l2log.clone(),
-            // A new overlay has no bitmaps; the old top's stay in use.
-            qemu: None,
+            // A new overlay has no bitmaps: the device's are written into
+            // it at the next release (the old top's stay as they are on
+            // disk: in use, as this image marked them).
+            qemu: Some(Mutex::new(QemuBitmaps {
+                dir: None,
+                loaded: None,
+                staged: None,
+            })),
         })
     }
 
@@ -1092,6 +1146,17 @@ impl Qcow2Image {
             // imago is flushed and about to drop its caches: the moment
             // to allocate behind it.
             self.write_qemu_bitmaps();
+            // imago reads the header as it found it at open (its view)
+            // and writes its first 72 bytes with the backing file name's
+            // offset and size it read then: those writes carry the file's
+            // own, which a bitmaps extension added or removed since (by
+            // this process, or by a migration's source) may have moved.
+            let mut real = vec![0u8; 12];
+            self.files[0]
+                .file()
+                .read_exact_at(&mut real, 8)
+                .map_err(FormatError::io("rereading the header"))?;
+            self.files[0].patch_imago_writes(vec![(8, real)]);
         }
         self.cache.clear();
         lock(&self.uncommitted).clear();
@@ -1235,17 +1300,24 @@ fn open_qcow2(
     if writable {
         state.make_ordered(options.ordered, options.journal.clone());
     }
-    if let Some(b) = &qemu_bitmaps {
+    if qemu_bitmaps.is_some() {
         // imago reads the autoclear field as zero from its open on, so it
         // does not rewrite the whole header to clear it (which, with a
         // migration's source still writing the image, could undo that
         // one's header writes); `mark_in_use` below writes the field.
-        state.show_imago(b.imago_view());
+        let view = bitmaps::header_view(state.file()).map_err(|e| open_err(path, e))?;
+        state.show_imago(view);
     }
     let state = Arc::new(state);
     chain.files.push(Arc::clone(&state));
     let mut q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(&state)), writable)
         .map_err(|e| open_err(path, e))?;
+    if writable && !state.imago_viewed() {
+        // The header as imago left it at open (autoclear bits cleared):
+        // what it keeps reading once a first bitmap adds the extension.
+        let view = bitmaps::header_view(state.file()).map_err(|e| open_err(path, e))?;
+        state.show_imago(view);
+    }
     state.load_shadow().map_err(|e| open_err(path, e))?;
     if q.requires_external_data_file() {
         return Err(open_err(
@@ -1318,6 +1390,13 @@ fn open_qcow2(
         chain.qemu = Some(QemuBitmaps {
             dir: Some(b),
             loaded: Some(loaded),
+            staged: None,
+        });
+    } else if writable {
+        // No bitmaps yet: the first one added creates the extension.
+        chain.qemu = Some(QemuBitmaps {
+            dir: None,
+            loaded: None,
             staged: None,
         });
     }

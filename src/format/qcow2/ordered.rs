@@ -181,11 +181,19 @@ pub struct FileState {
     /// them out, an fdatasync alone does not cover them.
     holding: AtomicBool,
     /// Header bytes imago reads as it left them at open, whatever the
-    /// file has: the autoclear field (zero; the file has the bitmaps bit
-    /// set again) and the bitmaps extension (the file's may point at a
-    /// directory written since). imago refuses a reread header whose
-    /// autoclear bits or extensions changed (bitmaps.rs).
+    /// file has (`bitmaps::header_view`): the autoclear field (zero; the
+    /// file has the bitmaps bit), the backing file name's offset, and the
+    /// extensions and name (the file's bitmaps extension may point at a
+    /// directory written since, or have been added or removed, moving the
+    /// name). imago refuses a reread header whose autoclear bits,
+    /// extensions or backing file name changed (bitmaps.rs).
     imago_view: OnceLock<Vec<(u64, Vec<u8>)>>,
+    /// Header bytes the file has that imago's writes of its header must
+    /// carry instead of its own: the backing file name's offset, once a
+    /// bitmaps extension added or removed moved the name (imago writes
+    /// the 72 bytes of the version 2 header whenever it moves the L1 or
+    /// the refcount table, or resizes, with the offset it read at open).
+    imago_writes: Mutex<Vec<(u64, Vec<u8>)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -223,6 +231,7 @@ impl FileState {
             syncs: AtomicU64::new(0),
             holding: AtomicBool::new(false),
             imago_view: OnceLock::new(),
+            imago_writes: Mutex::new(Vec::new()),
         })
     }
 
@@ -237,6 +246,19 @@ impl FileState {
     /// given (once; a second call changes nothing).
     pub fn show_imago(&self, view: Vec<(u64, Vec<u8>)>) {
         let _ = self.imago_view.set(view);
+    }
+
+    /// Whether [`show_imago`](Self::show_imago) was called.
+    pub fn imago_viewed(&self) -> bool {
+        self.imago_view.get().is_some()
+    }
+
+    /// From now on imago's writes that cover these `(offset, bytes)` of
+    /// the file carry them instead of imago's (replacing what an earlier
+    /// call gave). Only for bytes imago reads through its view
+    /// ([`show_imago`](Self::show_imago)), so that it never sees them.
+    pub fn patch_imago_writes(&self, patch: Vec<(u64, Vec<u8>)>) {
+        *lock(&self.imago_writes) = patch;
     }
 
     /// Makes this the writable top: its writes are ordered from now on.
@@ -675,6 +697,9 @@ impl FileState {
             ));
         }
         let mut data = data;
+        for (at, real) in lock(&self.imago_writes).iter() {
+            overlay(&mut data, offset, real, *at);
+        }
         if !o.loaded {
             // imago at open (clearing autoclear bits): the mark, which it
             // does not see, stays as the file has it.

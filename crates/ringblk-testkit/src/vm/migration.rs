@@ -23,7 +23,8 @@
 //!   destination's first write takes the lock from the source's daemon,
 //!   which librbd hands over on request once the source's ring has
 //!   stopped.
-//! - a dirty bitmap ([`Migration::bitmap`], image files): the source's
+//! - a dirty bitmap ([`Migration::bitmap`], image files and qcow2
+//!   overlays, where it is in the overlay, checked with QEMU): the source's
 //!   daemon gets a bitmap before the guest boots; after the migration the
 //!   destination's holds every granule the guest changed on either side
 //!   (the image against its state before the boot) and nothing outside
@@ -170,7 +171,8 @@ pub struct Migration {
     /// with room to spare, and everything before it.
     pub fio_runtime: u32,
     /// A dirty bitmap added on the source before the guest boots must
-    /// reach the destination whole (image files, ringblk only).
+    /// reach the destination whole (image files and qcow2 overlays,
+    /// ringblk only).
     pub bitmap: bool,
 }
 
@@ -281,8 +283,8 @@ pub fn run(m: Migration) {
     let initial = dir.join("initial.img");
     if m.bitmap {
         assert!(
-            m.storage == Storage::File && backend == Backend::Ringblk,
-            "the bitmap case is for ringblk on an image file"
+            matches!(m.storage, Storage::File | Storage::Qcow2) && backend == Backend::Ringblk,
+            "the bitmap case is for ringblk on an image file or a qcow2 overlay"
         );
         assert!(crate::nbd::have_tools(), "nbdinfo and qemu-img are needed");
         fs::copy(&image, &initial).expect("copying the image");
@@ -337,7 +339,17 @@ pub fn run(m: Migration) {
         // then (a daemon opens its bitmaps' files at start-up).
         crate::ctl_ok(&api_of(dir, &src), &["bitmap", "add", "mig"]);
     }
-    let (mut dst_daemon, _) = start_daemon(&dst);
+    // The destination's daemon starts while the source's guest runs, as
+    // a migration's destination does, when the bitmap is in a qcow2
+    // image: a daemon's start marks the image's bitmaps in use, which a
+    // source that claims the image afterwards (its guest booting) would
+    // load as inconsistent; one that already holds it keeps its bits.
+    let late_destination = m.bitmap && m.storage == Storage::Qcow2;
+    let mut dst_daemon = if late_destination {
+        None
+    } else {
+        Some(start_daemon(&dst).0)
+    };
 
     let append = format!(
         "console=ttyS0 quiet panic=-1 init_on_alloc=0 ringblk.test=migrate ringblk.migrate={} \
@@ -371,22 +383,37 @@ pub fn run(m: Migration) {
     };
 
     // The destination first: it listens (on a port it could bind) before
-    // the source exists.
-    let mut dst_qemu = Guard::spawn_logged(
-        "destination qemu",
-        qemu(&dst).args(["-incoming", "defer"]),
-        &dst.qemu_log,
-    );
-    let mut dst_qmp = Qmp::connect("destination", &dst.qmp, Duration::from_secs(30), || {
-        dst_qemu.exited().is_none()
-    });
-    let uri = listen_for_migration(&mut dst_qmp);
+    // the source exists (or, `late_destination`, once the source's guest
+    // is up).
+    let spawn_destination = || {
+        let mut dst_qemu = Guard::spawn_logged(
+            "destination qemu",
+            qemu(&dst).args(["-incoming", "defer"]),
+            &dst.qemu_log,
+        );
+        let mut dst_qmp = Qmp::connect("destination", &dst.qmp, Duration::from_secs(30), || {
+            dst_qemu.exited().is_none()
+        });
+        let uri = listen_for_migration(&mut dst_qmp);
+        (dst_qemu, dst_qmp, uri)
+    };
+    let early = (!late_destination).then(spawn_destination);
     let mut src_qemu = Guard::spawn_logged("source qemu", &mut qemu(&src), &src.qemu_log);
     let mut src_qmp = Qmp::connect("source", &src.qmp, Duration::from_secs(30), || {
         src_qemu.exited().is_none()
     });
 
     wait_for_marker(&src, &mut src_qemu);
+    let (mut dst_qemu, mut dst_qmp, uri) = match early {
+        Some(d) => d,
+        None => {
+            dst_daemon = Some(start_daemon(&dst).0);
+            spawn_destination()
+        }
+    };
+    let Some(mut dst_daemon) = dst_daemon else {
+        unreachable!("the destination's daemon runs by now")
+    };
     let marker_at = Instant::now();
     match m.workload {
         // fio is writing (the guest waits for that): let it and the
@@ -470,7 +497,14 @@ pub fn run(m: Migration) {
 
     problems.extend(served.check_handover(writer_before, m.workload == Workload::Idle));
     if m.bitmap {
-        problems.extend(check_bitmap(dir, &src, &dst, &image, &initial));
+        problems.extend(check_bitmap(
+            dir,
+            &src,
+            &dst,
+            &image,
+            served.qcow2.as_deref(),
+            &initial,
+        ));
     }
     problems.extend(check_guest(
         &m,
@@ -526,7 +560,19 @@ fn api_of(dir: &Path, side: &Side) -> PathBuf {
 /// destination's loaded, and holds every granule that differs from
 /// `initial` (changed on either side) and nothing outside what the guest
 /// writes (its fio region and its pattern: `init.sh`'s migrate layout).
-fn check_bitmap(dir: &Path, src: &Side, dst: &Side, image: &Path, initial: &Path) -> Vec<String> {
+///
+/// On a qcow2 overlay (`qcow2`) the bitmap is in the overlay itself: the
+/// guest's disk is the overlay converted to raw, and once the destination
+/// let the image go, QEMU (`qemu-img info`, qemu-nbd + nbdinfo) lists the
+/// bitmap, not in use, with the same dirty ranges as the export's.
+fn check_bitmap(
+    dir: &Path,
+    src: &Side,
+    dst: &Side,
+    image: &Path,
+    qcow2: Option<&Path>,
+    initial: &Path,
+) -> Vec<String> {
     const GRAN: u64 = 64 * 1024;
     let mut problems = Vec::new();
     let src_state = crate::nbd::bitmap_state(&api_of(dir, src), "mig");
@@ -553,8 +599,38 @@ fn check_bitmap(dir: &Path, src: &Side, dst: &Side, image: &Path, initial: &Path
     );
     let marked = crate::nbd::dirty(&sock, "mig");
     crate::ctl_ok(&api_of(dir, dst), &["backup", "stop"]);
+    let disk = match qcow2 {
+        None => image.to_path_buf(),
+        Some(top) => {
+            // The backup's stop let the image go: the bitmap is written.
+            let listed = crate::qemu_img::bitmaps(top);
+            if listed != [("mig".to_string(), vec!["auto".to_string()])] {
+                problems.push(format!(
+                    "qemu-img info lists {listed:?} in the overlay (want 'mig', not in use)"
+                ));
+            } else {
+                let qemu = crate::nbd::qemu_nbd_dirty(top, "mig");
+                // The export's bits were taken out of the bitmap at the
+                // backup's start; what the bitmap recorded since is none.
+                if !qemu.is_empty() {
+                    problems.push(format!(
+                        "QEMU finds {qemu:?} dirty in 'mig' after the backup's instant (no write since)"
+                    ));
+                }
+            }
+            let raw = dir.join("overlay-now.raw");
+            crate::qemu_img::qemu_img(&[
+                "convert",
+                "-O",
+                "raw",
+                top.to_str().expect("a UTF-8 path"),
+                raw.to_str().expect("a UTF-8 path"),
+            ]);
+            raw
+        }
+    };
     let (now, before) = (
-        fs::read(image).expect("the image"),
+        fs::read(&disk).expect("the image"),
         fs::read(initial).expect("the initial image"),
     );
     let covered = |off: u64| marked.iter().any(|&(o, l)| o <= off && off < o + l);
