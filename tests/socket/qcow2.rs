@@ -1185,23 +1185,7 @@ fn a_qemu_bitmap_drives_an_incremental_backup() {
             ..DaemonOptions::default()
         },
     );
-    let mut client = Client::connect(&d.socket, MIB as usize);
-    let mut data = vec![0u8; 64 * KIB as usize];
-    fill(3, 0, &mut data);
-    assert_eq!(client.write(MIB, &data), 0);
-    let sock = nbd::backup_start(&api, &backups, "b.sock", Some("nightly"));
-    assert_eq!(nbd::dirty(&sock, "nightly"), [(MIB, 64 * KIB)]);
-    assert_eq!(client.write(3 * MIB, &data), 0);
-    assert_eq!(client.flush(), 0);
-    ringblk_testkit::ctl_ok(&api, &["backup", "stop"]);
-    drop(client);
-    stop(d);
-    assert_eq!(
-        qemu_bitmaps(&img),
-        [("nightly".to_string(), vec!["auto".to_string()])]
-    );
-    assert_eq!(nbd::qemu_nbd_dirty(&img, "nightly"), [(3 * MIB, 64 * KIB)]);
-    assert_eq!(check_clean(&img), 0);
+    incremental_through(d, &api, &backups, &img, "nightly", 3);
 }
 
 /// A disabled QEMU bitmap (`qemu-img bitmap --add --disable`: a frozen
@@ -1493,23 +1477,32 @@ fn a_ringblk_bitmap_in_an_overlay_drives_an_incremental_backup() {
     let (img, d) = fresh_overlay(dir.path(), &["--backup-dir", backups.to_str().unwrap()]);
     let api = dir.path().join("api.sock");
     ringblk_testkit::ctl_ok(&api, &["bitmap", "add", "b"]);
+    incremental_through(d, &api, &backups, &img, "b", 4);
+}
+
+/// The incremental backup both bitmap tests run: a 64 KiB write at 1 MiB,
+/// `backup start --bitmap NAME` (its map holds that write), a write at
+/// 3 MiB, `backup stop`, a clean stop; then QEMU finds in NAME exactly
+/// the second write, not in use, and the image checks clean.
+fn incremental_through(d: Daemon, api: &Path, backups: &Path, img: &Path, name: &str, seed: u64) {
+    use ringblk_testkit::nbd;
     let mut client = Client::connect(&d.socket, MIB as usize);
     let mut data = vec![0u8; 64 * KIB as usize];
-    fill(4, 0, &mut data);
+    fill(seed, 0, &mut data);
     assert_eq!(client.write(MIB, &data), 0);
-    let sock = nbd::backup_start(&api, &backups, "b.sock", Some("b"));
-    assert_eq!(nbd::dirty(&sock, "b"), [(MIB, 64 * KIB)]);
+    let sock = nbd::backup_start(api, backups, "b.sock", Some(name));
+    assert_eq!(nbd::dirty(&sock, name), [(MIB, 64 * KIB)]);
     assert_eq!(client.write(3 * MIB, &data), 0);
     assert_eq!(client.flush(), 0);
-    ringblk_testkit::ctl_ok(&api, &["backup", "stop"]);
+    ringblk_testkit::ctl_ok(api, &["backup", "stop"]);
     drop(client);
     stop(d);
     assert_eq!(
-        qemu_bitmaps(&img),
-        [("b".to_string(), vec!["auto".to_string()])]
+        qemu_bitmaps(img),
+        [(name.to_string(), vec!["auto".to_string()])]
     );
-    assert_eq!(nbd::qemu_nbd_dirty(&img, "b"), [(3 * MIB, 64 * KIB)]);
-    assert_eq!(check_clean(&img), 0);
+    assert_eq!(nbd::qemu_nbd_dirty(img, name), [(3 * MIB, 64 * KIB)]);
+    assert_eq!(check_clean(img), 0);
 }
 
 /// Sidecar bitmaps an older ringblk left next to a qcow2 image are not
