@@ -1210,16 +1210,6 @@ fn qemu_bitmap_write_back_is_crash_safe() {
     assert!(trusted > 0, "no state had a trusted bitmap (test is void)");
 }
 
-/// `qemu-img info`'s `backing-filename` of `img`.
-fn backing_name(img: &Path) -> String {
-    let info = qemu_img(&["info", "--output=json", img.to_str().unwrap()]);
-    let v: serde_json::Value = serde_json::from_str(&info).unwrap();
-    v["backing-filename"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string()
-}
-
 /// The first bitmap of an image without the bitmaps extension (a fresh
 /// `qemu-img create -b base -F raw` overlay) and the removal of the last
 /// one, through the format layer as the daemon drives it (staged, written
@@ -1239,12 +1229,9 @@ fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
     use ringblk::format::qcow2::bitmap_write::Stored;
 
     let dir = scratch("qemu-bitmap-first");
-    let base = dir.join("base.raw");
-    let img = dir.join("top.qcow2");
     let size = 16 * MIB;
-    raw_base(&base, size);
-    ringblk_testkit::qemu_img::overlay(&base, "raw", &img);
-    let name = backing_name(&img);
+    let (img, _) = overlay_over(&dir, "raw", size);
+    let name = ringblk_testkit::qemu_img::backing_filename(&img);
     assert_eq!(name, "base.raw");
     assert!(qemu_bitmaps(&img).is_empty());
 
@@ -1273,7 +1260,7 @@ fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
         qemu_bitmaps(&img),
         [("b".to_string(), vec!["auto".to_string()])]
     );
-    assert_eq!(backing_name(&img), name);
+    assert_eq!(ringblk_testkit::qemu_img::backing_filename(&img), name);
     assert_eq!(check_clean(&img), 0);
     assert_eq!(qemu_dirty(&img, "b"), [(MIB, 65536)]);
 
@@ -1286,7 +1273,7 @@ fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
     q.grow(2 * size).unwrap();
     flush(&image).unwrap();
     assert_eq!(
-        backing_name(&img),
+        ringblk_testkit::qemu_img::backing_filename(&img),
         name,
         "imago's header write moved the name back"
     );
@@ -1298,7 +1285,7 @@ fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
         qemu_bitmaps(&img),
         [("b".to_string(), vec!["auto".to_string()])]
     );
-    assert_eq!(backing_name(&img), name);
+    assert_eq!(ringblk_testkit::qemu_img::backing_filename(&img), name);
     assert_eq!(check_clean(&img), 0);
     // (The grown part is dirty: `DirtyBitmap::resized`.)
     assert_eq!(
@@ -1312,7 +1299,7 @@ fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
     q.invalidate().unwrap();
     drop(image);
     assert!(qemu_bitmaps(&img).is_empty());
-    assert_eq!(backing_name(&img), name);
+    assert_eq!(ringblk_testkit::qemu_img::backing_filename(&img), name);
     assert_eq!(check_clean(&img), 0);
     let p = img.to_str().unwrap();
     let mut expect = vec![0u8; 65536];
@@ -1384,16 +1371,13 @@ fn adding_and_removing_the_extension_is_crash_safe() {
     use ringblk::format::qcow2::bitmaps::Bitmaps;
 
     let dir = scratch("qemu-bitmap-ext-crash");
-    let base = dir.join("base.raw");
-    let img = dir.join("top.qcow2");
     let size = 16 * MIB;
-    raw_base(&base, size);
-    ringblk_testkit::qemu_img::overlay(&base, "raw", &img);
+    let (img, _) = overlay_over(&dir, "raw", size);
     run(
         "qemu-io",
         &["-f", "qcow2", "-c", "write 1M 64k", img.to_str().unwrap()],
     );
-    let name = backing_name(&img);
+    let name = ringblk_testkit::qemu_img::backing_filename(&img);
     let b = DirtyBitmap::new(size, 65536).unwrap();
     b.mark(MIB, 65536);
     let new = [Stored {
@@ -1424,7 +1408,11 @@ fn adding_and_removing_the_extension_is_crash_safe() {
             std::fs::write(&crash, s).unwrap();
             let (corruptions, _leaks) = check(&crash);
             assert_eq!(corruptions, 0, "round {round}, state {i}: corrupt");
-            assert_eq!(backing_name(&crash), name, "round {round}, state {i}");
+            assert_eq!(
+                ringblk_testkit::qemu_img::backing_filename(&crash),
+                name,
+                "round {round}, state {i}"
+            );
             let listed = qemu_bitmaps(&crash);
             if !listed.is_empty() {
                 in_states[round] += 1;
@@ -1456,12 +1444,9 @@ fn a_handover_after_the_extension_was_added_keeps_the_backing_name() {
     use ringblk::format::qcow2::bitmap_write::Stored;
 
     let dir = scratch("qemu-bitmap-first-handover");
-    let base = dir.join("base.raw");
-    let img = dir.join("top.qcow2");
     let size = 16 * MIB;
-    raw_base(&base, size);
-    ringblk_testkit::qemu_img::overlay(&base, "raw", &img);
-    let name = backing_name(&img);
+    let (img, _) = overlay_over(&dir, "raw", size);
+    let name = ringblk_testkit::qemu_img::backing_filename(&img);
     let source = open(&img, true);
     let dest = open(&img, true);
     let src = qcow(&source);
@@ -1477,14 +1462,18 @@ fn a_handover_after_the_extension_was_added_keeps_the_backing_name() {
     }]));
     src.invalidate().unwrap();
     drop(source);
-    assert_eq!(backing_name(&img), name);
+    assert_eq!(ringblk_testkit::qemu_img::backing_filename(&img), name);
 
     let dst = qcow(&dest);
     dst.claim().unwrap();
     assert_eq!(dst.open_qemu_bitmaps().unwrap().len(), 1);
     dst.grow(2 * size).unwrap();
     flush(&dest).unwrap();
-    assert_eq!(backing_name(&img), name, "the old offset was written back");
+    assert_eq!(
+        ringblk_testkit::qemu_img::backing_filename(&img),
+        name,
+        "the old offset was written back"
+    );
     drop(dest);
     check(&img);
 }

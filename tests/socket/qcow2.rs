@@ -1355,16 +1355,6 @@ fn start_overlay(dir: &Path, img: &Path, extra: &[&str]) -> Daemon {
     )
 }
 
-/// `qemu-img info`'s `backing-filename`.
-fn backing_filename(img: &Path) -> String {
-    let info = qemu_img(&["info", "--output=json", img.to_str().unwrap()]);
-    let v: serde_json::Value = serde_json::from_str(&info).unwrap();
-    v["backing-filename"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string()
-}
-
 /// The first bitmap of an image without QEMU's bitmaps extension goes
 /// into the image, and removing the last one removes the extension, with
 /// QEMU as the oracle: `ctl bitmap add b` on a fresh overlay, guest
@@ -1379,7 +1369,7 @@ fn a_first_bitmap_goes_into_the_image_and_the_last_goes_away() {
     let dir = test_dir();
     let (img, d) = fresh_overlay(dir.path(), &[]);
     let api = dir.path().join("api.sock");
-    let name = backing_filename(&img);
+    let name = ringblk_testkit::qemu_img::backing_filename(&img);
     ringblk_testkit::ctl_ok(&api, &["bitmap", "add", "b"]);
     let mut client = Client::connect(&d.socket, MIB as usize);
     let mut data = vec![0u8; 128 * KIB as usize];
@@ -1394,7 +1384,7 @@ fn a_first_bitmap_goes_into_the_image_and_the_last_goes_away() {
         qemu_bitmaps(&img),
         [("b".to_string(), vec!["auto".to_string()])]
     );
-    assert_eq!(backing_filename(&img), name);
+    assert_eq!(ringblk_testkit::qemu_img::backing_filename(&img), name);
     assert_eq!(check_clean(&img), 0);
     assert_eq!(
         ringblk_testkit::nbd::qemu_nbd_dirty(&img, "b"),
@@ -1407,7 +1397,7 @@ fn a_first_bitmap_goes_into_the_image_and_the_last_goes_away() {
     ringblk_testkit::ctl_ok(&api, &["bitmap", "remove", "b"]);
     stop(d);
     assert_eq!(qemu_bitmaps(&img), []);
-    assert_eq!(backing_filename(&img), name);
+    assert_eq!(ringblk_testkit::qemu_img::backing_filename(&img), name);
     assert_eq!(check_clean(&img), 0, "the bitmap's clusters leaked");
     let raw = dir.path().join("disk.raw");
     qemu_img(&[

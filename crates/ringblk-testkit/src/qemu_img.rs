@@ -143,6 +143,16 @@ pub fn overlay(base: &Path, base_format: &str, top: &Path) {
     ]);
 }
 
+/// `qemu-img info`'s `backing-filename` of `img` ("" without one).
+pub fn backing_filename(img: &Path) -> String {
+    let info = qemu_img(&["info", "--output=json", img.to_str().expect("UTF-8 path")]);
+    let v: serde_json::Value = serde_json::from_str(&info).expect("qemu-img's JSON");
+    v["backing-filename"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
 /// The persistent bitmaps `qemu-img info` lists for a qcow2 image:
 /// `(name, flags)` in its order (flags such as `in-use`, `auto`).
 pub fn bitmaps(img: &Path) -> Vec<(String, Vec<String>)> {
