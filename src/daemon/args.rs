@@ -142,8 +142,9 @@ pub struct ServeArgs {
     /// to the image (IMAGE.ringblk-l2log, created at start), which a
     /// restart after a kill -9 writes in; `off` writes them at once, after
     /// an fdatasync per group of allocating writes (slower on an empty
-    /// overlay). No acknowledged write is lost either way. See
-    /// docs/formats.md.
+    /// overlay). No acknowledged write is lost either way. A log the
+    /// daemon cannot create is warned about, and served without as with
+    /// `off`. See docs/formats.md.
     #[arg(long, value_enum, default_value_t = L2LogMode::On)]
     pub l2_log: L2LogMode,
 

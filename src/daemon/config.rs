@@ -699,10 +699,12 @@ fn open_qcow2(
     // The L2 log lives next to the image `--image` names: a restart with
     // the same command line finds it, also after snapshots moved the top.
     let named = followed.map_or(image.path.as_path(), named_of);
+    let l2_log = (!args.readonly && args.l2_log == L2LogMode::On)
+        .then(|| crate::format::qcow2::l2log::path_for(named))
+        .filter(|p| l2_log_usable(p));
     let options = crate::format::OpenOptions {
         writable: !args.readonly,
-        l2_log: (!args.readonly && args.l2_log == L2LogMode::On)
-            .then(|| crate::format::qcow2::l2log::path_for(named)),
+        l2_log,
         ..Default::default()
     };
     let live = Live::open(
@@ -748,6 +750,35 @@ fn open_qcow2(
         live: std::sync::Arc::new(live),
         meta,
     })
+}
+
+/// Whether the L2 log at `path` can be created or opened for writing.
+/// When it cannot (the image's directory is not the daemon's to write),
+/// the daemon serves without it, as with `--l2-log off`, and says so once:
+/// an upgrade must not stop serving an image an older daemon served. A
+/// marked image still needs its log, and is refused when opened.
+fn l2_log_usable(path: &Path) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(_) => true,
+        Err(e) => {
+            log::warn!(
+                "cannot make the L2 log {}: {e}; serving without it, so each group of allocating \
+                 writes takes an fdatasync (slower on a fresh overlay; docs/formats.md, \"The L2 log\"). \
+                 Let the daemon write the image's directory, or pass --l2-log off to choose this",
+                path.display()
+            );
+            false
+        }
+    }
 }
 
 /// The image `--image` named, which the records in `f` lead from.

@@ -1521,3 +1521,37 @@ fn old_sidecars_of_a_qcow2_image_are_named_at_start() {
     stop(d);
     assert_eq!(std::fs::read(&sidecar).unwrap(), b"an old sidecar");
 }
+
+/// A daemon that cannot create the L2 log (here: a directory has its
+/// name; in production, an image directory the daemon may not write)
+/// says so at WARN, naming it, and serves without it: allocating writes
+/// and a FLUSH work, nothing is marked, QEMU checks the image clean.
+#[test]
+fn an_l2_log_that_cannot_be_made_is_warned_about() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let log = dir.path().join("top.qcow2.ringblk-l2log");
+    std::fs::create_dir(&log).unwrap();
+    let mut d = serve(&c, dir.path(), &[]);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    for i in 0..16u64 {
+        let offset = i * 3 * CLUSTER + 8 * KIB;
+        let data = c.write(900 + i, offset, 4 * KIB as usize);
+        assert_eq!(client.write(offset, &data), 0, "write at {offset}");
+    }
+    assert_eq!(client.flush(), 0);
+    let out = d.log();
+    assert!(
+        out.lines().any(|l| l.contains("WARN")
+            && l.contains("cannot make the L2 log")
+            && l.contains("top.qcow2.ringblk-l2log")),
+        "no warning names the L2 log:\n{out}"
+    );
+    let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    assert!(!st.success());
+    drop(client);
+    if let Some(err) = qemu_img_refuses(&c.top) {
+        panic!("without an L2 log, qemu-img refused the image: {err}");
+    }
+    c.verify();
+}
