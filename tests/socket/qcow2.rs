@@ -1039,10 +1039,8 @@ use ringblk_testkit::qemu_img::bitmaps as qemu_bitmaps;
 fn qemu_bitmaps_are_tracked_in_the_image() {
     for sig in [libc::SIGTERM, libc::SIGKILL] {
         let dir = test_dir();
-        let img = dir.path().join("disk.qcow2");
+        let img = qcow2_with_bitmap(dir.path(), "8M", "nightly");
         let p = img.to_str().unwrap();
-        qemu_img(&["create", "-q", "-f", "qcow2", p, "8M"]);
-        qemu_img(&["bitmap", "--add", p, "nightly"]);
         qemu_img(&["bitmap", "--add", "-g", "4096", p, "fine"]);
         let api = dir.path().join("api.sock");
         let api_arg = api.to_str().unwrap();
@@ -1134,10 +1132,7 @@ fn qemu_bitmaps_are_tracked_in_the_image() {
 #[test]
 fn a_bad_bitmaps_extension_is_refused() {
     let dir = test_dir();
-    let img = dir.path().join("disk.qcow2");
-    let p = img.to_str().unwrap();
-    qemu_img(&["create", "-q", "-f", "qcow2", p, "8M"]);
-    qemu_img(&["bitmap", "--add", p, "nightly"]);
+    let img = qcow2_with_bitmap(dir.path(), "8M", "nightly");
     let mut bytes = std::fs::read(&img).unwrap();
     let be32 = |b: &[u8], at: usize| u32::from_be_bytes(b[at..at + 4].try_into().unwrap());
     let mut at = be32(&bytes, 100) as usize;
@@ -1163,10 +1158,7 @@ fn a_qemu_bitmap_drives_an_incremental_backup() {
     use ringblk_testkit::nbd;
     assert!(nbd::have_tools(), "nbdinfo is missing");
     let dir = test_dir();
-    let img = dir.path().join("disk.qcow2");
-    let p = img.to_str().unwrap();
-    qemu_img(&["create", "-q", "-f", "qcow2", p, "16M"]);
-    qemu_img(&["bitmap", "--add", p, "nightly"]);
+    let img = qcow2_with_bitmap(dir.path(), "16M", "nightly");
     let backups = dir.path().join("backups");
     std::fs::create_dir_all(&backups).unwrap();
     let api = dir.path().join("api.sock");
@@ -1246,10 +1238,7 @@ fn a_disabled_qemu_bitmap_stays_as_it_was() {
 #[test]
 fn qemu_bitmaps_follow_the_image_from_daemon_to_daemon() {
     let dir = test_dir();
-    let img = dir.path().join("disk.qcow2");
-    let p = img.to_str().unwrap();
-    qemu_img(&["create", "-q", "-f", "qcow2", p, "8M"]);
-    qemu_img(&["bitmap", "--add", p, "nightly"]);
+    let img = qcow2_with_bitmap(dir.path(), "8M", "nightly");
     let start = |sub: &str| {
         let d = dir.path().join(sub);
         std::fs::create_dir_all(&d).unwrap();
@@ -1300,10 +1289,7 @@ fn qemu_bitmaps_follow_the_image_from_daemon_to_daemon() {
 #[test]
 fn qemu_bitmaps_grow_with_the_image() {
     let dir = test_dir();
-    let img = dir.path().join("disk.qcow2");
-    let p = img.to_str().unwrap();
-    qemu_img(&["create", "-q", "-f", "qcow2", p, "8M"]);
-    qemu_img(&["bitmap", "--add", p, "nightly"]);
+    let img = qcow2_with_bitmap(dir.path(), "8M", "nightly");
     let api = dir.path().join("api.sock");
     let d = Daemon::start_in(
         dir.path(),
@@ -1554,4 +1540,14 @@ fn an_l2_log_that_cannot_be_made_is_warned_about() {
         panic!("without an L2 log, qemu-img refused the image: {err}");
     }
     c.verify();
+}
+
+/// A fresh qcow2 image `disk.qcow2` in `dir`, `size` large, with one
+/// QEMU bitmap (`qemu-img bitmap --add`) named `name`.
+fn qcow2_with_bitmap(dir: &Path, size: &str, name: &str) -> PathBuf {
+    let img = dir.join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", p, size]);
+    qemu_img(&["bitmap", "--add", p, name]);
+    img
 }
