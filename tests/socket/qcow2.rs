@@ -1043,15 +1043,7 @@ fn qemu_bitmaps_are_tracked_in_the_image() {
         let p = img.to_str().unwrap();
         qemu_img(&["bitmap", "--add", "-g", "4096", p, "fine"]);
         let api = dir.path().join("api.sock");
-        let api_arg = api.to_str().unwrap();
-        let mut d = Daemon::start_in(
-            dir.path(),
-            DaemonOptions {
-                image: Some(img.clone()),
-                args: &["--format", "qcow2", "--api", api_arg],
-                ..DaemonOptions::default()
-            },
-        );
+        let mut d = start_overlay(dir.path(), &img, &[]);
         let listed = ringblk_testkit::ctl_ok(&api, &["bitmap", "list"]);
         assert!(
             listed.contains("nightly") && listed.contains("fine"),
@@ -1103,14 +1095,7 @@ fn qemu_bitmaps_are_tracked_in_the_image() {
             );
             check_clean(&img);
             // ringblk, restarted, finds them inconsistent too.
-            let d = Daemon::start_in(
-                dir.path(),
-                DaemonOptions {
-                    image: Some(img.clone()),
-                    args: &["--format", "qcow2", "--api", api_arg],
-                    ..DaemonOptions::default()
-                },
-            );
+            let d = start_overlay(dir.path(), &img, &[]);
             let table = ringblk_testkit::ctl_ok(&api, &["bitmap", "list"]);
             let inconsistent = table
                 .lines()
@@ -1162,20 +1147,10 @@ fn a_qemu_bitmap_drives_an_incremental_backup() {
     let backups = dir.path().join("backups");
     std::fs::create_dir_all(&backups).unwrap();
     let api = dir.path().join("api.sock");
-    let d = Daemon::start_in(
+    let d = start_overlay(
         dir.path(),
-        DaemonOptions {
-            image: Some(img.clone()),
-            args: &[
-                "--format",
-                "qcow2",
-                "--api",
-                api.to_str().unwrap(),
-                "--backup-dir",
-                backups.to_str().unwrap(),
-            ],
-            ..DaemonOptions::default()
-        },
+        &img,
+        &["--backup-dir", backups.to_str().unwrap()],
     );
     incremental_through(d, &api, &backups, &img, "nightly", 3);
 }
@@ -1291,14 +1266,7 @@ fn qemu_bitmaps_grow_with_the_image() {
     let dir = test_dir();
     let img = qcow2_with_bitmap(dir.path(), "8M", "nightly");
     let api = dir.path().join("api.sock");
-    let d = Daemon::start_in(
-        dir.path(),
-        DaemonOptions {
-            image: Some(img.clone()),
-            args: &["--format", "qcow2", "--api", api.to_str().unwrap()],
-            ..DaemonOptions::default()
-        },
-    );
+    let d = start_overlay(dir.path(), &img, &[]);
     let mut client = Client::connect(&d.socket, MIB as usize);
     assert_eq!(client.write(MIB, &[1u8; 4096]), 0);
     assert_eq!(client.flush(), 0);
