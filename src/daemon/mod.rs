@@ -132,6 +132,11 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     let cfg = Config::from_args(args, passed)?;
     let num_queues = usize::from(cfg.args.queues);
     let metrics: Vec<Arc<QueueMetrics>> = (0..num_queues).map(|_| Arc::default()).collect();
+    // Registered before the first socket is bound: a script or a service
+    // manager that finds a socket may send SIGTERM at once, and that must
+    // be a clean stop (the handler thread picks it up once it runs), not
+    // the default action, which would leave the sockets behind.
+    let signals = Signals::new().map_err(DaemonError::Signals)?;
     // Bound before the seccomp filter: binding probes for a stale socket.
     let _endpoint = match &cfg.args.metrics {
         Some(addr) => Some(
@@ -264,6 +269,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     };
     let closer = Closer::default();
     spawn_signal_handler(
+        signals,
         device.clone(),
         closer.clone(),
         files,
@@ -792,21 +798,30 @@ impl Drop for InnerSocket {
     }
 }
 
+/// SIGINT, SIGTERM and SIGHUP, caught from start-up on: one that comes
+/// before [`spawn_signal_handler`] waits for it.
+struct Signals(signal_hook::iterator::Signals);
+
+impl Signals {
+    fn new() -> std::io::Result<Signals> {
+        use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+        signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]).map(Signals)
+    }
+}
+
 /// SIGINT, SIGTERM and SIGHUP (a closed terminal, or a `kill -HUP` that
 /// meant "reload": qemu-storage-daemon also stops cleanly on it; there is
 /// nothing to reload): stop taking requests, finish what is in flight,
 /// make it durable, close what must be closed (`Closer`), remove the
 /// socket, exit 0.
 fn spawn_signal_handler(
+    Signals(mut signals): Signals,
     device: Arc<Device>,
     closer: Closer,
     files: Vec<Removal>,
     inner: InnerPaths,
     notifier: Notifier,
 ) -> Result<(), DaemonError> {
-    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
-        .map_err(DaemonError::Signals)?;
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {

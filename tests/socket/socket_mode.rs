@@ -8,6 +8,9 @@
 //! the file, and hands each stop to this test (a seccomp user
 //! notification). The test looks at the file, or swaps its directory,
 //! while the daemon waits, then lets it go on.
+//!
+//! The same stop checks that a SIGTERM sent the moment the socket exists
+//! is a clean stop.
 
 use std::fs;
 use std::io;
@@ -390,4 +393,48 @@ fn the_socket_mode_does_not_follow_a_swapped_directory() {
     let real = moved.join("vhost.sock");
     assert_eq!(mode_of(&real), Some(0o666), "the daemon's own socket");
     d.assert_running();
+}
+
+/// SIGTERM sent the moment the socket exists (a service manager or a
+/// script that waits for the file, then stops the daemon) is a clean stop:
+/// exit 0, the socket removed. The daemon used to register its handler
+/// only after binding, so a SIGTERM in between took the default action and
+/// left the socket behind; CI caught it once in a test that stopped a
+/// daemon right after its start.
+#[test]
+fn a_sigterm_at_listen_is_a_clean_stop() {
+    let dir = test_dir();
+    let socket = dir.path().join("vhost.sock");
+    let trap = ListenTrap::new();
+    let mut d = Daemon::spawn_in(
+        dir.path(),
+        DaemonOptions {
+            configure: Some(&|cmd: &mut Command| trap.arm(cmd)),
+            ..DaemonOptions::default()
+        },
+    );
+    let pid = libc::pid_t::try_from(d.pid()).expect("pid fits pid_t");
+    let sent = Arc::new(AtomicBool::new(false));
+    let (done, path) = (sent.clone(), socket.clone());
+    // Only at the vhost-user socket's listen(2): the daemon's inner socket
+    // listens earlier, before it has read its arguments.
+    let supervisor = trap.serve(move || {
+        if !done.load(Ordering::Relaxed) && path.exists() {
+            // SAFETY: kill(2) takes no pointers; the daemon is stopped in
+            // listen(2), not reaped, so the pid is its own.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+            done.store(true, Ordering::Relaxed);
+        }
+    });
+    // Signal 0 sends nothing: the daemon stops on the SIGTERM above.
+    let st = d.signal_and_wait(0, Duration::from_secs(20));
+    drop(supervisor);
+    assert!(sent.load(Ordering::Relaxed), "the daemon never listened");
+    assert_eq!(
+        st.code(),
+        Some(0),
+        "SIGTERM at listen(2): {st}\n{}",
+        d.log()
+    );
+    assert!(!socket.exists(), "the socket was left behind");
 }
