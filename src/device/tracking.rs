@@ -468,6 +468,38 @@ impl Device {
         Ok(())
     }
 
+    /// At start-up: a qcow2 image marked by a daemon that stopped
+    /// uncleanly is claimed and let go at once, so that its L2 log is
+    /// written in (or dropped) and the mark cleared now, not when a guest
+    /// first connects. An operator who starts the daemon and stops it
+    /// again (docs/troubleshooting.md) then has an image QEMU opens.
+    /// Nothing is done while another process holds the image lock (a
+    /// migration's source that still serves it: the log is its own), nor
+    /// without an image lock, which is the only proof of that.
+    pub fn recover_image(&self) {
+        let Some(live) = self.qcow2() else {
+            return;
+        };
+        if self.image_lock.is_none() || !live.current().image.writable() {
+            return;
+        }
+        match live.current().image.marked() {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                log::warn!("{}: reading the header: {e}", self.name);
+                return;
+            }
+        }
+        match self.claim_image() {
+            Ok(()) => self.release_image(),
+            Err(_) => log::info!(
+                "{}: marked by a daemon that holds it now; its L2 log stays its own",
+                self.name
+            ),
+        }
+    }
+
     /// A user of the image lets go (a queue's I/O completed and is
     /// durable). The last one writes the bitmaps out, makes a qcow2
     /// image's metadata durable and drops its caches, then lets the lock

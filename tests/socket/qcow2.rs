@@ -947,10 +947,12 @@ fn qemu_img_refuses(image: &Path) -> Option<String> {
 /// flushed: the L2 entries of its allocating writes are in the L2 log
 /// only, and the image is marked, so QEMU refuses it rather than serve it
 /// without them. The daemon restarted with the same command line writes
-/// the log into the image (and says so), every acknowledged write reads
-/// back, and after a clean stop QEMU reads the image, checks it clean and
-/// finds it identical to the reference. The same with `--l2-log off`: no
-/// log, nothing marked, nothing lost either.
+/// the log into the image at start-up (and says so), before any guest
+/// connects: started and stopped again, it leaves an image QEMU opens
+/// (docs/troubleshooting.md). Every acknowledged write reads back, and
+/// after a clean stop QEMU reads the image, checks it clean and finds it
+/// identical to the reference. The same with `--l2-log off`: no log,
+/// nothing marked, nothing lost either.
 #[test]
 fn a_kill_9_leaves_allocations_in_the_l2_log_and_loses_none() {
     for l2_log in ["on", "off"] {
@@ -981,11 +983,10 @@ fn a_kill_9_leaves_allocations_in_the_l2_log_and_loses_none() {
             (_, None) => assert!(!log.exists(), "--l2-log off made an L2 log"),
         }
 
-        let d = serve(&c, dir.path(), &args);
-        let mut client = Client::connect(&d.socket, 2 * MIB as usize);
-        reads_as_reference(&mut client, &c, "after the kill -9 and restart");
-        drop(client);
+        // Started and stopped, no guest: the log is written in at start.
+        let mut d = serve(&c, dir.path(), &args);
         if l2_log == "on" {
+            d.wait_for_log("L2 entries it had left in");
             let out = d.log();
             assert!(
                 out.lines()
@@ -993,6 +994,17 @@ fn a_kill_9_leaves_allocations_in_the_l2_log_and_loses_none() {
                 "the restart did not say it wrote the log in:\n{out}"
             );
         }
+        stop(d);
+        if let Some(err) = qemu_img_refuses(&c.top) {
+            panic!(
+                "--l2-log {l2_log}: after a start and a stop, qemu-img refused the image: {err}"
+            );
+        }
+
+        let d = serve(&c, dir.path(), &args);
+        let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+        reads_as_reference(&mut client, &c, "after the kill -9 and restart");
+        drop(client);
         stop(d);
         c.verify();
     }

@@ -1172,6 +1172,13 @@ impl Qcow2Image {
         Ok(adopted)
     }
 
+    /// Whether the top has the L2 log's mark set (see [`l2log`]): a daemon
+    /// that held it stopped uncleanly (or another holds it now), and its
+    /// L2 log has entries the image's tables lack.
+    pub fn marked(&self) -> io::Result<bool> {
+        self.files[0].file_marked()
+    }
+
     /// The top's L2 log, if it has one.
     pub fn l2_log_path(&self) -> Option<&Path> {
         self.l2log.as_deref().map(L2Log::path)

@@ -472,8 +472,9 @@ impl FileState {
         Ok(())
     }
 
-    /// Whether the file has [`l2log::MARK`] set.
-    fn file_marked(&self) -> io::Result<bool> {
+    /// Whether the file has [`l2log::MARK`] set: a daemon that held it
+    /// stopped uncleanly, or holds it now.
+    pub fn file_marked(&self) -> io::Result<bool> {
         let mut b = [0u8; 1];
         self.file.read_exact_at(&mut b, MARK_BYTE)?;
         Ok(b[0] & MARK_BIT != 0)
