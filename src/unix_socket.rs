@@ -119,17 +119,3 @@ pub fn bind_private(path: &Path) -> io::Result<UnixListener> {
     }
     Ok(UnixListener::from(fd))
 }
-
-/// Removes `name` from the directory open as `dir` (`unlinkat`): how the
-/// daemon removes a file after start-up, by its directory's descriptor
-/// (the only way its seccomp filter allows).
-pub fn remove_at(dir: &std::fs::File, name: &str) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let c = std::ffi::CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: `c` is NUL-terminated and outlives the call; the directory's
-    // descriptor is open (borrowed from `dir`).
-    if unsafe { libc::unlinkat(dir.as_raw_fd(), c.as_ptr(), 0) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}

@@ -51,10 +51,9 @@
 //! [`CREATE_FLAGS`] are what the filter allows).
 
 use std::collections::BTreeMap;
-use std::ffi::CString;
 use std::fs::{self, File};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -70,7 +69,7 @@ const VERSION: u32 = 1;
 pub const HEADER_SIZE: u64 = 4096;
 const FLAG_IN_USE: u32 = 1 << 0;
 const FLAG_INCONSISTENT: u32 = 1 << 1;
-use crate::host::BOOT_ID_LEN;
+use crate::host::{BOOT_ID_LEN, open_at, unlink_at};
 
 /// The flags of the only `openat` the daemon makes after start-up: a new
 /// sidecar, never an existing file, never through a symlink.
@@ -166,29 +165,6 @@ pub struct SidecarStore {
     /// Every sidecar of the image by bitmap name, open since start-up or
     /// since its `add`.
     files: BTreeMap<String, File>,
-}
-
-/// `openat(dir, name, flags, 0600)`.
-fn open_at(dir: &File, name: &str, flags: i32) -> io::Result<File> {
-    let c = CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: `c` is a NUL-terminated string that outlives the call; the
-    // directory fd is open (borrowed from `dir`); no other pointer.
-    let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags, 0o600 as libc::c_uint) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: openat returned a new descriptor that nothing else owns.
-    Ok(unsafe { File::from_raw_fd(fd) })
-}
-
-/// `unlinkat(dir, name, 0)`.
-fn unlink_at(dir: &File, name: &str) -> io::Result<()> {
-    let c = CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: as in `open_at`.
-    if unsafe { libc::unlinkat(dir.as_raw_fd(), c.as_ptr(), 0) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 impl SidecarStore {

@@ -794,7 +794,7 @@ impl Device {
     fn remove_backup_socket(&self, name: &str) {
         let inner = self.tracking.lock();
         if let Ok(spec) = &inner.backups {
-            if let Err(e) = crate::unix_socket::remove_at(&spec.dir_fd, name) {
+            if let Err(e) = crate::host::unlink_at(&spec.dir_fd, name) {
                 log::warn!("removing the backup's socket {name}: {e}");
             }
         }

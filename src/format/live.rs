@@ -155,24 +155,9 @@ impl SnapshotDir {
         Ok(name)
     }
 
-    /// `openat(dir, name, flags)`.
+    /// `openat(dir, name, flags)`, never following a symlink.
     fn open_at(&self, name: &str, flags: libc::c_int) -> io::Result<File> {
-        let c = CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-        // SAFETY: `c` is NUL-terminated and lives across the call; the
-        // directory's descriptor is open for as long as `self`.
-        let fd = unsafe {
-            libc::openat(
-                self.dir.as_raw_fd(),
-                c.as_ptr(),
-                flags | libc::O_CLOEXEC | libc::O_NOFOLLOW,
-                0o600 as libc::c_uint,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just opened and is owned by nothing else.
-        Ok(unsafe { File::from_raw_fd(fd) })
+        crate::host::open_at(&self.dir, name, flags | libc::O_CLOEXEC | libc::O_NOFOLLOW)
     }
 
     /// Creates the snapshot record `record` (see [`super::records`]):
@@ -196,9 +181,7 @@ impl SnapshotDir {
 
     /// Removes `name` (an overlay a failed snapshot created).
     fn remove(&self, name: &str) {
-        let Ok(c) = CString::new(name) else { return };
-        // SAFETY: as in `open_at`; unlinkat takes no other pointer.
-        unsafe { libc::unlinkat(self.dir.as_raw_fd(), c.as_ptr(), 0) };
+        let _ = crate::host::unlink_at(&self.dir, name);
     }
 }
 
