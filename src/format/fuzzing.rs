@@ -15,7 +15,9 @@
 //! exactly, in order; a data piece names a file of the chain and does not
 //! overflow; a write never maps to a backing file. The bitmaps
 //! extension's parser (qcow2/bitmaps.rs) also reads every input, writable
-//! or not: its errors are one line too.
+//! or not: its errors are one line too; and, writable, a bitmap is
+//! written into the image and removed again (the header rewrite of
+//! qcow2/bitmap_write.rs, around the input's own extensions).
 
 use std::io::Write;
 
@@ -170,6 +172,22 @@ pub fn run_one(data: &[u8]) -> Outcome {
         tally(r.map(|_| ()));
         tally(img.write_zeroes(0, size.min(1 << 20), true).map(|_| ()));
         tally(img.flush());
+        // The bitmap directory written, as `ctl bitmap add` and `remove`
+        // write it: the header cluster rewritten around whatever
+        // extensions the input has, then the extension removed again.
+        // Bounded: the bits of a 64 GiB disk at 64 KiB are 128 KiB.
+        if let (Image::Qcow2(q), true) = (&img, size <= 1 << 36) {
+            let granules = size.div_ceil(1 << 16);
+            let one = super::qcow2::bitmap_write::Stored {
+                name: "fuzz".to_string(),
+                granularity_bits: 16,
+                auto: true,
+                consistent: false,
+                words: vec![0; granules.div_ceil(64) as usize],
+            };
+            tally(q.store_qemu_bitmaps_now(vec![one]));
+            tally(q.store_qemu_bitmaps_now(Vec::new()));
+        }
     }
     Outcome::Served { ok, failed }
 }
