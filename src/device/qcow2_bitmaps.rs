@@ -26,6 +26,11 @@
 //!   they are kept aside, written back as loaded, and not listed.
 //! - `update` writes nothing: while the image is held every bitmap is
 //!   IN_USE on disk, already "possibly incomplete" to whoever finds it.
+//! - A live snapshot: the old top keeps the bitmaps as they are at the
+//!   snapshot, written back consistent once the overlay is in place and
+//!   before requests go on (`top_freezes`: QEMU stores a node's bitmaps
+//!   when it becomes read-only); the new top gets the set, in use, and
+//!   the bits at the release (`top_moved`).
 
 use std::collections::BTreeMap;
 use std::io;
@@ -271,10 +276,44 @@ impl BitmapStore for Qcow2Store {
         bitmap.resized(disk_size)
     }
 
+    fn top_freezes(&mut self, bitmaps: &[(&str, &DirtyBitmap)]) -> Result<(), BitmapError> {
+        if self.known.is_empty() && self.frozen.is_empty() {
+            // Nothing to keep (and an empty set would remove the
+            // extension, whatever a bad directory still holds).
+            return Ok(());
+        }
+        let mut all = Vec::new();
+        for (name, bitmap) in bitmaps {
+            let Some(k) = self.known.get(*name) else {
+                continue;
+            };
+            all.push(Stored {
+                name: name.to_string(),
+                granularity_bits: k.granularity_bits,
+                auto: k.auto,
+                consistent: bitmap.is_consistent(),
+                words: bitmap.words().collect(),
+            });
+        }
+        if all.len() != self.known.len() {
+            return Err(self.err("not every bitmap is loaded"));
+        }
+        all.extend(self.frozen.iter().cloned());
+        if !self
+            .live
+            .current()
+            .image
+            .stage_qemu_bitmaps_for_snapshot(all)
+        {
+            return Err(self.err("the top keeps no bitmaps (not writable)"));
+        }
+        Ok(())
+    }
+
     fn top_moved(&mut self) -> Result<(), BitmapError> {
         // The new top has no bitmaps yet: the set goes into it now (in
-        // use), the bits at the release; the old top keeps its own, in
-        // use (inconsistent to QEMU).
+        // use), the bits at the release. The old top kept its own, as
+        // they were at the snapshot (`top_freezes`).
         self.closed.clear();
         if self.known.is_empty() && self.frozen.is_empty() {
             return Ok(());

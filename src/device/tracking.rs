@@ -557,6 +557,40 @@ impl Device {
         made
     }
 
+    /// A live snapshot is about to freeze the top, every request kept out
+    /// by it and none in flight: the bitmaps that are open are exact for
+    /// that top now, and it keeps them (see [`BitmapStore::top_freezes`]).
+    /// Called by the snapshot itself, inside its pause; a failure is
+    /// logged and leaves the old top's bitmaps in use (inconsistent),
+    /// which is safe.
+    pub(super) fn bitmaps_freeze_with_top(&self) {
+        let mut inner = self.tracking.lock();
+        if inner.holders == 0 {
+            // Not held: the bitmaps were written back at the release.
+            return;
+        }
+        let live: Vec<(String, Arc<DirtyBitmap>)> = inner
+            .bitmaps
+            .iter()
+            .filter_map(|(name, e)| match e {
+                Entry::Live(b) => Some((name.clone(), b.clone())),
+                Entry::Stored(_) => None,
+            })
+            .collect();
+        let bits: Vec<(&str, &DirtyBitmap)> =
+            live.iter().map(|(n, b)| (n.as_str(), b.as_ref())).collect();
+        let frozen = match &mut inner.store {
+            Ok(store) => store.top_freezes(&bits),
+            Err(_) => Ok(()),
+        };
+        if let Err(e) = frozen {
+            log::error!(
+                "{}: the old top's bitmaps at the live snapshot: {e}; they stay in use there (inconsistent)",
+                self.name
+            );
+        }
+    }
+
     /// A live snapshot put a new top above the image: the bitmaps that
     /// are open follow it into their store (see
     /// [`BitmapStore::top_moved`]).

@@ -395,11 +395,16 @@ impl Live {
     /// A live snapshot to a new overlay `overlay` in the snapshot
     /// directory (see the module doc). `relock` moves the image lock to
     /// the new top (its argument), or back to the old one if the snapshot
-    /// fails after it. Returns the new chain, top first.
+    /// fails after it. `freeze` runs with every request kept out (none in
+    /// flight), just before the old top is frozen: where the device
+    /// stages its bitmaps for the old top to keep
+    /// ([`Qcow2Image::stage_qemu_bitmaps_for_snapshot`]). Returns the new
+    /// chain, top first.
     pub fn snapshot(
         &self,
         overlay: &Path,
         relock: impl Fn(&File) -> io::Result<()>,
+        freeze: impl FnOnce(),
     ) -> Result<Vec<PathBuf>, SnapshotError> {
         let _one = lock(&self.switching);
         let dir = self.snapshots.as_ref().ok_or(SnapshotError::NoDirectory)?;
@@ -416,7 +421,7 @@ impl Live {
         let file = dir
             .open_at(&name, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL)
             .map_err(create)?;
-        let made = self.switch(dir, &name, &path, file, &old, &relock);
+        let made = self.switch(dir, &name, &path, file, &old, &relock, freeze);
         if made.is_err() {
             dir.remove(&name);
         }
@@ -433,6 +438,7 @@ impl Live {
         file: File,
         old: &Served,
         relock: &impl Fn(&File) -> io::Result<()>,
+        freeze: impl FnOnce(),
     ) -> Result<Vec<PathBuf>, SnapshotError> {
         let direct = if self.direct {
             let f = dir.open_at(name, libc::O_RDWR | libc::O_DIRECT);
@@ -458,6 +464,9 @@ impl Live {
         // The record is made durable once the overlay is, and before any
         // request goes to it (see [`super::records`]).
         let write_record = || dir.record(&record);
+        // Right before the snapshot, which takes what it stages whether
+        // it succeeds or not.
+        freeze();
         let image = match old
             .image
             .snapshot(file, path, &backing, &self.options, write_record)

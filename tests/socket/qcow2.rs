@@ -1257,6 +1257,57 @@ fn qemu_bitmaps_follow_the_image_from_daemon_to_daemon() {
     assert_eq!(check_clean(&img), 0);
 }
 
+/// A live snapshot of an image with a bitmap: the old top, frozen by the
+/// snapshot, gets its bitmaps written back as they were at the snapshot
+/// (not in use: QEMU trusts them), as QEMU stores a node's persistent
+/// bitmaps when it becomes read-only; the new top carries the bitmap on.
+/// A write before the snapshot and one after, a clean stop: `qemu-img
+/// info` lists the bitmap not in use in both; the old top's is dirty
+/// where the first write went only, the new top's where both went; the
+/// old top was not written after `ctl snapshot` answered, and both check
+/// clean. On the old code the old top's bitmap stayed `in-use` for good.
+#[test]
+fn a_live_snapshot_leaves_the_old_tops_bitmaps_consistent() {
+    let dir = test_dir();
+    let img = qcow2_with_bitmap(dir.path(), "8M", "nightly");
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let d = start_overlay(
+        dir.path(),
+        &img,
+        &["--snapshot-dir", snaps.to_str().unwrap()],
+    );
+    let mut client = Client::connect(&d.socket, MIB as usize);
+    let data = vec![8u8; 4096];
+    assert_eq!(client.write(MIB, &data), 0);
+    assert_eq!(client.flush(), 0);
+    snapshot(&api, "s1.qcow2");
+    let old_sum = sha256(&img);
+    assert_eq!(client.write(3 * MIB, &data), 0);
+    assert_eq!(client.flush(), 0);
+    drop(client);
+    stop(d);
+    assert_eq!(
+        sha256(&img),
+        old_sum,
+        "the old top was written after the snapshot"
+    );
+    let s1 = snaps.join("s1.qcow2");
+    let consistent = [("nightly".to_string(), vec!["auto".to_string()])];
+    assert_eq!(qemu_bitmaps(&img), consistent, "the old top");
+    assert_eq!(qemu_bitmaps(&s1), consistent, "the new top");
+    let dirty = |p: &Path| ringblk_testkit::nbd::qemu_nbd_dirty(p, "nightly");
+    assert_eq!(dirty(&img), [(MIB, 64 * KIB)], "the old top");
+    assert_eq!(
+        dirty(&s1),
+        [(MIB, 64 * KIB), (3 * MIB, 64 * KIB)],
+        "the new top"
+    );
+    assert_eq!(check_clean(&img), 0);
+    assert_eq!(check_clean(&s1), 0);
+}
+
 /// A qcow2 image with QEMU's bitmaps grown online (`ctl resize`): the
 /// bitmaps grow with it (the new part dirty: it reads as zeroes now,
 /// which no earlier backup has) and QEMU reads them back at the new size,

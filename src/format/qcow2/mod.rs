@@ -169,6 +169,9 @@ struct QemuBitmaps {
     loaded: Option<Vec<bitmaps::Loaded>>,
     /// Bitmaps to write at the next quiet moment.
     staged: Option<Vec<bitmap_write::Stored>>,
+    /// Bitmaps for the next [`Qcow2Image::snapshot`] to write into this
+    /// top once it is frozen ([`Qcow2Image::stage_qemu_bitmaps_for_snapshot`]).
+    at_snapshot: Option<Vec<bitmap_write::Stored>>,
 }
 
 impl Qcow2Image {
@@ -288,6 +291,25 @@ impl Qcow2Image {
         match &self.qemu {
             Some(q) => {
                 lock(q).staged = Some(bitmaps);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Bitmaps for the next [`snapshot`](Self::snapshot) of this image to
+    /// write into it, in place of those on disk, once the overlay is in
+    /// place and this top is frozen: QEMU stores a node's persistent
+    /// bitmaps when it becomes read-only (block/qcow2-bitmap.c,
+    /// `qcow2_reopen_bitmaps_ro`). Staged with every request kept out, just
+    /// before the snapshot, so that the bits are final for this top: every
+    /// write after the snapshot goes to the overlay. A snapshot that fails
+    /// drops them (this image stays the top, its bitmaps in use). False
+    /// when the top keeps no bitmaps (not writable).
+    pub fn stage_qemu_bitmaps_for_snapshot(&self, bitmaps: Vec<bitmap_write::Stored>) -> bool {
+        match &self.qemu {
+            Some(q) => {
+                lock(q).at_snapshot = Some(bitmaps);
                 true
             }
             None => false,
@@ -882,6 +904,15 @@ impl Qcow2Image {
     /// image of the disk. On success this image's files are one further
     /// down the chain (index + 1), and the overlay is file 0; on failure
     /// this image is as it was (thawed, its files where they were).
+    ///
+    /// Bitmaps staged for the snapshot
+    /// ([`stage_qemu_bitmaps_for_snapshot`](Self::stage_qemu_bitmaps_for_snapshot))
+    /// are written into this top on success, after the snapshot record
+    /// made the switch durable and before the caller lets requests through
+    /// again: a crash before that leaves them in use (inconsistent), never
+    /// consistent with a write missing, since this top is written no more.
+    /// A failure to write them is logged and leaves them in use; the
+    /// snapshot stands.
     pub fn snapshot(
         &self,
         file: File,
@@ -890,6 +921,9 @@ impl Qcow2Image {
         options: &OpenOptions,
         record: impl FnOnce() -> Result<(), FormatError>,
     ) -> Result<Qcow2Image, FormatError> {
+        // Taken whatever happens: a failed snapshot must not leave them
+        // for a later one (they would be stale by then).
+        let at_snapshot = self.qemu.as_ref().and_then(|q| lock(q).at_snapshot.take());
         if !self.writable {
             return Err(FormatError::ReadOnly);
         }
@@ -910,6 +944,16 @@ impl Qcow2Image {
             self.files[0].freeze();
         }
         let made = self.make_overlay(file, path, backing_name, options, record);
+        if let (Ok(_), Some(bitmaps)) = (&made, at_snapshot) {
+            // Frozen: imago writes nothing more here, and its caches of
+            // this top were written and synced above. The bitmaps go
+            // straight to the file (`write_qemu_bitmaps`), as at a
+            // release.
+            let _group = lock(&self.commit_lock);
+            let _meta = lock(&self.meta);
+            self.stage_qemu_bitmaps(bitmaps);
+            self.write_qemu_bitmaps();
+        }
         if made.is_err() {
             self.files[0].thaw();
             // The log may name the overlay by now: it is the old top's again.
@@ -984,13 +1028,15 @@ impl Qcow2Image {
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
             l2log: self.l2log.clone(),
-            // A new overlay has no bitmaps: the device's are written into
-            // it at the next release (the old top's stay as they are on
-            // disk: in use, as this image marked them).
+            // A new overlay has no bitmaps: the device writes its set
+            // into it once the snapshot is over, and the bits at the next
+            // release (the old top's were written back above, as they
+            // were at the snapshot).
             qemu: Some(Mutex::new(QemuBitmaps {
                 dir: None,
                 loaded: None,
                 staged: None,
+                at_snapshot: None,
             })),
         })
     }
@@ -1391,6 +1437,7 @@ fn open_qcow2(
             dir: Some(b),
             loaded: Some(loaded),
             staged: None,
+            at_snapshot: None,
         });
     } else if writable {
         // No bitmaps yet: the first one added creates the extension.
@@ -1398,6 +1445,7 @@ fn open_qcow2(
             dir: None,
             loaded: None,
             staged: None,
+            at_snapshot: None,
         });
     }
     q.set_backing(backing);
