@@ -16,10 +16,11 @@
 //! - [`Live::snapshot`]: pause, wait until no request is in flight (so
 //!   every write taken before completes on the old top, and none taken
 //!   after reaches it), commit and sync the old top and freeze it (it is
-//!   never written again), create the overlay in the snapshot directory
-//!   with the old top as its backing file, move the image lock to it,
-//!   switch, resume. The old top is then a point-in-time image of the
-//!   disk, consistent as after a power loss at that instant.
+//!   never written again, but for its dirty bitmaps, written back once
+//!   the overlay's record is durable), create the overlay in the snapshot
+//!   directory with the old top as its backing file, move the image lock
+//!   to it, switch, resume. The old top is then a point-in-time image of
+//!   the disk, consistent as after a power loss at that instant.
 //!
 //! Files after start-up: the daemon opens nothing by path then (the
 //! seccomp filter has no `openat`, Landlock allows nothing new), except
@@ -421,7 +422,7 @@ impl Live {
         let file = dir
             .open_at(&name, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL)
             .map_err(create)?;
-        let made = self.switch(dir, &name, &path, file, &old, &relock, freeze);
+        let made = self.switch(dir, &name, file, &old, &relock, freeze);
         if made.is_err() {
             dir.remove(&name);
         }
@@ -434,12 +435,12 @@ impl Live {
         &self,
         dir: &SnapshotDir,
         name: &str,
-        path: &Path,
         file: File,
         old: &Served,
         relock: &impl Fn(&File) -> io::Result<()>,
         freeze: impl FnOnce(),
     ) -> Result<Vec<PathBuf>, SnapshotError> {
+        let path = &dir.path.join(name);
         let direct = if self.direct {
             let f = dir.open_at(name, libc::O_RDWR | libc::O_DIRECT);
             Some(f.map_err(|source| SnapshotError::Create {

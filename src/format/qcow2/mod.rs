@@ -900,7 +900,8 @@ impl Qcow2Image {
     ///
     /// The caller has stopped the requests to this image. Before the
     /// overlay is made, everything of this image is committed and synced,
-    /// and its top is frozen: it is never written again, a point-in-time
+    /// and its top is frozen: it is never written again (but for the
+    /// bitmaps below, before the caller resumes), a point-in-time
     /// image of the disk. On success this image's files are one further
     /// down the chain (index + 1), and the overlay is file 0; on failure
     /// this image is as it was (thawed, its files where they were).
