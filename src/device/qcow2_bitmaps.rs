@@ -6,10 +6,15 @@
 //! ([`crate::format::qcow2::bitmaps`], [`crate::format::qcow2::bitmap_write`]),
 //! kept as QEMU keeps them: in memory while the image is held, marked
 //! IN_USE on disk; written back when the image is let go.
-//! - [`open`](BitmapStore::open) (the image is claimed): the bits loaded,
-//!   and every bitmap marked IN_USE and fdatasynced before the first
-//!   write; one found IN_USE (its last holder did not close it: kill -9,
-//!   a crash, a program that does not write bitmaps) is inconsistent.
+//! - [`peek`](BitmapStore::peek) (start-up, the image not held yet):
+//!   the bitmaps read, nothing written; another process may hold the
+//!   image (the other side of a migration), and its bitmaps are its own.
+//! - [`open`](BitmapStore::open) (the image is claimed, its lock taken):
+//!   the directory and bits read afresh, and every bitmap marked IN_USE
+//!   and fdatasynced before the first write; one found IN_USE (its last
+//!   holder did not close it: kill -9, a crash, a program that does not
+//!   write bitmaps) is inconsistent. (The daemon opens the image with
+//!   `bitmaps_at_claim`: its open marks nothing.)
 //! - [`close`](BitmapStore::close) of the last bitmap stages them all; the
 //!   format layer writes them when the image is released, after imago's
 //!   last flush and before its caches are reread (`Qcow2Image::invalidate`):
@@ -59,9 +64,6 @@ pub struct Qcow2Store {
     /// QEMU has the image, so nothing here either; written back as loaded
     /// (and not listed by `ctl bitmap list`).
     frozen: Vec<Stored>,
-    /// What `peek` loaded at start-up, for the first `open`: loading
-    /// again would find the bitmaps in use (the image's open marked them).
-    peeked: Option<Vec<(String, Result<DirtyBitmap, BitmapError>)>>,
     /// The disk's size as last seen (open, add, resize).
     disk_size: u64,
 }
@@ -74,7 +76,6 @@ impl Qcow2Store {
             known: BTreeMap::new(),
             closed: Vec::new(),
             frozen: Vec::new(),
-            peeked: None,
             disk_size: 0,
         }
     }
@@ -113,9 +114,19 @@ impl Qcow2Store {
         }
     }
 
-    /// Every bitmap of the image, loaded (and marked in use).
-    fn load(&mut self, disk_size: u64) -> Vec<(String, Result<DirtyBitmap, BitmapError>)> {
-        let loaded = match self.live.current().image.open_qemu_bitmaps() {
+    /// Every bitmap of the image, loaded; with `claim` (the image is
+    /// held) marked in use too, else nothing is written.
+    fn load(
+        &mut self,
+        disk_size: u64,
+        claim: bool,
+    ) -> Vec<(String, Result<DirtyBitmap, BitmapError>)> {
+        let image = &self.live.current().image;
+        let loaded = match if claim {
+            image.open_qemu_bitmaps()
+        } else {
+            image.peek_qemu_bitmaps()
+        } {
             Ok(l) => l,
             Err(e) => {
                 log::error!("{}: {e}", self.location());
@@ -165,7 +176,7 @@ impl Qcow2Store {
             out.push((l.name, bitmap));
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
-        if self.known.is_empty() && !self.frozen.is_empty() {
+        if claim && self.known.is_empty() && !self.frozen.is_empty() {
             // No close will come: the disabled ones go back at the next
             // release as they are.
             self.live
@@ -185,11 +196,9 @@ impl BitmapStore for Qcow2Store {
     }
 
     fn peek(&mut self, disk_size: u64) -> Result<Vec<BitmapInfo>, BitmapError> {
-        if self.peeked.is_none() {
-            self.peeked = Some(self.load(disk_size));
-        }
+        let peeked = self.load(disk_size, false);
         let mut out = Vec::new();
-        for (name, b) in self.peeked.iter().flatten() {
+        for (name, b) in &peeked {
             match b {
                 Ok(b) => out.push(b.info(name)),
                 Err(e) => return Err(self.err(format!("bitmap '{name}': {e}"))),
@@ -199,20 +208,10 @@ impl BitmapStore for Qcow2Store {
     }
 
     fn open(&mut self, disk_size: u64) -> Vec<(String, Result<DirtyBitmap, BitmapError>)> {
-        // What start-up loaded serves only if nobody wrote the bitmaps
-        // since (a migration's source lets the image go after this
-        // daemon started: its bitmaps are on disk now).
-        let unchanged = self.live.current().image.qemu_directory_unchanged();
-        match self.peeked.take() {
-            Some(p)
-                if unchanged
-                    && p.iter()
-                        .all(|(_, b)| b.as_ref().is_ok_and(|b| b.disk_size() == disk_size)) =>
-            {
-                p
-            }
-            _ => self.load(disk_size),
-        }
+        // Read afresh and marked in use now: what start-up peeked may be
+        // stale (a migration's source lets the image go after this daemon
+        // started: its bitmaps are on disk now).
+        self.load(disk_size, true)
     }
 
     fn add(

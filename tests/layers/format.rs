@@ -999,6 +999,49 @@ fn qcow(i: &Image) -> &ringblk::format::Qcow2Image {
     }
 }
 
+/// `bitmaps_at_claim` (how the daemon opens an image): the open writes
+/// nothing into the image, a peek lists the bitmaps consistent and still
+/// writes nothing, and `open_qemu_bitmaps` (the claim) marks them in use
+/// before it returns the bits. Without the option the open marks them
+/// (`qemu_bitmaps_are_marked_in_use_not_dropped`). The old code had no
+/// such open: every writable open marked them in use, so a daemon
+/// started on an image another one served made the other load them
+/// inconsistent (`tests/socket/qcow2.rs` shows that end to end).
+#[test]
+fn an_open_for_a_later_claim_writes_nothing() {
+    let dir = scratch("qemu-bitmaps-at-claim");
+    let img = dir.join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", p, "4M"]);
+    qemu_img(&["bitmap", "--add", p, "b"]);
+    let before = sha256(&img);
+    let options = OpenOptions {
+        bitmaps_at_claim: true,
+        ..OpenOptions::default()
+    };
+    let w = Image::open(&img, Format::Qcow2, &options).unwrap();
+    let q = qcow(&w);
+    let peeked = q.peek_qemu_bitmaps().unwrap();
+    assert_eq!(peeked.len(), 1);
+    assert!(peeked[0].words.is_ok(), "{:?}", peeked[0].words);
+    assert_eq!(sha256(&img), before, "the open or the peek wrote the image");
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("b".to_string(), vec!["auto".to_string()])]
+    );
+    let claimed = q.open_qemu_bitmaps().unwrap();
+    assert!(claimed[0].words.is_ok(), "{:?}", claimed[0].words);
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [(
+            "b".to_string(),
+            vec!["in-use".to_string(), "auto".to_string()]
+        )]
+    );
+    drop(w);
+    check_clean(&img);
+}
+
 /// A migration on shared storage, at the format layer: the destination
 /// opens the image while the source holds it (QEMU's bitmaps in use
 /// then), the source writes them back as it lets go, and the destination,

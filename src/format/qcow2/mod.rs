@@ -63,6 +63,15 @@ pub struct OpenOptions {
     /// allocating writes takes an fdatasync before its L2 entries, and a
     /// marked image (a daemon with a log was killed on it) is refused.
     pub l2_log: Option<PathBuf>,
+    /// QEMU's bitmaps of a writable top are read and checked at open, but
+    /// marked in use only by [`Qcow2Image::open_qemu_bitmaps`], which the
+    /// daemon calls when it claims the image (as QEMU opens an image for
+    /// an incoming migration, `BDRV_O_INACTIVE`, and marks its bitmaps
+    /// when it activates it): a daemon started on an image that another
+    /// one serves writes nothing into it until it holds it. The caller
+    /// then calls `open_qemu_bitmaps` before its first write. Without it,
+    /// the open marks them in use.
+    pub bitmaps_at_claim: bool,
 }
 
 impl Default for OpenOptions {
@@ -74,6 +83,7 @@ impl Default for OpenOptions {
             ordered: true,
             journal: None,
             l2_log: None,
+            bitmaps_at_claim: false,
         }
     }
 }
@@ -160,12 +170,16 @@ struct Chain {
 }
 
 /// QEMU's persistent bitmaps of the writable top (bitmaps.rs,
-/// bitmap_write.rs): loaded and marked in use when the image is claimed,
-/// written back when it is let go ([`Qcow2Image::invalidate`]).
+/// bitmap_write.rs): loaded and marked in use when the image is claimed
+/// (or at open, without [`OpenOptions::bitmaps_at_claim`]), written back
+/// when it is let go ([`Qcow2Image::invalidate`]).
 struct QemuBitmaps {
-    /// The directory on disk; `None` once the extension is gone.
+    /// The directory on disk as this image last read, marked or wrote it;
+    /// `None` once the extension is gone.
     dir: Option<bitmaps::Bitmaps>,
-    /// The bits loaded at open, for the first claim.
+    /// The bits loaded at open, before the open marked them in use (none
+    /// with [`OpenOptions::bitmaps_at_claim`]): for the first claim, and
+    /// for a peek until then.
     loaded: Option<Vec<bitmaps::Loaded>>,
     /// Bitmaps to write at the next quiet moment.
     staged: Option<Vec<bitmap_write::Stored>>,
@@ -228,9 +242,9 @@ impl Qcow2Image {
     /// QEMU's bitmaps, loaded, and marked in use on disk before this
     /// returns. Called when the image is claimed, before any write. The
     /// directory is always read afresh: another process (a migration's
-    /// source) may have written the bitmaps since; the bits loaded at open
-    /// serve only if nobody did (the directory is still the one this
-    /// open marked in use).
+    /// source) may have written the bitmaps since; the bits an open that
+    /// marked them loaded serve only if nobody did (the directory is still
+    /// the one that open marked in use).
     pub fn open_qemu_bitmaps(&self) -> Result<Vec<bitmaps::Loaded>, FormatError> {
         let Some(q) = &self.qemu else {
             return Ok(Vec::new());
@@ -248,13 +262,46 @@ impl Qcow2Image {
                 return Ok(loaded);
             }
         }
+        let Some((mut b, loaded)) = self.read_qemu_bitmaps()? else {
+            q.dir = None;
+            return Ok(Vec::new());
+        };
+        b.mark_in_use(file)
+            .map_err(FormatError::io("marking bitmaps in use"))?;
+        q.dir = Some(b);
+        Ok(loaded)
+    }
+
+    /// QEMU's bitmaps as they are, marking nothing and writing nothing:
+    /// what a daemon that does not hold the image yet lists. Those an open
+    /// that marked them loaded, until the first claim; else read afresh
+    /// (one in use comes back as the reason its bits are not trusted).
+    pub fn peek_qemu_bitmaps(&self) -> Result<Vec<bitmaps::Loaded>, FormatError> {
+        let Some(q) = &self.qemu else {
+            return Ok(Vec::new());
+        };
+        let _meta = lock(&self.meta);
+        if let Some(loaded) = &lock(q).loaded {
+            return Ok(loaded.clone());
+        }
+        Ok(self
+            .read_qemu_bitmaps()?
+            .map(|(_, loaded)| loaded)
+            .unwrap_or_default())
+    }
+
+    /// The top's bitmap directory and bits, read and checked afresh (none:
+    /// no extension). Under `meta`.
+    fn read_qemu_bitmaps(
+        &self,
+    ) -> Result<Option<(bitmaps::Bitmaps, Vec<bitmaps::Loaded>)>, FormatError> {
         let bad = |e: String| FormatError::Io {
             context: "bitmaps extension",
             source: io::Error::new(io::ErrorKind::InvalidData, e),
         };
-        let Some(mut b) = bitmaps::Bitmaps::load(file).map_err(bad)? else {
-            q.dir = None;
-            return Ok(Vec::new());
+        let file = self.files[0].file();
+        let Some(b) = bitmaps::Bitmaps::load(file).map_err(bad)? else {
+            return Ok(None);
         };
         let c = 1u64 << self.cluster_bits;
         if b.directory_clusters(c)
@@ -263,24 +310,7 @@ impl Qcow2Image {
             return Err(bad("the bitmap directory overlaps other metadata".into()));
         }
         let loaded = b.load_all(file);
-        b.mark_in_use(file)
-            .map_err(FormatError::io("marking bitmaps in use"))?;
-        q.dir = Some(b);
-        Ok(loaded)
-    }
-
-    /// Whether the bitmap directory on disk is still the one this image
-    /// last loaded or wrote (nobody else wrote the bitmaps since).
-    pub fn qemu_directory_unchanged(&self) -> bool {
-        let Some(q) = &self.qemu else {
-            return false;
-        };
-        let q = lock(q);
-        let now = bitmaps::Bitmaps::load(self.files[0].file());
-        match (q.dir.as_ref(), now) {
-            (Some(dir), Ok(Some(now))) => dir.same_directory(&now),
-            _ => false,
-        }
+        Ok(Some((b, loaded)))
     }
 
     /// Bitmaps to write back at the next [`invalidate`](Self::invalidate)
@@ -1425,18 +1455,28 @@ fn open_qcow2(
                 "bitmaps extension: the bitmap directory overlaps other metadata",
             ));
         }
-        // The bits as they were, before they are marked in use.
-        let loaded = b.load_all(state.file());
-        b.mark_in_use(state.file()).map_err(|e| open_err(path, e))?;
         let names: Vec<&str> = b.entries.iter().map(|e| e.name.as_str()).collect();
-        log::info!(
-            "{}: QEMU's persistent bitmaps {} marked in use while ringblk holds the image",
-            path.display(),
-            names.join(", ")
-        );
+        let names = names.join(", ");
+        let loaded = if options.bitmaps_at_claim {
+            // Nothing written: another process may hold the image now.
+            log::info!(
+                "{}: QEMU's persistent bitmaps {names}, marked in use from when ringblk claims the image",
+                path.display()
+            );
+            None
+        } else {
+            // The bits as they were, before they are marked in use.
+            let loaded = b.load_all(state.file());
+            b.mark_in_use(state.file()).map_err(|e| open_err(path, e))?;
+            log::info!(
+                "{}: QEMU's persistent bitmaps {names} marked in use while ringblk holds the image",
+                path.display()
+            );
+            Some(loaded)
+        };
         chain.qemu = Some(QemuBitmaps {
             dir: Some(b),
-            loaded: Some(loaded),
+            loaded,
             staged: None,
             at_snapshot: None,
         });
