@@ -46,6 +46,11 @@ use crate::bitmap::{
 };
 use crate::format::Live;
 use crate::format::qcow2::bitmap_write::Stored;
+use crate::metrics::SharedRateLimiter;
+
+/// For the errors of loads that claims retry.
+static LOAD_ERRORS: SharedRateLimiter =
+    SharedRateLimiter::new(3, std::time::Duration::from_secs(60));
 
 /// What the store knows of one bitmap between `open` and `close`.
 struct Known {
@@ -129,7 +134,8 @@ impl Qcow2Store {
         } {
             Ok(l) => l,
             Err(e) => {
-                log::error!("{}: {e}", self.location());
+                // A guest's requests retry a claim that failed.
+                crate::log_limited!(log::Level::Error, LOAD_ERRORS, "{}: {e}", self.location());
                 return Vec::new();
             }
         };

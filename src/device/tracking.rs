@@ -54,6 +54,7 @@ use super::{Device, ResizeError};
 use crate::backup::{CbwStats, CbwStore, DEFAULT_CLUSTER, FileImage, Qcow2Disk, View};
 use crate::bitmap::{BitmapError, BitmapInfo, BitmapStore, DEFAULT_GRANULARITY, DirtyBitmap};
 use crate::io::Locked;
+use crate::metrics::SharedRateLimiter;
 use crate::nbd::{self, ServerStats};
 
 /// What each write, discard and write-zeroes does before it reaches the
@@ -400,6 +401,10 @@ fn granularity_of(bitmaps: &BTreeMap<String, Entry>, name: &str) -> u64 {
     }
 }
 
+/// For the claims a guest's requests retry while the image's bitmaps
+/// cannot be marked in use.
+static UNMARKED: SharedRateLimiter = SharedRateLimiter::new(3, std::time::Duration::from_secs(60));
+
 /// The image held for as long as this lives.
 struct Hold<'a>(&'a Device);
 
@@ -463,6 +468,27 @@ impl Device {
                 }
             }
             inner.activate(self.size(), &self.tracking);
+            if let Some(live) = self.qcow2() {
+                if !live.current().image.qemu_bitmaps_marked() {
+                    // A bitmap on disk still says it is complete: no write
+                    // may land. Let go as a release does; the next request
+                    // (or verb) tries again.
+                    crate::log_limited!(
+                        log::Level::Error,
+                        UNMARKED,
+                        "{}: QEMU's bitmaps in the image could not be marked in use (above); no request is served until they are",
+                        self.name
+                    );
+                    inner.deactivate(&self.tracking);
+                    if let Err(e) = live.refresh() {
+                        log::error!("{}: making the metadata durable: {e}", self.name);
+                    }
+                    if let Some(lock) = &self.image_lock {
+                        lock.release();
+                    }
+                    return Err(Locked);
+                }
+            }
         }
         inner.holders += 1;
         Ok(())

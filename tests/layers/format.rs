@@ -1002,7 +1002,8 @@ fn qcow(i: &Image) -> &ringblk::format::Qcow2Image {
 /// `bitmaps_at_claim` (how the daemon opens an image): the open writes
 /// nothing into the image, a peek lists the bitmaps consistent and still
 /// writes nothing, and `open_qemu_bitmaps` (the claim) marks them in use
-/// before it returns the bits. Without the option the open marks them
+/// before it returns the bits (`qemu_bitmaps_marked`, which the daemon
+/// checks before it serves, says so). Without the option the open marks them
 /// (`qemu_bitmaps_are_marked_in_use_not_dropped`). The old code had no
 /// such open: every writable open marked them in use, so a daemon
 /// started on an image another one served made the other load them
@@ -1021,6 +1022,10 @@ fn an_open_for_a_later_claim_writes_nothing() {
     };
     let w = Image::open(&img, Format::Qcow2, &options).unwrap();
     let q = qcow(&w);
+    assert!(
+        !q.qemu_bitmaps_marked(),
+        "no write may land before the claim"
+    );
     let peeked = q.peek_qemu_bitmaps().unwrap();
     assert_eq!(peeked.len(), 1);
     assert!(peeked[0].words.is_ok(), "{:?}", peeked[0].words);
@@ -1031,6 +1036,7 @@ fn an_open_for_a_later_claim_writes_nothing() {
     );
     let claimed = q.open_qemu_bitmaps().unwrap();
     assert!(claimed[0].words.is_ok(), "{:?}", claimed[0].words);
+    assert!(q.qemu_bitmaps_marked());
     assert_eq!(
         qemu_bitmaps(&img),
         [(
@@ -1142,6 +1148,9 @@ fn a_bitmaps_extension_broken_later_is_an_error_not_a_stop() {
         err.contains("70000 bitmaps") && !err.contains('\n'),
         "{err}"
     );
+    // QEMU refuses such an extension too: nothing takes a bitmap of it
+    // for complete, so the daemon goes on serving.
+    assert!(q.qemu_bitmaps_marked());
     let mut data = vec![0u8; 4096];
     fill(5, 0, &mut data);
     write(&w, 0, &data).unwrap();

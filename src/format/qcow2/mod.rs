@@ -186,6 +186,12 @@ struct QemuBitmaps {
     /// Bitmaps for the next [`Qcow2Image::snapshot`] to write into this
     /// top once it is frozen ([`Qcow2Image::stage_qemu_bitmaps_for_snapshot`]).
     at_snapshot: Option<Vec<bitmap_write::Stored>>,
+    /// False while a bitmap on disk may say it is complete although this
+    /// process is about to write the image unrecorded by it: from an open
+    /// with [`OpenOptions::bitmaps_at_claim`] until the claim marks them,
+    /// and after a claim whose marking failed
+    /// ([`Qcow2Image::qemu_bitmaps_marked`]).
+    marked: bool,
 }
 
 impl Qcow2Image {
@@ -262,14 +268,32 @@ impl Qcow2Image {
                 return Ok(loaded);
             }
         }
+        // A directory that cannot be read or trusted (a bad extension
+        // written behind this process's back, which QEMU refuses too) is
+        // left as it is, and the image goes on serving with no bitmaps:
+        // only a marking that fails leaves bitmaps this process knows to
+        // say they are complete.
+        q.marked = true;
         let Some((mut b, loaded)) = self.read_qemu_bitmaps()? else {
             q.dir = None;
             return Ok(Vec::new());
         };
-        b.mark_in_use(file)
-            .map_err(FormatError::io("marking bitmaps in use"))?;
+        if let Err(e) = b.mark_in_use(file) {
+            q.marked = false;
+            return Err(FormatError::io("marking bitmaps in use")(e));
+        }
         q.dir = Some(b);
         Ok(loaded)
+    }
+
+    /// Whether the image may be written as far as QEMU's bitmaps go: none
+    /// on disk says it is complete while this process writes unrecorded
+    /// by it. False from an open with [`OpenOptions::bitmaps_at_claim`]
+    /// until [`open_qemu_bitmaps`](Self::open_qemu_bitmaps) marks them, and
+    /// after one that failed to mark them (a write or an fdatasync that
+    /// failed). The daemon serves no request while it is false.
+    pub fn qemu_bitmaps_marked(&self) -> bool {
+        self.qemu.as_ref().is_none_or(|q| lock(q).marked)
     }
 
     /// QEMU's bitmaps as they are, marking nothing and writing nothing:
@@ -1068,6 +1092,7 @@ impl Qcow2Image {
                 loaded: None,
                 staged: None,
                 at_snapshot: None,
+                marked: true,
             })),
         })
     }
@@ -1479,6 +1504,7 @@ fn open_qcow2(
             loaded,
             staged: None,
             at_snapshot: None,
+            marked: !options.bitmaps_at_claim,
         });
     } else if writable {
         // No bitmaps yet: the first one added creates the extension.
@@ -1487,6 +1513,7 @@ fn open_qcow2(
             loaded: None,
             staged: None,
             at_snapshot: None,
+            marked: !options.bitmaps_at_claim,
         });
     }
     q.set_backing(backing);
