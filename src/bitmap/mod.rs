@@ -540,6 +540,17 @@ pub trait BitmapStore: Send {
     ) -> Result<DirtyBitmap, BitmapError>;
     /// Clean stop: the bits durable, then the bitmap no longer in use.
     fn close(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError>;
+    /// A live snapshot is about to freeze the top while the bitmaps are
+    /// open, and put a new one above it (called with every request kept
+    /// out and none in flight: `bitmaps`, every open bitmap by name, are
+    /// exact for the old top, which is written no more). A store that
+    /// keeps the bitmaps in the image has the old top keep them as they
+    /// are now, consistent, as QEMU stores the bitmaps of a node that
+    /// becomes read-only; sidecars go by the named image and need nothing.
+    fn top_freezes(&mut self, bitmaps: &[(&str, &DirtyBitmap)]) -> Result<(), BitmapError> {
+        let _ = bitmaps;
+        Ok(())
+    }
     /// A live snapshot put a new top above the image while the bitmaps
     /// are open (called with every request kept out). A store that keeps
     /// the bitmaps in the image makes the new top hold them; sidecars go

@@ -702,9 +702,14 @@ fn open_qcow2(
     let l2_log = (!args.readonly && args.l2_log == L2LogMode::On)
         .then(|| crate::format::qcow2::l2log::path_for(named))
         .filter(|p| l2_log_usable(p));
+    // The bitmaps are marked in use when the device claims the image
+    // (`Device::claim_image`), not at this open: a daemon started while
+    // another serves the image (a migration's destination) must not write
+    // into it before it holds it.
     let options = crate::format::OpenOptions {
         writable: !args.readonly,
         l2_log,
+        bitmaps_at_claim: true,
         ..Default::default()
     };
     let live = Live::open(

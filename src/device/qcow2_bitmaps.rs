@@ -6,10 +6,15 @@
 //! ([`crate::format::qcow2::bitmaps`], [`crate::format::qcow2::bitmap_write`]),
 //! kept as QEMU keeps them: in memory while the image is held, marked
 //! IN_USE on disk; written back when the image is let go.
-//! - [`open`](BitmapStore::open) (the image is claimed): the bits loaded,
-//!   and every bitmap marked IN_USE and fdatasynced before the first
-//!   write; one found IN_USE (its last holder did not close it: kill -9,
-//!   a crash, a program that does not write bitmaps) is inconsistent.
+//! - [`peek`](BitmapStore::peek) (start-up, the image not held yet):
+//!   the bitmaps read, nothing written; another process may hold the
+//!   image (the other side of a migration), and its bitmaps are its own.
+//! - [`open`](BitmapStore::open) (the image is claimed, its lock taken):
+//!   the directory and bits read afresh, and every bitmap marked IN_USE
+//!   and fdatasynced before the first write; one found IN_USE (its last
+//!   holder did not close it: kill -9, a crash, a program that does not
+//!   write bitmaps) is inconsistent. (The daemon opens the image with
+//!   `bitmaps_at_claim`: its open marks nothing.)
 //! - [`close`](BitmapStore::close) of the last bitmap stages them all; the
 //!   format layer writes them when the image is released, after imago's
 //!   last flush and before its caches are reread (`Qcow2Image::invalidate`):
@@ -26,6 +31,11 @@
 //!   they are kept aside, written back as loaded, and not listed.
 //! - `update` writes nothing: while the image is held every bitmap is
 //!   IN_USE on disk, already "possibly incomplete" to whoever finds it.
+//! - A live snapshot: the old top keeps the bitmaps as they are at the
+//!   snapshot, written back consistent once the overlay is in place and
+//!   before requests go on (`top_freezes`: QEMU stores a node's bitmaps
+//!   when it becomes read-only); the new top gets the set, in use, and
+//!   the bits at the release (`top_moved`).
 
 use std::collections::BTreeMap;
 use std::io;
@@ -36,6 +46,11 @@ use crate::bitmap::{
 };
 use crate::format::Live;
 use crate::format::qcow2::bitmap_write::Stored;
+use crate::metrics::SharedRateLimiter;
+
+/// For the errors of loads that claims retry.
+static LOAD_ERRORS: SharedRateLimiter =
+    SharedRateLimiter::new(3, std::time::Duration::from_secs(60));
 
 /// What the store knows of one bitmap between `open` and `close`.
 struct Known {
@@ -54,9 +69,6 @@ pub struct Qcow2Store {
     /// QEMU has the image, so nothing here either; written back as loaded
     /// (and not listed by `ctl bitmap list`).
     frozen: Vec<Stored>,
-    /// What `peek` loaded at start-up, for the first `open`: loading
-    /// again would find the bitmaps in use (the image's open marked them).
-    peeked: Option<Vec<(String, Result<DirtyBitmap, BitmapError>)>>,
     /// The disk's size as last seen (open, add, resize).
     disk_size: u64,
 }
@@ -69,7 +81,6 @@ impl Qcow2Store {
             known: BTreeMap::new(),
             closed: Vec::new(),
             frozen: Vec::new(),
-            peeked: None,
             disk_size: 0,
         }
     }
@@ -108,12 +119,23 @@ impl Qcow2Store {
         }
     }
 
-    /// Every bitmap of the image, loaded (and marked in use).
-    fn load(&mut self, disk_size: u64) -> Vec<(String, Result<DirtyBitmap, BitmapError>)> {
-        let loaded = match self.live.current().image.open_qemu_bitmaps() {
+    /// Every bitmap of the image, loaded; with `claim` (the image is
+    /// held) marked in use too, else nothing is written.
+    fn load(
+        &mut self,
+        disk_size: u64,
+        claim: bool,
+    ) -> Vec<(String, Result<DirtyBitmap, BitmapError>)> {
+        let image = &self.live.current().image;
+        let loaded = match if claim {
+            image.open_qemu_bitmaps()
+        } else {
+            image.peek_qemu_bitmaps()
+        } {
             Ok(l) => l,
             Err(e) => {
-                log::error!("{}: {e}", self.location());
+                // A guest's requests retry a claim that failed.
+                crate::log_limited!(log::Level::Error, LOAD_ERRORS, "{}: {e}", self.location());
                 return Vec::new();
             }
         };
@@ -160,7 +182,7 @@ impl Qcow2Store {
             out.push((l.name, bitmap));
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
-        if self.known.is_empty() && !self.frozen.is_empty() {
+        if claim && self.known.is_empty() && !self.frozen.is_empty() {
             // No close will come: the disabled ones go back at the next
             // release as they are.
             self.live
@@ -180,11 +202,9 @@ impl BitmapStore for Qcow2Store {
     }
 
     fn peek(&mut self, disk_size: u64) -> Result<Vec<BitmapInfo>, BitmapError> {
-        if self.peeked.is_none() {
-            self.peeked = Some(self.load(disk_size));
-        }
+        let peeked = self.load(disk_size, false);
         let mut out = Vec::new();
-        for (name, b) in self.peeked.iter().flatten() {
+        for (name, b) in &peeked {
             match b {
                 Ok(b) => out.push(b.info(name)),
                 Err(e) => return Err(self.err(format!("bitmap '{name}': {e}"))),
@@ -194,20 +214,10 @@ impl BitmapStore for Qcow2Store {
     }
 
     fn open(&mut self, disk_size: u64) -> Vec<(String, Result<DirtyBitmap, BitmapError>)> {
-        // What start-up loaded serves only if nobody wrote the bitmaps
-        // since (a migration's source lets the image go after this
-        // daemon started: its bitmaps are on disk now).
-        let unchanged = self.live.current().image.qemu_directory_unchanged();
-        match self.peeked.take() {
-            Some(p)
-                if unchanged
-                    && p.iter()
-                        .all(|(_, b)| b.as_ref().is_ok_and(|b| b.disk_size() == disk_size)) =>
-            {
-                p
-            }
-            _ => self.load(disk_size),
-        }
+        // Read afresh and marked in use now: what start-up peeked may be
+        // stale (a migration's source lets the image go after this daemon
+        // started: its bitmaps are on disk now).
+        self.load(disk_size, true)
     }
 
     fn add(
@@ -271,10 +281,44 @@ impl BitmapStore for Qcow2Store {
         bitmap.resized(disk_size)
     }
 
+    fn top_freezes(&mut self, bitmaps: &[(&str, &DirtyBitmap)]) -> Result<(), BitmapError> {
+        if self.known.is_empty() && self.frozen.is_empty() {
+            // Nothing to keep (and an empty set would remove the
+            // extension, whatever a bad directory still holds).
+            return Ok(());
+        }
+        let mut all = Vec::new();
+        for (name, bitmap) in bitmaps {
+            let Some(k) = self.known.get(*name) else {
+                continue;
+            };
+            all.push(Stored {
+                name: name.to_string(),
+                granularity_bits: k.granularity_bits,
+                auto: k.auto,
+                consistent: bitmap.is_consistent(),
+                words: bitmap.words().collect(),
+            });
+        }
+        if all.len() != self.known.len() {
+            return Err(self.err("not every bitmap is loaded"));
+        }
+        all.extend(self.frozen.iter().cloned());
+        if !self
+            .live
+            .current()
+            .image
+            .stage_qemu_bitmaps_for_snapshot(all)
+        {
+            return Err(self.err("the top keeps no bitmaps (not writable)"));
+        }
+        Ok(())
+    }
+
     fn top_moved(&mut self) -> Result<(), BitmapError> {
         // The new top has no bitmaps yet: the set goes into it now (in
-        // use), the bits at the release; the old top keeps its own, in
-        // use (inconsistent to QEMU).
+        // use), the bits at the release. The old top kept its own, as
+        // they were at the snapshot (`top_freezes`).
         self.closed.clear();
         if self.known.is_empty() && self.frozen.is_empty() {
             return Ok(());

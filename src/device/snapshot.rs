@@ -44,7 +44,7 @@ impl Device {
             Some(l) => l.relock(file),
             None => Ok(()),
         };
-        let chain = live.snapshot(overlay, relock)?;
+        let chain = live.snapshot(overlay, relock, || self.bitmaps_freeze_with_top())?;
         self.bitmaps_follow_snapshot();
         let chain: Vec<String> = chain.iter().map(|p| p.display().to_string()).collect();
         log::info!(

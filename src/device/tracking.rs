@@ -54,6 +54,7 @@ use super::{Device, ResizeError};
 use crate::backup::{CbwStats, CbwStore, DEFAULT_CLUSTER, FileImage, Qcow2Disk, View};
 use crate::bitmap::{BitmapError, BitmapInfo, BitmapStore, DEFAULT_GRANULARITY, DirtyBitmap};
 use crate::io::Locked;
+use crate::metrics::SharedRateLimiter;
 use crate::nbd::{self, ServerStats};
 
 /// What each write, discard and write-zeroes does before it reaches the
@@ -400,6 +401,10 @@ fn granularity_of(bitmaps: &BTreeMap<String, Entry>, name: &str) -> u64 {
     }
 }
 
+/// For the claims a guest's requests retry while the image's bitmaps
+/// cannot be marked in use.
+static UNMARKED: SharedRateLimiter = SharedRateLimiter::new(3, std::time::Duration::from_secs(60));
+
 /// The image held for as long as this lives.
 struct Hold<'a>(&'a Device);
 
@@ -463,6 +468,27 @@ impl Device {
                 }
             }
             inner.activate(self.size(), &self.tracking);
+            if let Some(live) = self.qcow2() {
+                if !live.current().image.qemu_bitmaps_marked() {
+                    // A bitmap on disk still says it is complete: no write
+                    // may land. Let go as a release does; the next request
+                    // (or verb) tries again.
+                    crate::log_limited!(
+                        log::Level::Error,
+                        UNMARKED,
+                        "{}: QEMU's bitmaps in the image could not be marked in use (above); no request is served until they are",
+                        self.name
+                    );
+                    inner.deactivate(&self.tracking);
+                    if let Err(e) = live.refresh() {
+                        log::error!("{}: making the metadata durable: {e}", self.name);
+                    }
+                    if let Some(lock) = &self.image_lock {
+                        lock.release();
+                    }
+                    return Err(Locked);
+                }
+            }
         }
         inner.holders += 1;
         Ok(())
@@ -587,6 +613,40 @@ impl Device {
             log::info!("bitmap '{name}' added (granularity {granularity})");
         }
         made
+    }
+
+    /// A live snapshot is about to freeze the top, every request kept out
+    /// by it and none in flight: the bitmaps that are open are exact for
+    /// that top now, and it keeps them (see [`BitmapStore::top_freezes`]).
+    /// Called by the snapshot itself, inside its pause; a failure is
+    /// logged and leaves the old top's bitmaps in use (inconsistent),
+    /// which is safe.
+    pub(super) fn bitmaps_freeze_with_top(&self) {
+        let mut inner = self.tracking.lock();
+        if inner.holders == 0 {
+            // Not held: the bitmaps were written back at the release.
+            return;
+        }
+        let live: Vec<(String, Arc<DirtyBitmap>)> = inner
+            .bitmaps
+            .iter()
+            .filter_map(|(name, e)| match e {
+                Entry::Live(b) => Some((name.clone(), b.clone())),
+                Entry::Stored(_) => None,
+            })
+            .collect();
+        let bits: Vec<(&str, &DirtyBitmap)> =
+            live.iter().map(|(n, b)| (n.as_str(), b.as_ref())).collect();
+        let frozen = match &mut inner.store {
+            Ok(store) => store.top_freezes(&bits),
+            Err(_) => Ok(()),
+        };
+        if let Err(e) = frozen {
+            log::error!(
+                "{}: the old top's bitmaps at the live snapshot: {e}; they stay in use there (inconsistent)",
+                self.name
+            );
+        }
     }
 
     /// A live snapshot put a new top above the image: the bitmaps that

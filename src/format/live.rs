@@ -16,10 +16,11 @@
 //! - [`Live::snapshot`]: pause, wait until no request is in flight (so
 //!   every write taken before completes on the old top, and none taken
 //!   after reaches it), commit and sync the old top and freeze it (it is
-//!   never written again), create the overlay in the snapshot directory
-//!   with the old top as its backing file, move the image lock to it,
-//!   switch, resume. The old top is then a point-in-time image of the
-//!   disk, consistent as after a power loss at that instant.
+//!   never written again, but for its dirty bitmaps, written back once
+//!   the overlay's record is durable), create the overlay in the snapshot
+//!   directory with the old top as its backing file, move the image lock
+//!   to it, switch, resume. The old top is then a point-in-time image of
+//!   the disk, consistent as after a power loss at that instant.
 //!
 //! Files after start-up: the daemon opens nothing by path then (the
 //! seccomp filter has no `openat`, Landlock allows nothing new), except
@@ -378,11 +379,16 @@ impl Live {
     /// A live snapshot to a new overlay `overlay` in the snapshot
     /// directory (see the module doc). `relock` moves the image lock to
     /// the new top (its argument), or back to the old one if the snapshot
-    /// fails after it. Returns the new chain, top first.
+    /// fails after it. `freeze` runs with every request kept out (none in
+    /// flight), just before the old top is frozen: where the device
+    /// stages its bitmaps for the old top to keep
+    /// ([`Qcow2Image::stage_qemu_bitmaps_for_snapshot`]). Returns the new
+    /// chain, top first.
     pub fn snapshot(
         &self,
         overlay: &Path,
         relock: impl Fn(&File) -> io::Result<()>,
+        freeze: impl FnOnce(),
     ) -> Result<Vec<PathBuf>, SnapshotError> {
         let _one = lock(&self.switching);
         let dir = self.snapshots.as_ref().ok_or(SnapshotError::NoDirectory)?;
@@ -399,7 +405,7 @@ impl Live {
         let file = dir
             .open_at(&name, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL)
             .map_err(create)?;
-        let made = self.switch(dir, &name, &path, file, &old, &relock);
+        let made = self.switch(dir, &name, file, &old, &relock, freeze);
         if made.is_err() {
             dir.remove(&name);
         }
@@ -412,11 +418,12 @@ impl Live {
         &self,
         dir: &SnapshotDir,
         name: &str,
-        path: &Path,
         file: File,
         old: &Served,
         relock: &impl Fn(&File) -> io::Result<()>,
+        freeze: impl FnOnce(),
     ) -> Result<Vec<PathBuf>, SnapshotError> {
+        let path = &dir.path.join(name);
         let direct = if self.direct {
             let f = dir.open_at(name, libc::O_RDWR | libc::O_DIRECT);
             Some(f.map_err(|source| SnapshotError::Create {
@@ -441,6 +448,9 @@ impl Live {
         // The record is made durable once the overlay is, and before any
         // request goes to it (see [`super::records`]).
         let write_record = || dir.record(&record);
+        // Right before the snapshot, which takes what it stages whether
+        // it succeeds or not.
+        freeze();
         let image = match old
             .image
             .snapshot(file, path, &backing, &self.options, write_record)

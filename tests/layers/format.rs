@@ -894,6 +894,152 @@ fn qemu_bitmaps_written_back_with_new_refblocks() {
     written_back("512");
 }
 
+/// A write-back that needs more refcount table than the image has: 512-byte
+/// clusters with 64-bit refcounts (one refblock covers 32 KiB of file,
+/// the image's one-cluster table 2 MiB) and a 4 GiB disk, whose bitmap
+/// of 512-byte granules, dirty every MiB, takes 1 MiB of data clusters
+/// past the file's 1 MiB. The table is moved to a larger one (the
+/// header's refcount table clusters grow), and QEMU then lists the
+/// bitmap not in use, reads exactly the marks back, and `qemu-img check`
+/// finds no corruption and no leak (the old table freed). On the old
+/// code the write-back refused ("the refcount table would need to
+/// grow"), and the bitmaps stayed in use.
+#[test]
+fn qemu_bitmaps_written_back_with_a_grown_refcount_table() {
+    use ringblk::bitmap::DirtyBitmap;
+    use ringblk::format::qcow2::bitmap_write::{Stored, store};
+    use ringblk::format::qcow2::bitmaps::Bitmaps;
+    use std::os::unix::fs::FileExt;
+
+    let dir = scratch("qemu-bitmap-write-grown-reftable");
+    let img = dir.join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    let size = 4096 * MIB;
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=512,refcount_bits=64",
+        p,
+        &size.to_string(),
+    ]);
+    qemu_img(&["bitmap", "--add", "-g", "512", p, "b512"]);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&img)
+        .unwrap();
+    let table_clusters = |f: &std::fs::File| {
+        let mut b = [0u8; 4];
+        f.read_exact_at(&mut b, 56).unwrap();
+        u32::from_be_bytes(b)
+    };
+    assert_eq!(table_clusters(&file), 1, "qemu-img's table changed size");
+    let old = Bitmaps::load(&file).unwrap().unwrap();
+    let b = DirtyBitmap::new(size, 512).unwrap();
+    for m in (0..size).step_by(MIB as usize) {
+        b.mark(m, 1);
+    }
+    let new = [Stored {
+        name: "b512".into(),
+        granularity_bits: 9,
+        auto: true,
+        consistent: true,
+        words: b.words().collect(),
+    }];
+    store(&file, 512, Some(&old), &new, &|_| false).unwrap();
+    assert!(table_clusters(&file) > 1, "the refcount table did not grow");
+    drop(file);
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("b512".to_string(), vec!["auto".to_string()])]
+    );
+    assert_eq!(check_clean(&img), 0, "leaked clusters");
+    let want: Vec<(u64, u64)> = (0..size).step_by(MIB as usize).map(|m| (m, 512)).collect();
+    assert!(
+        qemu_dirty(&img, "b512") == want,
+        "the bits read back differ"
+    );
+}
+
+/// The write-back that grows the refcount table, as the daemon drives it
+/// (staged, written when the image is let go), and imago allocating after
+/// it: its caches are reread with the new table, the writes after it
+/// allocate through it, and in the end QEMU lists the bitmap not in use,
+/// `qemu-img check` finds no corruption and no leak, and the data reads
+/// back.
+#[test]
+fn imago_allocates_after_a_write_back_grew_the_refcount_table() {
+    use ringblk::bitmap::DirtyBitmap;
+    use ringblk::format::qcow2::bitmap_write::Stored;
+
+    let dir = scratch("qemu-bitmap-grown-reftable-live");
+    let img = dir.join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    let size = 7900 * MIB;
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=512,refcount_bits=64",
+        p,
+        &size.to_string(),
+    ]);
+    qemu_img(&["bitmap", "--add", "-g", "16384", p, "b"]);
+    let w = open(&img, true);
+    let q = qcow(&w);
+    assert_eq!(q.open_qemu_bitmaps().unwrap().len(), 1);
+    let b = DirtyBitmap::new(size, 16384).unwrap();
+    for m in (0..size).step_by(MIB as usize) {
+        b.mark(m, 1);
+    }
+    assert!(q.stage_qemu_bitmaps(vec![Stored {
+        name: "b".into(),
+        granularity_bits: 14,
+        auto: true,
+        consistent: true,
+        words: b.words().collect(),
+    }]));
+    q.invalidate().unwrap();
+    let mut h = [0u8; 4];
+    std::os::unix::fs::FileExt::read_exact_at(&std::fs::File::open(&img).unwrap(), &mut h, 56)
+        .unwrap();
+    assert!(u32::from_be_bytes(h) > 1, "the refcount table did not grow");
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("b".to_string(), vec!["auto".to_string()])]
+    );
+    // Allocating writes through imago, after the move: 256 KiB at each
+    // of a few places.
+    let mut data = vec![0u8; 256 * 1024];
+    for (k, at) in [0, 100 * MIB, 4000 * MIB, size - 256 * 1024]
+        .into_iter()
+        .enumerate()
+    {
+        fill(k as u64 + 1, at, &mut data);
+        write(&w, at, &data).unwrap();
+    }
+    flush(&w).unwrap();
+    q.invalidate().unwrap();
+    drop(w);
+    assert_eq!(check_clean(&img), 0, "leaked clusters");
+    // Read back through a fresh open, every place.
+    let r = open(&img, false);
+    let mut got = vec![0u8; data.len()];
+    for (k, at) in [0, 100 * MIB, 4000 * MIB, size - 256 * 1024]
+        .into_iter()
+        .enumerate()
+    {
+        fill(k as u64 + 1, at, &mut data);
+        read(&r, at, &mut got).unwrap();
+        assert!(got == data, "the data written at {at} after the move");
+    }
+}
+
 fn written_back(cluster_size: &str) {
     use ringblk::bitmap::DirtyBitmap;
     use ringblk::format::qcow2::bitmap_write::{Stored, store};
@@ -999,6 +1145,55 @@ fn qcow(i: &Image) -> &ringblk::format::Qcow2Image {
     }
 }
 
+/// `bitmaps_at_claim` (how the daemon opens an image): the open writes
+/// nothing into the image, a peek lists the bitmaps consistent and still
+/// writes nothing, and `open_qemu_bitmaps` (the claim) marks them in use
+/// before it returns the bits (`qemu_bitmaps_marked`, which the daemon
+/// checks before it serves, says so). Without the option the open marks them
+/// (`qemu_bitmaps_are_marked_in_use_not_dropped`). The old code had no
+/// such open: every writable open marked them in use, so a daemon
+/// started on an image another one served made the other load them
+/// inconsistent (`tests/socket/qcow2.rs` shows that end to end).
+#[test]
+fn an_open_for_a_later_claim_writes_nothing() {
+    let dir = scratch("qemu-bitmaps-at-claim");
+    let img = dir.join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&["create", "-q", "-f", "qcow2", p, "4M"]);
+    qemu_img(&["bitmap", "--add", p, "b"]);
+    let before = sha256(&img);
+    let options = OpenOptions {
+        bitmaps_at_claim: true,
+        ..OpenOptions::default()
+    };
+    let w = Image::open(&img, Format::Qcow2, &options).unwrap();
+    let q = qcow(&w);
+    assert!(
+        !q.qemu_bitmaps_marked(),
+        "no write may land before the claim"
+    );
+    let peeked = q.peek_qemu_bitmaps().unwrap();
+    assert_eq!(peeked.len(), 1);
+    assert!(peeked[0].words.is_ok(), "{:?}", peeked[0].words);
+    assert_eq!(sha256(&img), before, "the open or the peek wrote the image");
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("b".to_string(), vec!["auto".to_string()])]
+    );
+    let claimed = q.open_qemu_bitmaps().unwrap();
+    assert!(claimed[0].words.is_ok(), "{:?}", claimed[0].words);
+    assert!(q.qemu_bitmaps_marked());
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [(
+            "b".to_string(),
+            vec!["in-use".to_string(), "auto".to_string()]
+        )]
+    );
+    drop(w);
+    check_clean(&img);
+}
+
 /// A migration on shared storage, at the format layer: the destination
 /// opens the image while the source holds it (QEMU's bitmaps in use
 /// then), the source writes them back as it lets go, and the destination,
@@ -1099,6 +1294,9 @@ fn a_bitmaps_extension_broken_later_is_an_error_not_a_stop() {
         err.contains("70000 bitmaps") && !err.contains('\n'),
         "{err}"
     );
+    // QEMU refuses such an extension too: nothing takes a bitmap of it
+    // for complete, so the daemon goes on serving.
+    assert!(q.qemu_bitmaps_marked());
     let mut data = vec![0u8; 4096];
     fill(5, 0, &mut data);
     write(&w, 0, &data).unwrap();
@@ -1117,29 +1315,57 @@ fn a_bitmaps_extension_broken_later_is_an_error_not_a_stop() {
 /// bits or the new ones, never a mix.
 #[test]
 fn qemu_bitmap_write_back_is_crash_safe() {
+    // 512-byte clusters: the write-back needs new refblocks too.
+    write_back_crash_safe("qemu-bitmap-crash", "cluster_size=512", 256 * MIB, 9, false);
+}
+
+/// The same where the write-back needs a larger refcount table: 64-bit
+/// refcounts and a disk whose metadata ends 37 KiB short of what the
+/// image's one-cluster table covers (2 MiB of file), and a bitmap of
+/// 16 KiB granules whose 63 KiB of bits go past it. The new table is
+/// written with the new refblocks, the header pointed at it in one
+/// write, the old one freed last. On the old code the write-back refused
+/// ("the refcount table would need to grow").
+#[test]
+fn qemu_bitmap_write_back_growing_the_refcount_table_is_crash_safe() {
+    write_back_crash_safe(
+        "qemu-bitmap-crash-grow",
+        "cluster_size=512,refcount_bits=64",
+        7900 * MIB,
+        14,
+        true,
+    );
+}
+
+/// [`qemu_bitmap_write_back_is_crash_safe`] on an image made with
+/// `qemu-img create -o OPTS` of `size` bytes, whose bitmap `b` has
+/// granules of 2^`gbits` bytes; `grows`: the refcount table must grow.
+fn write_back_crash_safe(name: &str, opts: &str, size: u64, gbits: u8, grows: bool) {
     use ringblk::bitmap::DirtyBitmap;
     use ringblk::format::qcow2::bitmap_write::{Op, Recorder, Stored, store_recorded};
     use ringblk::format::qcow2::bitmaps::Bitmaps;
     use std::collections::BTreeMap;
     use std::os::unix::fs::FileExt;
 
-    let dir = scratch("qemu-bitmap-crash");
+    let dir = scratch(name);
     let img = dir.join("disk.qcow2");
     let p = img.to_str().unwrap();
-    let size = 256 * MIB;
-    // 512-byte clusters: the write-back needs new refblocks too.
     qemu_img(&[
         "create",
         "-q",
         "-f",
         "qcow2",
         "-o",
-        "cluster_size=512",
+        opts,
         p,
-        "256M",
+        &size.to_string(),
     ]);
-    qemu_img(&["bitmap", "--add", "-g", "512", p, "b"]);
-    run("qemu-io", &["-f", "qcow2", "-c", "write 1M 64k", p]);
+    let g = 1u64 << gbits;
+    qemu_img(&["bitmap", "--add", "-g", &g.to_string(), p, "b"]);
+    if !grows {
+        // (QEMU would grow the table itself for this, with room to spare.)
+        run("qemu-io", &["-f", "qcow2", "-c", "write 1M 64k", p]);
+    }
     let original = std::fs::read(&img).unwrap();
 
     let file = std::fs::OpenOptions::new()
@@ -1150,7 +1376,7 @@ fn qemu_bitmap_write_back_is_crash_safe() {
     let old = Bitmaps::load(&file).unwrap().unwrap();
     let mut read = |buf: &mut [u8], off: u64| file.read_exact_at(buf, off);
     let old_words = old.read_words(0, &mut read).unwrap();
-    let b = DirtyBitmap::from_words(size, 512, old_words.clone(), true).unwrap();
+    let b = DirtyBitmap::from_words(size, g, old_words.clone(), true).unwrap();
     for m in (0..size).step_by(MIB as usize) {
         b.mark(m, 1);
     }
@@ -1159,7 +1385,7 @@ fn qemu_bitmap_write_back_is_crash_safe() {
     let new = vec![
         Stored {
             name: "b".into(),
-            granularity_bits: 9,
+            granularity_bits: gbits,
             auto: true,
             consistent: true,
             words: b.words().collect(),
@@ -1173,7 +1399,18 @@ fn qemu_bitmap_write_back_is_crash_safe() {
         },
     ];
     let rec = Recorder::default();
+    let table_clusters = |f: &std::fs::File| {
+        let mut b = [0u8; 4];
+        f.read_exact_at(&mut b, 56).unwrap();
+        u32::from_be_bytes(b)
+    };
+    let before = table_clusters(&file);
     store_recorded(&file, 512, Some(&old), &new, &|_| false, Some(&rec)).unwrap();
+    assert_eq!(
+        table_clusters(&file) > before,
+        grows,
+        "the refcount table grew (or did not) unlike the test means"
+    );
     drop(file);
     let ops = rec.ops.into_inner().unwrap();
     let syncs = ops.iter().filter(|o| matches!(o, Op::Sync)).count();

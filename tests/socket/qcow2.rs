@@ -1269,6 +1269,133 @@ fn qemu_bitmaps_follow_the_image_from_daemon_to_daemon() {
     assert_eq!(check_clean(&img), 0);
 }
 
+/// A second daemon started on the image before the first one has served
+/// a request (a migration's destination started early, or a stray
+/// start): its start writes nothing into the image, and the first one,
+/// which claims the image after it, loads the bitmaps consistent. The
+/// first daemon's front-end connects and leaves once before the second
+/// starts (the rings start and stop, as a guest's firmware and driver
+/// make them), so the bitmaps were written back by it; then the second
+/// starts, and the first serves the writes. After clean stops QEMU finds
+/// the bitmap not in use, dirty exactly where the first daemon wrote,
+/// and the image checks clean with no leak. On the old code the second
+/// daemon's open marked the bitmaps in use, so the first one loaded them
+/// inconsistent at its next claim, and `qemu-img info` listed the bitmap
+/// `in-use` after the clean stop.
+#[test]
+fn a_second_daemon_started_early_leaves_the_bitmaps_alone() {
+    let dir = test_dir();
+    let img = qcow2_with_bitmap(dir.path(), "8M", "nightly");
+    let start = |sub: &str| {
+        let d = dir.path().join(sub);
+        std::fs::create_dir_all(&d).unwrap();
+        Daemon::start_in(
+            &d,
+            DaemonOptions {
+                image: Some(img.clone()),
+                args: &["--format", "qcow2"],
+                ..DaemonOptions::default()
+            },
+        )
+    };
+    let first = start("first");
+    drop(Client::connect(&first.socket, MIB as usize));
+    // The release runs as the rings stop, after the client has gone,
+    // and is over when the daemon says the front-end left.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !first.log().contains("front-end disconnected") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first daemon never saw its front-end leave:\n{}",
+            first.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Written back, not in use. (`-U`: the daemon keeps QEMU's lock
+    // bytes while it runs.)
+    let info = qemu_img(&["info", "-U", "--output=json", img.to_str().unwrap()]);
+    let info: serde_json::Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(
+        info["format-specific"]["data"]["bitmaps"][0]["flags"],
+        serde_json::json!(["auto"]),
+        "after the first daemon's release"
+    );
+    let before = sha256(&img);
+    let second = start("second");
+    assert_eq!(
+        sha256(&img),
+        before,
+        "the second daemon's start wrote the image"
+    );
+    let mut a = Client::connect(&first.socket, MIB as usize);
+    let data = vec![6u8; 4096];
+    assert_eq!(a.write(2 * MIB, &data), 0);
+    assert_eq!(a.flush(), 0);
+    drop(a);
+    stop(first);
+    stop(second);
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [("nightly".to_string(), vec!["auto".to_string()])]
+    );
+    assert_eq!(
+        ringblk_testkit::nbd::qemu_nbd_dirty(&img, "nightly"),
+        [(2 * MIB, 64 * KIB)]
+    );
+    assert_eq!(check_clean(&img), 0);
+}
+
+/// A live snapshot of an image with a bitmap: the old top, frozen by the
+/// snapshot, gets its bitmaps written back as they were at the snapshot
+/// (not in use: QEMU trusts them), as QEMU stores a node's persistent
+/// bitmaps when it becomes read-only; the new top carries the bitmap on.
+/// A write before the snapshot and one after, a clean stop: `qemu-img
+/// info` lists the bitmap not in use in both; the old top's is dirty
+/// where the first write went only, the new top's where both went; the
+/// old top was not written after `ctl snapshot` answered, and both check
+/// clean. On the old code the old top's bitmap stayed `in-use` for good.
+#[test]
+fn a_live_snapshot_leaves_the_old_tops_bitmaps_consistent() {
+    let dir = test_dir();
+    let img = qcow2_with_bitmap(dir.path(), "8M", "nightly");
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let d = start_overlay(
+        dir.path(),
+        &img,
+        &["--snapshot-dir", snaps.to_str().unwrap()],
+    );
+    let mut client = Client::connect(&d.socket, MIB as usize);
+    let data = vec![8u8; 4096];
+    assert_eq!(client.write(MIB, &data), 0);
+    assert_eq!(client.flush(), 0);
+    snapshot(&api, "s1.qcow2");
+    let old_sum = sha256(&img);
+    assert_eq!(client.write(3 * MIB, &data), 0);
+    assert_eq!(client.flush(), 0);
+    drop(client);
+    stop(d);
+    assert_eq!(
+        sha256(&img),
+        old_sum,
+        "the old top was written after the snapshot"
+    );
+    let s1 = snaps.join("s1.qcow2");
+    let consistent = [("nightly".to_string(), vec!["auto".to_string()])];
+    assert_eq!(qemu_bitmaps(&img), consistent, "the old top");
+    assert_eq!(qemu_bitmaps(&s1), consistent, "the new top");
+    let dirty = |p: &Path| ringblk_testkit::nbd::qemu_nbd_dirty(p, "nightly");
+    assert_eq!(dirty(&img), [(MIB, 64 * KIB)], "the old top");
+    assert_eq!(
+        dirty(&s1),
+        [(MIB, 64 * KIB), (3 * MIB, 64 * KIB)],
+        "the new top"
+    );
+    assert_eq!(check_clean(&img), 0);
+    assert_eq!(check_clean(&s1), 0);
+}
+
 /// A qcow2 image with QEMU's bitmaps grown online (`ctl resize`): the
 /// bitmaps grow with it (the new part dirty: it reads as zeroes now,
 /// which no earlier backup has) and QEMU reads them back at the new size,

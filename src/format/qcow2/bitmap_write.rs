@@ -30,14 +30,18 @@
 //! 1. the new clusters are allocated past the end of the file: their
 //!    refcounts raised (in new refblocks where the refcount table has
 //!    none for them; all written before any of them is referenced), the
-//!    data, tables and directory written;
-//! 2. the refcount table's entries for new refblocks;
+//!    data, tables and directory written; where the table has no entry
+//!    for a new refblock, a larger table after the refblocks (covered by
+//!    them), holding the old entries and the new ones;
+//! 2. the refcount table's entries for new refblocks, or the header's
+//!    refcount table offset and size pointed at the larger table (12
+//!    bytes, one write);
 //! 3. the extension's 24 bytes point at the new directory (entries with
 //!    IN_USE clear unless the bitmap is inconsistent) and the autoclear
 //!    bit 0 is set (or the header rewritten with the extension added or
 //!    removed, the bit set or cleared);
-//! 4. the refcounts of the old directory, tables and data clusters are
-//!    dropped.
+//! 4. the refcounts of the old directory, tables and data clusters (and
+//!    of a refcount table that was replaced) are dropped.
 
 use std::fs::File;
 use std::io;
@@ -124,7 +128,12 @@ fn invalid(why: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, why.into())
 }
 
+/// The largest refcount table a write-back makes (QEMU's
+/// `QCOW_MAX_REFTABLE_SIZE`, 8 MiB).
+const MAX_REFCOUNT_TABLE: u64 = 8 << 20;
+
 /// The refcount structure of the file, as its header says.
+#[derive(Clone)]
 struct Refcounts {
     cluster: u64,
     order: u32,
@@ -156,6 +165,11 @@ impl Refcounts {
             table_offset,
             table: raw.chunks_exact(8).map(|e| be64(e, 0)).collect(),
         })
+    }
+
+    /// Clusters the table takes.
+    fn table_clusters(&self) -> u64 {
+        (self.table.len() as u64 * 8).div_ceil(self.cluster)
     }
 
     /// Clusters one refblock covers.
@@ -252,7 +266,7 @@ pub fn store_recorded(
     if old.is_some_and(|o| o.cluster != c) {
         return Err(invalid("the bitmaps' cluster size is not the image's"));
     }
-    let rc = Refcounts::load(file, c)?;
+    let mut rc = Refcounts::load(file, c)?;
     if new.is_empty() {
         // The last bitmap removed: the extension goes (QEMU allows no
         // empty directory), then its clusters are freed.
@@ -324,16 +338,28 @@ pub fn store_recorded(
     let used_end = next;
 
     // Refblocks for clusters the refcount table has none for: placed after
-    // the rest, covering themselves too.
+    // the rest, covering themselves too; and, when the table has no entry
+    // for one of them, a larger table after them (as QEMU's
+    // `qcow2_refcount_area` places one), covered too.
     let per = rc.per_block();
     let mut new_blocks: Vec<(usize, u64)> = Vec::new(); // (table index, cluster)
+    let mut new_table_clusters = 0u64;
     loop {
-        let end = used_end + new_blocks.len() as u64;
-        let missing: Vec<usize> = (start / per..end.div_ceil(per))
+        let end = used_end + new_blocks.len() as u64 + new_table_clusters;
+        let entries = end.div_ceil(per);
+        let missing: Vec<usize> = (start / per..entries)
             .map(|i| i as usize)
             .filter(|&i| rc.table.get(i).is_none_or(|&e| e & TABLE_OFFSET == 0))
             .collect();
-        if missing.len() == new_blocks.len() {
+        // Twice the entries needed (within QEMU's bound), so that the
+        // allocations after this one do not have to grow it again at once.
+        let table_clusters = if entries > rc.table.len() as u64 {
+            let bytes = (entries * 2 * 8).min(MAX_REFCOUNT_TABLE).max(entries * 8);
+            bytes.div_ceil(c).max(new_table_clusters)
+        } else {
+            0
+        };
+        if missing.len() == new_blocks.len() && table_clusters == new_table_clusters {
             break;
         }
         new_blocks = missing
@@ -341,14 +367,18 @@ pub fn store_recorded(
             .enumerate()
             .map(|(k, &i)| (i, used_end + k as u64))
             .collect();
+        new_table_clusters = table_clusters;
     }
-    if let Some(&(i, _)) = new_blocks.iter().find(|(i, _)| *i >= rc.table.len()) {
-        return Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            format!("the refcount table would need to grow (entry {i}); not done"),
-        ));
+    let table_at = used_end + new_blocks.len() as u64;
+    let end = table_at + new_table_clusters;
+    if new_table_clusters > 0 {
+        let bytes = new_table_clusters * c;
+        if bytes > MAX_REFCOUNT_TABLE || u32::try_from(new_table_clusters).is_err() {
+            return Err(invalid(format!(
+                "the refcount table would grow to {bytes} bytes, past {MAX_REFCOUNT_TABLE}"
+            )));
+        }
     }
-    let end = used_end + new_blocks.len() as u64;
 
     // Step 1: refcounts of [start, end) to 1, then the contents.
     let mut blocks: std::collections::BTreeMap<usize, (u64, Vec<u8>)> = Default::default();
@@ -383,15 +413,50 @@ pub fn store_recorded(
     for (at, b) in blocks.values() {
         file.write_all_at(b, *at)?;
     }
+    // A larger refcount table: the old entries and the new refblocks'.
+    // Nothing points at it yet.
+    let grown = if new_table_clusters > 0 {
+        let mut table = rc.table.clone();
+        table.resize((new_table_clusters * c / 8) as usize, 0);
+        for &(i, cl) in &new_blocks {
+            table[i] = cl * c;
+        }
+        let raw: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
+        file.write_all_at(&raw, table_at * c)?;
+        Some(Refcounts {
+            table_offset: table_at * c,
+            table,
+            ..rc.clone()
+        })
+    } else {
+        None
+    };
     file.sync_data()?;
 
-    // Step 2: hook the new refblocks up.
-    if !new_blocks.is_empty() {
-        for &(i, cl) in &new_blocks {
-            file.write_all_at(&(cl * c).to_be_bytes(), rc.table_offset + i as u64 * 8)?;
+    // Step 2: hook the new refblocks up: into the table, or the header
+    // pointed at the larger table (its offset and size: 12 bytes of one
+    // sector, one write).
+    let old_table = match grown {
+        Some(g) => {
+            let mut h = Vec::with_capacity(12);
+            h.extend(g.table_offset.to_be_bytes());
+            h.extend((new_table_clusters as u32).to_be_bytes());
+            file.write_all_at(&h, 48)?;
+            file.sync_data()?;
+            let old_table = rc.table_offset / c..(rc.table_offset / c + rc.table_clusters());
+            rc = g;
+            Some(old_table)
         }
-        file.sync_data()?;
-    }
+        None => {
+            if !new_blocks.is_empty() {
+                for &(i, cl) in &new_blocks {
+                    file.write_all_at(&(cl * c).to_be_bytes(), rc.table_offset + i as u64 * 8)?;
+                }
+                file.sync_data()?;
+            }
+            None
+        }
+    };
 
     // Step 3: the extension points at the new directory; valid.
     let mut ext = Vec::with_capacity(24);
@@ -403,6 +468,9 @@ pub fn store_recorded(
         // The image's first bitmaps: the extension is added to the header.
         let moved = rewrite_header(file, c, Some(&ext))?;
         file.sync_data()?;
+        if let Some(t) = old_table {
+            free_clusters(file, &rc, t.collect())?;
+        }
         return Ok(moved);
     };
     file.write_all_at(&ext, old.ext_at)?;
@@ -412,8 +480,12 @@ pub fn store_recorded(
     file.write_all_at(&autoclear.to_be_bytes(), AUTOCLEAR_OFFSET)?;
     file.sync_data()?;
 
-    // Step 4: free the old clusters (a crash before this leaks them).
+    // Step 4: free the old clusters (a crash before this leaks them), the
+    // old refcount table's too.
     free_old(file, old, &rc, is_metadata)?;
+    if let Some(t) = old_table {
+        free_clusters(file, &rc, t.collect())?;
+    }
     Ok(None)
 }
 
@@ -549,6 +621,14 @@ fn free_old(
     // image's own metadata never.
     clusters.dedup();
     clusters.retain(|&cl| cl != 0 && !is_metadata(cl));
+    free_clusters(file, rc, clusters)
+}
+
+/// Drops the refcount of each of `clusters` (sorted, each once) by one,
+/// then fdatasyncs. One without a refblock, or whose refcount is zero (or
+/// saturated), is left alone.
+fn free_clusters(file: &Disk<'_>, rc: &Refcounts, clusters: Vec<u64>) -> io::Result<()> {
+    let c = rc.cluster;
     let per = rc.per_block();
     let mut block: Option<(usize, u64, Vec<u8>)> = None;
     for cl in clusters {

@@ -119,7 +119,7 @@ pub struct Bitmaps {
 
 /// A bitmap as loaded from the image: its bits, or why they cannot be
 /// trusted (in use, or a bad table).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Loaded {
     pub name: String,
     pub granularity_bits: u8,

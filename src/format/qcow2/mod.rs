@@ -63,6 +63,15 @@ pub struct OpenOptions {
     /// allocating writes takes an fdatasync before its L2 entries, and a
     /// marked image (a daemon with a log was killed on it) is refused.
     pub l2_log: Option<PathBuf>,
+    /// QEMU's bitmaps of a writable top are read and checked at open, but
+    /// marked in use only by [`Qcow2Image::open_qemu_bitmaps`], which the
+    /// daemon calls when it claims the image (as QEMU opens an image for
+    /// an incoming migration, `BDRV_O_INACTIVE`, and marks its bitmaps
+    /// when it activates it): a daemon started on an image that another
+    /// one serves writes nothing into it until it holds it. The caller
+    /// then calls `open_qemu_bitmaps` before its first write. Without it,
+    /// the open marks them in use.
+    pub bitmaps_at_claim: bool,
 }
 
 impl Default for OpenOptions {
@@ -74,6 +83,7 @@ impl Default for OpenOptions {
             ordered: true,
             journal: None,
             l2_log: None,
+            bitmaps_at_claim: false,
         }
     }
 }
@@ -160,15 +170,28 @@ struct Chain {
 }
 
 /// QEMU's persistent bitmaps of the writable top (bitmaps.rs,
-/// bitmap_write.rs): loaded and marked in use when the image is claimed,
-/// written back when it is let go ([`Qcow2Image::invalidate`]).
+/// bitmap_write.rs): loaded and marked in use when the image is claimed
+/// (or at open, without [`OpenOptions::bitmaps_at_claim`]), written back
+/// when it is let go ([`Qcow2Image::invalidate`]).
 struct QemuBitmaps {
-    /// The directory on disk; `None` once the extension is gone.
+    /// The directory on disk as this image last read, marked or wrote it;
+    /// `None` once the extension is gone.
     dir: Option<bitmaps::Bitmaps>,
-    /// The bits loaded at open, for the first claim.
+    /// The bits loaded at open, before the open marked them in use (none
+    /// with [`OpenOptions::bitmaps_at_claim`]): for the first claim, and
+    /// for a peek until then.
     loaded: Option<Vec<bitmaps::Loaded>>,
     /// Bitmaps to write at the next quiet moment.
     staged: Option<Vec<bitmap_write::Stored>>,
+    /// Bitmaps for the next [`Qcow2Image::snapshot`] to write into this
+    /// top once it is frozen ([`Qcow2Image::stage_qemu_bitmaps_for_snapshot`]).
+    at_snapshot: Option<Vec<bitmap_write::Stored>>,
+    /// False while a bitmap on disk may say it is complete although this
+    /// process is about to write the image unrecorded by it: from an open
+    /// with [`OpenOptions::bitmaps_at_claim`] until the claim marks them,
+    /// and after a claim whose marking failed
+    /// ([`Qcow2Image::qemu_bitmaps_marked`]).
+    marked: bool,
 }
 
 impl Qcow2Image {
@@ -225,9 +248,9 @@ impl Qcow2Image {
     /// QEMU's bitmaps, loaded, and marked in use on disk before this
     /// returns. Called when the image is claimed, before any write. The
     /// directory is always read afresh: another process (a migration's
-    /// source) may have written the bitmaps since; the bits loaded at open
-    /// serve only if nobody did (the directory is still the one this
-    /// open marked in use).
+    /// source) may have written the bitmaps since; the bits an open that
+    /// marked them loaded serve only if nobody did (the directory is still
+    /// the one that open marked in use).
     pub fn open_qemu_bitmaps(&self) -> Result<Vec<bitmaps::Loaded>, FormatError> {
         let Some(q) = &self.qemu else {
             return Ok(Vec::new());
@@ -245,13 +268,64 @@ impl Qcow2Image {
                 return Ok(loaded);
             }
         }
+        // A directory that cannot be read or trusted (a bad extension
+        // written behind this process's back, which QEMU refuses too) is
+        // left as it is, and the image goes on serving with no bitmaps:
+        // only a marking that fails leaves bitmaps this process knows to
+        // say they are complete.
+        q.marked = true;
+        let Some((mut b, loaded)) = self.read_qemu_bitmaps()? else {
+            q.dir = None;
+            return Ok(Vec::new());
+        };
+        if let Err(e) = b.mark_in_use(file) {
+            q.marked = false;
+            return Err(FormatError::io("marking bitmaps in use")(e));
+        }
+        q.dir = Some(b);
+        Ok(loaded)
+    }
+
+    /// Whether the image may be written as far as QEMU's bitmaps go: none
+    /// on disk says it is complete while this process writes unrecorded
+    /// by it. False from an open with [`OpenOptions::bitmaps_at_claim`]
+    /// until [`open_qemu_bitmaps`](Self::open_qemu_bitmaps) marks them, and
+    /// after one that failed to mark them (a write or an fdatasync that
+    /// failed). The daemon serves no request while it is false.
+    pub fn qemu_bitmaps_marked(&self) -> bool {
+        self.qemu.as_ref().is_none_or(|q| lock(q).marked)
+    }
+
+    /// QEMU's bitmaps as they are, marking nothing and writing nothing:
+    /// what a daemon that does not hold the image yet lists. Those an open
+    /// that marked them loaded, until the first claim; else read afresh
+    /// (one in use comes back as the reason its bits are not trusted).
+    pub fn peek_qemu_bitmaps(&self) -> Result<Vec<bitmaps::Loaded>, FormatError> {
+        let Some(q) = &self.qemu else {
+            return Ok(Vec::new());
+        };
+        let _meta = lock(&self.meta);
+        if let Some(loaded) = &lock(q).loaded {
+            return Ok(loaded.clone());
+        }
+        Ok(self
+            .read_qemu_bitmaps()?
+            .map(|(_, loaded)| loaded)
+            .unwrap_or_default())
+    }
+
+    /// The top's bitmap directory and bits, read and checked afresh (none:
+    /// no extension). Under `meta`.
+    fn read_qemu_bitmaps(
+        &self,
+    ) -> Result<Option<(bitmaps::Bitmaps, Vec<bitmaps::Loaded>)>, FormatError> {
         let bad = |e: String| FormatError::Io {
             context: "bitmaps extension",
             source: io::Error::new(io::ErrorKind::InvalidData, e),
         };
-        let Some(mut b) = bitmaps::Bitmaps::load(file).map_err(bad)? else {
-            q.dir = None;
-            return Ok(Vec::new());
+        let file = self.files[0].file();
+        let Some(b) = bitmaps::Bitmaps::load(file).map_err(bad)? else {
+            return Ok(None);
         };
         let c = 1u64 << self.cluster_bits;
         if b.directory_clusters(c)
@@ -260,24 +334,7 @@ impl Qcow2Image {
             return Err(bad("the bitmap directory overlaps other metadata".into()));
         }
         let loaded = b.load_all(file);
-        b.mark_in_use(file)
-            .map_err(FormatError::io("marking bitmaps in use"))?;
-        q.dir = Some(b);
-        Ok(loaded)
-    }
-
-    /// Whether the bitmap directory on disk is still the one this image
-    /// last loaded or wrote (nobody else wrote the bitmaps since).
-    pub fn qemu_directory_unchanged(&self) -> bool {
-        let Some(q) = &self.qemu else {
-            return false;
-        };
-        let q = lock(q);
-        let now = bitmaps::Bitmaps::load(self.files[0].file());
-        match (q.dir.as_ref(), now) {
-            (Some(dir), Ok(Some(now))) => dir.same_directory(&now),
-            _ => false,
-        }
+        Ok(Some((b, loaded)))
     }
 
     /// Bitmaps to write back at the next [`invalidate`](Self::invalidate)
@@ -288,6 +345,25 @@ impl Qcow2Image {
         match &self.qemu {
             Some(q) => {
                 lock(q).staged = Some(bitmaps);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Bitmaps for the next [`snapshot`](Self::snapshot) of this image to
+    /// write into it, in place of those on disk, once the overlay is in
+    /// place and this top is frozen: QEMU stores a node's persistent
+    /// bitmaps when it becomes read-only (block/qcow2-bitmap.c,
+    /// `qcow2_reopen_bitmaps_ro`). Staged with every request kept out, just
+    /// before the snapshot, so that the bits are final for this top: every
+    /// write after the snapshot goes to the overlay. A snapshot that fails
+    /// drops them (this image stays the top, its bitmaps in use). False
+    /// when the top keeps no bitmaps (not writable).
+    pub fn stage_qemu_bitmaps_for_snapshot(&self, bitmaps: Vec<bitmap_write::Stored>) -> bool {
+        match &self.qemu {
+            Some(q) => {
+                lock(q).at_snapshot = Some(bitmaps);
                 true
             }
             None => false,
@@ -878,10 +954,20 @@ impl Qcow2Image {
     ///
     /// The caller has stopped the requests to this image. Before the
     /// overlay is made, everything of this image is committed and synced,
-    /// and its top is frozen: it is never written again, a point-in-time
+    /// and its top is frozen: it is never written again (but for the
+    /// bitmaps below, before the caller resumes), a point-in-time
     /// image of the disk. On success this image's files are one further
     /// down the chain (index + 1), and the overlay is file 0; on failure
     /// this image is as it was (thawed, its files where they were).
+    ///
+    /// Bitmaps staged for the snapshot
+    /// ([`stage_qemu_bitmaps_for_snapshot`](Self::stage_qemu_bitmaps_for_snapshot))
+    /// are written into this top on success, after the snapshot record
+    /// made the switch durable and before the caller lets requests through
+    /// again: a crash before that leaves them in use (inconsistent), never
+    /// consistent with a write missing, since this top is written no more.
+    /// A failure to write them is logged and leaves them in use; the
+    /// snapshot stands.
     pub fn snapshot(
         &self,
         file: File,
@@ -890,6 +976,9 @@ impl Qcow2Image {
         options: &OpenOptions,
         record: impl FnOnce() -> Result<(), FormatError>,
     ) -> Result<Qcow2Image, FormatError> {
+        // Taken whatever happens: a failed snapshot must not leave them
+        // for a later one (they would be stale by then).
+        let at_snapshot = self.qemu.as_ref().and_then(|q| lock(q).at_snapshot.take());
         if !self.writable {
             return Err(FormatError::ReadOnly);
         }
@@ -910,6 +999,16 @@ impl Qcow2Image {
             self.files[0].freeze();
         }
         let made = self.make_overlay(file, path, backing_name, options, record);
+        if let (Ok(_), Some(bitmaps)) = (&made, at_snapshot) {
+            // Frozen: imago writes nothing more here, and its caches of
+            // this top were written and synced above. The bitmaps go
+            // straight to the file (`write_qemu_bitmaps`), as at a
+            // release.
+            let _group = lock(&self.commit_lock);
+            let _meta = lock(&self.meta);
+            self.stage_qemu_bitmaps(bitmaps);
+            self.write_qemu_bitmaps();
+        }
         if made.is_err() {
             self.files[0].thaw();
             // The log may name the overlay by now: it is the old top's again.
@@ -984,13 +1083,16 @@ impl Qcow2Image {
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
             l2log: self.l2log.clone(),
-            // A new overlay has no bitmaps: the device's are written into
-            // it at the next release (the old top's stay as they are on
-            // disk: in use, as this image marked them).
+            // A new overlay has no bitmaps: the device writes its set
+            // into it once the snapshot is over, and the bits at the next
+            // release (the old top's were written back above, as they
+            // were at the snapshot).
             qemu: Some(Mutex::new(QemuBitmaps {
                 dir: None,
                 loaded: None,
                 staged: None,
+                at_snapshot: None,
+                marked: true,
             })),
         })
     }
@@ -1385,19 +1487,31 @@ fn open_qcow2(
                 "bitmaps extension: the bitmap directory overlaps other metadata",
             ));
         }
-        // The bits as they were, before they are marked in use.
-        let loaded = b.load_all(state.file());
-        b.mark_in_use(state.file()).map_err(|e| open_err(path, e))?;
         let names: Vec<&str> = b.entries.iter().map(|e| e.name.as_str()).collect();
-        log::info!(
-            "{}: QEMU's persistent bitmaps {} marked in use while ringblk holds the image",
-            path.display(),
-            names.join(", ")
-        );
+        let names = names.join(", ");
+        let loaded = if options.bitmaps_at_claim {
+            // Nothing written: another process may hold the image now.
+            log::info!(
+                "{}: QEMU's persistent bitmaps {names}, marked in use from when ringblk claims the image",
+                path.display()
+            );
+            None
+        } else {
+            // The bits as they were, before they are marked in use.
+            let loaded = b.load_all(state.file());
+            b.mark_in_use(state.file()).map_err(|e| open_err(path, e))?;
+            log::info!(
+                "{}: QEMU's persistent bitmaps {names} marked in use while ringblk holds the image",
+                path.display()
+            );
+            Some(loaded)
+        };
         chain.qemu = Some(QemuBitmaps {
             dir: Some(b),
-            loaded: Some(loaded),
+            loaded,
             staged: None,
+            at_snapshot: None,
+            marked: !options.bitmaps_at_claim,
         });
     } else if writable {
         // No bitmaps yet: the first one added creates the extension.
@@ -1405,6 +1519,8 @@ fn open_qcow2(
             dir: None,
             loaded: None,
             staged: None,
+            at_snapshot: None,
+            marked: !options.bitmaps_at_claim,
         });
     }
     q.set_backing(backing);

@@ -339,17 +339,12 @@ pub fn run(m: Migration) {
         // then (a daemon opens its bitmaps' files at start-up).
         crate::ctl_ok(&api_of(dir, &src), &["bitmap", "add", "mig"]);
     }
-    // The destination's daemon starts while the source's guest runs, as
-    // a migration's destination does, when the bitmap is in a qcow2
-    // image: a daemon's start marks the image's bitmaps in use, which a
-    // source that claims the image afterwards (its guest booting) would
-    // load as inconsistent; one that already holds it keeps its bits.
-    let late_destination = m.bitmap && m.storage == Storage::Qcow2;
-    let mut dst_daemon = if late_destination {
-        None
-    } else {
-        Some(start_daemon(&dst).0)
-    };
+    // The destination's daemon starts before the source's guest boots,
+    // also when the bitmap is in a qcow2 image: its start writes nothing
+    // into the image (the bitmaps are marked in use when a daemon claims
+    // it), so the source, which claims the image as its guest boots,
+    // loads its bitmap consistent.
+    let mut dst_daemon = start_daemon(&dst).0;
 
     let append = format!(
         "console=ttyS0 quiet panic=-1 init_on_alloc=0 ringblk.test=migrate ringblk.migrate={} \
@@ -383,9 +378,8 @@ pub fn run(m: Migration) {
     };
 
     // The destination first: it listens (on a port it could bind) before
-    // the source exists (or, `late_destination`, once the source's guest
-    // is up).
-    let spawn_destination = || {
+    // the source exists.
+    let (mut dst_qemu, mut dst_qmp, uri) = {
         let mut dst_qemu = Guard::spawn_logged(
             "destination qemu",
             qemu(&dst).args(["-incoming", "defer"]),
@@ -397,23 +391,12 @@ pub fn run(m: Migration) {
         let uri = listen_for_migration(&mut dst_qmp);
         (dst_qemu, dst_qmp, uri)
     };
-    let early = (!late_destination).then(spawn_destination);
     let mut src_qemu = Guard::spawn_logged("source qemu", &mut qemu(&src), &src.qemu_log);
     let mut src_qmp = Qmp::connect("source", &src.qmp, Duration::from_secs(30), || {
         src_qemu.exited().is_none()
     });
 
     wait_for_marker(&src, &mut src_qemu);
-    let (mut dst_qemu, mut dst_qmp, uri) = match early {
-        Some(d) => d,
-        None => {
-            dst_daemon = Some(start_daemon(&dst).0);
-            spawn_destination()
-        }
-    };
-    let Some(mut dst_daemon) = dst_daemon else {
-        unreachable!("the destination's daemon runs by now")
-    };
     let marker_at = Instant::now();
     match m.workload {
         // fio is writing (the guest waits for that): let it and the
