@@ -87,9 +87,11 @@ pub fn check_clean(path: &Path) -> u64 {
             .arg(path)
             .output()
             .unwrap();
+        // What is corrupt (its ERROR lines) goes to stderr.
         panic!(
-            "qemu-img check: {corruptions} corruptions in {}:\n{}",
+            "qemu-img check: {corruptions} corruptions in {}:\n{}{}",
             path.display(),
+            String::from_utf8_lossy(&out.stderr),
             String::from_utf8_lossy(&out.stdout)
         );
     }
