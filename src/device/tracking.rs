@@ -520,7 +520,8 @@ impl Device {
         match self.claim_image() {
             Ok(()) => self.release_image(),
             Err(_) => log::info!(
-                "{}: marked by a daemon that holds it now; its L2 log stays its own",
+                "{}: marked, and not taken now (another process holds it, or see above); \
+                 its L2 log is written in when the first queue takes it",
                 self.name
             ),
         }
