@@ -147,7 +147,8 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     };
     // The workers, the backend and the control API share the device.
     let device = Arc::new(cfg.device);
-    // Before anything listens: what a daemon killed on the image left.
+    // Before the vhost-user socket listens: what a daemon killed on the
+    // image left (`Device::recover_image`).
     device.recover_image();
     if device.qos().active() {
         log::info!("QoS limits: {}", device.qos().limits().summary());
