@@ -23,7 +23,8 @@ pub struct Snapshot {
 impl Device {
     /// Puts a new qcow2 overlay, `overlay`, above the chain: requests in
     /// flight complete on the old top, those after go to the new one, and
-    /// the image lock moves with the top. Refused while a backup runs.
+    /// the image lock moves with the top. Refused while a backup runs, or
+    /// while another process holds the image.
     pub fn snapshot(&self, overlay: &Path) -> Result<Snapshot, SnapshotError> {
         let Some(live) = self.qcow2() else {
             return Err(SnapshotError::NotQcow2);
@@ -40,6 +41,19 @@ impl Device {
                 b.socket
             )));
         }
+        // The image held for the snapshot, also with no front-end
+        // connected: its lock taken (no other process writes the image
+        // under the switch) and its bitmaps open, so that they move to the
+        // new top as they do while a guest runs; the release after it
+        // writes their bits there. Before, with no front-end, the new top
+        // got none.
+        let _hold = self.hold_guard().map_err(|_| {
+            SnapshotError::Refused(
+                "the image is held by another process (another ringblk, the other side of a \
+                 migration, or a QEMU): a live snapshot needs the image lock"
+                    .to_string(),
+            )
+        })?;
         let relock = |file: &std::fs::File| match &self.image_lock {
             Some(l) => l.relock(file),
             None => Ok(()),

@@ -406,7 +406,7 @@ fn granularity_of(bitmaps: &BTreeMap<String, Entry>, name: &str) -> u64 {
 static UNMARKED: SharedRateLimiter = SharedRateLimiter::new(3, std::time::Duration::from_secs(60));
 
 /// The image held for as long as this lives.
-struct Hold<'a>(&'a Device);
+pub(super) struct Hold<'a>(&'a Device);
 
 impl Drop for Hold<'_> {
     fn drop(&mut self) {
@@ -547,7 +547,7 @@ impl Device {
         }
     }
 
-    fn hold_guard(&self) -> Result<Hold<'_>, TrackingError> {
+    pub(super) fn hold_guard(&self) -> Result<Hold<'_>, TrackingError> {
         self.claim_image()?;
         Ok(Hold(self))
     }

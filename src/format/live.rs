@@ -201,7 +201,8 @@ pub enum SnapshotError {
     Name(String, String),
     #[error("the image is read-only")]
     ReadOnly,
-    /// The device refuses it now (a backup is running): why.
+    /// The device refuses it now (a backup is running, or another
+    /// process holds the image): why.
     #[error("{0}")]
     Refused(String),
     #[error("cannot create {path}: {source}")]
