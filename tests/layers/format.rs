@@ -894,6 +894,34 @@ fn qemu_bitmaps_written_back_with_new_refblocks() {
     written_back("512");
 }
 
+/// `dir/disk.qcow2`, a `size`-byte image whose refcount table covers
+/// little (512-byte clusters, 64-bit refcounts: one refblock covers 32 KiB
+/// of file, the one-cluster table 2 MiB), with one QEMU bitmap `name` of
+/// `granularity`-byte granules: its write-back soon needs a larger table.
+fn small_refblocks(dir: &Path, size: u64, granularity: u64, name: &str) -> PathBuf {
+    let img = dir.join("disk.qcow2");
+    let p = img.to_str().unwrap();
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=512,refcount_bits=64",
+        p,
+        &size.to_string(),
+    ]);
+    qemu_img(&["bitmap", "--add", "-g", &granularity.to_string(), p, name]);
+    img
+}
+
+/// The refcount table's size in clusters, from the header.
+fn reftable_clusters(f: &std::fs::File) -> u32 {
+    let mut b = [0u8; 4];
+    std::os::unix::fs::FileExt::read_exact_at(f, &mut b, 56).unwrap();
+    u32::from_be_bytes(b)
+}
+
 /// A write-back that needs more refcount table than the image has: 512-byte
 /// clusters with 64-bit refcounts (one refblock covers 32 KiB of file,
 /// the image's one-cluster table 2 MiB) and a 4 GiB disk, whose bitmap
@@ -909,34 +937,16 @@ fn qemu_bitmaps_written_back_with_a_grown_refcount_table() {
     use ringblk::bitmap::DirtyBitmap;
     use ringblk::format::qcow2::bitmap_write::{Stored, store};
     use ringblk::format::qcow2::bitmaps::Bitmaps;
-    use std::os::unix::fs::FileExt;
 
     let dir = scratch("qemu-bitmap-write-grown-reftable");
-    let img = dir.join("disk.qcow2");
-    let p = img.to_str().unwrap();
     let size = 4096 * MIB;
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        "cluster_size=512,refcount_bits=64",
-        p,
-        &size.to_string(),
-    ]);
-    qemu_img(&["bitmap", "--add", "-g", "512", p, "b512"]);
+    let img = small_refblocks(&dir, size, 512, "b512");
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(&img)
         .unwrap();
-    let table_clusters = |f: &std::fs::File| {
-        let mut b = [0u8; 4];
-        f.read_exact_at(&mut b, 56).unwrap();
-        u32::from_be_bytes(b)
-    };
-    assert_eq!(table_clusters(&file), 1, "qemu-img's table changed size");
+    assert_eq!(reftable_clusters(&file), 1, "qemu-img's table changed size");
     let old = Bitmaps::load(&file).unwrap().unwrap();
     let b = DirtyBitmap::new(size, 512).unwrap();
     for m in (0..size).step_by(MIB as usize) {
@@ -950,7 +960,10 @@ fn qemu_bitmaps_written_back_with_a_grown_refcount_table() {
         words: b.words().collect(),
     }];
     store(&file, 512, Some(&old), &new, &|_| false).unwrap();
-    assert!(table_clusters(&file) > 1, "the refcount table did not grow");
+    assert!(
+        reftable_clusters(&file) > 1,
+        "the refcount table did not grow"
+    );
     drop(file);
     assert_eq!(
         qemu_bitmaps(&img),
@@ -976,20 +989,8 @@ fn imago_allocates_after_a_write_back_grew_the_refcount_table() {
     use ringblk::format::qcow2::bitmap_write::Stored;
 
     let dir = scratch("qemu-bitmap-grown-reftable-live");
-    let img = dir.join("disk.qcow2");
-    let p = img.to_str().unwrap();
     let size = 7900 * MIB;
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        "cluster_size=512,refcount_bits=64",
-        p,
-        &size.to_string(),
-    ]);
-    qemu_img(&["bitmap", "--add", "-g", "16384", p, "b"]);
+    let img = small_refblocks(&dir, size, 16384, "b");
     let w = open(&img, true);
     let q = qcow(&w);
     assert_eq!(q.open_qemu_bitmaps().unwrap().len(), 1);
@@ -1005,10 +1006,10 @@ fn imago_allocates_after_a_write_back_grew_the_refcount_table() {
         words: b.words().collect(),
     }]));
     q.invalidate().unwrap();
-    let mut h = [0u8; 4];
-    std::os::unix::fs::FileExt::read_exact_at(&std::fs::File::open(&img).unwrap(), &mut h, 56)
-        .unwrap();
-    assert!(u32::from_be_bytes(h) > 1, "the refcount table did not grow");
+    assert!(
+        reftable_clusters(&std::fs::File::open(&img).unwrap()) > 1,
+        "the refcount table did not grow"
+    );
     assert_eq!(
         qemu_bitmaps(&img),
         [("b".to_string(), vec!["auto".to_string()])]
@@ -1399,15 +1400,10 @@ fn write_back_crash_safe(name: &str, opts: &str, size: u64, gbits: u8, grows: bo
         },
     ];
     let rec = Recorder::default();
-    let table_clusters = |f: &std::fs::File| {
-        let mut b = [0u8; 4];
-        f.read_exact_at(&mut b, 56).unwrap();
-        u32::from_be_bytes(b)
-    };
-    let before = table_clusters(&file);
+    let before = reftable_clusters(&file);
     store_recorded(&file, 512, Some(&old), &new, &|_| false, Some(&rec)).unwrap();
     assert_eq!(
-        table_clusters(&file) > before,
+        reftable_clusters(&file) > before,
         grows,
         "the refcount table grew (or did not) unlike the test means"
     );

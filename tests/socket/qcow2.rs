@@ -1226,18 +1226,7 @@ fn a_disabled_qemu_bitmap_stays_as_it_was() {
 fn qemu_bitmaps_follow_the_image_from_daemon_to_daemon() {
     let dir = test_dir();
     let img = qcow2_with_bitmap(dir.path(), "8M", "nightly");
-    let start = |sub: &str| {
-        let d = dir.path().join(sub);
-        std::fs::create_dir_all(&d).unwrap();
-        Daemon::start_in(
-            &d,
-            DaemonOptions {
-                image: Some(img.clone()),
-                args: &["--format", "qcow2"],
-                ..DaemonOptions::default()
-            },
-        )
-    };
+    let start = |sub: &str| start_in_sub(dir.path(), &img, sub);
     let first = start("first");
     let mut a = Client::connect(&first.socket, MIB as usize);
     let data = vec![5u8; 4096];
@@ -1286,18 +1275,7 @@ fn qemu_bitmaps_follow_the_image_from_daemon_to_daemon() {
 fn a_second_daemon_started_early_leaves_the_bitmaps_alone() {
     let dir = test_dir();
     let img = qcow2_with_bitmap(dir.path(), "8M", "nightly");
-    let start = |sub: &str| {
-        let d = dir.path().join(sub);
-        std::fs::create_dir_all(&d).unwrap();
-        Daemon::start_in(
-            &d,
-            DaemonOptions {
-                image: Some(img.clone()),
-                args: &["--format", "qcow2"],
-                ..DaemonOptions::default()
-            },
-        )
-    };
+    let start = |sub: &str| start_in_sub(dir.path(), &img, sub);
     let first = start("first");
     drop(Client::connect(&first.socket, MIB as usize));
     // The release runs as the rings stop, after the client has gone,
@@ -1404,6 +1382,21 @@ fn a_live_snapshot_leaves_the_old_tops_bitmaps_consistent() {
         assert_eq!(check_clean(&img), 0);
         assert_eq!(check_clean(&s1), 0);
     }
+}
+
+/// A daemon serving `img` as qcow2 from the directory `sub` of `dir`
+/// (its own socket): one of several daemons on one image.
+fn start_in_sub(dir: &Path, img: &Path, sub: &str) -> Daemon {
+    let d = dir.join(sub);
+    std::fs::create_dir_all(&d).unwrap();
+    Daemon::start_in(
+        &d,
+        DaemonOptions {
+            image: Some(img.to_path_buf()),
+            args: &["--format", "qcow2"],
+            ..DaemonOptions::default()
+        },
+    )
 }
 
 /// Waits until `d` says its front-end left: its rings have stopped and
