@@ -736,6 +736,10 @@ impl Qcow2Image {
                             ),
                         });
                     }
+                    // Inside the file before an L2 entry can point here.
+                    self.files[0]
+                        .cover(host + csize)
+                        .map_err(FormatError::io("allocating"))?;
                     (host, true, frees)
                 }
             };

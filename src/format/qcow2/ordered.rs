@@ -307,7 +307,10 @@ impl FileState {
     /// QEMU keeps every cluster of the file covered by a refblock; with a
     /// hole, imago's search for a cluster to hold a new refblock recurses
     /// once per missing refblock (a stack overflow for a hostile image, as
-    /// the fuzz target found).
+    /// the fuzz target found). One missing refblock at the very end, after
+    /// others, is taken: a crash while a new refblock was hooked up leaves
+    /// it (the refblock written past the last covered cluster, its table
+    /// entry not), nothing counts on it, and QEMU opens such an image.
     fn check_refcount_coverage(&self, o: &Order) -> io::Result<()> {
         let file_len = self.file.metadata()?.len();
         let clusters = file_len.div_ceil(1 << o.cluster_bits);
@@ -322,7 +325,11 @@ impl FileState {
         }
         let mut t = vec![0u8; (needed * 8) as usize];
         self.file.read_exact_at(&mut t, o.rt_offset)?;
-        if let Some(i) = t.chunks_exact(8).position(|e| be64(e, 0) == 0) {
+        // The one missing at the end must not be the first: with no
+        // refblock at all imago recurses without end (a fuzz input).
+        if let Some(i) = t.chunks_exact(8).position(|e| be64(e, 0) == 0)
+            && (i == 0 || i as u64 + 1 < needed)
+        {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!(
@@ -332,6 +339,34 @@ impl FileState {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// Makes the file at least `end` bytes long, never shorter: a data
+    /// cluster allocated past the end of the file is inside it before any
+    /// L2 entry can point there (imago has the entry in its cache at the
+    /// allocation, and a commit of another request, or of this one when
+    /// it hooked up a new table, writes or logs it before this request's
+    /// data write). An entry past the end is a corruption to QEMU, and a
+    /// kill -9 or a power loss in between left one. The last byte of the
+    /// cluster, which only its own request writes, is read, and written
+    /// back (a zero) only where the file ends before it; the next
+    /// fdatasync, before any held L2 table is written, makes the length
+    /// durable.
+    pub fn cover(&self, end: u64) -> io::Result<()> {
+        let Some(order) = &self.order else {
+            return Ok(());
+        };
+        let Some(last) = end.checked_sub(1) else {
+            return Ok(());
+        };
+        let mut o = lock(order);
+        let mut b = [0u8; 1];
+        if self.file.read_at(&mut b, last)? == 1 {
+            return Ok(());
+        }
+        self.pwrite(&[0], last)?;
+        o.unsynced |= UNSYNCED_OTHER;
         Ok(())
     }
 
@@ -751,6 +786,21 @@ impl FileState {
                 }
                 self.pwrite(&data, offset)?;
                 o.unsynced |= UNSYNCED_RB;
+            }
+            Class::L2 if !o.held.is_empty() => {
+                // A pointer write is held (a new refblock's refcount
+                // table entry, a new L2 table's L1 entry, a moved table in
+                // the header), and this table's entries may count on it
+                // (a cluster whose refcount is in the new refblock): it
+                // waits behind it, in the same order (`commit_pointers`).
+                // Neither written nor logged before: after a kill -9 the
+                // log's replay would have written entries whose refcounts
+                // the file does not reach. An older version held for the
+                // log is superseded by this one (it would read over it).
+                if let Some(old) = o.held_l2.remove(&offset) {
+                    o.held_l2_bytes -= old.data.len();
+                }
+                o.held.push((offset, data));
             }
             Class::L2 => {
                 let Some(data) = self.hold(&mut o, data, offset, false)? else {
