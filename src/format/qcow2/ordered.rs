@@ -490,13 +490,15 @@ impl FileState {
             }
         }
         if let Some(o) = o {
-            for (at, data) in o.held.iter().chain(o.held_frees.iter()) {
-                overlay(buf, offset, data, *at);
-            }
+            // The tables held for the log first: an L2 table written again
+            // while a pointer write is held waits in `held`, newer.
             let end = offset + buf.len() as u64;
             let from = offset.saturating_sub((1u64 << o.cluster_bits) - 1);
             for (at, held) in o.held_l2.range(from..end) {
                 overlay(buf, offset, &held.data, *at);
+            }
+            for (at, data) in o.held.iter().chain(o.held_frees.iter()) {
+                overlay(buf, offset, data, *at);
             }
         }
         // imago never sees the L2 log's mark (see `l2log`).
@@ -796,10 +798,9 @@ impl FileState {
                 // Neither written nor logged before: after a kill -9 the
                 // log's replay would have written entries whose refcounts
                 // the file does not reach. An older version held for the
-                // log is superseded by this one (it would read over it).
-                if let Some(old) = o.held_l2.remove(&offset) {
-                    o.held_l2_bytes -= old.data.len();
-                }
+                // log stays held (its entries are logged, and acknowledged
+                // writes may count on them): the write-out writes it
+                // first, and reads see this one over it.
                 o.held.push((offset, data));
             }
             Class::L2 => {
