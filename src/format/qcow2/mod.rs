@@ -693,8 +693,10 @@ impl Qcow2Image {
                     // drop first. imago skips a range at either end of the
                     // cluster; for one in the middle, the tail is read
                     // through the chain first and written once the cluster
-                    // is allocated. The L2 entry reaches the file only
-                    // after the data write completed (`commit`).
+                    // is allocated. The L2 entry is in imago's cache from
+                    // the allocation on, and a commit (another request's,
+                    // or this one's below) may write it before the data
+                    // write: the file covers the cluster first (`cover`).
                     let tail = if pos > cstart && wend < cend {
                         let mut tail = vec![0u8; (cend - wend) as usize];
                         self.top
