@@ -479,13 +479,7 @@ impl Device {
                         "{}: QEMU's bitmaps in the image could not be marked in use (above); no request is served until they are",
                         self.name
                     );
-                    inner.deactivate(&self.tracking);
-                    if let Err(e) = live.refresh() {
-                        log::error!("{}: making the metadata durable: {e}", self.name);
-                    }
-                    if let Some(lock) = &self.image_lock {
-                        lock.release();
-                    }
+                    self.let_go(&mut inner);
                     return Err(Locked);
                 }
             }
@@ -535,15 +529,21 @@ impl Device {
         let mut inner = self.tracking.lock();
         inner.holders = inner.holders.saturating_sub(1);
         if inner.holders == 0 {
-            inner.deactivate(&self.tracking);
-            if let Some(live) = self.qcow2() {
-                if let Err(e) = live.refresh() {
-                    log::error!("{}: making the metadata durable: {e}", self.name);
-                }
+            self.let_go(&mut inner);
+        }
+    }
+
+    /// The image no longer held: the bitmaps written out, a qcow2 image's
+    /// metadata made durable and its caches dropped, the lock let go.
+    fn let_go(&self, inner: &mut Inner) {
+        inner.deactivate(&self.tracking);
+        if let Some(live) = self.qcow2() {
+            if let Err(e) = live.refresh() {
+                log::error!("{}: making the metadata durable: {e}", self.name);
             }
-            if let Some(lock) = &self.image_lock {
-                lock.release();
-            }
+        }
+        if let Some(lock) = &self.image_lock {
+            lock.release();
         }
     }
 
@@ -623,21 +623,20 @@ impl Device {
     /// logged and leaves the old top's bitmaps in use (inconsistent),
     /// which is safe.
     pub(super) fn bitmaps_freeze_with_top(&self) {
-        let mut inner = self.tracking.lock();
+        let mut guard = self.tracking.lock();
+        let inner = &mut *guard;
         if inner.holders == 0 {
             // Not held: the bitmaps were written back at the release.
             return;
         }
-        let live: Vec<(String, Arc<DirtyBitmap>)> = inner
+        let bits: Vec<(&str, &DirtyBitmap)> = inner
             .bitmaps
             .iter()
             .filter_map(|(name, e)| match e {
-                Entry::Live(b) => Some((name.clone(), b.clone())),
+                Entry::Live(b) => Some((name.as_str(), b.as_ref())),
                 Entry::Stored(_) => None,
             })
             .collect();
-        let bits: Vec<(&str, &DirtyBitmap)> =
-            live.iter().map(|(n, b)| (n.as_str(), b.as_ref())).collect();
         let frozen = match &mut inner.store {
             Ok(store) => store.top_freezes(&bits),
             Err(_) => Ok(()),
