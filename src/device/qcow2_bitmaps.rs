@@ -58,6 +58,19 @@ struct Known {
     auto: bool,
 }
 
+impl Known {
+    /// The bitmap `name` as the image stores it, with `bitmap`'s bits.
+    fn stored(&self, name: &str, bitmap: &DirtyBitmap) -> Stored {
+        Stored {
+            name: name.to_string(),
+            granularity_bits: self.granularity_bits,
+            auto: self.auto,
+            consistent: bitmap.is_consistent(),
+            words: bitmap.words().collect(),
+        }
+    }
+}
+
 /// The bitmaps in a qcow2 image's bitmap directory.
 pub struct Qcow2Store {
     live: Arc<Live>,
@@ -292,13 +305,7 @@ impl BitmapStore for Qcow2Store {
             let Some(k) = self.known.get(*name) else {
                 continue;
             };
-            all.push(Stored {
-                name: name.to_string(),
-                granularity_bits: k.granularity_bits,
-                auto: k.auto,
-                consistent: bitmap.is_consistent(),
-                words: bitmap.words().collect(),
-            });
+            all.push(k.stored(name, bitmap));
         }
         if all.len() != self.known.len() {
             return Err(self.err("not every bitmap is loaded"));
@@ -330,14 +337,9 @@ impl BitmapStore for Qcow2Store {
         let Some(k) = self.known.get(name) else {
             return Err(BitmapError::NotFound(name.to_string()));
         };
+        let stored = k.stored(name, bitmap);
         self.closed.retain(|s| s.name != name);
-        self.closed.push(Stored {
-            name: name.to_string(),
-            granularity_bits: k.granularity_bits,
-            auto: k.auto,
-            consistent: bitmap.is_consistent(),
-            words: bitmap.words().collect(),
-        });
+        self.closed.push(stored);
         if self.closed.len() == self.known.len() {
             let mut all = std::mem::take(&mut self.closed);
             all.extend(self.frozen.iter().cloned());
