@@ -894,11 +894,9 @@ fn qemu_bitmaps_written_back_with_new_refblocks() {
     written_back("512");
 }
 
-/// `dir/disk.qcow2`, a `size`-byte image whose refcount table covers
-/// little (512-byte clusters, 64-bit refcounts: one refblock covers 32 KiB
-/// of file, the one-cluster table 2 MiB), with one QEMU bitmap `name` of
-/// `granularity`-byte granules: its write-back soon needs a larger table.
-fn small_refblocks(dir: &Path, size: u64, granularity: u64, name: &str) -> PathBuf {
+/// `dir/disk.qcow2`, a `size`-byte image made with `qemu-img create -o
+/// opts`, with one QEMU bitmap `name` of `granularity`-byte granules.
+fn image_with_bitmap(dir: &Path, opts: &str, size: u64, granularity: u64, name: &str) -> PathBuf {
     let img = dir.join("disk.qcow2");
     let p = img.to_str().unwrap();
     qemu_img(&[
@@ -907,12 +905,25 @@ fn small_refblocks(dir: &Path, size: u64, granularity: u64, name: &str) -> PathB
         "-f",
         "qcow2",
         "-o",
-        "cluster_size=512,refcount_bits=64",
+        opts,
         p,
         &size.to_string(),
     ]);
     qemu_img(&["bitmap", "--add", "-g", &granularity.to_string(), p, name]);
     img
+}
+
+/// [`image_with_bitmap`] whose refcount table covers little (512-byte
+/// clusters, 64-bit refcounts: one refblock covers 32 KiB of file, the
+/// one-cluster table 2 MiB): its write-back soon needs a larger table.
+fn small_refblocks(dir: &Path, size: u64, granularity: u64, name: &str) -> PathBuf {
+    image_with_bitmap(
+        dir,
+        "cluster_size=512,refcount_bits=64",
+        size,
+        granularity,
+        name,
+    )
 }
 
 /// The refcount table's size in clusters, from the header.
@@ -1349,20 +1360,9 @@ fn write_back_crash_safe(name: &str, opts: &str, size: u64, gbits: u8, grows: bo
     use std::os::unix::fs::FileExt;
 
     let dir = scratch(name);
-    let img = dir.join("disk.qcow2");
-    let p = img.to_str().unwrap();
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        opts,
-        p,
-        &size.to_string(),
-    ]);
     let g = 1u64 << gbits;
-    qemu_img(&["bitmap", "--add", "-g", &g.to_string(), p, "b"]);
+    let img = image_with_bitmap(&dir, opts, size, g, "b");
+    let p = img.to_str().unwrap();
     if !grows {
         // (QEMU would grow the table itself for this, with room to spare.)
         run("qemu-io", &["-f", "qcow2", "-c", "write 1M 64k", p]);
