@@ -763,16 +763,7 @@ fn open_qcow2(
 /// an upgrade must not stop serving an image an older daemon served. A
 /// marked image still needs its log, and is refused when opened.
 fn l2_log_usable(path: &Path) -> bool {
-    use std::os::unix::fs::OpenOptionsExt;
-    match std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-    {
+    match crate::format::qcow2::l2log::open_file(path) {
         Ok(_) => true,
         Err(e) => {
             log::warn!(

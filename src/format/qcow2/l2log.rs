@@ -111,19 +111,25 @@ pub struct Found {
     pub stale: Option<String>,
 }
 
+/// The log's file at `path`, opened read-write, created (mode 0600) if
+/// missing, never truncated, never through a symlink.
+pub fn open_file(path: &Path) -> io::Result<std::fs::File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+        .open(path)
+}
+
 impl L2Log {
     /// Opens (creates, 0600) the log at `path`, without reading or
     /// changing it: another daemon may hold the image and write it (a
     /// migration's source) until this one takes the image lock.
     pub fn open(path: &Path) -> io::Result<L2Log> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-            .open(path)?;
+        let file = open_file(path)?;
         Ok(L2Log {
             file,
             path: path.to_path_buf(),
