@@ -1280,7 +1280,7 @@ fn a_second_daemon_started_early_leaves_the_bitmaps_alone() {
     drop(Client::connect(&first.socket, MIB as usize));
     // The release runs as the rings stop, after the client has gone,
     // and is over when the daemon says the front-end left.
-    wait_for_disconnect(&first);
+    wait_for_disconnects(&first, 2);
     // Written back, not in use. (`-U`: the daemon keeps QEMU's lock
     // bytes while it runs.)
     let info = qemu_img(&["info", "-U", "--output=json", img.to_str().unwrap()]);
@@ -1347,7 +1347,7 @@ fn a_live_snapshot_leaves_the_old_tops_bitmaps_consistent() {
         assert_eq!(client.flush(), 0);
         if !connected {
             drop(client);
-            wait_for_disconnect(&d);
+            wait_for_disconnects(&d, 2);
             snapshot(&api, "s1.qcow2");
             client = Client::connect(&d.socket, MIB as usize);
         } else {
@@ -1399,14 +1399,17 @@ fn start_in_sub(dir: &Path, img: &Path, sub: &str) -> Daemon {
     )
 }
 
-/// Waits until `d` says its front-end left: its rings have stopped and
-/// the image was let go (the bitmaps written back).
-fn wait_for_disconnect(d: &Daemon) {
+/// Waits until `d` has said `n` times that its front-end left: the last
+/// one's rings have stopped and the image was let go (the bitmaps
+/// written back). `n` counts the test kit's probe, which connects and
+/// leaves once as the daemon starts (`Daemon::start`), so the first
+/// client the test drops is the second to leave.
+fn wait_for_disconnects(d: &Daemon, n: usize) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !d.log().contains("front-end disconnected") {
+    while d.log().matches("front-end disconnected").count() < n {
         assert!(
             std::time::Instant::now() < deadline,
-            "the daemon never saw its front-end leave:\n{}",
+            "the daemon never saw its front-end leave {n} times:\n{}",
             d.log()
         );
         std::thread::sleep(Duration::from_millis(50));
