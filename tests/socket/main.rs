@@ -47,3 +47,4 @@ mod sandbox;
 mod seccomp;
 mod sighup;
 mod socket_mode;
+mod trap;

@@ -6,263 +6,25 @@
 //! Deterministic, with no sleeps: the daemon runs under a seccomp filter
 //! that stops it in listen(2), the call right after the bind that created
 //! the file, and hands each stop to this test (a seccomp user
-//! notification). The test looks at the file, or swaps its directory,
-//! while the daemon waits, then lets it go on.
+//! notification, [`crate::trap`]). The test looks at the file, or swaps
+//! its directory, while the daemon waits, then lets it go on.
 //!
 //! The same stop checks that a SIGTERM sent the moment the socket exists
 //! is a clean stop.
 
 use std::fs;
-use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{PermissionsExt, symlink};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::{self, JoinHandle};
+use std::thread;
 use std::time::{Duration, Instant};
 
 use ringblk_testkit::{Daemon, DaemonOptions, test_dir};
 
-/// Stops every listen(2) of the daemon's native ABI in a seccomp user
-/// notification; lets every other syscall through.
-static FILTER: [libc::sock_filter; 4] = [
-    // A = seccomp_data.nr
-    bpf(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, 0, 0, 0),
-    bpf(
-        libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K,
-        0,
-        1,
-        libc::SYS_listen as u32,
-    ),
-    bpf(
-        libc::BPF_RET | libc::BPF_K,
-        0,
-        0,
-        libc::SECCOMP_RET_USER_NOTIF,
-    ),
-    bpf(libc::BPF_RET | libc::BPF_K, 0, 0, libc::SECCOMP_RET_ALLOW),
-];
-
-const fn bpf(code: u32, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
-    libc::sock_filter {
-        code: code as u16,
-        jt,
-        jf,
-        k,
-    }
-}
-
-/// A seccomp listener in the making: the child installs the filter
-/// before exec and sends the listener fd back over a socket pair.
-struct ListenTrap {
-    ours: OwnedFd,
-    theirs: OwnedFd,
-}
-
-impl ListenTrap {
-    fn new() -> ListenTrap {
-        let mut fds = [0; 2];
-        // SAFETY: socketpair writes two fds into the array, which has room
-        // for two.
-        let r = unsafe {
-            libc::socketpair(
-                libc::AF_UNIX,
-                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-                0,
-                fds.as_mut_ptr(),
-            )
-        };
-        assert_eq!(r, 0, "socketpair: {}", io::Error::last_os_error());
-        // SAFETY: both fds were just created and are owned by nobody else.
-        let (ours, theirs) =
-            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        ListenTrap { ours, theirs }
-    }
-
-    /// Makes `cmd` install the filter in its child, before exec.
-    fn arm(&self, cmd: &mut Command) {
-        let sock = self.theirs.as_raw_fd();
-        // SAFETY: the closure runs in the forked child before exec. It
-        // calls only async-signal-safe syscalls (prctl, seccomp, sendmsg,
-        // close) on the static filter and stack memory, and allocates
-        // nothing. `sock` stays open in the parent until the spawn is done.
-        unsafe { cmd.pre_exec(move || install_filter(sock)) };
-    }
-
-    /// After the spawn: runs `at_listen` at each listen(2) of the daemon,
-    /// while the daemon waits in it, until the returned guard is dropped.
-    fn serve(self, mut at_listen: impl FnMut() + Send + 'static) -> Supervisor {
-        drop(self.theirs);
-        let listener = recv_fd(&self.ours).expect("the daemon's seccomp listener");
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = stop.clone();
-        let thread = thread::spawn(move || {
-            while !stopped.load(Ordering::Relaxed) {
-                let mut pfd = libc::pollfd {
-                    fd: listener.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
-                // SAFETY: one pollfd, a live local.
-                if unsafe { libc::poll(&mut pfd, 1, 50) } <= 0 || pfd.revents & libc::POLLIN == 0 {
-                    continue;
-                }
-                // SAFETY: all-zero bytes are a valid seccomp_notif, and
-                // NOTIF_RECV wants it zeroed.
-                let mut req: libc::seccomp_notif = unsafe { std::mem::zeroed() };
-                // SAFETY: NOTIF_RECV writes one seccomp_notif through the
-                // pointer, which points to a live local of that type.
-                let r = unsafe {
-                    libc::ioctl(
-                        listener.as_raw_fd(),
-                        libc::SECCOMP_IOCTL_NOTIF_RECV,
-                        &mut req,
-                    )
-                };
-                if r != 0 {
-                    continue; // the daemon died in the call
-                }
-                at_listen();
-                let mut resp = libc::seccomp_notif_resp {
-                    id: req.id,
-                    val: 0,
-                    error: 0,
-                    flags: libc::SECCOMP_USER_NOTIF_FLAG_CONTINUE as u32,
-                };
-                // SAFETY: NOTIF_SEND reads one seccomp_notif_resp through
-                // the pointer, which points to a live local of that type.
-                unsafe {
-                    libc::ioctl(
-                        listener.as_raw_fd(),
-                        libc::SECCOMP_IOCTL_NOTIF_SEND,
-                        &mut resp,
-                    )
-                };
-            }
-        });
-        Supervisor {
-            stop,
-            thread: Some(thread),
-        }
-    }
-}
-
-/// Stops serving the daemon's listen(2) calls when dropped.
-struct Supervisor {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Drop for Supervisor {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// In the child: installs [`FILTER`] with a user-notification listener
-/// and sends the listener to the test over `sock`.
-fn install_filter(sock: RawFd) -> io::Result<()> {
-    // SAFETY: prctl with integer arguments only.
-    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let prog = libc::sock_fprog {
-        len: FILTER.len() as u16,
-        filter: FILTER.as_ptr().cast_mut(),
-    };
-    // SAFETY: seccomp reads the sock_fprog, a live local, and the filter
-    // it points to, a static the kernel copies and never writes.
-    let listener = unsafe {
-        libc::syscall(
-            libc::SYS_seccomp,
-            libc::SECCOMP_SET_MODE_FILTER,
-            libc::SECCOMP_FILTER_FLAG_NEW_LISTENER,
-            &prog,
-        )
-    };
-    if listener < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let listener = listener as RawFd;
-    let mut byte = [0u8; 1];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    let mut control = [0u64; 4];
-    // SAFETY: all-zero bytes are a valid msghdr.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    // SAFETY: CMSG_SPACE is arithmetic.
-    msg.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<RawFd>() as u32) } as usize;
-    // SAFETY: the control buffer (32 bytes, 8-aligned) holds one header
-    // and one fd (CMSG_SPACE(4) is 24 bytes), so the header and its data
-    // written here lie inside it; sendmsg reads only live locals.
-    let sent = unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(size_of::<RawFd>() as u32) as usize;
-        libc::CMSG_DATA(c).cast::<RawFd>().write_unaligned(listener);
-        libc::sendmsg(sock, &msg, 0)
-    };
-    let err = io::Error::last_os_error();
-    // SAFETY: the listener is ours; the test has its own copy now.
-    unsafe { libc::close(listener) };
-    if sent < 0 { Err(err) } else { Ok(()) }
-}
-
-/// The fd sent by [`install_filter`], waiting up to 20 s for it.
-fn recv_fd(sock: &OwnedFd) -> io::Result<OwnedFd> {
-    let mut pfd = libc::pollfd {
-        fd: sock.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one pollfd, a live local.
-    if unsafe { libc::poll(&mut pfd, 1, 20_000) } != 1 {
-        return Err(io::Error::other("no seccomp listener from the daemon"));
-    }
-    let mut byte = [0u8; 1];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    let mut control = [0u64; 4];
-    // SAFETY: all-zero bytes are a valid msghdr.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = size_of_val(&control);
-    // SAFETY: recvmsg writes into the iovec's byte and the control
-    // buffer, live locals of the sizes given.
-    if unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) } < 1 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: recvmsg filled msg_control/msg_controllen; CMSG_FIRSTHDR
-    // returns null or a header inside the buffer.
-    let c = unsafe { libc::CMSG_FIRSTHDR(&msg) };
-    // SAFETY: c is null or points into `control`, checked before use; an
-    // SCM_RIGHTS header of this length carries one fd, now ours.
-    unsafe {
-        if c.is_null() || (*c).cmsg_level != libc::SOL_SOCKET || (*c).cmsg_type != libc::SCM_RIGHTS
-        {
-            return Err(io::Error::other("no fd in the message"));
-        }
-        Ok(OwnedFd::from_raw_fd(
-            libc::CMSG_DATA(c).cast::<RawFd>().read_unaligned(),
-        ))
-    }
-}
+use crate::trap::{Answer, SyscallTrap};
 
 /// Sets the child's umask before exec.
 fn set_umask(cmd: &mut Command, mask: libc::mode_t) {
@@ -292,7 +54,7 @@ fn the_socket_is_born_with_its_mode() {
         let dir = test_dir();
         let socket = dir.path().join("vhost.sock");
         let mode_arg = format!("{mode:o}");
-        let trap = ListenTrap::new();
+        let trap = SyscallTrap::new(libc::SYS_listen);
         let mut d = Daemon::spawn_in(
             dir.path(),
             DaemonOptions {
@@ -312,6 +74,7 @@ fn the_socket_is_born_with_its_mode() {
             if seen.is_none() {
                 *seen = mode_of(&path);
             }
+            Answer::Continue
         });
         d.wait_until_ready();
         drop(supervisor);
@@ -350,7 +113,7 @@ fn the_socket_mode_does_not_follow_a_swapped_directory() {
     let socket: PathBuf = sock_dir.join("vhost.sock");
     let socket_arg = socket.to_str().unwrap().to_string();
 
-    let trap = ListenTrap::new();
+    let trap = SyscallTrap::new(libc::SYS_listen);
     let mut d = Daemon::spawn_in(
         dir.path(),
         DaemonOptions {
@@ -374,6 +137,7 @@ fn the_socket_mode_does_not_follow_a_swapped_directory() {
             symlink(&victim_dir2, &sock_dir2).unwrap();
             done.store(true, Ordering::Relaxed);
         }
+        Answer::Continue
     });
     d.wait_for_log("Connect QEMU with");
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -405,7 +169,7 @@ fn the_socket_mode_does_not_follow_a_swapped_directory() {
 fn a_sigterm_at_listen_is_a_clean_stop() {
     let dir = test_dir();
     let socket = dir.path().join("vhost.sock");
-    let trap = ListenTrap::new();
+    let trap = SyscallTrap::new(libc::SYS_listen);
     let mut d = Daemon::spawn_in(
         dir.path(),
         DaemonOptions {
@@ -425,6 +189,7 @@ fn a_sigterm_at_listen_is_a_clean_stop() {
             unsafe { libc::kill(pid, libc::SIGTERM) };
             done.store(true, Ordering::Relaxed);
         }
+        Answer::Continue
     });
     // Signal 0 sends nothing: the daemon stops on the SIGTERM above.
     let st = d.signal_and_wait(0, Duration::from_secs(20));
