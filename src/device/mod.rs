@@ -51,7 +51,7 @@ use crate::virtio::config::{VirtioBlkConfig, device_features};
 use crate::virtio::{DeviceLimits, SECTOR_SHIFT};
 
 pub use resize::{ResizeError, Resized};
-pub use tracking::{BackupInfo, BackupSpec, Targets, Tracking, TrackingError};
+pub use tracking::{BackupInfo, BackupSpec, Targets, Tracking, TrackingError, Unclaimed};
 
 /// Why a device cannot be made.
 #[derive(Debug, thiserror::Error)]

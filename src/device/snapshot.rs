@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::Device;
+use super::{Device, Unclaimed};
 use crate::format::SnapshotError;
 
 /// What a snapshot did.
@@ -47,12 +47,13 @@ impl Device {
         // new top as they do while a guest runs; the release after it
         // writes their bits there. Before, with no front-end, the new top
         // got none.
-        let _hold = self.hold_guard().map_err(|_| {
-            SnapshotError::Refused(
-                "the image is held by another process (another ringblk, the other side of a \
-                 migration, or a QEMU): a live snapshot needs the image lock"
+        let _hold = self.hold_guard().map_err(|e| {
+            SnapshotError::Refused(match e {
+                Unclaimed::Locked(_) => "the image is held by another process (another ringblk, \
+                     the other side of a migration, or a QEMU): a live snapshot needs the image lock"
                     .to_string(),
-            )
+                Unclaimed::Unmarked => e.to_string(),
+            })
         })?;
         let relock = |file: &std::fs::File| match &self.image_lock {
             Some(l) => l.relock(file),

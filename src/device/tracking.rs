@@ -95,6 +95,8 @@ pub enum TrackingError {
         "the image is held by another process (another ringblk, the other side of a migration, or a QEMU): its bitmaps and backups are that process's"
     )]
     Locked,
+    #[error("{}", Unclaimed::Unmarked)]
+    Unmarked,
     #[error("a backup is running (NBD on {0}); `backup stop` it first")]
     BackupRunning(String),
     #[error("no backup is running")]
@@ -119,15 +121,32 @@ impl TrackingError {
             | TrackingError::BackupRunning(_)
             | TrackingError::Exported(_) => 409,
             TrackingError::Bitmap(BitmapError::Io { .. } | BitmapError::Corrupt { .. })
+            | TrackingError::Unmarked
             | TrackingError::Io(_) => 500,
             _ => 400,
         }
     }
 }
 
-impl From<Locked> for TrackingError {
-    fn from(_: Locked) -> TrackingError {
-        TrackingError::Locked
+/// Why [`Device::claim_image`] could not claim the image.
+#[derive(Debug, thiserror::Error)]
+pub enum Unclaimed {
+    /// Another process holds the image lock: wait for it.
+    #[error(transparent)]
+    Locked(#[from] Locked),
+    /// The lock was free, but writing QEMU's bitmaps in use failed (the
+    /// I/O error is logged where it happened): no write may land while a
+    /// bitmap on disk says it is complete.
+    #[error("QEMU's bitmaps in the image could not be marked in use (the error is logged above)")]
+    Unmarked,
+}
+
+impl From<Unclaimed> for TrackingError {
+    fn from(e: Unclaimed) -> TrackingError {
+        match e {
+            Unclaimed::Locked(_) => TrackingError::Locked,
+            Unclaimed::Unmarked => TrackingError::Unmarked,
+        }
     }
 }
 
@@ -455,8 +474,9 @@ impl Device {
     /// claimed then, and it is never waited for here), has a qcow2 image's
     /// metadata read afresh from the file and loads the bitmaps: another
     /// process (a migration's source, a QEMU) may have written both since
-    /// this daemon last used the image.
-    pub fn claim_image(&self) -> Result<(), Locked> {
+    /// this daemon last used the image. QEMU's bitmaps in a qcow2 image
+    /// are marked in use first; if that fails, nothing is claimed either.
+    pub fn claim_image(&self) -> Result<(), Unclaimed> {
         let mut inner = self.tracking.lock();
         if inner.holders == 0 {
             if let Some(lock) = &self.image_lock {
@@ -480,7 +500,7 @@ impl Device {
                         self.name
                     );
                     self.let_go(&mut inner);
-                    return Err(Locked);
+                    return Err(Unclaimed::Unmarked);
                 }
             }
         }
@@ -547,7 +567,7 @@ impl Device {
         }
     }
 
-    pub(super) fn hold_guard(&self) -> Result<Hold<'_>, TrackingError> {
+    pub(super) fn hold_guard(&self) -> Result<Hold<'_>, Unclaimed> {
         self.claim_image()?;
         Ok(Hold(self))
     }
@@ -963,9 +983,9 @@ impl Device {
             }
         }
         let hold = self.hold_guard();
-        if hold.is_err() {
+        if let Err(e) = &hold {
             log::warn!(
-                "resizing while another process holds the image: the bitmaps are left at the old size (they will be found inconsistent)"
+                "resizing while the image is not held ({e}): the bitmaps are left at the old size (they will be found inconsistent)"
             );
         }
         let (done, _) = self.quiesced(|| {

@@ -71,7 +71,7 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::device::Device;
+use crate::device::{Device, Unclaimed};
 use crate::engine::{Completion, Core, Engine, Full};
 use crate::metrics::{QueueMetrics, RateLimiter, RequestType};
 use crate::qos::MAX_THROTTLE_SLEEP;
@@ -190,6 +190,9 @@ pub struct QueueWorker<E: Engine> {
     closed: bool,
     /// This queue counts among the image lock's users (see `try_lock`).
     holds_lock: bool,
+    /// Why the last claim failed (see `try_lock`): what requests that
+    /// fail for it are logged with.
+    unclaimed: Option<Unclaimed>,
     /// This queue counts among those waiting for the image lock: its ring
     /// runs, and another process holds the lock.
     waits_lock: bool,
@@ -276,6 +279,7 @@ impl<E: Engine> QueueWorker<E> {
             started: false,
             closed: false,
             holds_lock: false,
+            unclaimed: None,
             waits_lock: false,
             mem: None,
             vring: None,
@@ -756,11 +760,16 @@ impl<E: Engine> QueueWorker<E> {
             return Gate::Wait;
         }
         if self.lock_deadline.take().is_some() {
-            warn_limited!(
-                self.log_limit,
-                "{}: requests fail until it is released",
-                crate::io::Locked
-            );
+            match &self.unclaimed {
+                Some(e @ Unclaimed::Unmarked) => {
+                    warn_limited!(self.log_limit, "{e}: requests fail until they are")
+                }
+                _ => warn_limited!(
+                    self.log_limit,
+                    "{}: requests fail until it is released",
+                    crate::io::Locked
+                ),
+            }
         }
         Gate::Refuse
     }
@@ -1115,21 +1124,28 @@ impl<E: Engine> QueueWorker<E> {
 
     /// Counts this queue among the image's users
     /// ([`Device::claim_image`]: the first takes the image lock and loads
-    /// the dirty bitmaps); false
-    /// while another process holds the lock. Tried when the ring starts,
-    /// and for each request until it succeeds; never waits.
+    /// the dirty bitmaps); false while another process holds the lock, or
+    /// QEMU's bitmaps in the image could not be marked in use. Tried when
+    /// the ring starts, and for each request until it succeeds; never
+    /// waits.
     fn try_lock(&mut self) -> bool {
         if self.holds_lock {
             return true;
         }
-        self.holds_lock = self.device.claim_image().is_ok();
+        let claimed = self.device.claim_image();
+        self.holds_lock = claimed.is_ok();
         if self.holds_lock {
             self.lock_deadline = None;
         }
-        if self.waits_lock == self.holds_lock {
-            self.waits_lock = !self.holds_lock;
+        // Only another process's lock is waited for as such (`ctl status`
+        // shows it); bitmaps that could not be marked are retried all the
+        // same, and logged apart.
+        let waits = matches!(claimed, Err(Unclaimed::Locked(_)));
+        self.unclaimed = claimed.err();
+        if self.waits_lock != waits {
+            self.waits_lock = waits;
             if let Some(lock) = self.device.image_lock() {
-                lock.set_waiting(self.waits_lock);
+                lock.set_waiting(waits);
             }
         }
         self.holds_lock

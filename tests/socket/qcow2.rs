@@ -1315,6 +1315,94 @@ fn a_second_daemon_started_early_leaves_the_bitmaps_alone() {
     assert_eq!(check_clean(&img), 0);
 }
 
+/// QEMU's bitmaps that cannot be marked in use (fdatasync fails with EIO,
+/// from a seccomp user notification on the daemon's fdatasync: the disk
+/// under the image failing) keep the image unclaimed: no write lands
+/// while a bitmap on disk says it is complete. The guest's write waits as
+/// for the image lock, then fails with IOERR, and the log says why, not
+/// that another process holds the image; `ctl status` shows the lock
+/// idle (not waited for), and a verb that needs the image says the same
+/// why. Once fdatasync works again, the next write claims the image and
+/// lands, and the refused one is not in the image; the bitmap, found in
+/// use on disk by that claim, is inconsistent (the next backup of it is a
+/// full one), and the image checks clean. On the old code the log and the
+/// verb blamed another process.
+#[test]
+fn bitmaps_that_cannot_be_marked_fail_requests_and_say_why() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use crate::trap::{Answer, SyscallTrap};
+
+    let dir = test_dir();
+    let img = qcow2_with_bitmap(dir.path(), "8M", "nightly");
+    let api = dir.path().join("api.sock");
+    let trap = SyscallTrap::new(libc::SYS_fdatasync);
+    let mut d = Daemon::spawn_in(
+        dir.path(),
+        DaemonOptions {
+            image: Some(img.clone()),
+            args: &["--format", "qcow2", "--api", api.to_str().unwrap()],
+            configure: Some(&|cmd: &mut std::process::Command| trap.arm(cmd)),
+            ..DaemonOptions::default()
+        },
+    );
+    let failing = Arc::new(AtomicBool::new(false));
+    let fail = failing.clone();
+    // Kept until the daemon has stopped: without it, its fdatasyncs fail.
+    let supervisor = trap.serve(move || {
+        if fail.load(Ordering::Relaxed) {
+            Answer::Fail(libc::EIO)
+        } else {
+            Answer::Continue
+        }
+    });
+    d.wait_until_ready();
+    failing.store(true, Ordering::Relaxed);
+    let mut client = Client::connect(&d.socket, MIB as usize);
+    let data = vec![9u8; 4096];
+    assert_eq!(
+        client.write(MIB, &data),
+        -libc::EIO,
+        "a write while the bitmaps cannot be marked"
+    );
+    let why = "QEMU's bitmaps in the image could not be marked in use";
+    d.wait_for_log(&format!(
+        "{why} (the error is logged above): requests fail until they are"
+    ));
+    assert!(
+        !d.log().contains("locked by another process"),
+        "blamed another process:\n{}",
+        d.log()
+    );
+    let status: serde_json::Value =
+        serde_json::from_str(&ringblk_testkit::ctl_ok(&api, &["status"])).unwrap();
+    assert_eq!(status["lock"], "idle", "{status}");
+    ringblk_testkit::ctl_fails(&api, &["bitmap", "add", "later"], why);
+    failing.store(false, Ordering::Relaxed);
+    assert_eq!(client.write(2 * MIB, &data), 0, "once fdatasync works");
+    assert_eq!(client.flush(), 0);
+    drop(client);
+    stop(d);
+    drop(supervisor);
+    // The failed marking's write landed (only its fdatasync failed): the
+    // next claim read the bitmap in use, which it cannot tell from one a
+    // crash left, and took it as inconsistent, as QEMU does.
+    assert_eq!(
+        qemu_bitmaps(&img),
+        [(
+            "nightly".to_string(),
+            vec!["in-use".to_string(), "auto".to_string()]
+        )]
+    );
+    assert_eq!(check_clean(&img), 0);
+    let mut reference = vec![0u8; 8 * MIB as usize];
+    reference[2 * MIB as usize..][..4096].copy_from_slice(&data);
+    let raw = dir.path().join("reference.raw");
+    std::fs::write(&raw, &reference).unwrap();
+    compare_identical(&img, &raw);
+}
+
 /// A live snapshot of an image with a bitmap: the old top, frozen by the
 /// snapshot, gets its bitmaps written back as they were at the snapshot
 /// (not in use: QEMU trusts them), as QEMU stores a node's persistent
