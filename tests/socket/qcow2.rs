@@ -777,9 +777,12 @@ fn a_restart_after_live_snapshots_serves_the_new_top() {
     snapshot(&api, "s1.qcow2");
     let top_sum = sha256(&c.top);
     write_round(&mut client, &c, 100, 8);
-    drop(client);
+    // Killed while the client is still connected: the image is held, its
+    // bitmap in use. (After the client left, the daemon lets the image go
+    // and writes the bitmap back complete: a kill then races that.)
     let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
     assert!(!st.success());
+    drop(client);
     // A record cut short by a crash: not a record.
     std::fs::write(
         snaps.join("s9.qcow2.ringblk-snapshot"),
@@ -830,9 +833,9 @@ fn a_restart_after_live_snapshots_serves_the_new_top() {
     let at_s2 = dir.path().join("at-s2.raw");
     std::fs::copy(&c.reference, &at_s2).unwrap();
     write_round(&mut client, &c, 300, 8);
-    drop(client);
     let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
     assert!(!st.success());
+    drop(client);
 
     let s2 = snaps.join("s2.qcow2");
     let d = serve(&c, dir.path(), &args);
