@@ -372,7 +372,8 @@ fn resize(ctx: &Ctx<'_>) -> Reply {
         c.resize(size, body.force).map_err(|e| {
             let status = match &e {
                 e if e.is_internal() => 500,
-                ResizeError::Shrink { .. } => 409,
+                ResizeError::Tracking(e) => e.status(),
+                ResizeError::Shrink { .. } | ResizeError::NotHeld(_) => 409,
                 _ => 400,
             };
             Reply::error(status, e.to_string())

@@ -39,13 +39,18 @@ pub enum ResizeError {
     /// The bitmaps or the running backup refuse it.
     #[error(transparent)]
     Tracking(#[from] super::TrackingError),
+    /// A size given, and the image cannot be held: another process (a
+    /// migration's other side, a QEMU) may be writing it, and only the
+    /// holder changes it.
+    #[error("cannot resize: {0}")]
+    NotHeld(super::Unclaimed),
 }
 
 impl ResizeError {
     /// Whether the daemon, not the request, is at fault.
     pub fn is_internal(&self) -> bool {
         match self {
-            ResizeError::Io { .. } => true,
+            ResizeError::Io { .. } | ResizeError::NotHeld(super::Unclaimed::Unmarked) => true,
             ResizeError::Tracking(e) => e.status() >= 500,
             _ => false,
         }
@@ -184,8 +189,9 @@ impl Device {
         if new == old {
             change()?;
         } else {
-            // The bitmaps follow the size, in the same switch.
-            self.resize_tracked(new, change)?;
+            // The image held, and the bitmaps follow the size, in the
+            // same switch.
+            self.resize_tracked(new, size.is_some(), change)?;
         }
         if new != old {
             log::info!("resized from {old} to {new} bytes");

@@ -961,32 +961,44 @@ impl Device {
         }
     }
 
-    /// The disk is resized to `new` bytes: the bitmaps follow, with no
-    /// write in flight, and `publish` (which makes the new size the
-    /// capacity) runs in the same switch. Refused while a backup runs.
-    /// Bitmaps not loaded because another process holds the image are
-    /// left: they are found of another size, and distrusted, when next
-    /// loaded.
+    /// The disk is resized to `new` bytes (`writes`: `publish` changes
+    /// the image, else it takes a size the image already has): the bitmaps
+    /// follow, with no write in flight, and `publish` (which makes the new
+    /// size the capacity) runs in the same switch. Refused while a backup
+    /// runs. The image is held meanwhile; a change is refused while it
+    /// cannot be (another process holds it). A re-read goes on then, and
+    /// the bitmaps, not loaded, are left: they are found of another size,
+    /// and distrusted, when next loaded.
     pub(super) fn resize_tracked(
         &self,
         new: u64,
+        writes: bool,
         publish: impl FnOnce() -> Result<(), ResizeError>,
     ) -> Result<(), ResizeError> {
-        {
+        let bitmaps = {
             let inner = self.tracking.lock();
             if let Some(r) = &inner.backup {
                 return Err(TrackingError::BackupRunning(r.socket.display().to_string()).into());
             }
-            if inner.bitmaps.is_empty() {
-                drop(inner);
-                return publish();
+            !inner.bitmaps.is_empty()
+        };
+        // Only the process that holds the image changes it: another one
+        // may be writing it, and the claim has a qcow2 image's metadata
+        // read afresh before it is grown.
+        let hold = match self.hold_guard() {
+            Ok(hold) => Some(hold),
+            Err(e) if writes => return Err(ResizeError::NotHeld(e)),
+            Err(e) => {
+                if bitmaps {
+                    log::warn!(
+                        "re-reading the size while the image is not held ({e}): the bitmaps are left at the old size (they will be found inconsistent)"
+                    );
+                }
+                None
             }
-        }
-        let hold = self.hold_guard();
-        if let Err(e) = &hold {
-            log::warn!(
-                "resizing while the image is not held ({e}): the bitmaps are left at the old size (they will be found inconsistent)"
-            );
+        };
+        if !bitmaps {
+            return publish();
         }
         let (done, _) = self.quiesced(|| {
             publish()?;

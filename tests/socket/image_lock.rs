@@ -135,3 +135,114 @@ fn a_killed_daemon_leaves_no_lock_behind() {
     assert_eq!(b.write(4096, &pattern(2, 4096, 4096)), 0);
     drop(a);
 }
+
+/// Only the daemon that holds the image resizes it. A second daemon on
+/// the image (the other side of a live migration, or a mistake) answers
+/// `ctl resize` with 409 and leaves the file as it was, raw or qcow2; the
+/// holder resizes it. Once the holder's client has left, the second one
+/// takes the image and grows it, a qcow2 image from the metadata the
+/// first one wrote (read afresh by its hold), and `qemu-img check` finds
+/// it clean. On the old code the second daemon grew the file under the
+/// first: a qcow2 image from its own stale view of the header and L1
+/// table.
+#[test]
+fn a_daemon_that_does_not_hold_the_image_refuses_to_resize_it() {
+    use ringblk_testkit::qemu_img::{check_clean, qemu_img};
+    use ringblk_testkit::{ctl, ctl_fails, ctl_ok};
+
+    for format in ["raw", "qcow2"] {
+        let dir = test_dir();
+        let image = dir.path().join(format!("shared.{format}"));
+        qemu_img(&["create", "-q", "-f", format, image.to_str().unwrap(), "16M"]);
+        let size = || -> u64 {
+            let info = qemu_img(&[
+                "info",
+                "-U",
+                "--output=json",
+                "-f",
+                format,
+                image.to_str().unwrap(),
+            ]);
+            let info: serde_json::Value = serde_json::from_str(&info).unwrap();
+            info["virtual-size"].as_u64().expect("a virtual size")
+        };
+        let start = |sub: &str| {
+            let d = dir.path().join(sub);
+            std::fs::create_dir(&d).unwrap();
+            let api = d.join("api.sock");
+            let daemon = Daemon::start_in(
+                &d,
+                DaemonOptions {
+                    image: Some(image.clone()),
+                    args: &["--format", format, "--api", api.to_str().unwrap()],
+                    ..DaemonOptions::default()
+                },
+            );
+            (daemon, api)
+        };
+        let (first, first_api) = start("first");
+        let (second, second_api) = start("second");
+        let mut a = Client::connect(&first.socket, 4096);
+        assert_eq!(a.write(0, &pattern(1, 0, 4096)), 0);
+
+        ctl_fails(
+            &second_api,
+            &["resize", "32M"],
+            "cannot resize: the image is locked by another process",
+        );
+        assert_eq!(size(), 16 * MIB, "{format}: the second daemon resized it");
+        ctl_ok(&first_api, &["resize", "32M"]);
+        assert_eq!(size(), 32 * MIB, "{format}: the holder's resize");
+        assert_eq!(a.write(24 * MIB, &pattern(3, 24 * MIB, 4096)), 0);
+        assert_eq!(a.flush(), 0);
+
+        drop(a);
+        let deadline = Instant::now() + RELEASED_WITHIN;
+        loop {
+            let o = ctl(&second_api, &["resize", "48M"]);
+            if o.status.success() {
+                break;
+            }
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(err.contains("locked by another process"), "{format}: {err}");
+            assert!(
+                Instant::now() < deadline,
+                "{format}: the second daemon still cannot resize {RELEASED_WITHIN:?} after the first client left"
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(size(), 48 * MIB, "{format}: the second daemon's resize");
+        for mut d in [first, second] {
+            let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(20));
+            assert!(st.success(), "{format}: the daemon exited with {st}");
+        }
+        if format == "qcow2" {
+            assert_eq!(check_clean(&image), 0);
+        }
+        // What QEMU reads back.
+        let raw = dir.path().join("read.raw");
+        qemu_img(&[
+            "convert",
+            "-f",
+            format,
+            "-O",
+            "raw",
+            image.to_str().unwrap(),
+            raw.to_str().unwrap(),
+        ]);
+        let raw = std::fs::File::open(&raw).unwrap();
+        let mut got = vec![0u8; 4096];
+        let read = |at: u64, buf: &mut [u8]| {
+            std::os::unix::fs::FileExt::read_exact_at(&raw, buf, at).unwrap()
+        };
+        read(0, &mut got);
+        assert_pattern(&format!("{format}: first write"), 1, 0, &got);
+        read(24 * MIB, &mut got);
+        assert_pattern(
+            &format!("{format}: write past the old end"),
+            3,
+            24 * MIB,
+            &got,
+        );
+    }
+}
