@@ -202,16 +202,9 @@ fn install_filter(sock: RawFd, filter: &[libc::sock_filter]) -> io::Result<()> {
     }
     let listener = listener as RawFd;
     let mut byte = [0u8; 1];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
+    let mut iov = one_byte(&mut byte);
     let mut control = [0u64; 4];
-    // SAFETY: all-zero bytes are a valid msghdr.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
+    let mut msg = fd_message(&mut iov, &mut control);
     // SAFETY: CMSG_SPACE is arithmetic.
     msg.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<RawFd>() as u32) } as usize;
     // SAFETY: the control buffer (32 bytes, 8-aligned) holds one header
@@ -231,6 +224,27 @@ fn install_filter(sock: RawFd, filter: &[libc::sock_filter]) -> io::Result<()> {
     if sent < 0 { Err(err) } else { Ok(()) }
 }
 
+/// An iovec over `byte`: the one byte that carries the fd.
+fn one_byte(byte: &mut [u8; 1]) -> libc::iovec {
+    libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    }
+}
+
+/// A message of `iov` with `control` as its control buffer, whole (what
+/// recvmsg may fill; the sender sets the length it uses). Allocates
+/// nothing: the child calls it between fork and exec.
+fn fd_message(iov: &mut libc::iovec, control: &mut [u64; 4]) -> libc::msghdr {
+    // SAFETY: all-zero bytes are a valid msghdr.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = size_of_val(control);
+    msg
+}
+
 /// The fd sent by [`install_filter`], waiting up to 20 s for it.
 fn recv_fd(sock: &OwnedFd) -> io::Result<OwnedFd> {
     let mut pfd = libc::pollfd {
@@ -243,17 +257,9 @@ fn recv_fd(sock: &OwnedFd) -> io::Result<OwnedFd> {
         return Err(io::Error::other("no seccomp listener from the daemon"));
     }
     let mut byte = [0u8; 1];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
+    let mut iov = one_byte(&mut byte);
     let mut control = [0u64; 4];
-    // SAFETY: all-zero bytes are a valid msghdr.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = size_of_val(&control);
+    let mut msg = fd_message(&mut iov, &mut control);
     // SAFETY: recvmsg writes into the iovec's byte and the control
     // buffer, live locals of the sizes given.
     if unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) } < 1 {
