@@ -137,7 +137,9 @@ pub enum Unclaimed {
     /// The lock was free, but writing QEMU's bitmaps in use failed (the
     /// I/O error is logged where it happened): no write may land while a
     /// bitmap on disk says it is complete.
-    #[error("QEMU's bitmaps in the image could not be marked in use (the error is logged above)")]
+    #[error(
+        "QEMU's bitmaps in the image could not be marked in use (the I/O error is in the daemon's log)"
+    )]
     Unmarked,
 }
 

@@ -1371,11 +1371,16 @@ fn bitmaps_that_cannot_be_marked_fail_requests_and_say_why() {
     );
     let why = "QEMU's bitmaps in the image could not be marked in use";
     d.wait_for_log(&format!(
-        "{why} (the error is logged above): requests fail until they are"
+        "{why} (the I/O error is in the daemon's log): requests fail until they are"
     ));
     assert!(
         !d.log().contains("locked by another process"),
         "blamed another process:\n{}",
+        d.log()
+    );
+    assert!(
+        d.log().contains("marking bitmaps in use") && d.log().contains("Input/output error"),
+        "the I/O error is not in the log:\n{}",
         d.log()
     );
     let status: serde_json::Value =
