@@ -898,17 +898,8 @@ fn qemu_bitmaps_written_back_with_new_refblocks() {
 /// opts`, with one QEMU bitmap `name` of `granularity`-byte granules.
 fn image_with_bitmap(dir: &Path, opts: &str, size: u64, granularity: u64, name: &str) -> PathBuf {
     let img = dir.join("disk.qcow2");
+    create_qcow2(&img, opts, None, Some(&size.to_string()));
     let p = img.to_str().unwrap();
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        opts,
-        p,
-        &size.to_string(),
-    ]);
     qemu_img(&["bitmap", "--add", "-g", &granularity.to_string(), p, name]);
     img
 }
@@ -946,7 +937,7 @@ fn reftable_clusters(f: &std::fs::File) -> u32 {
 #[test]
 fn qemu_bitmaps_written_back_with_a_grown_refcount_table() {
     use ringblk::bitmap::DirtyBitmap;
-    use ringblk::format::qcow2::bitmap_write::{Stored, store};
+    use ringblk::format::qcow2::bitmap_write::store;
     use ringblk::format::qcow2::bitmaps::Bitmaps;
 
     let dir = scratch("qemu-bitmap-write-grown-reftable");
@@ -963,13 +954,7 @@ fn qemu_bitmaps_written_back_with_a_grown_refcount_table() {
     for m in (0..size).step_by(MIB as usize) {
         b.mark(m, 1);
     }
-    let new = [Stored {
-        name: "b512".into(),
-        granularity_bits: 9,
-        auto: true,
-        consistent: true,
-        words: b.words().collect(),
-    }];
+    let new = [stored("b512", &b)];
     store(&file, 512, Some(&old), &new, &|_| false).unwrap();
     assert!(
         reftable_clusters(&file) > 1,
@@ -997,7 +982,6 @@ fn qemu_bitmaps_written_back_with_a_grown_refcount_table() {
 #[test]
 fn imago_allocates_after_a_write_back_grew_the_refcount_table() {
     use ringblk::bitmap::DirtyBitmap;
-    use ringblk::format::qcow2::bitmap_write::Stored;
 
     let dir = scratch("qemu-bitmap-grown-reftable-live");
     let size = 7900 * MIB;
@@ -1009,13 +993,7 @@ fn imago_allocates_after_a_write_back_grew_the_refcount_table() {
     for m in (0..size).step_by(MIB as usize) {
         b.mark(m, 1);
     }
-    assert!(q.stage_qemu_bitmaps(vec![Stored {
-        name: "b".into(),
-        granularity_bits: 14,
-        auto: true,
-        consistent: true,
-        words: b.words().collect(),
-    }]));
+    assert!(q.stage_qemu_bitmaps(vec![stored("b", &b)]));
     q.invalidate().unwrap();
     assert!(
         reftable_clusters(&std::fs::File::open(&img).unwrap()) > 1,
@@ -1217,7 +1195,6 @@ fn an_open_for_a_later_claim_writes_nothing() {
 #[test]
 fn qemu_bitmaps_follow_a_handover() {
     use ringblk::bitmap::DirtyBitmap;
-    use ringblk::format::qcow2::bitmap_write::Stored;
 
     let dir = scratch("qemu-bitmap-handover");
     let img = dir.join("disk.qcow2");
@@ -1225,15 +1202,7 @@ fn qemu_bitmaps_follow_a_handover() {
     let size = 16 * MIB;
     qemu_img(&["create", "-q", "-f", "qcow2", p, "16M"]);
     qemu_img(&["bitmap", "--add", p, "b"]);
-    let stored = |b: &DirtyBitmap| {
-        vec![Stored {
-            name: "b".into(),
-            granularity_bits: 16,
-            auto: true,
-            consistent: b.is_consistent(),
-            words: b.words().collect(),
-        }]
-    };
+    let as_set = |b: &DirtyBitmap| vec![stored("b", b)];
     let load = |l: Vec<ringblk::format::qcow2::bitmaps::Loaded>| {
         assert_eq!(l.len(), 1);
         match l.into_iter().next().unwrap().words {
@@ -1255,7 +1224,7 @@ fn qemu_bitmaps_follow_a_handover() {
     let dest = open(&img, true);
     let dst = qcow(&dest);
 
-    assert!(src.stage_qemu_bitmaps(stored(&a)));
+    assert!(src.stage_qemu_bitmaps(as_set(&a)));
     src.invalidate().unwrap();
     drop(source);
     assert_eq!(
@@ -1270,7 +1239,7 @@ fn qemu_bitmaps_follow_a_handover() {
     );
     assert_eq!(b.dirty_extents(), [(MIB, 65536)]);
     b.mark(2 * MIB, 1);
-    assert!(dst.stage_qemu_bitmaps(stored(&b)));
+    assert!(dst.stage_qemu_bitmaps(as_set(&b)));
     dst.invalidate().unwrap();
     drop(dest);
     let leaks = check_clean(&img);
@@ -1354,7 +1323,7 @@ fn qemu_bitmap_write_back_growing_the_refcount_table_is_crash_safe() {
 /// granules of 2^`gbits` bytes; `grows`: the refcount table must grow.
 fn write_back_crash_safe(name: &str, opts: &str, size: u64, gbits: u8, grows: bool) {
     use ringblk::bitmap::DirtyBitmap;
-    use ringblk::format::qcow2::bitmap_write::{Op, Recorder, Stored, store_recorded};
+    use ringblk::format::qcow2::bitmap_write::{Op, Recorder, store_recorded};
     use ringblk::format::qcow2::bitmaps::Bitmaps;
     use std::collections::BTreeMap;
     use std::os::unix::fs::FileExt;
@@ -1383,22 +1352,7 @@ fn write_back_crash_safe(name: &str, opts: &str, size: u64, gbits: u8, grows: bo
     }
     let fresh = DirtyBitmap::new(size, 65536).unwrap();
     fresh.mark(7 * MIB, 1);
-    let new = vec![
-        Stored {
-            name: "b".into(),
-            granularity_bits: gbits,
-            auto: true,
-            consistent: true,
-            words: b.words().collect(),
-        },
-        Stored {
-            name: "fresh".into(),
-            granularity_bits: 16,
-            auto: true,
-            consistent: true,
-            words: fresh.words().collect(),
-        },
-    ];
+    let new = vec![stored("b", &b), stored("fresh", &fresh)];
     let rec = Recorder::default();
     let before = reftable_clusters(&file);
     store_recorded(&file, 512, Some(&old), &new, &|_| false, Some(&rec)).unwrap();
@@ -1459,7 +1413,6 @@ fn write_back_crash_safe(name: &str, opts: &str, size: u64, gbits: u8, grows: bo
 #[test]
 fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
     use ringblk::bitmap::DirtyBitmap;
-    use ringblk::format::qcow2::bitmap_write::Stored;
 
     let dir = scratch("qemu-bitmap-first");
     let size = 16 * MIB;
@@ -1468,15 +1421,7 @@ fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
     assert_eq!(name, "base.raw");
     assert!(qemu_bitmaps(&img).is_empty());
 
-    let stored = |b: &DirtyBitmap| {
-        vec![Stored {
-            name: "b".into(),
-            granularity_bits: 16,
-            auto: true,
-            consistent: true,
-            words: b.words().collect(),
-        }]
-    };
+    let as_set = |b: &DirtyBitmap| vec![stored("b", b)];
     let image = open(&img, true);
     let q = qcow(&image);
     assert!(q.has_qemu_bitmaps());
@@ -1487,7 +1432,7 @@ fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
     flush(&image).unwrap();
     let b = DirtyBitmap::new(size, 65536).unwrap();
     b.mark(MIB, 65536);
-    assert!(q.stage_qemu_bitmaps(stored(&b)));
+    assert!(q.stage_qemu_bitmaps(as_set(&b)));
     q.invalidate().unwrap();
     assert_eq!(
         qemu_bitmaps(&img),
@@ -1512,7 +1457,7 @@ fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
     );
     let b = b.resized(2 * size).unwrap();
     b.mark(3 * MIB, 65536);
-    assert!(q.stage_qemu_bitmaps(stored(&b)));
+    assert!(q.stage_qemu_bitmaps(as_set(&b)));
     q.invalidate().unwrap();
     assert_eq!(
         qemu_bitmaps(&img),
@@ -1613,13 +1558,7 @@ fn adding_and_removing_the_extension_is_crash_safe() {
     let name = ringblk_testkit::qemu_img::backing_filename(&img);
     let b = DirtyBitmap::new(size, 65536).unwrap();
     b.mark(MIB, 65536);
-    let new = [Stored {
-        name: "b".into(),
-        granularity_bits: 16,
-        auto: true,
-        consistent: true,
-        words: b.words().collect(),
-    }];
+    let new = [stored("b", &b)];
     let crash = dir.join("crash.qcow2");
     let mut in_states = [0usize; 2];
     for (round, adding) in [true, false].into_iter().enumerate() {
@@ -1674,7 +1613,6 @@ fn adding_and_removing_the_extension_is_crash_safe() {
 #[test]
 fn a_handover_after_the_extension_was_added_keeps_the_backing_name() {
     use ringblk::bitmap::DirtyBitmap;
-    use ringblk::format::qcow2::bitmap_write::Stored;
 
     let dir = scratch("qemu-bitmap-first-handover");
     let size = 16 * MIB;
@@ -1686,13 +1624,7 @@ fn a_handover_after_the_extension_was_added_keeps_the_backing_name() {
     assert!(src.open_qemu_bitmaps().unwrap().is_empty());
     let b = DirtyBitmap::new(size, 65536).unwrap();
     b.mark(0, 1);
-    assert!(src.stage_qemu_bitmaps(vec![Stored {
-        name: "b".into(),
-        granularity_bits: 16,
-        auto: true,
-        consistent: true,
-        words: b.words().collect(),
-    }]));
+    assert!(src.stage_qemu_bitmaps(vec![stored("b", &b)]));
     src.invalidate().unwrap();
     drop(source);
     assert_eq!(ringblk_testkit::qemu_img::backing_filename(&img), name);

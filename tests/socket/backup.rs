@@ -18,6 +18,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ringblk_testkit::nbd::{self, backup_start, bitmap_state, dirty, granules, raw};
+use ringblk_testkit::qemu_img::create_qcow2;
 use ringblk_testkit::{
     Client, Daemon, DaemonOptions, KIB, MIB, ctl_fails, ctl_ok, pattern, read_file, test_dir,
 };
@@ -721,19 +722,12 @@ fn start_qcow2(dir: &Path, cluster: u64) -> Daemon {
         check["compressed-clusters"].as_u64().unwrap() > 0,
         "{check}"
     );
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
+    create_qcow2(
+        &top,
         &format!("cluster_size={cluster}"),
-        "-F",
-        "qcow2",
-        "-b",
-        base.to_str().unwrap(),
-        top.to_str().unwrap(),
-    ]);
+        Some((base.to_str().unwrap(), "qcow2")),
+        None,
+    );
     let backups = dir.join("backups");
     std::fs::create_dir_all(&backups).unwrap();
     let api = dir.join("api.sock");

@@ -125,6 +125,23 @@ pub fn sha256(path: &Path) -> String {
         .to_string()
 }
 
+/// `qemu-img create -q -f qcow2 [-o OPTS] [-b BACKING -F FORMAT] PATH
+/// [SIZE]`: a qcow2 image with the creation options `opts` (empty for
+/// QEMU's defaults), over `backing` (its name as the header is to store
+/// it, and its format), of `size` (`"16M"`; `None`: the backing file's).
+pub fn create_qcow2(path: &Path, opts: &str, backing: Option<(&str, &str)>, size: Option<&str>) {
+    let mut args = vec!["create", "-q", "-f", "qcow2"];
+    if !opts.is_empty() {
+        args.extend(["-o", opts]);
+    }
+    if let Some((name, format)) = backing {
+        args.extend(["-b", name, "-F", format]);
+    }
+    args.push(path.to_str().expect("UTF-8 path"));
+    args.extend(size);
+    qemu_img(&args);
+}
+
 /// `qemu-img create -f qcow2 -b BASE -F FMT TOP`, with the base named
 /// relative to the overlay's directory when it is in the same one.
 pub fn overlay(base: &Path, base_format: &str, top: &Path) {
@@ -132,17 +149,7 @@ pub fn overlay(base: &Path, base_format: &str, top: &Path) {
         (Some(a), Some(b)) if a == b => base.file_name().unwrap().to_str().unwrap().to_string(),
         _ => base.to_str().unwrap().to_string(),
     };
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        &name,
-        "-F",
-        base_format,
-        top.to_str().unwrap(),
-    ]);
+    create_qcow2(top, "", Some((&name, base_format)), None);
 }
 
 /// `qemu-img info`'s `backing-filename` of `img` ("" without one).

@@ -35,19 +35,7 @@ fn small_cluster_overlay_with(dir: &Path, size: u64, opts: &str) -> std::path::P
         base.to_str().unwrap(),
     ]);
     let top = dir.join("top.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        opts,
-        "-b",
-        "base.qcow2",
-        "-F",
-        "qcow2",
-        top.to_str().unwrap(),
-    ]);
+    create_qcow2(&top, opts, Some(("base.qcow2", "qcow2")), None);
     top
 }
 

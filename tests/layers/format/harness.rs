@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use ringblk::format::{Dir, Format, FormatError, Image, OpenOptions, Piece, Where};
 pub use ringblk_testkit::qemu_img::{
-    check, check_clean, compare_identical, overlay, qemu_img, run, sha256,
+    check, check_clean, compare_identical, create_qcow2, overlay, qemu_img, run, sha256,
 };
 
 pub const MIB: u64 = 1 << 20;
@@ -217,4 +217,19 @@ pub fn flush(img: &Image) -> Result<(), FormatError> {
             source,
         })?;
     img.flush()
+}
+
+/// The stored form of the bitmap `b` named `name` (QEMU's AUTO flag set,
+/// consistent as `b` is), as the daemon hands it to the write-back.
+pub fn stored(
+    name: &str,
+    b: &ringblk::bitmap::DirtyBitmap,
+) -> ringblk::format::qcow2::bitmap_write::Stored {
+    ringblk::format::qcow2::bitmap_write::Stored {
+        name: name.into(),
+        granularity_bits: b.granularity().trailing_zeros() as u8,
+        auto: true,
+        consistent: b.is_consistent(),
+        words: b.words().collect(),
+    }
 }
