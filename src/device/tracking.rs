@@ -967,7 +967,8 @@ impl Device {
     /// the image, else it takes a size the image already has): the bitmaps
     /// follow, with no write in flight, and `publish` (which makes the new
     /// size the capacity) runs in the same switch. Refused while a backup
-    /// runs. The image is held meanwhile; a change is refused while it
+    /// runs. The image is held meanwhile (not for a re-read with no
+    /// bitmaps, which changes nothing); a change is refused while it
     /// cannot be (another process holds it). A re-read goes on then, and
     /// the bitmaps, not loaded, are left: they are found of another size,
     /// and distrusted, when next loaded.
@@ -984,6 +985,10 @@ impl Device {
             }
             !inner.bitmaps.is_empty()
         };
+        if !writes && !bitmaps {
+            // A size the image already has, and nothing to follow it.
+            return publish();
+        }
         // Only the process that holds the image changes it: another one
         // may be writing it, and the claim has a qcow2 image's metadata
         // read afresh before it is grown.
@@ -991,11 +996,9 @@ impl Device {
             Ok(hold) => Some(hold),
             Err(e) if writes => return Err(ResizeError::NotHeld(e)),
             Err(e) => {
-                if bitmaps {
-                    log::warn!(
-                        "re-reading the size while the image is not held ({e}): the bitmaps are left at the old size (they will be found inconsistent)"
-                    );
-                }
+                log::warn!(
+                    "re-reading the size while the image is not held ({e}): the bitmaps are left at the old size (they will be found inconsistent)"
+                );
                 None
             }
         };
