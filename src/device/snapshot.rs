@@ -5,6 +5,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use super::tracking::HELD_ELSEWHERE;
 use super::{Device, Unclaimed};
 use crate::format::SnapshotError;
 
@@ -49,9 +50,9 @@ impl Device {
         // got none.
         let _hold = self.hold_guard().map_err(|e| {
             SnapshotError::Refused(match e {
-                Unclaimed::Locked(_) => "the image is held by another process (another ringblk, \
-                     the other side of a migration, or a QEMU): a live snapshot needs the image lock"
-                    .to_string(),
+                Unclaimed::Locked(_) => {
+                    format!("{HELD_ELSEWHERE}: a live snapshot needs the image lock")
+                }
                 Unclaimed::Unmarked => e.to_string(),
             })
         })?;

@@ -91,9 +91,7 @@ pub enum TrackingError {
     Unsupported(String),
     #[error(transparent)]
     Bitmap(#[from] BitmapError),
-    #[error(
-        "the image is held by another process (another ringblk, the other side of a migration, or a QEMU): its bitmaps and backups are that process's"
-    )]
+    #[error("{HELD_ELSEWHERE}: its bitmaps and backups are that process's")]
     Locked,
     #[error("{}", Unclaimed::Unmarked)]
     Unmarked,
@@ -127,6 +125,9 @@ impl TrackingError {
         }
     }
 }
+
+/// What a verb that needs the image says while another process holds it.
+pub(super) const HELD_ELSEWHERE: &str = "the image is held by another process (another ringblk, the other side of a migration, or a QEMU)";
 
 /// Why [`Device::claim_image`] could not claim the image.
 #[derive(Debug, thiserror::Error)]
