@@ -40,6 +40,27 @@ pub fn remove_stale(path: &Path) -> io::Result<()> {
     }
 }
 
+/// Removes the sockets in `dir` that nobody listens on ([`remove_stale`],
+/// which logs each), at start-up, while the daemon may still
+/// connect: a backup's NBD socket left by a daemon killed during the
+/// backup, which the next `backup start` of that name would otherwise be
+/// refused on. A live socket (another daemon's export) and anything that
+/// is not a socket are left alone. Returns the names removed.
+pub fn remove_stale_in(dir: &Path) -> io::Result<Vec<String>> {
+    let mut removed = Vec::new();
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        // The entry's own type: a symlink to a socket is not followed.
+        if !entry.file_type()?.is_socket() {
+            continue;
+        }
+        if remove_stale(&entry.path()).is_ok() {
+            removed.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    Ok(removed)
+}
+
 /// `UnixListener::bind`, with the socket file created as `mode` whatever
 /// the process umask. Linux creates the file with the mode of the socket's
 /// own inode (0777, or what an fchmod of the fd set before bind) minus the

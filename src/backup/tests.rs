@@ -224,7 +224,7 @@ fn the_view_exports_the_frozen_bitmap() {
     let store = Arc::new(CbwStore::new(image, dir.path(), DEFAULT_CLUSTER).unwrap());
     let live = DirtyBitmap::new(4 * MIB, DEFAULT_CLUSTER).unwrap();
     live.mark(MIB, 1);
-    let frozen = Arc::new(live.take());
+    let frozen = Arc::new(live.copy());
     live.mark(0, 1); // after the instant: not in the export
     let view = View::new(store, Some(("nightly".into(), frozen)));
     assert_eq!(view.bitmaps(), ["nightly"]);

@@ -143,6 +143,10 @@ pub struct DirtyBitmap {
     /// False when the bitmap may lack changes (the host stopped while it
     /// was in use): a backup tool must then copy everything.
     consistent: AtomicBool,
+    /// How many times [`set_inconsistent`](Self::set_inconsistent) was
+    /// called: a backup compares it at its start and its end, to tell
+    /// whether the bitmap lost changes while it ran.
+    losses: AtomicU64,
 }
 
 impl fmt::Debug for DirtyBitmap {
@@ -181,6 +185,7 @@ impl DirtyBitmap {
             bits,
             words: Words::heap(words),
             consistent: AtomicBool::new(true),
+            losses: AtomicU64::new(0),
         })
     }
 
@@ -206,6 +211,7 @@ impl DirtyBitmap {
             bits,
             words: Words::Mapped { map, len },
             consistent: AtomicBool::new(consistent),
+            losses: AtomicU64::new(0),
         })
     }
 
@@ -291,7 +297,15 @@ impl DirtyBitmap {
     /// Marks the bitmap as possibly missing changes. It stays so until
     /// [`clear`](Self::clear).
     pub fn set_inconsistent(&self) {
+        self.losses.fetch_add(1, Ordering::AcqRel);
         self.consistent.store(false, Ordering::Release);
+    }
+
+    /// How many times this bitmap was marked inconsistent since it was
+    /// made: a change of it between two reads means changes may have been
+    /// lost in between.
+    pub fn losses(&self) -> u64 {
+        self.losses.load(Ordering::Acquire)
     }
 
     /// Marks every granule that `[offset, offset + len)` touches. Ranges
@@ -399,11 +413,13 @@ impl DirtyBitmap {
         self.consistent.store(true, Ordering::Release);
     }
 
-    /// Moves the bits into a new heap bitmap and clears them here, word by
-    /// word: a concurrent `mark` lands in exactly one of the two. This is
-    /// how a backup freezes what it exports while the bitmap records
-    /// afresh; the copy keeps this bitmap's consistency.
-    pub fn take(&self) -> DirtyBitmap {
+    /// A heap copy of the bits as they are now, with this bitmap's
+    /// consistency. This is what a backup exports (`qemu:dirty-bitmap:`)
+    /// while this bitmap keeps every bit it had and goes on recording: its
+    /// bits leave it only when the backup is known to have ended well
+    /// ([`replace_with`](Self::replace_with)). Taken with no mark in
+    /// flight, it is exact.
+    pub fn copy(&self) -> DirtyBitmap {
         let copy = DirtyBitmap {
             shift: self.shift,
             disk_size: self.disk_size,
@@ -412,13 +428,35 @@ impl DirtyBitmap {
                 self.words
                     .as_slice()
                     .iter()
-                    .map(|w| AtomicU64::new(w.swap(0, Ordering::Relaxed)))
+                    .map(|w| AtomicU64::new(w.load(Ordering::Relaxed)))
                     .collect(),
             ),
             consistent: AtomicBool::new(self.is_consistent()),
+            losses: AtomicU64::new(0),
         };
-        self.consistent.store(true, Ordering::Release);
         copy
+    }
+
+    /// Makes this bitmap's bits `other`'s, and the bitmap consistent if
+    /// `other` is: a backup that ended well leaves its bitmap with what
+    /// was recorded since its instant (`other`, which every later mark
+    /// reached too) and nothing of what it exported. Call it with no mark
+    /// in flight. Word by word: a crash half-way leaves each word with its
+    /// old bits (a superset, since every mark since the instant reached
+    /// both) or its new ones, never fewer.
+    pub fn replace_with(&self, other: &DirtyBitmap) -> Result<(), BitmapError> {
+        if other.shift != self.shift || other.disk_size != self.disk_size {
+            return Err(BitmapError::Mismatch);
+        }
+        for (w, o) in self.words.as_slice().iter().zip(other.words.as_slice()) {
+            let bits = o.load(Ordering::Relaxed);
+            if w.load(Ordering::Relaxed) != bits {
+                w.store(bits, Ordering::Relaxed);
+            }
+        }
+        self.consistent
+            .store(other.is_consistent(), Ordering::Release);
+        Ok(())
     }
 
     /// ORs `other`'s bits into this one (`backup stop --failed` puts the
@@ -618,18 +656,33 @@ mod tests {
     }
 
     #[test]
-    fn take_moves_bits_and_merge_puts_them_back() {
+    fn a_copy_keeps_the_bits_and_replace_with_ends_the_backup() {
         let b = DirtyBitmap::new(100 * G, G).unwrap();
         b.mark(0, G);
         b.mark(70 * G, 3 * G);
-        let frozen = b.take();
-        assert_eq!(b.dirty_bytes(), 0);
+        let frozen = b.copy();
+        let since = DirtyBitmap::new(100 * G, G).unwrap();
+        // The bitmap keeps its bits while the backup runs; a later write
+        // marks both it and the record since the instant.
+        assert_eq!(b.dirty_extents(), [(0, G), (70 * G, 3 * G)]);
         assert_eq!(frozen.dirty_extents(), [(0, G), (70 * G, 3 * G)]);
         b.mark(10 * G, G);
-        b.merge(&frozen).unwrap();
+        since.mark(10 * G, G);
         assert_eq!(b.dirty_extents(), [(0, G), (10 * G, G), (70 * G, 3 * G)]);
+        assert_eq!(frozen.dirty_bytes(), 4 * G, "the copy is frozen");
+        // The backup ended well: what it exported leaves the bitmap.
+        b.replace_with(&since).unwrap();
+        assert_eq!(b.dirty_extents(), [(10 * G, G)]);
         let other = DirtyBitmap::new(100 * G, 2 * G).unwrap();
-        assert!(matches!(b.merge(&other), Err(BitmapError::Mismatch)));
+        assert!(matches!(b.replace_with(&other), Err(BitmapError::Mismatch)));
+        // A loss is counted, and a consistent successor makes the bitmap
+        // consistent again (a full backup of an inconsistent bitmap).
+        let before = b.losses();
+        b.set_inconsistent();
+        assert_eq!(b.losses(), before + 1);
+        assert!(!b.is_consistent());
+        b.replace_with(&since).unwrap();
+        assert!(b.is_consistent());
         frozen.set_inconsistent();
         b.merge(&frozen).unwrap();
         assert!(!b.is_consistent());

@@ -119,15 +119,17 @@ pub enum BackupVerb {
         #[arg(long, value_name = "SOCKET")]
         nbd: PathBuf,
         /// Also export the changes this bitmap recorded up to this instant,
-        /// as the metadata context qemu:dirty-bitmap:NAME; the bitmap
-        /// records afresh from this instant.
+        /// as the metadata context qemu:dirty-bitmap:NAME; the bitmap keeps
+        /// them, and records on, until `backup stop` says the backup
+        /// succeeded.
         #[arg(long, value_name = "NAME")]
         bitmap: Option<String>,
     },
-    /// End the backup: the export ends, what the view kept is dropped.
+    /// End the backup: the export ends, what the view kept is dropped;
+    /// the changes it exported leave its bitmap (the backup succeeded).
     Stop {
-        /// The backup failed: put the exported bits back into the bitmap,
-        /// so that the next backup still copies those changes.
+        /// The backup failed: its bitmap keeps every change, so that the
+        /// next backup still copies them.
         #[arg(long)]
         failed: bool,
     },
@@ -339,7 +341,7 @@ fn backup(addr: &str, api: &std::path::Path, verb: &BackupVerb) -> Result<(), Fa
             );
             if let Some(b) = bitmap {
                 line.push_str(&format!(
-                    ", with the changes bitmap '{b}' recorded as qemu:dirty-bitmap:{b} (it records afresh from now)"
+                    ", with the changes bitmap '{b}' recorded as qemu:dirty-bitmap:{b} (it keeps them until `backup stop`)"
                 ));
             }
             out(&format!("{line}\n"))?;
@@ -358,7 +360,7 @@ fn backup(addr: &str, api: &std::path::Path, verb: &BackupVerb) -> Result<(), Fa
             out(&format!(
                 "backup stopped{}: {} cluster(s) were copied before the guest overwrote them\n",
                 if *failed {
-                    " as failed (the bitmap has its bits back)"
+                    " as failed (its bitmap keeps every change)"
                 } else {
                     ""
                 },

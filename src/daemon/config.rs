@@ -482,6 +482,10 @@ fn backup_spec(
             dir.display()
         )));
     }
+    // A backup's socket left by a daemon killed during it: replaced now,
+    // while the daemon may still connect to check that nobody listens (the
+    // seccomp filter allows no `connect` later).
+    crate::unix_socket::remove_stale_in(&dir).map_err(|e| err("its stale sockets", e))?;
     let store = tempfile::tempfile_in(&dir).map_err(|e| err("its copy-before-write file", e))?;
     let reader = std::fs::File::open(&image.path).map_err(|e| {
         DaemonError::Config(format!(

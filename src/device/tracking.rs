@@ -97,6 +97,8 @@ pub enum TrackingError {
     Unmarked,
     #[error("a backup is running (NBD on {0}); `backup stop` it first")]
     BackupRunning(String),
+    #[error("a backup is starting (NBD on {0}); try again once it has started")]
+    BackupStarting(String),
     #[error("no backup is running")]
     NoBackup,
     #[error(
@@ -117,6 +119,7 @@ impl TrackingError {
             TrackingError::Bitmap(BitmapError::Exists(_))
             | TrackingError::Locked
             | TrackingError::BackupRunning(_)
+            | TrackingError::BackupStarting(_)
             | TrackingError::Exported(_) => 409,
             TrackingError::Bitmap(BitmapError::Io { .. } | BitmapError::Corrupt { .. })
             | TrackingError::Unmarked
@@ -210,8 +213,15 @@ struct Running {
     /// The socket's path, and its name in the backup directory.
     socket: PathBuf,
     name: String,
-    /// The bitmap's name and the bits taken out of it at the instant.
+    /// The bitmap's name and a copy of its bits at the instant: what the
+    /// export serves. The bitmap itself keeps them until the backup ends
+    /// well (see [`Device::backup_stop`]).
     frozen: Option<(String, Arc<DirtyBitmap>)>,
+    /// What the bitmap records from the instant on (every mark reaches it
+    /// and the bitmap alike), and how often the bitmap had been marked
+    /// inconsistent at the instant: at a stop that ends well, the bitmap
+    /// becomes this, and inconsistent if it lost changes meanwhile.
+    successor: Option<(Arc<DirtyBitmap>, u64)>,
     size: u64,
     started: Instant,
     switch_us: u64,
@@ -257,6 +267,10 @@ struct Inner {
     /// What backups need, or why this device has none.
     backups: Result<BackupSpec, String>,
     backup: Option<Running>,
+    /// A `backup start` is under way (the socket's path): a second one is
+    /// refused, decided under this lock, until the first has started or
+    /// failed (see [`Starting`]).
+    starting: Option<PathBuf>,
     /// The number of the last targets made.
     last: u64,
 }
@@ -295,6 +309,7 @@ impl Tracking {
                 bitmaps,
                 backups,
                 backup: None,
+                starting: None,
                 last: 0,
             }),
         })
@@ -342,15 +357,19 @@ impl Inner {
     /// Makes new targets from the live bitmaps and the running backup, and
     /// publishes their number (0 when there is nothing to do).
     fn retarget(&mut self, tracking: &Tracking) {
+        // The live bitmaps, and what a running backup's bitmap records
+        // since its instant.
+        let live = self.bitmaps.values().filter_map(|e| match e {
+            Entry::Live(b) => Some(b.clone()),
+            Entry::Stored(_) => None,
+        });
+        let successor = self
+            .backup
+            .as_ref()
+            .and_then(|b| b.successor.as_ref())
+            .map(|(b, _)| b.clone());
         let targets = Targets {
-            bitmaps: self
-                .bitmaps
-                .values()
-                .filter_map(|e| match e {
-                    Entry::Live(b) => Some(b.clone()),
-                    Entry::Stored(_) => None,
-                })
-                .collect(),
+            bitmaps: live.chain(successor).collect(),
             cbw: self.backup.as_ref().map(|b| b.cbw.clone()),
         };
         self.last += 1;
@@ -403,6 +422,27 @@ impl Inner {
         self.retarget(tracking);
     }
 
+    /// A backup ended well: its bitmap becomes what it recorded since the
+    /// instant (the exported bits leave it), and inconsistent if it was
+    /// marked so while the backup ran. Called with no write in flight.
+    fn commit_backup(&self, r: &Running) {
+        let (Some((n, _)), Some((since, losses))) = (&r.frozen, &r.successor) else {
+            return;
+        };
+        match self.live(n) {
+            Ok(live) => {
+                let lost = live.losses() != *losses;
+                if let Err(e) = live.replace_with(since) {
+                    log::error!("bitmap '{n}' after the backup: {e}; marked inconsistent");
+                    live.set_inconsistent();
+                } else if lost {
+                    live.set_inconsistent();
+                }
+            }
+            Err(e) => log::error!("bitmap '{n}' after the backup: {e}"),
+        }
+    }
+
     fn live(&self, name: &str) -> Result<Arc<DirtyBitmap>, TrackingError> {
         match self.bitmaps.get(name) {
             Some(Entry::Live(b)) => Ok(b.clone()),
@@ -433,6 +473,16 @@ pub(super) struct Hold<'a>(&'a Device);
 impl Drop for Hold<'_> {
     fn drop(&mut self) {
         self.0.release_image();
+    }
+}
+
+/// A `backup start` under way, for as long as this lives (see
+/// `Inner::starting`).
+struct Starting<'a>(&'a Tracking);
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        self.0.lock().starting = None;
     }
 }
 
@@ -710,6 +760,10 @@ impl Device {
                     return Err(TrackingError::Exported(name.to_string()));
                 }
             }
+            if let Some(p) = &inner.starting {
+                // It may be about to export this one.
+                return Err(TrackingError::BackupStarting(p.display().to_string()));
+            }
             inner.store()?.remove(name)?;
             inner.bitmaps.remove(name);
             inner.retarget(&self.tracking);
@@ -729,30 +783,39 @@ impl Device {
     /// Starts a backup: serves the disk as it is now, read-only over NBD
     /// on `socket` (in the backup directory), while the guest goes on
     /// writing; with `bitmap`, also the changes that bitmap recorded up to
-    /// now (`qemu:dirty-bitmap:NAME`), while it records afresh.
+    /// now (`qemu:dirty-bitmap:NAME`). The bitmap keeps those bits, and
+    /// records on, until the backup ends well ([`Device::backup_stop`]).
+    /// One start at a time: a second one is refused, decided under the
+    /// lock that the running backup is set under, and leaves nothing
+    /// behind.
     pub fn backup_start(
         &self,
         socket: &Path,
         bitmap: Option<&str>,
     ) -> Result<BackupInfo, TrackingError> {
-        let (dir, image, store) = {
-            let inner = self.tracking.lock();
+        let (path, name, image, store, _starting) = {
+            let mut inner = self.tracking.lock();
             if let Some(r) = &inner.backup {
                 return Err(TrackingError::BackupRunning(r.socket.display().to_string()));
+            }
+            if let Some(p) = &inner.starting {
+                return Err(TrackingError::BackupStarting(p.display().to_string()));
             }
             let spec = inner
                 .backups
                 .as_ref()
                 .map_err(|why| TrackingError::Unsupported(why.clone()))?;
+            let (path, name) = socket_in(&spec.dir, socket)?;
             let dup = |f: &File| f.try_clone().map_err(|e| TrackingError::Io(e.to_string()));
-            (spec.dir.clone(), dup(&spec.image)?, dup(&spec.store)?)
+            let (image, store) = (dup(&spec.image)?, dup(&spec.store)?);
+            if bitmap.is_some() {
+                if let Err(why) = &inner.store {
+                    return Err(TrackingError::Unsupported(why.clone()));
+                }
+            }
+            inner.starting = Some(path.clone());
+            (path, name, image, store, Starting(&self.tracking))
         };
-        if bitmap.is_some() {
-            self.tracking
-                .bitmaps_supported()
-                .map_err(TrackingError::Unsupported)?;
-        }
-        let (path, name) = socket_in(&dir, socket)?;
         // A live snapshot waits for this start, then sees the backup.
         let _chain = self.chain_change.lock().unwrap_or_else(|e| e.into_inner());
         // The image is held until `backup stop`; the bitmaps are loaded.
@@ -773,20 +836,21 @@ impl Device {
         image: File,
         store: File,
     ) -> Result<BackupInfo, TrackingError> {
+        // What the bitmap records from the instant on, made while the
+        // guest runs (the copy of its bits is made at the instant).
         let live = match bitmap {
             Some(n) => {
-                let inner = self.tracking.lock();
-                Some((n.to_string(), inner.live(n)?))
+                let b = self.tracking.lock().live(n)?;
+                let since = DirtyBitmap::new(b.disk_size(), b.granularity())?;
+                Some((n.to_string(), b, Arc::new(since)))
             }
             None => None,
         };
-        // Before the instant, while the guest runs: the socket (so that a
-        // bad path fails here, with nothing else done), and the bitmap's
-        // durable state (a daemon killed during the backup must not find
-        // complete a bitmap whose bits the backup took).
+        // Before the instant, while the guest runs: the socket, so that a
+        // bad path fails here with nothing else done.
         let listener = crate::unix_socket::bind_private(path).map_err(|e| {
             let why = match e.kind() {
-                io::ErrorKind::AddrInUse => "exists (left by a daemon killed during a backup? remove it, or choose another name)".to_string(),
+                io::ErrorKind::AddrInUse => "exists (a process listens there, or it was made after this daemon started: remove it, or choose another name)".to_string(),
                 _ => e.to_string(),
             };
             TrackingError::Socket {
@@ -794,15 +858,6 @@ impl Device {
                 why,
             }
         })?;
-        let remove_socket = || self.remove_backup_socket(name);
-        if let Some((n, b)) = &live {
-            let mut inner = self.tracking.lock();
-            if let Err(e) = inner.store()?.update(n, b, false) {
-                drop(inner);
-                remove_socket();
-                return Err(e.into());
-            }
-        }
         let size = self.size();
         // The guest's disk: a raw image's file, or a qcow2 image's chain
         // (the store's cluster then covers the top's, see Qcow2Disk).
@@ -815,7 +870,15 @@ impl Device {
         };
         let (switched, switch_us) = self.quiesced(|| {
             let cbw = Arc::new(CbwStore::with_file(image, store, cluster)?);
-            let frozen = live.as_ref().map(|(n, b)| (n.clone(), Arc::new(b.take())));
+            // The instant: no write in flight. The export gets a copy of
+            // the bits; the bitmap keeps them.
+            let (frozen, successor) = match &live {
+                Some((n, b, since)) => (
+                    Some((n.clone(), Arc::new(b.copy()))),
+                    Some((since.clone(), b.losses())),
+                ),
+                None => (None, None),
+            };
             let mut inner = self.tracking.lock();
             inner.backup = Some(Running {
                 server: None,
@@ -823,6 +886,7 @@ impl Device {
                 socket: path.to_path_buf(),
                 name: name.to_string(),
                 frozen: frozen.clone(),
+                successor,
                 size,
                 started: Instant::now(),
                 switch_us: 0,
@@ -833,14 +897,7 @@ impl Device {
         let (cbw, frozen) = match switched {
             Ok(v) => v,
             Err(e) => {
-                remove_socket();
-                if let Some((n, b)) = &live {
-                    let _ = self
-                        .tracking
-                        .lock()
-                        .store()
-                        .map(|s| s.update(n, b, b.is_consistent()));
-                }
+                self.remove_backup_socket(name);
                 return Err(TrackingError::Io(format!(
                     "the copy-before-write store: {e}"
                 )));
@@ -867,7 +924,7 @@ impl Device {
             }
             Err(e) => {
                 drop(inner);
-                // Undo as a failed backup: the bits go back.
+                // Undo as a failed backup: the bitmap keeps its bits.
                 let _ = self.stop_backup(true);
                 Err(TrackingError::Io(format!("starting the NBD server: {e}")))
             }
@@ -884,14 +941,19 @@ impl Device {
     }
 
     /// Ends the running backup: the export ends, the view's copies are
-    /// dropped. With `failed`, the bits the backup took from its bitmap go
-    /// back into it, so that the next backup still copies those changes.
+    /// dropped. A backup that ended well (not `failed`) takes the bits it
+    /// exported out of its bitmap, which keeps what was recorded since
+    /// the instant; a failed one leaves the bitmap as it is, every change
+    /// still in it. Refused while a start is under way.
     pub fn backup_stop(&self, failed: bool) -> Result<BackupInfo, TrackingError> {
+        if let Some(p) = &self.tracking.lock().starting {
+            return Err(TrackingError::BackupStarting(p.display().to_string()));
+        }
         let info = self.stop_backup(failed)?;
         log::info!(
             "backup stopped{}: {} cluster(s) were copied before the guest overwrote them",
             if failed {
-                " as failed (the bitmap's bits are back)"
+                " as failed (its bitmap keeps every change)"
             } else {
                 ""
             },
@@ -901,11 +963,15 @@ impl Device {
     }
 
     fn stop_backup(&self, failed: bool) -> Result<BackupInfo, TrackingError> {
-        // Out of the targets, with no write in flight; then torn down
-        // while the guest runs.
+        // Out of the targets, with no write in flight (so the bitmap and
+        // its successor hold the same marks since the instant); then torn
+        // down while the guest runs.
         let (taken, _) = self.quiesced(|| {
             let mut inner = self.tracking.lock();
             let r = inner.backup.take();
+            if let Some(r) = r.as_ref().filter(|_| !failed) {
+                inner.commit_backup(r);
+            }
             inner.retarget(&self.tracking);
             r
         });
@@ -931,15 +997,11 @@ impl Device {
                     log::warn!("emptying the copy-before-write store: {e}");
                 }
             }
-            if let Some((n, bits)) = frozen {
+            if let Some((n, _)) = frozen.filter(|_| !failed) {
+                // The bitmap's new state made durable where its store
+                // keeps it durable while in use (a sidecar's mapping).
                 match inner.live(&n) {
                     Ok(live) => {
-                        if failed {
-                            if let Err(e) = live.merge(&bits) {
-                                log::error!("merging the backup's bits back into '{n}': {e}");
-                                live.set_inconsistent();
-                            }
-                        }
                         let consistent = live.is_consistent();
                         if let Ok(store) = inner.store() {
                             if let Err(e) = store.update(&n, &live, consistent) {
@@ -983,6 +1045,9 @@ impl Device {
             let inner = self.tracking.lock();
             if let Some(r) = &inner.backup {
                 return Err(TrackingError::BackupRunning(r.socket.display().to_string()).into());
+            }
+            if let Some(p) = &inner.starting {
+                return Err(TrackingError::BackupStarting(p.display().to_string()).into());
             }
             !inner.bitmaps.is_empty()
         };

@@ -263,7 +263,8 @@ fn a_full_backup_under_writes_is_the_instant() {
 /// Full backup, more writes, incremental: the dirty map lists every change
 /// and nothing else beyond the granularity; the full backup with the
 /// incremental one on top, restored with qemu-img, is the disk at the
-/// second `backup start`. The bitmap records afresh from each start.
+/// second `backup start`. The bitmap keeps what a backup exports until
+/// `backup stop`, and then only what came after the instant.
 #[test]
 fn an_incremental_backup_holds_every_change_and_nothing_else() {
     if !nbd::have_tools() {
@@ -284,10 +285,16 @@ fn an_incremental_backup_holds_every_change_and_nothing_else() {
         granules(&[(0, 16 * MIB)], GRAN, SIZE),
         "the first export's map"
     );
-    assert_eq!(bitmap_state(&api, "inc"), Some((0, true)), "afresh");
+    // The bitmap keeps what it exports until the backup ends well.
+    assert_eq!(
+        bitmap_state(&api, "inc"),
+        Some((16 * MIB, true)),
+        "kept while the backup runs"
+    );
     let full = dir.path().join("full.qcow2");
     nbd::convert_qcow2(&sock, &full);
     ctl_ok(&api, &["backup", "stop"]);
+    assert_eq!(bitmap_state(&api, "inc"), Some((0, true)), "afresh");
 
     let changed = scattered(&mut c, 100, 2 * MIB);
     assert_eq!(c.flush(), 0);
@@ -299,13 +306,21 @@ fn an_incremental_backup_holds_every_change_and_nothing_else() {
     write_pattern(&mut c, 200, 30 * MIB, MIB);
     let want = granules(&changed, GRAN, SIZE);
     assert_eq!(dirty(&sock, "inc"), want, "the incremental map");
+    let mut kept = changed.clone();
+    kept.push((30 * MIB, MIB));
     assert_eq!(
         bitmap_state(&api, "inc"),
-        Some((bytes(&granules(&[(30 * MIB, MIB)], GRAN, SIZE)), true))
+        Some((bytes(&granules(&kept, GRAN, SIZE)), true)),
+        "the exported changes and the later writes"
     );
     let top = dir.path().join("inc.qcow2");
     assert_eq!(nbd::incremental(&sock, "inc", &full, &top), want);
     ctl_ok(&api, &["backup", "stop"]);
+    assert_eq!(
+        bitmap_state(&api, "inc"),
+        Some((bytes(&granules(&[(30 * MIB, MIB)], GRAN, SIZE)), true)),
+        "after the stop, the writes since the instant only"
+    );
     let restored = dir.path().join("restored.raw");
     nbd::restore(&top, &restored);
     assert_same("full + incremental", &restored, &at_second);

@@ -22,6 +22,7 @@
 
 mod activation;
 mod backup;
+mod backup_interrupted;
 mod bench_launcher;
 mod blkio_client;
 mod bounce_limit;

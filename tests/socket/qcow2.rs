@@ -1150,9 +1150,9 @@ fn a_bad_bitmaps_extension_is_refused() {
 
 /// An incremental backup from a bitmap QEMU made (`qemu-img bitmap
 /// --add`): the export's `qemu:dirty-bitmap:` holds what the guest wrote
-/// before `backup start`, the bitmap records afresh from then, and after
-/// a clean stop QEMU finds in it exactly what the guest wrote after the
-/// instant.
+/// before `backup start`; after `backup stop` and a clean stop of the
+/// daemon, QEMU finds in the bitmap exactly what the guest wrote after
+/// the instant.
 #[test]
 fn a_qemu_bitmap_drives_an_incremental_backup() {
     use ringblk_testkit::nbd;
