@@ -557,10 +557,9 @@ pub trait BitmapStore: Send {
     /// Deletes a bitmap's stored form.
     fn remove(&mut self, name: &str) -> Result<(), BitmapError>;
     /// Records durably whether the stored bitmap can be trusted, its bits
-    /// aside: `consistent` false while a backup holds bits taken out of it
-    /// (a daemon killed meanwhile must not find it complete), or when it
-    /// lost changes; true again after a clear, a merge back, or a backup
-    /// that succeeded (the bits are made durable first).
+    /// aside: `consistent` false when it lost changes; true again after a
+    /// backup that succeeded (the bits, which then lost what the backup
+    /// exported, are made durable first).
     fn update(
         &mut self,
         name: &str,

@@ -38,9 +38,10 @@
 //!   was in use, and bits still in the page cache may be lost: the bitmap
 //!   is marked INCONSISTENT (a backup tool then copies everything), and
 //!   stays so until it is cleared.
-//! - While a backup exports bits taken out of a bitmap, the file says
-//!   INCONSISTENT ([`update`](BitmapStore::update)): a daemon killed
-//!   before the backup ended lost those bits.
+//! - A backup exports a copy of the bits; the mapped bits keep them until
+//!   the backup ends well, so a daemon killed during a backup leaves the
+//!   bitmap complete (docs/backup.md, "What an interrupted backup
+//!   leaves").
 //!
 //! After start-up the daemon opens no file by path (its seccomp filter has
 //! no `openat` but the one below): the directory and every sidecar found
