@@ -1098,6 +1098,9 @@ impl Device {
 }
 
 #[cfg(test)]
+mod model;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
