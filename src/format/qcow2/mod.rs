@@ -1415,9 +1415,8 @@ fn open_qcow2(
             path,
             format!(
                 "holds L2 entries in its L2 log ({}) from a daemon that stopped uncleanly (or that serves it now); \
-                 write them in: ringblk recover --image {}",
-                l2log::path_for(path).display(),
-                path.display()
+                 serve it read-write once with ringblk (--format qcow2, the L2 log on, as by default), which writes them in",
+                l2log::path_for(path).display()
             ),
         ));
     }

@@ -705,3 +705,64 @@ fn a_log_pointing_outside_the_tables_is_not_applied() {
     );
     check_clean(&top);
 }
+
+/// An image an older daemon left marked by a kill -9 (incompatible bit
+/// 62, which QEMU refuses) is still recovered: the next open with the log
+/// writes the log's entries in and clears the old bit, and QEMU opens the
+/// image, clean, with the write. (The old code did this too: this guards
+/// the upgrade, it does not fix it.)
+#[test]
+fn an_image_marked_by_an_older_daemon_is_recovered() {
+    let dir = scratch("l2log-old-mark");
+    let top = small_cluster_overlay(&dir, 8 * MIB);
+    let mut data = vec![0u8; 4096];
+    fill(77, 3 * 4096, &mut data);
+    {
+        let (img, _) = open_logged(&top, OpenOptions::default());
+        // The first allocation hooks up an L2 table (a write-out); the
+        // second one's entry is in the log only.
+        let mut first = vec![0u8; 4096];
+        fill(76, 0, &mut first);
+        write(&img, 0, &first).unwrap();
+        write(&img, 3 * 4096, &data).unwrap();
+        // Killed: nothing written out.
+        std::mem::forget(img);
+    }
+    // As the older daemon marked it: incompatible bit 62, no autoclear bit.
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&top)
+        .unwrap();
+    let mut h = [0u8; 96];
+    f.read_exact_at(&mut h, 0).unwrap();
+    assert_ne!(h[88] & 0x40, 0, "the kill left no mark");
+    f.write_all_at(&[h[72] | 0x40], 72).unwrap();
+    f.write_all_at(&[h[88] & !0x40], 88).unwrap();
+    drop(f);
+    let info = Command::new("qemu-img")
+        .args(["info", "-f", "qcow2"])
+        .arg(&top)
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&info.stderr).contains("incompatible feature"),
+        "QEMU opened an image with incompatible bit 62"
+    );
+    // Nothing but a writable open with the log takes it.
+    assert!(Image::open(&top, Format::Qcow2, &OpenOptions::default()).is_err());
+    let (img, replayed) = open_logged(&top, OpenOptions::default());
+    assert!(replayed > 0, "the log was not written in");
+    drop(img);
+    let mut h = [0u8; 96];
+    std::fs::File::open(&top)
+        .unwrap()
+        .read_exact_at(&mut h, 0)
+        .unwrap();
+    assert_eq!((h[72] & 0x40, h[88] & 0x40), (0, 0), "a mark is left");
+    check_clean(&top);
+    let img = open(&top, false);
+    let mut got = vec![0u8; 4096];
+    read(&img, 3 * 4096, &mut got).unwrap();
+    assert!(got == data, "the write the log held is lost");
+}
