@@ -1032,8 +1032,16 @@ fn a_kill_9_leaves_allocations_in_the_l2_log_and_loses_none() {
         if let Some(err) = qemu_img_refuses(&c.top) {
             panic!("--l2-log {l2_log}: right after the kill, qemu-img refused the image: {err}");
         }
-        assert_eq!(marks(&c.top), (l2_log == "on", false), "--l2-log {l2_log}: the marks");
-        assert_eq!(log.exists(), l2_log == "on", "--l2-log {l2_log}: the L2 log");
+        assert_eq!(
+            marks(&c.top),
+            (l2_log == "on", false),
+            "--l2-log {l2_log}: the marks"
+        );
+        assert_eq!(
+            log.exists(),
+            l2_log == "on",
+            "--l2-log {l2_log}: the L2 log"
+        );
         check_clean(&c.top);
         let alone = converted(&c.top, dir.path());
         if l2_log == "on" {
@@ -1060,7 +1068,11 @@ fn a_kill_9_leaves_allocations_in_the_l2_log_and_loses_none() {
             );
         }
         stop(d);
-        assert_eq!(marks(&c.top), (false, false), "--l2-log {l2_log}: marks after a stop");
+        assert_eq!(
+            marks(&c.top),
+            (false, false),
+            "--l2-log {l2_log}: marks after a stop"
+        );
         check_clean(&c.top);
         compare_identical(&c.top, &c.reference);
 
@@ -1109,8 +1121,9 @@ fn a_qemu_write_after_a_kill_9_drops_the_l2_log() {
     d.wait_for_log("does not apply");
     let out = d.log();
     assert!(
-        out.lines()
-            .any(|l| l.contains("does not apply") && l.contains("another program") && l.contains("WARN")),
+        out.lines().any(|l| l.contains("does not apply")
+            && l.contains("another program")
+            && l.contains("WARN")),
         "the restart did not say it dropped the log:\n{out}"
     );
     assert!(

@@ -504,8 +504,8 @@ impl Bitmaps {
         // cleared stays cleared.
         let mut now = [0u8; 8];
         file.read_exact_at(&mut now, AUTOCLEAR_OFFSET)?;
-        let autoclear = (self.autoclear & AUTOCLEAR_BITMAPS)
-            | (u64::from_be_bytes(now) & super::l2log::MARK);
+        let autoclear =
+            (self.autoclear & AUTOCLEAR_BITMAPS) | (u64::from_be_bytes(now) & super::l2log::MARK);
         file.write_all_at(&autoclear.to_be_bytes(), AUTOCLEAR_OFFSET)?;
         file.sync_data()
     }
