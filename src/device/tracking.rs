@@ -562,9 +562,10 @@ impl Device {
     }
 
     /// At start-up: a qcow2 image marked by a daemon that stopped
-    /// uncleanly is claimed and let go at once, so that its L2 log is
-    /// written in (or dropped) and the mark cleared now, not when a guest
-    /// first connects. An operator who starts the daemon and stops it
+    /// uncleanly (or whose L2 log has entries that another program's
+    /// write of the image made stale) is claimed and let go at once, so
+    /// that its L2 log is written in (or dropped) and the mark cleared
+    /// now, not when a guest first connects. An operator who starts the daemon and stops it
     /// again (docs/troubleshooting.md) then has an image QEMU opens.
     /// Nothing is done while another process holds the image lock (a
     /// migration's source that still serves it: the log is its own), nor
@@ -576,7 +577,7 @@ impl Device {
         if self.image_lock.is_none() || !live.current().image.writable() {
             return;
         }
-        match live.current().image.marked() {
+        match live.current().image.needs_recovery() {
             Ok(true) => {}
             Ok(false) => return,
             Err(e) => {

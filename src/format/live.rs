@@ -326,7 +326,7 @@ impl Live {
         if let Some(why) = adopted.dropped {
             log::warn!(
                 "{}: a daemon stopped uncleanly on it, and its L2 log {log} does not apply ({why}); \
-                 the image is as its last write-out left it (writes the guest had not flushed may be lost)",
+                 dropped: the image is served as its own L2 tables have it (writes the guest had not flushed may be lost)",
                 top.display()
             );
         }

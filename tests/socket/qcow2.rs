@@ -946,16 +946,80 @@ fn qemu_img_refuses(image: &Path) -> Option<String> {
     (!out.status.success()).then(|| String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
-/// kill -9 of the daemon while the guest is connected and has not
-/// flushed: the L2 entries of its allocating writes are in the L2 log
-/// only, and the image is marked, so QEMU refuses it rather than serve it
-/// without them. The daemon restarted with the same command line writes
-/// the log into the image at start-up (and says so), before any guest
-/// connects: started and stopped again, it leaves an image QEMU opens
-/// (docs/troubleshooting.md). Every acknowledged write reads back, and
-/// after a clean stop QEMU reads the image, checks it clean and finds it
-/// identical to the reference. The same with `--l2-log off`: no log,
-/// nothing marked, nothing lost either.
+/// The header's autoclear bit 62 (the L2 log's mark) and incompatible
+/// bit 62 (the mark before), as the file has them.
+fn marks(image: &Path) -> (bool, bool) {
+    let mut h = [0u8; 96];
+    std::fs::File::open(image)
+        .unwrap()
+        .read_exact_at(&mut h, 0)
+        .unwrap();
+    (h[88] & 0x40 != 0, h[72] & 0x40 != 0)
+}
+
+/// `qemu-img convert` of `image` to raw, read whole.
+fn converted(image: &Path, dir: &Path) -> Vec<u8> {
+    let out = dir.join("converted.raw");
+    qemu_img(&[
+        "convert",
+        "-f",
+        "qcow2",
+        "-O",
+        "raw",
+        image.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ]);
+    let data = std::fs::read(&out).unwrap();
+    std::fs::remove_file(&out).unwrap();
+    data
+}
+
+/// Allocating writes, a FLUSH, then more allocating writes (new clusters)
+/// and rewrites in place (of clusters the first writes allocated), none
+/// flushed, then kill -9. Returns the disk as of the FLUSH with the
+/// rewrites in place laid over it: what QEMU must read from the image
+/// file alone, the L2 log aside.
+fn writes_then_kill_9(c: &Chain, mut d: Daemon, seed: u64) -> Vec<u8> {
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    for i in 0..32u64 {
+        let offset = i * 3 * CLUSTER + 8 * KIB;
+        let data = c.write(seed + i, offset, 4 * KIB as usize);
+        assert_eq!(client.write(offset, &data), 0, "write at {offset}");
+    }
+    assert_eq!(client.flush(), 0);
+    let mut at_flush = std::fs::read(&c.reference).unwrap();
+    for i in 0..64u64 {
+        let offset = (i * 3 + 1) * CLUSTER + 8 * KIB;
+        let data = c.write(seed + 100 + i, offset, 4 * KIB as usize);
+        assert_eq!(client.write(offset, &data), 0, "write at {offset}");
+    }
+    for i in 0..8u64 {
+        let offset = i * 3 * CLUSTER + 16 * KIB;
+        let data = c.write(seed + 200 + i, offset, 4 * KIB as usize);
+        assert_eq!(client.write(offset, &data), 0, "write at {offset}");
+        at_flush[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+    }
+    let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    assert!(!st.success());
+    drop(client);
+    at_flush
+}
+
+/// kill -9 of the daemon while the guest is connected and has written
+/// since its last FLUSH: the L2 entries of the allocating writes since
+/// are in the L2 log only, and the image is marked with autoclear bit
+/// 62, which QEMU ignores: right after the kill, `qemu-img info`, `check`
+/// (no corruption) and `convert` open the image, and `convert` gives the
+/// disk as of the FLUSH, with the rewrites in place since (the newer
+/// allocations, in the log only, read as before). The daemon restarted
+/// with the same command line writes the log into the image at start-up
+/// (and says so), before any guest connects. Every acknowledged write
+/// reads back, and after a clean stop QEMU checks the image clean and
+/// finds it identical to the reference. The same with `--l2-log off`: no
+/// log, nothing marked, and the file alone has every write.
+///
+/// On the old code the mark was incompatible bit 62: QEMU refused the
+/// image ("Unknown incompatible feature").
 #[test]
 fn a_kill_9_leaves_allocations_in_the_l2_log_and_loses_none() {
     for l2_log in ["on", "off"] {
@@ -963,27 +1027,33 @@ fn a_kill_9_leaves_allocations_in_the_l2_log_and_loses_none() {
         let c = chain(dir.path(), "raw", SIZE);
         let args = ["--l2-log", l2_log];
         let d = serve(&c, dir.path(), &args);
-        let mut client = Client::connect(&d.socket, 2 * MIB as usize);
-        // Allocating writes of 4 KiB in the middle of clusters, acknowledged,
-        // never flushed.
-        for i in 0..64u64 {
-            let offset = i * 3 * CLUSTER + 8 * KIB;
-            let data = c.write(500 + i, offset, 4 * KIB as usize);
-            assert_eq!(client.write(offset, &data), 0, "write at {offset}");
-        }
-        let mut d = d;
-        let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
-        assert!(!st.success());
-        drop(client);
+        let at_flush = writes_then_kill_9(&c, d, 500);
         let log = dir.path().join("top.qcow2.ringblk-l2log");
-        match (l2_log, qemu_img_refuses(&c.top)) {
-            ("on", Some(err)) => {
-                assert!(err.contains("incompatible feature"), "{err}");
-                assert!(log.exists(), "no L2 log next to the image");
-            }
-            ("on", None) => panic!("QEMU opened an image whose L2 entries are in the log"),
-            (_, Some(err)) => panic!("--l2-log off: qemu-img refused the image: {err}"),
-            (_, None) => assert!(!log.exists(), "--l2-log off made an L2 log"),
+        if let Some(err) = qemu_img_refuses(&c.top) {
+            panic!("--l2-log {l2_log}: right after the kill, qemu-img refused the image: {err}");
+        }
+        assert_eq!(
+            marks(&c.top),
+            (l2_log == "on", false),
+            "--l2-log {l2_log}: the marks"
+        );
+        assert_eq!(
+            log.exists(),
+            l2_log == "on",
+            "--l2-log {l2_log}: the L2 log"
+        );
+        check_clean(&c.top);
+        let alone = converted(&c.top, dir.path());
+        if l2_log == "on" {
+            assert!(
+                alone == at_flush,
+                "qemu-img convert of the image without its L2 log is not the disk as of the FLUSH"
+            );
+        } else {
+            assert!(
+                alone == std::fs::read(&c.reference).unwrap(),
+                "--l2-log off: qemu-img convert lacks acknowledged writes"
+            );
         }
 
         // Started and stopped, no guest: the log is written in at start.
@@ -998,11 +1068,13 @@ fn a_kill_9_leaves_allocations_in_the_l2_log_and_loses_none() {
             );
         }
         stop(d);
-        if let Some(err) = qemu_img_refuses(&c.top) {
-            panic!(
-                "--l2-log {l2_log}: after a start and a stop, qemu-img refused the image: {err}"
-            );
-        }
+        assert_eq!(
+            marks(&c.top),
+            (false, false),
+            "--l2-log {l2_log}: marks after a stop"
+        );
+        check_clean(&c.top);
+        compare_identical(&c.top, &c.reference);
 
         let d = serve(&c, dir.path(), &args);
         let mut client = Client::connect(&d.socket, 2 * MIB as usize);
@@ -1011,6 +1083,58 @@ fn a_kill_9_leaves_allocations_in_the_l2_log_and_loses_none() {
         stop(d);
         c.verify();
     }
+}
+
+/// A program that writes the image after a kill -9 (here qemu-io) clears
+/// the autoclear bits it does not know, the L2 log's mark among them: the
+/// clusters the log's entries point to are free to it, and it may have
+/// taken them. The restart drops the log, says so at WARN, and writes
+/// nothing of it: the image checks clean and reads as the disk at the
+/// FLUSH with the rewrites in place and qemu-io's write; the allocating
+/// writes after the FLUSH are gone (the guest had not flushed them).
+/// On the old code qemu-io refused the image (incompatible bit 62).
+#[test]
+fn a_qemu_write_after_a_kill_9_drops_the_l2_log() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let d = serve(&c, dir.path(), &[]);
+    let mut want = writes_then_kill_9(&c, d, 900);
+    assert_eq!(marks(&c.top), (true, false), "the image is not marked");
+    // qemu-io allocates a cluster no write touched: the first free one
+    // in the file, which the log's entries may point to.
+    let off = 2 * MIB + 5 * CLUSTER;
+    ringblk_testkit::qemu_img::run(
+        "qemu-io",
+        &[
+            "-f",
+            "qcow2",
+            "-c",
+            &format!("write -P 0x5a {off} 64k"),
+            c.top.to_str().unwrap(),
+        ],
+    );
+    want[off as usize..(off + CLUSTER) as usize].fill(0x5a);
+    assert_eq!(marks(&c.top), (false, false), "qemu-io left the mark set");
+    std::fs::write(&c.reference, &want).unwrap();
+
+    let mut d = serve(&c, dir.path(), &[]);
+    d.wait_for_log("does not apply");
+    let out = d.log();
+    assert!(
+        out.lines().any(|l| l.contains("does not apply")
+            && l.contains("another program")
+            && l.contains("WARN")),
+        "the restart did not say it dropped the log:\n{out}"
+    );
+    assert!(
+        !out.contains("L2 entries it had left in"),
+        "the restart wrote the stale log in:\n{out}"
+    );
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    reads_as_reference(&mut client, &c, "after qemu-io's write and the restart");
+    drop(client);
+    stop(d);
+    c.verify();
 }
 
 /// A FLUSH makes the image whole without the L2 log: allocating writes,

@@ -16,8 +16,9 @@
 //! 1. every entry of the bitmap directory gets its IN_USE flag, and the
 //!    directory is fdatasynced;
 //! 2. then the autoclear field is written with bit 0 (the bitmaps
-//!    extension is valid) set and any other bit cleared (features this
-//!    program does not know), and fdatasynced.
+//!    extension is valid) set, bit 62 (the L2 log's mark, ringblk's own:
+//!    `super::l2log`) as the file has it, and any other bit cleared
+//!    (features this program does not know), and fdatasynced.
 //!
 //! IN_USE is QEMU's own "this bitmap may be missing changes": until the
 //! bitmaps are written back at a clean release, `qemu-img info` lists
@@ -497,9 +498,14 @@ impl Bitmaps {
         }
         file.write_all_at(&self.raw, self.directory_offset)?;
         file.sync_data()?;
-        // Only the bitmaps bit: imago knows no other autoclear feature,
-        // and what it cleared stays cleared.
-        let autoclear = self.autoclear & AUTOCLEAR_BITMAPS;
+        // Only the bitmaps bit, and the L2 log's mark as the file has it
+        // now (ringblk's own: it says the log's entries still apply;
+        // `l2log`): imago knows no other autoclear feature, and what it
+        // cleared stays cleared.
+        let mut now = [0u8; 8];
+        file.read_exact_at(&mut now, AUTOCLEAR_OFFSET)?;
+        let autoclear =
+            (self.autoclear & AUTOCLEAR_BITMAPS) | (u64::from_be_bytes(now) & super::l2log::MARK);
         file.write_all_at(&autoclear.to_be_bytes(), AUTOCLEAR_OFFSET)?;
         file.sync_data()
     }

@@ -24,14 +24,30 @@
 //!   past a bound, a snapshot, a migration's stop): fdatasync, the held
 //!   tables written, the mark cleared, the log emptied.
 //!
-//! **The mark** is bit 62 of the image's incompatible features
+//! **The mark** is bit 62 of the image's *autoclear* features
 //! ([`MARK`]), set while the image's L2 tables lack entries that only the
-//! log has. A program that does not know it refuses the image (QEMU:
-//! "Unsupported qcow2 feature(s): Unknown incompatible feature:
-//! 4000000000000000"), rather than serving it without the writes the log
-//! holds, and writing it so that the log no longer applies. imago never
-//! sees it (reads of the header leave it out); only this module sets and
-//! clears it.
+//! log has. The image file on its own is consistent all the while: the L2
+//! tables and the refblocks that only raise refcounts are what the last
+//! write-out (a FLUSH at the latest) left, so QEMU reads it (`qemu-img
+//! check`, `info`, `convert`) as of the last write-out, plus the writes
+//! that went in place into clusters it already had; the clusters the log's
+//! entries allocated are free to it. A program that writes the image
+//! clears the autoclear bits it does not know first (the qcow2 format
+//! asks it of every writer; QEMU does it at every read-write open, `qemu-img
+//! check -r` included, and read-only opens write nothing), so a mark still
+//! set at the next daemon's start proves that no such program wrote the
+//! image since, and the log is written in; a mark gone while the log has
+//! entries means one did (it may have allocated the very clusters the log
+//! points to), and the log is dropped with a WARN line.
+//!
+//! Until this version the mark was bit 62 of the *incompatible* features
+//! ([`OLD_MARK`]): QEMU refused the image ("Unknown incompatible feature:
+//! 4000000000000000") until ringblk ran on it again. An image an older
+//! daemon left so is still recovered (no other program could have written
+//! it), and both bits are cleared.
+//!
+//! imago never sees either (reads of the header leave them out); only this
+//! module's users in `ordered` set and clear them.
 //!
 //! **The file** (`IMAGE.ringblk-l2log`, next to the image `--image`
 //! names): a 4 KiB header, then records.
@@ -60,9 +76,16 @@ use std::sync::Mutex;
 
 use crate::host::{BOOT_ID_LEN, boot_id};
 
-/// The image's incompatible-feature bit that says "L2 entries are in the
-/// log" (see the module doc).
+/// The image's autoclear-feature bit that says "L2 entries are in the
+/// log, and no program that does not know it wrote the image since" (see
+/// the module doc). Bit 0 is QEMU's bitmaps bit, bit 1 its raw external
+/// data file bit.
 pub const MARK: u64 = 1 << 62;
+
+/// The mark as daemons before this version set it: bit 62 of the
+/// incompatible features, which QEMU refuses. Read (and cleared), never
+/// set.
+pub const OLD_MARK: u64 = 1 << 62;
 
 /// Offset of the incompatible-features field in a qcow2 v3 header.
 pub const INCOMPAT_OFFSET: u64 = 72;

@@ -1287,6 +1287,22 @@ impl Qcow2Image {
         self.files[0].file_marked()
     }
 
+    /// Whether taking the L2 log into use ([`Qcow2Image::claim`]) has
+    /// something to do: the top is [`marked`](Self::marked), or it is not
+    /// and the log still has entries for it (another program wrote the
+    /// image after a daemon stopped uncleanly on it: the log is dropped,
+    /// with a WARN line).
+    pub fn needs_recovery(&self) -> io::Result<bool> {
+        if self.marked()? {
+            return Ok(true);
+        }
+        let Some(log) = &self.l2log else {
+            return Ok(false);
+        };
+        let found = log.entries_for(self.files[0].file())?;
+        Ok(found.stale.is_none() && !found.entries.is_empty())
+    }
+
     /// The top's L2 log, if it has one.
     pub fn l2_log_path(&self) -> Option<&Path> {
         self.l2log.as_deref().map(L2Log::path)
@@ -1388,11 +1404,17 @@ fn open_qcow2(
         ));
     }
     let incompat = u64::from_be_bytes(header[72..80].try_into().unwrap_or([0; 8]));
-    if incompat & l2log::MARK != 0 && !(writable && options.l2_log.is_some()) {
+    let autoclear = u64::from_be_bytes(header[88..96].try_into().unwrap_or([0; 8]));
+    // The mark (or an older daemon's): the L2 log has entries the image
+    // lacks. Only a writable open with the log may take it (and write them
+    // in when it claims the image); any other would serve the image
+    // without them, or write it with the mark left set.
+    let marked = version >= 3 && (incompat & l2log::OLD_MARK != 0 || autoclear & l2log::MARK != 0);
+    if marked && !(writable && options.l2_log.is_some()) {
         return Err(open_err(
             path,
             format!(
-                "holds L2 entries in its L2 log ({}) from a daemon that stopped uncleanly; \
+                "holds L2 entries in its L2 log ({}) from a daemon that stopped uncleanly (or that serves it now); \
                  serve it read-write once with ringblk (--format qcow2, the L2 log on, as by default), which writes them in",
                 l2log::path_for(path).display()
             ),

@@ -56,12 +56,16 @@ use imago::Storage;
 use imago::io_buffers::{IoVector, IoVectorMut};
 use imago::storage::drivers::CommonStorageHelper;
 
+use super::bitmaps::AUTOCLEAR_OFFSET;
 use super::l2log::{self, INCOMPAT_OFFSET, L2Log};
 
-/// The byte of the header that holds [`l2log::MARK`] (incompatible
-/// features are big-endian: bit 62 is in their first byte).
-const MARK_BYTE: u64 = INCOMPAT_OFFSET;
+/// The byte of the header that holds [`l2log::MARK`] (autoclear features
+/// are big-endian: bit 62 is in their first byte).
+const MARK_BYTE: u64 = AUTOCLEAR_OFFSET;
 const MARK_BIT: u8 = (l2log::MARK >> 56) as u8;
+/// The byte and bit of [`l2log::OLD_MARK`] (incompatible features).
+const OLD_MARK_BYTE: u64 = INCOMPAT_OFFSET;
+const OLD_MARK_BIT: u8 = (l2log::OLD_MARK >> 56) as u8;
 
 /// Past this many bytes of held L2 tables they are written out.
 const MAX_HELD_L2: usize = 64 << 20;
@@ -153,7 +157,9 @@ struct Held {
 pub struct Adopted {
     /// Entries of the log written into the image's L2 tables.
     pub replayed: usize,
-    /// The image was marked but its log did not apply, and why.
+    /// The image was marked but its log did not apply, or the log had
+    /// entries and the mark was gone (another program wrote the image),
+    /// and why.
     pub dropped: Option<String>,
 }
 
@@ -501,20 +507,42 @@ impl FileState {
                 overlay(buf, offset, data, *at);
             }
         }
-        // imago never sees the L2 log's mark (see `l2log`).
-        patch_mark(buf, offset, false);
+        // imago never sees the L2 log's mark, nor the old one (see
+        // `l2log`), in the writable top (a version 3 image: the bytes are
+        // the header's feature fields; in a backing file they may be an
+        // extension, a file name or guest data, and a marked one is
+        // refused at open).
+        if self.order.is_some() {
+            patch_mark(buf, offset, false);
+            patch_bit(buf, offset, OLD_MARK_BYTE, OLD_MARK_BIT, false);
+        }
         for (at, data) in self.imago_view.get().into_iter().flatten() {
             overlay(buf, offset, data, *at);
         }
         Ok(())
     }
 
-    /// Whether the file has [`l2log::MARK`] set: a daemon that held it
-    /// stopped uncleanly, or holds it now.
+    /// Whether the file has [`l2log::MARK`] (or [`l2log::OLD_MARK`], from
+    /// an older daemon) set: a daemon that held it stopped uncleanly, or
+    /// holds it now.
     pub fn file_marked(&self) -> io::Result<bool> {
+        Ok(self.file_has(MARK_BYTE, MARK_BIT)? || self.file_has(OLD_MARK_BYTE, OLD_MARK_BIT)?)
+    }
+
+    fn file_has(&self, byte: u64, bit: u8) -> io::Result<bool> {
         let mut b = [0u8; 1];
-        self.file.read_exact_at(&mut b, MARK_BYTE)?;
-        Ok(b[0] & MARK_BIT != 0)
+        self.file.read_exact_at(&mut b, byte)?;
+        Ok(b[0] & bit != 0)
+    }
+
+    /// A write of imago's header that covers [`l2log::OLD_MARK`]'s byte
+    /// keeps it as the file has it (only `adopt_log` clears it).
+    fn keep_old_mark(&self, data: &mut [u8], offset: u64) -> io::Result<()> {
+        if offset <= OLD_MARK_BYTE && OLD_MARK_BYTE < offset + data.len() as u64 {
+            let on = self.file_has(OLD_MARK_BYTE, OLD_MARK_BIT)?;
+            patch_bit(data, offset, OLD_MARK_BYTE, OLD_MARK_BIT, on);
+        }
+        Ok(())
     }
 
     /// Sets or clears [`l2log::MARK`] in the file.
@@ -525,6 +553,18 @@ impl FileState {
         self.pwrite(&b, MARK_BYTE)?;
         o.unsynced |= UNSYNCED_OTHER;
         o.marked = on;
+        Ok(())
+    }
+
+    /// Clears [`l2log::OLD_MARK`] in the file, if an older daemon left it.
+    fn clear_old_mark(&self, o: &mut Order) -> io::Result<()> {
+        if self.file_has(OLD_MARK_BYTE, OLD_MARK_BIT)? {
+            let mut b = [0u8; 1];
+            self.file.read_exact_at(&mut b, OLD_MARK_BYTE)?;
+            b[0] &= !OLD_MARK_BIT;
+            self.pwrite(&b, OLD_MARK_BYTE)?;
+            o.unsynced |= UNSYNCED_OTHER;
+        }
         Ok(())
     }
 
@@ -610,10 +650,12 @@ impl FileState {
             self.holding.store(false, Ordering::Release);
         }
         if o.marked {
-            self.set_mark(o, false)?;
+            // The log emptied first: a log with entries on an unmarked
+            // image means another program cleared the mark (`adopt_log`).
             if let Some(log) = &o.l2log {
                 log.reset(&self.file)?;
             }
+            self.set_mark(o, false)?;
         }
         Ok(())
     }
@@ -623,7 +665,11 @@ impl FileState {
     /// it stopped uncleanly: the log's entries are written into the L2
     /// tables first when the log is this boot's and this file's (a kill
     /// -9), else dropped (a host stop: only what the page cache held is
-    /// gone), and the mark is cleared either way. Called with imago's
+    /// gone), and the mark (the old one too) is cleared either way. If it
+    /// is not marked and the log still has entries for it, a program that
+    /// clears autoclear bits it does not know (QEMU) wrote the file after
+    /// a daemon stopped uncleanly on it: the clusters the entries point to
+    /// may be its own now, and the log is dropped. Called with imago's
     /// caches written; the caller has imago reread them afterwards.
     pub fn adopt_log(&self, log: Arc<L2Log>) -> io::Result<Adopted> {
         let Some(order) = &self.order else {
@@ -666,7 +712,18 @@ impl FileState {
                 (None, None) => {}
             }
             self.set_mark(&mut o, false)?;
+            self.clear_old_mark(&mut o)?;
             self.fdatasync(&mut o)?;
+        } else {
+            let found = log.entries_for(&self.file)?;
+            if found.stale.is_none() && !found.entries.is_empty() {
+                adopted.dropped = Some(format!(
+                    "it has {} entries but the image's mark, autoclear feature bit 62, is clear: \
+                     another program opened the image for writing since (QEMU clears the \
+                     autoclear bits it does not know)",
+                    found.entries.len()
+                ));
+            }
         }
         log.reset(&self.file)?;
         o.l2log = Some(log);
@@ -739,16 +796,19 @@ impl FileState {
             overlay(&mut data, offset, real, *at);
         }
         if !o.loaded {
-            // imago at open (clearing autoclear bits): the mark, which it
-            // does not see, stays as the file has it.
+            // imago at open (clearing autoclear bits it sees, when there
+            // are others): the marks, which it does not see, stay as the
+            // file has them.
             if covers_mark(&data, offset) {
-                patch_mark(&mut data, offset, self.file_marked()?);
+                patch_mark(&mut data, offset, self.file_has(MARK_BYTE, MARK_BIT)?);
             }
+            self.keep_old_mark(&mut data, offset)?;
             o.unsynced |= UNSYNCED_OTHER;
             return self.pwrite(&data, offset);
         }
         if !o.enabled {
             patch_mark(&mut data, offset, o.marked);
+            self.keep_old_mark(&mut data, offset)?;
             o.unsynced |= UNSYNCED_OTHER;
             self.pwrite(&data, offset)?;
             let class = Self::classify(&o, offset);
@@ -837,6 +897,7 @@ impl FileState {
         let held = std::mem::take(&mut o.held);
         for (offset, mut data) in held {
             patch_mark(&mut data, offset, o.marked);
+            self.keep_old_mark(&mut data, offset)?;
             self.fdatasync(&mut o)?;
             self.pwrite(&data, offset)?;
             let class = Self::classify(&o, offset);
@@ -994,9 +1055,15 @@ fn covers_mark(data: &[u8], offset: u64) -> bool {
 /// Sets (`on`) or clears [`l2log::MARK`] in `buf`, read from or to be
 /// written at file offset `offset`, if it covers the mark's byte.
 fn patch_mark(buf: &mut [u8], offset: u64, on: bool) {
-    if covers_mark(buf, offset) {
-        let b = &mut buf[(MARK_BYTE - offset) as usize];
-        *b = if on { *b | MARK_BIT } else { *b & !MARK_BIT };
+    patch_bit(buf, offset, MARK_BYTE, MARK_BIT, on);
+}
+
+/// Sets (`on`) or clears `bit` of the file's byte `byte` in `buf`, read
+/// from or to be written at file offset `offset`, if it covers it.
+fn patch_bit(buf: &mut [u8], offset: u64, byte: u64, bit: u8, on: bool) {
+    if offset <= byte && byte < offset + buf.len() as u64 {
+        let b = &mut buf[(byte - offset) as usize];
+        *b = if on { *b | bit } else { *b & !bit };
     }
 }
 

@@ -199,6 +199,16 @@ fn power_loss_replays(
             }
             std::fs::write(&replay_path, &image).unwrap();
             if mode == Mode::Logged {
+                if k == 1 {
+                    // QEMU opens the file as the power loss left it, the
+                    // mark (an autoclear bit) set or not, and finds it as
+                    // consistent as the daemon's next start leaves it.
+                    let (c, _) = check(&replay_path);
+                    assert_eq!(
+                        c, 0,
+                        "segment from journal op {start}: the image as a power loss left it is corrupt"
+                    );
+                }
                 after_power_loss(&replay_path);
             }
             let (c, l) = check(&replay_path);
@@ -426,9 +436,15 @@ fn kill_9_loses_no_acknowledged_write() {
 }
 
 /// The same with the L2 log, as the daemon runs: the child never flushes,
-/// so each kill leaves L2 entries only in the log, and the image marked;
-/// QEMU refuses the marked image, and the next open with the log writes
-/// them in.
+/// so each kill leaves L2 entries only in the log, and the image marked
+/// (autoclear bit 62). Right after the kill, before anything of ringblk's
+/// runs, QEMU opens the image: `qemu-img info` and `check` (no corruption)
+/// succeed, and `qemu-img convert` reads every write of the earlier
+/// rounds (flushed), and each block of this round as either its write or
+/// what it held before (the file alone is the disk as of the last
+/// write-out, plus writes that went in place). The next open with the log
+/// writes the log's entries in, and every acknowledged write reads back.
+/// On the old code (incompatible bit 62) `qemu-img info` refused the image.
 #[test]
 fn kill_9_with_the_l2_log_loses_no_acknowledged_write() {
     kill_9_rounds("kill9-logged", true);
@@ -452,6 +468,10 @@ fn kill_9_rounds(name: &str, logged: bool) {
     let mut replayed = Vec::new();
     // Rounds with the L2 log whose kill found the image marked.
     let mut marked_rounds = 0;
+    // What each block held at the last FLUSH (the end of the last round).
+    let mut flushed: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+    let base_raw = std::fs::read(dir.join("base.raw")).unwrap();
+    let mut round_blocks: Vec<(u64, u64)>;
     // 8 rounds of 8 threads: 64 distinct block slots (`crash_child`).
     for round in 0..8u64 {
         let threads = 8;
@@ -475,6 +495,7 @@ fn kill_9_rounds(name: &str, logged: bool) {
             .spawn()
             .unwrap();
         let want = 50 + rng.below(400) as usize;
+        round_blocks = Vec::new();
         let mut reader = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         let mut round_acks = 0;
@@ -488,6 +509,7 @@ fn kill_9_rounds(name: &str, logged: bool) {
                 let block: u64 = it.next().unwrap().parse().unwrap();
                 let seed: u64 = it.next().unwrap().parse().unwrap();
                 acked.push((block, seed));
+                round_blocks.push((block, seed));
                 round_acks += 1;
             }
         }
@@ -501,27 +523,80 @@ fn kill_9_rounds(name: &str, logged: bool) {
                 let mut it = r.split_whitespace();
                 if let (Some(b), Some(s)) = (it.next(), it.next()) {
                     acked.push((b.parse().unwrap(), s.parse().unwrap()));
+                    round_blocks.push((b.parse().unwrap(), s.parse().unwrap()));
                 }
             }
             rest.clear();
         }
         if logged {
-            // Marked: QEMU will not open it without the log's entries...
+            // QEMU opens the image as the kill left it, marked or not.
             let info = Command::new("qemu-img")
                 .args(["info", "-f", "qcow2"])
                 .arg(&top)
                 .output()
                 .unwrap();
-            let err = String::from_utf8_lossy(&info.stderr);
-            let marked = !info.status.success();
+            assert!(
+                info.status.success(),
+                "round {round}: qemu-img info refused the image: {}",
+                String::from_utf8_lossy(&info.stderr)
+            );
+            let mut h = [0u8; 96];
+            std::fs::File::open(&top)
+                .unwrap()
+                .read_exact_at(&mut h, 0)
+                .unwrap();
+            assert_eq!(h[72] & 0x40, 0, "round {round}: incompatible bit 62 set");
+            let marked = h[88] & 0x40 != 0;
             if marked {
-                assert!(
-                    err.contains("incompatible feature"),
-                    "round {round}: qemu-img refused the image: {err}"
-                );
                 marked_rounds += 1;
             }
-            // ...which the next open writes in. (A kill right after a
+            check_clean(&top);
+            // The file alone: the disk as of the last FLUSH at least.
+            let converted = dir.join("converted.raw");
+            qemu_img(&[
+                "convert",
+                "-O",
+                "raw",
+                top.to_str().unwrap(),
+                converted.to_str().unwrap(),
+            ]);
+            let conv = std::fs::File::open(&converted).unwrap();
+            let block_of = |block: u64| {
+                let mut got = vec![0u8; 4096];
+                conv.read_exact_at(&mut got, block * 4096).unwrap();
+                got
+            };
+            for (&block, &seed) in &flushed {
+                let mut want = vec![0u8; 4096];
+                fill(seed, block * 4096, &mut want);
+                assert!(
+                    block_of(block) == want,
+                    "round {round}: flushed block {block} is not in the image without its L2 log"
+                );
+            }
+            // This round's blocks (never written before): the write, or
+            // the base's data.
+            let mut in_log = 0;
+            for &(block, seed) in &round_blocks {
+                let mut want = vec![0u8; 4096];
+                fill(seed, block * 4096, &mut want);
+                let got = block_of(block);
+                let at = (block * 4096) as usize;
+                if got != want {
+                    assert!(
+                        got[..] == base_raw[at..at + 4096],
+                        "round {round}: block {block} reads neither its write nor what it held"
+                    );
+                    in_log += 1;
+                }
+            }
+            assert!(
+                marked || in_log == 0,
+                "round {round}: {in_log} acknowledged writes missing from an unmarked image"
+            );
+            drop(conv);
+            std::fs::remove_file(&converted).unwrap();
+            // The next open writes the log in. (A kill right after a
             // write-out, which a new table's hook-up makes, finds the log
             // empty and the image unmarked.)
             let (img, n) = open_logged(&top, OpenOptions::default());
@@ -576,6 +651,9 @@ fn kill_9_rounds(name: &str, logged: bool) {
         flush(&img).unwrap();
         drop(img);
         check_clean(&top);
+        for &(b, s) in &acked {
+            flushed.insert(b, s);
+        }
     }
     eprintln!(
         "kill -9 ({name}): {} acknowledged writes, leaked clusters after each kill: {leak_counts:?}, L2 log entries written in: {replayed:?}",
@@ -626,4 +704,65 @@ fn a_log_pointing_outside_the_tables_is_not_applied() {
         "the header was written"
     );
     check_clean(&top);
+}
+
+/// An image an older daemon left marked by a kill -9 (incompatible bit
+/// 62, which QEMU refuses) is still recovered: the next open with the log
+/// writes the log's entries in and clears the old bit, and QEMU opens the
+/// image, clean, with the write. (The old code did this too: this guards
+/// the upgrade, it does not fix it.)
+#[test]
+fn an_image_marked_by_an_older_daemon_is_recovered() {
+    let dir = scratch("l2log-old-mark");
+    let top = small_cluster_overlay(&dir, 8 * MIB);
+    let mut data = vec![0u8; 4096];
+    fill(77, 3 * 4096, &mut data);
+    {
+        let (img, _) = open_logged(&top, OpenOptions::default());
+        // The first allocation hooks up an L2 table (a write-out); the
+        // second one's entry is in the log only.
+        let mut first = vec![0u8; 4096];
+        fill(76, 0, &mut first);
+        write(&img, 0, &first).unwrap();
+        write(&img, 3 * 4096, &data).unwrap();
+        // Killed: nothing written out.
+        std::mem::forget(img);
+    }
+    // As the older daemon marked it: incompatible bit 62, no autoclear bit.
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&top)
+        .unwrap();
+    let mut h = [0u8; 96];
+    f.read_exact_at(&mut h, 0).unwrap();
+    assert_ne!(h[88] & 0x40, 0, "the kill left no mark");
+    f.write_all_at(&[h[72] | 0x40], 72).unwrap();
+    f.write_all_at(&[h[88] & !0x40], 88).unwrap();
+    drop(f);
+    let info = Command::new("qemu-img")
+        .args(["info", "-f", "qcow2"])
+        .arg(&top)
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&info.stderr).contains("incompatible feature"),
+        "QEMU opened an image with incompatible bit 62"
+    );
+    // Nothing but a writable open with the log takes it.
+    assert!(Image::open(&top, Format::Qcow2, &OpenOptions::default()).is_err());
+    let (img, replayed) = open_logged(&top, OpenOptions::default());
+    assert!(replayed > 0, "the log was not written in");
+    drop(img);
+    let mut h = [0u8; 96];
+    std::fs::File::open(&top)
+        .unwrap()
+        .read_exact_at(&mut h, 0)
+        .unwrap();
+    assert_eq!((h[72] & 0x40, h[88] & 0x40), (0, 0), "a mark is left");
+    check_clean(&top);
+    let img = open(&top, false);
+    let mut got = vec![0u8; 4096];
+    read(&img, 3 * 4096, &mut got).unwrap();
+    assert!(got == data, "the write the log held is lost");
 }
