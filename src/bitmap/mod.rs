@@ -420,7 +420,7 @@ impl DirtyBitmap {
     /// ([`replace_with`](Self::replace_with)). Taken with no mark in
     /// flight, it is exact.
     pub fn copy(&self) -> DirtyBitmap {
-        let copy = DirtyBitmap {
+        DirtyBitmap {
             shift: self.shift,
             disk_size: self.disk_size,
             bits: self.bits,
@@ -433,8 +433,7 @@ impl DirtyBitmap {
             ),
             consistent: AtomicBool::new(self.is_consistent()),
             losses: AtomicU64::new(0),
-        };
-        copy
+        }
     }
 
     /// Makes this bitmap's bits `other`'s, and the bitmap consistent if

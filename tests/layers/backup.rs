@@ -69,7 +69,7 @@ fn fixture(marks: &[(u64, u64)], limits: Limits) -> Fixture {
     }
     let view = View::new(
         store.clone(),
-        Some(("nightly".into(), Arc::new(bitmap.take()))),
+        Some(("nightly".into(), Arc::new(bitmap.copy()))),
     );
     let sock = dir.path().join("backup.sock");
     let server = Server::start(nbd::bind(&sock).unwrap(), Arc::new(view), limits).unwrap();

@@ -116,7 +116,7 @@ impl Expected {
 fn load(c: &mut Client, e: &mut Expected, seed: u64, n: u64) {
     for i in 0..n {
         let off = ((seed * 7919 + i * 104_729) * 4096) % (SIZE - 256 * KIB);
-        let len = 4 * KIB << ((seed + i) % 6);
+        let len = (4 * KIB) << ((seed + i) % 6);
         e.write(c, seed * 100 + i, off, len);
     }
 }
