@@ -48,3 +48,81 @@ pub fn unlink_at(dir: &File, name: &str) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// How [`open_untrusted`] opens a file whose name the daemon did not
+/// choose (a backing file an image names, a snapshot record).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Untrusted {
+    pub write: bool,
+    /// Refuse a symlink as the last component (O_NOFOLLOW, `ELOOP`).
+    pub nofollow: bool,
+    /// Accept a block device too, not only a regular file.
+    pub block_device: bool,
+}
+
+/// Opens `path` so that what is there cannot stall or trick the caller:
+/// with O_NONBLOCK, so that a FIFO planted there does not block the open
+/// (it is then refused, as is anything but a regular file, or a block
+/// device when `how.block_device`: `InvalidInput`, "neither a regular
+/// file nor a block device"); O_NONBLOCK is cleared again before the
+/// file is returned (io_uring would otherwise complete a read that must
+/// wait with `EAGAIN`).
+pub fn open_untrusted(path: &std::path::Path, how: Untrusted) -> io::Result<File> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let nofollow = if how.nofollow { libc::O_NOFOLLOW } else { 0 };
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(how.write)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC | nofollow)
+        .open(path)?;
+    let kind = file.metadata()?.file_type();
+    if !(kind.is_file() || how.block_device && kind.is_block_device()) {
+        let what = if how.block_device {
+            "neither a regular file nor a block device"
+        } else {
+            "not a regular file"
+        };
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, what));
+    }
+    clear_nonblock(&file)?;
+    Ok(file)
+}
+
+/// Clears O_NONBLOCK on `file`'s open file description.
+pub fn clear_nonblock(file: &File) -> io::Result<()> {
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl(F_GETFL) takes no pointer; `fd` is open (borrowed).
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above, F_SETFL with an int argument.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The whole of `file` if it holds at most `cap` bytes; `InvalidData`
+/// ("larger than CAP bytes") if it holds more, found without reading
+/// more than `cap + 1` bytes (its size as stat says is not trusted: it
+/// may grow, or be a file whose size says nothing).
+pub fn read_capped(file: &File, cap: usize) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    file.take(cap as u64 + 1).read_to_end(&mut out)?;
+    if out.len() > cap {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("larger than {cap} bytes"),
+        ));
+    }
+    Ok(out)
+}
+
+/// The path `file` resolves to now, every symlink and `..` followed (the
+/// kernel's name of the open file, /proc/self/fd/N): where the file
+/// really is, whatever name opened it.
+pub fn real_path(file: &File) -> io::Result<std::path::PathBuf> {
+    fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+}
