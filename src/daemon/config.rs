@@ -557,8 +557,9 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
             readonly: args.readonly,
             direct: args.direct,
             block_size: args.block_size,
-            // The default is ours to pick, and never a link.
-            nofollow: args.image.is_none(),
+            // The default is ours to pick, and never a link; nor is an
+            // overlay a snapshot record names.
+            nofollow: args.image.is_none() || followed.is_some(),
             formatted: args.format != Format::Raw,
         },
     );
@@ -648,6 +649,11 @@ fn check_format(args: &ServeArgs) -> Result<(), DaemonError> {
                 "--snapshot-dir is for live snapshots of a qcow2 image (--format qcow2)".into(),
             ));
         }
+        if !args.backing_dir.is_empty() {
+            return Err(DaemonError::Usage(
+                "--backing-dir is for a qcow2 image's backing files (--format qcow2); a raw image has none".into(),
+            ));
+        }
         return Ok(());
     }
     if args.image.is_none() {
@@ -710,6 +716,8 @@ fn open_qcow2(
         writable: !args.readonly,
         l2_log,
         bitmaps_at_claim: true,
+        backing_dirs: backing_dirs(args, named, snapshots.as_ref())?,
+        nofollow_top: followed.is_some(),
         ..Default::default()
     };
     let live = Live::open(
@@ -755,6 +763,34 @@ fn open_qcow2(
         live: std::sync::Arc::new(live),
         meta,
     })
+}
+
+/// Where the chain's backing files may be, as canonical paths: each
+/// `--backing-dir`, and with them the `--snapshot-dir` (the overlays of
+/// live snapshots become backing files) and the image `named` itself
+/// (after a snapshot it is the first overlay's backing file). None
+/// without `--backing-dir`: anywhere.
+fn backing_dirs(
+    args: &ServeArgs,
+    named: &Path,
+    snapshots: Option<&SnapshotDir>,
+) -> Result<Option<Vec<PathBuf>>, DaemonError> {
+    if args.backing_dir.is_empty() {
+        return Ok(None);
+    }
+    let mut dirs = Vec::new();
+    for d in &args.backing_dir {
+        let bad =
+            |why: String| DaemonError::Config(format!("--backing-dir {}: {why}", d.display()));
+        let c = std::fs::canonicalize(d).map_err(|e| bad(e.to_string()))?;
+        if !c.is_dir() {
+            return Err(bad("not a directory".into()));
+        }
+        dirs.push(c);
+    }
+    dirs.extend(snapshots.map(|s| s.path().to_path_buf()));
+    dirs.extend(std::fs::canonicalize(named).ok());
+    Ok(Some(dirs))
 }
 
 /// Whether the L2 log at `path` can be created or opened for writing.
