@@ -126,3 +126,52 @@ pub fn read_capped(file: &File, cap: usize) -> io::Result<Vec<u8>> {
 pub fn real_path(file: &File) -> io::Result<std::path::PathBuf> {
     fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A FIFO is refused at once (no writer would ever come); a regular
+    /// file comes back blocking again, and a symlink is refused with
+    /// `nofollow`.
+    #[test]
+    fn untrusted_opens_refuse_fifos_and_links_and_clear_o_nonblock() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: `c` is a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = open_untrusted(&fifo, Untrusted::default()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+        let file = dir.path().join("file");
+        fs::write(&file, b"abc").unwrap();
+        let f = open_untrusted(&file, Untrusted::default()).unwrap();
+        // SAFETY: F_GETFL takes no pointer; the fd is open.
+        let flags = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETFL) };
+        assert_eq!(flags & libc::O_NONBLOCK, 0);
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        let how = Untrusted {
+            nofollow: true,
+            ..Untrusted::default()
+        };
+        let e = open_untrusted(&link, how).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ELOOP), "{e}");
+        assert_eq!(
+            real_path(&open_untrusted(&link, Untrusted::default()).unwrap()).unwrap(),
+            fs::canonicalize(&file).unwrap()
+        );
+    }
+
+    #[test]
+    fn capped_reads_stop_one_byte_past_the_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        fs::write(&p, vec![1u8; 100]).unwrap();
+        let f = File::open(&p).unwrap();
+        assert_eq!(read_capped(&f, 100).unwrap().len(), 100);
+        let zero = File::open("/dev/zero").unwrap();
+        let e = read_capped(&zero, 4096).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+    }
+}

@@ -312,11 +312,20 @@ impl Config {
     }
 }
 
+/// Opens the directory `dir`: O_DIRECTORY, so that anything else there
+/// (a FIFO would block the open) is refused with ENOTDIR.
+fn open_dir(dir: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(dir)
+}
+
 /// A directory opened again (for Landlock), with the number of the
 /// descriptor `fd` the device keeps of it.
 fn reopened(dir: &std::path::Path, fd: i32) -> Result<(std::fs::File, i32), DaemonError> {
-    let f = std::fs::File::open(dir)
-        .map_err(|e| DaemonError::Config(format!("{}: {e}", dir.display())))?;
+    let f = open_dir(dir).map_err(|e| DaemonError::Config(format!("{}: {e}", dir.display())))?;
     Ok((f, fd))
 }
 
@@ -475,7 +484,7 @@ fn backup_spec(
         DaemonError::Config(format!("--backup-dir {}: {what}: {e}", dir.display()))
     };
     let dir = std::path::absolute(dir).map_err(|e| err("its absolute path", e))?;
-    let dir_fd = std::fs::File::open(&dir).map_err(|e| err("opening it", e))?;
+    let dir_fd = open_dir(&dir).map_err(|e| err("opening it", e))?;
     if !dir_fd.metadata().map_err(|e| err("stat", e))?.is_dir() {
         return Err(DaemonError::Config(format!(
             "--backup-dir {}: not a directory",
@@ -483,7 +492,13 @@ fn backup_spec(
         )));
     }
     let store = tempfile::tempfile_in(&dir).map_err(|e| err("its copy-before-write file", e))?;
-    let reader = std::fs::File::open(&image.path).map_err(|e| {
+    // Checked against the served image below; a FIFO swapped in since is
+    // refused, not waited on.
+    let how = crate::host::Untrusted {
+        block_device: true,
+        ..Default::default()
+    };
+    let reader = crate::host::open_untrusted(&image.path, how).map_err(|e| {
         DaemonError::Config(format!(
             "{}: opening it for backups: {e}",
             image.path.display()
