@@ -87,13 +87,24 @@ pub fn bind_with_mode(path: &Path, mode: u32) -> io::Result<UnixListener> {
     })
 }
 
+/// `name` in the directory `dir` (open), by a path that reaches that
+/// directory through its descriptor, `/proc/self/fd/N/name`: whatever
+/// happened to the directory's own path since it was opened (a symlink
+/// in it retargeted, a parent renamed), this is the directory that was
+/// opened. Linux has no `bindat`; a socket is bound by this path instead.
+pub fn path_in(dir: &fs::File, name: &str) -> std::path::PathBuf {
+    use std::os::fd::AsRawFd;
+    std::path::PathBuf::from(format!("/proc/self/fd/{}/{name}", dir.as_raw_fd()))
+}
+
 /// A listening socket at `path`, for a socket made after start-up (the
 /// backup's NBD export), when no thread may change its umask any more
 /// (the seccomp filter has no `unshare` or `umask`): the socket's own
 /// inode gets mode 0600 with `fchmod` before `bind`, which Linux creates
 /// the file with, less the process umask (which leaves 0600 whole unless
 /// it takes the owner's own rights). A path that exists is an error
-/// (`AddrInUse`): nothing is replaced.
+/// (`AddrInUse`): nothing is replaced. A socket made in a directory opened
+/// at start-up is bound by [`path_in`] that directory.
 pub fn bind_private(path: &Path) -> io::Result<UnixListener> {
     use std::os::fd::{FromRawFd, OwnedFd};
     use std::os::unix::ffi::OsStrExt;

@@ -137,6 +137,16 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR")]
     pub snapshot_dir: Option<PathBuf>,
 
+    /// qcow2: a directory the backing files may be in (repeatable). With
+    /// it, every file of the chain below the top must resolve (symlinks
+    /// and `..` followed) inside one of them, the --snapshot-dir or be the
+    /// --image itself, or the start is refused; without it, a backing file
+    /// may be any file the daemon can read, as in QEMU. A host that serves
+    /// images from elsewhere (tenants' uploads) should give it: an image
+    /// names its own backing file, and the guest reads that file.
+    #[arg(long, value_name = "DIR")]
+    pub backing_dir: Vec<PathBuf>,
+
     /// qcow2: `on` keeps the L2 entries of allocating writes out of the
     /// image until the guest's next FLUSH, appending them to an L2 log next
     /// to the image (IMAGE.ringblk-l2log, created at start), which a

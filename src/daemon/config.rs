@@ -312,11 +312,20 @@ impl Config {
     }
 }
 
+/// Opens the directory `dir`: O_DIRECTORY, so that anything else there
+/// (a FIFO would block the open) is refused with ENOTDIR.
+fn open_dir(dir: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(dir)
+}
+
 /// A directory opened again (for Landlock), with the number of the
 /// descriptor `fd` the device keeps of it.
 fn reopened(dir: &std::path::Path, fd: i32) -> Result<(std::fs::File, i32), DaemonError> {
-    let f = std::fs::File::open(dir)
-        .map_err(|e| DaemonError::Config(format!("{}: {e}", dir.display())))?;
+    let f = open_dir(dir).map_err(|e| DaemonError::Config(format!("{}: {e}", dir.display())))?;
     Ok((f, fd))
 }
 
@@ -475,7 +484,7 @@ fn backup_spec(
         DaemonError::Config(format!("--backup-dir {}: {what}: {e}", dir.display()))
     };
     let dir = std::path::absolute(dir).map_err(|e| err("its absolute path", e))?;
-    let dir_fd = std::fs::File::open(&dir).map_err(|e| err("opening it", e))?;
+    let dir_fd = open_dir(&dir).map_err(|e| err("opening it", e))?;
     if !dir_fd.metadata().map_err(|e| err("stat", e))?.is_dir() {
         return Err(DaemonError::Config(format!(
             "--backup-dir {}: not a directory",
@@ -487,7 +496,13 @@ fn backup_spec(
     // seccomp filter allows no `connect` later).
     crate::unix_socket::remove_stale_in(&dir).map_err(|e| err("its stale sockets", e))?;
     let store = tempfile::tempfile_in(&dir).map_err(|e| err("its copy-before-write file", e))?;
-    let reader = std::fs::File::open(&image.path).map_err(|e| {
+    // Checked against the served image below; a FIFO swapped in since is
+    // refused, not waited on.
+    let how = crate::host::Untrusted {
+        block_device: true,
+        ..Default::default()
+    };
+    let reader = crate::host::open_untrusted(&image.path, how).map_err(|e| {
         DaemonError::Config(format!(
             "{}: opening it for backups: {e}",
             image.path.display()
@@ -561,8 +576,9 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
             readonly: args.readonly,
             direct: args.direct,
             block_size: args.block_size,
-            // The default is ours to pick, and never a link.
-            nofollow: args.image.is_none(),
+            // The default is ours to pick, and never a link; nor is an
+            // overlay a snapshot record names.
+            nofollow: args.image.is_none() || followed.is_some(),
             formatted: args.format != Format::Raw,
         },
     );
@@ -652,6 +668,11 @@ fn check_format(args: &ServeArgs) -> Result<(), DaemonError> {
                 "--snapshot-dir is for live snapshots of a qcow2 image (--format qcow2)".into(),
             ));
         }
+        if !args.backing_dir.is_empty() {
+            return Err(DaemonError::Usage(
+                "--backing-dir is for a qcow2 image's backing files (--format qcow2); a raw image has none".into(),
+            ));
+        }
         return Ok(());
     }
     if args.image.is_none() {
@@ -714,6 +735,8 @@ fn open_qcow2(
         writable: !args.readonly,
         l2_log,
         bitmaps_at_claim: true,
+        backing_dirs: backing_dirs(args, named, snapshots.as_ref())?,
+        nofollow_top: followed.is_some(),
         ..Default::default()
     };
     let live = Live::open(
@@ -759,6 +782,34 @@ fn open_qcow2(
         live: std::sync::Arc::new(live),
         meta,
     })
+}
+
+/// Where the chain's backing files may be, as canonical paths: each
+/// `--backing-dir`, and with them the `--snapshot-dir` (the overlays of
+/// live snapshots become backing files) and the image `named` itself
+/// (after a snapshot it is the first overlay's backing file). None
+/// without `--backing-dir`: anywhere.
+fn backing_dirs(
+    args: &ServeArgs,
+    named: &Path,
+    snapshots: Option<&SnapshotDir>,
+) -> Result<Option<Vec<PathBuf>>, DaemonError> {
+    if args.backing_dir.is_empty() {
+        return Ok(None);
+    }
+    let mut dirs = Vec::new();
+    for d in &args.backing_dir {
+        let bad =
+            |why: String| DaemonError::Config(format!("--backing-dir {}: {why}", d.display()));
+        let c = std::fs::canonicalize(d).map_err(|e| bad(e.to_string()))?;
+        if !c.is_dir() {
+            return Err(bad("not a directory".into()));
+        }
+        dirs.push(c);
+    }
+    dirs.extend(snapshots.map(|s| s.path().to_path_buf()));
+    dirs.extend(std::fs::canonicalize(named).ok());
+    Ok(Some(dirs))
 }
 
 /// Whether the L2 log at `path` can be created or opened for writing.

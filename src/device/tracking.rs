@@ -849,7 +849,7 @@ impl Device {
         };
         // Before the instant, while the guest runs: the socket, so that a
         // bad path fails here with nothing else done.
-        let listener = crate::unix_socket::bind_private(path).map_err(|e| {
+        let listener = self.bind_backup_socket(name).map_err(|e| {
             let why = match e.kind() {
                 io::ErrorKind::AddrInUse => "exists (a process listens there, or it was made after this daemon started: remove it, or choose another name)".to_string(),
                 _ => e.to_string(),
@@ -929,6 +929,19 @@ impl Device {
                 let _ = self.stop_backup(true);
                 Err(TrackingError::Io(format!("starting the NBD server: {e}")))
             }
+        }
+    }
+
+    /// Binds the backup's socket `name` in the backup directory by its
+    /// descriptor (see [`crate::unix_socket::path_in`]), not by its path:
+    /// a symlink on the way retargeted since start-up does not move it.
+    fn bind_backup_socket(&self, name: &str) -> io::Result<std::os::unix::net::UnixListener> {
+        let inner = self.tracking.lock();
+        match &inner.backups {
+            Ok(spec) => {
+                crate::unix_socket::bind_private(&crate::unix_socket::path_in(&spec.dir_fd, name))
+            }
+            Err(why) => Err(io::Error::other(why.clone())),
         }
     }
 

@@ -142,7 +142,19 @@ pub fn follow(dir: &Path, image: &Path) -> Result<Option<Followed>, String> {
             ));
         }
         let next = dir.join(&rec.by);
-        if rec.by.contains('/') || !next.is_file() {
+        // The overlay is a file the daemon created in the directory: a
+        // symlink there would have it serve, read-write, whatever the
+        // link names (the top is then opened O_NOFOLLOW too).
+        let kind = std::fs::symlink_metadata(&next).map(|m| m.file_type());
+        if kind.as_ref().is_ok_and(|k| k.is_symlink()) {
+            return Err(format!(
+                "{} was superseded by the live snapshot {} (record {}), which is a symbolic link, not an overlay the daemon created; refusing to follow it: remove the link, or the record",
+                rec.superseded,
+                next.display(),
+                file.display(),
+            ));
+        }
+        if rec.by.contains('/') || !kind.is_ok_and(|k| k.is_file()) {
             return Err(format!(
                 "{} was superseded by the live snapshot {} (record {}), which is missing; restore it (the writes after the snapshot are there), or, to serve {} as it was at the snapshot, remove the record",
                 rec.superseded,
@@ -163,6 +175,27 @@ pub fn follow(dir: &Path, image: &Path) -> Result<Option<Followed>, String> {
     }))
 }
 
+/// The most bytes a record may hold: one line of a few hundred bytes
+/// (two paths); more is not a record.
+pub const RECORD_MAX: usize = 64 << 10;
+
+/// The text of the record at `path`, read without following a symlink
+/// or waiting on a FIFO, and at most [`RECORD_MAX`] bytes of it: the
+/// directory may hold what someone else put there.
+fn read_record(path: &Path) -> io::Result<String> {
+    let how = crate::host::Untrusted {
+        nofollow: true,
+        ..Default::default()
+    };
+    let file = crate::host::open_untrusted(path, how).map_err(|e| match e.raw_os_error() {
+        Some(libc::ELOOP) => io::Error::other("it is a symbolic link"),
+        _ => e,
+    })?;
+    let bytes = crate::host::read_capped(&file, RECORD_MAX)?;
+    // Not UTF-8: not a complete record (skipped below, as one cut short).
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
 /// Every record in `dir`: a file named `*`[`RECORD_SUFFIX`] that parses.
 /// One that does not (a snapshot cut short before its record was synced)
 /// is skipped with a warning.
@@ -177,8 +210,12 @@ fn read_all(dir: &Path) -> Result<Vec<(PathBuf, Record)>, String> {
             continue;
         }
         let path = entry.path();
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let text = read_record(&path).map_err(|e| {
+            format!(
+                "{}: cannot read this snapshot record: {e}; a record is a small regular file the daemon wrote: remove what is there",
+                path.display()
+            )
+        })?;
         match serde_json::from_str::<Record>(text.trim_end()) {
             Ok(r) if r.ringblk_snapshot == VERSION => out.push((path, r)),
             Ok(r) => {

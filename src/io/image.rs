@@ -112,7 +112,9 @@ impl Image {
         oo.read(true).write(!opts.readonly);
         let direct = if opts.direct { libc::O_DIRECT } else { 0 };
         let nofollow = if opts.nofollow { libc::O_NOFOLLOW } else { 0 };
-        oo.custom_flags(direct | nofollow);
+        // O_NONBLOCK: a FIFO at the path is refused below, not waited on
+        // in open(2); cleared once the file is known to be an image.
+        oo.custom_flags(direct | nofollow | libc::O_NONBLOCK);
         let file = oo.open(path).map_err(|e| match e.kind() {
             io::ErrorKind::NotFound => ImageError::Missing(path.to_owned()),
             io::ErrorKind::PermissionDenied => ImageError::PermissionDenied(path.to_owned()),
@@ -126,6 +128,7 @@ impl Image {
         if !is_block_device && !meta.file_type().is_file() {
             return Err(ImageError::NotAFileOrDevice(path.to_owned()));
         }
+        crate::host::clear_nonblock(&file).map_err(|e| io_err("open", path, e))?;
         let size = device_size(&file, is_block_device).map_err(|e| io_err("size", path, e))?;
         if size == 0 {
             return Err(ImageError::Empty {

@@ -49,3 +49,4 @@ mod seccomp;
 mod sighup;
 mod socket_mode;
 mod trap;
+mod untrusted_files;

@@ -17,7 +17,7 @@ pub mod map_cache;
 pub mod ordered;
 
 use std::collections::HashSet;
-use std::fs::{self, File};
+use std::fs::File;
 use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -72,6 +72,14 @@ pub struct OpenOptions {
     /// then calls `open_qemu_bitmaps` before its first write. Without it,
     /// the open marks them in use.
     pub bitmaps_at_claim: bool,
+    /// Where the backing files may be (`--backing-dir`, canonical paths):
+    /// a file of the chain below the top that resolves, once open,
+    /// anywhere else refuses the open. A path here may also name one
+    /// file. `None`: anywhere, as QEMU allows.
+    pub backing_dirs: Option<Vec<PathBuf>>,
+    /// Refuse the top if it is a symlink (O_NOFOLLOW): for a top the
+    /// daemon found by name itself (a snapshot record's overlay).
+    pub nofollow_top: bool,
 }
 
 impl Default for OpenOptions {
@@ -84,6 +92,8 @@ impl Default for OpenOptions {
             journal: None,
             l2_log: None,
             bitmaps_at_claim: false,
+            backing_dirs: None,
+            nofollow_top: false,
         }
     }
 }
@@ -1392,7 +1402,7 @@ fn open_qcow2(
 ) -> Result<(Layer, Vec<u8>), FormatError> {
     let index = chain.files.len();
     let writable = options.writable && index == 0;
-    let (file, header) = open_file(path, writable, max_chain, chain)?;
+    let (file, header) = open_file(path, writable, options, max_chain, chain)?;
     if header.len() < 104 || header[..4] != super::QCOW2_MAGIC {
         return Err(open_err(path, "not a qcow2 image (no qcow2 magic)"));
     }
@@ -1483,7 +1493,7 @@ fn open_qcow2(
             Some(match format.as_str() {
                 "qcow2" => open_qcow2(&bpath, options, max_chain, chain)?.0,
                 "raw" => {
-                    let (file, _) = open_file(&bpath, false, max_chain, chain)?;
+                    let (file, _) = open_file(&bpath, false, options, max_chain, chain)?;
                     let st = Arc::new(
                         FileState::new(file, &bpath, chain.files.len())
                             .map_err(|e| open_err(&bpath, e))?,
@@ -1556,10 +1566,14 @@ fn open_qcow2(
 }
 
 /// Opens one file of the chain, refusing loops and chains past the bound,
-/// and reads the first bytes of its header.
+/// and reads the first bytes of its header. A file the chain names is
+/// the image's word, not the operator's: a FIFO there is refused, not
+/// waited on, as is anything but a regular file or a block device; and
+/// with [`OpenOptions::backing_dirs`] it must resolve inside one of them.
 fn open_file(
     path: &Path,
     writable: bool,
+    options: &OpenOptions,
     max_chain: usize,
     chain: &mut Chain,
 ) -> Result<(File, Vec<u8>), FormatError> {
@@ -1569,11 +1583,32 @@ fn open_file(
             format!("the backing chain is deeper than {max_chain} images"),
         ));
     }
-    let file = fs::OpenOptions::new()
-        .read(true)
-        .write(writable)
-        .open(path)
-        .map_err(|e| open_err(path, e))?;
+    let top = chain.files.is_empty();
+    let how = crate::host::Untrusted {
+        write: writable,
+        nofollow: top && options.nofollow_top,
+        block_device: true,
+    };
+    let file = crate::host::open_untrusted(path, how).map_err(|e| match e.raw_os_error() {
+        Some(libc::ELOOP) if how.nofollow => {
+            open_err(path, "is a symbolic link; refusing to follow it")
+        }
+        _ => open_err(path, e),
+    })?;
+    if let (false, Some(dirs)) = (top, &options.backing_dirs) {
+        let real = crate::host::real_path(&file).map_err(|e| open_err(path, e))?;
+        if !dirs.iter().any(|d| real.starts_with(d)) {
+            let dirs: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+            return Err(open_err(
+                path,
+                format!(
+                    "backing file resolves to {}, outside every --backing-dir ({}); move it into one, or add its directory with --backing-dir",
+                    real.display(),
+                    dirs.join(", ")
+                ),
+            ));
+        }
+    }
     let meta = file.metadata().map_err(|e| open_err(path, e))?;
     if !chain.seen.insert((meta.dev(), meta.ino())) {
         return Err(open_err(path, "the backing chain loops back to this file"));
