@@ -23,6 +23,7 @@
 mod activation;
 mod backup;
 mod bench_launcher;
+mod bitmap_files;
 mod blkio_client;
 mod bounce_limit;
 mod churn;
