@@ -41,6 +41,17 @@
 //! - While a backup exports bits taken out of a bitmap, the file says
 //!   INCONSISTENT ([`update`](BitmapStore::update)): a daemon killed
 //!   before the backup ended lost those bits.
+//! - A file truncated under its mapping by another program: the SIGBUS of
+//!   the next access is contained ([`fault`](super::fault)), the bitmap
+//!   says it is inconsistent, and the next `update` or `close` allocates
+//!   the file whole again, writes the bits, and marks it INCONSISTENT.
+//!
+//! What the header says sizes nothing: `peek` reads into a bitmap of the
+//! image's size, no more than the file holds; `open` maps the image's
+//! size. A sidecar found at start-up that cannot be opened (a FIFO, a
+//! directory, a symlink, no permission) stops the start, through `peek`,
+//! with one line naming it and the fix: never an image silently
+//! untracked.
 //!
 //! After start-up the daemon opens no file by path (its seccomp filter has
 //! no `openat` but the one below): the directory and every sidecar found
@@ -460,7 +471,9 @@ impl SidecarStore {
     /// [`fault`](super::fault)), makes it whole again, writes every bit
     /// the bitmap holds into it, and marks the bitmap inconsistent (bits
     /// were lost). Nothing for a file of its length whose mapping never
-    /// faulted. Returns whether it did anything.
+    /// faulted. Returns whether it did anything: at every store of a
+    /// mapping that faulted, since what is marked in its replaced pages
+    /// reaches the file only so.
     fn restore_if_shrunk(
         file: &File,
         path: &Path,
@@ -755,7 +768,8 @@ impl BitmapStore for SidecarStore {
         let path = self.path_of(name);
         let file = self.file(name)?;
         let header = self.header_of(name, bitmap, true, consistent);
-        let consistent = consistent && !Self::restore_if_shrunk(file, &path, &header, bitmap)?;
+        let lost = Self::restore_if_shrunk(file, &path, &header, bitmap)?;
+        let consistent = consistent && !lost;
         if consistent {
             // The bits must be on disk before the header says they can
             // be trusted.
@@ -1040,6 +1054,31 @@ mod tests {
         assert!(!loaded[0].1.is_consistent());
         assert!(loaded[0].1.is_dirty(0));
         assert_eq!(loaded[0].1.disk_size(), SIZE);
+    }
+
+    /// A file truncated under its mapping, found short by the next
+    /// `update` (a backup's start stores "inconsistent"): it is made
+    /// whole again, so that after a kill -9 the next start loads it
+    /// inconsistent instead of refusing a short file. Nothing touched the
+    /// cut-off page meanwhile, so no fault is needed here.
+    #[test]
+    fn a_file_truncated_under_its_mapping_is_restored_at_the_next_update() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(dir.path());
+        let b = s.add("u", G, SIZE).unwrap();
+        fs::OpenOptions::new()
+            .write(true)
+            .open(s.path_of("u"))
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        s.update("u", &b, false).unwrap();
+        assert!(!b.is_consistent());
+        b.mark(7 * G, 1);
+        drop((b, s)); // kill -9
+        let loaded = load(&mut store(dir.path()), SIZE);
+        assert!(!loaded[0].1.is_consistent());
+        assert_eq!(loaded[0].1.dirty_extents(), [(7 * G, G)]);
     }
 
     /// A bitmap of another disk size (the image was resized while no
