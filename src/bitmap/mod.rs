@@ -11,7 +11,9 @@
 //! backup exports) or in a shared file mapping
 //! ([`sidecar`]: the persistent bitmaps of a raw image or block device),
 //! where a set bit is in the page cache the moment `mark` returns: a kill -9
-//! of the daemon loses nothing it acknowledged. What survives a host crash
+//! of the daemon loses nothing it acknowledged. A mapped file that another
+//! program truncates does not kill the daemon: [`fault`] contains the
+//! SIGBUS, and the bitmap reports itself inconsistent. What survives a host crash
 //! is decided by the [`BitmapStore`] that persists them; qcow2's own bitmap
 //! directory is behind the same trait (`crate::device::qcow2_bitmaps`).
 //!
@@ -20,6 +22,7 @@
 //! before it is submitted, so that no completion the guest sees can be
 //! missing from a bitmap.
 
+pub mod fault;
 pub mod sidecar;
 
 use std::fmt;
@@ -64,6 +67,11 @@ pub enum BitmapError {
     /// A stored bitmap that cannot be loaded.
     #[error("{path}: {why}")]
     Corrupt { path: String, why: String },
+    /// A stored bitmap's file that exists but cannot be opened or read (a
+    /// FIFO, a directory, a symlink, no permission): one line naming the
+    /// file and what to do.
+    #[error("{0}")]
+    Unusable(String),
     /// The store's I/O.
     #[error("{path}: {source}")]
     Io {
@@ -103,10 +111,17 @@ pub fn check_name(name: &str) -> Result<(), BitmapError> {
 /// Where a bitmap's words live.
 enum Words {
     Heap(Box<[AtomicU64]>),
-    /// A shared, read-write mapping of at least `len` words of a file.
+    /// A shared, read-write mapping of at least `len` words of a file,
+    /// watched for the file shrinking under it ([`fault`]).
     Mapped {
+        /// Declared before `map`: unwatched before it is unmapped.
+        watched: fault::Watched,
         map: MmapRaw,
         len: usize,
+        /// The file, for the ERROR line.
+        path: String,
+        /// That line was logged.
+        reported: AtomicBool,
     },
 }
 
@@ -125,8 +140,10 @@ impl Words {
             // the slice borrows. The memory is only ever accessed through
             // atomics here; a write to the file by another process is
             // a change of the bits' values, not a data race in this one's
-            // terms (the kernel keeps the page cache coherent).
-            Words::Mapped { map, len } => unsafe {
+            // terms (the kernel keeps the page cache coherent). A page
+            // past the end of a file truncated under us is replaced by a
+            // zero page on first access (`fault`), not a dangling one.
+            Words::Mapped { map, len, .. } => unsafe {
                 std::slice::from_raw_parts(map.as_ptr().cast::<AtomicU64>(), *len)
             },
         }
@@ -189,11 +206,13 @@ impl DirtyBitmap {
         })
     }
 
-    /// A bitmap over a mapping the caller made (the sidecar store).
+    /// A bitmap over a mapping the caller made of the file `path` (the
+    /// sidecar store), watched for the file shrinking under it.
     fn mapped(
         disk_size: u64,
         shift: u32,
         map: MmapRaw,
+        path: &str,
         consistent: bool,
     ) -> Result<DirtyBitmap, String> {
         let (bits, words) = geometry(disk_size, shift);
@@ -205,14 +224,46 @@ impl DirtyBitmap {
                 len
             ));
         }
+        let watched = fault::watch(map.as_ptr() as usize, map.len())?;
         Ok(DirtyBitmap {
             shift,
             disk_size,
             bits,
-            words: Words::Mapped { map, len },
+            words: Words::Mapped {
+                watched,
+                map,
+                len,
+                path: path.to_string(),
+                reported: AtomicBool::new(false),
+            },
             consistent: AtomicBool::new(consistent),
             losses: AtomicU64::new(0),
         })
+    }
+
+    /// Whether the file under this bitmap's mapping shrank while mapped
+    /// (see [`fault`]): its bits are not all in the file, and what is
+    /// marked in a replaced page never reaches it. Said once, in an ERROR
+    /// line, when first seen.
+    fn mapping_lost(&self) -> bool {
+        let Words::Mapped {
+            watched,
+            path,
+            reported,
+            ..
+        } = &self.words
+        else {
+            return false;
+        };
+        if !watched.faulted() {
+            return false;
+        }
+        if !reported.swap(true, Ordering::Relaxed) {
+            log::error!(
+                "{path}: the bitmap file was truncated while the daemon had it mapped (by another program): its bits are lost, and it is inconsistent from now on (take a full backup); the daemon writes it out whole, marked inconsistent, when it next stores it"
+            );
+        }
+        true
     }
 
     /// A heap bitmap of a `disk_size`-byte disk from its words (a stored
@@ -289,13 +340,16 @@ impl DirtyBitmap {
     }
 
     /// Whether every change since the bitmap was added (or last cleared) is
-    /// in it.
+    /// in it. Never again, for a mapped bitmap whose file shrank under it
+    /// (until it is loaded afresh).
     pub fn is_consistent(&self) -> bool {
-        self.consistent.load(Ordering::Acquire)
+        // The mapping first, so that its ERROR line is never skipped.
+        !self.mapping_lost() && self.consistent.load(Ordering::Acquire)
     }
 
     /// Marks the bitmap as possibly missing changes. It stays so until
-    /// [`clear`](Self::clear).
+    /// [`clear`](Self::clear) (and past it, for a mapping whose file
+    /// shrank).
     pub fn set_inconsistent(&self) {
         self.losses.fetch_add(1, Ordering::AcqRel);
         self.consistent.store(false, Ordering::Release);
@@ -458,24 +512,6 @@ impl DirtyBitmap {
         Ok(())
     }
 
-    /// ORs `other`'s bits into this one (`backup stop --failed` puts the
-    /// exported bits back). An inconsistent `other` makes this one
-    /// inconsistent too.
-    pub fn merge(&self, other: &DirtyBitmap) -> Result<(), BitmapError> {
-        if other.shift != self.shift || other.disk_size != self.disk_size {
-            return Err(BitmapError::Mismatch);
-        }
-        for (w, o) in self.words.as_slice().iter().zip(other.words.as_slice()) {
-            let bits = o.load(Ordering::Relaxed);
-            if bits != 0 {
-                w.fetch_or(bits, Ordering::Relaxed);
-            }
-        }
-        if !other.is_consistent() {
-            self.set_inconsistent();
-        }
-        Ok(())
-    }
 
     /// Writes a mapped bitmap's bits to its file (msync); nothing for one
     /// on the heap.
@@ -681,9 +717,7 @@ mod tests {
         assert!(!b.is_consistent());
         b.replace_with(&since).unwrap();
         assert!(b.is_consistent());
-        frozen.set_inconsistent();
-        b.merge(&frozen).unwrap();
-        assert!(!b.is_consistent());
+        b.set_inconsistent();
         b.clear();
         assert!(b.is_consistent());
         assert_eq!(b.dirty_bytes(), 0);

@@ -42,6 +42,17 @@
 //!   the backup ends well, so a daemon killed during a backup leaves the
 //!   bitmap complete (docs/backup.md, "What an interrupted backup
 //!   leaves").
+//! - A file truncated under its mapping by another program: the SIGBUS of
+//!   the next access is contained ([`fault`](super::fault)), the bitmap
+//!   says it is inconsistent, and the next `update` or `close` allocates
+//!   the file whole again, writes the bits, and marks it INCONSISTENT.
+//!
+//! What the header says sizes nothing: `peek` reads into a bitmap of the
+//! image's size, no more than the file holds; `open` maps the image's
+//! size. A sidecar found at start-up that cannot be opened (a FIFO, a
+//! directory, a symlink, no permission) stops the start, through `peek`,
+//! with one line naming it and the fix: never an image silently
+//! untracked.
 //!
 //! After start-up the daemon opens no file by path (its seccomp filter has
 //! no `openat` but the one below): the directory and every sidecar found
@@ -57,6 +68,7 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 
 use memmap2::MmapOptions;
 
@@ -166,6 +178,12 @@ pub struct SidecarStore {
     /// Every sidecar of the image by bitmap name, open since start-up or
     /// since its `add`.
     files: BTreeMap<String, File>,
+    /// Sidecars found at start-up that cannot be opened or read (not a
+    /// regular file, a symlink, no permission): why, in one line naming
+    /// the file and the fix. [`peek`](BitmapStore::peek) and
+    /// [`open`](BitmapStore::open) fail with it: such a bitmap is never
+    /// left out silently, nor found later as if nothing had changed.
+    unusable: BTreeMap<String, String>,
 }
 
 impl SidecarStore {
@@ -191,9 +209,12 @@ impl SidecarStore {
     }
 
     /// The store of sidecars `dir/stem.bitmap.NAME`: opens the directory
-    /// and every sidecar in it (nothing is read or marked yet). Removes
-    /// what an `add` that did not finish left: a file with no magic yet,
-    /// or a temporary `.stem.bitmap.NAME.new` of an older ringblk.
+    /// and every sidecar in it (nothing but the magic is read, nothing is
+    /// marked yet). Removes what an `add` that did not finish left: a
+    /// file with no magic yet, or a temporary `.stem.bitmap.NAME.new` of
+    /// an older ringblk. A sidecar that cannot be opened (see
+    /// [`open_sidecar`]) is kept as the reason why, which `peek` and
+    /// `open` then fail with: `Err` here is about the directory only.
     pub fn new(dir: &Path, stem: &str) -> Result<SidecarStore, BitmapError> {
         let boot_id = crate::host::boot_id().map_err(|source| BitmapError::Io {
             path: "/proc/sys/kernel/random/boot_id".into(),
@@ -206,6 +227,7 @@ impl SidecarStore {
             stem: stem.to_string(),
             boot_id,
             files: BTreeMap::new(),
+            unusable: BTreeMap::new(),
         };
         let prefix = format!("{stem}.bitmap.");
         let stale = format!(".{prefix}");
@@ -226,21 +248,51 @@ impl SidecarStore {
                 continue;
             }
             let path = store.path_of(name);
-            let file = open_at(
-                &store.dir_fd,
-                &file_name,
-                libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            )
-            .map_err(Self::io_err(&path))?;
+            let file = match open_sidecar(&store.dir_fd, &file_name, &path, &entry) {
+                Ok(f) => f,
+                Err(why) => {
+                    store.unusable.insert(name.to_string(), why);
+                    continue;
+                }
+            };
             let mut magic = [0u8; 8];
-            let read = file.read_at(&mut magic, 0).map_err(Self::io_err(&path))?;
-            if magic == [0; 8] || read < magic.len() {
-                // Created by an `add` that did not get as far as its magic.
-                log::info!(
-                    "removing {}: a bitmap whose creation did not finish",
+            let read = match read_magic(&file, &mut magic) {
+                Ok(n) => n,
+                Err(e) => {
+                    let why = format!(
+                        "{}: reading it: {e}; remove it (and take a full backup) to start",
+                        path.display()
+                    );
+                    store.unusable.insert(name.to_string(), why);
+                    continue;
+                }
+            };
+            if read == 0 || (read == magic.len() && magic == [0; 8]) {
+                // What an `add` leaves before it writes its magic (an empty
+                // file, or one allocated with the rest of its header but
+                // not the magic); or a bitmap that another program emptied
+                // while no daemon had it. Either way there is no bitmap to
+                // load: said, so that a backup tool that finds it missing
+                // knows why.
+                log::warn!(
+                    "removing {}: empty, or without its magic: a bitmap whose creation did not finish, or one that another program emptied (then bitmap '{name}' is gone: take a full backup)",
                     path.display()
                 );
-                unlink_at(&store.dir_fd, &file_name).map_err(Self::io_err(&path))?;
+                if let Err(e) = unlink_at(&store.dir_fd, &file_name) {
+                    let why = format!(
+                        "{}: removing it (empty, or without its magic): {e}: remove it to start",
+                        path.display()
+                    );
+                    store.unusable.insert(name.to_string(), why);
+                }
+                continue;
+            }
+            if read < magic.len() {
+                let why = format!(
+                    "{}: {read} bytes long, not a bitmap (nor one being created): remove it to start",
+                    path.display()
+                );
+                store.unusable.insert(name.to_string(), why);
                 continue;
             }
             store.files.insert(name.to_string(), file);
@@ -297,13 +349,20 @@ impl SidecarStore {
     }
 
     fn file(&self, name: &str) -> Result<&File, BitmapError> {
+        if let Some(why) = self.unusable.get(name) {
+            return Err(BitmapError::Unusable(why.clone()));
+        }
         self.files
             .get(name)
             .ok_or_else(|| BitmapError::NotFound(name.to_string()))
     }
 
-    /// Reads and checks a sidecar's header.
-    fn read_header(&self, name: &str) -> Result<(Header, u64), BitmapError> {
+    /// Reads and checks a sidecar's header, for a disk of `disk_size`
+    /// bytes: nothing is sized by what the header says. A file shorter
+    /// than its header needs is refused when the header is of this disk's
+    /// size; one of another size is resized (and distrusted) by `open`,
+    /// and read only as far as it goes by `peek`.
+    fn read_header(&self, name: &str, disk_size: u64) -> Result<(Header, u64), BitmapError> {
         let path = self.path_of(name);
         let corrupt = |why: String| BitmapError::Corrupt {
             path: path.display().to_string(),
@@ -324,7 +383,7 @@ impl SidecarStore {
                 header.name.escape_debug()
             )));
         }
-        if meta.len() < header.file_len() {
+        if header.disk_size == disk_size && meta.len() < header.file_len() {
             return Err(corrupt(format!(
                 "{} bytes long, short of {}",
                 meta.len(),
@@ -353,18 +412,15 @@ impl SidecarStore {
             .len(header.map_len() as usize)
             .map_raw(file)
             .map_err(Self::io_err(path))?;
-        DirtyBitmap::mapped(header.disk_size, header.shift, map, consistent).map_err(|why| {
-            BitmapError::Corrupt {
-                path: path.display().to_string(),
-                why,
-            }
-        })
+        let shown = path.display().to_string();
+        DirtyBitmap::mapped(header.disk_size, header.shift, map, &shown, consistent)
+            .map_err(|why| BitmapError::Corrupt { path: shown, why })
     }
 
     /// Loads one sidecar and marks it in use: see the module doc.
     fn open_one(&self, name: &str, disk_size: u64) -> Result<DirtyBitmap, BitmapError> {
         let path = self.path_of(name);
-        let (mut header, file_len) = self.read_header(name)?;
+        let (mut header, file_len) = self.read_header(name, disk_size)?;
         let file = self.file(name)?;
         let mut consistent = self.trusted(&header);
         if !consistent && header.flags & FLAG_IN_USE != 0 && header.boot_id != self.boot_id {
@@ -411,6 +467,50 @@ impl SidecarStore {
         Ok(())
     }
 
+    /// Before a header is written over a bitmap that is loaded: if its
+    /// file shrank under the mapping (another program truncated it; see
+    /// [`fault`](super::fault)), makes it whole again, writes every bit
+    /// the bitmap holds into it, and marks the bitmap inconsistent (bits
+    /// were lost). Nothing for a file of its length whose mapping never
+    /// faulted. Returns whether it did anything: at every store of a
+    /// mapping that faulted, since what is marked in its replaced pages
+    /// reaches the file only so.
+    fn restore_if_shrunk(
+        file: &File,
+        path: &Path,
+        header: &Header,
+        bitmap: &DirtyBitmap,
+    ) -> Result<bool, BitmapError> {
+        let len = file.metadata().map_err(Self::io_err(path))?.len();
+        // Logs its ERROR line the first time it finds a fault.
+        let faulted = bitmap.mapping_lost();
+        if len >= header.file_len() && !faulted {
+            return Ok(false);
+        }
+        if !faulted {
+            log::error!(
+                "{}: the bitmap file was truncated to {len} bytes while the daemon had it mapped (by another program): its bits are lost, and it is inconsistent from now on (take a full backup); written out whole again",
+                path.display()
+            );
+        }
+        bitmap.set_inconsistent();
+        // Allocated first, so that reading the bits below finds the
+        // pages that were cut off again (zeroes) rather than a fault.
+        allocate(file, header.file_len()).map_err(Self::io_err(path))?;
+        let mut buf = Vec::with_capacity(1 << 20);
+        let mut at = HEADER_SIZE;
+        for w in bitmap.words() {
+            buf.extend_from_slice(&w.to_le_bytes());
+            if buf.len() == buf.capacity() {
+                file.write_all_at(&buf, at).map_err(Self::io_err(path))?;
+                at += buf.len() as u64;
+                buf.clear();
+            }
+        }
+        file.write_all_at(&buf, at).map_err(Self::io_err(path))?;
+        Ok(true)
+    }
+
     fn header_of(
         &self,
         name: &str,
@@ -430,6 +530,87 @@ impl SidecarStore {
             name: name.to_string(),
         }
     }
+}
+
+/// Opens the sidecar `name` found in `dir` at start-up (`entry`, its
+/// directory entry; `path`, for messages): read-write, never through a
+/// symlink (`O_NOFOLLOW`), never blocking on a FIFO (`O_NONBLOCK`, which
+/// changes nothing for the regular file it must then be: checked with
+/// fstat on what was opened). `Err` is one line naming the file and what
+/// to do: a bitmap that exists but cannot be opened must stop the start,
+/// never leave the image silently untracked.
+fn open_sidecar(dir: &File, name: &str, path: &Path, entry: &fs::DirEntry) -> Result<File, String> {
+    let shown = path.display();
+    let not_a_file = |what: &str| {
+        format!(
+            "{shown}: {what}, not a bitmap file (ringblk keeps each bitmap in a regular file of its own): remove it, or move it out of the way, to start"
+        )
+    };
+    let flags = libc::O_RDWR | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
+    let file = match open_at(dir, name, flags) {
+        Ok(f) => f,
+        Err(e) => {
+            // What is there, as the directory says (not following a link).
+            let meta = entry.metadata().ok();
+            return Err(match e.raw_os_error() {
+                Some(libc::ELOOP) => format!(
+                    "{shown}: a symbolic link (bitmap files are never followed through links): remove it, or put the file itself there, to start"
+                ),
+                Some(libc::EISDIR) => not_a_file("a directory"),
+                Some(libc::EACCES | libc::EPERM | libc::EROFS) => {
+                    use std::os::unix::fs::MetadataExt;
+                    // SAFETY: geteuid and getegid take no arguments and
+                    // cannot fail.
+                    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+                    let owner = meta.map_or(String::new(), |m| {
+                        format!(
+                            " (owned by uid {} gid {}, mode {:04o})",
+                            m.uid(),
+                            m.gid(),
+                            m.mode() & 0o7777
+                        )
+                    });
+                    format!(
+                        "{shown}: {e}{owner}: the daemon (uid {uid} gid {gid}) must read and write its bitmaps: `chown {uid}:{gid} {shown}` and `chmod 0600 {shown}`, or remove it (the bitmap with it) to start"
+                    )
+                }
+                _ => format!("{shown}: {e}: fix or remove it to start"),
+            });
+        }
+    };
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("{shown}: {e}: fix or remove it to start"))?;
+    let kind = meta.file_type();
+    if kind.is_file() {
+        return Ok(file);
+    }
+    use std::os::unix::fs::FileTypeExt;
+    Err(not_a_file(if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_dir() {
+        "a directory"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_block_device() || kind.is_char_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }))
+}
+
+/// Reads up to the 8 bytes of a sidecar's magic: how many there are.
+fn read_magic(file: &File, magic: &mut [u8; 8]) -> io::Result<usize> {
+    let mut read = 0;
+    while read < magic.len() {
+        match file.read_at(&mut magic[read..], read as u64) {
+            Ok(0) => break,
+            Ok(n) => read += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(read)
 }
 
 /// Allocates the first `len` bytes of `file` (zeroes where nothing was
@@ -462,20 +643,38 @@ impl BitmapStore for SidecarStore {
         format!("sidecar files in {}", self.dir.display())
     }
 
+    /// Reads each bitmap into memory of this disk's size: the words both
+    /// the header and this disk have, and the file holds, read a MiB at a
+    /// time. What the header claims sizes nothing.
     fn peek(&mut self, disk_size: u64) -> Result<Vec<BitmapInfo>, BitmapError> {
+        if let Some(why) = self.unusable.values().next() {
+            return Err(BitmapError::Unusable(why.clone()));
+        }
         let mut out = Vec::new();
         for name in self.files.keys() {
-            let (header, _) = self.read_header(name)?;
+            let (header, file_len) = self.read_header(name, disk_size)?;
             let path = self.path_of(name);
-            let mut raw = vec![0u8; header.bits_len() as usize];
-            self.file(name)?
-                .read_exact_at(&mut raw, HEADER_SIZE)
-                .map_err(Self::io_err(&path))?;
-            let words = raw
-                .chunks_exact(8)
-                .map(|w| u64::from_le_bytes(w.try_into().unwrap()));
             let consistent = self.trusted(&header) && header.disk_size == disk_size;
-            let b = DirtyBitmap::from_words(disk_size, 1 << header.shift, words, consistent)?;
+            let b = DirtyBitmap::new(disk_size, 1 << header.shift)?;
+            let words = b.words.as_slice();
+            let stored = header.bits_len().min(file_len.saturating_sub(HEADER_SIZE)) / 8;
+            let n = words
+                .len()
+                .min(usize::try_from(stored).unwrap_or(usize::MAX));
+            let mut raw = vec![0u8; n.min(1 << 17) * 8];
+            let file = self.file(name)?;
+            for (i, chunk) in words[..n].chunks(1 << 17).enumerate() {
+                let raw = &mut raw[..chunk.len() * 8];
+                file.read_exact_at(raw, HEADER_SIZE + (i as u64) * (8 << 17))
+                    .map_err(Self::io_err(&path))?;
+                for (w, v) in chunk.iter().zip(raw.chunks_exact(8)) {
+                    w.store(u64::from_le_bytes(v.try_into().unwrap()), Ordering::Relaxed);
+                }
+            }
+            b.trim();
+            if !consistent {
+                b.set_inconsistent();
+            }
             b.mark_grown(header.disk_size);
             out.push(b.info(name));
         }
@@ -483,10 +682,18 @@ impl BitmapStore for SidecarStore {
     }
 
     fn open(&mut self, disk_size: u64) -> Vec<(String, Result<DirtyBitmap, BitmapError>)> {
-        self.files
+        let unusable = self
+            .unusable
+            .iter()
+            .map(|(name, why)| (name.clone(), Err(BitmapError::Unusable(why.clone()))));
+        let loaded: Vec<_> = self
+            .files
             .keys()
             .map(|name| (name.clone(), self.open_one(name, disk_size)))
-            .collect()
+            .collect();
+        let mut all: Vec<_> = unusable.chain(loaded).collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
     }
 
     fn add(
@@ -561,6 +768,9 @@ impl BitmapStore for SidecarStore {
     ) -> Result<(), BitmapError> {
         let path = self.path_of(name);
         let file = self.file(name)?;
+        let header = self.header_of(name, bitmap, true, consistent);
+        let lost = Self::restore_if_shrunk(file, &path, &header, bitmap)?;
+        let consistent = consistent && !lost;
         if consistent {
             // The bits must be on disk before the header says they can
             // be trusted.
@@ -596,8 +806,10 @@ impl BitmapStore for SidecarStore {
     fn close(&mut self, name: &str, bitmap: &DirtyBitmap) -> Result<(), BitmapError> {
         let path = self.path_of(name);
         let file = self.file(name)?;
+        let header = self.header_of(name, bitmap, false, false);
+        let lost = Self::restore_if_shrunk(file, &path, &header, bitmap)?;
         bitmap.sync().map_err(Self::io_err(&path))?;
-        let header = self.header_of(name, bitmap, false, bitmap.is_consistent());
+        let header = self.header_of(name, bitmap, false, bitmap.is_consistent() && !lost);
         Self::write_header(file, &path, &header)
     }
 }
@@ -778,6 +990,96 @@ mod tests {
         f.set_len(HEADER_SIZE + 100).unwrap();
         let e = store(dir.path()).open(SIZE).remove(0).1.unwrap_err();
         assert!(e.to_string().contains("short of"), "{e}");
+    }
+
+    /// A sidecar that exists but cannot be opened (a FIFO, a directory,
+    /// a dangling symlink, a file of a few bytes) makes `peek` and `open`
+    /// fail with one line naming it and the fix; the FIFO is not waited
+    /// on. They used to make `new` fail, which left the image untracked.
+    #[test]
+    fn files_that_cannot_be_opened_are_refused_by_name() {
+        for kind in ["fifo", "dir", "symlink", "short"] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("disk.img.bitmap.b");
+            match kind {
+                "fifo" => {
+                    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+                    // SAFETY: a NUL-terminated path that outlives the call.
+                    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+                }
+                "dir" => fs::create_dir(&path).unwrap(),
+                "symlink" => std::os::unix::fs::symlink("nowhere", &path).unwrap(),
+                _ => fs::write(&path, b"RING").unwrap(),
+            }
+            let mut s = SidecarStore::new(dir.path(), "disk.img").expect(kind);
+            let e = s.peek(SIZE).unwrap_err().to_string();
+            assert!(
+                e.contains("disk.img.bitmap.b") && e.contains("remove it") && !e.contains('\n'),
+                "{kind}: {e}"
+            );
+            let opened = s.open(SIZE);
+            assert_eq!(opened.len(), 1, "{kind}");
+            assert!(opened[0].1.is_err(), "{kind}: loaded");
+            assert!(fs::symlink_metadata(&path).is_ok(), "{kind}: removed");
+        }
+    }
+
+    /// A header that claims a huge disk costs nothing of its claim: `peek`
+    /// reads no more than this disk's bits, and no more than the file
+    /// has; the bitmap is resized and inconsistent.
+    #[test]
+    fn a_header_claiming_a_huge_disk_costs_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(dir.path());
+        let b = s.add("h", G, SIZE).unwrap();
+        b.mark(0, G);
+        s.close("h", &b).unwrap();
+        drop((b, s));
+        let path = dir.path().join("disk.img.bitmap.h");
+        let mut raw = fs::read(&path).unwrap();
+        let header = Header {
+            flags: 0,
+            disk_size: 1 << 60,
+            shift: 16,
+            boot_id: [b'0'; BOOT_ID_LEN],
+            name: "h".into(),
+        };
+        raw[..HEADER_SIZE as usize].copy_from_slice(&header.encode());
+        // 2 TiB of bits claimed, 8 KiB there.
+        fs::write(&path, &raw).unwrap();
+        let mut s = store(dir.path());
+        let info = s.peek(SIZE).unwrap();
+        assert!(!info[0].consistent);
+        assert_eq!(info[0].dirty_bytes, G, "the bits the file has");
+        let loaded = load(&mut s, SIZE);
+        assert!(!loaded[0].1.is_consistent());
+        assert!(loaded[0].1.is_dirty(0));
+        assert_eq!(loaded[0].1.disk_size(), SIZE);
+    }
+
+    /// A file truncated under its mapping, found short by the next
+    /// `update` (a backup's start stores "inconsistent"): it is made
+    /// whole again, so that after a kill -9 the next start loads it
+    /// inconsistent instead of refusing a short file. Nothing touched the
+    /// cut-off page meanwhile, so no fault is needed here.
+    #[test]
+    fn a_file_truncated_under_its_mapping_is_restored_at_the_next_update() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(dir.path());
+        let b = s.add("u", G, SIZE).unwrap();
+        fs::OpenOptions::new()
+            .write(true)
+            .open(s.path_of("u"))
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        s.update("u", &b, false).unwrap();
+        assert!(!b.is_consistent());
+        b.mark(7 * G, 1);
+        drop((b, s)); // kill -9
+        let loaded = load(&mut store(dir.path()), SIZE);
+        assert!(!loaded[0].1.is_consistent());
+        assert_eq!(loaded[0].1.dirty_extents(), [(7 * G, G)]);
     }
 
     /// A bitmap of another disk size (the image was resized while no

@@ -331,9 +331,11 @@ fn reopened(dir: &std::path::Path, fd: i32) -> Result<(std::fs::File, i32), Daem
 
 /// Where the dirty bitmaps persist (or why there are none), and their
 /// directory. An explicit `--bitmap-dir` that cannot be used, or a
-/// sidecar that cannot be read, stops the start; the image's own
-/// directory that cannot be opened only leaves the device without
-/// bitmaps (said when one is asked for).
+/// sidecar that cannot be opened or read, stops the start (the latter
+/// when the device peeks at its bitmaps); the image's own directory that
+/// cannot be opened only leaves the device without bitmaps, with a WARN
+/// line (any sidecars there cannot even be seen), and says so again when
+/// one is asked for.
 #[allow(clippy::type_complexity)]
 fn bitmap_store(
     args: &ServeArgs,
@@ -407,7 +409,9 @@ fn bitmap_store(
             Err(DaemonError::Config(format!("--bitmap-dir: {e}")))
         }
         Err(e) => {
-            log::debug!("no dirty bitmaps: {e}");
+            log::warn!(
+                "no dirty bitmaps for this image (its sidecar files cannot be looked for): {e}"
+            );
             Ok((
                 Err(format!("no dirty bitmaps next to the image: {e}")),
                 None,

@@ -12,12 +12,14 @@
 //! that page, in our address space only, with an anonymous zero page, and
 //! the access is retried: the request reads zeroes or writes into a page
 //! nobody else sees, and completes. The kernel's own accesses (io_uring's
-//! readv/writev) get EFAULT, which is IOERR. Any other SIGBUS goes to the
+//! readv/writev) get EFAULT, which is IOERR. A fault in a mapping of a
+//! sidecar bitmap's bits is handed to `bitmap::fault`, which does the same
+//! and marks the bitmap inconsistent. Any other SIGBUS goes to the
 //! handler that was there before (std's), as if we had never installed ours.
 //!
-//! The handler is async-signal-safe: it reads atomics and calls mmap(2)
-//! and, for faults that are not ours, sigaction(2), both of which the
-//! seccomp filter allows.
+//! The handler is async-signal-safe: it reads (and, for a bitmap, stores)
+//! atomics and calls mmap(2) and, for faults that are not ours,
+//! sigaction(2), both of which the seccomp filter allows.
 //!
 //! A range is watched exactly as long as its mapping exists. The table
 //! holds a reference to each region it watches, so a region is unmapped
@@ -253,6 +255,11 @@ extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
             return;
         }
     }
+    // A sidecar bitmap's file truncated under its mapping: the bitmap
+    // module replaces the page and marks the bitmap.
+    if code == libc::BUS_ADRERR && crate::bitmap::fault::contain(addr) {
+        return;
+    }
     // Not ours (or a huge page we cannot split): give the fault back to
     // the previous action, which the retried access then raises.
     let previous = PREVIOUS.load(Ordering::Acquire);
@@ -384,6 +391,52 @@ mod tests {
         watch(&small).expect("room again once the regions are gone");
         drop(small);
         release_unused();
+    }
+
+    /// A sidecar bitmap's file truncated to 0 while mapped: the next mark
+    /// and the next count do not kill the process (they used to, with
+    /// SIGBUS); the bitmap says it is inconsistent from then on, and its
+    /// store writes the file out whole, marked so, with what was marked
+    /// since. A second bitmap, truncated but not touched before it is
+    /// closed, is found short and restored the same way.
+    #[test]
+    fn a_bitmap_file_truncated_under_its_mapping_is_survived_and_distrusted() {
+        use crate::bitmap::{BitmapStore, SidecarStore};
+        const G: u64 = 64 << 10;
+        const SIZE: u64 = 4096 * G;
+        install().expect("installing the handler");
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = SidecarStore::new(dir.path(), "disk.img").unwrap();
+        let b = store.add("t", G, SIZE).unwrap();
+        let quiet = store.add("q", G, SIZE).unwrap();
+        b.mark(0, G);
+        quiet.mark(0, G);
+        for name in ["t", "q"] {
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(store.path_of(name))
+                .unwrap();
+            f.set_len(0).unwrap();
+        }
+        b.mark(3000 * G, G); // a page past the new end: SIGBUS, contained
+        assert!(!b.is_consistent(), "consistent after its file shrank");
+        assert_eq!(b.dirty_bytes(), G, "the bits since");
+        b.clear();
+        b.mark(3000 * G, G);
+        assert!(!b.is_consistent(), "a clear does not make the file whole");
+        store.close("t", &b).unwrap();
+        store.close("q", &quiet).unwrap();
+        drop((b, quiet, store));
+
+        let mut store = SidecarStore::new(dir.path(), "disk.img").unwrap();
+        let info = store.peek(SIZE).unwrap();
+        assert!(info.iter().all(|i| !i.consistent), "{info:?}");
+        let loaded = store.open(SIZE);
+        let (name, b) = (&loaded[1].0, loaded[1].1.as_ref().unwrap());
+        assert_eq!(name, "t");
+        assert!(!b.is_consistent());
+        assert_eq!(b.dirty_extents(), [(3000 * G, G)]);
+        assert!(!loaded[0].1.as_ref().unwrap().is_consistent());
     }
 
     /// A region backed by a file that is then truncated: reads past the

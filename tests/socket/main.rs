@@ -24,6 +24,7 @@ mod activation;
 mod backup;
 mod backup_interrupted;
 mod bench_launcher;
+mod bitmap_files;
 mod blkio_client;
 mod bounce_limit;
 mod churn;

@@ -86,6 +86,53 @@ impl Default for DaemonOptions<'_> {
     }
 }
 
+/// Runs `ringblk serve --socket DIR/refused.sock ARGS` (through
+/// `wrapper`, if any) and expects a refusal: exit status 1 within 20 s,
+/// no panic, one `ringblk:` line, which is returned. A daemon that starts
+/// instead (or hangs) fails the test.
+#[track_caller]
+pub fn serve_refused(dir: &Path, wrapper: &[&str], args: &[&str]) -> String {
+    let mut cmd = match wrapper.split_first() {
+        Some((program, pre)) => {
+            let mut cmd = Command::new(program);
+            cmd.args(pre).arg(ringblk_bin());
+            cmd
+        }
+        None => Command::new(ringblk_bin()),
+    };
+    cmd.arg("serve")
+        .arg("--socket")
+        .arg(dir.join("refused.sock"))
+        .args(args)
+        .env("TMPDIR", dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    close_inherited_fds(&mut cmd);
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawning ringblk serve ({cmd:?}): {e}"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().expect("polling ringblk serve").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("ringblk serve's output");
+            panic!(
+                "ringblk serve {args:?} did not refuse to start within 20 s:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("ringblk serve's output");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "ringblk serve {args:?}: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("ringblk: ")).collect();
+    assert_eq!(lines.len(), 1, "not one error line:\n{err}");
+    lines[0].to_string()
+}
+
 /// A running `ringblk serve`. Dropping it kills the process and fails the
 /// test if the daemon exited on its own or panicked; if the test is
 /// panicking, the daemon's output is printed so the failure can be read

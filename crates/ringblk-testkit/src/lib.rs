@@ -47,7 +47,7 @@ use tempfile::TempDir;
 
 pub use client::{Client, Op, Sustained, chunked};
 pub use ctl::{ctl, ctl_fails, ctl_ok};
-pub use daemon::{Daemon, DaemonOptions};
+pub use daemon::{Daemon, DaemonOptions, serve_refused};
 
 pub const KIB: u64 = 1 << 10;
 pub const MIB: u64 = 1 << 20;
