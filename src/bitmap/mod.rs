@@ -512,7 +512,6 @@ impl DirtyBitmap {
         Ok(())
     }
 
-
     /// Writes a mapped bitmap's bits to its file (msync); nothing for one
     /// on the heap.
     pub fn sync(&self) -> std::io::Result<()> {
