@@ -135,16 +135,27 @@ pub struct Found {
 }
 
 /// The log's file at `path`, opened read-write, created (mode 0600) if
-/// missing, never truncated, never through a symlink.
+/// missing, never truncated, never through a symlink, and a regular file
+/// only: something else planted at its name (a FIFO, whose open with
+/// O_RDWR does not block but whose header read would; a device) is
+/// refused with `InvalidInput`, "not a regular file".
 pub fn open_file(path: &Path) -> io::Result<std::fs::File> {
-    OpenOptions::new()
+    let file = OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
         .mode(0o600)
-        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-        .open(path)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    if !file.metadata()?.file_type().is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    crate::host::clear_nonblock(&file)?;
+    Ok(file)
 }
 
 impl L2Log {
@@ -307,6 +318,23 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A FIFO, a directory or a symlink planted at the log's name is
+    /// refused at once (a FIFO's header read would block the start).
+    #[test]
+    fn only_a_regular_file_is_a_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path that lives across the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = open_file(&fifo).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+        std::os::unix::fs::symlink("/etc/hostname", dir.path().join("link")).unwrap();
+        assert!(open_file(&dir.path().join("link")).is_err());
+        assert!(open_file(dir.path()).is_err());
+        assert!(open_file(&dir.path().join("new")).is_ok());
+    }
 
     #[test]
     fn records_of_this_generation_replay_in_order() {
