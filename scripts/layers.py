@@ -19,6 +19,9 @@ import sys
 LAYERS = [
     # Facts of the running host (its boot id).
     ["host"],
+    # Encryption at rest: LUKS headers, AES-XTS, keys in locked memory
+    # (the formats that carry it import it).
+    ["crypto"],
     # Leaves: the split ring and typed requests; the image file; counters
     # and rate-limited logs; socket files; dirty bitmaps; image formats
     # (where a guest offset lives: raw, qcow2).

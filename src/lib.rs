@@ -3,6 +3,8 @@
 //! Layers, bottom to top; each imports only from layers below it
 //! (`scripts/layers.py` checks):
 //! - [`host`]: facts of the running host (its boot id);
+//! - [`crypto`]: encryption at rest (LUKS headers, AES-XTS, keys in
+//!   locked memory), below the formats that carry it;
 //! - leaves: [`virtio`] (the split ring as we drive it, and the typed,
 //!   validated block [`virtio::Request`] with its guest buffers), [`io`]
 //!   (the image file: opening, creating, locking it), [`metrics`]
@@ -34,6 +36,7 @@ pub mod api;
 pub mod backup;
 pub mod bitmap;
 pub mod cli;
+pub mod crypto;
 pub mod daemon;
 pub mod device;
 pub mod engine;
