@@ -182,6 +182,12 @@ pub const RECORD_MAX: usize = 64 << 10;
 /// The text of the record at `path`, read without following a symlink
 /// or waiting on a FIFO, and at most [`RECORD_MAX`] bytes of it: the
 /// directory may hold what someone else put there.
+/// The most records a snapshot directory may hold: each is read (at most
+/// [`RECORD_MAX`] bytes) and kept at start-up, so a directory filled by
+/// someone else must not cost without bound. Far more than any chain the
+/// daemon makes in practice (each live snapshot adds one).
+const RECORDS_MAX: usize = 4096;
+
 fn read_record(path: &Path) -> io::Result<String> {
     let how = crate::host::Untrusted {
         nofollow: true,
@@ -202,12 +208,20 @@ fn read_record(path: &Path) -> io::Result<String> {
 fn read_all(dir: &Path) -> Result<Vec<(PathBuf, Record)>, String> {
     let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut out = Vec::new();
+    let mut seen = 0;
     for entry in entries {
         let entry = entry.map_err(|e| format!("{}: {e}", dir.display()))?;
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
         if !name.ends_with(RECORD_SUFFIX) {
             continue;
+        }
+        seen += 1;
+        if seen > RECORDS_MAX {
+            return Err(format!(
+                "{}: more than {RECORDS_MAX} snapshot records; a chain that long is not one the daemon made, or needs merging (qemu-img commit) first",
+                dir.display()
+            ));
         }
         let path = entry.path();
         let text = read_record(&path).map_err(|e| {
@@ -278,5 +292,20 @@ mod tests {
         std::fs::remove_file(d.join("s2")).unwrap();
         let e = follow(&d, &base).unwrap_err();
         assert!(e.contains("which is missing"), "{e}");
+    }
+
+    /// A directory filled with more records than a chain the daemon
+    /// makes is refused with a line, not read to its end.
+    #[test]
+    fn too_many_records_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        for i in 0..=RECORDS_MAX {
+            std::fs::write(d.join(format!("{i}{RECORD_SUFFIX}")), b"{").unwrap();
+        }
+        let e = read_all(d).unwrap_err();
+        assert!(e.contains("more than 4096 snapshot records"), "{e}");
+        std::fs::remove_file(d.join(format!("0{RECORD_SUFFIX}"))).unwrap();
+        assert!(read_all(d).unwrap().is_empty(), "4096 cut-short records are skipped");
     }
 }
