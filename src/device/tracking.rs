@@ -925,8 +925,9 @@ impl Device {
             }
             Err(e) => {
                 drop(inner);
-                // Undo as a failed backup: the bitmap keeps its bits.
-                let _ = self.stop_backup(true);
+                // Undo as a failed backup: the bitmap keeps its bits. The
+                // image's hold is the caller's to release.
+                let _ = self.end_backup(true);
                 Err(TrackingError::Io(format!("starting the NBD server: {e}")))
             }
         }
@@ -976,7 +977,16 @@ impl Device {
         Ok(info)
     }
 
+    /// Ends the running backup and lets go of the image it held.
     fn stop_backup(&self, failed: bool) -> Result<BackupInfo, TrackingError> {
+        let info = self.end_backup(failed)?;
+        self.release_image();
+        Ok(info)
+    }
+
+    /// Ends the running backup, the image still held (by the backup's
+    /// claim, which the caller releases).
+    fn end_backup(&self, failed: bool) -> Result<BackupInfo, TrackingError> {
         // Out of the targets, with no write in flight (so the bitmap and
         // its successor hold the same marks since the instant); then torn
         // down while the guest runs.
@@ -1027,12 +1037,11 @@ impl Device {
                 }
             }
         }
-        self.release_image();
         Ok(info)
     }
 
-    /// The daemon stops: a backup still running ends as failed (its bits
-    /// go back into its bitmap, which is then written out consistent).
+    /// The daemon stops: a backup still running ends as failed (its
+    /// bitmap keeps every change, and is then written out consistent).
     pub fn stop_tracking(&self) {
         if self.tracking.lock().backup.is_some() {
             log::warn!("the daemon stops during a backup: the backup ends as failed");
