@@ -15,8 +15,9 @@
 //! that cluster can have reached the image before the read finished, so
 //! the data is the old data; set means the read may have raced one, and it
 //! is read again from the store, which by then holds the old data. The
-//! guest's path costs one load per cluster once a cluster is copied, and
-//! takes no lock.
+//! guest's path costs a few loads per cluster once a cluster is copied
+//! (one per level of [`ClusterBits`]), and takes no lock. The bits'
+//! memory follows the clusters copied, not the disk's size.
 //!
 //! It stands on the small [`Image`] trait, the guest's disk, not on the
 //! engine: a raw image or block device is its file ([`FileImage`]); a

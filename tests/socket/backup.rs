@@ -1191,6 +1191,9 @@ fn a_backup_of_a_2_eib_qcow2_is_bounded_by_what_it_copies() {
     );
     ctl_ok(&api, &["backup", "stop"]);
     d.assert_running();
+    // A bitmap of this disk would be 4 TiB of bits: refused in one line.
+    ctl_fails(&api, &["bitmap", "add", "b"], "too large");
+    d.assert_running();
     drop(c);
     stop(d);
 }
