@@ -133,7 +133,15 @@ impl Image for Qcow2Disk {
             image
                 .resolve(pos, end - pos, Dir::Read, &mut pieces)
                 .map_err(|e| io::Error::other(e.to_string()))?;
+            let mut next = pos;
             for p in &pieces {
+                if p.guest != next {
+                    return Err(io::Error::other(format!(
+                        "qcow2 mapping of {pos:#x}+{:#x} has a gap at {next:#x}",
+                        end - pos
+                    )));
+                }
+                next += p.len;
                 let zero = p.at == Where::Zero;
                 match run {
                     None => run = Some(zero),
@@ -143,6 +151,13 @@ impl Image for Qcow2Disk {
                     }
                     Some(_) => {}
                 }
+            }
+            if next != end {
+                return Err(io::Error::other(format!(
+                    "qcow2 mapping of {pos:#x}+{:#x} ended after {:#x}",
+                    end - pos,
+                    next - pos
+                )));
             }
             pos = end;
             window = (window * 2).min(MAX_WINDOW * cluster);
