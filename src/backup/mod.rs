@@ -15,8 +15,9 @@
 //! that cluster can have reached the image before the read finished, so
 //! the data is the old data; set means the read may have raced one, and it
 //! is read again from the store, which by then holds the old data. The
-//! guest's path costs one load per cluster once a cluster is copied, and
-//! takes no lock.
+//! guest's path costs a few loads per cluster once a cluster is copied
+//! (one per level of [`ClusterBits`]), and takes no lock. The bits'
+//! memory follows the clusters copied, not the disk's size.
 //!
 //! It stands on the small [`Image`] trait, the guest's disk, not on the
 //! engine: a raw image or block device is its file ([`FileImage`]); a
@@ -30,7 +31,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use crate::bitmap::DirtyBitmap;
 use crate::nbd::proto::{STATE_DIRTY, STATE_HOLE, STATE_ZERO};
@@ -133,23 +134,95 @@ impl Image for FileImage {
     }
 }
 
-/// Bits per cluster, set from any thread.
-struct ClusterBits(Box<[AtomicU64]>);
+/// Bits in one leaf of [`ClusterBits`]: 512 words, 4 KiB.
+const LEAF_BITS: u64 = 1 << 15;
+/// Children of an inner node of [`ClusterBits`].
+const FANOUT_SHIFT: u32 = 9;
+
+/// A node of [`ClusterBits`]; a child is made the first time a bit under
+/// it is set, and a child never made reads as all clear.
+enum Node {
+    Inner(Box<[OnceLock<Node>]>),
+    Leaf(Box<[AtomicU64]>),
+}
+
+impl Node {
+    fn leaf(words: usize) -> Node {
+        Node::Leaf((0..words).map(|_| AtomicU64::new(0)).collect())
+    }
+    fn inner(children: usize) -> Node {
+        Node::Inner((0..children).map(|_| OnceLock::new()).collect())
+    }
+}
+
+/// A bit per cluster, set from any thread, held in a radix tree whose
+/// leaves (4 KiB, 32768 clusters) and inner nodes are made on demand: its
+/// memory follows the clusters set, not the disk's size (a 2 EiB disk
+/// costs nothing until a cluster is copied). A disk of at most 32768
+/// clusters (2 GiB at 64 KiB) is one leaf, made at once. Reading a bit
+/// is a load per level and takes no lock; setting one may make the nodes
+/// on its path (`OnceLock`: one of two racing threads makes each).
+struct ClusterBits {
+    root: Node,
+    /// Levels of inner nodes above the leaves (0: the root is a leaf).
+    height: u32,
+}
 
 impl ClusterBits {
     fn new(clusters: u64) -> ClusterBits {
-        ClusterBits(
-            (0..clusters.div_ceil(64))
-                .map(|_| AtomicU64::new(0))
-                .collect(),
-        )
+        let mut height = 0;
+        while LEAF_BITS << (FANOUT_SHIFT * height) < clusters {
+            height += 1;
+        }
+        let root = if height == 0 {
+            Node::leaf(clusters.div_ceil(64) as usize)
+        } else {
+            let child = LEAF_BITS << (FANOUT_SHIFT * (height - 1));
+            Node::inner(clusters.div_ceil(child) as usize)
+        };
+        ClusterBits { root, height }
     }
+
+    /// The word holding bit `c` and the bit's mask; with `make`, the
+    /// nodes on its path are made where missing, else `None` when one is.
+    fn word(&self, c: u64, make: bool) -> Option<(&AtomicU64, u64)> {
+        let mut node = &self.root;
+        let mut h = self.height;
+        loop {
+            match node {
+                Node::Leaf(words) => {
+                    let i = (c % LEAF_BITS) as usize;
+                    return Some((&words[i / 64], 1 << (i % 64)));
+                }
+                Node::Inner(children) => {
+                    h -= 1;
+                    let shift = LEAF_BITS.trailing_zeros() + FANOUT_SHIFT * h;
+                    let slot = &children[((c >> shift) % (1 << FANOUT_SHIFT)) as usize];
+                    node = if make {
+                        slot.get_or_init(|| {
+                            if h == 0 {
+                                Node::leaf((LEAF_BITS / 64) as usize)
+                            } else {
+                                Node::inner(1 << FANOUT_SHIFT)
+                            }
+                        })
+                    } else {
+                        slot.get()?
+                    };
+                }
+            }
+        }
+    }
+
     fn get(&self, c: u64) -> bool {
-        self.0[(c / 64) as usize].load(Ordering::SeqCst) & (1 << (c % 64)) != 0
+        self.word(c, false)
+            .is_some_and(|(w, bit)| w.load(Ordering::SeqCst) & bit != 0)
     }
+
     /// Sets the bit; returns whether it was clear.
     fn set(&self, c: u64) -> bool {
-        self.0[(c / 64) as usize].fetch_or(1 << (c % 64), Ordering::SeqCst) & (1 << (c % 64)) == 0
+        let (w, bit) = self.word(c, true).expect("made on the way");
+        w.fetch_or(bit, Ordering::SeqCst) & bit == 0
     }
 }
 
@@ -346,26 +419,24 @@ impl CbwStore {
     }
 
     /// The view's `base:allocation` at `offset`, as [`Image::allocation`].
+    /// Its work follows its answer: the image bounds what one call of
+    /// its own examines, and only the clusters of that answer are checked.
     pub fn allocation(&self, offset: u64, max_len: u64) -> io::Result<(u64, u32)> {
         let c = offset >> self.shift;
-        let cluster_end = (c + 1) << self.shift;
         if self.copied.get(c) {
-            let n = (cluster_end - offset).min(max_len);
+            let n = (((c + 1) << self.shift) - offset).min(max_len);
             return seek_allocation(&self.store, offset, n);
         }
-        // Ask the image about the run of clusters not copied, then keep
-        // only what was still not copied after the answer.
+        // Ask the image, then keep only what was still not copied after
+        // the answer (a cluster copied since may have changed under it).
         let limit = offset.saturating_add(max_len).min(self.size);
-        let mut run_end = cluster_end.min(limit);
-        while run_end < limit && !self.copied.get(run_end >> self.shift) {
-            run_end = (run_end + self.cluster()).min(limit);
-        }
-        let (n, flags) = self.image.allocation(offset, run_end - offset)?;
-        let n = n.clamp(1, run_end - offset);
+        let (n, flags) = self.image.allocation(offset, limit - offset)?;
+        let n = n.clamp(1, limit - offset);
         let mut p = offset;
         while p < offset + n {
             if self.copied.get(p >> self.shift) {
                 return if p == offset {
+                    // Copied since the first look: the store answers.
                     self.allocation(offset, max_len)
                 } else {
                     Ok((p - offset, flags))

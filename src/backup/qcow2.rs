@@ -25,11 +25,17 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use super::Image;
-use crate::format::{Dir, Live, Piece, Where};
+use crate::format::{Dir, Live, Where};
 use crate::nbd::proto::{STATE_HOLE, STATE_ZERO};
 
-/// The most one `allocation` call maps: its answer may be shorter.
-const MAX_EXTENT: u64 = 64 << 20;
+/// Clusters the first mapping of an `allocation` call takes.
+const FIRST_WINDOW: u64 = 2;
+/// The most clusters one mapping takes, under the image's metadata lock
+/// (which the guest's requests that miss the map cache wait on).
+const MAX_WINDOW: u64 = 1024;
+/// The most clusters one `allocation` call maps: its answer may be
+/// shorter than asked, and the NBD server asks again from where it ends.
+pub(super) const MAX_EXAMINED: u64 = 8192;
 
 /// A qcow2 image's guest disk: see the module doc.
 pub struct Qcow2Disk {
@@ -47,16 +53,6 @@ impl Qcow2Disk {
     /// least the top's cluster (see the module doc).
     pub fn cluster(live: &Live, min: u64) -> u64 {
         live.current().image.cluster_size().max(min)
-    }
-
-    fn pieces(&self, offset: u64, len: u64) -> io::Result<Vec<Piece>> {
-        let mut out = Vec::new();
-        self.live
-            .current()
-            .image
-            .resolve(offset, len, Dir::Read, &mut out)
-            .map_err(|e| io::Error::other(e.to_string()))?;
-        Ok(out)
     }
 }
 
@@ -109,29 +105,63 @@ impl Image for Qcow2Disk {
         Ok(())
     }
 
+    /// Maps from `offset` in windows that double from
+    /// [`FIRST_WINDOW`] clusters to [`MAX_WINDOW`], each once, until the
+    /// run of pieces that read as zeroes (or of those that do not) ends,
+    /// or [`MAX_EXAMINED`] clusters were mapped: the work follows the
+    /// answer, and the metadata lock is held for one window at a time.
     fn allocation(&self, offset: u64, max_len: u64) -> io::Result<(u64, u32)> {
-        let len = max_len
-            .min(MAX_EXTENT)
-            .min(self.size.saturating_sub(offset));
-        if len == 0 {
+        let limit = offset.saturating_add(max_len).min(self.size);
+        if offset >= limit {
             return Ok((max_len.max(1), 0));
         }
-        let pieces = self.pieces(offset, len)?;
-        let zero = |p: &Piece| p.at == Where::Zero;
-        let Some(first) = pieces.first() else {
-            return Ok((len, 0));
+        let served = self.live.current();
+        let image = &served.image;
+        let cluster = image.cluster_size();
+        let first = offset - offset % cluster;
+        let cap = limit.min(first.saturating_add(MAX_EXAMINED * cluster));
+        let flags = |zero: bool| {
+            if zero { STATE_HOLE | STATE_ZERO } else { 0 }
         };
-        // The run of pieces that read as zeroes, or of those that do not.
-        let run: u64 = pieces
-            .iter()
-            .take_while(|p| zero(p) == zero(first))
-            .map(|p| p.len)
-            .sum();
-        let flags = if zero(first) {
-            STATE_HOLE | STATE_ZERO
-        } else {
-            0
-        };
-        Ok((run.max(1), flags))
+        let mut run: Option<bool> = None;
+        let mut pos = offset;
+        let mut window = FIRST_WINDOW * cluster;
+        let mut pieces = Vec::new();
+        while pos < cap {
+            let end = (pos - pos % cluster).saturating_add(window).min(cap);
+            pieces.clear();
+            image
+                .resolve(pos, end - pos, Dir::Read, &mut pieces)
+                .map_err(|e| io::Error::other(e.to_string()))?;
+            let mut next = pos;
+            for p in &pieces {
+                if p.guest != next {
+                    return Err(io::Error::other(format!(
+                        "qcow2 mapping of {pos:#x}+{:#x} has a gap at {next:#x}",
+                        end - pos
+                    )));
+                }
+                next += p.len;
+                let zero = p.at == Where::Zero;
+                match run {
+                    None => run = Some(zero),
+                    Some(z) if z != zero => {
+                        let n = p.guest.saturating_sub(offset).clamp(1, limit - offset);
+                        return Ok((n, flags(z)));
+                    }
+                    Some(_) => {}
+                }
+            }
+            if next != end {
+                return Err(io::Error::other(format!(
+                    "qcow2 mapping of {pos:#x}+{:#x} ended after {:#x}",
+                    end - pos,
+                    next - pos
+                )));
+            }
+            pos = end;
+            window = (window * 2).min(MAX_WINDOW * cluster);
+        }
+        Ok((pos - offset, run.map_or(0, flags)))
     }
 }

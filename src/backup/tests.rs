@@ -317,3 +317,67 @@ fn a_qcow2_view_reads_the_chain_and_keeps_the_instant() {
     assert!(buf == at_start, "the view is the instant");
     assert_eq!(cbw.stats().copied_clusters, 2);
 }
+
+/// The copy bits of a 2 EiB disk at 2 MiB clusters (2^40 clusters) cost
+/// nothing until set, and a bit set at either end or in the middle makes
+/// only its own path: set once, read back, its neighbours clear.
+#[test]
+fn cluster_bits_follow_what_is_set_not_the_disk() {
+    let clusters = 1u64 << 40;
+    let bits = ClusterBits::new(clusters);
+    assert_eq!(bits.height, 3);
+    let Node::Inner(root) = &bits.root else {
+        panic!("a root leaf for 2^40 clusters");
+    };
+    assert_eq!(root.len(), 128);
+    for c in [0, (1 << 39) + 12345, clusters - 1] {
+        assert!(!bits.get(c));
+        assert!(bits.set(c), "{c} was clear");
+        assert!(!bits.set(c), "{c} is set");
+        assert!(bits.get(c));
+        for n in [c.wrapping_sub(1), c + 1] {
+            if n < clusters && ![0, (1 << 39) + 12345, clusters - 1].contains(&n) {
+                assert!(!bits.get(n), "{n}, next to {c}");
+            }
+        }
+    }
+    assert_eq!(root.iter().filter(|s| s.get().is_some()).count(), 3);
+    // A small disk is one leaf, as long as its clusters.
+    let small = ClusterBits::new(100);
+    assert_eq!(small.height, 0);
+    assert!(matches!(&small.root, Node::Leaf(w) if w.len() == 2));
+    assert!(small.set(99) && small.get(99) && !small.get(98));
+}
+
+/// One `allocation` call of a qcow2 disk maps a bounded number of
+/// clusters, whatever it is asked: on 8 MiB of data in 512-byte clusters
+/// (16384 clusters) it answers for at most `MAX_EXAMINED` of them, and
+/// the caller asks again from there.
+#[test]
+fn a_qcow2_allocation_call_does_bounded_work() {
+    use crate::format::{Live, OpenOptions as Qcow2Options};
+    let dir = tempfile::tempdir().unwrap();
+    let raw = dir.path().join("data.raw");
+    std::fs::write(&raw, pattern(3, 0, (8 * MIB) as usize)).unwrap();
+    let top = dir.path().join("small.qcow2");
+    ringblk_testkit::qemu_img::qemu_img(&[
+        "convert",
+        "-q",
+        "-f",
+        "raw",
+        "-O",
+        "qcow2",
+        "-o",
+        "cluster_size=512",
+        raw.to_str().unwrap(),
+        top.to_str().unwrap(),
+    ]);
+    let live = Arc::new(Live::open(&top, Qcow2Options::default(), false, None).unwrap());
+    let disk = Qcow2Disk::new(live, 8 * MIB);
+    let cap = super::qcow2::MAX_EXAMINED * 512;
+    assert!(cap < 8 * MIB);
+    assert_eq!(disk.allocation(0, 8 * MIB).unwrap(), (cap, 0));
+    assert_eq!(disk.allocation(cap, 8 * MIB).unwrap(), (cap, 0));
+    // A short question is answered in full.
+    assert_eq!(disk.allocation(512 * 3, 5000).unwrap(), (5000, 0));
+}

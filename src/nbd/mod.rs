@@ -85,7 +85,8 @@ pub trait Export: Send + Sync {
     /// The status of `context` at `offset` (inside the export): the length
     /// of the run that shares it, at least 1 and at most `max_len`, and its
     /// flags as the context defines them (0 is always safe: allocated, not
-    /// known to be zero, clean).
+    /// known to be zero, clean). The run may stop short of a change of
+    /// status: one call must do bounded work, whatever `max_len`.
     fn block_status(
         &self,
         context: &MetaContext,
@@ -141,3 +142,8 @@ pub const MAX_QUERIES: u32 = 128;
 /// Descriptors per context in one block-status reply; a client asks again
 /// from where a reply stopped.
 pub const MAX_EXTENTS: usize = 2048;
+/// Calls of [`Export::block_status`] per context in one block-status
+/// request (neighbours that share a status are merged into one
+/// descriptor); with the export's bound on one call, this bounds the work
+/// of one request, whatever its length.
+pub const MAX_STATUS_CALLS: usize = 4096;

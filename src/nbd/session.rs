@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use super::proto::*;
 use super::{
     Export, Limits, MAX_EXTENTS, MAX_OPTION_LEN, MAX_OPTIONS, MAX_QUERIES, MAX_REQUEST,
-    MetaContext, READ_PIECE,
+    MAX_STATUS_CALLS, MetaContext, READ_PIECE,
 };
 
 /// A byte stream whose blocking calls can be bounded in time.
@@ -739,7 +739,13 @@ impl<T: Transport> Session<'_, T> {
         let end = offset + u64::from(len);
         let mut out: Vec<(u32, u32)> = Vec::new();
         let mut pos = offset;
-        while pos < end {
+        // Each call's work is bounded by the export; the calls are bounded
+        // here, so a reply may cover less than was asked (the spec allows
+        // it: the client asks again from where it stops).
+        for _ in 0..MAX_STATUS_CALLS {
+            if pos >= end {
+                break;
+            }
             let (n, flags) = self.export.block_status(ctx, pos, end - pos)?;
             if n == 0 {
                 return Err(io::Error::other("the export reported an empty extent"));

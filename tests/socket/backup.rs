@@ -915,3 +915,352 @@ fn an_incremental_qcow2_backup_holds_every_change() {
     assert_same("qemu-img's read of the overlay", &by_qemu, &now);
     assert_eq!(ringblk_testkit::qemu_img::check(&top), (0, 0));
 }
+
+/// A qcow2 image `DIR/disk.qcow2` of 64 MiB with 512-byte clusters where
+/// every other cluster is allocated (data) and the rest unallocated:
+/// 131072 clusters, 65536 extents of each kind. Returns qemu-img's map
+/// of it, `(offset, length, type)` as nbdinfo types them (0 data, 3 a
+/// hole that reads as zeroes), neighbours merged.
+fn fragmented_qcow2(dir: &Path) -> (std::path::PathBuf, Vec<(u64, u64, u64)>) {
+    const SIZE: usize = 64 << 20;
+    let raw = dir.join("fragmented.raw");
+    let mut v = vec![0u8; SIZE];
+    for (i, c) in v.chunks_mut(512).enumerate() {
+        if i % 2 == 0 {
+            c.fill(0xa5);
+        }
+    }
+    std::fs::write(&raw, v).unwrap();
+    let top = dir.join("disk.qcow2");
+    qemu_img(&[
+        "convert",
+        "-f",
+        "raw",
+        "-O",
+        "qcow2",
+        "-o",
+        "cluster_size=512",
+        "-S",
+        "512",
+        raw.to_str().unwrap(),
+        top.to_str().unwrap(),
+    ]);
+    std::fs::remove_file(&raw).unwrap();
+    let json = nbd::run(Command::new("qemu-img").args([
+        "map",
+        "--output=json",
+        "-f",
+        "qcow2",
+        top.to_str().unwrap(),
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let mut map = Vec::new();
+    for e in v.as_array().unwrap() {
+        let ty = if e["data"].as_bool().unwrap() { 0 } else { 3 };
+        merge_extent(
+            &mut map,
+            (
+                e["start"].as_u64().unwrap(),
+                e["length"].as_u64().unwrap(),
+                ty,
+            ),
+        );
+    }
+    assert_eq!(
+        map.len(),
+        SIZE / 512,
+        "qemu-img's map of the fragmented image"
+    );
+    (top, map)
+}
+
+fn merge_extent(map: &mut Vec<(u64, u64, u64)>, e: (u64, u64, u64)) {
+    match map.last_mut() {
+        Some(l) if l.0 + l.1 == e.0 && l.2 == e.2 => l.1 += e.1,
+        _ => map.push(e),
+    }
+}
+
+/// `start_qcow2`'s daemon, on a qcow2 image that exists.
+fn start_on_qcow2(dir: &Path, top: &Path, backups: &Path) -> Daemon {
+    std::fs::create_dir_all(backups).unwrap();
+    let api = dir.join("api.sock");
+    Daemon::start_in(
+        dir,
+        DaemonOptions {
+            image: Some(top.to_path_buf()),
+            args: &[
+                "--format",
+                "qcow2",
+                "--api",
+                api.to_str().unwrap(),
+                "--backup-dir",
+                backups.to_str().unwrap(),
+            ],
+            ..DaemonOptions::default()
+        },
+    )
+}
+
+/// Waits for `child`, which must succeed, failing the test with `what`
+/// when it runs past `limit` (it is killed then). Its standard output
+/// must not be a pipe nobody reads.
+fn wait_within(mut child: std::process::Child, limit: Duration, what: &str) {
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} ran past {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    wait_ok(child, what);
+}
+
+/// `base:allocation` of a qcow2 image with 512-byte clusters, every other
+/// one allocated: `nbdinfo --map` of the whole 64 MiB export is qemu-img's
+/// map, in seconds (each block-status call once mapped everything up to
+/// the end of the request again: quadratic, minutes), and nbdcopy copies
+/// the export in seconds too.
+#[test]
+fn block_status_of_a_fragmented_qcow2_is_linear() {
+    if !nbd::have_tools() {
+        return;
+    }
+    let dir = test_dir();
+    let (top, want) = fragmented_qcow2(dir.path());
+    let backups = dir.path().join("backups");
+    let d = start_on_qcow2(dir.path(), &top, &backups);
+    let api = dir.path().join("api.sock");
+    let sock = backup_start(&api, &backups, "f.sock", None);
+    let started = Instant::now();
+    let map_file = dir.path().join("map.json");
+    let child = Command::new("nbdinfo")
+        .args(["--map", "--json", &nbd::uri(&sock)])
+        .stdout(std::fs::File::create(&map_file).unwrap())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_within(child, Duration::from_secs(20), "nbdinfo --map");
+    let took = started.elapsed();
+    let json = std::fs::read_to_string(&map_file).unwrap();
+    let mut got = Vec::new();
+    for e in serde_json::from_str::<serde_json::Value>(&json)
+        .unwrap()
+        .as_array()
+        .unwrap()
+    {
+        let f = |k: &str| e[k].as_u64().unwrap();
+        merge_extent(&mut got, (f("offset"), f("length"), f("type")));
+    }
+    assert!(got == want, "nbdinfo's map differs from qemu-img's");
+    let copy = dir.path().join("copy.raw");
+    wait_within(
+        nbdcopy(&sock, &copy),
+        Duration::from_secs(60),
+        "nbdcopy of the export",
+    );
+    let data = std::fs::read(&copy).unwrap();
+    for (i, c) in data.chunks(512).enumerate() {
+        let want = if i % 2 == 0 { 0xa5 } else { 0 };
+        assert!(c.iter().all(|&b| b == want), "cluster {i} of the copy");
+    }
+    eprintln!("nbdinfo --map of 131072 clusters: {took:?}");
+    ctl_ok(&api, &["backup", "stop"]);
+    stop(d);
+}
+
+/// In transmission on `sock` with structured replies and `base:allocation`
+/// selected.
+fn block_status_client(sock: &Path) -> std::os::unix::net::UnixStream {
+    let mut s = raw::greet(sock, 3);
+    raw::option(&mut s, 8, &[]);
+    assert_eq!(raw::option_reply(&mut s).1, 1, "STRUCTURED_REPLY");
+    let ctx = b"base:allocation";
+    let mut d = 0u32.to_be_bytes().to_vec();
+    d.extend_from_slice(&1u32.to_be_bytes());
+    d.extend_from_slice(&(ctx.len() as u32).to_be_bytes());
+    d.extend_from_slice(ctx);
+    raw::option(&mut s, 10, &d);
+    assert_eq!(raw::option_reply(&mut s).1, 4, "META_CONTEXT");
+    assert_eq!(raw::option_reply(&mut s).1, 1, "SET_META_CONTEXT's ACK");
+    let mut d = 0u32.to_be_bytes().to_vec();
+    d.extend_from_slice(&0u16.to_be_bytes());
+    raw::option(&mut s, 7, &d);
+    let mut reply = raw::option_reply(&mut s).1;
+    while reply == 3 {
+        reply = raw::option_reply(&mut s).1;
+    }
+    assert_eq!(reply, 1, "GO's ACK");
+    s
+}
+
+/// Reads one structured reply's chunks up to the one marked done; false
+/// when the connection ends first.
+fn structured_reply(s: &mut std::os::unix::net::UnixStream) -> bool {
+    use std::io::Read;
+    loop {
+        let mut h = [0u8; 20];
+        if s.read_exact(&mut h).is_err() {
+            return false;
+        }
+        assert_eq!(u32::from_be_bytes(h[0..4].try_into().unwrap()), 0x668e33ef);
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
+        let mut payload = vec![0u8; len as usize];
+        if s.read_exact(&mut payload).is_err() {
+            return false;
+        }
+        if u16::from_be_bytes([h[4], h[5]]) & 1 != 0 {
+            return true;
+        }
+    }
+}
+
+/// The control API and the guest go on while clients keep an export
+/// busy: four connections ask, in a loop, for the block status of the
+/// whole fragmented export. Meanwhile 20 allocating guest writes (each
+/// takes the image's metadata lock, as does each block-status mapping)
+/// complete within 2 s in all, `backup status` answers within a second,
+/// and `backup stop` within 1.5 s (it waited for the requests in flight,
+/// and each held the lock while it mapped to the end of the request, once
+/// per extent: minutes), and the daemon goes on.
+#[test]
+fn the_api_and_the_guest_go_on_while_block_status_runs() {
+    if !nbd::have_tools() {
+        return;
+    }
+    let dir = test_dir();
+    let (top, _) = fragmented_qcow2(dir.path());
+    let backups = dir.path().join("backups");
+    let mut d = start_on_qcow2(dir.path(), &top, &backups);
+    let api = dir.path().join("api.sock");
+    let sock = backup_start(&api, &backups, "f.sock", None);
+    let hammers: Vec<_> = (0..4u64)
+        .map(|i| {
+            let mut s = block_status_client(&sock);
+            std::thread::spawn(move || {
+                // The whole export, from four places: each asks for the rest.
+                let off = i * 4 * MIB;
+                let mut answered = 0u64;
+                loop {
+                    raw::request(&mut s, 7, answered, off, (64 * MIB - off) as u32);
+                    if !structured_reply(&mut s) {
+                        return answered;
+                    }
+                    answered += 1;
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut c = Client::connect(&d.socket, BUF);
+    let t = Instant::now();
+    for k in 0..20 {
+        // 4 KiB over unallocated 512-byte clusters: each allocates.
+        let off = k * MIB + 512;
+        assert_eq!(c.write(off, &pattern(0x9, off, 4096)), 0);
+    }
+    eprintln!("20 guest writes under block status: {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "20 guest writes took {:?}",
+        t.elapsed()
+    );
+    let t = Instant::now();
+    ctl_ok(&api, &["backup", "status"]);
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "backup status took {:?}",
+        t.elapsed()
+    );
+    let t = Instant::now();
+    let stop_ctl = Command::new(ringblk_testkit::ringblk_bin())
+        .args(["ctl", "--api", api.to_str().unwrap(), "backup", "stop"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_within(stop_ctl, Duration::from_secs(5), "backup stop");
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "backup stop took {:?}",
+        t.elapsed()
+    );
+    assert!(!sock.exists(), "the export's socket is gone");
+    for h in hammers {
+        assert!(h.join().unwrap() > 0, "a block-status client got no answer");
+    }
+    d.assert_running();
+    assert!(c.read(MIB + 512, 4096) == pattern(0x9, MIB + 512, 4096));
+    ctl_ok(&api, &["status"]);
+    drop(c);
+    stop(d);
+}
+
+/// A 2 EiB qcow2 image (2 MiB clusters: 38 MiB of tables on disk) with the
+/// backup directory on tmpfs, which takes a 2 EiB sparse file: `backup
+/// start` succeeds without sizing anything by the disk (it sized two bit
+/// arrays by its clusters, 256 GiB, and the daemon aborted); a guest
+/// write near the end is copied before it lands, the export reads the
+/// old zeroes there, nbdinfo reads the size, and the daemon's RSS stays
+/// small.
+#[test]
+fn a_backup_of_a_2_eib_qcow2_is_bounded_by_what_it_copies() {
+    if !nbd::have_tools() {
+        return;
+    }
+    let shm = Path::new("/dev/shm");
+    if !shm.is_dir() {
+        ringblk_testkit::skip("no /dev/shm (tmpfs) for the backup directory");
+        return;
+    }
+    let dir = test_dir();
+    let backups = tempfile::tempdir_in(shm).unwrap();
+    let top = dir.path().join("disk.qcow2");
+    create_qcow2(&top, "cluster_size=2M", None, Some("2E"));
+    let mut d = start_on_qcow2(dir.path(), &top, backups.path());
+    let api = dir.path().join("api.sock");
+    let rss = |d: &Daemon| -> u64 {
+        let v = d.proc_status(None, "VmRSS").expect("VmRSS");
+        v.trim_end_matches(" kB").trim().parse::<u64>().unwrap() * 1024
+    };
+    let before = rss(&d);
+    let sock = backup_start(&api, backups.path(), "big.sock", None);
+    d.assert_running();
+    let size = 2u64 << 60;
+    let out = nbd::run(Command::new("nbdinfo").args(["--size", &nbd::uri(&sock)]));
+    assert_eq!(out.trim(), size.to_string(), "nbdinfo --size");
+    // Guest writes at both ends and in the middle: each is copied first.
+    let mut c = Client::connect(&d.socket, BUF);
+    for off in [0, size / 2 + 3 * MIB, size - 4 * MIB] {
+        assert_eq!(c.write(off, &pattern(0xe, off, 4096)), 0, "write at {off}");
+    }
+    assert_eq!(c.flush(), 0);
+    let info: serde_json::Value =
+        serde_json::from_str(&ctl_ok(&api, &["backup", "status"])).unwrap();
+    assert_eq!(info["copied_clusters"], 3, "{info}");
+    // The export still reads the zeroes of the instant there.
+    let at = format!("{}", size - 4 * MIB);
+    let read = nbd::run(Command::new("qemu-io").args([
+        "-r",
+        "-f",
+        "raw",
+        "-c",
+        &format!("read -P 0 {at} 4096"),
+        &nbd::uri(&sock),
+    ]));
+    assert!(!read.contains("Pattern verification failed"), "{read}");
+    let after = rss(&d);
+    assert!(
+        after < before + 64 * MIB,
+        "RSS grew from {before} to {after} bytes"
+    );
+    ctl_ok(&api, &["backup", "stop"]);
+    d.assert_running();
+    // A bitmap of this disk would be 4 TiB of bits: refused in one line.
+    ctl_fails(&api, &["bitmap", "add", "b"], "too large");
+    d.assert_running();
+    drop(c);
+    stop(d);
+}
