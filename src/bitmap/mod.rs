@@ -59,10 +59,12 @@ pub enum BitmapError {
     #[error("no bitmap '{0}'")]
     NotFound(String),
     /// A disk too large for a bitmap held in memory at this granularity.
-    #[error("a bitmap of a {size}-byte disk at granularity {granularity} is too large")]
+    #[error(
+        "a bitmap of a {size}-byte disk at granularity {granularity} is too large (at most {MAX_BITMAP_BYTES} bytes of bits): choose a larger --granularity"
+    )]
     TooLarge { size: u64, granularity: u64 },
-    /// Two bitmaps that cannot be merged.
-    #[error("bitmaps of different sizes or granularities cannot be merged")]
+    /// Two bitmaps of different geometries where one must become the other.
+    #[error("bitmaps of different sizes or granularities")]
     Mismatch,
     /// A stored bitmap that cannot be loaded.
     #[error("{path}: {why}")]
@@ -107,6 +109,11 @@ pub fn check_name(name: &str) -> Result<(), BitmapError> {
         Err(BitmapError::Name(name.escape_debug().to_string()))
     }
 }
+
+/// The most bits one bitmap may hold, in bytes: 1 GiB, as QEMU's
+/// bitmaps in a qcow2 image may hold at most in all (a 4 TiB disk at 512
+/// bytes a bit, a 512 PiB one at 64 KiB).
+pub const MAX_BITMAP_BYTES: u64 = 1 << 30;
 
 /// Where a bitmap's words live.
 enum Words {
@@ -188,10 +195,11 @@ impl DirtyBitmap {
         let shift = granularity_shift(granularity)?;
         let (bits, words) = geometry(disk_size, shift);
         // 1 TiB at 512 B is 256 MiB of bits; refuse what cannot be a
-        // sensible allocation rather than abort on it.
+        // sensible allocation rather than abort on it (a running backup
+        // holds two more of the same size).
         let words = usize::try_from(words)
             .ok()
-            .filter(|&w| w <= (1 << 30))
+            .filter(|&w| w * 8 <= MAX_BITMAP_BYTES as usize)
             .ok_or(BitmapError::TooLarge {
                 size: disk_size,
                 granularity,
@@ -748,5 +756,11 @@ mod tests {
             DirtyBitmap::new(u64::MAX, 512),
             Err(BitmapError::TooLarge { .. })
         ));
+        // Just over 1 GiB of bits: refused, with the way out.
+        let e = DirtyBitmap::new((4 << 40) + 512, 512).unwrap_err();
+        assert!(
+            e.to_string().contains("choose a larger --granularity"),
+            "{e}"
+        );
     }
 }

@@ -306,6 +306,9 @@ mod tests {
         let e = read_all(d).unwrap_err();
         assert!(e.contains("more than 4096 snapshot records"), "{e}");
         std::fs::remove_file(d.join(format!("0{RECORD_SUFFIX}"))).unwrap();
-        assert!(read_all(d).unwrap().is_empty(), "4096 cut-short records are skipped");
+        assert!(
+            read_all(d).unwrap().is_empty(),
+            "4096 cut-short records are skipped"
+        );
     }
 }
