@@ -59,6 +59,9 @@ pub trait Source {
     /// areas must lie inside it and the data segment may not start past
     /// it.
     fn len(&self) -> u64;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     /// Fills `buf` from `offset`; an error past `len`.
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
 }
