@@ -33,7 +33,8 @@ fi
 
 # librbd/librados for `--features rbd`, and the Ceph daemons of the
 # single-node cluster the RBD tests start (scripts/ceph-cluster.sh).
-# qemu-img and qemu-io: the oracle of the image-format tests (tests/layers/format.rs).
+# qemu-img and qemu-io: the oracle of the image-format tests (tests/layers/format.rs);
+# cryptsetup: the LUKS tests' (src/crypto/luks/tests.rs).
 section "format test tools"
 scripts/format-deps.sh
 

@@ -149,3 +149,45 @@ fn qcow2_corpus_replays_cleanly() {
         "refused {refused}, served {served}, failing {failing}"
     );
 }
+
+/// Replays the `luks` fuzz corpus (fuzz/corpus/luks) through the LUKS
+/// parser's fuzz logic: headers refused for each kind of reason, parsed
+/// with costs too high to try, and opened or not with a passphrase all
+/// stay covered.
+#[test]
+fn luks_corpus_replays_cleanly() {
+    use ringblk::crypto::luks::fuzzing::{Outcome, run_one};
+
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/luks");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let mut seen = BTreeSet::new();
+    for path in &files {
+        let data = std::fs::read(path).unwrap();
+        // run_one panics, naming the broken promise, on a bad outcome.
+        seen.insert(match run_one(&data) {
+            Outcome::Refused(why) => format!("refused:{why}"),
+            Outcome::Parsed => "parsed".to_string(),
+            Outcome::Tried(Ok(())) => "opened".to_string(),
+            Outcome::Tried(Err(why)) => format!("not-opened:{why}"),
+        });
+    }
+    assert!(files.len() >= 15, "only {} corpus files", files.len());
+    for want in [
+        "refused:NotLuks",
+        "refused:Corrupt",
+        "refused:Unsupported",
+        "refused:TooCostly",
+        "parsed",
+        "opened",
+        "not-opened:WrongPassphrase",
+    ] {
+        assert!(
+            seen.contains(want),
+            "no corpus input gives {want}; saw {seen:?}"
+        );
+    }
+}
