@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the image-format tests use as their oracle: qemu-img and
-# qemu-io (Debian's qemu-utils). tests/layers/format.rs runs it when qemu-img is
-# missing; scripts/test.sh runs it before the tests.
+# qemu-io (Debian's qemu-utils); for encrypted images, cryptsetup
+# (cryptsetup-bin: LUKS headers and volume keys) and Python's `cryptography`
+# (AES-XTS, OpenSSL's). tests/layers/format.rs and src/crypto's tests run it
+# when a tool is missing; scripts/test.sh runs it before the tests.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 log() { echo "format-deps: $*" >&2; }
@@ -11,4 +13,4 @@ die() {
 }
 # shellcheck source=lib/packages.sh
 . "$repo/scripts/lib/packages.sh"
-ensure_packages qemu-utils
+ensure_packages qemu-utils cryptsetup-bin python3-cryptography
