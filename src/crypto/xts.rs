@@ -8,11 +8,11 @@
 //! offset `o` has IV `o / 512` (+ the segment's `iv_tweak`). LUKS1 and
 //! QEMU's encrypted qcow2 have 512-byte sectors, where both rules agree.
 //!
-//! AES itself comes from RustCrypto's `aes`, which picks AES-NI (and VAES,
-//! where built with `--cfg aes_backend="avx512"`) at run time. This module
-//! only chains the blocks: it hands the cipher as many blocks at once as
-//! its backend pipelines (8 with AES-NI, 64 with VAES-512), the tweaks
-//! folded in around each batch. Measured against OpenSSL in
+//! AES itself comes from RustCrypto's `aes`, which picks AES-NI, VAES-256
+//! or VAES-512 at run time (no build flags: the binary runs on a CPU
+//! without them). This module only chains the blocks: it hands the cipher
+//! as many blocks at once as its backend pipelines (8 with AES-NI, 30 with
+//! VAES-256, 64 with VAES-512), the tweaks XORed in around each batch. Measured against OpenSSL in
 //! docs/benchmarks.md ("AES-XTS throughput").
 
 use std::fmt;
@@ -112,7 +112,7 @@ impl SectorLayout {
     /// The first IV of `len` bytes at `offset`, if they are whole sectors.
     fn first_iv(&self, offset: u64, len: usize) -> Result<u64, XtsError> {
         let size = self.sector_size as u64;
-        if !offset.is_multiple_of(size) || !len.is_multiple_of(self.sector_size) {
+        if offset % size != 0 || len % self.sector_size != 0 {
             return Err(XtsError::Unaligned {
                 offset,
                 len,
@@ -124,13 +124,19 @@ impl SectorLayout {
 }
 
 /// The two keys of XTS: `data` encrypts the blocks, `tweak` the IVs.
+/// (One per disk: boxing the larger variant would only add a move of its
+/// round keys.)
+#[allow(clippy::large_enum_variant)]
 enum Keys {
     Aes128 { data: Aes128, tweak: Aes128 },
     Aes256 { data: Aes256, tweak: Aes256 },
 }
 
 /// An AES-XTS key, expanded. The `aes` crate zeroes its round keys on
-/// drop; the key bytes given to [`Xts::new`] are read in place, not copied.
+/// drop, and the key bytes given to [`Xts::new`] are read in place, not
+/// copied; but moving the ciphers into place may leave stale copies of
+/// the round keys on the stack, and the VAES backends spill broadcast
+/// round keys there, which nothing zeroes.
 pub struct Xts {
     keys: Keys,
 }
@@ -311,7 +317,7 @@ fn crypt_with<C>(data: &C, tweak: &C, dir: Dir, size: usize, step: u64, iv: u64,
 where
     C: BlockCipherEncrypt + BlockCipherDecrypt + BlockSizeUser<BlockSize = U16>,
 {
-    debug_assert!(size.is_multiple_of(BLOCK) && buf.len().is_multiple_of(size));
+    debug_assert!(size % BLOCK == 0 && buf.len() % size == 0);
     let mut tweaks = [Block::default(); WINDOW];
     let mut iv = iv;
     for window in buf.chunks_mut(WINDOW * size) {
@@ -360,45 +366,93 @@ impl BlockCipherDecClosure for Pass<'_> {
 }
 
 impl Pass<'_> {
-    /// XORs each block with its tweak, runs `cipher` over `P` blocks at a
-    /// time, and XORs again. A last batch of fewer than `P` blocks is
-    /// padded with stale blocks whose output is dropped: one pipelined
-    /// call costs less than single blocks.
+    /// Runs XTS over the sectors in spans of whole sectors, at least `P`
+    /// blocks where a sector is shorter: each span's tweaks are computed
+    /// first and XORed into the data, `cipher` runs over `P` blocks at a
+    /// time, and the tweaks are XORed again. A last batch of fewer than
+    /// `P` blocks is padded with stale blocks whose output is dropped: one
+    /// pipelined call costs less than single blocks.
     #[inline(always)]
     fn run<P: ArraySize>(self, cipher: impl Fn(&mut Array<Block, P>)) {
-        let (blocks, rest) = Block::slice_as_chunks_mut(self.buf);
-        debug_assert!(rest.is_empty());
+        let bps = self.blocks_per_sector;
+        debug_assert!((1..=SPAN).contains(&bps));
+        let per_span = (P::USIZE / bps).clamp(1, SPAN / bps);
+        let mut tw = [[0u64; 2]; SPAN];
         let mut batch: Array<Block, P> = Array::default();
-        let mut batch_tweaks: Array<u128, P> = Array::default();
-        let mut sector = 0;
-        let mut in_sector = 0;
-        let mut t = u128::from_le_bytes(self.tweaks[0].0);
-        for group in blocks.chunks_mut(P::USIZE) {
-            for ((b, bt), block) in batch.iter_mut().zip(&mut batch_tweaks).zip(group.iter()) {
-                if in_sector == self.blocks_per_sector {
-                    sector += 1;
-                    in_sector = 0;
-                    t = u128::from_le_bytes(self.tweaks[sector].0);
-                }
-                *bt = t;
-                b.0 = (u128::from_le_bytes(block.0) ^ t).to_le_bytes();
-                t = mul_alpha(t);
-                in_sector += 1;
+        for (span, tweaks) in self
+            .buf
+            .chunks_mut(per_span * bps * BLOCK)
+            .zip(self.tweaks.chunks(per_span))
+        {
+            let tw = &mut tw[..span.len() / BLOCK];
+            for (tw, t) in tw.chunks_exact_mut(bps).zip(tweaks) {
+                sector_tweaks(tw, u128::from_le_bytes(t.0));
             }
-            cipher(&mut batch);
-            for ((b, bt), block) in batch.iter().zip(&batch_tweaks).zip(group.iter_mut()) {
-                block.0 = (u128::from_le_bytes(b.0) ^ bt).to_le_bytes();
+            xor_tweaks(span, tw);
+            let (blocks, _) = Block::slice_as_chunks_mut(span);
+            let mut groups = blocks.chunks_exact_mut(P::USIZE);
+            for group in &mut groups {
+                let group: &mut Array<Block, P> = group.try_into().expect("P blocks");
+                cipher(group);
             }
+            let rest = groups.into_remainder();
+            if !rest.is_empty() {
+                batch[..rest.len()].copy_from_slice(rest);
+                cipher(&mut batch);
+                rest.copy_from_slice(&batch[..rest.len()]);
+            }
+            xor_tweaks(span, tw);
         }
     }
 }
 
-/// The tweak of the next block: multiplication by x in GF(2^128) with
-/// IEEE 1619's little-endian bit order.
+/// The most blocks whose tweaks [`Pass::run`] holds at once: a 4096-byte
+/// sector's.
+const SPAN: usize = MAX_SECTOR / BLOCK;
+
+/// The tweaks of a sector's blocks, as many as `tw` holds, as (low,
+/// high) 64-bit halves, from its encrypted IV `t`: block j's is t·x^j.
+/// The first 8 one by one, then each from the one 8 before: 8
+/// independent chains instead of one.
 #[inline(always)]
-fn mul_alpha(t: u128) -> u128 {
-    let carry = ((t as i128) >> 127) as u128 & 0x87;
-    (t << 1) ^ carry
+fn sector_tweaks(tw: &mut [[u64; 2]], t: u128) {
+    let mut t = t;
+    let head = tw.len().min(8);
+    for w in &mut tw[..head] {
+        *w = [t as u64, (t >> 64) as u64];
+        t = mul_x_n(t, 1);
+    }
+    for k in 8..tw.len() {
+        let [lo, hi] = tw[k - 8];
+        // t·x^8: the top byte shifted out comes back times x^7+x^2+x+1.
+        let c = hi >> 56;
+        tw[k] = [
+            (lo << 8) ^ c ^ (c << 1) ^ (c << 2) ^ (c << 7),
+            (hi << 8) | (lo >> 56),
+        ];
+    }
+}
+
+/// XORs each block of `buf` with its tweak.
+#[inline(always)]
+fn xor_tweaks(buf: &mut [u8], tw: &[[u64; 2]]) {
+    for (b, t) in buf.chunks_exact_mut(BLOCK).zip(tw) {
+        let (lo, hi) = b.split_at_mut(8);
+        let lo: &mut [u8; 8] = lo.try_into().expect("8 bytes");
+        let hi: &mut [u8; 8] = hi.try_into().expect("8 bytes");
+        *lo = (u64::from_le_bytes(*lo) ^ t[0]).to_le_bytes();
+        *hi = (u64::from_le_bytes(*hi) ^ t[1]).to_le_bytes();
+    }
+}
+
+/// Multiplication by x^n (1 <= n <= 121) in GF(2^128) with IEEE 1619's
+/// little-endian bit order: the tweak n blocks on. The n bits shifted out
+/// come back multiplied by x^7 + x^2 + x + 1.
+#[inline(always)]
+fn mul_x_n(t: u128, n: u32) -> u128 {
+    debug_assert!((1..=121).contains(&n));
+    let c = t >> (128 - n);
+    (t << n) ^ c ^ (c << 1) ^ (c << 2) ^ (c << 7)
 }
 
 #[cfg(test)]
