@@ -474,7 +474,8 @@ fn every_batch_size_gives_the_same_bytes() {
         let plain = bytes(43, size * sectors);
         let mut want = plain.clone();
         xts.encrypt(&layout, 4096, &mut want).unwrap();
-        let runs: [(&str, fn(&[u8], usize, u64, &mut [u8])); 4] = [
+        type Run = fn(&[u8], usize, u64, &mut [u8]);
+        let runs: [(&str, Run); 4] = [
             ("1", encrypt_in_batches::<U1>),
             ("8", encrypt_in_batches::<U8>),
             ("30", encrypt_in_batches::<U30>),
