@@ -2,15 +2,14 @@
 //! transformed with, and how its key is found. A leaf: it knows neither
 //! the formats that carry it nor the engines that move the bytes.
 //!
-//! - `luks`: the LUKS1 and LUKS2 headers as cryptsetup and qemu-img
+//! - [`luks`]: the LUKS1 and LUKS2 headers as cryptsetup and qemu-img
 //!   write them, and opening a keyslot with a passphrase (PBKDF2,
 //!   Argon2id), to the volume key;
-//! - `xts`: AES-XTS over many sectors per call, with the plain64 IV
+//! - [`xts`]: AES-XTS over many sectors per call, with the plain64 IV
 //!   dm-crypt and QEMU use;
-//! - `key`: key material in locked memory, zeroed on drop, kept out of
+//! - [`key`]: key material in locked memory, zeroed on drop, kept out of
 //!   core dumps.
-//!
-//! (`xts` arrives with the rest of issue 30's work.)
 
 pub mod key;
 pub mod luks;
+pub mod xts;

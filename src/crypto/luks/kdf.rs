@@ -6,10 +6,6 @@
 //! data path's), so that this module stands alone; it is a few kilobytes
 //! once per start-up.
 
-use aes::cipher::KeyInit;
-use aes::{Aes128, Aes256};
-use xts_mode::{Xts128, get_tweak_default};
-
 use crate::crypto::key::Secret;
 
 /// A hash LUKS names for PBKDF2, the AF diffusion and digests.
@@ -88,22 +84,15 @@ pub fn derive(kdf: &Kdf, secret: &[u8], salt: &[u8], out: &mut [u8]) -> Result<(
 
 /// Decrypts `data` in place with AES-XTS under `key` (32 bytes:
 /// AES-128-XTS, 64: AES-256-XTS), 512-byte sectors numbered from 0
-/// (plain64). `data.len()` is a multiple of 512.
-pub fn xts_decrypt_sectors(key: &[u8], data: &mut [u8]) {
-    let half = key.len() / 2;
-    if half == 16 {
-        let xts = Xts128::<Aes128>::new(
-            Aes128::new_from_slice(&key[..half]).expect("16-byte key"),
-            Aes128::new_from_slice(&key[half..]).expect("16-byte key"),
-        );
-        xts.decrypt_area(data, 512, 0, get_tweak_default);
-    } else {
-        let xts = Xts128::<Aes256>::new(
-            Aes256::new_from_slice(&key[..half]).expect("32-byte key"),
-            Aes256::new_from_slice(&key[half..]).expect("32-byte key"),
-        );
-        xts.decrypt_area(data, 512, 0, get_tweak_default);
-    }
+/// (plain64): a keyslot's area, through the same cipher as the data.
+/// `data.len()` is a multiple of 512, and the key one of those sizes
+/// (checked by the header's parser).
+pub fn xts_decrypt_sectors(key: &[u8], data: &mut [u8]) -> Result<(), String> {
+    use crate::crypto::xts::{IvUnit, SectorLayout, Xts};
+    let layout = SectorLayout::new(512, IvUnit::Bytes512, 0).map_err(|e| e.to_string())?;
+    Xts::new(key)
+        .and_then(|x| x.decrypt(&layout, 0, data))
+        .map_err(|e| format!("a keyslot's area: {e}"))
 }
 
 /// Merges `stripes` AF stripes of `out.len()` bytes each (`split`) into

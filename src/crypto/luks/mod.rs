@@ -294,7 +294,8 @@ impl Header {
         let mut split = Secret::zeroed(split_len.div_ceil(512) * 512).map_err(mem)?;
         src.read_exact_at(split.as_mut_bytes(), slot.area_offset)
             .map_err(|e| LuksError::Io(format!("keyslot {} area: {e}", slot.id)))?;
-        kdf::xts_decrypt_sectors(area_key.as_bytes(), split.as_mut_bytes());
+        kdf::xts_decrypt_sectors(area_key.as_bytes(), split.as_mut_bytes())
+            .map_err(|e| LuksError::Keyslot(slot.id, e))?;
         drop(area_key);
         let mut key = Secret::zeroed(key_bytes).map_err(mem)?;
         kdf::af_merge(
