@@ -13,9 +13,10 @@ use super::args::{
     DEFAULT_IMAGE_NAME, DEFAULT_IMAGE_SIZE, DEFAULT_SOCKET_NAME, EngineKind, L2LogMode, ServeArgs,
 };
 use crate::device::{Backing as Resize, Device, DeviceSpec, Serial};
-use crate::engine::{Meta, UringConfig};
-use crate::format::records::Followed;
-use crate::format::{Format, Live, SnapshotDir};
+use crate::disk::Meta;
+use crate::disk::records::Followed;
+use crate::disk::{Format, Live, SnapshotDir};
+use crate::engine::UringConfig;
 use crate::io::{Image, ImageLock, ImageOptions, RbdSpec};
 use crate::qos::QosLimits;
 use crate::queue::Settings;
@@ -127,7 +128,7 @@ pub enum Backing {
         /// The image as `--image` named it: the disk's name, which its
         /// status and its dirty bitmaps' sidecars go by. After a live
         /// snapshot and a restart the served top (`image`) is a later
-        /// overlay ([`crate::format::records`]); the disk is the same.
+        /// overlay ([`crate::disk::records`]); the disk is the same.
         named: PathBuf,
         /// The default image did not exist and was created.
         created: bool,
@@ -370,7 +371,7 @@ fn bitmap_store(
                 );
             }
             return Ok((
-                Ok(Box::new(crate::device::qcow2_bitmaps::Qcow2Store::new(
+                Ok(Box::new(crate::disk::qcow2::bitmap_store::Qcow2Store::new(
                     q.live.clone(),
                 ))),
                 None,
@@ -561,10 +562,10 @@ fn check_size(args: &ServeArgs) -> Result<(), DaemonError> {
 /// one if missing). Returns it with its block size and default serial.
 fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), DaemonError> {
     check_format(args)?;
-    if let Some(warning) = crate::format::raw_qcow2_warning(&path, args.format) {
+    if let Some(warning) = crate::disk::raw_qcow2_warning(&path, args.format) {
         log::warn!("{warning}");
     }
-    // After a live snapshot the top is another file (see format::records).
+    // After a live snapshot the top is another file (see disk::records).
     let named = path;
     let followed = follow_snapshots(args, &named)?;
     let path = followed
@@ -617,7 +618,7 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
         backing_fds: fds[1..].to_vec(),
         // Room for a chain as deep as live snapshots may make it.
         file_slots: if qcow2.is_some() {
-            crate::format::qcow2::MAX_CHAIN as u32
+            crate::disk::qcow2::MAX_CHAIN as u32
         } else {
             1
         },
@@ -694,7 +695,7 @@ fn check_format(args: &ServeArgs) -> Result<(), DaemonError> {
 }
 
 /// With `--format qcow2 --snapshot-dir DIR`: where the snapshot records
-/// in DIR lead from the image `named` (see [`crate::format::records`]);
+/// in DIR lead from the image `named` (see [`crate::disk::records`]);
 /// None: serve `named`.
 fn follow_snapshots(args: &ServeArgs, named: &Path) -> Result<Option<Followed>, DaemonError> {
     let (Format::Qcow2, Some(dir), Some(_)) = (args.format, &args.snapshot_dir, &args.image) else {
@@ -706,7 +707,7 @@ fn follow_snapshots(args: &ServeArgs, named: &Path) -> Result<Option<Followed>, 
     let Ok(named) = std::fs::canonicalize(named) else {
         return Ok(None);
     };
-    crate::format::records::follow(&dir, &named).map_err(DaemonError::Config)
+    crate::disk::records::follow(&dir, &named).map_err(DaemonError::Config)
 }
 
 /// Opens `image` as qcow2, with its backing chain, and starts its metadata
@@ -729,13 +730,13 @@ fn open_qcow2(
     // the same command line finds it, also after snapshots moved the top.
     let named = followed.map_or(image.path.as_path(), named_of);
     let l2_log = (!args.readonly && args.l2_log == L2LogMode::On)
-        .then(|| crate::format::qcow2::l2log::path_for(named))
+        .then(|| crate::disk::qcow2::l2log::path_for(named))
         .filter(|p| l2_log_usable(p));
     // The bitmaps are marked in use when the device claims the image
     // (`Device::claim_image`), not at this open: a daemon started while
     // another serves the image (a migration's destination) must not write
     // into it before it holds it.
-    let options = crate::format::OpenOptions {
+    let options = crate::disk::OpenOptions {
         writable: !args.readonly,
         l2_log,
         bitmaps_at_claim: true,
@@ -822,7 +823,7 @@ fn backing_dirs(
 /// an upgrade must not stop serving an image an older daemon served. A
 /// marked image still needs its log, and is refused when opened.
 fn l2_log_usable(path: &Path) -> bool {
-    match crate::format::qcow2::l2log::open_file(path) {
+    match crate::disk::qcow2::l2log::open_file(path) {
         Ok(_) => true,
         Err(e) => {
             log::warn!(
@@ -876,7 +877,7 @@ fn check_followed(args: &ServeArgs, live: &Live, f: &Followed) -> Result<(), Dae
         "{} was superseded by live snapshot {} at {}{later}; serving {}",
         named.display(),
         first.display(),
-        crate::format::records::utc(f.at),
+        crate::disk::records::utc(f.at),
         f.top.display()
     );
     Ok(())

@@ -32,7 +32,6 @@
 //! asks; the control API resizes, reads and changes QoS; the daemon sets
 //! the connection and stops. Nothing here does I/O on the request path.
 
-pub mod qcow2_bitmaps;
 mod resize;
 mod snapshot;
 pub mod tracking;
@@ -44,7 +43,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
-use crate::format::Live;
+use crate::disk::Live;
 use crate::io::ImageLock;
 use crate::qos::{Qos, QosError, QosLimits};
 use crate::virtio::config::{VirtioBlkConfig, device_features};

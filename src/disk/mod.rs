@@ -37,7 +37,9 @@
 pub mod live;
 pub mod qcow2;
 pub mod raw;
+pub mod reader;
 pub mod records;
+pub mod seam;
 
 #[cfg(feature = "test-utils")]
 pub mod fuzzing;
@@ -49,6 +51,7 @@ use std::path::Path;
 use std::str::FromStr;
 
 pub use live::{Live, Served, SnapshotDir, SnapshotError};
+pub use qcow2::meta::Meta;
 pub use qcow2::{OpenOptions, Qcow2Image};
 pub use raw::RawImage;
 

@@ -10,11 +10,14 @@
 //!   never probed, depth bounded, loops refused), the slow path (one
 //!   metadata operation at a time under `meta`), and group commit.
 
+pub mod bitmap_store;
 pub mod bitmap_write;
 pub mod bitmaps;
 pub mod l2log;
 pub mod map_cache;
+pub mod meta;
 pub mod ordered;
+pub mod queue;
 
 use std::collections::HashSet;
 use std::fs::File;
