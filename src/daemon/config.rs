@@ -12,7 +12,8 @@ use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 use super::args::{
     DEFAULT_IMAGE_NAME, DEFAULT_IMAGE_SIZE, DEFAULT_SOCKET_NAME, EngineKind, L2LogMode, ServeArgs,
 };
-use crate::device::{Backing as Resize, Device, DeviceSpec, Serial};
+use crate::device::{Device, DeviceSpec, Serial};
+use crate::disk::Disk;
 use crate::disk::Meta;
 use crate::disk::records::Followed;
 use crate::disk::{Format, Live, SnapshotDir};
@@ -150,16 +151,6 @@ pub struct Qcow2Setup {
 }
 
 impl Backing {
-    /// Size in bytes (the guest's: a qcow2 image's virtual size).
-    pub fn size(&self) -> u64 {
-        match self {
-            Backing::File { qcow2: Some(q), .. } => q.live.size(),
-            Backing::File { image, .. } => image.size,
-            #[cfg(feature = "rbd")]
-            Backing::Rbd(disk) => disk.size,
-        }
-    }
-
     /// What to call it in the log.
     pub fn name(&self) -> String {
         match self {
@@ -261,10 +252,22 @@ impl Config {
         };
         let (bitmaps, bitmap_dir) = bitmap_store(&args, &backing)?;
         let (backups, backup_dir) = backup_spec(&args, &backing)?;
+        let disk = match &backing {
+            Backing::File { qcow2: Some(q), .. } => Disk::Chain(q.live.clone()),
+            Backing::File { image, .. } => Disk::File {
+                file: image.file.try_clone().map_err(err("image"))?,
+                block_device: image.is_block_device,
+            },
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(disk) => {
+                let shared: std::sync::Arc<dyn crate::disk::Resizable> = disk.image().clone();
+                Disk::Shared(std::sync::Arc::downgrade(&shared))
+            }
+        };
         let device = Device::new(DeviceSpec {
             name: backing.name(),
             limits,
-            capacity_sectors: backing.size() >> SECTOR_SHIFT,
+            capacity_sectors: disk.size().map_err(err("the image's size"))? >> SECTOR_SHIFT,
             queues: args.queues,
             queue_size: args.queue_size,
             serial,
@@ -277,18 +280,7 @@ impl Config {
                 }
                 _ => None,
             },
-            backing: match &backing {
-                Backing::File { qcow2: Some(q), .. } => Resize::Qcow2(q.live.clone()),
-                Backing::File { image, .. } => Resize::File {
-                    file: image.file.try_clone().map_err(err("image"))?,
-                    block_device: image.is_block_device,
-                },
-                #[cfg(feature = "rbd")]
-                Backing::Rbd(disk) => {
-                    let shared: std::sync::Arc<dyn crate::device::Resizable> = disk.image().clone();
-                    Resize::Shared(std::sync::Arc::downgrade(&shared))
-                }
-            },
+            backing: disk,
             bitmaps,
             backups,
         })

@@ -37,7 +37,7 @@ use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
 use crate::queue::{QueueWorker, Settings, Timer};
 use crate::vhost::{BlkBackend, ExitEvents, relay};
-use crate::virtio::{GuestMem, SECTOR_SHIFT};
+use crate::virtio::GuestMem;
 use crate::warn_limited;
 pub use args::{EngineKind, SeccompMode, ServeArgs};
 use removal::Removal;
@@ -881,7 +881,7 @@ fn announce(
     log::info!(
         "serving {} ({} sectors, {}-byte blocks{}{}) on {} with {} queue(s) of {}, serial {}",
         backing.name(),
-        backing.size() >> SECTOR_SHIFT,
+        device.capacity(),
         device.limits().block_size,
         if args.readonly { ", read-only" } else { "" },
         if args.direct { ", O_DIRECT" } else { "" },

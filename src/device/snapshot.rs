@@ -27,9 +27,7 @@ impl Device {
     /// the image lock moves with the top. Refused while a backup runs, or
     /// while another process holds the image.
     pub fn snapshot(&self, overlay: &Path) -> Result<Snapshot, SnapshotError> {
-        let Some(live) = self.qcow2() else {
-            return Err(SnapshotError::NotQcow2);
-        };
+        let live = self.backing.for_snapshot()?;
         if self.limits.readonly {
             return Err(SnapshotError::ReadOnly);
         }

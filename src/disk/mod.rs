@@ -43,6 +43,7 @@ pub mod seam;
 
 #[cfg(feature = "test-utils")]
 pub mod fuzzing;
+mod handle;
 
 use std::fmt;
 use std::fs::File;
@@ -50,6 +51,7 @@ use std::io::{self, Read};
 use std::path::Path;
 use std::str::FromStr;
 
+pub use handle::{Disk, Resizable};
 pub use live::{Live, Served, SnapshotDir, SnapshotError};
 pub use qcow2::meta::Meta;
 pub use qcow2::{OpenOptions, Qcow2Image};
