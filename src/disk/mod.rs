@@ -1,13 +1,18 @@
-//! Image formats: where a guest offset lives.
+//! The disk: everything about the image, and where a guest offset lives.
 //!
-//! The format sits between a validated request and the engine's I/O. It
+//! The disk sits between a validated request and the engine's I/O. It
 //! decides *where* (a file of the image's chain and an offset in it); the
 //! engine does the I/O there, straight from or into guest memory. It does
 //! not depend on the engine or the worker.
 //!
+//! - [`Disk`]: the image behind a device, the one owner of its size.
+//! - [`seam`]: what the engine core asks per request ([`seam::Format`]),
+//!   raw's inline identity or a queue's view of a chain.
+//! - [`reader`]: the one reader of guest data off the queues' data path.
 //! - [`raw`]: the identity on file 0.
 //! - [`qcow2`]: a qcow2 image and its backing chain (qcow2 or raw), on top
-//!   of the `imago` crate's metadata handling.
+//!   of the `imago` crate's metadata handling; its metadata thread, a
+//!   queue's view of it and its bitmaps.
 //!
 //! The contract an engine follows, per request:
 //! 1. [`Image::map`] for the guest range: cheap, never blocks, never does
@@ -16,8 +21,8 @@
 //!    needed (a cache miss, an allocation, copy-on-write, a compressed
 //!    cluster).
 //! 2. For a slow piece, the engine hands the request to the image's
-//!    metadata thread (phase 2; the tests call it directly), which calls
-//!    [`Image::resolve`] (reads and writes) or [`Image::read_slow`]
+//!    metadata thread ([`qcow2::meta`]; the tests call it directly),
+//!    which calls [`Image::resolve`] (reads and writes) or [`Image::read_slow`]
 //!    (compressed data, read into the caller's buffer), then completes back
 //!    to the queue. Other requests of the queue go on meanwhile.
 //! 3. After the data I/O of a write, if `resolve` returned a [`Commit`]

@@ -47,9 +47,9 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use super::Commit;
-use super::Live;
 use super::qcow2::meta::Meta;
 use super::qcow2::queue::Qcow2;
+use super::{Live, Where};
 use crate::virtio::Op;
 
 /// A place on the image: a file of its chain, and an offset there.
@@ -94,6 +94,22 @@ pub enum Place {
     Zero,
     /// These bytes, read already (compressed data, decompressed).
     Bytes(Vec<u8>),
+}
+
+/// The engine's place for a piece the disk mapped ([`Where`]), the one
+/// translation between the two: data at a place in the chain's files, or
+/// zeroes; None for [`Where::Slow`], which needs the metadata thread
+/// first (and, for compressed data, becomes [`Place::Bytes`] there).
+#[inline]
+pub fn place(at: Where) -> Option<Place> {
+    match at {
+        Where::Data { file, offset } => Some(Place::Host(Extent {
+            file: file as u32,
+            offset,
+        })),
+        Where::Zero => Some(Place::Zero),
+        Where::Slow => None,
+    }
 }
 
 /// A range the format resolved off the queue thread.

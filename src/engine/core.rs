@@ -20,7 +20,7 @@
 //!   while its pieces go to the engine, each over its part of the
 //!   request's buffers (pieces the engine has no room for wait in
 //!   `queued`), and completes when the last is back and, for a write that
-//!   allocated, its metadata is committed (see [`super::format`]);
+//!   allocated, its metadata is committed (see [`crate::disk::seam`]);
 //! - as each request is reaped: whether the image now has changes that are
 //!   not flushed (so that a stopping ring flushes only when it must), the
 //!   bytes it wrote into the guest's buffers, and those bytes marked in

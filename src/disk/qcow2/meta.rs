@@ -28,8 +28,8 @@ use std::time::Duration;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::disk::reader::read_piece;
-use crate::disk::seam::{Extent, Piece, Place, Resolved, Slow};
-use crate::disk::{Commit, Dir, Served, Where};
+use crate::disk::seam::{Piece, Place, Resolved, Slow, place};
+use crate::disk::{Commit, Dir, Served};
 use crate::metrics::RateLimiter;
 use crate::warn_limited;
 
@@ -279,13 +279,9 @@ fn resolve(job: &Job, offset: u64, len: u64, dir: Dir, log_limit: &mut RateLimit
     let files = image.files();
     for p in out {
         let at = (p.guest - offset) as u32;
-        let place = match p.at {
-            Where::Data { file, offset } => Place::Host(Extent {
-                file: file as u32,
-                offset,
-            }),
-            Where::Zero => Place::Zero,
-            Where::Slow => {
+        let place = match place(p.at) {
+            Some(place) => place,
+            None => {
                 // Compressed: read here, copied into the guest's buffers
                 // by the queue.
                 let mut bytes = vec![0u8; p.len as usize];

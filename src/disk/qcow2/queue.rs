@@ -12,7 +12,7 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::meta::{Inbox, Job, Meta, Work};
 use crate::disk::live::Gate;
-use crate::disk::seam::{Completions, Extent, Format, Mapping, Piece, Place, Slow};
+use crate::disk::seam::{Completions, Extent, Format, Mapping, Piece, Place, Slow, place};
 use crate::disk::{Commit, Dir, Live, Served, Where};
 use crate::virtio::Op;
 
@@ -96,13 +96,10 @@ impl Format for Qcow2 {
         self.scratch.clear();
         self.served.image.map(offset, len, dir, &mut self.scratch);
         if let [one] = self.scratch[..] {
-            return match one.at {
-                Where::Data { file, offset } => Mapping::Host(Extent {
-                    file: file as u32,
-                    offset,
-                }),
-                Where::Zero => Mapping::Zero,
-                Where::Slow => Mapping::Slow,
+            return match place(one.at) {
+                Some(Place::Host(at)) => Mapping::Host(at),
+                Some(_) => Mapping::Zero,
+                None => Mapping::Slow,
             };
         }
         if self.scratch.iter().any(|p| p.at == Where::Slow) {
@@ -110,17 +107,11 @@ impl Format for Qcow2 {
         }
         self.pieces.clear();
         for p in &self.scratch {
-            let place = match p.at {
-                Where::Data { file, offset } => Place::Host(Extent {
-                    file: file as u32,
-                    offset,
-                }),
-                _ => Place::Zero,
-            };
             self.pieces.push(Piece {
                 at: (p.guest - offset) as u32,
                 len: p.len as u32,
-                place,
+                // Not slow: those went to the metadata thread above.
+                place: place(p.at).unwrap_or(Place::Zero),
             });
         }
         Mapping::Pieces
