@@ -119,6 +119,42 @@ pub struct Piece {
     pub at: Where,
 }
 
+/// Where a guest range of an image lives: the one mapping vocabulary
+/// ([`Piece`], [`Where`]) behind one trait, in the shape of imago's
+/// `FormatAccess`: [`Mapper::map`] is its `get_mapping` (from what is
+/// cached: cheap, never blocks, never does I/O; [`Where::Slow`] where it
+/// does not know), [`Mapper::resolve`] its `ensure_data_mapping` (loads
+/// tables, and for a write allocates, with copy-on-write; blocks). Each
+/// format implements it in its own file ([`RawImage`], [`Qcow2Image`]);
+/// the one reader ([`reader`]) reads through it.
+pub trait Mapper: Send + Sync {
+    /// The guest-visible size in bytes.
+    fn size(&self) -> u64;
+
+    /// The open files, top first; a [`Where::Data`] indexes them.
+    fn files(&self) -> Vec<&File>;
+
+    /// Appends the pieces of `[offset, offset + len)` to `out`, without
+    /// I/O and without blocking. The range is inside the image.
+    fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>);
+
+    /// The slow path of [`Mapper::map`]: appends pieces that are all
+    /// `Data` or `Zero`, except `Slow` for compressed data to read with
+    /// [`Mapper::read_slow`]; a write's allocation returns the [`Commit`]
+    /// its completion waits for. Blocks.
+    fn resolve(
+        &self,
+        offset: u64,
+        len: u64,
+        dir: Dir,
+        out: &mut Vec<Piece>,
+    ) -> Result<Option<Commit>, FormatError>;
+
+    /// Reads guest data that has no plain host location (compressed
+    /// clusters) into `buf`. Blocks.
+    fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError>;
+}
+
 /// What a write must wait for before its completion is published: the
 /// metadata generation its allocation entered; see [`Image::commit`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -199,11 +235,7 @@ impl Image {
     /// request was validated against [`Image::size`]).
     pub fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>) {
         match self {
-            Image::Raw(_) => out.push(Piece {
-                guest: offset,
-                len,
-                at: Where::Data { file: 0, offset },
-            }),
+            Image::Raw(r) => r.map(offset, len, dir, out),
             Image::Qcow2(q) => q.map(offset, len, dir, out),
         }
     }
@@ -220,11 +252,7 @@ impl Image {
         out: &mut Vec<Piece>,
     ) -> Result<Option<Commit>, FormatError> {
         match self {
-            Image::Raw(r) => {
-                r.check(offset, len, dir)?;
-                self.map(offset, len, dir, out);
-                Ok(None)
-            }
+            Image::Raw(r) => r.resolve(offset, len, dir, out),
             Image::Qcow2(q) => q.resolve(offset, len, dir, out),
         }
     }
@@ -233,7 +261,7 @@ impl Image {
     /// clusters) into `buf`. Blocks.
     pub fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
         match self {
-            Image::Raw(r) => r.read_at(offset, buf),
+            Image::Raw(r) => r.read_slow(offset, buf),
             Image::Qcow2(q) => q.read_slow(offset, buf),
         }
     }
@@ -282,6 +310,35 @@ impl Image {
             Image::Raw(r) => r.grow(new_size),
             Image::Qcow2(q) => q.grow(new_size),
         }
+    }
+}
+
+/// The test seam is one more [`Mapper`], by format.
+impl Mapper for Image {
+    fn size(&self) -> u64 {
+        Image::size(self)
+    }
+
+    fn files(&self) -> Vec<&File> {
+        Image::files(self)
+    }
+
+    fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>) {
+        Image::map(self, offset, len, dir, out);
+    }
+
+    fn resolve(
+        &self,
+        offset: u64,
+        len: u64,
+        dir: Dir,
+        out: &mut Vec<Piece>,
+    ) -> Result<Option<Commit>, FormatError> {
+        Image::resolve(self, offset, len, dir, out)
+    }
+
+    fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        Image::read_slow(self, offset, buf)
     }
 }
 

@@ -32,8 +32,7 @@ use std::sync::Arc;
 
 use std::fs::File;
 
-use super::qcow2::Qcow2Image;
-use super::{Dir, Live, Piece, Where};
+use super::{Dir, Live, Mapper, Piece, Where};
 use crate::nbd::proto::{STATE_HOLE, STATE_ZERO};
 
 /// Clusters the first mapping of an `allocation` call takes.
@@ -45,11 +44,11 @@ const MAX_WINDOW: u64 = 1024;
 /// shorter than asked, and the NBD server asks again from where it ends.
 pub const MAX_EXAMINED: u64 = 8192;
 
-/// Reads `piece` of `image` (one that [`Qcow2Image::resolve`] made, so
-/// data, zeroes or compressed data) into `buf`, its length; `files` are
-/// the chain's ([`Qcow2Image::files`]).
-pub fn read_piece(
-    image: &Qcow2Image,
+/// Reads `piece` of `image` (one that [`Mapper::resolve`] made, so data,
+/// zeroes or compressed data) into `buf`, its length; `files` are the
+/// image's ([`Mapper::files`]).
+pub fn read_piece<M: Mapper + ?Sized>(
+    image: &M,
     files: &[&File],
     piece: &Piece,
     buf: &mut [u8],
