@@ -131,7 +131,7 @@ impl Reader {
     /// The allocation at `offset`: the length of the run that shares it
     /// (1 to `max_len`) and its `base:allocation` flags (0 when unknown).
     /// Maps from `offset` in windows that double from
-    /// [`FIRST_WINDOW`] clusters to [`MAX_WINDOW`], each once, until the
+    /// `FIRST_WINDOW` clusters to `MAX_WINDOW`, each once, until the
     /// run of pieces that read as zeroes (or of those that do not) ends,
     /// or [`MAX_EXAMINED`] clusters were mapped: the work follows the
     /// answer, and the metadata lock is held for one window at a time.

@@ -293,8 +293,9 @@ pub enum Completions {
     /// spinning only takes CPU from that thread: the worker then never
     /// busy-polls, whatever `--poll-us` says.
     Signalled { fd: RawFd, polling_pays: bool },
-    /// Completions appear only when polled for ([`Engine::wait`]), never
-    /// through an eventfd (io_uring IOPOLL).
+    /// Completions appear only when polled for (the engine's
+    /// [`wait`](crate::engine::Engine::wait)), never through an eventfd
+    /// (io_uring IOPOLL).
     Polled,
     /// Every request is finished inside `start` (the null engine):
     /// nothing to watch or wait for.
@@ -322,8 +323,9 @@ impl Completions {
         }
     }
 
-    /// Whether the worker must call [`Engine::wait`] while requests are in
-    /// flight: nothing else would bring their completions.
+    /// Whether the worker must call the engine's
+    /// [`wait`](crate::engine::Engine::wait) while requests are in flight:
+    /// nothing else would bring their completions.
     pub fn must_poll(self) -> bool {
         self == Completions::Polled
     }
