@@ -23,17 +23,20 @@ LAYERS = [
     # (the formats that carry it import it).
     ["crypto"],
     # Leaves: the split ring and typed requests; the image file; counters
-    # and rate-limited logs; socket files; dirty bitmaps; image formats
-    # (where a guest offset lives: raw, qcow2).
-    ["virtio", "io", "metrics", "unix_socket", "bitmap", "format"],
+    # and rate-limited logs; socket files; dirty bitmaps.
+    ["virtio", "io", "metrics", "unix_socket", "bitmap"],
     # QoS (token buckets over virtio's Direction); the NBD server.
     ["qos", "nbd"],
+    # The disk: where a guest offset lives (raw, qcow2 and its chain), the
+    # format seam the engine core asks, the metadata thread, the one reader
+    # off the data path.
+    ["disk"],
     # The backup's point-in-time view (copy-before-write, served over NBD).
     ["backup"],
     # The device's runtime state, its bitmaps and its running backup
     # included.
     ["device"],
-    # How: the engine core, formats and engines.
+    # How: the engine core and the engines.
     ["engine"],
     # When: the queue workers.
     ["queue"],

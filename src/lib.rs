@@ -11,16 +11,16 @@
 //!   (counters, rate-limited logs), [`unix_socket`], [`bitmap`] (dirty
 //!   bitmaps);
 //! - [`qos`] (token buckets), [`nbd`] (the NBD server);
-//! - [`device`]: the device's runtime state, one object (capacity, write
-//!   cache, dirty logging, QoS, the image lock, the connection); and
-//!   [`backup`] (a bitmap's view, served over NBD);
-//! - [`format`]: where a guest offset lives (raw: itself; qcow2: a host
-//!   offset in a file of its backing chain), and the metadata work that
-//!   takes; independent of the engine (it plugs into the engine core's
-//!   format seam, [`engine::Format`]);
+//! - [`disk`]: *where*: where a guest offset lives (raw: itself; qcow2: a
+//!   host offset in a file of its backing chain), the format seam the
+//!   engine core asks ([`disk::seam::Format`]), the metadata thread, the
+//!   qcow2 image's bitmaps and the one reader of guest data off the
+//!   queues' data path; independent of the engine;
+//! - [`backup`] (a bitmap's view, served over NBD), then [`device`]: the
+//!   device's runtime state, one object (capacity, write cache, dirty
+//!   logging, QoS, the image lock, the connection);
 //! - [`engine`]: *how* a request becomes I/O: the engine core every engine
-//!   shares, the format seam (where), and the engines (io_uring, librbd,
-//!   null);
+//!   shares and the engines (io_uring, librbd, null);
 //! - [`queue`]: *when*: one worker per queue pops, admits, batches,
 //!   publishes, notifies and journals;
 //! - [`vhost`]: the glue to `vhost-user-backend`, the relay in front of
@@ -39,8 +39,8 @@ pub mod cli;
 pub mod crypto;
 pub mod daemon;
 pub mod device;
+pub mod disk;
 pub mod engine;
-pub mod format;
 pub mod host;
 pub mod io;
 pub mod metrics;

@@ -1,10 +1,10 @@
 //! qcow2 images built from the fuzz input, opened and mapped through the
-//! format layer. The logic lives in `ringblk::format::fuzzing` so the
+//! format layer. The logic lives in `ringblk::disk::fuzzing` so the
 //! corpus also replays under a plain `cargo test` (tests/layers/fuzz_corpus.rs).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    ringblk::format::fuzzing::run_one(data);
+    ringblk::disk::fuzzing::run_one(data);
 });

@@ -178,7 +178,7 @@ impl Control {
     pub fn snapshot(
         &self,
         overlay: &std::path::Path,
-    ) -> Result<crate::device::Snapshot, crate::format::SnapshotError> {
+    ) -> Result<crate::device::Snapshot, crate::disk::SnapshotError> {
         self.device.snapshot(overlay)
     }
 

@@ -399,7 +399,7 @@ fn snapshot(ctx: &Ctx<'_>) -> Reply {
         let c = control(ctx)?;
         let body: SnapshotBody = ctx.json_body()?;
         c.snapshot(&body.overlay).map_err(|e| {
-            use crate::format::SnapshotError as E;
+            use crate::disk::SnapshotError as E;
             let status = match &e {
                 E::NoDirectory | E::NotQcow2 | E::Name(..) | E::ReadOnly => 400,
                 E::Create { source, .. } if source.kind() == std::io::ErrorKind::AlreadyExists => {

@@ -21,7 +21,8 @@
 //!
 //! It stands on the small [`Image`] trait, the guest's disk, not on the
 //! engine: a raw image or block device is its file ([`FileImage`]); a
-//! qcow2 image is read through its chain ([`Qcow2Disk`]). The engine core
+//! qcow2 image through its chain, by the disk's one reader
+//! ([`Reader`]). The engine core
 //! calls `before_write` where a write is admitted, before the format maps
 //! it and before it is submitted.
 
@@ -34,11 +35,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use crate::bitmap::DirtyBitmap;
+use crate::disk::reader::Reader;
 use crate::nbd::proto::{STATE_DIRTY, STATE_HOLE, STATE_ZERO};
 use crate::nbd::{Export, MetaContext};
-
-mod qcow2;
-pub use qcow2::Qcow2Disk;
 
 /// The default CBW cluster: 64 KiB, as QEMU's backup job.
 pub const DEFAULT_CLUSTER: u64 = 64 << 10;
@@ -131,6 +130,22 @@ impl Image for FileImage {
 
     fn allocation(&self, offset: u64, max_len: u64) -> io::Result<(u64, u32)> {
         seek_allocation(&self.file, offset, max_len)
+    }
+}
+
+/// An image with a chain (qcow2), read through it by the disk's one
+/// reader.
+impl Image for Reader {
+    fn size(&self) -> u64 {
+        Reader::size(self)
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        Reader::read_at(self, buf, offset)
+    }
+
+    fn allocation(&self, offset: u64, max_len: u64) -> io::Result<(u64, u32)> {
+        Reader::allocation(self, offset, max_len)
     }
 }
 

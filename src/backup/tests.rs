@@ -249,7 +249,7 @@ fn the_view_exports_the_frozen_bitmap() {
 /// it. The store's cluster is the overlay's.
 #[test]
 fn a_qcow2_view_reads_the_chain_and_keeps_the_instant() {
-    use crate::format::{Dir, Live, OpenOptions as Qcow2Options, Where};
+    use crate::disk::{Dir, Live, OpenOptions as DiskOptions, Where};
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("base.raw");
     std::fs::write(&base, pattern(1, 0, (4 * MIB) as usize)).unwrap();
@@ -268,8 +268,8 @@ fn a_qcow2_view_reads_the_chain_and_keeps_the_instant() {
         top.to_str().unwrap(),
         &(8 * MIB).to_string(),
     ]);
-    let live = Arc::new(Live::open(&top, Qcow2Options::default(), false, None).unwrap());
-    let disk = Arc::new(Qcow2Disk::new(live.clone(), 8 * MIB));
+    let live = Arc::new(Live::open(&top, DiskOptions::default(), false, None).unwrap());
+    let disk = Arc::new(Reader::new(live.clone(), 8 * MIB));
     let mut at_start = pattern(1, 0, (4 * MIB) as usize);
     at_start.resize((8 * MIB) as usize, 0);
     let mut buf = vec![0xffu8; (8 * MIB) as usize];
@@ -281,7 +281,7 @@ fn a_qcow2_view_reads_the_chain_and_keeps_the_instant() {
         (4 * MIB, STATE_HOLE | STATE_ZERO)
     );
 
-    let cluster = Qcow2Disk::cluster(&live, DEFAULT_CLUSTER);
+    let cluster = Reader::cluster(&live, DEFAULT_CLUSTER);
     assert_eq!(cluster, 256 << 10);
     let cbw = CbwStore::new(disk.clone(), dir.path(), cluster).unwrap();
     // A guest write of 4 KiB at 68 KiB, as the engine does it: the copy
@@ -355,7 +355,7 @@ fn cluster_bits_follow_what_is_set_not_the_disk() {
 /// the caller asks again from there.
 #[test]
 fn a_qcow2_allocation_call_does_bounded_work() {
-    use crate::format::{Live, OpenOptions as Qcow2Options};
+    use crate::disk::{Live, OpenOptions as DiskOptions};
     let dir = tempfile::tempdir().unwrap();
     let raw = dir.path().join("data.raw");
     std::fs::write(&raw, pattern(3, 0, (8 * MIB) as usize)).unwrap();
@@ -372,9 +372,9 @@ fn a_qcow2_allocation_call_does_bounded_work() {
         raw.to_str().unwrap(),
         top.to_str().unwrap(),
     ]);
-    let live = Arc::new(Live::open(&top, Qcow2Options::default(), false, None).unwrap());
-    let disk = Qcow2Disk::new(live, 8 * MIB);
-    let cap = super::qcow2::MAX_EXAMINED * 512;
+    let live = Arc::new(Live::open(&top, DiskOptions::default(), false, None).unwrap());
+    let disk = Reader::new(live, 8 * MIB);
+    let cap = crate::disk::reader::MAX_EXAMINED * 512;
     assert!(cap < 8 * MIB);
     assert_eq!(disk.allocation(0, 8 * MIB).unwrap(), (cap, 0));
     assert_eq!(disk.allocation(cap, 8 * MIB).unwrap(), (cap, 0));

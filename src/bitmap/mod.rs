@@ -15,7 +15,7 @@
 //! program truncates does not kill the daemon: [`fault`] contains the
 //! SIGBUS, and the bitmap reports itself inconsistent. What survives a host crash
 //! is decided by the [`BitmapStore`] that persists them; qcow2's own bitmap
-//! directory is behind the same trait (`crate::device::qcow2_bitmaps`).
+//! directory is behind the same trait (its store is in `crate::disk`, above).
 //!
 //! This module stands alone: it knows nothing of the worker or the engine.
 //! Phase 2 calls `mark` where a write, discard or write-zeroes is admitted,
@@ -557,7 +557,7 @@ impl DirtyBitmap {
 /// Where a disk's bitmaps persist: a sidecar file per bitmap for raw images,
 /// block devices and qcow2 images without QEMU's bitmaps extension
 /// ([`SidecarStore`]); the image's own bitmap directory for a qcow2 image
-/// with it (`crate::device::qcow2_bitmaps`, above the format layer).
+/// with it (its store is in `crate::disk`, a layer above this one).
 ///
 /// A store knows its bitmaps from the start; they are *loaded*
 /// ([`open`](Self::open)) while the daemon holds the image (its rings

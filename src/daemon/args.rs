@@ -126,7 +126,7 @@ pub struct ServeArgs {
     /// qcow2 image given without --format qcow2 is served as raw (with a
     /// warning), since a guest can write a qcow2 header into a raw disk.
     #[arg(long, value_name = "FORMAT", default_value = "raw", value_parser = parse_format)]
-    pub format: crate::format::Format,
+    pub format: crate::disk::Format,
 
     /// Directory where live snapshots (`ringblk ctl snapshot --overlay`)
     /// create their overlays; opened at start-up, one of the few places the
@@ -328,7 +328,7 @@ pub enum L2LogMode {
     Off,
 }
 
-fn parse_format(s: &str) -> Result<crate::format::Format, String> {
+fn parse_format(s: &str) -> Result<crate::disk::Format, String> {
     s.parse()
 }
 

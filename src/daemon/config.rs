@@ -12,10 +12,12 @@ use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 use super::args::{
     DEFAULT_IMAGE_NAME, DEFAULT_IMAGE_SIZE, DEFAULT_SOCKET_NAME, EngineKind, L2LogMode, ServeArgs,
 };
-use crate::device::{Backing as Resize, Device, DeviceSpec, Serial};
-use crate::engine::{Meta, UringConfig};
-use crate::format::records::Followed;
-use crate::format::{Format, Live, SnapshotDir};
+use crate::device::{Device, DeviceSpec, Serial};
+use crate::disk::Disk;
+use crate::disk::Meta;
+use crate::disk::records::Followed;
+use crate::disk::{Format, Live, SnapshotDir};
+use crate::engine::UringConfig;
 use crate::io::{Image, ImageLock, ImageOptions, RbdSpec};
 use crate::qos::QosLimits;
 use crate::queue::Settings;
@@ -127,7 +129,7 @@ pub enum Backing {
         /// The image as `--image` named it: the disk's name, which its
         /// status and its dirty bitmaps' sidecars go by. After a live
         /// snapshot and a restart the served top (`image`) is a later
-        /// overlay ([`crate::format::records`]); the disk is the same.
+        /// overlay ([`crate::disk::records`]); the disk is the same.
         named: PathBuf,
         /// The default image did not exist and was created.
         created: bool,
@@ -149,16 +151,6 @@ pub struct Qcow2Setup {
 }
 
 impl Backing {
-    /// Size in bytes (the guest's: a qcow2 image's virtual size).
-    pub fn size(&self) -> u64 {
-        match self {
-            Backing::File { qcow2: Some(q), .. } => q.live.size(),
-            Backing::File { image, .. } => image.size,
-            #[cfg(feature = "rbd")]
-            Backing::Rbd(disk) => disk.size,
-        }
-    }
-
     /// What to call it in the log.
     pub fn name(&self) -> String {
         match self {
@@ -260,10 +252,22 @@ impl Config {
         };
         let (bitmaps, bitmap_dir) = bitmap_store(&args, &backing)?;
         let (backups, backup_dir) = backup_spec(&args, &backing)?;
+        let disk = match &backing {
+            Backing::File { qcow2: Some(q), .. } => Disk::Chain(q.live.clone()),
+            Backing::File { image, .. } => Disk::File {
+                file: image.file.try_clone().map_err(err("image"))?,
+                block_device: image.is_block_device,
+            },
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(disk) => {
+                let shared: std::sync::Arc<dyn crate::disk::Resizable> = disk.image().clone();
+                Disk::Shared(std::sync::Arc::downgrade(&shared))
+            }
+        };
         let device = Device::new(DeviceSpec {
             name: backing.name(),
             limits,
-            capacity_sectors: backing.size() >> SECTOR_SHIFT,
+            capacity_sectors: disk.size().map_err(err("the image's size"))? >> SECTOR_SHIFT,
             queues: args.queues,
             queue_size: args.queue_size,
             serial,
@@ -276,18 +280,7 @@ impl Config {
                 }
                 _ => None,
             },
-            backing: match &backing {
-                Backing::File { qcow2: Some(q), .. } => Resize::Qcow2(q.live.clone()),
-                Backing::File { image, .. } => Resize::File {
-                    file: image.file.try_clone().map_err(err("image"))?,
-                    block_device: image.is_block_device,
-                },
-                #[cfg(feature = "rbd")]
-                Backing::Rbd(disk) => {
-                    let shared: std::sync::Arc<dyn crate::device::Resizable> = disk.image().clone();
-                    Resize::Shared(std::sync::Arc::downgrade(&shared))
-                }
-            },
+            backing: disk,
             bitmaps,
             backups,
         })
@@ -370,7 +363,7 @@ fn bitmap_store(
                 );
             }
             return Ok((
-                Ok(Box::new(crate::device::qcow2_bitmaps::Qcow2Store::new(
+                Ok(Box::new(crate::disk::qcow2::bitmap_store::Qcow2Store::new(
                     q.live.clone(),
                 ))),
                 None,
@@ -561,10 +554,10 @@ fn check_size(args: &ServeArgs) -> Result<(), DaemonError> {
 /// one if missing). Returns it with its block size and default serial.
 fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), DaemonError> {
     check_format(args)?;
-    if let Some(warning) = crate::format::raw_qcow2_warning(&path, args.format) {
+    if let Some(warning) = crate::disk::raw_qcow2_warning(&path, args.format) {
         log::warn!("{warning}");
     }
-    // After a live snapshot the top is another file (see format::records).
+    // After a live snapshot the top is another file (see disk::records).
     let named = path;
     let followed = follow_snapshots(args, &named)?;
     let path = followed
@@ -617,7 +610,7 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
         backing_fds: fds[1..].to_vec(),
         // Room for a chain as deep as live snapshots may make it.
         file_slots: if qcow2.is_some() {
-            crate::format::qcow2::MAX_CHAIN as u32
+            crate::disk::qcow2::MAX_CHAIN as u32
         } else {
             1
         },
@@ -694,7 +687,7 @@ fn check_format(args: &ServeArgs) -> Result<(), DaemonError> {
 }
 
 /// With `--format qcow2 --snapshot-dir DIR`: where the snapshot records
-/// in DIR lead from the image `named` (see [`crate::format::records`]);
+/// in DIR lead from the image `named` (see [`crate::disk::records`]);
 /// None: serve `named`.
 fn follow_snapshots(args: &ServeArgs, named: &Path) -> Result<Option<Followed>, DaemonError> {
     let (Format::Qcow2, Some(dir), Some(_)) = (args.format, &args.snapshot_dir, &args.image) else {
@@ -706,7 +699,7 @@ fn follow_snapshots(args: &ServeArgs, named: &Path) -> Result<Option<Followed>, 
     let Ok(named) = std::fs::canonicalize(named) else {
         return Ok(None);
     };
-    crate::format::records::follow(&dir, &named).map_err(DaemonError::Config)
+    crate::disk::records::follow(&dir, &named).map_err(DaemonError::Config)
 }
 
 /// Opens `image` as qcow2, with its backing chain, and starts its metadata
@@ -729,13 +722,13 @@ fn open_qcow2(
     // the same command line finds it, also after snapshots moved the top.
     let named = followed.map_or(image.path.as_path(), named_of);
     let l2_log = (!args.readonly && args.l2_log == L2LogMode::On)
-        .then(|| crate::format::qcow2::l2log::path_for(named))
+        .then(|| crate::disk::qcow2::l2log::path_for(named))
         .filter(|p| l2_log_usable(p));
     // The bitmaps are marked in use when the device claims the image
     // (`Device::claim_image`), not at this open: a daemon started while
     // another serves the image (a migration's destination) must not write
     // into it before it holds it.
-    let options = crate::format::OpenOptions {
+    let options = crate::disk::OpenOptions {
         writable: !args.readonly,
         l2_log,
         bitmaps_at_claim: true,
@@ -822,7 +815,7 @@ fn backing_dirs(
 /// an upgrade must not stop serving an image an older daemon served. A
 /// marked image still needs its log, and is refused when opened.
 fn l2_log_usable(path: &Path) -> bool {
-    match crate::format::qcow2::l2log::open_file(path) {
+    match crate::disk::qcow2::l2log::open_file(path) {
         Ok(_) => true,
         Err(e) => {
             log::warn!(
@@ -876,7 +869,7 @@ fn check_followed(args: &ServeArgs, live: &Live, f: &Followed) -> Result<(), Dae
         "{} was superseded by live snapshot {} at {}{later}; serving {}",
         named.display(),
         first.display(),
-        crate::format::records::utc(f.at),
+        crate::disk::records::utc(f.at),
         f.top.display()
     );
     Ok(())

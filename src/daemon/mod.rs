@@ -32,12 +32,12 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::device::{Connection, Device};
-use crate::engine::{Core, Engine, EngineError, ImageFormat, NullEngine, Qcow2, UringEngine};
+use crate::engine::{Core, Engine, EngineError, ImageFormat, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
 use crate::queue::{QueueWorker, Settings, Timer};
 use crate::vhost::{BlkBackend, ExitEvents, relay};
-use crate::virtio::{GuestMem, SECTOR_SHIFT};
+use crate::virtio::GuestMem;
 use crate::warn_limited;
 pub use args::{EngineKind, SeccompMode, ServeArgs};
 use removal::Removal;
@@ -321,7 +321,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         config::Backing::Rbd(_) => None,
     };
     let format = move || match &qcow2 {
-        Some((live, meta)) => ImageFormat::Qcow2(Box::new(Qcow2::new(live.clone(), meta.clone()))),
+        Some((live, meta)) => ImageFormat::chain(live.clone(), meta.clone()),
         None => ImageFormat::Raw,
     };
     match (cfg.args.engine, cfg.backing) {
@@ -881,7 +881,7 @@ fn announce(
     log::info!(
         "serving {} ({} sectors, {}-byte blocks{}{}) on {} with {} queue(s) of {}, serial {}",
         backing.name(),
-        backing.size() >> SECTOR_SHIFT,
+        device.capacity(),
         device.limits().block_size,
         if args.readonly { ", read-only" } else { "" },
         if args.direct { ", O_DIRECT" } else { "" },

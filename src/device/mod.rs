@@ -32,19 +32,17 @@
 //! asks; the control API resizes, reads and changes QoS; the daemon sets
 //! the connection and stops. Nothing here does I/O on the request path.
 
-pub mod qcow2_bitmaps;
 mod resize;
 mod snapshot;
 pub mod tracking;
 
-use std::fs::File;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 
 use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
 
-use crate::format::Live;
+use crate::disk::{Disk, Live};
 use crate::io::ImageLock;
 use crate::qos::{Qos, QosError, QosLimits};
 use crate::virtio::config::{VirtioBlkConfig, device_features};
@@ -100,31 +98,6 @@ pub trait Connection: Send + Sync {
     fn close_engines(&self);
 }
 
-/// An image whose size is changed through a handle the engines share
-/// (an RBD image: `rbd_resize` on the handle every queue uses is what
-/// lets them write past the old end at once).
-pub trait Resizable: Send + Sync {
-    fn size(&self) -> io::Result<u64>;
-    fn set_size(&self, size: u64) -> io::Result<()>;
-}
-
-/// What a resize changes or re-reads.
-#[derive(Default)]
-pub enum Backing {
-    /// Nothing: the size cannot change (tests, the null engine's image
-    /// aside).
-    #[default]
-    None,
-    /// A file or block device: a duplicate of the daemon's image fd.
-    File { file: File, block_device: bool },
-    /// A handle the engines share. Weak: the device must not keep the
-    /// image open when SIGTERM closes it (the handle closes when its last
-    /// strong holder lets go).
-    Shared(Weak<dyn Resizable>),
-    /// A qcow2 image and its backing chain (which live snapshots change).
-    Qcow2(Arc<Live>),
-}
-
 /// How to make a [`Device`]: what it is, fixed for the daemon's life.
 /// `Default` is a small test device.
 pub struct DeviceSpec {
@@ -143,7 +116,8 @@ pub struct DeviceSpec {
     pub qos: QosLimits,
     /// Taken while a ring runs (`--no-image-lock`, RBD: none).
     pub image_lock: Option<ImageLock>,
-    pub backing: Backing,
+    /// The image: its size (the one owner), growth, chain.
+    pub backing: Disk,
     /// Where the dirty bitmaps persist, or why this device has none.
     pub bitmaps: Result<Box<dyn crate::bitmap::BitmapStore>, String>,
     /// What backups need, or why this device has none.
@@ -162,7 +136,7 @@ impl Default for DeviceSpec {
             writeback: true,
             qos: QosLimits::default(),
             image_lock: None,
-            backing: Backing::None,
+            backing: Disk::None,
             bitmaps: Err("no bitmaps on this device".into()),
             backups: Err("no backups on this device".into()),
         }
@@ -200,7 +174,7 @@ pub struct Device {
     connection: Mutex<Option<Arc<dyn Connection>>>,
     /// Who is at its other end, if the kernel said.
     front_end: Mutex<Option<FrontEnd>>,
-    backing: Backing,
+    backing: Disk,
     /// One resize at a time.
     resizing: Mutex<()>,
     /// Held by a live snapshot and by a backup's start: a snapshot sees
@@ -263,7 +237,7 @@ impl Device {
     pub fn is_block_device(&self) -> bool {
         matches!(
             self.backing,
-            Backing::File {
+            Disk::File {
                 block_device: true,
                 ..
             }
@@ -363,20 +337,13 @@ impl Device {
 
     /// The qcow2 image being served, if it is one.
     pub fn qcow2(&self) -> Option<&Arc<Live>> {
-        match &self.backing {
-            Backing::Qcow2(live) => Some(live),
-            _ => None,
-        }
+        self.backing.chain()
     }
 
     /// Makes everything written durable (the daemon stops): an fdatasync
     /// of the image file; for qcow2, its metadata first.
     pub fn make_durable(&self) -> std::io::Result<()> {
-        match &self.backing {
-            Backing::File { file, .. } => file.sync_data(),
-            Backing::Qcow2(live) => live.refresh().map_err(std::io::Error::other),
-            Backing::None | Backing::Shared(_) => Ok(()),
-        }
+        self.backing.make_durable()
     }
 
     /// The configuration space as the driver reads it now.

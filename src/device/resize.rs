@@ -6,8 +6,7 @@ use std::sync::atomic::Ordering;
 
 use serde::Serialize;
 
-use super::{Backing, Device};
-use crate::io::device_size;
+use super::Device;
 use crate::virtio::SECTOR_SHIFT;
 
 /// Why a resize was refused or failed. One line each.
@@ -30,7 +29,7 @@ pub enum ResizeError {
     #[error("the image is exported read-only (--readonly); it cannot be resized, only re-read")]
     ReadOnly,
     #[error("a qcow2 image only grows online (from {from} to {to} bytes refused)")]
-    Qcow2Shrink { from: u64, to: u64 },
+    GrowsOnly { from: u64, to: u64 },
     #[error("cannot {what} the image: {source}")]
     Io {
         what: &'static str,
@@ -69,37 +68,6 @@ pub struct Resized {
     /// Why the front-end could not be told, if it could not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub notify_error: Option<String>,
-}
-
-impl Backing {
-    /// The image's size now.
-    fn size(&self) -> io::Result<u64> {
-        match self {
-            Backing::None => Err(io::Error::other("the device has no image to resize")),
-            Backing::File { file, block_device } => device_size(file, *block_device),
-            Backing::Shared(image) => shared(image)?.size(),
-            Backing::Qcow2(live) => Ok(live.size()),
-        }
-    }
-
-    /// Makes the image `size` bytes long.
-    fn set_size(&self, size: u64) -> io::Result<()> {
-        match self {
-            Backing::None => Err(io::Error::other("the device has no image to resize")),
-            Backing::File { file, .. } => file.set_len(size),
-            Backing::Shared(image) => shared(image)?.set_size(size),
-            Backing::Qcow2(live) => live.grow(size).map_err(io::Error::other),
-        }
-    }
-}
-
-/// The shared handle, unless the daemon has closed it (it is stopping).
-fn shared(
-    image: &std::sync::Weak<dyn super::Resizable>,
-) -> io::Result<std::sync::Arc<dyn super::Resizable>> {
-    image
-        .upgrade()
-        .ok_or_else(|| io::Error::other("the image is closed: the daemon is stopping"))
 }
 
 impl Device {
@@ -167,8 +135,8 @@ impl Device {
         if i64::try_from(new).is_err() {
             return Err(ResizeError::TooLarge(new));
         }
-        if new < old && matches!(self.backing, Backing::Qcow2(_)) {
-            return Err(ResizeError::Qcow2Shrink { from: old, to: new });
+        if new < old && self.backing.grows_only() {
+            return Err(ResizeError::GrowsOnly { from: old, to: new });
         }
         if new < old && !force {
             return Err(ResizeError::Shrink { from: old, to: new });

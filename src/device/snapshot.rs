@@ -1,5 +1,5 @@
 //! Live external snapshots: a new qcow2 overlay becomes the top of the
-//! chain while the guest runs (see [`crate::format::live`] for how).
+//! chain while the guest runs (see [`crate::disk::live`] for how).
 
 use std::path::Path;
 
@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use super::tracking::HELD_ELSEWHERE;
 use super::{Device, Unclaimed};
-use crate::format::SnapshotError;
+use crate::disk::SnapshotError;
 
 /// What a snapshot did.
 #[derive(Debug, Serialize)]
@@ -27,9 +27,7 @@ impl Device {
     /// the image lock moves with the top. Refused while a backup runs, or
     /// while another process holds the image.
     pub fn snapshot(&self, overlay: &Path) -> Result<Snapshot, SnapshotError> {
-        let Some(live) = self.qcow2() else {
-            return Err(SnapshotError::NotQcow2);
-        };
+        let live = self.backing.for_snapshot()?;
         if self.limits.readonly {
             return Err(SnapshotError::ReadOnly);
         }

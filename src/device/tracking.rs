@@ -51,8 +51,9 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::{Device, ResizeError};
-use crate::backup::{CbwStats, CbwStore, DEFAULT_CLUSTER, FileImage, Qcow2Disk, View};
+use crate::backup::{CbwStats, CbwStore, DEFAULT_CLUSTER, FileImage, View};
 use crate::bitmap::{BitmapError, BitmapInfo, BitmapStore, DEFAULT_GRANULARITY, DirtyBitmap};
+use crate::disk::reader::Reader;
 use crate::io::Locked;
 use crate::metrics::SharedRateLimiter;
 use crate::nbd::{self, ServerStats};
@@ -861,11 +862,11 @@ impl Device {
         })?;
         let size = self.size();
         // The guest's disk: a raw image's file, or a qcow2 image's chain
-        // (the store's cluster then covers the top's, see Qcow2Disk).
+        // (the store's cluster then covers the top's, see disk::reader).
         let (image, cluster): (Arc<dyn crate::backup::Image>, u64) = match self.qcow2() {
             Some(live) => (
-                Arc::new(Qcow2Disk::new(live.clone(), size)),
-                Qcow2Disk::cluster(live, DEFAULT_CLUSTER),
+                Arc::new(Reader::new(live.clone(), size)),
+                Reader::cluster(live, DEFAULT_CLUSTER),
             ),
             None => (Arc::new(FileImage::with_size(image, size)), DEFAULT_CLUSTER),
         };

@@ -20,7 +20,7 @@
 //!   while its pieces go to the engine, each over its part of the
 //!   request's buffers (pieces the engine has no room for wait in
 //!   `queued`), and completes when the last is back and, for a write that
-//!   allocated, its metadata is committed (see [`super::format`]);
+//!   allocated, its metadata is committed (see [`crate::disk::seam`]);
 //! - as each request is reaped: whether the image now has changes that are
 //!   not flushed (so that a stopping ring flushes only when it must), the
 //!   bytes it wrote into the guest's buffers, and those bytes marked in
@@ -37,10 +37,10 @@ use std::sync::Arc;
 
 use slab::Slab;
 
-use super::format::{Mapping, Piece, Place, Slow};
 use super::{Completion, Completions, Engine, Format, Full, ImageFormat, Io, Start};
 use crate::device::{Device, Targets};
-use crate::format::Commit;
+use crate::disk::Commit;
+use crate::disk::seam::{Mapping, Piece, Place, Slow};
 use crate::metrics::RateLimiter;
 use crate::virtio::{GuestMem, Op, Request, Status};
 use crate::warn_limited;
@@ -521,7 +521,7 @@ mod tests {
 
     use super::*;
     use crate::device::DeviceSpec;
-    use crate::engine::format::{Extent, Resolved};
+    use crate::disk::seam::{Extent, Resolved};
     use crate::virtio::testing::{self, DATA, Driver, HDR, guest_memory, limits, r, status, w};
 
     /// Records what it is asked; completes on `reap`.

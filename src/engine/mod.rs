@@ -7,7 +7,7 @@
 //!   a guest offset to itself in file 0 ([`Raw`]); an image format
 //!   (qcow2) maps it to a host offset in one of its chain's files, or
 //!   says it reads as zeroes, or that metadata must be read or allocated
-//!   first (see [`format`](mod@format));
+//!   first (see [`crate::disk::seam`]);
 //! - an [`Engine`] turns an [`Io`] (what, where, how durable) into I/O:
 //!   io_uring ([`UringEngine`]), librbd (`rbd::RbdEngine`, feature `rbd`),
 //!   or nothing at all ([`NullEngine`], the ceiling of the ring path).
@@ -46,8 +46,6 @@
 
 mod bounce;
 pub mod core;
-pub mod format;
-pub mod meta;
 mod null;
 #[cfg(feature = "rbd")]
 pub mod rbd;
@@ -60,8 +58,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 pub use self::core::Core;
-pub use format::{Extent, Format, ImageFormat, Qcow2, Raw};
-pub use meta::Meta;
+pub use crate::disk::seam::{Completions, Extent, Format, ImageFormat, Raw};
 pub use null::NullEngine;
 pub use ring::{EngineError, REGISTER_OPS};
 pub use uring::{FALLOCATE_MODES, UringConfig, UringEngine};
@@ -192,61 +189,6 @@ pub enum Start {
     Done(Io, Status),
     /// No room for it now: given back untouched.
     Full(Io),
-}
-
-/// How an engine's completions arrive.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Completions {
-    /// Each completion writes this eventfd: watch it next to the kick.
-    /// `polling_pays`: busy-polling can catch completions before they
-    /// would wake the thread (io_uring); not where they come from another
-    /// thread's work long after a poll window ends (librbd), so that
-    /// spinning only takes CPU from that thread: the worker then never
-    /// busy-polls, whatever `--poll-us` says.
-    Signalled { fd: RawFd, polling_pays: bool },
-    /// Completions appear only when polled for ([`Engine::wait`]), never
-    /// through an eventfd (io_uring IOPOLL).
-    Polled,
-    /// Every request is finished inside `start` (the null engine):
-    /// nothing to watch or wait for.
-    Immediate,
-}
-
-impl Completions {
-    /// The fd to watch, if any.
-    pub fn fd(self) -> Option<RawFd> {
-        match self {
-            Completions::Signalled { fd, .. } => Some(fd),
-            Completions::Polled | Completions::Immediate => None,
-        }
-    }
-
-    /// Consumes the eventfd's count (nonblocking: nothing to consume is
-    /// fine), so that only completions posted after this signal it again.
-    pub fn consume(self) {
-        if let Completions::Signalled { fd, .. } = self {
-            let mut count = 0u64;
-            // SAFETY: reads at most 8 bytes into `count`, 8 bytes on our
-            // stack; the engine keeps the (nonblocking) eventfd open for
-            // as long as its core, which the caller holds.
-            let _ = unsafe { libc::read(fd, (&raw mut count).cast(), 8) };
-        }
-    }
-
-    /// Whether the worker must call [`Engine::wait`] while requests are in
-    /// flight: nothing else would bring their completions.
-    pub fn must_poll(self) -> bool {
-        self == Completions::Polled
-    }
-
-    /// Whether busy-polling for completions can pay (see
-    /// [`Completions::Signalled`]).
-    pub fn polling_pays(self) -> bool {
-        match self {
-            Completions::Signalled { polling_pays, .. } => polling_pays,
-            Completions::Polled | Completions::Immediate => true,
-        }
-    }
 }
 
 /// A finished request: its status, and the bytes the device wrote into

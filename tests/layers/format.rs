@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use harness::*;
-use ringblk::format::{self, Format, FormatError, Image, OpenOptions};
+use ringblk::disk::{self, Format, FormatError, Image, OpenOptions};
 
 /// An overlay over a base with known content (pattern 0), in `dir`.
 /// `kind`: "raw", "qcow2" or "compressed" (`qemu-img convert -c`).
@@ -317,11 +317,11 @@ fn chain_of(dir: &Path, depth: usize) -> PathBuf {
 fn long_chains_and_loops() {
     let dir = scratch("chains");
     // 16 images deep: served, each layer's cluster visible.
-    let top = chain_of(&dir, format::qcow2::MAX_CHAIN);
+    let top = chain_of(&dir, disk::qcow2::MAX_CHAIN);
     {
         let img = open(&top, true);
-        assert_eq!(img.files().len(), format::qcow2::MAX_CHAIN);
-        for i in 1..format::qcow2::MAX_CHAIN as u64 {
+        assert_eq!(img.files().len(), disk::qcow2::MAX_CHAIN);
+        for i in 1..disk::qcow2::MAX_CHAIN as u64 {
             let mut b = [0u8; 16];
             read(&img, i * 65536, &mut b).unwrap();
             assert_eq!(b, [i as u8; 16], "layer {i}'s data");
@@ -462,10 +462,10 @@ fn raw_is_never_probed() {
     let mut b = vec![0u8; 4];
     read(&img, 0, &mut b).unwrap();
     assert_eq!(b, &header[..4], "raw must read the file's own bytes");
-    let warning = format::raw_qcow2_warning(&disk, Format::Raw).expect("no warning");
+    let warning = disk::raw_qcow2_warning(&disk, Format::Raw).expect("no warning");
     assert!(warning.contains("--format qcow2"), "{warning}");
-    assert!(format::raw_qcow2_warning(&disk, Format::Qcow2).is_none());
-    assert!(format::raw_qcow2_warning(&secret, Format::Raw).is_none());
+    assert!(disk::raw_qcow2_warning(&disk, Format::Qcow2).is_none());
+    assert!(disk::raw_qcow2_warning(&secret, Format::Raw).is_none());
 }
 
 /// Each kind of bad image: a one-line error at open, or an error for the
@@ -821,7 +821,7 @@ fn bad_bitmaps_extension_is_refused() {
 #[test]
 fn qemu_bitmap_bits_read_back() {
     use ringblk::bitmap::DirtyBitmap;
-    use ringblk::format::qcow2::bitmaps::Bitmaps;
+    use ringblk::disk::qcow2::bitmaps::Bitmaps;
     use std::os::unix::fs::FileExt;
 
     let dir = scratch("qemu-bitmap-bits");
@@ -937,8 +937,8 @@ fn reftable_clusters(f: &std::fs::File) -> u32 {
 #[test]
 fn qemu_bitmaps_written_back_with_a_grown_refcount_table() {
     use ringblk::bitmap::DirtyBitmap;
-    use ringblk::format::qcow2::bitmap_write::store;
-    use ringblk::format::qcow2::bitmaps::Bitmaps;
+    use ringblk::disk::qcow2::bitmap_write::store;
+    use ringblk::disk::qcow2::bitmaps::Bitmaps;
 
     let dir = scratch("qemu-bitmap-write-grown-reftable");
     let size = 4096 * MIB;
@@ -1032,8 +1032,8 @@ fn imago_allocates_after_a_write_back_grew_the_refcount_table() {
 
 fn written_back(cluster_size: &str) {
     use ringblk::bitmap::DirtyBitmap;
-    use ringblk::format::qcow2::bitmap_write::{Stored, store};
-    use ringblk::format::qcow2::bitmaps::Bitmaps;
+    use ringblk::disk::qcow2::bitmap_write::{Stored, store};
+    use ringblk::disk::qcow2::bitmaps::Bitmaps;
     use std::os::unix::fs::FileExt;
 
     let dir = scratch(&format!("qemu-bitmap-write-{cluster_size}"));
@@ -1128,7 +1128,7 @@ fn written_back(cluster_size: &str) {
     assert_eq!(qemu_dirty(&img, "fresh"), [(0, MIB), (size / 2, size / 2)]);
 }
 
-fn qcow(i: &Image) -> &ringblk::format::Qcow2Image {
+fn qcow(i: &Image) -> &ringblk::disk::Qcow2Image {
     match i {
         Image::Qcow2(q) => q,
         Image::Raw(_) => unreachable!(),
@@ -1203,7 +1203,7 @@ fn qemu_bitmaps_follow_a_handover() {
     qemu_img(&["create", "-q", "-f", "qcow2", p, "16M"]);
     qemu_img(&["bitmap", "--add", p, "b"]);
     let as_set = |b: &DirtyBitmap| vec![stored("b", b)];
-    let load = |l: Vec<ringblk::format::qcow2::bitmaps::Loaded>| {
+    let load = |l: Vec<ringblk::disk::qcow2::bitmaps::Loaded>| {
         assert_eq!(l.len(), 1);
         match l.into_iter().next().unwrap().words {
             Ok(w) => DirtyBitmap::from_words(size, 65536, w, true).unwrap(),
@@ -1323,8 +1323,8 @@ fn qemu_bitmap_write_back_growing_the_refcount_table_is_crash_safe() {
 /// granules of 2^`gbits` bytes; `grows`: the refcount table must grow.
 fn write_back_crash_safe(name: &str, opts: &str, size: u64, gbits: u8, grows: bool) {
     use ringblk::bitmap::DirtyBitmap;
-    use ringblk::format::qcow2::bitmap_write::{Op, Recorder, store_recorded};
-    use ringblk::format::qcow2::bitmaps::Bitmaps;
+    use ringblk::disk::qcow2::bitmap_write::{Op, Recorder, store_recorded};
+    use ringblk::disk::qcow2::bitmaps::Bitmaps;
     use std::collections::BTreeMap;
     use std::os::unix::fs::FileExt;
 
@@ -1494,8 +1494,8 @@ fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
 /// `original`: each prefix of them, and, as writes between two
 /// fdatasyncs may land in any order, each single write of a group on top
 /// of the state synced before it.
-fn crash_states(original: &[u8], ops: &[ringblk::format::qcow2::bitmap_write::Op]) -> Vec<Vec<u8>> {
-    use ringblk::format::qcow2::bitmap_write::Op;
+fn crash_states(original: &[u8], ops: &[ringblk::disk::qcow2::bitmap_write::Op]) -> Vec<Vec<u8>> {
+    use ringblk::disk::qcow2::bitmap_write::Op;
     let apply = |state: &mut Vec<u8>, op: &Op| match op {
         Op::Write { offset, data } => {
             let end = *offset as usize + data.len();
@@ -1545,8 +1545,8 @@ fn crash_states(original: &[u8], ops: &[ringblk::format::qcow2::bitmap_write::Op
 #[test]
 fn adding_and_removing_the_extension_is_crash_safe() {
     use ringblk::bitmap::DirtyBitmap;
-    use ringblk::format::qcow2::bitmap_write::{Op, Recorder, Stored, store_recorded};
-    use ringblk::format::qcow2::bitmaps::Bitmaps;
+    use ringblk::disk::qcow2::bitmap_write::{Op, Recorder, Stored, store_recorded};
+    use ringblk::disk::qcow2::bitmaps::Bitmaps;
 
     let dir = scratch("qemu-bitmap-ext-crash");
     let size = 16 * MIB;

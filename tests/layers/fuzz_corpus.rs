@@ -120,7 +120,7 @@ fn nbd_corpus_replays_cleanly() {
 /// requests failing on a corrupt table all stay covered.
 #[test]
 fn qcow2_corpus_replays_cleanly() {
-    use ringblk::format::fuzzing::{Outcome, run_one};
+    use ringblk::disk::fuzzing::{Outcome, run_one};
 
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/qcow2");
     let mut files: Vec<_> = std::fs::read_dir(&dir)

@@ -1,6 +1,6 @@
 //! The layers area: ringblk's library layers driven directly, in the
 //! test's own process, against oracles nobody here wrote: the image
-//! formats (`ringblk::format`) under qemu-img and qemu-io, with crashes;
+//! formats (`ringblk::disk`) under qemu-img and qemu-io, with crashes;
 //! the backup's NBD server (`ringblk::nbd`, `ringblk::backup`) under
 //! nbdinfo, nbdcopy and qemu-img, and its dirty bitmaps across kill -9;
 //! and the replay of the fuzz corpora (`fuzz/corpus/`). No daemon

@@ -622,7 +622,7 @@ fn bad_images_are_refused_or_fail_their_requests() {
     // A chain one deeper than the bound: a base and MAX_CHAIN overlays.
     let base = d.join("deep-0.qcow2");
     qemu_img(&["create", "-q", "-f", "qcow2", base.to_str().unwrap(), "4M"]);
-    let max = ringblk::format::qcow2::MAX_CHAIN;
+    let max = ringblk::disk::qcow2::MAX_CHAIN;
     for i in 1..=max {
         create(&format!("deep-{i}.qcow2"), &format!("deep-{}.qcow2", i - 1));
     }

@@ -109,7 +109,7 @@ impl RbdDisk {
 /// lets them write past the old end at once. `rbd_resize` and
 /// `rbd_get_size` are synchronous; the control API calls them on its own
 /// thread, never a worker's.
-impl crate::device::Resizable for Image {
+impl crate::disk::Resizable for Image {
     fn size(&self) -> io::Result<u64> {
         Image::size(self).map_err(io::Error::other)
     }

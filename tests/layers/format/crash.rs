@@ -11,8 +11,8 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use super::harness::*;
-use ringblk::format::qcow2::{Journal, JournalOp};
-use ringblk::format::{Format, Image, OpenOptions};
+use ringblk::disk::qcow2::{Journal, JournalOp};
+use ringblk::disk::{Format, Image, OpenOptions};
 
 /// An overlay with 4 KiB clusters over a qcow2 base, so that a short
 /// workload needs new L2 tables and new refblocks too (each L2 table covers
@@ -111,7 +111,7 @@ fn open_for(top: &Path, mode: Mode, journal: &Arc<Journal>) -> Image {
 /// the L2 log is not this boot's (here: there is none), so the mark is
 /// cleared and the image is served as its L2 tables are.
 fn after_power_loss(path: &Path) {
-    let log = ringblk::format::qcow2::l2log::path_for(path);
+    let log = ringblk::disk::qcow2::l2log::path_for(path);
     let _ = std::fs::remove_file(&log);
     drop(open_logged(path, OpenOptions::default()));
     let _ = std::fs::remove_file(&log);
@@ -678,7 +678,7 @@ fn kill_9_rounds(name: &str, logged: bool) {
 /// image, or cut short, is not applied either (unit tests in l2log.rs).
 #[test]
 fn a_log_pointing_outside_the_tables_is_not_applied() {
-    use ringblk::format::qcow2::l2log::{L2Log, path_for};
+    use ringblk::disk::qcow2::l2log::{L2Log, path_for};
     let dir = scratch("l2log-hostile");
     let top = small_cluster_overlay(&dir, 8 * MIB);
     let header = std::fs::read(&top).unwrap()[..512].to_vec();

@@ -5,7 +5,7 @@
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use ringblk::format::{Dir, Format, FormatError, Image, OpenOptions, Piece, Where};
+use ringblk::disk::{Dir, Format, FormatError, Image, OpenOptions, Piece, Where};
 pub use ringblk_testkit::qemu_img::{
     check, check_clean, compare_identical, create_qcow2, overlay, qemu_img, run, sha256,
 };
@@ -73,7 +73,7 @@ pub fn open(path: &Path, writable: bool) -> Image {
 pub fn open_logged(path: &Path, options: OpenOptions) -> (Image, usize) {
     let options = OpenOptions {
         writable: true,
-        l2_log: Some(ringblk::format::qcow2::l2log::path_for(path)),
+        l2_log: Some(ringblk::disk::qcow2::l2log::path_for(path)),
         ..options
     };
     let img = Image::open(path, Format::Qcow2, &options).unwrap_or_else(|e| panic!("open: {e}"));
@@ -224,8 +224,8 @@ pub fn flush(img: &Image) -> Result<(), FormatError> {
 pub fn stored(
     name: &str,
     b: &ringblk::bitmap::DirtyBitmap,
-) -> ringblk::format::qcow2::bitmap_write::Stored {
-    ringblk::format::qcow2::bitmap_write::Stored {
+) -> ringblk::disk::qcow2::bitmap_write::Stored {
+    ringblk::disk::qcow2::bitmap_write::Stored {
         name: name.into(),
         granularity_bits: b.granularity().trailing_zeros() as u8,
         auto: true,

@@ -2,7 +2,7 @@
 //! docs/interop/qcow2.txt, "Bitmaps extension"; block/qcow2-bitmap.c):
 //! reading and checking the extension, the directory and the bits, and
 //! marking the bitmaps in use. [`super::bitmap_write`] writes them back;
-//! `crate::device::qcow2_bitmaps` makes them the device's bitmaps
+//! `crate::disk::qcow2::bitmap_store` makes them the device's bitmaps
 //! (docs/backup.md).
 //!
 //! imago clears the header's autoclear bits when it opens an image

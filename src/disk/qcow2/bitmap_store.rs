@@ -3,7 +3,7 @@
 //! `qemu-img` see them (docs/backup.md).
 //!
 //! A [`BitmapStore`] over the format layer's QEMU bitmaps
-//! ([`crate::format::qcow2::bitmaps`], [`crate::format::qcow2::bitmap_write`]),
+//! ([`crate::disk::qcow2::bitmaps`], [`crate::disk::qcow2::bitmap_write`]),
 //! kept as QEMU keeps them: in memory while the image is held, marked
 //! IN_USE on disk; written back when the image is let go.
 //! - [`peek`](BitmapStore::peek) (start-up, the image not held yet):
@@ -44,8 +44,8 @@ use std::sync::Arc;
 use crate::bitmap::{
     BitmapError, BitmapInfo, BitmapStore, DirtyBitmap, check_name, granularity_shift,
 };
-use crate::format::Live;
-use crate::format::qcow2::bitmap_write::Stored;
+use crate::disk::Live;
+use crate::disk::qcow2::bitmap_write::Stored;
 use crate::metrics::SharedRateLimiter;
 
 /// For the errors of loads that claims retry.

@@ -27,8 +27,9 @@ use std::time::Duration;
 
 use vmm_sys_util::eventfd::EventFd;
 
-use super::format::{Extent, Piece, Place, Resolved, Slow};
-use crate::format::{Commit, Dir, Served, Where};
+use crate::disk::reader::read_piece;
+use crate::disk::seam::{Piece, Place, Resolved, Slow, place};
+use crate::disk::{Commit, Dir, Served};
 use crate::metrics::RateLimiter;
 use crate::warn_limited;
 
@@ -253,9 +254,9 @@ fn work(job: &Job, log_limit: &mut RateLimiter) -> Slow {
 /// A write-through write-zeroes or discard: its metadata (and the zeroes
 /// written through the format) on the disk before it completes.
 fn durable_if(
-    image: &crate::format::qcow2::Qcow2Image,
+    image: &crate::disk::qcow2::Qcow2Image,
     durable: bool,
-) -> Result<(), crate::format::FormatError> {
+) -> Result<(), crate::disk::FormatError> {
     if durable { image.flush() } else { Ok(()) }
 }
 
@@ -275,19 +276,16 @@ fn resolve(job: &Job, offset: u64, len: u64, dir: Dir, log_limit: &mut RateLimit
         Err(e) => return failed(&e, log_limit),
     };
     let mut pieces = Vec::with_capacity(out.len());
+    let files = image.files();
     for p in out {
         let at = (p.guest - offset) as u32;
-        let place = match p.at {
-            Where::Data { file, offset } => Place::Host(Extent {
-                file: file as u32,
-                offset,
-            }),
-            Where::Zero => Place::Zero,
-            Where::Slow => {
+        let place = match place(p.at) {
+            Some(place) => place,
+            None => {
                 // Compressed: read here, copied into the guest's buffers
                 // by the queue.
                 let mut bytes = vec![0u8; p.len as usize];
-                if let Err(e) = image.read_slow(p.guest, &mut bytes) {
+                if let Err(e) = read_piece(image, &files, &p, &mut bytes) {
                     return failed(&e, log_limit);
                 }
                 Place::Bytes(bytes)

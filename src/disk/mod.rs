@@ -1,13 +1,18 @@
-//! Image formats: where a guest offset lives.
+//! The disk: everything about the image, and where a guest offset lives.
 //!
-//! The format sits between a validated request and the engine's I/O. It
+//! The disk sits between a validated request and the engine's I/O. It
 //! decides *where* (a file of the image's chain and an offset in it); the
 //! engine does the I/O there, straight from or into guest memory. It does
 //! not depend on the engine or the worker.
 //!
+//! - [`Disk`]: the image behind a device, the one owner of its size.
+//! - [`seam`]: what the engine core asks per request ([`seam::Format`]),
+//!   raw's inline identity or a queue's view of a chain.
+//! - [`reader`]: the one reader of guest data off the queues' data path.
 //! - [`raw`]: the identity on file 0.
 //! - [`qcow2`]: a qcow2 image and its backing chain (qcow2 or raw), on top
-//!   of the `imago` crate's metadata handling.
+//!   of the `imago` crate's metadata handling; its metadata thread, a
+//!   queue's view of it and its bitmaps.
 //!
 //! The contract an engine follows, per request:
 //! 1. [`Image::map`] for the guest range: cheap, never blocks, never does
@@ -16,8 +21,8 @@
 //!    needed (a cache miss, an allocation, copy-on-write, a compressed
 //!    cluster).
 //! 2. For a slow piece, the engine hands the request to the image's
-//!    metadata thread (phase 2; the tests call it directly), which calls
-//!    [`Image::resolve`] (reads and writes) or [`Image::read_slow`]
+//!    metadata thread ([`qcow2::meta`]; the tests call it directly),
+//!    which calls [`Image::resolve`] (reads and writes) or [`Image::read_slow`]
 //!    (compressed data, read into the caller's buffer), then completes back
 //!    to the queue. Other requests of the queue go on meanwhile.
 //! 3. After the data I/O of a write, if `resolve` returned a [`Commit`]
@@ -37,10 +42,13 @@
 pub mod live;
 pub mod qcow2;
 pub mod raw;
+pub mod reader;
 pub mod records;
+pub mod seam;
 
 #[cfg(feature = "test-utils")]
 pub mod fuzzing;
+mod handle;
 
 use std::fmt;
 use std::fs::File;
@@ -48,7 +56,9 @@ use std::io::{self, Read};
 use std::path::Path;
 use std::str::FromStr;
 
+pub use handle::{Disk, Resizable};
 pub use live::{Live, Served, SnapshotDir, SnapshotError};
+pub use qcow2::meta::Meta;
 pub use qcow2::{OpenOptions, Qcow2Image};
 pub use raw::RawImage;
 
@@ -107,6 +117,42 @@ pub struct Piece {
     pub guest: u64,
     pub len: u64,
     pub at: Where,
+}
+
+/// Where a guest range of an image lives: the one mapping vocabulary
+/// ([`Piece`], [`Where`]) behind one trait, in the shape of imago's
+/// `FormatAccess`: [`Mapper::map`] is its `get_mapping` (from what is
+/// cached: cheap, never blocks, never does I/O; [`Where::Slow`] where it
+/// does not know), [`Mapper::resolve`] its `ensure_data_mapping` (loads
+/// tables, and for a write allocates, with copy-on-write; blocks). Each
+/// format implements it in its own file ([`RawImage`], [`Qcow2Image`]);
+/// the one reader ([`reader`]) reads through it.
+pub trait Mapper: Send + Sync {
+    /// The guest-visible size in bytes.
+    fn size(&self) -> u64;
+
+    /// The open files, top first; a [`Where::Data`] indexes them.
+    fn files(&self) -> Vec<&File>;
+
+    /// Appends the pieces of `[offset, offset + len)` to `out`, without
+    /// I/O and without blocking. The range is inside the image.
+    fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>);
+
+    /// The slow path of [`Mapper::map`]: appends pieces that are all
+    /// `Data` or `Zero`, except `Slow` for compressed data to read with
+    /// [`Mapper::read_slow`]; a write's allocation returns the [`Commit`]
+    /// its completion waits for. Blocks.
+    fn resolve(
+        &self,
+        offset: u64,
+        len: u64,
+        dir: Dir,
+        out: &mut Vec<Piece>,
+    ) -> Result<Option<Commit>, FormatError>;
+
+    /// Reads guest data that has no plain host location (compressed
+    /// clusters) into `buf`. Blocks.
+    fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError>;
 }
 
 /// What a write must wait for before its completion is published: the
@@ -189,11 +235,7 @@ impl Image {
     /// request was validated against [`Image::size`]).
     pub fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>) {
         match self {
-            Image::Raw(_) => out.push(Piece {
-                guest: offset,
-                len,
-                at: Where::Data { file: 0, offset },
-            }),
+            Image::Raw(r) => r.map(offset, len, dir, out),
             Image::Qcow2(q) => q.map(offset, len, dir, out),
         }
     }
@@ -210,11 +252,7 @@ impl Image {
         out: &mut Vec<Piece>,
     ) -> Result<Option<Commit>, FormatError> {
         match self {
-            Image::Raw(r) => {
-                r.check(offset, len, dir)?;
-                self.map(offset, len, dir, out);
-                Ok(None)
-            }
+            Image::Raw(r) => r.resolve(offset, len, dir, out),
             Image::Qcow2(q) => q.resolve(offset, len, dir, out),
         }
     }
@@ -223,7 +261,7 @@ impl Image {
     /// clusters) into `buf`. Blocks.
     pub fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
         match self {
-            Image::Raw(r) => r.read_at(offset, buf),
+            Image::Raw(r) => r.read_slow(offset, buf),
             Image::Qcow2(q) => q.read_slow(offset, buf),
         }
     }
@@ -272,6 +310,35 @@ impl Image {
             Image::Raw(r) => r.grow(new_size),
             Image::Qcow2(q) => q.grow(new_size),
         }
+    }
+}
+
+/// The test seam is one more [`Mapper`], by format.
+impl Mapper for Image {
+    fn size(&self) -> u64 {
+        Image::size(self)
+    }
+
+    fn files(&self) -> Vec<&File> {
+        Image::files(self)
+    }
+
+    fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>) {
+        Image::map(self, offset, len, dir, out);
+    }
+
+    fn resolve(
+        &self,
+        offset: u64,
+        len: u64,
+        dir: Dir,
+        out: &mut Vec<Piece>,
+    ) -> Result<Option<Commit>, FormatError> {
+        Image::resolve(self, offset, len, dir, out)
+    }
+
+    fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        Image::read_slow(self, offset, buf)
     }
 }
 

@@ -1,12 +1,18 @@
-//! The guest's disk of a qcow2 image, as the point-in-time view reads it:
-//! through the chain's tables (data in the top or a backing file, zero and
-//! unallocated clusters, compressed clusters), not the top's file.
+//! The one reader of guest data off the queues' data path: a range of the
+//! guest's disk read through the chain's tables (data in the top or a
+//! backing file, zero and unallocated clusters, compressed clusters), not
+//! the top's file, into a buffer. The backup's point-in-time view and its
+//! copy-before-write read through [`Reader`]; the metadata thread reads a
+//! compressed piece with [`read_piece`], as [`Reader`] does. Bytes that a
+//! format must transform on their way from the file are transformed in
+//! [`read_piece`], whoever reads them (the engine's data path reads into
+//! guest memory itself, and transforms in its completion).
 //!
 //! Each read maps its range with the format's slow path (under the
 //! image's metadata lock, as a queue's request that missed the cache),
 //! then reads the data with `pread` on the chain's own (buffered) files.
 //!
-//! Why the view's read-then-check (see the parent module) still holds: a
+//! Why the backup view's read-then-check (see `crate::backup`) holds: a
 //! guest write changes a guest cluster's data *or its mapping* only after
 //! `before_write` copied it, because the engine core calls `before_write`
 //! before the format maps the write (and so before it allocates). A
@@ -24,8 +30,9 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
-use super::Image;
-use crate::format::{Dir, Live, Where};
+use std::fs::File;
+
+use super::{Dir, Live, Mapper, Piece, Where};
 use crate::nbd::proto::{STATE_HOLE, STATE_ZERO};
 
 /// Clusters the first mapping of an `allocation` call takes.
@@ -35,18 +42,45 @@ const FIRST_WINDOW: u64 = 2;
 const MAX_WINDOW: u64 = 1024;
 /// The most clusters one `allocation` call maps: its answer may be
 /// shorter than asked, and the NBD server asks again from where it ends.
-pub(super) const MAX_EXAMINED: u64 = 8192;
+pub const MAX_EXAMINED: u64 = 8192;
 
-/// A qcow2 image's guest disk: see the module doc.
-pub struct Qcow2Disk {
+/// Reads `piece` of `image` (one that [`Mapper::resolve`] made, so data,
+/// zeroes or compressed data) into `buf`, its length; `files` are the
+/// image's ([`Mapper::files`]).
+pub fn read_piece<M: Mapper + ?Sized>(
+    image: &M,
+    files: &[&File],
+    piece: &Piece,
+    buf: &mut [u8],
+) -> io::Result<()> {
+    match piece.at {
+        Where::Data { file, offset: host } => {
+            let f = files.get(file).ok_or_else(|| {
+                io::Error::other(format!("qcow2 mapping names file {file} of the chain"))
+            })?;
+            f.read_exact_at(buf, host)
+        }
+        Where::Zero => {
+            buf.fill(0);
+            Ok(())
+        }
+        Where::Slow => image
+            .read_slow(piece.guest, buf)
+            .map_err(|e| io::Error::other(e.to_string())),
+    }
+}
+
+/// The guest's disk of an image with a chain, read through it: see the
+/// module doc.
+pub struct Reader {
     live: Arc<Live>,
     size: u64,
 }
 
-impl Qcow2Disk {
+impl Reader {
     /// The disk of `live`, whose size is `size` (fixed during a backup).
-    pub fn new(live: Arc<Live>, size: u64) -> Qcow2Disk {
-        Qcow2Disk { live, size }
+    pub fn new(live: Arc<Live>, size: u64) -> Reader {
+        Reader { live, size }
     }
 
     /// The store's cluster for a view of `live`: at least `min`, and at
@@ -54,14 +88,14 @@ impl Qcow2Disk {
     pub fn cluster(live: &Live, min: u64) -> u64 {
         live.current().image.cluster_size().max(min)
     }
-}
 
-impl Image for Qcow2Disk {
-    fn size(&self) -> u64 {
+    /// Its size in bytes.
+    pub fn size(&self) -> u64 {
         self.size
     }
 
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    /// Fills `buf` from guest byte `offset`.
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         if buf.is_empty() {
             return Ok(());
         }
@@ -82,18 +116,7 @@ impl Image for Qcow2Disk {
                 )));
             }
             let part = &mut buf[done as usize..(done + p.len) as usize];
-            match p.at {
-                Where::Data { file, offset: host } => {
-                    let f = files.get(file).ok_or_else(|| {
-                        io::Error::other(format!("qcow2 mapping names file {file} of the chain"))
-                    })?;
-                    f.read_exact_at(part, host)?;
-                }
-                Where::Zero => part.fill(0),
-                Where::Slow => image
-                    .read_slow(p.guest, part)
-                    .map_err(|e| io::Error::other(e.to_string()))?,
-            }
+            read_piece(image, &files, &p, part)?;
             done += p.len;
         }
         if done != buf.len() as u64 {
@@ -105,12 +128,14 @@ impl Image for Qcow2Disk {
         Ok(())
     }
 
+    /// The allocation at `offset`: the length of the run that shares it
+    /// (1 to `max_len`) and its `base:allocation` flags (0 when unknown).
     /// Maps from `offset` in windows that double from
-    /// [`FIRST_WINDOW`] clusters to [`MAX_WINDOW`], each once, until the
+    /// `FIRST_WINDOW` clusters to `MAX_WINDOW`, each once, until the
     /// run of pieces that read as zeroes (or of those that do not) ends,
     /// or [`MAX_EXAMINED`] clusters were mapped: the work follows the
     /// answer, and the metadata lock is held for one window at a time.
-    fn allocation(&self, offset: u64, max_len: u64) -> io::Result<(u64, u32)> {
+    pub fn allocation(&self, offset: u64, max_len: u64) -> io::Result<(u64, u32)> {
         let limit = offset.saturating_add(max_len).min(self.size);
         if offset >= limit {
             return Ok((max_len.max(1), 0));

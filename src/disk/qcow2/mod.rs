@@ -10,11 +10,14 @@
 //!   never probed, depth bounded, loops refused), the slow path (one
 //!   metadata operation at a time under `meta`), and group commit.
 
+pub mod bitmap_store;
 pub mod bitmap_write;
 pub mod bitmaps;
 pub mod l2log;
 pub mod map_cache;
+pub mod meta;
 pub mod ordered;
+pub mod queue;
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -30,7 +33,7 @@ use imago::qcow2::Qcow2;
 use imago::raw::Raw;
 use imago::{FormatAccess, FormatCreateBuilder, Mapping};
 
-use super::{Commit, Dir, FormatError, Piece, Where};
+use super::{Commit, Dir, FormatError, Mapper, Piece, Where};
 use l2log::L2Log;
 use map_cache::{Loc, MAX_FILES, MapCache};
 pub use ordered::{Adopted, ChainFile, FileState, Journal, JournalOp};
@@ -1636,4 +1639,33 @@ fn check_l1_covers(path: &Path, header: &[u8], size: u64) -> Result<(), FormatEr
         ));
     }
     Ok(())
+}
+
+/// A qcow2 image's mapping through its chain (the inherent methods).
+impl Mapper for Qcow2Image {
+    fn size(&self) -> u64 {
+        Qcow2Image::size(self)
+    }
+
+    fn files(&self) -> Vec<&File> {
+        Qcow2Image::files(self)
+    }
+
+    fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>) {
+        Qcow2Image::map(self, offset, len, dir, out);
+    }
+
+    fn resolve(
+        &self,
+        offset: u64,
+        len: u64,
+        dir: Dir,
+        out: &mut Vec<Piece>,
+    ) -> Result<Option<Commit>, FormatError> {
+        Qcow2Image::resolve(self, offset, len, dir, out)
+    }
+
+    fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        Qcow2Image::read_slow(self, offset, buf)
+    }
 }

@@ -6,7 +6,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Dir, FormatError};
+use super::{Commit, Dir, FormatError, Mapper, Piece, Where};
 
 pub struct RawImage {
     file: File,
@@ -107,5 +107,40 @@ impl RawImage {
             self.size.store(new_size, Ordering::Release);
         }
         Ok(())
+    }
+}
+
+/// The identity: every range is itself in file 0.
+impl Mapper for RawImage {
+    fn size(&self) -> u64 {
+        RawImage::size(self)
+    }
+
+    fn files(&self) -> Vec<&File> {
+        vec![self.file()]
+    }
+
+    fn map(&self, offset: u64, len: u64, _dir: Dir, out: &mut Vec<Piece>) {
+        out.push(Piece {
+            guest: offset,
+            len,
+            at: Where::Data { file: 0, offset },
+        });
+    }
+
+    fn resolve(
+        &self,
+        offset: u64,
+        len: u64,
+        dir: Dir,
+        out: &mut Vec<Piece>,
+    ) -> Result<Option<Commit>, FormatError> {
+        self.check(offset, len, dir)?;
+        self.map(offset, len, dir, out);
+        Ok(None)
+    }
+
+    fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        self.read_at(offset, buf)
     }
 }

@@ -1,0 +1,232 @@
+//! One queue's view of a qcow2 image: the per-queue side of the seam
+//! ([`crate::disk::seam::Format`]), which maps from the queue's thread
+//! through the chain's map cache and hands what misses it to the image's
+//! metadata thread ([`super::meta`]).
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use super::meta::{Inbox, Job, Meta, Work};
+use crate::disk::live::Gate;
+use crate::disk::seam::{Completions, Extent, Format, Mapping, Piece, Place, Slow, place};
+use crate::disk::{Commit, Dir, Live, Served, Where};
+use crate::virtio::Op;
+
+/// One queue's view of a qcow2 image ([`Live`]): the chain it maps
+/// against, its gate, and its line to the image's metadata thread.
+pub struct Qcow2 {
+    live: Arc<Live>,
+    served: Arc<Served>,
+    generation: u64,
+    /// The chain changed since the engine last registered its files.
+    files_changed: bool,
+    meta: Meta,
+    /// Set up by `completions` (it needs the engine's eventfd).
+    inbox: Option<Arc<Inbox>>,
+    gate: Option<Arc<Gate>>,
+    /// Requests at the metadata thread.
+    slow: usize,
+    /// The format layer's pieces of the last `map`, and ours.
+    scratch: Vec<crate::disk::Piece>,
+    pieces: Vec<Piece>,
+    answers: Vec<(u32, Slow)>,
+}
+
+impl Qcow2 {
+    /// A queue's view of `live`, whose metadata thread is `meta`.
+    pub fn new(live: Arc<Live>, meta: Meta) -> Qcow2 {
+        let served = live.current();
+        Qcow2 {
+            generation: served.generation,
+            served,
+            live,
+            files_changed: false,
+            meta,
+            inbox: None,
+            gate: None,
+            slow: 0,
+            scratch: Vec::new(),
+            pieces: Vec::new(),
+            answers: Vec::new(),
+        }
+    }
+
+    fn send(&mut self, tag: u32, work: Work) {
+        let Some(inbox) = self.inbox.clone() else {
+            // `completions` sets it up when the core is made, always
+            // before a request.
+            unreachable!("a qcow2 queue without its inbox");
+        };
+        self.slow += 1;
+        self.meta.send(Job {
+            served: self.served.clone(),
+            work,
+            tag,
+            inbox,
+        });
+    }
+}
+
+impl Format for Qcow2 {
+    fn map(&mut self, op: Op, offset: u64, len: u64) -> Mapping {
+        let Some(gate) = &self.gate else {
+            unreachable!("a qcow2 queue without its gate");
+        };
+        if !self.live.enter(gate) {
+            return Mapping::Busy;
+        }
+        if self.live.generation() != self.generation {
+            // Nothing of this queue is in flight (a snapshot waited for
+            // that): take the new chain.
+            self.served = self.live.current();
+            self.generation = self.served.generation;
+            self.files_changed = true;
+        }
+        let dir = match op {
+            Op::Read => Dir::Read,
+            Op::Write => Dir::Write,
+            Op::Flush if self.served.image.holds_back() => return Mapping::Slow,
+            Op::Flush => return Mapping::Host(Extent::default()),
+            Op::Discard(_) | Op::WriteZeroes(_) => return Mapping::Slow,
+        };
+        self.scratch.clear();
+        self.served.image.map(offset, len, dir, &mut self.scratch);
+        if let [one] = self.scratch[..] {
+            return match place(one.at) {
+                Some(Place::Host(at)) => Mapping::Host(at),
+                Some(_) => Mapping::Zero,
+                None => Mapping::Slow,
+            };
+        }
+        if self.scratch.iter().any(|p| p.at == Where::Slow) {
+            return Mapping::Slow;
+        }
+        self.pieces.clear();
+        for p in &self.scratch {
+            self.pieces.push(Piece {
+                at: (p.guest - offset) as u32,
+                len: p.len as u32,
+                // Not slow: those went to the metadata thread above.
+                place: place(p.at).unwrap_or(Place::Zero),
+            });
+        }
+        Mapping::Pieces
+    }
+
+    fn pieces(&mut self, out: &mut Vec<Piece>) {
+        out.append(&mut self.pieces);
+    }
+
+    #[inline]
+    fn finished(&mut self) {
+        if let Some(gate) = &self.gate {
+            self.live.leave(gate);
+        }
+    }
+
+    fn files_changed(&mut self) -> Option<Vec<RawFd>> {
+        std::mem::take(&mut self.files_changed).then(|| self.served.io_fds())
+    }
+
+    fn completions(&mut self, engine: Completions) -> io::Result<Completions> {
+        let (signal, completions) = match engine {
+            Completions::Signalled { fd, polling_pays } => {
+                // SAFETY: dup(2) of the engine's eventfd, which it keeps
+                // open; the duplicate is ours.
+                let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+                if dup < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // SAFETY: `dup` was just made and is owned by nothing else.
+                let efd = unsafe { <EventFd as std::os::fd::FromRawFd>::from_raw_fd(dup) };
+                (efd, Completions::Signalled { fd, polling_pays })
+            }
+            Completions::Immediate => {
+                let efd = EventFd::new(EFD_NONBLOCK)?;
+                let fd = efd.as_raw_fd();
+                (
+                    efd,
+                    Completions::Signalled {
+                        fd,
+                        polling_pays: true,
+                    },
+                )
+            }
+            Completions::Polled => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "a qcow2 image cannot be served with IOPOLL",
+                ));
+            }
+        };
+        let inbox = Arc::new(Inbox::new(signal));
+        let waker = inbox.clone();
+        self.gate = Some(self.live.gate(Box::new(move || waker.wake())));
+        self.inbox = Some(inbox);
+        Ok(completions)
+    }
+
+    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64, durable: bool) {
+        let work = match op {
+            Op::Read => Work::Resolve {
+                offset,
+                len,
+                dir: Dir::Read,
+            },
+            Op::Write => Work::Resolve {
+                offset,
+                len,
+                dir: Dir::Write,
+            },
+            Op::WriteZeroes(r) => Work::Zero {
+                offset,
+                len,
+                unmap: r.unmap,
+                durable,
+            },
+            Op::Discard(_) => Work::Discard {
+                offset,
+                len,
+                durable,
+            },
+            Op::Flush => Work::Flush,
+        };
+        self.send(tag, work);
+    }
+
+    fn start_commit(&mut self, tag: u32, ticket: Commit, durable: bool) {
+        self.send(tag, Work::Commit { ticket, durable });
+    }
+
+    #[inline]
+    fn slow_in_flight(&self) -> usize {
+        self.slow
+    }
+
+    fn reap_slow(&mut self, f: &mut dyn FnMut(u32, Slow)) {
+        let Some(inbox) = &self.inbox else { return };
+        if self.slow == 0 || !inbox.ready() {
+            return;
+        }
+        inbox.take(&mut self.answers);
+        self.slow -= self.answers.len();
+        for (tag, answer) in self.answers.drain(..) {
+            f(tag, answer);
+        }
+    }
+
+    fn wait(&mut self) {
+        const A_WHILE: Duration = Duration::from_millis(50);
+        if self.slow > 0 {
+            if let Some(inbox) = &self.inbox {
+                inbox.wait(A_WHILE);
+            }
+        } else if self.live.paused() {
+            self.live.wait_resumed(A_WHILE);
+        }
+    }
+}
