@@ -112,7 +112,7 @@ impl SectorLayout {
     /// The first IV of `len` bytes at `offset`, if they are whole sectors.
     fn first_iv(&self, offset: u64, len: usize) -> Result<u64, XtsError> {
         let size = self.sector_size as u64;
-        if offset % size != 0 || len % self.sector_size != 0 {
+        if !offset.is_multiple_of(size) || !len.is_multiple_of(self.sector_size) {
             return Err(XtsError::Unaligned {
                 offset,
                 len,
@@ -317,7 +317,7 @@ fn crypt_with<C>(data: &C, tweak: &C, dir: Dir, size: usize, step: u64, iv: u64,
 where
     C: BlockCipherEncrypt + BlockCipherDecrypt + BlockSizeUser<BlockSize = U16>,
 {
-    debug_assert!(size % BLOCK == 0 && buf.len() % size == 0);
+    debug_assert!(size.is_multiple_of(BLOCK) && buf.len().is_multiple_of(size));
     let mut tweaks = [Block::default(); WINDOW];
     let mut iv = iv;
     for window in buf.chunks_mut(WINDOW * size) {

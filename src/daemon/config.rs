@@ -176,13 +176,13 @@ impl Config {
     /// any.
     pub fn from_args(args: ServeArgs, passed: Option<Listen>) -> Result<Config, DaemonError> {
         // --queues and --queue-size are checked as they are parsed (cli).
-        if let Some(s) = &args.serial {
-            if s.len() > VIRTIO_BLK_ID_BYTES as usize {
-                return Err(DaemonError::Usage(format!(
-                    "--serial is at most 20 bytes, '{s}' has {}",
-                    s.len()
-                )));
-            }
+        if let Some(s) = &args.serial
+            && s.len() > VIRTIO_BLK_ID_BYTES as usize
+        {
+            return Err(DaemonError::Usage(format!(
+                "--serial is at most 20 bytes, '{s}' has {}",
+                s.len()
+            )));
         }
         if args.iopoll && !args.direct {
             return Err(DaemonError::Usage("--iopoll needs --direct".into()));

@@ -46,10 +46,10 @@ impl Notifier {
 
     /// Sends `state` (e.g. "READY=1"); a failure is logged, not fatal.
     pub fn notify(&self, state: &str) {
-        if let Some(s) = &self.0 {
-            if let Err(e) = s.send(state.as_bytes()) {
-                log::warn!("sd_notify {state}: {e}");
-            }
+        if let Some(s) = &self.0
+            && let Err(e) = s.send(state.as_bytes())
+        {
+            log::warn!("sd_notify {state}: {e}");
         }
     }
 

@@ -536,26 +536,26 @@ impl Device {
             if let Some(lock) = &self.image_lock {
                 lock.acquire()?;
             }
-            if let Some(live) = self.qcow2() {
-                if let Err(e) = live.claim() {
-                    log::error!("{}: reading the metadata afresh: {e}", self.name);
-                }
+            if let Some(live) = self.qcow2()
+                && let Err(e) = live.claim()
+            {
+                log::error!("{}: reading the metadata afresh: {e}", self.name);
             }
             inner.activate(self.size(), &self.tracking);
-            if let Some(live) = self.qcow2() {
-                if !live.current().image.qemu_bitmaps_marked() {
-                    // A bitmap on disk still says it is complete: no write
-                    // may land. Let go as a release does; the next request
-                    // (or verb) tries again.
-                    crate::log_limited!(
-                        log::Level::Error,
-                        UNMARKED,
-                        "{}: QEMU's bitmaps in the image could not be marked in use (above); no request is served until they are",
-                        self.name
-                    );
-                    self.let_go(&mut inner);
-                    return Err(Unclaimed::Unmarked);
-                }
+            if let Some(live) = self.qcow2()
+                && !live.current().image.qemu_bitmaps_marked()
+            {
+                // A bitmap on disk still says it is complete: no write
+                // may land. Let go as a release does; the next request
+                // (or verb) tries again.
+                crate::log_limited!(
+                    log::Level::Error,
+                    UNMARKED,
+                    "{}: QEMU's bitmaps in the image could not be marked in use (above); no request is served until they are",
+                    self.name
+                );
+                self.let_go(&mut inner);
+                return Err(Unclaimed::Unmarked);
             }
         }
         inner.holders += 1;
@@ -612,10 +612,10 @@ impl Device {
     /// metadata made durable and its caches dropped, the lock let go.
     fn let_go(&self, inner: &mut Inner) {
         inner.deactivate(&self.tracking);
-        if let Some(live) = self.qcow2() {
-            if let Err(e) = live.refresh() {
-                log::error!("{}: making the metadata durable: {e}", self.name);
-            }
+        if let Some(live) = self.qcow2()
+            && let Err(e) = live.refresh()
+        {
+            log::error!("{}: making the metadata durable: {e}", self.name);
         }
         if let Some(lock) = &self.image_lock {
             lock.release();
@@ -757,10 +757,10 @@ impl Device {
             if !inner.bitmaps.contains_key(name) {
                 return Err(BitmapError::NotFound(name.to_string()).into());
             }
-            if let Some(r) = &inner.backup {
-                if r.frozen.as_ref().is_some_and(|(n, _)| n == name) {
-                    return Err(TrackingError::Exported(name.to_string()));
-                }
+            if let Some(r) = &inner.backup
+                && r.frozen.as_ref().is_some_and(|(n, _)| n == name)
+            {
+                return Err(TrackingError::Exported(name.to_string()));
             }
             if let Some(p) = &inner.starting {
                 // It may be about to export this one.
@@ -810,10 +810,10 @@ impl Device {
             let (path, name) = socket_in(&spec.dir, socket)?;
             let dup = |f: &File| f.try_clone().map_err(|e| TrackingError::Io(e.to_string()));
             let (image, store) = (dup(&spec.image)?, dup(&spec.store)?);
-            if bitmap.is_some() {
-                if let Err(why) = &inner.store {
-                    return Err(TrackingError::Unsupported(why.clone()));
-                }
+            if bitmap.is_some()
+                && let Err(why) = &inner.store
+            {
+                return Err(TrackingError::Unsupported(why.clone()));
             }
             inner.starting = Some(path.clone());
             (path, name, image, store, Starting(&self.tracking))
@@ -949,10 +949,10 @@ impl Device {
 
     fn remove_backup_socket(&self, name: &str) {
         let inner = self.tracking.lock();
-        if let Ok(spec) = &inner.backups {
-            if let Err(e) = crate::host::unlink_at(&spec.dir_fd, name) {
-                log::warn!("removing the backup's socket {name}: {e}");
-            }
+        if let Ok(spec) = &inner.backups
+            && let Err(e) = crate::host::unlink_at(&spec.dir_fd, name)
+        {
+            log::warn!("removing the backup's socket {name}: {e}");
         }
     }
 
@@ -1028,10 +1028,10 @@ impl Device {
                 match inner.live(&n) {
                     Ok(live) => {
                         let consistent = live.is_consistent();
-                        if let Ok(store) = inner.store() {
-                            if let Err(e) = store.update(&n, &live, consistent) {
-                                log::error!("bitmap '{n}': {e}");
-                            }
+                        if let Ok(store) = inner.store()
+                            && let Err(e) = store.update(&n, &live, consistent)
+                        {
+                            log::error!("bitmap '{n}': {e}");
                         }
                     }
                     Err(e) => log::error!("bitmap '{n}' after the backup: {e}"),

@@ -155,11 +155,11 @@ impl<E: Engine, F: Format> Core<E, F> {
             self.before_write(offset, len);
         }
         let mapping = self.format.map(op, offset, len);
-        if let Some(fds) = self.format.files_changed() {
-            if let Err(e) = self.engine.set_files(&fds) {
-                // The new chain's data I/O would go to the old files.
-                warn_limited!(self.log_limit, "registering the image's files: {e}");
-            }
+        if let Some(fds) = self.format.files_changed()
+            && let Err(e) = self.engine.set_files(&fds)
+        {
+            // The new chain's data I/O would go to the old files.
+            warn_limited!(self.log_limit, "registering the image's files: {e}");
         }
         let fua = !self.device.writeback();
         match mapping {
@@ -340,11 +340,11 @@ impl<E: Engine, F: Format> Core<E, F> {
     /// allocation needs, or finish it.
     fn after_io(&mut self, tag: u32) {
         let t = &mut self.tracked[tag as usize];
-        if t.status.is_ok() {
-            if let Some(ticket) = t.ticket.take() {
-                self.format.start_commit(tag, ticket, t.fua);
-                return;
-            }
+        if t.status.is_ok()
+            && let Some(ticket) = t.ticket.take()
+        {
+            self.format.start_commit(tag, ticket, t.fua);
+            return;
         }
         self.finish(tag);
     }

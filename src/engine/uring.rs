@@ -195,18 +195,19 @@ impl UringEngine {
             None => (data.as_ptr(), data.len() as u32),
         };
         let (file, offset, dsync) = (io.at().file, io.at().offset, io.fua());
-        if n == 1 && slot.bounce.is_none() {
-            if let Some(idx) = self.fixed_index(&data[0]) {
-                let (buf, len) = (data[0].iov_base.cast::<u8>(), io.len());
-                match io.op() {
-                    Op::Read => {
-                        return op::read_fixed(file, buf, len, offset, idx, key);
-                    }
-                    Op::Write => {
-                        return op::write_fixed(file, buf, len, offset, idx, dsync, key);
-                    }
-                    _ => {}
+        if n == 1
+            && slot.bounce.is_none()
+            && let Some(idx) = self.fixed_index(&data[0])
+        {
+            let (buf, len) = (data[0].iov_base.cast::<u8>(), io.len());
+            match io.op() {
+                Op::Read => {
+                    return op::read_fixed(file, buf, len, offset, idx, key);
                 }
+                Op::Write => {
+                    return op::write_fixed(file, buf, len, offset, idx, dsync, key);
+                }
+                _ => {}
             }
         }
         match io.op() {

@@ -107,10 +107,10 @@ impl ImageLock {
     pub fn release(&self) {
         let mut h = self.holders();
         h.users = h.users.saturating_sub(1);
-        if h.users == 0 {
-            if let Err(e) = set(&h.file, libc::F_UNLCK) {
-                log::warn!("cannot unlock the image: {e}");
-            }
+        if h.users == 0
+            && let Err(e) = set(&h.file, libc::F_UNLCK)
+        {
+            log::warn!("cannot unlock the image: {e}");
         }
     }
 

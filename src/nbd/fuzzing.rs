@@ -89,7 +89,7 @@ impl Export for Fake {
                     0
                 },
             ),
-            MetaContext::DirtyBitmap(_) => (run, u32::from(k % 3 == 0)),
+            MetaContext::DirtyBitmap(_) => (run, u32::from(k.is_multiple_of(3))),
         })
     }
 }
@@ -605,7 +605,7 @@ fn check_reply(
                     "unknown context id {id}"
                 );
                 let descs = &payload[4..];
-                assert!(!descs.is_empty() && descs.len() % 8 == 0);
+                assert!(!descs.is_empty() && descs.len().is_multiple_of(8));
                 let n = descs.len() / 8;
                 assert!(n <= MAX_EXTENTS && (flags & CMD_FLAG_REQ_ONE == 0 || n == 1));
                 let sum: u64 = descs

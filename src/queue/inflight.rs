@@ -96,7 +96,7 @@ impl InflightRegion {
         if num_queues == 0 || !queue_size.is_power_of_two() {
             return Err(invalid("bad queue count or size"));
         }
-        if (mmap_size as usize) < need || offset % 4096 != 0 {
+        if (mmap_size as usize) < need || !offset.is_multiple_of(4096) {
             return Err(invalid("region too small or misaligned"));
         }
         // SAFETY: fcntl on an fd we own.
@@ -147,13 +147,13 @@ impl InflightRegion {
     }
 
     fn load<T: Copy>(&self, off: usize) -> T {
-        assert!(off + size_of::<T>() <= self.size && off % align_of::<T>() == 0);
+        assert!(off + size_of::<T>() <= self.size && off.is_multiple_of(align_of::<T>()));
         // SAFETY: in bounds and aligned (checked above) within our mapping.
         unsafe { std::ptr::read_volatile(self.ptr.as_ptr().add(off).cast::<T>()) }
     }
 
     fn store<T: Copy>(&self, off: usize, v: T) {
-        assert!(off + size_of::<T>() <= self.size && off % align_of::<T>() == 0);
+        assert!(off + size_of::<T>() <= self.size && off.is_multiple_of(align_of::<T>()));
         // SAFETY: in bounds and aligned (checked above) within our mapping.
         unsafe { std::ptr::write_volatile(self.ptr.as_ptr().add(off).cast::<T>(), v) }
     }

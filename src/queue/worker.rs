@@ -371,10 +371,10 @@ impl<E: Engine> QueueWorker<E> {
         }
         if self.vring.is_none() {
             self.vring = Some(vring.clone());
-            if let Some(cpu) = self.pin {
-                if let Err(e) = crate::cpu::pin_current_thread(cpu) {
-                    log::warn!("cannot pin queue worker to CPU {cpu}: {e}");
-                }
+            if let Some(cpu) = self.pin
+                && let Err(e) = crate::cpu::pin_current_thread(cpu)
+            {
+                log::warn!("cannot pin queue worker to CPU {cpu}: {e}");
             }
         }
         self.poll.woke_up();
@@ -1159,10 +1159,10 @@ impl<E: Engine> QueueWorker<E> {
         if std::mem::take(&mut self.holds_lock) {
             self.device.release_image();
         }
-        if std::mem::take(&mut self.waits_lock) {
-            if let Some(lock) = self.device.image_lock() {
-                lock.set_waiting(false);
-            }
+        if std::mem::take(&mut self.waits_lock)
+            && let Some(lock) = self.device.image_lock()
+        {
+            lock.set_waiting(false);
         }
     }
 

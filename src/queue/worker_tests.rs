@@ -568,7 +568,10 @@ impl ClosedLoop {
         while self.seen != used {
             let (head, len) = rig.driver.used_elem(self.seen);
             let first = head as u16;
-            assert!(first % 3 == 0 && first / 3 < self.depth, "head {head}");
+            assert!(
+                first.is_multiple_of(3) && first / 3 < self.depth,
+                "head {head}"
+            );
             assert_eq!(len, 4097, "request {head} failed");
             assert_eq!(rig.status(first), 0, "request {head} status");
             self.done.push(Instant::now());

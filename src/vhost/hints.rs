@@ -142,10 +142,10 @@ impl SetupHints {
                 }
             }
             FrontendReq::GET_INFLIGHT_FD | FrontendReq::SET_INFLIGHT_FD => {
-                if let Some(a) = payload_as::<VhostUserInflight>(payload) {
-                    if a.num_queues > self.queues {
-                        self.too_many_queues(a.num_queues);
-                    }
+                if let Some(a) = payload_as::<VhostUserInflight>(payload)
+                    && a.num_queues > self.queues
+                {
+                    self.too_many_queues(a.num_queues);
                 }
             }
             FrontendReq::SET_VRING_NUM
@@ -159,10 +159,10 @@ impl SetupHints {
                 }
             }
             FrontendReq::SET_VRING_BASE => {
-                if let Some(s) = state() {
-                    if let Some(ring) = self.ring(s.index) {
-                        ring.base = s.num as u16;
-                    }
+                if let Some(s) = state()
+                    && let Some(ring) = self.ring(s.index)
+                {
+                    ring.base = s.num as u16;
                 }
             }
             FrontendReq::SET_VRING_ADDR => {

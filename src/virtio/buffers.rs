@@ -232,7 +232,7 @@ impl GuestBuffers {
     pub fn aligned_to(&self, align: usize) -> bool {
         self.iovecs
             .iter()
-            .all(|v| (v.iov_base as usize) % align == 0 && v.iov_len % align == 0)
+            .all(|v| (v.iov_base as usize).is_multiple_of(align) && v.iov_len % align == 0)
     }
 }
 

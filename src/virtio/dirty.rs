@@ -68,7 +68,7 @@ impl LogRegion {
                 "a log of {size} bytes (at most {MAX_LOG})"
             )));
         }
-        if offset % LOG_PAGE != 0 {
+        if !offset.is_multiple_of(LOG_PAGE) {
             return Err(invalid(format!("log offset {offset} is not page-aligned")));
         }
         // SAFETY: fcntl on an fd `file` keeps open; no pointers.

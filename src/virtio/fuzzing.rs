@@ -212,7 +212,7 @@ fn check(
         sector
             .checked_add(sectors)
             .is_some_and(|end| end <= capacity_sectors)
-            && sector % bs_sectors == 0
+            && sector.is_multiple_of(bs_sectors)
     };
     let expected_type = match req.kind() {
         RequestKind::Read { sector } | RequestKind::Write { sector } => {

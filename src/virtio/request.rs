@@ -255,7 +255,7 @@ impl Parser {
                 if len > MAX_DATA_BYTES {
                     return reject(RequestError::TooLarge);
                 }
-                if len % limits.block_size != 0 {
+                if !len.is_multiple_of(limits.block_size) {
                     return reject(RequestError::BadLength);
                 }
                 if let Err(e) = check_range(limits, capacity_sectors, sector, len >> SECTOR_SHIFT) {
@@ -473,7 +473,7 @@ fn check_range(
     sectors: u32,
 ) -> Result<(), RequestError> {
     let align = u64::from(limits.block_size >> SECTOR_SHIFT);
-    if sector % align != 0 || u64::from(sectors) % align != 0 {
+    if !sector.is_multiple_of(align) || u64::from(sectors) % align != 0 {
         return Err(RequestError::Misaligned);
     }
     match sector.checked_add(u64::from(sectors)) {

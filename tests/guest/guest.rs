@@ -304,10 +304,10 @@ fn run(sc: Scenario) {
         return;
     };
     let backend = backend();
-    if backend == Backend::Qsd {
-        if let Some(why) = qemu_unusable(QSD) {
-            panic!("RINGBLK_GUEST_BACKEND=qsd but {why}");
-        }
+    if backend == Backend::Qsd
+        && let Some(why) = qemu_unusable(QSD)
+    {
+        panic!("RINGBLK_GUEST_BACKEND=qsd but {why}");
     }
     let _one = vm::one_guest();
 
@@ -417,10 +417,10 @@ fn run(sc: Scenario) {
     let mut daemon = daemon.into_inner().unwrap_or_else(|e| e.into_inner());
     let daemon_status = daemon.wait_for(Duration::from_secs(1));
     drop(daemon);
-    if let Some(status) = daemon_status {
-        if status.signal().is_some() || status.code() == Some(101) {
-            problems.push(format!("the daemon died: {status}"));
-        }
+    if let Some(status) = daemon_status
+        && (status.signal().is_some() || status.code() == Some(101))
+    {
+        problems.push(format!("the daemon died: {status}"));
     }
     if !problems.is_empty() {
         panic!(

@@ -179,7 +179,7 @@ fn copies_under_writes_are_the_instant() {
                 store.before_write(off, len);
                 f.write_all_at(&pattern(2, off, len as usize), off).unwrap();
                 writes += 1;
-                if writes % 64 == 0 {
+                if writes.is_multiple_of(64) {
                     thread::sleep(Duration::from_millis(1));
                 }
             }

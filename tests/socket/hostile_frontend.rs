@@ -1253,10 +1253,10 @@ impl Dev {
                 at.map(|a| self.g.byte(a))
             ),
         };
-        if len == 0 {
-            if let Some(at) = status {
-                assert_ne!(self.g.byte(at), S_OK, "{name}: OK with used length 0");
-            }
+        if len == 0
+            && let Some(at) = status
+        {
+            assert_ne!(self.g.byte(at), S_OK, "{name}: OK with used length 0");
         }
         self.report.push(format!("  {name:<64} {got}"));
     }

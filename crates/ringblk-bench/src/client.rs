@@ -132,19 +132,19 @@ pub fn run(
 ) -> Result<LoadOutcome, ClientError> {
     let capacity = blkio.get_u64("capacity").map_err(blkio_err("capacity"))?;
     let region = w.size.map_or(capacity, |s| s.min(capacity));
-    if w.bs == 0 || w.bs % 512 != 0 || region < w.bs || w.iodepth == 0 || w.queues == 0 {
+    if w.bs == 0 || !w.bs.is_multiple_of(512) || region < w.bs || w.iodepth == 0 || w.queues == 0 {
         return Err(ClientError::Invalid(format!(
             "bs {} (a multiple of 512), iodepth {}, queues {} do not fit a {region}-byte device",
             w.bs, w.iodepth, w.queues
         )));
     }
-    if let Some(d) = w.distinct {
-        if !w.rw.is_random() || d < w.bs || d % w.bs != 0 || d > region / u64::from(w.queues) {
-            return Err(ClientError::Invalid(format!(
-                "--distinct {d}: for random patterns, a multiple of bs {} that fits {} times in the {region}-byte device",
-                w.bs, w.queues
-            )));
-        }
+    if let Some(d) = w.distinct
+        && (!w.rw.is_random() || d < w.bs || d % w.bs != 0 || d > region / u64::from(w.queues))
+    {
+        return Err(ClientError::Invalid(format!(
+            "--distinct {d}: for random patterns, a multiple of bs {} that fits {} times in the {region}-byte device",
+            w.bs, w.queues
+        )));
     }
     let (n_queues, n_poll) = if w.poll { (0, w.queues) } else { (w.queues, 0) };
     blkio

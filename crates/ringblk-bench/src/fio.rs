@@ -118,10 +118,11 @@ impl FioJob<'_> {
                     log: proc::tail(self.log, 3),
                 });
             }
-            if now >= from && now <= to {
-                if let Ok(cpu) = proc::cpu_seconds(pid) {
-                    samples.push((now, cpu));
-                }
+            if now >= from
+                && now <= to
+                && let Ok(cpu) = proc::cpu_seconds(pid)
+            {
+                samples.push((now, cpu));
             }
             std::thread::sleep(Duration::from_millis(50));
         };

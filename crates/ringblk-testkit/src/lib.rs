@@ -184,7 +184,7 @@ pub fn skip(why: &str) {
 /// The bytes of the test pattern at absolute offset `off`: every 8-byte
 /// word holds its own offset xor `seed`, so misplaced data is caught.
 pub fn pattern(seed: u64, off: u64, len: usize) -> Vec<u8> {
-    assert!(off % 8 == 0 && len % 8 == 0);
+    assert!(off.is_multiple_of(8) && len.is_multiple_of(8));
     (0..len as u64 / 8)
         .flat_map(|i| ((off + i * 8) ^ seed).to_le_bytes())
         .collect()

@@ -471,7 +471,7 @@ pub(crate) fn check_segment(seg: &Segment, metadata_end: u64, src_len: u64) -> R
             seg.offset
         )));
     }
-    if seg.offset % seg.sector_size as u64 != 0 {
+    if !seg.offset.is_multiple_of(seg.sector_size as u64) {
         return Err(corrupt(format!(
             "data segment at {} is not aligned to its {}-byte sectors",
             seg.offset, seg.sector_size

@@ -611,7 +611,7 @@ fn free_old(
         clusters.extend(e.table_offset / c..(e.table_offset + table_len).div_ceil(c));
         for t in table.chunks_exact(8) {
             let off = be64(t, 0) & TABLE_OFFSET;
-            if off != 0 && off % c == 0 && off + c <= file_len {
+            if off != 0 && off.is_multiple_of(c) && off + c <= file_len {
                 clusters.push(off / c);
             }
         }

@@ -150,7 +150,7 @@ fn check_range(
     cluster: u64,
     file_len: u64,
 ) -> Result<(), String> {
-    if offset == 0 || offset % cluster != 0 {
+    if offset == 0 || !offset.is_multiple_of(cluster) {
         return Err(format!(
             "{what} offset {offset:#x} is not a cluster boundary past the header"
         ));

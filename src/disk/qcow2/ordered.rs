@@ -583,7 +583,9 @@ impl FileState {
         let Some(log) = o.l2log.clone() else {
             return Ok(Some(data));
         };
-        if data.len() % 8 != 0 || (refblock && !(o.held.is_empty() && o.held_frees.is_empty())) {
+        if !data.len().is_multiple_of(8)
+            || (refblock && !(o.held.is_empty() && o.held_frees.is_empty()))
+        {
             return Ok(Some(data));
         }
         let mut changed = Vec::new();

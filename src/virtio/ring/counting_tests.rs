@@ -108,7 +108,9 @@ impl Counting {
                 (true, x) if x == used + 2 => t.used_idx_writes += 1,
                 (true, x) if x == avail_event => t.avail_event_writes += 1,
                 (true, x)
-                    if x >= used + 4 && x < used + 4 + 8 * size && (x - used - 4) % 8 == 0 =>
+                    if x >= used + 4
+                        && x < used + 4 + 8 * size
+                        && (x - used - 4).is_multiple_of(8) =>
                 {
                     assert_eq!(a.len, 8, "one store per used element");
                     t.used_elem_writes += 1

@@ -265,7 +265,7 @@ impl<M: GuestMemory + ?Sized> ViewChain<'_, '_, M> {
     /// chain ends) for a nested table or a length that is not whole
     /// descriptors or names more than 65535 of them.
     fn switch_to_indirect_table(&mut self, desc: &Descriptor) -> Option<()> {
-        if self.is_indirect || desc.len() as usize % DESC_SIZE != 0 {
+        if self.is_indirect || !(desc.len() as usize).is_multiple_of(DESC_SIZE) {
             return None;
         }
         let table_len = u16::try_from(desc.len() as usize / DESC_SIZE).ok()?;

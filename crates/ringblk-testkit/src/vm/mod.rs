@@ -668,16 +668,16 @@ pub fn threads_of(pid: u32) -> String {
         .args(["-ex", "thread apply all bt 25"])
         .stdin(Stdio::null())
         .output();
-    if let Ok(o) = gdb {
-        if o.status.success() {
-            let text = String::from_utf8_lossy(&o.stdout);
-            out.push_str("  user stacks (gdb):\n");
-            for line in text
-                .lines()
-                .filter(|l| l.starts_with('#') || l.starts_with("Thread"))
-            {
-                out.push_str(&format!("    {line}\n"));
-            }
+    if let Ok(o) = gdb
+        && o.status.success()
+    {
+        let text = String::from_utf8_lossy(&o.stdout);
+        out.push_str("  user stacks (gdb):\n");
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with('#') || l.starts_with("Thread"))
+        {
+            out.push_str(&format!("    {line}\n"));
         }
     }
     out
