@@ -276,7 +276,7 @@ pub const VERBS: &[Verb] = &[
         path: "/api/v1/backup/stop",
         control: true,
         slow: true,
-        doc: "End the backup export: {\"failed\": bool}; failed puts the exported changes back into the bitmap.",
+        doc: "End the backup export: {\"failed\": bool}; without it the exported changes leave the bitmap (the backup succeeded); failed keeps them in it.",
         run: backup_stop,
     },
     Verb {
@@ -526,8 +526,8 @@ fn backup_start(ctx: &Ctx<'_>) -> Reply {
     })())
 }
 
-/// POST /api/v1/backup/stop body: `failed` (default false): put the
-/// exported bits back into the bitmap.
+/// POST /api/v1/backup/stop body: `failed` (default false): the backup
+/// failed, and its bitmap keeps the changes it exported.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct BackupStopBody {

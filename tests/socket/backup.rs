@@ -328,7 +328,7 @@ fn an_incremental_backup_holds_every_change_and_nothing_else() {
     stop(d);
 }
 
-/// `backup stop --failed` puts the exported changes back: the next
+/// `backup stop --failed` keeps the exported changes in the bitmap: the next
 /// incremental holds them and what came after.
 #[test]
 fn a_failed_backup_loses_no_change() {
