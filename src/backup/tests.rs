@@ -249,7 +249,7 @@ fn the_view_exports_the_frozen_bitmap() {
 /// it. The store's cluster is the overlay's.
 #[test]
 fn a_qcow2_view_reads_the_chain_and_keeps_the_instant() {
-    use crate::disk::{Dir, Live, OpenOptions as DiskOptions, Where};
+    use crate::disk::{Dir, Live, Mapper, OpenOptions as DiskOptions, Where};
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("base.raw");
     std::fs::write(&base, pattern(1, 0, (4 * MIB) as usize)).unwrap();

@@ -32,6 +32,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::device::{Connection, Device};
+use crate::disk::Mapper;
 use crate::engine::{Core, Engine, EngineError, ImageFormat, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};

@@ -21,7 +21,7 @@
 
 use std::io::Write;
 
-use super::{Dir, Format, FormatError, Image, OpenOptions, Piece, Where};
+use super::{Dir, Format, FormatError, Image, Mapper, OpenOptions, Piece, Where};
 
 /// What one input led to (for the corpus test's coverage check).
 #[derive(Debug, PartialEq, Eq)]

@@ -40,9 +40,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::FormatError;
 use super::qcow2::{OpenOptions, Qcow2Image};
 use super::records::{RECORD_SUFFIX, Record};
+use super::{FormatError, Mapper};
 
 /// How long a snapshot waits for the requests in flight to finish.
 pub const QUIESCE_WAIT: Duration = Duration::from_secs(30);

@@ -15,14 +15,14 @@
 //!   queue's view of it and its bitmaps.
 //!
 //! The contract an engine follows, per request:
-//! 1. [`Image::map`] for the guest range: cheap, never blocks, never does
+//! 1. [`Mapper::map`] for the guest range: cheap, never blocks, never does
 //!    I/O. Each [`Piece`] says: data at (file, offset), do the I/O there;
 //!    zeroes (a read fills zeroes); or [`Where::Slow`]: metadata work is
 //!    needed (a cache miss, an allocation, copy-on-write, a compressed
 //!    cluster).
 //! 2. For a slow piece, the engine hands the request to the image's
 //!    metadata thread ([`qcow2::meta`]; the tests call it directly),
-//!    which calls [`Image::resolve`] (reads and writes) or [`Image::read_slow`]
+//!    which calls [`Mapper::resolve`] (reads and writes) or [`Mapper::read_slow`]
 //!    (compressed data, read into the caller's buffer), then completes back
 //!    to the queue. Other requests of the queue go on meanwhile.
 //! 3. After the data I/O of a write, if `resolve` returned a [`Commit`]
@@ -101,13 +101,13 @@ pub enum Dir {
 /// Where one piece of a guest range lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Where {
-    /// At `offset` in file `file` of [`Image::files`]: do the I/O there.
+    /// At `offset` in file `file` of [`Mapper::files`]: do the I/O there.
     Data { file: usize, offset: u64 },
-    /// Reads as zeroes (a read fills zeroes; [`Image::map`] never gives it
+    /// Reads as zeroes (a read fills zeroes; [`Mapper::map`] never gives it
     /// for a write).
     Zero,
-    /// Needs metadata work first: [`Image::resolve`] or, for a compressed
-    /// cluster, [`Image::read_slow`].
+    /// Needs metadata work first: [`Mapper::resolve`] or, for a compressed
+    /// cluster, [`Mapper::read_slow`].
     Slow,
 }
 
@@ -207,62 +207,10 @@ impl Image {
         }
     }
 
-    /// The guest-visible size in bytes.
-    pub fn size(&self) -> u64 {
-        match self {
-            Image::Raw(r) => r.size(),
-            Image::Qcow2(q) => q.size(),
-        }
-    }
-
     pub fn writable(&self) -> bool {
         match self {
             Image::Raw(r) => r.writable(),
             Image::Qcow2(q) => q.writable(),
-        }
-    }
-
-    /// The chain's open files, top first; a [`Where::Data`] indexes them.
-    pub fn files(&self) -> Vec<&File> {
-        match self {
-            Image::Raw(r) => vec![r.file()],
-            Image::Qcow2(q) => q.files(),
-        }
-    }
-
-    /// Appends the pieces of `[offset, offset + len)` to `out`, without I/O
-    /// and without blocking. The range must be inside the image (the
-    /// request was validated against [`Image::size`]).
-    pub fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>) {
-        match self {
-            Image::Raw(r) => r.map(offset, len, dir, out),
-            Image::Qcow2(q) => q.map(offset, len, dir, out),
-        }
-    }
-
-    /// The slow path of [`Image::map`]: loads metadata, allocates (with
-    /// copy-on-write) for a write, and appends pieces that are all `Data`
-    /// or `Zero`, except `Slow` for compressed data to read with
-    /// [`Image::read_slow`]. Blocks; runs off the queue thread.
-    pub fn resolve(
-        &self,
-        offset: u64,
-        len: u64,
-        dir: Dir,
-        out: &mut Vec<Piece>,
-    ) -> Result<Option<Commit>, FormatError> {
-        match self {
-            Image::Raw(r) => r.resolve(offset, len, dir, out),
-            Image::Qcow2(q) => q.resolve(offset, len, dir, out),
-        }
-    }
-
-    /// Reads guest data that has no plain host location (compressed
-    /// clusters) into `buf`. Blocks.
-    pub fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
-        match self {
-            Image::Raw(r) => r.read_slow(offset, buf),
-            Image::Qcow2(q) => q.read_slow(offset, buf),
         }
     }
 
@@ -316,15 +264,24 @@ impl Image {
 /// The test seam is one more [`Mapper`], by format.
 impl Mapper for Image {
     fn size(&self) -> u64 {
-        Image::size(self)
+        match self {
+            Image::Raw(r) => r.size(),
+            Image::Qcow2(q) => q.size(),
+        }
     }
 
     fn files(&self) -> Vec<&File> {
-        Image::files(self)
+        match self {
+            Image::Raw(r) => vec![r.file()],
+            Image::Qcow2(q) => q.files(),
+        }
     }
 
     fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>) {
-        Image::map(self, offset, len, dir, out);
+        match self {
+            Image::Raw(r) => r.map(offset, len, dir, out),
+            Image::Qcow2(q) => q.map(offset, len, dir, out),
+        }
     }
 
     fn resolve(
@@ -334,11 +291,17 @@ impl Mapper for Image {
         dir: Dir,
         out: &mut Vec<Piece>,
     ) -> Result<Option<Commit>, FormatError> {
-        Image::resolve(self, offset, len, dir, out)
+        match self {
+            Image::Raw(r) => r.resolve(offset, len, dir, out),
+            Image::Qcow2(q) => q.resolve(offset, len, dir, out),
+        }
     }
 
     fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
-        Image::read_slow(self, offset, buf)
+        match self {
+            Image::Raw(r) => r.read_slow(offset, buf),
+            Image::Qcow2(q) => q.read_slow(offset, buf),
+        }
     }
 }
 

@@ -32,10 +32,6 @@ impl RawImage {
         })
     }
 
-    pub fn size(&self) -> u64 {
-        self.size.load(Ordering::Acquire)
-    }
-
     pub fn writable(&self) -> bool {
         self.writable
     }
@@ -113,7 +109,7 @@ impl RawImage {
 /// The identity: every range is itself in file 0.
 impl Mapper for RawImage {
     fn size(&self) -> u64 {
-        RawImage::size(self)
+        self.size.load(Ordering::Acquire)
     }
 
     fn files(&self) -> Vec<&File> {

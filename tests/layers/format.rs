@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use harness::*;
-use ringblk::disk::{self, Format, FormatError, Image, OpenOptions};
+use ringblk::disk::{self, Format, FormatError, Image, Mapper, OpenOptions};
 
 /// An overlay over a base with known content (pattern 0), in `dir`.
 /// `kind`: "raw", "qcow2" or "compressed" (`qemu-img convert -c`).

@@ -29,7 +29,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::disk::reader::read_piece;
 use crate::disk::seam::{Piece, Place, Resolved, Slow, place};
-use crate::disk::{Commit, Dir, Served};
+use crate::disk::{Commit, Dir, Mapper, Served};
 use crate::metrics::RateLimiter;
 use crate::warn_limited;
 

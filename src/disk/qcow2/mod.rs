@@ -477,16 +477,8 @@ impl Qcow2Image {
         }
     }
 
-    pub fn size(&self) -> u64 {
-        self.size.load(Ordering::Acquire)
-    }
-
     pub fn writable(&self) -> bool {
         self.writable
-    }
-
-    pub fn files(&self) -> Vec<&File> {
-        self.files.iter().map(|f| f.file()).collect()
     }
 
     /// The chain's paths, top first (for `ctl status`).
@@ -506,39 +498,6 @@ impl Qcow2Image {
         match offset.checked_add(len) {
             Some(end) if end <= size => Ok(()),
             _ => Err(FormatError::OutOfRange { offset, len, size }),
-        }
-    }
-
-    /// The fast path: see [`super::Image::map`].
-    pub fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>) {
-        let gb = self.granule_bits;
-        let end = offset + len;
-        let mut pos = offset;
-        while pos < end {
-            let granule = pos >> gb;
-            let next = ((granule + 1) << gb).min(end);
-            let within = pos - (granule << gb);
-            let at = match (self.cache.get(granule), dir) {
-                (Some(Loc::Data { file, offset, .. }), Dir::Read) => Where::Data {
-                    file,
-                    offset: offset + within,
-                },
-                (
-                    Some(Loc::Data {
-                        file: 0,
-                        offset,
-                        writable: true,
-                    }),
-                    Dir::Write,
-                ) => Where::Data {
-                    file: 0,
-                    offset: offset + within,
-                },
-                (Some(Loc::Zero), Dir::Read) => Where::Zero,
-                _ => Where::Slow,
-            };
-            push_piece(out, pos, next - pos, at);
-            pos = next;
         }
     }
 
@@ -651,164 +610,6 @@ impl Qcow2Image {
         Ok(())
     }
 
-    /// The slow path: see [`super::Image::resolve`].
-    pub fn resolve(
-        &self,
-        offset: u64,
-        len: u64,
-        dir: Dir,
-        out: &mut Vec<Piece>,
-    ) -> Result<Option<Commit>, FormatError> {
-        self.check(offset, len, dir)?;
-        let end = offset + len;
-        let _meta = lock(&self.meta);
-        if dir == Dir::Read {
-            self.resolve_read(offset, end, out)?;
-            return Ok(None);
-        }
-        let cb = self.cluster_bits;
-        let csize = 1u64 << cb;
-        let mut ticket = None;
-        let mut entries = Vec::new();
-        let mut pos = offset;
-        while pos < end {
-            let cstart = pos & !(csize - 1);
-            let cend = (cstart + csize).min(self.size());
-            let wend = end.min(cend);
-            let (mapping, mlen) = self
-                .top
-                .get_mapping(cstart, cend - cstart)
-                .map_err(FormatError::io("reading metadata"))?;
-            let (host, fresh, must_commit) = match mapping {
-                Mapping::Raw {
-                    storage,
-                    offset: host,
-                    writable: true,
-                    ..
-                } if storage.0.index() == 0 && mlen >= cend - cstart => {
-                    self.check_host(0, host, csize)?;
-                    (host, false, false)
-                }
-                other => {
-                    // Replacing a compressed or shared cluster of the top
-                    // frees it; it must not be reused before the new mapping
-                    // is durable, so commit before anyone allocates again.
-                    let frees = match other {
-                        Mapping::Special { layer, .. } => std::ptr::eq(layer, &*self.top),
-                        Mapping::Raw { storage, .. } => storage.0.index() == 0,
-                        _ => false,
-                    };
-                    // The request's own range is overwritten by its data
-                    // write, so only the rest of the cluster is copied (as
-                    // QEMU copies head and tail): the data write then finds
-                    // no page of its own range dirty in the page cache,
-                    // which an O_DIRECT write would have to write back and
-                    // drop first. imago skips a range at either end of the
-                    // cluster; for one in the middle, the tail is read
-                    // through the chain first and written once the cluster
-                    // is allocated. The L2 entry is in imago's cache from
-                    // the allocation on, and a commit (another request's,
-                    // or this one's below) may write it before the data
-                    // write: the file covers the cluster first (`cover`).
-                    let tail = if pos > cstart && wend < cend {
-                        let mut tail = vec![0u8; (cend - wend) as usize];
-                        self.top
-                            .read(&mut tail, wend)
-                            .map_err(FormatError::io("copy-on-write"))?;
-                        Some(tail)
-                    } else {
-                        None
-                    };
-                    let skip_end = if tail.is_some() { cend } else { wend };
-                    let (_, at, got) = self
-                        .top
-                        .ensure_data_mapping(pos, skip_end - pos, true)
-                        .map_err(FormatError::io("allocating"))?;
-                    if let Some(tail) = &tail {
-                        self.top
-                            .write(tail, wend)
-                            .map_err(FormatError::io("copy-on-write"))?;
-                    }
-                    if got < skip_end - pos || at < pos - cstart {
-                        return Err(FormatError::Io {
-                            context: "allocating",
-                            source: io::Error::other(format!(
-                                "allocated {got} of {} bytes at {pos:#x}",
-                                wend - pos
-                            )),
-                        });
-                    }
-                    let host = at - (pos - cstart);
-                    if self.files[0].is_metadata(host >> cb) {
-                        return Err(FormatError::Io {
-                            context: "allocating",
-                            source: io::Error::new(
-                                io::ErrorKind::InvalidData,
-                                format!(
-                                    "cluster {host:#x} was allocated for data but holds metadata: \
-                                     the refcounts are corrupt (qemu-img check -r all)"
-                                ),
-                            ),
-                        });
-                    }
-                    // Inside the file before an L2 entry can point here.
-                    self.files[0]
-                        .cover(host + csize)
-                        .map_err(FormatError::io("allocating"))?;
-                    (host, true, frees)
-                }
-            };
-            if fresh {
-                let generation = self.dirty.fetch_add(1, Ordering::AcqRel) + 1;
-                ticket = Some(Commit(generation));
-            }
-            // A new L2 table or refblock was hooked up, or a cluster freed:
-            // commit now, before anything can reuse a cluster the file still
-            // points to (the next allocation, or the engine's data write).
-            if must_commit || self.files[0].has_held() {
-                self.commit_locked()?;
-            }
-            // The cluster's granules are writable data of the top: cached
-            // now if its metadata is in the file, else once it is.
-            let gb = self.granule_bits;
-            let mut g = cstart;
-            while g < cend {
-                entries.push((
-                    g >> gb,
-                    Loc::Data {
-                        file: 0,
-                        offset: host + (g - cstart),
-                        writable: true,
-                    },
-                ));
-                g += 1 << gb;
-            }
-            push_piece(
-                out,
-                pos,
-                wend - pos,
-                Where::Data {
-                    file: 0,
-                    offset: host + (pos - cstart),
-                },
-            );
-            pos = wend;
-        }
-        let dirty = self.dirty.load(Ordering::Acquire);
-        if self.committed.load(Ordering::Acquire) >= dirty {
-            for (g, loc) in entries {
-                self.cache.insert(g, loc);
-            }
-        } else {
-            // Something is not committed yet, perhaps the allocation of
-            // these very clusters by a request still in flight (imago's
-            // cache has it, the file may not): this write waits for it too.
-            lock(&self.uncommitted).extend(entries);
-            ticket = Some(Commit(dirty));
-        }
-        Ok(ticket)
-    }
-
     /// Whether all metadata changed so far is in the file. Under `meta`.
     fn all_committed(&self) -> bool {
         self.committed.load(Ordering::Acquire) >= self.dirty.load(Ordering::Acquire)
@@ -823,14 +624,6 @@ impl Qcow2Image {
             self.cache.remove(g);
         }
         lock(&self.uncommitted).retain(|(g, _)| *g < first || *g >= last);
-    }
-
-    /// Reads `buf` at guest `offset` through imago (compressed clusters).
-    pub fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
-        self.check(offset, buf.len() as u64, Dir::Read)?;
-        self.top
-            .read(buf, offset)
-            .map_err(FormatError::io("reading compressed data"))
     }
 
     /// Writes imago's dirty metadata, then the pointer writes held back.
@@ -1641,20 +1434,50 @@ fn check_l1_covers(path: &Path, header: &[u8], size: u64) -> Result<(), FormatEr
     Ok(())
 }
 
-/// A qcow2 image's mapping through its chain (the inherent methods).
+/// A qcow2 image's mapping through its chain.
 impl Mapper for Qcow2Image {
     fn size(&self) -> u64 {
-        Qcow2Image::size(self)
+        self.size.load(Ordering::Acquire)
     }
 
     fn files(&self) -> Vec<&File> {
-        Qcow2Image::files(self)
+        self.files.iter().map(|f| f.file()).collect()
     }
 
+    /// The fast path: see [`Mapper::map`].
     fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>) {
-        Qcow2Image::map(self, offset, len, dir, out);
+        let gb = self.granule_bits;
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let granule = pos >> gb;
+            let next = ((granule + 1) << gb).min(end);
+            let within = pos - (granule << gb);
+            let at = match (self.cache.get(granule), dir) {
+                (Some(Loc::Data { file, offset, .. }), Dir::Read) => Where::Data {
+                    file,
+                    offset: offset + within,
+                },
+                (
+                    Some(Loc::Data {
+                        file: 0,
+                        offset,
+                        writable: true,
+                    }),
+                    Dir::Write,
+                ) => Where::Data {
+                    file: 0,
+                    offset: offset + within,
+                },
+                (Some(Loc::Zero), Dir::Read) => Where::Zero,
+                _ => Where::Slow,
+            };
+            push_piece(out, pos, next - pos, at);
+            pos = next;
+        }
     }
 
+    /// The slow path: see [`Mapper::resolve`].
     fn resolve(
         &self,
         offset: u64,
@@ -1662,10 +1485,161 @@ impl Mapper for Qcow2Image {
         dir: Dir,
         out: &mut Vec<Piece>,
     ) -> Result<Option<Commit>, FormatError> {
-        Qcow2Image::resolve(self, offset, len, dir, out)
+        self.check(offset, len, dir)?;
+        let end = offset + len;
+        let _meta = lock(&self.meta);
+        if dir == Dir::Read {
+            self.resolve_read(offset, end, out)?;
+            return Ok(None);
+        }
+        let cb = self.cluster_bits;
+        let csize = 1u64 << cb;
+        let mut ticket = None;
+        let mut entries = Vec::new();
+        let mut pos = offset;
+        while pos < end {
+            let cstart = pos & !(csize - 1);
+            let cend = (cstart + csize).min(self.size());
+            let wend = end.min(cend);
+            let (mapping, mlen) = self
+                .top
+                .get_mapping(cstart, cend - cstart)
+                .map_err(FormatError::io("reading metadata"))?;
+            let (host, fresh, must_commit) = match mapping {
+                Mapping::Raw {
+                    storage,
+                    offset: host,
+                    writable: true,
+                    ..
+                } if storage.0.index() == 0 && mlen >= cend - cstart => {
+                    self.check_host(0, host, csize)?;
+                    (host, false, false)
+                }
+                other => {
+                    // Replacing a compressed or shared cluster of the top
+                    // frees it; it must not be reused before the new mapping
+                    // is durable, so commit before anyone allocates again.
+                    let frees = match other {
+                        Mapping::Special { layer, .. } => std::ptr::eq(layer, &*self.top),
+                        Mapping::Raw { storage, .. } => storage.0.index() == 0,
+                        _ => false,
+                    };
+                    // The request's own range is overwritten by its data
+                    // write, so only the rest of the cluster is copied (as
+                    // QEMU copies head and tail): the data write then finds
+                    // no page of its own range dirty in the page cache,
+                    // which an O_DIRECT write would have to write back and
+                    // drop first. imago skips a range at either end of the
+                    // cluster; for one in the middle, the tail is read
+                    // through the chain first and written once the cluster
+                    // is allocated. The L2 entry is in imago's cache from
+                    // the allocation on, and a commit (another request's,
+                    // or this one's below) may write it before the data
+                    // write: the file covers the cluster first (`cover`).
+                    let tail = if pos > cstart && wend < cend {
+                        let mut tail = vec![0u8; (cend - wend) as usize];
+                        self.top
+                            .read(&mut tail, wend)
+                            .map_err(FormatError::io("copy-on-write"))?;
+                        Some(tail)
+                    } else {
+                        None
+                    };
+                    let skip_end = if tail.is_some() { cend } else { wend };
+                    let (_, at, got) = self
+                        .top
+                        .ensure_data_mapping(pos, skip_end - pos, true)
+                        .map_err(FormatError::io("allocating"))?;
+                    if let Some(tail) = &tail {
+                        self.top
+                            .write(tail, wend)
+                            .map_err(FormatError::io("copy-on-write"))?;
+                    }
+                    if got < skip_end - pos || at < pos - cstart {
+                        return Err(FormatError::Io {
+                            context: "allocating",
+                            source: io::Error::other(format!(
+                                "allocated {got} of {} bytes at {pos:#x}",
+                                wend - pos
+                            )),
+                        });
+                    }
+                    let host = at - (pos - cstart);
+                    if self.files[0].is_metadata(host >> cb) {
+                        return Err(FormatError::Io {
+                            context: "allocating",
+                            source: io::Error::new(
+                                io::ErrorKind::InvalidData,
+                                format!(
+                                    "cluster {host:#x} was allocated for data but holds metadata: \
+                                     the refcounts are corrupt (qemu-img check -r all)"
+                                ),
+                            ),
+                        });
+                    }
+                    // Inside the file before an L2 entry can point here.
+                    self.files[0]
+                        .cover(host + csize)
+                        .map_err(FormatError::io("allocating"))?;
+                    (host, true, frees)
+                }
+            };
+            if fresh {
+                let generation = self.dirty.fetch_add(1, Ordering::AcqRel) + 1;
+                ticket = Some(Commit(generation));
+            }
+            // A new L2 table or refblock was hooked up, or a cluster freed:
+            // commit now, before anything can reuse a cluster the file still
+            // points to (the next allocation, or the engine's data write).
+            if must_commit || self.files[0].has_held() {
+                self.commit_locked()?;
+            }
+            // The cluster's granules are writable data of the top: cached
+            // now if its metadata is in the file, else once it is.
+            let gb = self.granule_bits;
+            let mut g = cstart;
+            while g < cend {
+                entries.push((
+                    g >> gb,
+                    Loc::Data {
+                        file: 0,
+                        offset: host + (g - cstart),
+                        writable: true,
+                    },
+                ));
+                g += 1 << gb;
+            }
+            push_piece(
+                out,
+                pos,
+                wend - pos,
+                Where::Data {
+                    file: 0,
+                    offset: host + (pos - cstart),
+                },
+            );
+            pos = wend;
+        }
+        let dirty = self.dirty.load(Ordering::Acquire);
+        if self.committed.load(Ordering::Acquire) >= dirty {
+            for (g, loc) in entries {
+                self.cache.insert(g, loc);
+            }
+        } else {
+            // Something is not committed yet, perhaps the allocation of
+            // these very clusters by a request still in flight (imago's
+            // cache has it, the file may not): this write waits for it too.
+            lock(&self.uncommitted).extend(entries);
+            ticket = Some(Commit(dirty));
+        }
+        Ok(ticket)
     }
 
+    /// Reads `buf` at guest `offset` through imago (compressed clusters).
     fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
-        Qcow2Image::read_slow(self, offset, buf)
+        self.check(offset, buf.len() as u64, Dir::Read)?;
+        self.top
+            .read(buf, offset)
+            .map_err(FormatError::io("reading compressed data"))
     }
 }

@@ -11,6 +11,7 @@ use std::time::Duration;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::meta::{Inbox, Job, Meta, Work};
+use crate::disk::Mapper;
 use crate::disk::live::Gate;
 use crate::disk::seam::{Completions, Extent, Format, Mapping, Piece, Place, Slow, place};
 use crate::disk::{Commit, Dir, Live, Served, Where};

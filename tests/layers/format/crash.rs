@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use super::harness::*;
 use ringblk::disk::qcow2::{Journal, JournalOp};
-use ringblk::disk::{Format, Image, OpenOptions};
+use ringblk::disk::{Format, Image, Mapper, OpenOptions};
 
 /// An overlay with 4 KiB clusters over a qcow2 base, so that a short
 /// workload needs new L2 tables and new refblocks too (each L2 table covers

@@ -5,7 +5,7 @@
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use ringblk::disk::{Dir, Format, FormatError, Image, OpenOptions, Piece, Where};
+use ringblk::disk::{Dir, Format, FormatError, Image, Mapper, OpenOptions, Piece, Where};
 pub use ringblk_testkit::qemu_img::{
     check, check_clean, compare_identical, create_qcow2, overlay, qemu_img, run, sha256,
 };
