@@ -57,6 +57,7 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
+use self::bounce::AlignedBuf;
 pub use self::core::Core;
 pub use crate::disk::seam::{Completions, Extent, Format, ImageFormat, Raw};
 pub use null::NullEngine;
@@ -75,6 +76,8 @@ use crate::virtio::{GuestBuffers, GuestMem, Request, Status};
 #[derive(Debug)]
 pub struct Io {
     data: Data,
+    /// What a write writes instead of its guest buffers (ciphertext).
+    staged: Option<Staged>,
     op: Op,
     at: Extent,
     fua: bool,
@@ -98,6 +101,7 @@ impl Io {
     pub(crate) fn new(req: Request, op: Op, at: Extent, fua: bool) -> Io {
         Io {
             data: Data::Request(req),
+            staged: None,
             op,
             at,
             fua,
@@ -122,11 +126,25 @@ impl Io {
         };
         Io {
             data,
+            staged: None,
             op,
             at,
             fua,
             tag,
         }
+    }
+
+    /// This write writes `staged` instead of its guest buffers.
+    pub(crate) fn with_staged(mut self, staged: Staged) -> Io {
+        self.staged = Some(staged);
+        self
+    }
+
+    /// The private buffer a write writes from, if the core staged one: an
+    /// engine writes these bytes, never the guest buffers, then.
+    #[inline]
+    pub fn staged(&self) -> Option<&Staged> {
+        self.staged.as_ref()
     }
 
     /// The buffers to read into or write from (the memory they point into
@@ -142,7 +160,10 @@ impl Io {
     /// Bytes to transfer.
     #[inline]
     pub fn len(&self) -> u32 {
-        self.data().len()
+        match &self.staged {
+            Some(s) => s.len as u32,
+            None => self.data().len(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -173,9 +194,48 @@ impl Io {
     /// The request, if this carries it whole.
     #[inline]
     pub(crate) fn into_request(self) -> Option<Request> {
+        self.into_parts().0
+    }
+
+    /// The request, if this carries it whole, and the staged buffer, for
+    /// its pool.
+    #[inline]
+    pub(crate) fn into_parts(self) -> (Option<Request>, Option<AlignedBuf>) {
+        let staged = self.staged.map(|s| s.buf);
         match self.data {
-            Data::Request(r) => Some(r),
-            Data::Part(_) => None,
+            Data::Request(r) => (Some(r), staged),
+            Data::Part(_) => (None, staged),
+        }
+    }
+}
+
+/// Bytes the core prepared in a private, page-aligned buffer for a write
+/// (an encrypted disk's ciphertext, see [`core`]): what the engine writes
+/// instead of the request's guest buffers.
+#[derive(Debug)]
+pub struct Staged {
+    buf: AlignedBuf,
+    len: usize,
+}
+
+impl Staged {
+    /// The first `len` bytes of `buf` (which holds at least that many).
+    pub(crate) fn new(buf: AlignedBuf, len: usize) -> Staged {
+        assert!(len <= buf.as_slice().len());
+        Staged { buf, len }
+    }
+
+    /// The bytes to write.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.buf.as_slice()[..self.len]
+    }
+
+    /// One iovec over them, for the kernel: valid while `self` lives
+    /// where it is (the buffer is on the heap and does not move with it).
+    pub fn iovec(&self) -> libc::iovec {
+        libc::iovec {
+            iov_base: self.buf.as_slice().as_ptr().cast_mut().cast(),
+            iov_len: self.len,
         }
     }
 }
