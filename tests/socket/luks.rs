@@ -399,3 +399,90 @@ fn usage_error(dir: &Path, args: &[&str]) -> String {
     assert!(!dir.join("usage.sock").exists(), "nothing is served");
     err.lines().next().unwrap_or_default().to_string()
 }
+
+/// The passphrase from an inherited descriptor (a pipe, as a secret
+/// store hands it over) opens the image too.
+#[test]
+fn key_from_an_inherited_descriptor() {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let dir = test_dir();
+    let img = qemu_img_luks(dir.path(), "fd.luks", 4 * MIB);
+    qemu_io(dir.path(), &img, &["write -P 0x5a 1M 64k"]);
+    let (r, mut w) = std::io::pipe().unwrap();
+    w.write_all(PASS).unwrap();
+    drop(w);
+    let rfd = r.as_raw_fd();
+    let configure = move |cmd: &mut std::process::Command| {
+        // SAFETY: dup2 in the child between fork and exec: one
+        // async-signal-safe syscall on descriptors the child inherited.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(rfd, 5) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    };
+    let d = Daemon::start_in(
+        dir.path(),
+        DaemonOptions {
+            image: Some(img.clone()),
+            args: &["--format", "luks", "--key-fd", "5"],
+            configure: Some(&configure),
+            ..DaemonOptions::default()
+        },
+    );
+    drop(r);
+    let mut c = Client::connect(&d.socket, 1 << 20);
+    assert_eq!(
+        c.read(MIB, 64 * KIB as usize),
+        vec![0x5a; 64 * KIB as usize]
+    );
+}
+
+/// A key file readable by others gets a WARN line; bitmaps work on an
+/// encrypted image, and a backup (whose export would serve what the
+/// view reads: the file's ciphertext) is refused with one line.
+#[test]
+fn loose_key_file_warned_and_backups_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = test_dir();
+    let img = qemu_img_luks(dir.path(), "w.luks", 4 * MIB);
+    let key = key_file(dir.path(), PASS);
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let api = dir.path().join("api.sock");
+    let backups = dir.path().join("backups");
+    std::fs::create_dir(&backups).unwrap();
+    let d = Daemon::start_in(
+        dir.path(),
+        DaemonOptions {
+            image: Some(img),
+            args: &[
+                "--format",
+                "luks",
+                "--key-file",
+                key.to_str().unwrap(),
+                "--api",
+                api.to_str().unwrap(),
+                "--backup-dir",
+                backups.to_str().unwrap(),
+            ],
+            ..DaemonOptions::default()
+        },
+    );
+    let log = d.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("WARN") && l.contains("readable by group or others")),
+        "{log}"
+    );
+    ringblk_testkit::ctl_ok(&api, &["bitmap", "add", "b"]);
+    ringblk_testkit::ctl_fails(
+        &api,
+        &["backup", "start", "--nbd", "x.sock"],
+        "encrypted (--format luks)",
+    );
+}
