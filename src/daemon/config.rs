@@ -737,7 +737,10 @@ fn open_luks(args: &ServeArgs, image: &Image) -> Result<LuksSetup, DaemonError> 
     if let Some(w) = &key.warning {
         log::warn!("{w}");
     }
-    let opened = crate::disk::luks::Luks::open(&image.file, image.size, &key.secret);
+    let opened = without_direct(&image.file, || {
+        crate::disk::luks::Luks::open(&image.file, image.size, &key.secret)
+    })
+    .map_err(|e| DaemonError::Config(format!("{}: {e}", image.path.display())))?;
     // The passphrase's key memory is zeroed now, opened or not.
     drop(key);
     let luks = opened.map_err(|e| DaemonError::Config(format!("{}: {e}", image.path.display())))?;
@@ -773,6 +776,29 @@ fn open_luks(args: &ServeArgs, image: &Image) -> Result<LuksSetup, DaemonError> 
         offset: luks.offset,
         size: luks.size,
     })
+}
+
+/// Runs `f` with O_DIRECT off on `file` (`--direct`): the header is read
+/// into buffers of any alignment. The daemon is starting: nothing else
+/// uses the file yet.
+fn without_direct<T>(file: &std::fs::File, f: impl FnOnce() -> T) -> std::io::Result<T> {
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a descriptor the image owns; no memory is passed.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let direct = flags & libc::O_DIRECT != 0;
+    // SAFETY: as above.
+    if direct && unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_DIRECT) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let out = f();
+    // SAFETY: as above.
+    if direct && unsafe { libc::fcntl(fd, libc::F_SETFL, flags) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(out)
 }
 
 /// What `--format` and `--snapshot-dir` need of the other options.

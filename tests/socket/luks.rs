@@ -73,10 +73,17 @@ fn assert_holds(what: &str, plain: &[u8], written: &[(u64, Vec<u8>)]) {
 
 /// Through ringblk, then decrypted by Python with cryptsetup's volume key;
 /// and, for LUKS1, by QEMU.
-fn round_trip(name: &str, size: u64, format_args: &[&str], sector: usize, luks1: bool) {
+fn round_trip(
+    name: &str,
+    size: u64,
+    format_args: &[&str],
+    sector: usize,
+    luks1: bool,
+    serve_args: &[&str],
+) {
     let dir = test_dir();
     let img = format(dir.path(), name, size, format_args);
-    let mut d = serve(dir.path(), &img, &[]);
+    let mut d = serve(dir.path(), &img, serve_args);
     let mut c = Client::connect(&d.socket, 1 << 20);
     let payload = c.capacity;
     assert!(payload > 0 && payload < size, "payload {payload}");
@@ -115,6 +122,7 @@ fn luks2_512_byte_sectors_pbkdf2() {
         ],
         512,
         false,
+        &[],
     );
 }
 
@@ -137,6 +145,30 @@ fn luks2_4096_byte_sectors_argon2id() {
         ],
         4096,
         false,
+        &[],
+    );
+}
+
+/// O_DIRECT: writes go from the staged buffers (page-aligned) as they
+/// are; reads land in the guest's buffers (or a bounce buffer) first.
+#[test]
+fn luks2_4096_byte_sectors_direct() {
+    round_trip(
+        "l2-direct.img",
+        24 * MIB,
+        &[
+            "--type",
+            "luks2",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--sector-size",
+            "4096",
+        ],
+        4096,
+        false,
+        &["--direct"],
     );
 }
 
@@ -155,6 +187,7 @@ fn luks1_from_cryptsetup() {
         ],
         512,
         true,
+        &[],
     );
 }
 
