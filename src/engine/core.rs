@@ -534,11 +534,11 @@ impl<E: Engine, F: Format> Core<E, F> {
             }
             let req = req.expect("an untracked Io is a request");
             format.finished();
-            let status = match crypt {
+            let (req, status) = match crypt {
                 Some(c) => decrypted(c, scratch, req, status),
                 None => (req, status),
             };
-            f(completed(device, unflushed, status.0, status.1));
+            f(completed(device, unflushed, req, status));
             n += 1;
         });
         if !self.reaped.is_empty() {
