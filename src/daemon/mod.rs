@@ -327,10 +327,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     };
     let format = move || match (&qcow2, &luks) {
         (Some((live, meta)), _) => ImageFormat::chain(live.clone(), meta.clone()),
-        (None, Some((offset, crypt))) => ImageFormat::Luks {
-            offset: *offset,
-            crypt: crypt.clone(),
-        },
+        (None, Some((offset, crypt))) => ImageFormat::Luks(Box::new((*offset, crypt.clone()))),
         (None, None) => ImageFormat::Raw,
     };
     match (cfg.args.engine, cfg.backing) {

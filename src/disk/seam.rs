@@ -213,11 +213,9 @@ pub enum ImageFormat {
     Raw,
     Qcow2(Box<Qcow2>),
     /// A LUKS image ([`super::luks`]): guest byte `o` is at `offset + o`
-    /// in file 0, encrypted with `crypt`.
-    Luks {
-        offset: u64,
-        crypt: Arc<Crypt>,
-    },
+    /// in file 0 (`.0`), encrypted with `.1` (boxed: the enum stays as
+    /// small as raw's path wants).
+    Luks(Box<(u64, Arc<Crypt>)>),
 }
 
 impl ImageFormat {
@@ -234,11 +232,11 @@ impl Format for ImageFormat {
         match self {
             ImageFormat::Raw => Raw.map(op, offset, len),
             ImageFormat::Qcow2(q) => q.map(op, offset, len),
-            ImageFormat::Luks { offset: base, .. } => Mapping::Host(Extent {
+            ImageFormat::Luks(luks) => Mapping::Host(Extent {
                 file: 0,
                 // The request is inside the payload, which is inside the
                 // file: no overflow.
-                offset: *base + offset,
+                offset: luks.0 + offset,
             }),
         }
     }
@@ -259,14 +257,14 @@ impl Format for ImageFormat {
     #[inline]
     fn files_changed(&mut self) -> Option<Vec<RawFd>> {
         match self {
-            ImageFormat::Raw | ImageFormat::Luks { .. } => None,
+            ImageFormat::Raw | ImageFormat::Luks(_) => None,
             ImageFormat::Qcow2(q) => q.files_changed(),
         }
     }
 
     fn completions(&mut self, engine: Completions) -> io::Result<Completions> {
         match self {
-            ImageFormat::Raw | ImageFormat::Luks { .. } => Ok(engine),
+            ImageFormat::Raw | ImageFormat::Luks(_) => Ok(engine),
             ImageFormat::Qcow2(q) => q.completions(engine),
         }
     }
@@ -286,7 +284,7 @@ impl Format for ImageFormat {
     #[inline]
     fn slow_in_flight(&self) -> usize {
         match self {
-            ImageFormat::Raw | ImageFormat::Luks { .. } => 0,
+            ImageFormat::Raw | ImageFormat::Luks(_) => 0,
             ImageFormat::Qcow2(q) => q.slow_in_flight(),
         }
     }
@@ -305,7 +303,7 @@ impl Format for ImageFormat {
 
     fn crypt(&self) -> Option<Arc<Crypt>> {
         match self {
-            ImageFormat::Luks { crypt, .. } => Some(crypt.clone()),
+            ImageFormat::Luks(luks) => Some(luks.1.clone()),
             ImageFormat::Raw | ImageFormat::Qcow2(_) => None,
         }
     }

@@ -55,6 +55,42 @@ const MIN_CLASS_SHIFT: u32 = 12;
 /// the most data a request carries.
 const CLASSES: usize = 17;
 
+/// Bytes the core prepared in a private, page-aligned buffer for a write
+/// (an encrypted disk's ciphertext, see [`super::core`]): what the engine
+/// writes instead of the request's guest buffers. Boxed, and the box
+/// reused with its buffer, so that an `Io` carries one pointer.
+#[derive(Debug)]
+pub struct Staged {
+    buf: AlignedBuf,
+    len: usize,
+}
+
+impl Staged {
+    /// The bytes to write.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.buf.as_slice()[..self.len]
+    }
+
+    /// The bytes to fill.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.buf.as_mut_slice()[..self.len]
+    }
+
+    /// One iovec over them, for the kernel (which only reads them): valid
+    /// while the box lives (the buffer is on the heap and does not move).
+    pub fn iovec(&self) -> libc::iovec {
+        libc::iovec {
+            iov_base: self.buf.as_slice().as_ptr().cast_mut().cast(),
+            iov_len: self.len,
+        }
+    }
+
+    /// The buffer's size (its pool's size class).
+    fn size(&self) -> usize {
+        self.buf.as_slice().len()
+    }
+}
+
 /// A queue's private buffers for bytes transformed on their way to the
 /// image (an encrypted disk's writes): page-aligned (so O_DIRECT takes
 /// them as they are), a power of two of bytes each, kept for reuse once
@@ -65,7 +101,10 @@ const CLASSES: usize = 17;
 /// use to come back.
 #[derive(Debug)]
 pub struct Pool {
-    free: [Vec<AlignedBuf>; CLASSES],
+    /// Boxed: each box goes to an `Io` and comes back, never allocated
+    /// again.
+    #[allow(clippy::vec_box)]
+    free: [Vec<Box<Staged>>; CLASSES],
     /// Bytes of every buffer the pool allocated and has not let go.
     held: usize,
     /// Of those, bytes in the free lists.
@@ -93,16 +132,17 @@ impl Pool {
         }
     }
 
-    /// A buffer of at least `len` bytes (its contents are stale).
-    pub fn take(&mut self, len: usize) -> Result<AlignedBuf, NoBuf> {
+    /// A buffer of `len` bytes (its contents are stale).
+    pub fn take(&mut self, len: usize) -> Result<Box<Staged>, NoBuf> {
         let size = len.max(1 << MIN_CLASS_SHIFT).next_power_of_two();
         let class = (size.trailing_zeros() - MIN_CLASS_SHIFT) as usize;
         if class >= CLASSES || size > self.limit {
             return Err(NoBuf::Fail);
         }
-        if let Some(buf) = self.free[class].pop() {
+        if let Some(mut staged) = self.free[class].pop() {
             self.idle -= size;
-            return Ok(buf);
+            staged.len = len;
+            return Ok(staged);
         }
         if self.held - self.idle + size > self.limit {
             return Err(NoBuf::Wait);
@@ -110,24 +150,24 @@ impl Pool {
         // Room: let free buffers of other sizes go until it fits.
         for list in &mut self.free {
             while self.held + size > self.limit {
-                let Some(buf) = list.pop() else { break };
-                let n = buf.as_slice().len();
+                let Some(staged) = list.pop() else { break };
+                let n = staged.size();
                 self.held -= n;
                 self.idle -= n;
             }
         }
         let buf = AlignedBuf::new(size).ok_or(NoBuf::Fail)?;
         self.held += size;
-        Ok(buf)
+        Ok(Box::new(Staged { buf, len }))
     }
 
     /// Takes back a buffer [`Pool::take`] gave.
-    pub fn give(&mut self, buf: AlignedBuf) {
-        let size = buf.as_slice().len();
+    pub fn give(&mut self, staged: Box<Staged>) {
+        let size = staged.size();
         let class = (size.trailing_zeros().saturating_sub(MIN_CLASS_SHIFT)) as usize;
         if size.is_power_of_two() && class < CLASSES {
             self.idle += size;
-            self.free[class].push(buf);
+            self.free[class].push(staged);
         } else {
             // Not one of ours: let it go.
             debug_assert!(false, "a buffer of {size} bytes given to the pool");
@@ -149,13 +189,13 @@ mod tests {
         pool.give(a);
         let b = pool.take(100).unwrap();
         assert_eq!(b.as_slice().as_ptr(), p, "the free buffer is reused");
-        assert_eq!(b.as_slice().len(), 4096);
+        assert_eq!((b.as_slice().len(), b.size()), (100, 4096));
         // 4 KiB in use and 64 KiB more would pass the limit.
         assert_eq!(pool.take(60 << 10).unwrap_err(), NoBuf::Wait);
         pool.give(b);
         // The free 4 KiB buffer is let go to make room for 64 KiB.
         let c = pool.take(60 << 10).unwrap();
-        assert_eq!(c.as_slice().len(), 64 << 10);
+        assert_eq!(c.size(), 64 << 10);
         assert_eq!(pool.take(1).unwrap_err(), NoBuf::Wait);
         assert_eq!(pool.take(128 << 10).unwrap_err(), NoBuf::Fail);
         pool.give(c);

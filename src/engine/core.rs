@@ -47,7 +47,7 @@ use std::sync::Arc;
 use slab::Slab;
 
 use super::bounce::{NoBuf, Pool};
-use super::{Completion, Completions, Engine, Format, Full, ImageFormat, Io, Staged, Start};
+use super::{Completion, Completions, Engine, Format, Full, ImageFormat, Io, Start};
 use crate::device::{Device, Targets};
 use crate::disk::Commit;
 use crate::disk::luks::Crypt;
@@ -258,8 +258,8 @@ impl<E: Engine, F: Format> Core<E, F> {
         let (op_out, staged) = match op {
             Op::Write | Op::WriteZeroes(_) => {
                 let n = len as usize;
-                let mut buf = match self.pool.take(n) {
-                    Ok(buf) => buf,
+                let mut staged = match self.pool.take(n) {
+                    Ok(staged) => staged,
                     Err(NoBuf::Wait) => {
                         self.format.finished();
                         return Err(Full(req));
@@ -269,7 +269,7 @@ impl<E: Engine, F: Format> Core<E, F> {
                         return self.refuse(req);
                     }
                 };
-                let bytes = &mut buf.as_mut_slice()[..n];
+                let bytes = staged.as_mut_slice();
                 if op == Op::Write {
                     req.data().gather_into(bytes);
                 } else {
@@ -278,11 +278,11 @@ impl<E: Engine, F: Format> Core<E, F> {
                     bytes.fill(0);
                 }
                 if let Err(e) = crypt.encrypt(offset, bytes) {
-                    self.pool.give(buf);
+                    self.pool.give(staged);
                     warn_limited!(self.log_limit, "encrypting a write: {e}");
                     return self.refuse(req);
                 }
-                (Op::Write, Some(Staged::new(buf, n)))
+                (Op::Write, Some(staged))
             }
             _ => (op, None),
         };
@@ -550,12 +550,13 @@ impl<E: Engine, F: Format> Core<E, F> {
             self.start_queued();
         }
         let (device, unflushed) = (&self.device, &mut self.unflushed);
+        let (crypt, scratch) = (self.crypt.as_deref(), &mut self.scratch);
         while let Some((req, status, mapped)) = self.done.pop_front() {
             if mapped {
                 self.format.finished();
             }
-            let (req, status) = match self.crypt.as_deref() {
-                Some(c) => decrypted(c, &mut self.scratch, req, status),
+            let (req, status) = match crypt {
+                Some(c) => decrypted(c, scratch, req, status),
                 None => (req, status),
             };
             f(completed(device, unflushed, req, status));

@@ -57,7 +57,7 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-use self::bounce::AlignedBuf;
+pub use self::bounce::Staged;
 pub use self::core::Core;
 pub use crate::disk::seam::{Completions, Extent, Format, ImageFormat, Raw};
 pub use null::NullEngine;
@@ -77,7 +77,7 @@ use crate::virtio::{GuestBuffers, GuestMem, Request, Status};
 pub struct Io {
     data: Data,
     /// What a write writes instead of its guest buffers (ciphertext).
-    staged: Option<Staged>,
+    staged: Option<Box<Staged>>,
     op: Op,
     at: Extent,
     fua: bool,
@@ -135,7 +135,7 @@ impl Io {
     }
 
     /// This write writes `staged` instead of its guest buffers.
-    pub(crate) fn with_staged(mut self, staged: Staged) -> Io {
+    pub(crate) fn with_staged(mut self, staged: Box<Staged>) -> Io {
         self.staged = Some(staged);
         self
     }
@@ -144,7 +144,7 @@ impl Io {
     /// engine writes these bytes, never the guest buffers, then.
     #[inline]
     pub fn staged(&self) -> Option<&Staged> {
-        self.staged.as_ref()
+        self.staged.as_deref()
     }
 
     /// The buffers to read into or write from (the memory they point into
@@ -161,7 +161,7 @@ impl Io {
     #[inline]
     pub fn len(&self) -> u32 {
         match &self.staged {
-            Some(s) => s.len as u32,
+            Some(s) => s.as_slice().len() as u32,
             None => self.data().len(),
         }
     }
@@ -191,51 +191,24 @@ impl Io {
         self.tag
     }
 
-    /// The request, if this carries it whole.
-    #[inline]
+    /// The request, if this carries it whole (a staged buffer is let go:
+    /// see [`Io::into_parts`] to keep it).
+    #[inline(always)]
     pub(crate) fn into_request(self) -> Option<Request> {
-        self.into_parts().0
+        match self.data {
+            Data::Request(r) => Some(r),
+            Data::Part(_) => None,
+        }
     }
 
     /// The request, if this carries it whole, and the staged buffer, for
     /// its pool.
-    #[inline]
-    pub(crate) fn into_parts(self) -> (Option<Request>, Option<AlignedBuf>) {
-        let staged = self.staged.map(|s| s.buf);
+    #[inline(always)]
+    pub(crate) fn into_parts(self) -> (Option<Request>, Option<Box<Staged>>) {
+        let staged = self.staged;
         match self.data {
             Data::Request(r) => (Some(r), staged),
             Data::Part(_) => (None, staged),
-        }
-    }
-}
-
-/// Bytes the core prepared in a private, page-aligned buffer for a write
-/// (an encrypted disk's ciphertext, see [`core`]): what the engine writes
-/// instead of the request's guest buffers.
-#[derive(Debug)]
-pub struct Staged {
-    buf: AlignedBuf,
-    len: usize,
-}
-
-impl Staged {
-    /// The first `len` bytes of `buf` (which holds at least that many).
-    pub(crate) fn new(buf: AlignedBuf, len: usize) -> Staged {
-        assert!(len <= buf.as_slice().len());
-        Staged { buf, len }
-    }
-
-    /// The bytes to write.
-    pub fn as_slice(&self) -> &[u8] {
-        &self.buf.as_slice()[..self.len]
-    }
-
-    /// One iovec over them, for the kernel: valid while `self` lives
-    /// where it is (the buffer is on the heap and does not move with it).
-    pub fn iovec(&self) -> libc::iovec {
-        libc::iovec {
-            iov_base: self.buf.as_slice().as_ptr().cast_mut().cast(),
-            iov_len: self.len,
         }
     }
 }
