@@ -4,13 +4,16 @@
 # valgrind, driven at QD16 by `ringblk bench` running natively, counting
 # only the queue worker's event handling (BlkBackend::handle_event).
 #
-#   scripts/callgrind.sh [--format raw|qcow2] [--engine null|uring] [--rw RW] [--bitmap]
+#   scripts/callgrind.sh [--format raw|qcow2|luks] [--engine null|uring] [--rw RW] [--bitmap]
 #                        [DAEMON_BIN [BENCH_BIN]]
 #
 # Defaults: raw, the null engine, target/release/ringblk. --format qcow2
 # serves a 64 MiB qcow2 image with every cluster allocated (qemu-img
 # preallocation=metadata): the format's fast path (map cache lookup, one
-# piece per 4 KiB read). The null engine does no I/O; uring does it for
+# piece per 4 KiB read). --format luks serves a LUKS2 image (cryptsetup,
+# AES-256-XTS, 512-byte sectors) with 64 MiB of payload: each read is
+# decrypted and each write encrypted (with the null engine, over what the
+# guest's buffer holds). The null engine does no I/O; uring does it for
 # real (the kernel's side is not counted). --rw is the bench's pattern
 # (default randread); --bitmap adds a dirty bitmap before the run (with
 # --rw randwrite: what a bitmap costs each write).
@@ -32,24 +35,33 @@ while [ $# -gt 0 ]; do
         *) break ;;
     esac
 done
-case "$format" in raw | qcow2) ;; *) echo "--format raw or qcow2, not $format" >&2; exit 2 ;; esac
+case "$format" in raw | qcow2 | luks) ;; *) echo "--format raw, qcow2 or luks, not $format" >&2; exit 2 ;; esac
 case "$engine" in null | uring) ;; *) echo "--engine null or uring, not $engine" >&2; exit 2 ;; esac
 bin=${1:-target/release/ringblk}
 bench=${2:-$bin}
 command -v valgrind >/dev/null || apt-get install -y -qq valgrind >/dev/null
 command -v socat >/dev/null || apt-get install -y -qq socat >/dev/null
 out=$(mktemp -d)
+keyopt=()
 trap 'rm -rf "$out"' EXIT
 if [ "$format" = qcow2 ]; then
     command -v qemu-img >/dev/null || apt-get install -y -qq qemu-utils >/dev/null
     qemu-img create -q -f qcow2 -o preallocation=metadata "$out/d.img" 64M
+elif [ "$format" = luks ]; then
+    command -v cryptsetup >/dev/null || apt-get install -y -qq cryptsetup-bin >/dev/null
+    printf pass >"$out/key"
+    chmod 600 "$out/key"
+    truncate -s 80M "$out/d.img"
+    cryptsetup luksFormat --batch-mode --type luks2 --pbkdf pbkdf2 --pbkdf-force-iterations 1000 \
+        --sector-size 512 --key-file "$out/key" "$out/d.img"
+    keyopt=(--key-file "$out/key")
 else
     truncate -s 64M "$out/d.img"
 fi
 valgrind --tool=callgrind --callgrind-out-file="$out/cg.out" \
     --toggle-collect='*BlkBackend*handle_event*' \
     "$bin" serve --image "$out/d.img" --format "$format" --socket "$out/s.sock" --engine "$engine" \
-    --seccomp off --poll-us 0 --metrics "$out/m.sock" --api "$out/a.sock" >"$out/daemon.log" 2>&1 &
+    --seccomp off --poll-us 0 --metrics "$out/m.sock" --api "$out/a.sock" "${keyopt[@]}" >"$out/daemon.log" 2>&1 &
 vg=$!
 # A failed step (set -e) must not leave the daemon running under valgrind.
 trap 'kill "$vg" 2>/dev/null || true; rm -rf "$out"' EXIT

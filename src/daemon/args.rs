@@ -120,13 +120,30 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR")]
     pub backup_dir: Option<PathBuf>,
 
-    /// The image's format: raw, or qcow2 (version 3 read-write, version 2
+    /// The image's format: raw, qcow2 (version 3 read-write, version 2
     /// with --readonly; its backing chain of qcow2 and raw images read-only,
-    /// their names resolved as QEMU does). The format is never probed: a
-    /// qcow2 image given without --format qcow2 is served as raw (with a
-    /// warning), since a guest can write a qcow2 header into a raw disk.
+    /// their names resolved as QEMU does), or luks (LUKS1 or LUKS2,
+    /// aes-xts-plain64, on a file or block device; the guest sees the
+    /// decrypted payload; needs --key-file or --key-fd). The format is
+    /// never probed: a qcow2 image given without --format qcow2 is served
+    /// as raw (with a warning), since a guest can write a qcow2 header into
+    /// a raw disk. See docs/encryption.md.
     #[arg(long, value_name = "FORMAT", default_value = "raw", value_parser = parse_format)]
     pub format: crate::disk::Format,
+
+    /// --format luks: the file holding the passphrase (all of its bytes,
+    /// a trailing newline included, as cryptsetup --key-file reads it; at
+    /// most 64 KiB), read at start-up. A systemd credential:
+    /// --key-file ${CREDENTIALS_DIRECTORY}/NAME with LoadCredential=NAME:PATH.
+    /// A file readable by group or others gets a warning. Never on the
+    /// command line or in the environment.
+    #[arg(long, value_name = "PATH", conflicts_with = "key_fd")]
+    pub key_file: Option<PathBuf>,
+
+    /// --format luks: an inherited descriptor to read the passphrase from,
+    /// to its end, at start-up (a pipe from a secret store).
+    #[arg(long, value_name = "FD")]
+    pub key_fd: Option<i32>,
 
     /// Directory where live snapshots (`ringblk ctl snapshot --overlay`)
     /// create their overlays; opened at start-up, one of the few places the

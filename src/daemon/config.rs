@@ -137,10 +137,21 @@ pub enum Backing {
         uring: UringConfig,
         /// `--format qcow2`: the image's chain and its metadata thread.
         qcow2: Option<Qcow2Setup>,
+        /// `--format luks`: the payload and its transform.
+        luks: Option<LuksSetup>,
     },
     /// A Ceph RBD image (`--image rbd:POOL/IMAGE`).
     #[cfg(feature = "rbd")]
     Rbd(crate::engine::rbd::RbdDisk),
+}
+
+/// A LUKS image as the daemon serves it: the guest's disk is `offset`
+/// on in the file, `size` bytes (None: to its end), encrypted with
+/// `crypt`.
+pub struct LuksSetup {
+    pub crypt: std::sync::Arc<crate::disk::luks::Crypt>,
+    pub offset: u64,
+    pub size: Option<u64>,
 }
 
 /// A qcow2 image as the daemon serves it.
@@ -237,11 +248,19 @@ impl Config {
             Some(spec) => open_rbd(&args, spec)?,
             None => open_file(&args, path)?,
         };
+        let encrypted = matches!(&backing, Backing::File { luks: Some(_), .. });
         let limits = DeviceLimits {
             block_size,
             readonly: args.readonly,
             // Two descriptors of a chain are header and status.
             seg_max: u32::from(args.queue_size - 2).clamp(1, 1024),
+            // An encrypted disk writes a write-zeroes' zeroes, encrypted,
+            // from one buffer: 1 MiB at a time.
+            max_write_zeroes_sectors: if encrypted {
+                MAX_ENCRYPTED_ZEROES_SECTORS
+            } else {
+                DeviceLimits::default().max_write_zeroes_sectors
+            },
             ..DeviceLimits::default()
         };
         let serial_str = args.serial.clone().unwrap_or(default_serial);
@@ -254,6 +273,16 @@ impl Config {
         let (backups, backup_dir) = backup_spec(&args, &backing)?;
         let disk = match &backing {
             Backing::File { qcow2: Some(q), .. } => Disk::Chain(q.live.clone()),
+            Backing::File {
+                image,
+                luks: Some(l),
+                ..
+            } => Disk::Payload {
+                file: image.file.try_clone().map_err(err("image"))?,
+                block_device: image.is_block_device,
+                offset: l.offset,
+                size: l.size,
+            },
             Backing::File { image, .. } => Disk::File {
                 file: image.file.try_clone().map_err(err("image"))?,
                 block_device: image.is_block_device,
@@ -460,6 +489,14 @@ fn backup_spec(
 > {
     use std::os::unix::fs::MetadataExt;
     let image = match backing {
+        // An encrypted image's export would have to serve plaintext, and
+        // the view reads the file as it is.
+        Backing::File { luks: Some(_), .. } => {
+            return Ok((
+                Err("backups of an encrypted (--format luks) image are not supported yet".into()),
+                None,
+            ));
+        }
         // A qcow2 image's view reads through its chain (the device's
         // `Live`); its top file, opened here too, is not read.
         Backing::File { image, .. } => image,
@@ -598,8 +635,12 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
         );
     }
     let qcow2 = match args.format {
-        Format::Raw => None,
+        Format::Raw | Format::Luks => None,
         Format::Qcow2 => Some(open_qcow2(args, &image, followed.as_ref())?),
+    };
+    let luks = match args.format {
+        Format::Luks => Some(open_luks(args, &image)?),
+        Format::Raw | Format::Qcow2 => None,
     };
     let fds = match &qcow2 {
         Some(q) => q.live.current().io_fds(),
@@ -643,7 +684,10 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
             .map_err(|e| DaemonError::Config(format!("{}: {e}", named.display())))?,
         None => image.default_serial(),
     };
-    let block_size = image.block_size;
+    let block_size = match &luks {
+        Some(l) => l.crypt.sector_size() as u32,
+        None => image.block_size,
+    };
     Ok((
         Backing::File {
             image,
@@ -651,14 +695,132 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
             created,
             uring,
             qcow2,
+            luks,
         },
         block_size,
         serial,
     ))
 }
 
+/// The most a write-zeroes may cover on an encrypted disk (1 MiB): its
+/// zeroes are encrypted into one buffer and written.
+const MAX_ENCRYPTED_ZEROES_SECTORS: u32 = 2048;
+
+/// Reads the passphrase (`--key-file` or `--key-fd`), opens the LUKS
+/// header of `image` with it and drops it (zeroed); checks the payload
+/// against the block size. Each failure is one line.
+fn open_luks(args: &ServeArgs, image: &Image) -> Result<LuksSetup, DaemonError> {
+    use crate::crypto::key::{MAX_KEY_FILE, read_key_fd, read_key_file};
+    let key = match (&args.key_file, args.key_fd) {
+        (Some(path), _) => read_key_file(path, MAX_KEY_FILE),
+        (None, Some(fd)) => {
+            use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+            // SAFETY: F_GETFD only asks whether fd is open.
+            if fd < 3 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+                return Err(DaemonError::Usage(format!(
+                    "--key-fd {fd}: not an open descriptor the daemon inherited"
+                )));
+            }
+            // SAFETY: fd is open (checked above), inherited for this and
+            // used by nothing else in the daemon: it is ours to read and
+            // close, which it is once read.
+            let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+            read_key_fd(owned.as_fd(), MAX_KEY_FILE)
+        }
+        (None, None) => {
+            return Err(DaemonError::Usage(
+                "--format luks needs the passphrase: --key-file PATH (a systemd credential: --key-file ${CREDENTIALS_DIRECTORY}/NAME) or --key-fd N".into(),
+            ));
+        }
+    }
+    .map_err(DaemonError::Config)?;
+    if let Some(w) = &key.warning {
+        log::warn!("{w}");
+    }
+    let opened = without_direct(&image.file, || {
+        crate::disk::luks::Luks::open(&image.file, image.size, &key.secret)
+    })
+    .map_err(|e| DaemonError::Config(format!("{}: {e}", image.path.display())))?;
+    // The passphrase's key memory is zeroed now, opened or not.
+    drop(key);
+    let luks = opened.map_err(|e| DaemonError::Config(format!("{}: {e}", image.path.display())))?;
+    let sector = luks.crypt.sector_size() as u32;
+    if let Some(b) = args.block_size.filter(|&b| b != sector) {
+        return Err(DaemonError::Usage(format!(
+            "--block-size {b}: the LUKS image has {sector}-byte sectors, and the guest's block size must be its sector size (leave --block-size out)"
+        )));
+    }
+    if image.block_size > sector {
+        return Err(DaemonError::Config(format!(
+            "{}: the LUKS image has {sector}-byte sectors, but I/O here needs {}-byte blocks (a 4Kn device, or --direct on this file system)",
+            image.path.display(),
+            image.block_size
+        )));
+    }
+    let size = luks.payload_size(image.size);
+    if size == 0 || !size.is_multiple_of(u64::from(sector)) {
+        return Err(DaemonError::Config(format!(
+            "{}: the LUKS payload, {size} bytes, is not a positive multiple of its {sector}-byte sectors",
+            image.path.display()
+        )));
+    }
+    log::info!(
+        "{}: {:?}, keyslot {} opened; payload of {size} bytes at offset {}, {sector}-byte sectors",
+        image.path.display(),
+        luks.version,
+        luks.keyslot,
+        luks.offset
+    );
+    Ok(LuksSetup {
+        crypt: std::sync::Arc::new(luks.crypt),
+        offset: luks.offset,
+        size: luks.size,
+    })
+}
+
+/// Runs `f` with O_DIRECT off on `file` (`--direct`): the header is read
+/// into buffers of any alignment. The daemon is starting: nothing else
+/// uses the file yet.
+fn without_direct<T>(file: &std::fs::File, f: impl FnOnce() -> T) -> std::io::Result<T> {
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a descriptor the image owns; no memory is passed.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let direct = flags & libc::O_DIRECT != 0;
+    // SAFETY: as above.
+    if direct && unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_DIRECT) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let out = f();
+    // SAFETY: as above.
+    if direct && unsafe { libc::fcntl(fd, libc::F_SETFL, flags) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(out)
+}
+
 /// What `--format` and `--snapshot-dir` need of the other options.
 fn check_format(args: &ServeArgs) -> Result<(), DaemonError> {
+    if args.format != Format::Luks && (args.key_file.is_some() || args.key_fd.is_some()) {
+        return Err(DaemonError::Usage(
+            "--key-file and --key-fd are for an encrypted image (--format luks)".into(),
+        ));
+    }
+    if args.format == Format::Luks {
+        if args.image.is_none() {
+            return Err(DaemonError::Usage(
+                "--format luks needs --image (create one with cryptsetup luksFormat or qemu-img create -f luks)".into(),
+            ));
+        }
+        if args.snapshot_dir.is_some() || !args.backing_dir.is_empty() {
+            return Err(DaemonError::Usage(
+                "--snapshot-dir and --backing-dir are for qcow2 images (--format qcow2)".into(),
+            ));
+        }
+        return Ok(());
+    }
     if args.format == Format::Raw {
         if args.snapshot_dir.is_some() {
             return Err(DaemonError::Usage(

@@ -321,9 +321,15 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         #[cfg(feature = "rbd")]
         config::Backing::Rbd(_) => None,
     };
-    let format = move || match &qcow2 {
-        Some((live, meta)) => ImageFormat::chain(live.clone(), meta.clone()),
-        None => ImageFormat::Raw,
+    let luks = match &cfg.backing {
+        config::Backing::File { luks, .. } => luks.as_ref().map(|l| (l.offset, l.crypt.clone())),
+        #[cfg(feature = "rbd")]
+        config::Backing::Rbd(_) => None,
+    };
+    let format = move || match (&qcow2, &luks) {
+        (Some((live, meta)), _) => ImageFormat::chain(live.clone(), meta.clone()),
+        (None, Some((offset, crypt))) => ImageFormat::Luks(Box::new((*offset, crypt.clone()))),
+        (None, None) => ImageFormat::Raw,
     };
     match (cfg.args.engine, cfg.backing) {
         (EngineKind::Null, _) => conn.serve(park(

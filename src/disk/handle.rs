@@ -29,6 +29,14 @@ pub enum Disk {
     None,
     /// A file or block device: a duplicate of the daemon's image fd.
     File { file: File, block_device: bool },
+    /// Part of a file or block device (an encrypted image's payload):
+    /// from `offset`, `size` bytes or (None) to its end.
+    Payload {
+        file: File,
+        block_device: bool,
+        offset: u64,
+        size: Option<u64>,
+    },
     /// A handle the engines share. Weak: the device must not keep the
     /// image open when SIGTERM closes it (the handle closes when its last
     /// strong holder lets go).
@@ -44,6 +52,15 @@ impl Disk {
         match self {
             Disk::None => Err(io::Error::other("the device has no image to resize")),
             Disk::File { file, block_device } => device_size(file, *block_device),
+            Disk::Payload {
+                file,
+                block_device,
+                offset,
+                size,
+            } => match size {
+                Some(size) => Ok(*size),
+                None => Ok(device_size(file, *block_device)?.saturating_sub(*offset)),
+            },
             Disk::Shared(image) => shared(image)?.size(),
             Disk::Chain(live) => Ok(live.size()),
         }
@@ -54,6 +71,15 @@ impl Disk {
         match self {
             Disk::None => Err(io::Error::other("the device has no image to resize")),
             Disk::File { file, .. } => file.set_len(size),
+            Disk::Payload {
+                file,
+                offset,
+                size: None,
+                ..
+            } => file.set_len(offset.saturating_add(size)),
+            Disk::Payload { .. } => Err(io::Error::other(
+                "the LUKS2 data segment has a fixed size (resize it with cryptsetup resize)",
+            )),
             Disk::Shared(image) => shared(image)?.set_size(size),
             Disk::Chain(live) => live.grow(size).map_err(io::Error::other),
         }
@@ -82,7 +108,7 @@ impl Disk {
     /// of the image file; for an image with a chain, its metadata first.
     pub fn make_durable(&self) -> io::Result<()> {
         match self {
-            Disk::File { file, .. } => file.sync_data(),
+            Disk::File { file, .. } | Disk::Payload { file, .. } => file.sync_data(),
             Disk::Chain(live) => live.refresh().map_err(io::Error::other),
             Disk::None | Disk::Shared(_) => Ok(()),
         }

@@ -10,6 +10,8 @@
 //!   raw's inline identity or a queue's view of a chain.
 //! - [`reader`]: the one reader of guest data off the queues' data path.
 //! - [`raw`]: the identity on file 0.
+//! - [`luks`]: a LUKS1/LUKS2 image: its payload, shifted by the data
+//!   offset, and the AES-XTS transform of its bytes.
 //! - [`qcow2`]: a qcow2 image and its backing chain (qcow2 or raw), on top
 //!   of the `imago` crate's metadata handling; its metadata thread, a
 //!   queue's view of it and its bitmaps.
@@ -40,6 +42,7 @@
 //! starts with a qcow2 header gets.
 
 pub mod live;
+pub mod luks;
 pub mod qcow2;
 pub mod raw;
 pub mod reader;
@@ -68,6 +71,8 @@ pub enum Format {
     #[default]
     Raw,
     Qcow2,
+    /// LUKS1 or LUKS2 on a raw file or block device ([`luks`]).
+    Luks,
 }
 
 impl FromStr for Format {
@@ -77,7 +82,10 @@ impl FromStr for Format {
         match s {
             "raw" => Ok(Format::Raw),
             "qcow2" => Ok(Format::Qcow2),
-            other => Err(format!("unknown image format {other:?} (raw or qcow2)")),
+            "luks" => Ok(Format::Luks),
+            other => Err(format!(
+                "unknown image format {other:?} (raw, qcow2 or luks)"
+            )),
         }
     }
 }
@@ -87,6 +95,7 @@ impl fmt::Display for Format {
         f.write_str(match self {
             Format::Raw => "raw",
             Format::Qcow2 => "qcow2",
+            Format::Luks => "luks",
         })
     }
 }
@@ -204,6 +213,12 @@ impl Image {
         match format {
             Format::Raw => Ok(Image::Raw(RawImage::open(path, options.writable)?)),
             Format::Qcow2 => Ok(Image::Qcow2(Box::new(Qcow2Image::open(path, options)?))),
+            Format::Luks => Err(FormatError::Open {
+                path: path.display().to_string(),
+                reason: "a LUKS image is served by the daemon (its key comes from --key-file), \
+                         not opened here"
+                    .into(),
+            }),
         }
     }
 

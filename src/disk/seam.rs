@@ -47,6 +47,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use super::Commit;
+use super::luks::Crypt;
 use super::qcow2::meta::Meta;
 use super::qcow2::queue::Qcow2;
 use super::{Live, Where};
@@ -184,6 +185,14 @@ pub trait Format: Send {
     /// requests go, or a short while passes. For a queue draining with
     /// nothing on its engine.
     fn wait(&mut self) {}
+
+    /// How the image's bytes are transformed between the guest and the
+    /// file (an encrypted image), or None: the bytes are the guest's.
+    /// Asked once, when the core is made. A format that answers Some maps
+    /// every read and write to [`Mapping::Host`].
+    fn crypt(&self) -> Option<Arc<Crypt>> {
+        None
+    }
 }
 
 /// A raw image: the guest's disk is file 0, byte for byte.
@@ -197,12 +206,16 @@ impl Format for Raw {
     }
 }
 
-/// The format of the image a queue serves: raw, or qcow2 through the
-/// per-queue [`Qcow2`]. One type for the worker, whatever the image; a
-/// raw request costs one predictable branch more than [`Raw`] alone.
+/// The format of the image a queue serves: raw, LUKS, or qcow2 through
+/// the per-queue [`Qcow2`]. One type for the worker, whatever the image;
+/// a raw request costs one predictable branch more than [`Raw`] alone.
 pub enum ImageFormat {
     Raw,
     Qcow2(Box<Qcow2>),
+    /// A LUKS image ([`super::luks`]): guest byte `o` is at `offset + o`
+    /// in file 0 (`.0`), encrypted with `.1` (boxed: the enum stays as
+    /// small as raw's path wants).
+    Luks(Box<(u64, Arc<Crypt>)>),
 }
 
 impl ImageFormat {
@@ -219,6 +232,12 @@ impl Format for ImageFormat {
         match self {
             ImageFormat::Raw => Raw.map(op, offset, len),
             ImageFormat::Qcow2(q) => q.map(op, offset, len),
+            ImageFormat::Luks(luks) => Mapping::Host(Extent {
+                file: 0,
+                // The request is inside the payload, which is inside the
+                // file: no overflow.
+                offset: luks.0 + offset,
+            }),
         }
     }
 
@@ -238,14 +257,14 @@ impl Format for ImageFormat {
     #[inline]
     fn files_changed(&mut self) -> Option<Vec<RawFd>> {
         match self {
-            ImageFormat::Raw => None,
+            ImageFormat::Raw | ImageFormat::Luks(_) => None,
             ImageFormat::Qcow2(q) => q.files_changed(),
         }
     }
 
     fn completions(&mut self, engine: Completions) -> io::Result<Completions> {
         match self {
-            ImageFormat::Raw => Ok(engine),
+            ImageFormat::Raw | ImageFormat::Luks(_) => Ok(engine),
             ImageFormat::Qcow2(q) => q.completions(engine),
         }
     }
@@ -265,7 +284,7 @@ impl Format for ImageFormat {
     #[inline]
     fn slow_in_flight(&self) -> usize {
         match self {
-            ImageFormat::Raw => 0,
+            ImageFormat::Raw | ImageFormat::Luks(_) => 0,
             ImageFormat::Qcow2(q) => q.slow_in_flight(),
         }
     }
@@ -279,6 +298,13 @@ impl Format for ImageFormat {
     fn wait(&mut self) {
         if let ImageFormat::Qcow2(q) = self {
             q.wait();
+        }
+    }
+
+    fn crypt(&self) -> Option<Arc<Crypt>> {
+        match self {
+            ImageFormat::Luks(luks) => Some(luks.1.clone()),
+            ImageFormat::Raw | ImageFormat::Qcow2(_) => None,
         }
     }
 }

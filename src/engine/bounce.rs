@@ -48,3 +48,157 @@ impl Drop for AlignedBuf {
         unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
     }
 }
+
+/// The smallest buffer a [`Pool`] hands out: a page.
+const MIN_CLASS_SHIFT: u32 = 12;
+/// Size classes, powers of two from a page: up to 2^(12 + 16) bytes, past
+/// the most data a request carries.
+const CLASSES: usize = 17;
+
+/// Bytes the core prepared in a private, page-aligned buffer for a write
+/// (an encrypted disk's ciphertext, see [`super::core`]): what the engine
+/// writes instead of the request's guest buffers. Boxed, and the box
+/// reused with its buffer, so that an `Io` carries one pointer.
+#[derive(Debug)]
+pub struct Staged {
+    buf: AlignedBuf,
+    len: usize,
+}
+
+impl Staged {
+    /// The bytes to write.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.buf.as_slice()[..self.len]
+    }
+
+    /// The bytes to fill.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.buf.as_mut_slice()[..self.len]
+    }
+
+    /// One iovec over them, for the kernel (which only reads them): valid
+    /// while the box lives (the buffer is on the heap and does not move).
+    pub fn iovec(&self) -> libc::iovec {
+        libc::iovec {
+            iov_base: self.buf.as_slice().as_ptr().cast_mut().cast(),
+            iov_len: self.len,
+        }
+    }
+
+    /// The buffer's size (its pool's size class).
+    fn size(&self) -> usize {
+        self.buf.as_slice().len()
+    }
+}
+
+/// A queue's private buffers for bytes transformed on their way to the
+/// image (an encrypted disk's writes): page-aligned (so O_DIRECT takes
+/// them as they are), a power of two of bytes each, kept for reuse once
+/// given back. A buffer is allocated only while the pool holds none free
+/// of its size; in steady state, none. At most `limit` bytes are held in
+/// all (free or in use): free buffers of other sizes are let go to make
+/// room, and a request that would pass the limit waits for buffers in
+/// use to come back.
+#[derive(Debug)]
+pub struct Pool {
+    /// Boxed: each box goes to an `Io` and comes back, never allocated
+    /// again.
+    #[allow(clippy::vec_box)]
+    free: [Vec<Box<Staged>>; CLASSES],
+    /// Bytes of every buffer the pool allocated and has not let go.
+    held: usize,
+    /// Of those, bytes in the free lists.
+    idle: usize,
+    limit: usize,
+}
+
+/// Why [`Pool::take`] gave no buffer.
+#[derive(Debug, PartialEq, Eq)]
+pub enum NoBuf {
+    /// Not now: buffers in use must come back first.
+    Wait,
+    /// Never: larger than the limit, or the allocator failed.
+    Fail,
+}
+
+impl Pool {
+    /// An empty pool that holds at most `limit` bytes.
+    pub fn new(limit: usize) -> Pool {
+        Pool {
+            free: Default::default(),
+            held: 0,
+            idle: 0,
+            limit,
+        }
+    }
+
+    /// A buffer of `len` bytes (its contents are stale).
+    pub fn take(&mut self, len: usize) -> Result<Box<Staged>, NoBuf> {
+        let size = len.max(1 << MIN_CLASS_SHIFT).next_power_of_two();
+        let class = (size.trailing_zeros() - MIN_CLASS_SHIFT) as usize;
+        if class >= CLASSES || size > self.limit {
+            return Err(NoBuf::Fail);
+        }
+        if let Some(mut staged) = self.free[class].pop() {
+            self.idle -= size;
+            staged.len = len;
+            return Ok(staged);
+        }
+        if self.held - self.idle + size > self.limit {
+            return Err(NoBuf::Wait);
+        }
+        // Room: let free buffers of other sizes go until it fits.
+        for list in &mut self.free {
+            while self.held + size > self.limit {
+                let Some(staged) = list.pop() else { break };
+                let n = staged.size();
+                self.held -= n;
+                self.idle -= n;
+            }
+        }
+        let buf = AlignedBuf::new(size).ok_or(NoBuf::Fail)?;
+        self.held += size;
+        Ok(Box::new(Staged { buf, len }))
+    }
+
+    /// Takes back a buffer [`Pool::take`] gave.
+    pub fn give(&mut self, staged: Box<Staged>) {
+        let size = staged.size();
+        let class = (size.trailing_zeros().saturating_sub(MIN_CLASS_SHIFT)) as usize;
+        if size.is_power_of_two() && class < CLASSES {
+            self.idle += size;
+            self.free[class].push(staged);
+        } else {
+            // Not one of ours: let it go.
+            debug_assert!(false, "a buffer of {size} bytes given to the pool");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Buffers come back and are reused; the limit holds, and free
+    /// buffers of another size make room.
+    #[test]
+    fn pool_reuses_and_keeps_its_limit() {
+        let mut pool = Pool::new(64 << 10);
+        let a = pool.take(4096).unwrap();
+        let p = a.as_slice().as_ptr();
+        pool.give(a);
+        let b = pool.take(100).unwrap();
+        assert_eq!(b.as_slice().as_ptr(), p, "the free buffer is reused");
+        assert_eq!((b.as_slice().len(), b.size()), (100, 4096));
+        // 4 KiB in use and 64 KiB more would pass the limit.
+        assert_eq!(pool.take(60 << 10).unwrap_err(), NoBuf::Wait);
+        pool.give(b);
+        // The free 4 KiB buffer is let go to make room for 64 KiB.
+        let c = pool.take(60 << 10).unwrap();
+        assert_eq!(c.size(), 64 << 10);
+        assert_eq!(pool.take(1).unwrap_err(), NoBuf::Wait);
+        assert_eq!(pool.take(128 << 10).unwrap_err(), NoBuf::Fail);
+        pool.give(c);
+        assert_eq!((pool.held, pool.idle), (64 << 10, 64 << 10));
+    }
+}

@@ -27,6 +27,15 @@
 //!   the dirty log while a migration runs (the engine, the kernel or a
 //!   bounce copy wrote them behind vm-memory's back).
 //!
+//! An encrypted disk (its format's [`Format::crypt`]): a write's data is
+//! gathered from the guest's buffers into a private buffer of the queue's
+//! pool and encrypted there, and the engine writes that
+//! ([`Io::staged`]); a write-zeroes becomes a write of encrypted zeroes;
+//! a read is decrypted in place in the guest's buffers as it is reaped,
+//! before its completion is published. The one place the data path
+//! transforms bytes; reads off the data path are not served on such a
+//! disk (no backup export).
+//!
 //! Accounting: `in_flight` counts requests (taken and not yet reaped),
 //! whatever number of pieces they became, so the worker's view (room,
 //! draining) is in requests; the engine's own room bounds the pieces.
@@ -37,9 +46,11 @@ use std::sync::Arc;
 
 use slab::Slab;
 
+use super::bounce::{NoBuf, Pool};
 use super::{Completion, Completions, Engine, Format, Full, ImageFormat, Io, Start};
 use crate::device::{Device, Targets};
 use crate::disk::Commit;
+use crate::disk::luks::Crypt;
 use crate::disk::seam::{Mapping, Piece, Place, Slow};
 use crate::metrics::RateLimiter;
 use crate::virtio::{GuestMem, Op, Request, Status};
@@ -77,6 +88,13 @@ pub struct Core<E, F = ImageFormat> {
     /// The bitmaps and backup each change goes through first, and their
     /// number (see [`Core::before_write`]).
     targets: (u64, Arc<Targets>),
+    /// An encrypted disk's transform (see the module doc), and the
+    /// private buffers its writes are encrypted into.
+    crypt: Option<Arc<Crypt>>,
+    pool: Pool,
+    /// Reused for a read whose buffers split a sector (see
+    /// [`decrypt_read`]).
+    scratch: Vec<u8>,
 }
 
 /// A request the core tracks (see the module doc).
@@ -109,6 +127,9 @@ impl<E: Engine, F: Format> Core<E, F> {
         let capacity = engine.room();
         Ok(Core {
             completions: format.completions(engine.completions())?,
+            crypt: format.crypt(),
+            pool: Pool::new(crate::virtio::request::MAX_DATA_BYTES as usize),
+            scratch: Vec::new(),
             engine,
             format,
             device,
@@ -162,6 +183,9 @@ impl<E: Engine, F: Format> Core<E, F> {
             warn_limited!(self.log_limit, "registering the image's files: {e}");
         }
         let fua = !self.device.writeback();
+        if self.crypt.is_some() {
+            return self.submit_encrypted(req, op, offset, len, mapping, fua);
+        }
         match mapping {
             Mapping::Host(at) => match self.engine.start(Io::new(req, op, at, fua)) {
                 Start::Submitted => {}
@@ -195,6 +219,103 @@ impl<E: Engine, F: Format> Core<E, F> {
             }
         }
         self.in_flight += 1;
+        Ok(())
+    }
+
+    /// [`Core::submit`] on an encrypted disk, once `mapping` is known:
+    /// every request is at one place ([`Format::crypt`]); a write's data,
+    /// or a write-zeroes' zeroes, go encrypted through a staged buffer.
+    fn submit_encrypted(
+        &mut self,
+        req: Request,
+        op: Op,
+        offset: u64,
+        len: u64,
+        mapping: Mapping,
+        fua: bool,
+    ) -> Result<(), Full> {
+        let Some(crypt) = self.crypt.clone() else {
+            unreachable!("called for an encrypted disk")
+        };
+        let at = match mapping {
+            Mapping::Host(at) => at,
+            Mapping::Busy => return Err(Full(req)),
+            _ => {
+                warn_limited!(
+                    self.log_limit,
+                    "an encrypted disk mapped a request to {mapping:?}"
+                );
+                return self.refuse(req);
+            }
+        };
+        let sector = crypt.sector_size() as u64;
+        let rw = matches!(op, Op::Read | Op::Write | Op::WriteZeroes(_));
+        if rw && (!offset.is_multiple_of(sector) || !len.is_multiple_of(sector)) {
+            // The parser refuses what is not whole logical blocks, and the
+            // logical block is the LUKS sector: not reached.
+            return self.refuse(req);
+        }
+        let (op_out, staged) = match op {
+            Op::Write | Op::WriteZeroes(_) => {
+                let n = len as usize;
+                let mut staged = match self.pool.take(n) {
+                    Ok(staged) => staged,
+                    Err(NoBuf::Wait) => {
+                        self.format.finished();
+                        return Err(Full(req));
+                    }
+                    Err(NoBuf::Fail) => {
+                        warn_limited!(self.log_limit, "no buffer for a {n}-byte encrypted write");
+                        return self.refuse(req);
+                    }
+                };
+                let bytes = staged.as_mut_slice();
+                if op == Op::Write {
+                    req.data().gather_into(bytes);
+                } else {
+                    // Zeroes the guest reads back: encrypted zeroes (a hole
+                    // would decrypt to noise).
+                    bytes.fill(0);
+                }
+                if let Err(e) = crypt.encrypt(offset, bytes) {
+                    self.pool.give(staged);
+                    warn_limited!(self.log_limit, "encrypting a write: {e}");
+                    return self.refuse(req);
+                }
+                (Op::Write, Some(staged))
+            }
+            _ => (op, None),
+        };
+        let mut io = Io::new(req, op_out, at, fua);
+        if let Some(staged) = staged {
+            io = io.with_staged(staged);
+        }
+        match self.engine.start(io) {
+            Start::Submitted => {}
+            Start::Done(io, status) => {
+                let (req, buf) = io.into_parts();
+                if let Some(buf) = buf {
+                    self.pool.give(buf);
+                }
+                let req = req.expect("an untracked Io is a request");
+                self.done.push_back((req, status, true));
+            }
+            Start::Full(io) => {
+                let (req, buf) = io.into_parts();
+                if let Some(buf) = buf {
+                    self.pool.give(buf);
+                }
+                self.format.finished();
+                return Err(Full(req.expect("an untracked Io is a request")));
+            }
+        }
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Finishes a request the format mapped with IOERR, without I/O.
+    fn refuse(&mut self, req: Request) -> Result<(), Full> {
+        self.take_done(req, Status::IoErr, true);
         Ok(())
     }
 
@@ -401,13 +522,22 @@ impl<E: Engine, F: Format> Core<E, F> {
         let mut n = 0;
         let (device, unflushed) = (&self.device, &mut self.unflushed);
         let (format, reaped) = (&mut self.format, &mut self.reaped);
+        let (crypt, pool, scratch) = (self.crypt.as_deref(), &mut self.pool, &mut self.scratch);
         self.engine.reap(|io, status| {
             if io.tag() != Io::UNTRACKED {
                 reaped.push((io, status));
                 return;
             }
-            let req = io.into_request().expect("an untracked Io is a request");
+            let (req, staged) = io.into_parts();
+            if let Some(buf) = staged {
+                pool.give(buf);
+            }
+            let req = req.expect("an untracked Io is a request");
             format.finished();
+            let (req, status) = match crypt {
+                Some(c) => decrypted(c, scratch, req, status),
+                None => (req, status),
+            };
             f(completed(device, unflushed, req, status));
             n += 1;
         });
@@ -420,10 +550,15 @@ impl<E: Engine, F: Format> Core<E, F> {
             self.start_queued();
         }
         let (device, unflushed) = (&self.device, &mut self.unflushed);
+        let (crypt, scratch) = (self.crypt.as_deref(), &mut self.scratch);
         while let Some((req, status, mapped)) = self.done.pop_front() {
             if mapped {
                 self.format.finished();
             }
+            let (req, status) = match crypt {
+                Some(c) => decrypted(c, scratch, req, status),
+                None => (req, status),
+            };
             f(completed(device, unflushed, req, status));
             n += 1;
         }
@@ -487,6 +622,77 @@ impl<E: Engine, F: Format> Core<E, F> {
         self.engine.reset();
         self.targets = Default::default();
     }
+}
+
+/// An encrypted disk's request as it finishes: a read that succeeded is
+/// decrypted in place in the guest's buffers (IOERR if it cannot be),
+/// before its completion is published; anything else is left as it is.
+#[inline]
+fn decrypted(
+    crypt: &Crypt,
+    scratch: &mut Vec<u8>,
+    mut req: Request,
+    status: Status,
+) -> (Request, Status) {
+    if !status.is_ok() || req.kind().class().op != Some(Op::Read) {
+        return (req, status);
+    }
+    match decrypt_read(crypt, scratch, &mut req) {
+        Ok(()) => (req, status),
+        Err(_) => (req, Status::IoErr),
+    }
+}
+
+/// Decrypts a completed read in its guest buffers: each buffer in place
+/// where every one holds whole sectors (the usual case: pages), else
+/// through `scratch` (a sector split across buffers).
+fn decrypt_read(
+    crypt: &Crypt,
+    scratch: &mut Vec<u8>,
+    req: &mut Request,
+) -> Result<(), crate::crypto::xts::XtsError> {
+    let offset = req.offset();
+    let sector = crypt.sector_size();
+    let data = req.data_mut();
+    if data
+        .iovecs()
+        .iter()
+        .all(|v| v.iov_len.is_multiple_of(sector))
+    {
+        let mut at = offset;
+        // SAFETY: the read's I/O is over (the engine gave the request
+        // back, or it never went) and the core owns the request: no Rust
+        // code of this process holds a view of its buffers, and each slice
+        // is dropped before the next is taken. The bytes are guest memory:
+        // the guest may write them while they are decrypted, and so may
+        // the kernel, for a request still in flight whose buffers a
+        // hostile driver pointed at the same memory. That is outside what
+        // a `&mut [u8]` promises, and the daemon relies on it being
+        // harmless here as wherever it touches guest memory
+        // (`GuestBuffers::fill_from`): `Crypt::decrypt` only computes over
+        // the bytes (no address, length, index or branch depends on their
+        // values; AES-NI, VAES and the software fallback are
+        // constant-time), so a concurrent write can change only what the
+        // guest reads back in the sectors it raced on, never which memory
+        // this process touches.
+        for slice in unsafe { data.slices_mut() } {
+            crypt.decrypt(at, slice)?;
+            at += slice.len() as u64;
+        }
+        return Ok(());
+    }
+    // Copied out and back (`gather_into`, `fill_from`) rather than as
+    // overlapping slices: two buffers of one request may be the same
+    // memory.
+    let len = data.len() as usize;
+    if scratch.len() < len {
+        scratch.resize(len, 0);
+    }
+    let buf = &mut scratch[..len];
+    data.gather_into(buf);
+    crypt.decrypt(offset, buf)?;
+    data.fill_from(buf);
+    Ok(())
 }
 
 /// The bookkeeping of a request finished with `status`: durability, the
@@ -768,6 +974,90 @@ mod tests {
             core.engine.flushes, 1,
             "the guest's flush covered the write"
         );
+    }
+
+    /// Encrypts and decrypts with a fixed key; maps every range to itself.
+    struct Encrypted(Arc<Crypt>);
+    impl Format for Encrypted {
+        fn map(&mut self, _op: Op, offset: u64, _len: u64) -> Mapping {
+            Mapping::Host(Extent { file: 0, offset })
+        }
+        fn crypt(&self) -> Option<Arc<Crypt>> {
+            Some(self.0.clone())
+        }
+    }
+
+    fn crypt() -> Arc<Crypt> {
+        let key = crate::crypto::key::Secret::from_slice(&[7u8; 64]).unwrap();
+        let segment = crate::crypto::luks::Segment {
+            offset: 0,
+            size: None,
+            sector_size: 512,
+            iv_tweak: 0,
+            key_bytes: 64,
+        };
+        Arc::new(Crypt::new(&key, &segment).unwrap())
+    }
+
+    /// The guest bytes at `addrs` (address, length), one after the other.
+    fn gather(mem: &GuestMem, addrs: &[(u64, usize)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for &(a, n) in addrs {
+            let mut b = vec![0u8; n];
+            mem.read_slice(&mut b, GuestAddress(a)).unwrap();
+            out.extend(b);
+        }
+        out
+    }
+
+    /// An encrypted disk: the engine writes the staged ciphertext, not the
+    /// guest's buffer (which is left as it was); a read is decrypted in
+    /// the guest's buffers, also where a sector is split between two of
+    /// them.
+    #[test]
+    fn an_encrypted_disk_writes_ciphertext_and_reads_plaintext() {
+        let mem = guest_memory();
+        let mut d = Driver::new(&mem, 16);
+        let c = crypt();
+        let mut core =
+            Core::with_format(Recorder::default(), Encrypted(c.clone()), device()).unwrap();
+        let plain: Vec<u8> = (0..1024u32).map(|i| (i * 7) as u8).collect();
+        mem.write_slice(&plain, GuestAddress(DATA)).unwrap();
+        let write = &[r(HDR, 16), r(DATA, 1024), status()];
+        core.submit(request(&mut d, VIRTIO_BLK_T_OUT, 8, write))
+            .unwrap();
+        let mut want = plain.clone();
+        c.encrypt(8 << 9, &mut want).unwrap();
+        let staged = core.engine.held[0].staged().expect("a staged write");
+        assert_eq!(staged.as_slice(), &want[..]);
+        assert_ne!(staged.as_slice(), &plain[..]);
+        assert_eq!(reap_all(&mut core)[0].status, Status::Ok);
+        assert_eq!(
+            gather(&mem, &[(DATA, 1024)]),
+            plain,
+            "the guest's buffer is not touched"
+        );
+
+        // Reads: the Recorder reads nothing, so the buffers decrypt what
+        // they hold. Whole sectors per buffer, then one sector split 100 +
+        // 412 across two buffers (through the core's scratch).
+        let split = DATA + 0x4000;
+        let layouts: [&[(u64, usize)]; 2] = [
+            &[(DATA, 512), (DATA + 512, 512)],
+            &[(DATA, 100), (split, 412), (DATA + 100, 512)],
+        ];
+        for layout in layouts {
+            let held = gather(&mem, layout);
+            let mut descs = vec![r(HDR, 16)];
+            descs.extend(layout.iter().map(|&(a, n)| w(a, n as u32)));
+            descs.push(status());
+            core.submit(request(&mut d, VIRTIO_BLK_T_IN, 16, &descs))
+                .unwrap();
+            assert_eq!(reap_all(&mut core)[0].status, Status::Ok);
+            let mut want = held.clone();
+            c.decrypt(16 << 9, &mut want).unwrap();
+            assert_eq!(gather(&mem, layout), want, "{} buffers", layout.len());
+        }
     }
 
     /// What the core holds counts against the engine's room.

@@ -228,6 +228,29 @@ impl GuestBuffers {
         }
     }
 
+    /// The buffers, in order, as byte slices to transform in place what a
+    /// read brought into them (an encrypted disk's reads are decrypted
+    /// there before the completion is published).
+    ///
+    /// # Safety
+    ///
+    /// No Rust code of this process may hold a view of these bytes while a
+    /// slice lives (`&mut self` rules out only a second view through
+    /// `self`: another [`GuestBuffers::slice`] of them, or another
+    /// request's buffers that the driver pointed at the same memory, would
+    /// not be seen), and each slice must be dropped before the next is
+    /// taken: two iovecs of one request may overlap.
+    pub unsafe fn slices_mut(&mut self) -> impl Iterator<Item = &mut [u8]> + '_ {
+        self.iovecs.iter().map(|v| {
+            // SAFETY: `v` lies inside a region of `self.mem`, mapped while
+            // `self` holds it (see `translate`); the caller promises that
+            // no other view of it from this process lives meanwhile. The
+            // guest may write these bytes at the same time (they are its
+            // memory): see the caller's comment on what that can change.
+            unsafe { std::slice::from_raw_parts_mut(v.iov_base.cast::<u8>(), v.iov_len) }
+        })
+    }
+
     /// Whether every buffer starts and ends on an `align` boundary.
     pub fn aligned_to(&self, align: usize) -> bool {
         self.iovecs

@@ -349,6 +349,11 @@ impl Request {
         &self.data
     }
 
+    /// The data buffers, to transform in place ([`GuestBuffers::slices_mut`]).
+    pub fn data_mut(&mut self) -> &mut GuestBuffers {
+        &mut self.data
+    }
+
     /// Total bytes of data.
     pub fn data_len(&self) -> u32 {
         self.data.len()

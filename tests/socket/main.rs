@@ -42,6 +42,7 @@ mod kit;
 mod latency;
 mod log_limits;
 mod lost_interrupt;
+mod luks;
 mod memory_slots;
 mod qcow2;
 mod qos;

@@ -13,6 +13,8 @@
 //! - [`ceph`]: a single-node Ceph cluster for the RBD tests;
 //! - [`nbd`]: the backup's clients (nbdinfo, nbdcopy, qemu-img) and verbs;
 //! - [`qemu_img`]: qemu-img as the oracle for image files;
+//! - [`luks`]: LUKS images by cryptsetup and qemu-img, and an independent
+//!   decrypt of their payload;
 //! - the host's side: patterns, images, loop devices, metrics.
 //!
 //! A dev-dependency only: the daemon itself links none of it
@@ -33,6 +35,7 @@ mod client;
 mod ctl;
 mod daemon;
 pub mod frontend;
+pub mod luks;
 pub mod nbd;
 pub mod qemu_img;
 pub mod vm;

@@ -9,37 +9,18 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
 
+use ringblk_testkit::luks::qemu_img_create;
 use sha2::{Digest as _, Sha256};
 
 use super::*;
 
 const PASS: &[u8] = b"pass";
 
+/// cryptsetup (and python3-cryptography), from scripts/format-deps.sh
+/// when missing.
 fn need_cryptsetup() {
-    static READY: OnceLock<()> = OnceLock::new();
-    READY.get_or_init(|| {
-        if Command::new("cryptsetup").arg("--version").output().is_ok() {
-            return;
-        }
-        let script = ringblk_testkit::workspace_root().join("scripts/format-deps.sh");
-        let out = Command::new("bash")
-            .arg(&script)
-            .output()
-            .expect("format-deps.sh");
-        assert!(
-            out.status.success(),
-            "{} failed: {}",
-            script.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            Command::new("cryptsetup").arg("--version").output().is_ok(),
-            "cryptsetup is still missing after {}",
-            script.display()
-        );
-    });
+    ringblk_testkit::luks::need_tools();
 }
 
 fn key_file(dir: &Path, pass: &[u8]) -> PathBuf {
@@ -301,25 +282,6 @@ fn luks1_from_cryptsetup() {
             Version::Luks1
         );
     }
-}
-
-/// qemu-img create, retried: QEMU's PBKDF2 benchmark fails now and then
-/// with "Unable to get accurate CPU usage" when a coarse thread clock
-/// reads no time spent.
-fn qemu_img_create(args: &[&str]) {
-    ringblk_testkit::qemu_img::need_qemu_img();
-    let mut last = String::new();
-    for _ in 0..30 {
-        let out = Command::new("qemu-img").args(args).output().unwrap();
-        if out.status.success() {
-            return;
-        }
-        last = String::from_utf8_lossy(&out.stderr).into_owned();
-        if !last.contains("accurate CPU usage") {
-            break;
-        }
-    }
-    panic!("qemu-img {args:?}: {last}");
 }
 
 #[test]

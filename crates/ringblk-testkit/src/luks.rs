@@ -1,0 +1,262 @@
+//! LUKS images for the tests, made by the reference tools: cryptsetup
+//! (`luksFormat`, and `luksDump --dump-volume-key` as the oracle for the
+//! volume key and the data offset), qemu-img and qemu-io with a
+//! `--object secret`, and an independent decrypt of a payload with
+//! Python's `cryptography` (AES-XTS, the tweak the offset in 512-byte
+//! units, as dm-crypt's plain64 for LUKS). cryptsetup-bin and
+//! python3-cryptography come from `scripts/format-deps.sh` when missing;
+//! a test never skips for want of them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use crate::qemu_img::need_qemu_img;
+use crate::workspace_root;
+
+/// The passphrase the images here are made with.
+pub const PASS: &[u8] = b"pass";
+
+/// Installs cryptsetup and python3-cryptography through the project's
+/// script once; panics if they are still missing.
+pub fn need_tools() {
+    static READY: OnceLock<()> = OnceLock::new();
+    READY.get_or_init(|| {
+        let have = || {
+            Command::new("cryptsetup").arg("--version").output().is_ok()
+                && Command::new("python3")
+                    .args(["-c", "import cryptography"])
+                    .status()
+                    .is_ok_and(|s| s.success())
+        };
+        if have() {
+            return;
+        }
+        let script = workspace_root().join("scripts/format-deps.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .output()
+            .expect("format-deps.sh");
+        assert!(
+            out.status.success(),
+            "{} failed: {}",
+            script.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            have(),
+            "cryptsetup or python3-cryptography is still missing after {}",
+            script.display()
+        );
+    });
+}
+
+/// A key file in `dir` holding `pass`, mode 0600.
+pub fn key_file(dir: &Path, pass: &[u8]) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(format!("key-{}", String::from_utf8_lossy(pass)));
+    std::fs::write(&p, pass).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p
+}
+
+/// Runs cryptsetup; panics with its output if it fails. Returns stdout.
+pub fn cryptsetup(args: &[&str]) -> String {
+    need_tools();
+    let out = Command::new("cryptsetup")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("cryptsetup");
+    assert!(
+        out.status.success(),
+        "cryptsetup {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `cryptsetup luksFormat --batch-mode ARGS` on a new sparse file of
+/// `size` bytes in `dir`, with the passphrase [`PASS`].
+pub fn format(dir: &Path, name: &str, size: u64, args: &[&str]) -> PathBuf {
+    let img = dir.join(name);
+    std::fs::File::create(&img).unwrap().set_len(size).unwrap();
+    let key = key_file(dir, PASS);
+    let mut all = vec![
+        "luksFormat",
+        "--batch-mode",
+        "--key-file",
+        key.to_str().unwrap(),
+    ];
+    all.extend_from_slice(args);
+    all.push(img.to_str().unwrap());
+    cryptsetup(&all);
+    img
+}
+
+/// `qemu-img create ARGS`, retried: QEMU's PBKDF2 benchmark fails now and
+/// then with "Unable to get accurate CPU usage" when a coarse thread
+/// clock reads no time spent (only that failure is retried).
+pub fn qemu_img_create(args: &[&str]) {
+    need_qemu_img();
+    let mut last = String::new();
+    for _ in 0..30 {
+        let out = Command::new("qemu-img").args(args).output().unwrap();
+        if out.status.success() {
+            return;
+        }
+        last = String::from_utf8_lossy(&out.stderr).into_owned();
+        if !last.contains("accurate CPU usage") {
+            break;
+        }
+    }
+    panic!("qemu-img {args:?}: {last}");
+}
+
+/// A LUKS1 image of `size` bytes of payload made by `qemu-img create -f
+/// luks` (PBKDF2 for 10 ms), with the passphrase [`PASS`].
+pub fn qemu_img_luks(dir: &Path, name: &str, size: u64) -> PathBuf {
+    let img = dir.join(name);
+    let secret = format!("secret,id=s0,data={}", String::from_utf8_lossy(PASS));
+    qemu_img_create(&[
+        "create",
+        "-f",
+        "luks",
+        "--object",
+        &secret,
+        "-o",
+        "key-secret=s0,iter-time=10",
+        img.to_str().unwrap(),
+        &size.to_string(),
+    ]);
+    img
+}
+
+/// The `--image-opts` QEMU opens a LUKS image `img` with, and the
+/// `--object` holding its passphrase (from a key file in `dir`).
+pub fn qemu_luks_opts(dir: &Path, img: &Path) -> (String, String) {
+    let key = key_file(dir, PASS);
+    (
+        format!("secret,id=s0,file={}", key.display()),
+        format!("driver=luks,key-secret=s0,file.filename={}", img.display()),
+    )
+}
+
+/// The payload of `img` in plaintext, as QEMU's luks driver reads it
+/// (`qemu-img convert -O raw`).
+pub fn qemu_plaintext(dir: &Path, img: &Path) -> Vec<u8> {
+    let (object, opts) = qemu_luks_opts(dir, img);
+    let out = dir.join("qemu-plain.raw");
+    crate::qemu_img::qemu_img(&[
+        "convert",
+        "--object",
+        &object,
+        "--image-opts",
+        &opts,
+        "-O",
+        "raw",
+        out.to_str().unwrap(),
+    ]);
+    let data = std::fs::read(&out).unwrap();
+    std::fs::remove_file(&out).unwrap();
+    data
+}
+
+/// The volume key and the data offset in bytes, as cryptsetup dumps them.
+pub fn dump(dir: &Path, img: &Path) -> (Vec<u8>, u64) {
+    let key = key_file(dir, PASS);
+    let out = cryptsetup(&[
+        "luksDump",
+        "--dump-volume-key",
+        "--batch-mode",
+        "--key-file",
+        key.to_str().unwrap(),
+        img.to_str().unwrap(),
+    ]);
+    let hex: String = out
+        .split_once("MK dump:")
+        .expect("MK dump in luksDump")
+        .1
+        .split_whitespace()
+        .take_while(|w| w.len() == 2 && w.chars().all(|c| c.is_ascii_hexdigit()))
+        .collect();
+    let key = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect();
+    // LUKS1: "Payload offset: N" (512-byte sectors); LUKS2: the data
+    // segment's "offset: N [bytes]".
+    let info = cryptsetup(&["luksDump", img.to_str().unwrap()]);
+    let offset = if let Some((_, rest)) = info.split_once("Payload offset:") {
+        rest.split_whitespace()
+            .next()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            * 512
+    } else {
+        let seg = info
+            .split_once("Data segments:")
+            .expect("LUKS2 data segments")
+            .1;
+        let (_, rest) = seg.split_once("offset:").expect("segment offset");
+        rest.split_whitespace()
+            .next()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    };
+    (key, offset)
+}
+
+/// The payload of `img` decrypted independently of ringblk: Python's
+/// `cryptography` AES-XTS with the volume key cryptsetup dumps, over
+/// `sector`-byte sectors from the data offset, each with the tweak
+/// (its payload offset / 512) as a little-endian 128-bit number; `len`
+/// bytes of payload.
+pub fn independent_plaintext(dir: &Path, img: &Path, sector: usize, len: u64) -> Vec<u8> {
+    let (key, offset) = dump(dir, img);
+    let hexkey: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    let script = r#"
+import sys
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+img, key, off, sector, n, out = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+with open(img, 'rb') as f, open(out, 'wb') as o:
+    f.seek(off)
+    pos = 0
+    while pos < n:
+        c = f.read(sector)
+        assert len(c) == sector, (pos, len(c))
+        d = Cipher(algorithms.AES(key), modes.XTS((pos // 512).to_bytes(16, 'little'))).decryptor()
+        o.write(d.update(c) + d.finalize())
+        pos += sector
+"#;
+    let out = dir.join("python-plain.raw");
+    let status = Command::new("python3")
+        .args(["-c", script])
+        .arg(img)
+        .args([
+            hexkey.as_str(),
+            &offset.to_string(),
+            &sector.to_string(),
+            &len.to_string(),
+        ])
+        .arg(&out)
+        .status()
+        .expect("python3");
+    assert!(status.success(), "the Python AES-XTS decrypt failed");
+    let data = std::fs::read(&out).unwrap();
+    std::fs::remove_file(&out).unwrap();
+    data
+}
+
+/// Runs `qemu-io` on the LUKS image `img` with the commands `cmds`.
+pub fn qemu_io(dir: &Path, img: &Path, cmds: &[&str]) -> String {
+    let (object, opts) = qemu_luks_opts(dir, img);
+    let mut args = vec!["--object", &object, "--image-opts", &opts];
+    for c in cmds {
+        args.extend(["-c", c]);
+    }
+    crate::qemu_img::run("qemu-io", &args)
+}
