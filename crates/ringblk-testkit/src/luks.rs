@@ -11,8 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
-use crate::qemu_img::need_qemu_img;
-use crate::workspace_root;
+use crate::qemu_img::{need_format_tools, need_qemu_img, runs};
 
 /// The passphrase the images here are made with.
 pub const PASS: &[u8] = b"pass";
@@ -22,32 +21,9 @@ pub const PASS: &[u8] = b"pass";
 pub fn need_tools() {
     static READY: OnceLock<()> = OnceLock::new();
     READY.get_or_init(|| {
-        let have = || {
-            Command::new("cryptsetup").arg("--version").output().is_ok()
-                && Command::new("python3")
-                    .args(["-c", "import cryptography"])
-                    .status()
-                    .is_ok_and(|s| s.success())
-        };
-        if have() {
-            return;
-        }
-        let script = workspace_root().join("scripts/format-deps.sh");
-        let out = Command::new("bash")
-            .arg(&script)
-            .output()
-            .expect("format-deps.sh");
-        assert!(
-            out.status.success(),
-            "{} failed: {}",
-            script.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            have(),
-            "cryptsetup or python3-cryptography is still missing after {}",
-            script.display()
-        );
+        need_format_tools("cryptsetup or python3-cryptography", || {
+            runs("cryptsetup", &["--version"]) && runs("python3", &["-c", "import cryptography"])
+        })
     });
 }
 

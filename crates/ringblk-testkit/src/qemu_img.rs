@@ -13,27 +13,39 @@ use crate::workspace_root;
 /// tools are still missing (CI installs them; a test never skips).
 pub fn need_qemu_img() {
     static READY: OnceLock<()> = OnceLock::new();
-    READY.get_or_init(|| {
-        if Command::new("qemu-img").arg("--version").output().is_ok() {
-            return;
-        }
-        let script = workspace_root().join("scripts/format-deps.sh");
-        let out = Command::new("bash")
-            .arg(&script)
-            .output()
-            .expect("running format-deps.sh");
-        assert!(
-            out.status.success(),
-            "{} failed: {}",
-            script.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            Command::new("qemu-img").arg("--version").output().is_ok(),
-            "qemu-img is still missing after {}",
-            script.display()
-        );
-    });
+    READY.get_or_init(|| need_format_tools("qemu-img", || runs("qemu-img", &["--version"])));
+}
+
+/// Whether `tool ARGS` runs and succeeds.
+pub fn runs(tool: &str, args: &[&str]) -> bool {
+    Command::new(tool)
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Runs `scripts/format-deps.sh` (which installs the image tools: qemu-img,
+/// qemu-io, cryptsetup, Python's cryptography) when `have` says `what` is
+/// missing, and panics if it still is. Callers keep a `OnceLock` so that
+/// this runs once per test process.
+pub fn need_format_tools(what: &str, have: impl Fn() -> bool) {
+    if have() {
+        return;
+    }
+    let script = workspace_root().join("scripts/format-deps.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .output()
+        .expect("running format-deps.sh");
+    assert!(
+        out.status.success(),
+        "{} failed: {}",
+        script.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(have(), "{what} is still missing after {}", script.display());
 }
 
 /// Runs a tool, panicking with its output if it fails; returns stdout.

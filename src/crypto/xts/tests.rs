@@ -2,9 +2,7 @@
 //! (OpenSSL's XTS, one data unit per call, its tweak computed there from
 //! the byte offset), and against what cryptsetup puts in a LUKS2 header.
 
-use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
 
 use super::*;
 
@@ -158,30 +156,6 @@ fn iv_rules() {
     assert_eq!(l.iv_at(512), 0, "plain64 wraps");
 }
 
-/// Python with `cryptography`, installed by scripts/format-deps.sh when
-/// missing; false (after `skip`, which fails under CI) if still missing.
-fn have_python_cryptography() -> bool {
-    static READY: OnceLock<bool> = OnceLock::new();
-    let found = || {
-        Command::new("python3")
-            .args(["-c", "import cryptography"])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    let ready = *READY.get_or_init(|| {
-        if !found() {
-            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/format-deps.sh");
-            let _ = Command::new("bash").arg(script).status();
-        }
-        found()
-    });
-    if !ready {
-        ringblk_testkit::skip("python3 with the cryptography package is missing");
-    }
-    ready
-}
-
 /// The oracle: Python's `cryptography` transforms `data`, sector by
 /// sector, each sector's tweak computed there from its byte offset.
 const ORACLE: &str = r#"
@@ -241,9 +215,8 @@ fn split<'a>(mut buf: &'a mut [u8], cuts: &[usize]) -> Vec<&'a mut [u8]> {
 
 #[test]
 fn python_cryptography_agrees() {
-    if !have_python_cryptography() {
-        return;
-    }
+    // Python's cryptography and cryptsetup (the kit installs them).
+    ringblk_testkit::luks::need_tools();
     // Segment lengths that split sectors anywhere, empty ones included.
     let cuts = [1, 15, 0, 17, 4000, 100, 511, 3, 0, 9000, 4096, 4096, 7];
     let mut case = 0;
@@ -314,25 +287,8 @@ fn cryptsetup(args: &[&str]) -> String {
 /// `open` is not run: the oracle stands for it.
 #[test]
 fn luks2_4096_byte_sectors_use_512_byte_ivs() {
-    if !have_python_cryptography() {
-        return;
-    }
-    if Command::new("cryptsetup")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/format-deps.sh");
-        let _ = Command::new("bash").arg(script).status();
-        if Command::new("cryptsetup")
-            .arg("--version")
-            .output()
-            .is_err()
-        {
-            ringblk_testkit::skip("cryptsetup (cryptsetup-bin) is missing");
-            return;
-        }
-    }
+    // Python's cryptography and cryptsetup (the kit installs them).
+    ringblk_testkit::luks::need_tools();
     let dir = tempfile::tempdir().unwrap();
     let img = dir.path().join("luks2.img");
     std::fs::File::create(&img)
