@@ -127,6 +127,34 @@ pub fn real_path(file: &File) -> io::Result<std::path::PathBuf> {
     fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
 
+/// Replaces the page of `page` bytes at `at` (page-aligned) with private
+/// anonymous memory, zero-filled and readable and writable, in place
+/// (`MAP_FIXED`); false if mmap failed. Async-signal-safe: a SIGBUS
+/// handler calls it so that the faulting access is retried on the new page
+/// (a file truncated under its mapping).
+///
+/// # Safety
+///
+/// The page must lie in a mapping this process made and still holds,
+/// readable and writable, that nothing else unmaps meanwhile, and every
+/// pointer into it must accept any content (the zeroes replace what the
+/// file held).
+pub unsafe fn replace_with_zero_page(at: usize, page: usize) -> bool {
+    // SAFETY: the caller vouches for the page (see above); MAP_FIXED over
+    // it replaces only that range, with no executable rights.
+    let p = unsafe {
+        libc::mmap(
+            at as *mut libc::c_void,
+            page,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+    p != libc::MAP_FAILED
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -127,22 +127,11 @@ pub fn contain(addr: usize) -> bool {
     };
     let page = PAGE.load(Ordering::Relaxed);
     let at = addr & !(page - 1);
-    // SAFETY: replaces one page of a mapping of bits that this process
-    // made and still holds (it is unwatched before it is unmapped) with
-    // private anonymous memory, readable and writable as the mapping was;
-    // only the bitmap's atomics point into it, and any content (zeroes)
-    // is a valid value for them.
-    let p = unsafe {
-        libc::mmap(
-            at as *mut libc::c_void,
-            page,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-            -1,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
+    // SAFETY: the page is in a mapping of bits that this process made and
+    // still holds (it is unwatched before it is unmapped), readable and
+    // writable; only the bitmap's atomics point into it, and any content
+    // (zeroes) is a valid value for them.
+    if !unsafe { crate::host::replace_with_zero_page(at, page) } {
         return false;
     }
     r.faulted.store(true, Ordering::Release);

@@ -237,20 +237,10 @@ extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
     if code == libc::BUS_ADRERR && watched(addr) {
         let page = PAGE.load(Ordering::Relaxed);
         let at = addr & !(page - 1);
-        // SAFETY: replaces one page of a guest-memory mapping of ours with
-        // private anonymous memory (no executable rights); nothing but guest
+        // SAFETY: the page is in a guest-memory mapping of ours, readable
+        // and writable, watched only while it is mapped; nothing but guest
         // memory accessors point into it, and they expect any content.
-        let p = unsafe {
-            libc::mmap(
-                at as *mut libc::c_void,
-                page,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-                -1,
-                0,
-            )
-        };
-        if p != libc::MAP_FAILED {
+        if unsafe { crate::host::replace_with_zero_page(at, page) } {
             REPLACED.fetch_add(1, Ordering::Relaxed);
             return;
         }
