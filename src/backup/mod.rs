@@ -22,7 +22,10 @@
 //! It stands on the small [`Image`] trait, the guest's disk, not on the
 //! engine: a raw image or block device is its file ([`FileImage`]); a
 //! qcow2 image through its chain, by the disk's one reader
-//! ([`Reader`]). The engine core
+//! ([`Reader`]); a LUKS image's payload decrypted by that reader
+//! ([`Decrypted`]), so that the view, and the store, hold the guest's
+//! plaintext (docs/backup.md says why the store is not encrypted). The
+//! engine core
 //! calls `before_write` where a write is admitted, before the format maps
 //! it and before it is submitted.
 
@@ -35,7 +38,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use crate::bitmap::DirtyBitmap;
-use crate::disk::reader::Reader;
+use crate::disk::reader::{Decrypted, Reader};
 use crate::nbd::proto::{STATE_DIRTY, STATE_HOLE, STATE_ZERO};
 use crate::nbd::{Export, MetaContext};
 
@@ -146,6 +149,22 @@ impl Image for Reader {
 
     fn allocation(&self, offset: u64, max_len: u64) -> io::Result<(u64, u32)> {
         Reader::allocation(self, offset, max_len)
+    }
+}
+
+/// A LUKS image's payload, decrypted by the disk's one reader; all of
+/// it data for `base:allocation` (see [`Decrypted::allocation`]).
+impl Image for Decrypted {
+    fn size(&self) -> u64 {
+        Decrypted::size(self)
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        Decrypted::read_at(self, buf, offset)
+    }
+
+    fn allocation(&self, offset: u64, max_len: u64) -> io::Result<(u64, u32)> {
+        Decrypted::allocation(self, offset, max_len)
     }
 }
 

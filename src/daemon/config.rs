@@ -282,6 +282,7 @@ impl Config {
                 block_device: image.is_block_device,
                 offset: l.offset,
                 size: l.size,
+                crypt: l.crypt.clone(),
             },
             Backing::File { image, .. } => Disk::File {
                 file: image.file.try_clone().map_err(err("image"))?,
@@ -489,16 +490,9 @@ fn backup_spec(
 > {
     use std::os::unix::fs::MetadataExt;
     let image = match backing {
-        // An encrypted image's export would have to serve plaintext, and
-        // the view reads the file as it is.
-        Backing::File { luks: Some(_), .. } => {
-            return Ok((
-                Err("backups of an encrypted (--format luks) image are not supported yet".into()),
-                None,
-            ));
-        }
         // A qcow2 image's view reads through its chain (the device's
-        // `Live`); its top file, opened here too, is not read.
+        // `Live`); its top file, opened here too, is not read. A LUKS
+        // image's view reads this file, decrypted (`disk::reader`).
         Backing::File { image, .. } => image,
         #[cfg(feature = "rbd")]
         Backing::Rbd(_) => {

@@ -53,7 +53,7 @@ use serde::Serialize;
 use super::{Device, ResizeError};
 use crate::backup::{CbwStats, CbwStore, DEFAULT_CLUSTER, FileImage, View};
 use crate::bitmap::{BitmapError, BitmapInfo, BitmapStore, DEFAULT_GRANULARITY, DirtyBitmap};
-use crate::disk::reader::Reader;
+use crate::disk::reader::{Decrypted, Reader};
 use crate::io::Locked;
 use crate::metrics::SharedRateLimiter;
 use crate::nbd::{self, ServerStats};
@@ -861,15 +861,21 @@ impl Device {
             }
         })?;
         let size = self.size();
-        // The guest's disk: a raw image's file, or a qcow2 image's chain
-        // (the store's cluster then covers the top's, see disk::reader).
-        let (image, cluster): (Arc<dyn crate::backup::Image>, u64) = match self.qcow2() {
-            Some(live) => (
-                Arc::new(Reader::new(live.clone(), size)),
-                Reader::cluster(live, DEFAULT_CLUSTER),
-            ),
-            None => (Arc::new(FileImage::with_size(image, size)), DEFAULT_CLUSTER),
-        };
+        // The guest's disk: a raw image's file, a qcow2 image's chain
+        // (the store's cluster then covers the top's, see disk::reader),
+        // or a LUKS image's payload, decrypted by the disk's reader.
+        let (image, cluster): (Arc<dyn crate::backup::Image>, u64) =
+            match (self.qcow2(), self.backing.encrypted()) {
+                (Some(live), _) => (
+                    Arc::new(Reader::new(live.clone(), size)),
+                    Reader::cluster(live, DEFAULT_CLUSTER),
+                ),
+                (None, Some((offset, crypt))) => (
+                    Arc::new(Decrypted::new(image, offset, size, crypt.clone())),
+                    DEFAULT_CLUSTER,
+                ),
+                (None, None) => (Arc::new(FileImage::with_size(image, size)), DEFAULT_CLUSTER),
+            };
         let (switched, switch_us) = self.quiesced(|| {
             let cbw = Arc::new(CbwStore::with_file(image, store, cluster)?);
             // The instant: no write in flight. The export gets a copy of

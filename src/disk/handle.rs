@@ -7,6 +7,7 @@ use std::fs::File;
 use std::io;
 use std::sync::{Arc, Weak};
 
+use super::luks::Crypt;
 use super::{Live, SnapshotError};
 use crate::io::device_size;
 
@@ -30,12 +31,14 @@ pub enum Disk {
     /// A file or block device: a duplicate of the daemon's image fd.
     File { file: File, block_device: bool },
     /// Part of a file or block device (an encrypted image's payload):
-    /// from `offset`, `size` bytes or (None) to its end.
+    /// from `offset`, `size` bytes or (None) to its end, encrypted with
+    /// `crypt`.
     Payload {
         file: File,
         block_device: bool,
         offset: u64,
         size: Option<u64>,
+        crypt: Arc<Crypt>,
     },
     /// A handle the engines share. Weak: the device must not keep the
     /// image open when SIGTERM closes it (the handle closes when its last
@@ -57,6 +60,7 @@ impl Disk {
                 block_device,
                 offset,
                 size,
+                ..
             } => match size {
                 Some(size) => Ok(*size),
                 None => Ok(device_size(file, *block_device)?.saturating_sub(*offset)),
@@ -94,6 +98,15 @@ impl Disk {
     pub fn chain(&self) -> Option<&Arc<Live>> {
         match self {
             Disk::Chain(live) => Some(live),
+            _ => None,
+        }
+    }
+
+    /// An encrypted image's payload: where it starts in the file, and
+    /// its transform.
+    pub fn encrypted(&self) -> Option<(u64, &Arc<Crypt>)> {
+        match self {
+            Disk::Payload { offset, crypt, .. } => Some((*offset, crypt)),
             _ => None,
         }
     }

@@ -8,6 +8,11 @@
 //! [`read_piece`], whoever reads them (the engine's data path reads into
 //! guest memory itself, and transforms in its completion).
 //!
+//! A LUKS image's payload is read by [`Decrypted`]: the file's bytes at
+//! the data offset, decrypted with the disk's own transform
+//! ([`Crypt`], the one the engine core uses), so that the backup view and
+//! its copy-before-write see the guest's plaintext.
+//!
 //! Each read maps its range with the format's slow path (under the
 //! image's metadata lock, as a queue's request that missed the cache),
 //! then reads the data with `pread` on the chain's own (buffered) files.
@@ -32,6 +37,7 @@ use std::sync::Arc;
 
 use std::fs::File;
 
+use super::luks::Crypt;
 use super::{Dir, Live, Mapper, Piece, Where};
 use crate::nbd::proto::{STATE_HOLE, STATE_ZERO};
 
@@ -188,5 +194,75 @@ impl Reader {
             window = (window * 2).min(MAX_WINDOW * cluster);
         }
         Ok((pos - offset, run.map_or(0, flags)))
+    }
+}
+
+/// The guest's disk of a LUKS image (`--format luks`), read as the guest
+/// sees it: `size` bytes of `file` from its data `offset`, decrypted with
+/// the disk's [`Crypt`]. A read that does not start and end on the LUKS
+/// sector is widened to whole sectors (the ciphertext is decrypted a
+/// sector at a time) into a buffer of its own, then copied out.
+pub struct Decrypted {
+    file: File,
+    offset: u64,
+    size: u64,
+    crypt: Arc<Crypt>,
+}
+
+impl Decrypted {
+    /// The payload of `file`: from byte `offset`, `size` bytes (fixed
+    /// during a backup), encrypted with `crypt`.
+    pub fn new(file: File, offset: u64, size: u64, crypt: Arc<Crypt>) -> Decrypted {
+        Decrypted {
+            file,
+            offset,
+            size,
+            crypt,
+        }
+    }
+
+    /// Its size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Fills `buf` with the plaintext from guest byte `offset`.
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let end = offset
+            .checked_add(buf.len() as u64)
+            .filter(|&end| end <= self.size)
+            .ok_or_else(|| {
+                io::Error::other(format!(
+                    "{:#x} bytes at {offset:#x} are outside the {:#x}-byte disk",
+                    buf.len(),
+                    self.size
+                ))
+            })?;
+        let sector = self.crypt.sector_size() as u64;
+        // The payload is whole sectors (checked at start-up).
+        let (first, last) = (offset - offset % sector, end.div_ceil(sector) * sector);
+        let decrypt = |at: u64, bytes: &mut [u8]| {
+            self.file.read_exact_at(bytes, self.offset + at)?;
+            self.crypt.decrypt(at, bytes).map_err(io::Error::other)
+        };
+        if (first, last) == (offset, end) {
+            return decrypt(offset, buf);
+        }
+        let mut whole = vec![0u8; (last - first) as usize];
+        decrypt(first, &mut whole)?;
+        let from = (offset - first) as usize;
+        buf.copy_from_slice(&whole[from..from + buf.len()]);
+        Ok(())
+    }
+
+    /// The allocation at `offset`: all of it data, `max_len` (at least 1)
+    /// with no flags. The file's holes say nothing of the guest's zeroes:
+    /// a hole in the payload decrypts to noise, and a range the guest
+    /// zeroed is encrypted zeroes, data on the file.
+    pub fn allocation(&self, _offset: u64, max_len: u64) -> io::Result<(u64, u32)> {
+        Ok((max_len.max(1), 0))
     }
 }

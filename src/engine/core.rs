@@ -33,8 +33,9 @@
 //! ([`Io::staged`]); a write-zeroes becomes a write of encrypted zeroes;
 //! a read is decrypted in place in the guest's buffers as it is reaped,
 //! before its completion is published. The one place the data path
-//! transforms bytes; reads off the data path are not served on such a
-//! disk (no backup export).
+//! transforms bytes; reads off the data path (the backup view and its
+//! copy-before-write) decrypt in the disk's reader
+//! (`crate::disk::reader::Decrypted`), with the same [`Crypt`].
 //!
 //! Accounting: `in_flight` counts requests (taken and not yet reaped),
 //! whatever number of pieces they became, so the worker's view (room,
