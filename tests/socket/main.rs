@@ -45,6 +45,7 @@ mod lost_interrupt;
 mod luks;
 mod memory_slots;
 mod qcow2;
+mod qcow2_luks;
 mod qos;
 mod sandbox;
 mod seccomp;

@@ -1209,6 +1209,27 @@ fn open_qcow2(
             "qcow2 version 2 is served read-only (--read-only), or upgrade it: qemu-img amend -o compat=1.1",
         ));
     }
+    // An encrypted image's clusters hold ciphertext, which imago would
+    // serve as the guest's bytes (and a write would put plaintext among
+    // them): refused, in every layer of the chain, before anything is
+    // written.
+    match be32(&header[32..36]) {
+        0 => {}
+        1 => {
+            return Err(open_err(
+                path,
+                "is encrypted with qcow2's legacy AES method (encryption=on), which is not supported; \
+                 convert it: qemu-img convert -O qcow2 -o encrypt.format=luks,...",
+            ));
+        }
+        2 => {
+            return Err(open_err(
+                path,
+                "is encrypted (encrypt.format=luks), which --format qcow2 does not serve yet",
+            ));
+        }
+        m => return Err(open_err(path, format!("unknown encryption method {m}"))),
+    }
     let incompat = u64::from_be_bytes(header[72..80].try_into().unwrap_or([0; 8]));
     let autoclear = u64::from_be_bytes(header[88..96].try_into().unwrap_or([0; 8]));
     // The mark (or an older daemon's): the L2 log has entries the image
