@@ -448,11 +448,18 @@ fn key_from_an_inherited_descriptor() {
     drop(w);
     let rfd = r.as_raw_fd();
     let configure = move |cmd: &mut std::process::Command| {
-        // SAFETY: dup2 in the child between fork and exec: one
+        // SAFETY: dup2 or fcntl in the child between fork and exec: one
         // async-signal-safe syscall on descriptors the child inherited.
+        // The pipe may already be fd 5 (tests open and close descriptors
+        // in parallel), where dup2 would leave its close-on-exec flag set.
         unsafe {
             cmd.pre_exec(move || {
-                if libc::dup2(rfd, 5) < 0 {
+                let done = if rfd == 5 {
+                    libc::fcntl(5, libc::F_SETFD, 0)
+                } else {
+                    libc::dup2(rfd, 5)
+                };
+                if done < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
