@@ -1206,7 +1206,7 @@ fn open_qcow2(
     if writable && version < 3 {
         return Err(open_err(
             path,
-            "qcow2 version 2 is served read-only (--read-only), or upgrade it: qemu-img amend -o compat=1.1",
+            "qcow2 version 2 is served read-only (--readonly), or upgrade it: qemu-img amend -o compat=1.1",
         ));
     }
     // An encrypted image's clusters hold ciphertext, which imago would
@@ -1250,7 +1250,7 @@ fn open_qcow2(
     if writable && be32(&header[60..64]) != 0 {
         return Err(open_err(
             path,
-            "has internal snapshots; writing to it is not supported (--read-only, or qemu-img snapshot -d)",
+            "has internal snapshots; writing to it is not supported (--readonly, or qemu-img snapshot -d)",
         ));
     }
     // QEMU's bitmaps, checked before imago writes anything (bitmaps.rs).
