@@ -26,6 +26,22 @@ pub const MAX_KEY_FILE: usize = 64 * 1024;
 
 static MLOCK_WARNED: AtomicBool = AtomicBool::new(false);
 
+/// Overwrites the `N` bytes of the calling thread's stack below the
+/// caller's frame with zeroes, where the functions the caller called before left
+/// what they held: the AES key schedules are built by value, on the
+/// stack, before they are moved into key memory, and the key derivation's
+/// frames held the volume key. Call it from a frame no deeper than the
+/// one that called those functions, once they returned. At start-up
+/// (the key derivation) 64 KiB; a queue thread, where the AES calls spill
+/// round keys, before it sleeps: 16 KiB.
+#[inline(never)]
+pub fn scrub_stack<const N: usize>() {
+    let mut below = [0u8; N];
+    // Volatile writes: not optimised away although nothing reads them.
+    below.zeroize();
+    std::hint::black_box(&below);
+}
+
 /// Bytes of key material in their own locked, undumpable pages.
 pub struct Secret {
     ptr: NonNull<u8>,

@@ -141,7 +141,11 @@ pub fn qemu_plaintext(dir: &Path, img: &Path) -> Vec<u8> {
 
 /// The volume key and the data offset in bytes, as cryptsetup dumps them.
 pub fn dump(dir: &Path, img: &Path) -> (Vec<u8>, u64) {
-    let key = key_file(dir, PASS);
+    dump_with(&key_file(dir, PASS), img)
+}
+
+/// [`dump`], the passphrase in the file `key`.
+pub fn dump_with(key: &Path, img: &Path) -> (Vec<u8>, u64) {
     let out = cryptsetup(&[
         "luksDump",
         "--dump-volume-key",
