@@ -136,9 +136,10 @@ enum Keys {
 /// drop, and the key bytes given to [`Xts::new`] are read in place, not
 /// copied; but moving the ciphers into place may leave stale copies of
 /// the round keys on the stack, and the AES calls spill round keys
-/// there; nothing here zeroes them: the daemon overwrites its stacks
-/// ([`crate::crypto::key::scrub_stack`]) after opening the image and
-/// before a queue thread sleeps.
+/// there and leave them in vector registers; nothing here zeroes them:
+/// the daemon overwrites its stacks and registers
+/// ([`crate::crypto::key::scrub_stack`], [`crate::crypto::key::scrub_registers`])
+/// after opening the image and before a queue thread sleeps.
 pub struct Xts {
     keys: Keys,
 }
