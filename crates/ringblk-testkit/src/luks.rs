@@ -245,7 +245,7 @@ pub fn qemu_io(dir: &Path, img: &Path, cmds: &[&str]) -> String {
 /// encrypted independently of ringblk, as [`independent_plaintext`]
 /// decrypts: `at` and `data.len()` multiples of `sector`.
 pub fn independent_encrypt(dir: &Path, img: &Path, sector: usize, at: u64, data: &[u8]) {
-    assert!(at % sector as u64 == 0 && data.len() % sector == 0);
+    assert!(at.is_multiple_of(sector as u64) && data.len().is_multiple_of(sector));
     let (key, offset) = dump(dir, img);
     let hexkey: String = key.iter().map(|b| format!("{b:02x}")).collect();
     let script = r#"
