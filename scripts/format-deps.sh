@@ -3,7 +3,8 @@
 # qemu-io (Debian's qemu-utils); for encrypted images, cryptsetup
 # (cryptsetup-bin: it makes the LUKS images of src/crypto's tests and dumps
 # their volume keys; no device-mapper needed) and Python's `cryptography`
-# (AES-XTS, OpenSSL's: the independent decrypt). tests/layers/format.rs and
+# (AES-XTS, OpenSSL's: the independent decrypt); gdb, whose gcore takes the
+# core dump tests/socket/luks_key.rs scans for the key. tests/layers/format.rs and
 # src/crypto's tests run it when a tool is missing; scripts/test.sh runs it
 # before the tests.
 set -euo pipefail
@@ -15,4 +16,4 @@ die() {
 }
 # shellcheck source=lib/packages.sh
 . "$repo/scripts/lib/packages.sh"
-ensure_packages qemu-utils cryptsetup-bin python3-cryptography
+ensure_packages qemu-utils cryptsetup-bin python3-cryptography gdb

@@ -26,6 +26,69 @@ pub const MAX_KEY_FILE: usize = 64 * 1024;
 
 static MLOCK_WARNED: AtomicBool = AtomicBool::new(false);
 
+/// Overwrites the `N` bytes of the calling thread's stack below the
+/// caller's frame with zeroes, where the functions the caller called before left
+/// what they held: the AES key schedules are built by value, on the
+/// stack, before they are moved into key memory, and the key derivation's
+/// frames held the volume key. Call it from a frame no deeper than the
+/// one that called those functions, once they returned. At start-up
+/// (the key derivation) 64 KiB; a queue thread, where the AES calls spill
+/// round keys, before it sleeps: see `QUEUE_STACK_SCRUB` in the worker.
+#[inline(never)]
+pub fn scrub_stack<const N: usize>() {
+    let mut below = [0u8; N];
+    // Volatile writes: not optimised away although nothing reads them.
+    below.zeroize();
+    std::hint::black_box(&below);
+}
+
+/// Zeroes the vector registers the AES calls leave round keys in: a
+/// sleeping thread's registers are saved by the kernel and written into a
+/// core dump. `vzeroall` clears ymm0-15 (and zmm0-15's upper halves); with
+/// AVX-512 (the VAES backend's zmm registers) zmm16-31 are cleared too.
+/// Without AVX the AES-NI code's xmm0-15 are not cleared.
+pub fn scrub_registers() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx")]
+        fn zeroall() {
+            std::arch::x86_64::_mm256_zeroall();
+        }
+        #[target_feature(enable = "avx512f")]
+        fn zero_high_zmm() {
+            // SAFETY: only writes zmm16-31, declared clobbered; no memory,
+            // no stack, no flags.
+            unsafe {
+                std::arch::asm!(
+                    "vpxord zmm16, zmm16, zmm16", "vpxord zmm17, zmm17, zmm17",
+                    "vpxord zmm18, zmm18, zmm18", "vpxord zmm19, zmm19, zmm19",
+                    "vpxord zmm20, zmm20, zmm20", "vpxord zmm21, zmm21, zmm21",
+                    "vpxord zmm22, zmm22, zmm22", "vpxord zmm23, zmm23, zmm23",
+                    "vpxord zmm24, zmm24, zmm24", "vpxord zmm25, zmm25, zmm25",
+                    "vpxord zmm26, zmm26, zmm26", "vpxord zmm27, zmm27, zmm27",
+                    "vpxord zmm28, zmm28, zmm28", "vpxord zmm29, zmm29, zmm29",
+                    "vpxord zmm30, zmm30, zmm30", "vpxord zmm31, zmm31, zmm31",
+                    out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _,
+                    out("zmm20") _, out("zmm21") _, out("zmm22") _, out("zmm23") _,
+                    out("zmm24") _, out("zmm25") _, out("zmm26") _, out("zmm27") _,
+                    out("zmm28") _, out("zmm29") _, out("zmm30") _, out("zmm31") _,
+                    options(nomem, nostack, preserves_flags),
+                );
+            }
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked just above), all
+            // `zero_high_zmm`'s target feature asks for.
+            unsafe { zero_high_zmm() };
+        }
+        if std::arch::is_x86_feature_detected!("avx") {
+            // SAFETY: the CPU has AVX (checked just above), all
+            // `zeroall`'s target feature asks for.
+            unsafe { zeroall() };
+        }
+    }
+}
+
 /// Bytes of key material in their own locked, undumpable pages.
 pub struct Secret {
     ptr: NonNull<u8>,

@@ -135,8 +135,11 @@ enum Keys {
 /// An AES-XTS key, expanded. The `aes` crate zeroes its round keys on
 /// drop, and the key bytes given to [`Xts::new`] are read in place, not
 /// copied; but moving the ciphers into place may leave stale copies of
-/// the round keys on the stack, and the VAES backends spill broadcast
-/// round keys there, which nothing zeroes.
+/// the round keys on the stack, and the AES calls spill round keys
+/// there and leave them in vector registers; nothing here zeroes them:
+/// the daemon overwrites its stacks and registers
+/// ([`crate::crypto::key::scrub_stack`], [`crate::crypto::key::scrub_registers`])
+/// after opening the image and before a queue thread sleeps.
 pub struct Xts {
     keys: Keys,
 }

@@ -735,8 +735,12 @@ fn open_luks(args: &ServeArgs, image: &Image) -> Result<LuksSetup, DaemonError> 
         crate::disk::luks::Luks::open(&image.file, image.size, &key.secret)
     })
     .map_err(|e| DaemonError::Config(format!("{}: {e}", image.path.display())))?;
-    // The passphrase's key memory is zeroed now, opened or not.
+    // The passphrase's key memory is zeroed now, opened or not, and the
+    // copies of the key on this thread's stack and in its vector registers
+    // (the key schedules were built there) are overwritten.
     drop(key);
+    crate::crypto::key::scrub_stack::<{ 64 * 1024 }>();
+    crate::crypto::key::scrub_registers();
     let luks = opened.map_err(|e| DaemonError::Config(format!("{}: {e}", image.path.display())))?;
     let sector = luks.crypt.sector_size() as u32;
     if let Some(b) = args.block_size.filter(|&b| b != sector) {

@@ -134,7 +134,7 @@ unsafe impl<T: Sync> Sync for Locked<T> {}
 
 impl<T> Locked<T> {
     /// Moves `value` into key memory. (The copy it is moved from, on the
-    /// caller's stack, is not zeroed; see [`Xts`]'s doc.)
+    /// caller's stack, is not zeroed here; see [`Xts`]'s doc.)
     pub fn new(value: T) -> std::io::Result<Locked<T>> {
         const { assert!(align_of::<T>() <= 4096, "key memory is page-aligned") };
         let mut mem = Secret::zeroed(size_of::<T>())?;

@@ -567,6 +567,12 @@ impl<E: Engine, F: Format> Core<E, F> {
         n
     }
 
+    /// Whether the disk is encrypted (its requests go through the
+    /// transform, with the key schedule on this thread's stack meanwhile).
+    pub fn encrypted(&self) -> bool {
+        self.crypt.is_some()
+    }
+
     /// How many more requests `submit` takes now.
     pub fn room(&self) -> usize {
         if !self.queued.is_empty() {

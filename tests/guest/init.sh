@@ -2,7 +2,7 @@
 # /init of the ringblk test guest (busybox sh, PID 1).
 #
 # Reads its parameters from the kernel command line:
-#   ringblk.test=rw|ro|migrate|resize|qcow2|backup  which checks to run
+#   ringblk.test=rw|ro|migrate|resize|qcow2|luks|backup  which checks to run
 #   ringblk.new_sectors=N   (resize) the capacity the host resizes to
 #   ringblk.migrate=busy|idle   what the guest does while the host migrates it
 #                           (migrate only; see "Live migration" below)
@@ -37,6 +37,9 @@
 # In the qcow2 mode (a qcow2 overlay over a base the host filled):
 #   0 .. fio_mb                fio write+verify, allocating in the overlay
 #   then the whole disk        an ext4 file system (see "qcow2" below)
+# In the luks mode (an encrypted disk, see "luks" below):
+#   0 .. fio_mb                fio write+verify, then the whole disk
+#                              an ext4 file system
 # In the resize mode, after the identity checks and the host's pattern:
 #   old end .. + 1 MiB         the pattern, written once the disk grew
 #                              (the host checks it in the image)
@@ -647,6 +650,63 @@ qcow2_checks() {
         show_log e2fsck
     fi
 }
+
+# ---- luks (ringblk.test=luks): the disk is a LUKS image ringblk decrypts ----
+# 1. fio write+verify of [0, FIO_MB) in 4 KiB random writes; the host kills
+#    the daemon (SIGKILL) under it and restarts it, QEMU reconnects.
+# 2. mkfs.ext4 over the whole disk, mount, fio write+verify of a file.
+# 3. umount, e2fsck -f -n, then the SHA-256 of the whole disk as the guest
+#    reads it (RINGBLK-INFO disk-sha256): the host compares it with its
+#    own decryption of the image.
+luks_checks() {
+    if step fio-kills fio --name=kills --filename="$DEV" --ioengine=libaio --direct=1 \
+        --iodepth=16 --rw=randwrite --bs=4k --offset=0 --size="${FIO_MB}M" \
+        --io_size=$((FIO_MB / 2))M --verify=crc32c --verify_fatal=1 --verify_state_save=0 \
+        --exitall_on_error=1; then
+        pass fio-kills
+    else
+        fail fio-kills "exit status $?"
+        show_log fio-kills
+    fi
+    if step mkfs /usr/sbin/mke2fs -q -F -t ext4 "$DEV"; then
+        pass mkfs
+    else
+        fail mkfs "mke2fs -t ext4 failed"
+        show_log mkfs
+        finish
+    fi
+    mkdir -p /mnt
+    if ! step mount mount -t ext4 "$DEV" /mnt; then
+        fail fs-fio "mount failed"
+        show_log mount
+        finish
+    fi
+    if step fs-fio fio --name=fs --filename=/mnt/fio.data --ioengine=libaio --direct=1 \
+        --iodepth=16 --rw=randwrite --bssplit=4k/50:64k/50 --size=16M \
+        --verify=crc32c --verify_fatal=1 --verify_state_save=0 --exitall_on_error=1; then
+        pass fs-fio
+    else
+        fail fs-fio "exit status $?"
+        show_log fs-fio
+    fi
+    if step umount umount /mnt && step e2fsck /usr/sbin/e2fsck -f -n "$DEV"; then
+        pass e2fsck
+    else
+        fail e2fsck "umount or e2fsck -f -n failed"
+        show_log umount
+        show_log e2fsck
+    fi
+    if step disk-sum sh -c "set -o pipefail; dd if=$DEV bs=1M iflag=direct 2>/dev/null | sha256sum >/tmp/disk.sum"; then
+        echo "RINGBLK-INFO disk-sha256 $(cut -d' ' -f1 /tmp/disk.sum)"
+    else
+        fail disk-sum "reading the whole disk failed"
+    fi
+}
+
+if [ "$TEST" = luks ]; then
+    luks_checks
+    finish
+fi
 
 if [ "$TEST" = qcow2 ]; then
     qcow2_checks

@@ -16,6 +16,7 @@
 mod backup;
 mod guest;
 mod guest_resize;
+mod luks;
 mod migration;
 mod qcow2;
 mod setup_hints;

@@ -43,6 +43,7 @@ mod latency;
 mod log_limits;
 mod lost_interrupt;
 mod luks;
+mod luks_key;
 mod memory_slots;
 mod qcow2;
 mod qcow2_luks;

@@ -234,6 +234,14 @@ pub struct CompareArgs {
     #[arg(long, requires = "compare")]
     pub image: Option<PathBuf>,
 
+    /// The --image file is a LUKS1 image (`cryptsetup luksFormat --type
+    /// luks1`; qsd's luks driver reads no LUKS2) whose passphrase is in
+    /// PATH: ringblk serves it with `--format luks --key-file PATH`, qsd
+    /// with its luks driver over the file (`--object secret,file=PATH`).
+    /// fio (host) would read ciphertext: leave it out (--backends).
+    #[arg(long, requires = "image", value_name = "PATH")]
+    pub luks_key_file: Option<PathBuf>,
+
     /// Size of the created image (file, or RBD image with --ceph-cluster).
     /// Default: 1G (64M with --quick).
     #[arg(long, requires = "compare", value_parser = parse_size)]

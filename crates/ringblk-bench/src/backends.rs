@@ -113,6 +113,8 @@ pub struct Env {
     pub qsd_bin: PathBuf,
     pub fio_bin: PathBuf,
     pub ringblk_args: Vec<String>,
+    /// The image is LUKS1 with its passphrase in this file (--luks-key-file).
+    pub luks_key_file: Option<PathBuf>,
     pub fio_args: Vec<String>,
     pub bs: u64,
     pub mix: u8,
@@ -202,6 +204,9 @@ impl Backend {
                             Some(q) => cmd.arg("--image").arg(&q.file).args(["--format", "qcow2"]),
                             None => cmd.arg("--image").arg(image),
                         };
+                        if let Some(key) = &env.luks_key_file {
+                            cmd.args(["--format", "luks", "--key-file"]).arg(key);
+                        }
                         if cfg.direct {
                             cmd.arg("--direct");
                         }
@@ -241,6 +246,14 @@ impl Backend {
                         r.id
                     )],
                 };
+                let mut nodes = nodes;
+                if let (Some(key), Target::File(_)) = (&env.luks_key_file, &env.target) {
+                    // The file node becomes `p`, under a luks node `f`.
+                    nodes[0] = nodes[0].replacen("node-name=f,", "node-name=p,", 1);
+                    nodes.push("driver=luks,node-name=f,file=p,key-secret=sec0".into());
+                    cmd.arg("--object")
+                        .arg(format!("secret,id=sec0,file={}", qemu_opt(key)));
+                }
                 for node in nodes {
                     cmd.arg("--blockdev").arg(node);
                 }

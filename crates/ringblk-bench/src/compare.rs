@@ -116,6 +116,11 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
             "--format qcow2: qcow2 images are made from an image file, not an RBD image".into(),
         ));
     }
+    if args.cmp.luks_key_file.is_some() && (rbd || images_axis.iter().any(|i| !i.is_raw())) {
+        return Err(BenchError::Usage(
+            "--luks-key-file: the --image must be a LUKS1 file, served as it is (no --format qcow2, no RBD)".into(),
+        ));
+    }
     let configs = matrix(args, rbd);
     let backends = backends(args)?;
     let self_exe = std::env::current_exe().map_err(io("finding this executable".into()))?;
@@ -214,6 +219,7 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
         qsd_bin: args.cmp.qsd_bin.clone(),
         fio_bin: args.cmp.fio_bin.clone(),
         ringblk_args: args.cmp.ringblk_arg.clone(),
+        luks_key_file: args.cmp.luks_key_file.clone(),
         fio_args: args.cmp.fio_arg.clone(),
         bs: args.bs,
         mix: args.mix,

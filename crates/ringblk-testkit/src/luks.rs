@@ -141,7 +141,11 @@ pub fn qemu_plaintext(dir: &Path, img: &Path) -> Vec<u8> {
 
 /// The volume key and the data offset in bytes, as cryptsetup dumps them.
 pub fn dump(dir: &Path, img: &Path) -> (Vec<u8>, u64) {
-    let key = key_file(dir, PASS);
+    dump_with(&key_file(dir, PASS), img)
+}
+
+/// [`dump`], the passphrase in the file `key`.
+pub fn dump_with(key: &Path, img: &Path) -> (Vec<u8>, u64) {
     let out = cryptsetup(&[
         "luksDump",
         "--dump-volume-key",
@@ -235,4 +239,40 @@ pub fn qemu_io(dir: &Path, img: &Path, cmds: &[&str]) -> String {
         args.extend(["-c", c]);
     }
     crate::qemu_img::run("qemu-io", &args)
+}
+
+/// Writes `data` into the payload of `img` at payload offset `at`,
+/// encrypted independently of ringblk, as [`independent_plaintext`]
+/// decrypts: `at` and `data.len()` multiples of `sector`.
+pub fn independent_encrypt(dir: &Path, img: &Path, sector: usize, at: u64, data: &[u8]) {
+    assert!(at.is_multiple_of(sector as u64) && data.len().is_multiple_of(sector));
+    let (key, offset) = dump(dir, img);
+    let hexkey: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    let script = r#"
+import sys
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+img, key, off, sector, at, src = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+plain = open(src, 'rb').read()
+with open(img, 'r+b') as f:
+    f.seek(off + at)
+    for i in range(0, len(plain), sector):
+        e = Cipher(algorithms.AES(key), modes.XTS(((at + i) // 512).to_bytes(16, 'little'))).encryptor()
+        f.write(e.update(plain[i:i + sector]) + e.finalize())
+"#;
+    let src = dir.join("python-plain-in.raw");
+    std::fs::write(&src, data).unwrap();
+    let status = Command::new("python3")
+        .args(["-c", script])
+        .arg(img)
+        .args([
+            hexkey.as_str(),
+            &offset.to_string(),
+            &sector.to_string(),
+            &at.to_string(),
+        ])
+        .arg(&src)
+        .status()
+        .expect("python3");
+    assert!(status.success(), "the Python AES-XTS encrypt failed");
+    std::fs::remove_file(&src).unwrap();
 }
