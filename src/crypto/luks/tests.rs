@@ -8,83 +8,20 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
-use ringblk_testkit::luks::qemu_img_create;
+use ringblk_testkit::luks::{self, PASS, cryptsetup, key_file, qemu_img_create};
 use sha2::{Digest as _, Sha256};
 
 use super::*;
 
-const PASS: &[u8] = b"pass";
-
-/// cryptsetup (and python3-cryptography), from scripts/format-deps.sh
-/// when missing.
-fn need_cryptsetup() {
-    ringblk_testkit::luks::need_tools();
-}
-
-fn key_file(dir: &Path, pass: &[u8]) -> PathBuf {
-    let p = dir.join(format!("key-{}", String::from_utf8_lossy(pass)));
-    std::fs::write(&p, pass).unwrap();
-    p
-}
-
-fn cryptsetup(args: &[&str]) -> String {
-    need_cryptsetup();
-    let out = Command::new("cryptsetup")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("cryptsetup");
-    assert!(
-        out.status.success(),
-        "cryptsetup {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// `cryptsetup luksFormat --batch-mode ARGS` on a new 17 MiB file, with
-/// the passphrase "pass".
+/// `cryptsetup luksFormat` on a new 17 MiB file, passphrase [`PASS`].
 fn format(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
-    let img = dir.join(name);
-    File::create(&img).unwrap().set_len(17 << 20).unwrap();
-    let key = key_file(dir, PASS);
-    let mut all = vec![
-        "luksFormat",
-        "--batch-mode",
-        "--key-file",
-        key.to_str().unwrap(),
-    ];
-    all.extend_from_slice(args);
-    all.push(img.to_str().unwrap());
-    cryptsetup(&all);
-    img
+    luks::format(dir, name, 17 << 20, args)
 }
 
 /// The volume key, as cryptsetup dumps it.
 fn dumped_key(dir: &Path, img: &Path) -> Vec<u8> {
-    let key = key_file(dir, PASS);
-    let out = cryptsetup(&[
-        "luksDump",
-        "--dump-volume-key",
-        "--batch-mode",
-        "--key-file",
-        key.to_str().unwrap(),
-        img.to_str().unwrap(),
-    ]);
-    let hex: String = out
-        .split_once("MK dump:")
-        .expect("MK dump in luksDump")
-        .1
-        .split_whitespace()
-        .take_while(|w| w.len() == 2 && w.chars().all(|c| c.is_ascii_hexdigit()))
-        .collect();
-    (0..hex.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
-        .collect()
+    luks::dump(dir, img).0
 }
 
 fn open_path(img: &Path, pass: &[u8]) -> Result<Unlocked> {
