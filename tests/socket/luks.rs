@@ -13,7 +13,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use ringblk_testkit::luks::{
-    PASS, format, independent_plaintext, key_file, qemu_img_luks, qemu_io, qemu_plaintext,
+    PASS, format, independent_plaintext, key_file, luks2_pbkdf2, qemu_img_luks, qemu_io,
+    qemu_plaintext,
 };
 use ringblk_testkit::{Client, Daemon, DaemonOptions, KIB, MIB, pattern, serve_refused, test_dir};
 
@@ -110,16 +111,7 @@ fn luks2_512_byte_sectors_pbkdf2() {
     round_trip(
         "l2-512.img",
         24 * MIB,
-        &[
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            "--sector-size",
-            "512",
-        ],
+        &luks2_pbkdf2("512"),
         512,
         false,
         &[],
@@ -156,16 +148,7 @@ fn luks2_4096_byte_sectors_direct() {
     round_trip(
         "l2-direct.img",
         24 * MIB,
-        &[
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            "--sector-size",
-            "4096",
-        ],
+        &luks2_pbkdf2("4096"),
         4096,
         false,
         &["--direct"],
@@ -225,21 +208,7 @@ fn qemu_img_luks_both_ways() {
 #[test]
 fn write_zeroes_read_back_as_zeroes() {
     let dir = test_dir();
-    let img = format(
-        dir.path(),
-        "z.img",
-        24 * MIB,
-        &[
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            "--sector-size",
-            "512",
-        ],
-    );
+    let img = format(dir.path(), "z.img", 24 * MIB, &luks2_pbkdf2("512"));
     let mut d = serve(dir.path(), &img, &[]);
     let mut c = Client::connect(&d.socket, 2 << 20);
     let data = pattern(9, 0, 2 * MIB as usize);
@@ -278,21 +247,7 @@ fn write_zeroes_read_back_as_zeroes() {
 #[test]
 fn restarts_read_back_what_was_flushed() {
     let dir = test_dir();
-    let img = format(
-        dir.path(),
-        "r.img",
-        24 * MIB,
-        &[
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            "--sector-size",
-            "4096",
-        ],
-    );
+    let img = format(dir.path(), "r.img", 24 * MIB, &luks2_pbkdf2("4096"));
     let mut d = serve(dir.path(), &img, &[]);
     let mut c = Client::connect(&d.socket, 1 << 20);
     let first = write_patterns(&mut c);
@@ -322,21 +277,7 @@ fn restarts_read_back_what_was_flushed() {
 #[test]
 fn bad_input_is_refused_with_one_line() {
     let dir = test_dir();
-    let img = format(
-        dir.path(),
-        "b.img",
-        24 * MIB,
-        &[
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            "--sector-size",
-            "4096",
-        ],
-    );
+    let img = format(dir.path(), "b.img", 24 * MIB, &luks2_pbkdf2("4096"));
     let image = img.to_str().unwrap();
     let wrong = key_file(dir.path(), b"wrong");
     let line = serve_refused(
@@ -545,21 +486,7 @@ fn backups_serve_the_plaintext_at_the_instant() {
         return;
     }
     let dir = test_dir();
-    let img = format(
-        dir.path(),
-        "b.luks",
-        48 * MIB,
-        &[
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            "--sector-size",
-            "4096",
-        ],
-    );
+    let img = format(dir.path(), "b.luks", 48 * MIB, &luks2_pbkdf2("4096"));
     let api = dir.path().join("api.sock");
     let backups = dir.path().join("backups");
     std::fs::create_dir(&backups).unwrap();

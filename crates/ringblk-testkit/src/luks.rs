@@ -71,6 +71,22 @@ pub fn format(dir: &Path, name: &str, size: u64, args: &[&str]) -> PathBuf {
     img
 }
 
+/// [`format`]'s arguments for a LUKS2 image with a PBKDF2 keyslot of
+/// 1000 iterations (fast to open) and `sector` (`"512"` or `"4096"`)
+/// byte sectors.
+pub fn luks2_pbkdf2(sector: &'static str) -> [&'static str; 8] {
+    [
+        "--type",
+        "luks2",
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "1000",
+        "--sector-size",
+        sector,
+    ]
+}
+
 /// `qemu-img create ARGS`, retried: QEMU's PBKDF2 benchmark fails now and
 /// then with "Unable to get accurate CPU usage" when a coarse thread
 /// clock reads no time spent (only that failure is retried).
