@@ -13,7 +13,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use ringblk_testkit::luks::{cryptsetup, dump_with};
+use ringblk_testkit::luks::{cryptsetup, dump_with, luks2_pbkdf2};
 use ringblk_testkit::qemu_img::{need_format_tools, runs};
 use ringblk_testkit::{Client, Daemon, DaemonOptions, MIB, pattern, test_dir};
 
@@ -135,21 +135,10 @@ fn image(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
         .unwrap()
         .set_len(24 * MIB)
         .unwrap();
-    cryptsetup(&[
-        "luksFormat",
-        "--batch-mode",
-        "--type",
-        "luks2",
-        "--pbkdf",
-        "pbkdf2",
-        "--pbkdf-force-iterations",
-        "1000",
-        "--sector-size",
-        "512",
-        "--key-file",
-        key.to_str().unwrap(),
-        img.to_str().unwrap(),
-    ]);
+    let mut args = vec!["luksFormat", "--batch-mode"];
+    args.extend(luks2_pbkdf2("512"));
+    args.extend(["--key-file", key.to_str().unwrap(), img.to_str().unwrap()]);
+    cryptsetup(&args);
     (img, key)
 }
 
