@@ -45,20 +45,17 @@ pub fn remove_stale(path: &Path) -> io::Result<()> {
 /// connect: a backup's NBD socket left by a daemon killed during the
 /// backup, which the next `backup start` of that name would otherwise be
 /// refused on. A live socket (another daemon's export) and anything that
-/// is not a socket are left alone. Returns the names removed.
-pub fn remove_stale_in(dir: &Path) -> io::Result<Vec<String>> {
-    let mut removed = Vec::new();
+/// is not a socket are left alone (a live one's `AddrInUse` is not an
+/// error here).
+pub fn remove_stale_in(dir: &Path) -> io::Result<()> {
     for entry in fs::read_dir(dir)? {
         let entry = entry?;
         // The entry's own type: a symlink to a socket is not followed.
-        if !entry.file_type()?.is_socket() {
-            continue;
-        }
-        if remove_stale(&entry.path()).is_ok() {
-            removed.push(entry.file_name().to_string_lossy().into_owned());
+        if entry.file_type()?.is_socket() {
+            let _ = remove_stale(&entry.path());
         }
     }
-    Ok(removed)
+    Ok(())
 }
 
 /// `UnixListener::bind`, with the socket file created as `mode` whatever
