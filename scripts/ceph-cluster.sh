@@ -14,7 +14,9 @@
 #                                       among them), which ceph.conf names
 #   scripts/ceph-cluster.sh stop DIR    kill the daemons started from DIR
 #
-# CEPH_MON_PORT picks the monitor's port (default: a free one).
+# CEPH_MON_PORT picks the monitor's port (default: a free one below the
+# kernel's ephemeral range, and another if it is taken before the monitor
+# binds it, up to three tries).
 # Everything the daemons log is in DIR/log.
 set -euo pipefail
 
@@ -25,6 +27,7 @@ die() {
 }
 
 usage() { die "usage: $0 start DIR [--cephx] | stop DIR"; }
+args=("$@")
 [ $# -ge 2 ] || usage
 cmd=$1
 mkdir -p "$2"
@@ -57,11 +60,20 @@ stop() {
     done
 }
 
+# A port no socket uses, below the kernel's ephemeral range: a port in
+# that range can be taken by any outgoing connection (the other test
+# clusters' own among them) between the check and the monitor's bind, and
+# the monitor then exits "unable to bind" (EADDRINUSE, exit status 1).
 free_port() {
-    local p
+    local p lo hi
+    read -r lo hi </proc/sys/net/ipv4/ip_local_port_range
     for _ in $(seq 100); do
-        p=$((20000 + RANDOM % 20000))
-        if ! ss -Htln "sport = :$p" | grep -q .; then
+        if [ "$lo" -gt 12000 ]; then
+            p=$((10000 + RANDOM % (lo - 10000)))
+        else
+            p=$((hi + 1 + RANDOM % (65535 - hi)))
+        fi
+        if ! ss -Htan "sport = :$p" | grep -q .; then
             echo "$p"
             return
         fi
@@ -145,8 +157,19 @@ EOF
         die "ceph-mon --mkfs failed (see $dir/log)"
     local status=0
     ceph-mon -c "$conf" -i a >>"$dir/log/setup.log" 2>&1 || status=$?
-    [ "$status" -eq 0 ] || die "ceph-mon exited with status $status ($(
-        [ "$status" -eq 28 ] && echo "no space left for its data" || echo "see $dir/log"))"
+    if [ "$status" -ne 0 ]; then
+        # Another process took the port after free_port looked: start
+        # afresh on another (the monmap and the monitor's store name it).
+        local try=${CEPH_CLUSTER_TRY:-1}
+        if [ -z "${CEPH_MON_PORT:-}" ] && [ "$try" -lt 3 ] &&
+            grep -q "unable to bind monitor" "$dir/log/mon.a.log" 2>/dev/null; then
+            log "port $port was taken before the monitor bound it; trying another"
+            CEPH_CLUSTER_TRY=$((try + 1)) exec bash "$0" "${args[@]}"
+        fi
+        die "ceph-mon exited with status $status ($(
+            [ "$status" -eq 28 ] && echo "no space left for its data" ||
+                echo "$(grep -h -- ' -1 ' "$dir/log/mon.a.log" 2>/dev/null | tail -n 1 | cut -c 1-200); see $dir/log"))"
+    fi
     mkdir -p "$dir/mgr/mgr.x"
     ceph-mgr -c "$conf" -i x >>"$dir/log/setup.log" 2>&1 || die "ceph-mgr failed (see $dir/log)"
     uuid=$(uuidgen)
