@@ -700,10 +700,9 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
 /// zeroes are encrypted into one buffer and written.
 const MAX_ENCRYPTED_ZEROES_SECTORS: u32 = 2048;
 
-/// Reads the passphrase (`--key-file` or `--key-fd`), opens the LUKS
-/// header of `image` with it and drops it (zeroed); checks the payload
-/// against the block size. Each failure is one line.
-fn open_luks(args: &ServeArgs, image: &Image) -> Result<LuksSetup, DaemonError> {
+/// Reads the passphrase of an encrypted image (`--key-file` or
+/// `--key-fd`), if one was given; warns about a key file others can read.
+fn read_passphrase(args: &ServeArgs) -> Result<Option<crate::crypto::key::Secret>, DaemonError> {
     use crate::crypto::key::{MAX_KEY_FILE, read_key_fd, read_key_file};
     let key = match (&args.key_file, args.key_fd) {
         (Some(path), _) => read_key_file(path, MAX_KEY_FILE),
@@ -721,26 +720,40 @@ fn open_luks(args: &ServeArgs, image: &Image) -> Result<LuksSetup, DaemonError> 
             let owned = unsafe { OwnedFd::from_raw_fd(fd) };
             read_key_fd(owned.as_fd(), MAX_KEY_FILE)
         }
-        (None, None) => {
-            return Err(DaemonError::Usage(
-                "--format luks needs the passphrase: --key-file PATH (a systemd credential: --key-file ${CREDENTIALS_DIRECTORY}/NAME) or --key-fd N".into(),
-            ));
-        }
+        (None, None) => return Ok(None),
     }
     .map_err(DaemonError::Config)?;
     if let Some(w) = &key.warning {
         log::warn!("{w}");
     }
+    Ok(Some(key.secret))
+}
+
+/// Overwrites what deriving and expanding keys left on this thread: its
+/// stack and its vector registers. Once the passphrase is dropped.
+fn scrub_after_keys() {
+    crate::crypto::key::scrub_stack::<{ 64 * 1024 }>();
+    crate::crypto::key::scrub_registers();
+}
+
+/// Reads the passphrase (`--key-file` or `--key-fd`), opens the LUKS
+/// header of `image` with it and drops it (zeroed); checks the payload
+/// against the block size. Each failure is one line.
+fn open_luks(args: &ServeArgs, image: &Image) -> Result<LuksSetup, DaemonError> {
+    let Some(key) = read_passphrase(args)? else {
+        return Err(DaemonError::Usage(
+            "--format luks needs the passphrase: --key-file PATH (a systemd credential: --key-file ${CREDENTIALS_DIRECTORY}/NAME) or --key-fd N".into(),
+        ));
+    };
     let opened = without_direct(&image.file, || {
-        crate::disk::luks::Luks::open(&image.file, image.size, &key.secret)
+        crate::disk::luks::Luks::open(&image.file, image.size, &key)
     })
     .map_err(|e| DaemonError::Config(format!("{}: {e}", image.path.display())))?;
     // The passphrase's key memory is zeroed now, opened or not, and the
     // copies of the key on this thread's stack and in its vector registers
     // (the key schedules were built there) are overwritten.
     drop(key);
-    crate::crypto::key::scrub_stack::<{ 64 * 1024 }>();
-    crate::crypto::key::scrub_registers();
+    scrub_after_keys();
     let luks = opened.map_err(|e| DaemonError::Config(format!("{}: {e}", image.path.display())))?;
     let sector = luks.crypt.sector_size() as u32;
     if let Some(b) = args.block_size.filter(|&b| b != sector) {
@@ -801,9 +814,9 @@ fn without_direct<T>(file: &std::fs::File, f: impl FnOnce() -> T) -> std::io::Re
 
 /// What `--format` and `--snapshot-dir` need of the other options.
 fn check_format(args: &ServeArgs) -> Result<(), DaemonError> {
-    if args.format != Format::Luks && (args.key_file.is_some() || args.key_fd.is_some()) {
+    if args.format == Format::Raw && (args.key_file.is_some() || args.key_fd.is_some()) {
         return Err(DaemonError::Usage(
-            "--key-file and --key-fd are for an encrypted image (--format luks)".into(),
+            "--key-file and --key-fd are for an encrypted image (--format luks, or --format qcow2 with encrypt.format=luks)".into(),
         ));
     }
     if args.format == Format::Luks {
@@ -888,21 +901,30 @@ fn open_qcow2(
     // (`Device::claim_image`), not at this open: a daemon started while
     // another serves the image (a migration's destination) must not write
     // into it before it holds it.
+    // The passphrase of encrypted layers, if given: for this open only.
+    let passphrase = read_passphrase(args)?.map(std::sync::Arc::new);
+    let keyed = passphrase.is_some();
     let options = crate::disk::OpenOptions {
         writable: !args.readonly,
         l2_log,
         bitmaps_at_claim: true,
         backing_dirs: backing_dirs(args, named, snapshots.as_ref())?,
         nofollow_top: followed.is_some(),
+        passphrase,
         ..Default::default()
     };
-    let live = Live::open(
+    let opened = Live::open(
         &image.path,
         options,
         args.direct && args.engine == EngineKind::Uring,
         snapshots,
-    )
-    .map_err(|e| match followed {
+    );
+    if keyed {
+        // The passphrase is zeroed now (the open dropped the last copy),
+        // and the key schedules' traces on this thread are overwritten.
+        scrub_after_keys();
+    }
+    let live = opened.map_err(|e| match followed {
         Some(f) => DaemonError::Config(format!(
             "{} was superseded by the live snapshot {}, which cannot be served: {e}; restore it, or, to serve {0} as it was at the snapshot, remove the snapshot records in {}",
             named_of(f).display(),

@@ -245,7 +245,12 @@ impl Live {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
+        let mut options = options;
         let image = Qcow2Image::open(&path, &options)?;
+        // Kept for the overlays of live snapshots, which are never
+        // encrypted (refused): the passphrase goes (zeroed once the
+        // caller's copy goes too).
+        options.passphrase = None;
         let io_files = io_files(&image, direct)?;
         Ok(Live {
             current: Mutex::new(Arc::new(Served {

@@ -24,19 +24,26 @@ use crate::crypto::key::Secret;
 use crate::crypto::luks::{self, FileRegion, Segment};
 use crate::crypto::xts::{IvUnit, SectorLayout, Xts, XtsError};
 
-/// How a disk's bytes are encrypted: the expanded AES-XTS key and how
-/// guest offsets map to sectors and IVs (the IV of the sector at guest
-/// byte `o` is `o / 512` plus the segment's `iv_tweak`, for 512- and
-/// 4096-byte sectors alike, as dm-crypt computes it for LUKS).
+/// How a file's bytes are encrypted: the expanded AES-XTS key and how
+/// offsets in the file map to sectors and IVs. The IV of the sector at
+/// file byte `o` is `(o - origin) / 512` plus the segment's `iv_tweak`,
+/// for 512- and 4096-byte sectors alike: for a LUKS image the origin is
+/// its data offset (dm-crypt counts sectors from the payload's start);
+/// for a qcow2 layer it is 0 (QEMU's IV is the host offset in the
+/// layer's file, `crypt_physical_offset`, so a cluster's ciphertext
+/// depends on where it lies in its file). Every method takes file
+/// offsets: where the engine does the I/O.
 #[derive(Debug)]
 pub struct Crypt {
     xts: Locked<Xts>,
     layout: SectorLayout,
+    origin: u64,
 }
 
 impl Crypt {
-    /// The transform of `segment` with the volume key `key`.
-    pub fn new(key: &Secret, segment: &Segment) -> Result<Crypt, String> {
+    /// The transform of `segment` with the volume key `key`, its IVs
+    /// counted from file byte `origin`.
+    pub fn new(key: &Secret, segment: &Segment, origin: u64) -> Result<Crypt, String> {
         let layout = SectorLayout::new(
             segment.sector_size as usize,
             IvUnit::Bytes512,
@@ -45,7 +52,11 @@ impl Crypt {
         .map_err(|e| e.to_string())?;
         let xts = Xts::new(key.as_bytes()).map_err(|e| e.to_string())?;
         let xts = Locked::new(xts).map_err(|e| format!("key memory: {e}"))?;
-        Ok(Crypt { xts, layout })
+        Ok(Crypt {
+            xts,
+            layout,
+            origin,
+        })
     }
 
     /// The sector size: the guest's logical block size, and what every
@@ -54,27 +65,39 @@ impl Crypt {
         self.layout.sector_size()
     }
 
-    /// Encrypts `buf` in place: whole sectors at guest byte `offset`.
+    /// The offset the IVs count from for file byte `at`; an error before
+    /// the origin (no sector of the file's data is there).
     #[inline]
-    pub fn encrypt(&self, offset: u64, buf: &mut [u8]) -> Result<(), XtsError> {
-        self.xts.encrypt(&self.layout, offset, buf)
+    fn iv_offset(&self, at: u64) -> Result<u64, XtsError> {
+        at.checked_sub(self.origin).ok_or(XtsError::Unaligned {
+            offset: at,
+            len: 0,
+            sector_size: self.layout.sector_size(),
+        })
     }
 
-    /// Decrypts `buf` in place: whole sectors at guest byte `offset`.
+    /// Encrypts `buf` in place: whole sectors at file byte `at`.
     #[inline]
-    pub fn decrypt(&self, offset: u64, buf: &mut [u8]) -> Result<(), XtsError> {
-        self.xts.decrypt(&self.layout, offset, buf)
+    pub fn encrypt(&self, at: u64, buf: &mut [u8]) -> Result<(), XtsError> {
+        self.xts.encrypt(&self.layout, self.iv_offset(at)?, buf)
+    }
+
+    /// Decrypts `buf` in place: whole sectors at file byte `at`.
+    #[inline]
+    pub fn decrypt(&self, at: u64, buf: &mut [u8]) -> Result<(), XtsError> {
+        self.xts.decrypt(&self.layout, self.iv_offset(at)?, buf)
     }
 
     /// Decrypts in place the bytes of `segments`, taken as one buffer at
-    /// guest byte `offset` (a sector may straddle two of them).
+    /// file byte `at` (a sector may straddle two of them).
     #[inline]
     pub fn decrypt_segments<S: std::ops::DerefMut<Target = [u8]>>(
         &self,
-        offset: u64,
+        at: u64,
         segments: &mut [S],
     ) -> Result<(), XtsError> {
-        self.xts.decrypt_segments(&self.layout, offset, segments)
+        self.xts
+            .decrypt_segments(&self.layout, self.iv_offset(at)?, segments)
     }
 }
 
@@ -101,7 +124,7 @@ impl Luks {
         let unlocked = header
             .unlock(&src, passphrase.as_bytes())
             .map_err(|e| e.to_string())?;
-        let crypt = Crypt::new(&unlocked.key, &unlocked.segment)?;
+        let crypt = Crypt::new(&unlocked.key, &unlocked.segment, unlocked.segment.offset)?;
         Ok(Luks {
             crypt,
             offset: unlocked.segment.offset,

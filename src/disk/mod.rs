@@ -162,6 +162,14 @@ pub trait Mapper: Send + Sync {
     /// Reads guest data that has no plain host location (compressed
     /// clusters) into `buf`. Blocks.
     fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError>;
+
+    /// How the bytes of file `file` are encrypted (an encrypted qcow2
+    /// layer), or None: they are the guest's. A [`Where::Data`] in that
+    /// file holds ciphertext, at its offset there ([`luks::Crypt`] takes
+    /// file offsets).
+    fn crypt(&self, _file: usize) -> Option<&luks::Crypt> {
+        None
+    }
 }
 
 /// What a write must wait for before its completion is published: the
@@ -316,6 +324,13 @@ impl Mapper for Image {
         match self {
             Image::Raw(r) => r.read_slow(offset, buf),
             Image::Qcow2(q) => q.read_slow(offset, buf),
+        }
+    }
+
+    fn crypt(&self, file: usize) -> Option<&luks::Crypt> {
+        match self {
+            Image::Raw(_) => None,
+            Image::Qcow2(q) => q.crypt(file),
         }
     }
 }

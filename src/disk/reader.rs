@@ -52,7 +52,9 @@ pub const MAX_EXAMINED: u64 = 8192;
 
 /// Reads `piece` of `image` (one that [`Mapper::resolve`] made, so data,
 /// zeroes or compressed data) into `buf`, its length; `files` are the
-/// image's ([`Mapper::files`]).
+/// image's ([`Mapper::files`]). Data in an encrypted file
+/// ([`Mapper::crypt`]) is decrypted here, the one place off the data path
+/// that does.
 pub fn read_piece<M: Mapper + ?Sized>(
     image: &M,
     files: &[&File],
@@ -64,7 +66,11 @@ pub fn read_piece<M: Mapper + ?Sized>(
             let f = files.get(file).ok_or_else(|| {
                 io::Error::other(format!("qcow2 mapping names file {file} of the chain"))
             })?;
-            f.read_exact_at(buf, host)
+            f.read_exact_at(buf, host)?;
+            match image.crypt(file) {
+                Some(c) => c.decrypt(host, buf).map_err(io::Error::other),
+                None => Ok(()),
+            }
         }
         Where::Zero => {
             buf.fill(0);
@@ -245,7 +251,8 @@ impl Decrypted {
         // The payload is whole sectors (checked at start-up).
         let (first, last) = (offset - offset % sector, end.div_ceil(sector) * sector);
         let decrypt = |at: u64, bytes: &mut [u8]| {
-            self.file.read_exact_at(bytes, self.offset + at)?;
+            let at = self.offset + at;
+            self.file.read_exact_at(bytes, at)?;
             self.crypt.decrypt(at, bytes).map_err(io::Error::other)
         };
         if (first, last) == (offset, end) {
@@ -271,8 +278,9 @@ impl Decrypted {
 mod tests {
     use super::*;
 
-    /// A 4096-byte-sector transform with a fixed key.
-    fn crypt() -> Arc<Crypt> {
+    /// A 4096-byte-sector transform with a fixed key, its IVs counted
+    /// from file byte `origin`.
+    fn crypt(origin: u64) -> Arc<Crypt> {
         let key = crate::crypto::key::Secret::from_slice(&[7u8; 64]).unwrap();
         let segment = crate::crypto::luks::Segment {
             offset: 0,
@@ -281,7 +289,7 @@ mod tests {
             iv_tweak: 0,
             key_bytes: 64,
         };
-        Arc::new(Crypt::new(&key, &segment).unwrap())
+        Arc::new(Crypt::new(&key, &segment, origin).unwrap())
     }
 
     /// Any read, on sectors or not, is the plaintext at its offset; one
@@ -289,12 +297,12 @@ mod tests {
     #[test]
     fn a_payload_reads_as_its_plaintext_at_any_offset() {
         const HEADER: u64 = 8192;
-        let c = crypt();
+        let c = crypt(HEADER);
         let plain: Vec<u8> = (0..64 * 1024u32)
             .map(|i| (i * 7 + i / 4096) as u8)
             .collect();
         let mut cipher = plain.clone();
-        c.encrypt(0, &mut cipher).unwrap();
+        c.encrypt(HEADER, &mut cipher).unwrap();
         let file = tempfile::tempfile().unwrap();
         file.write_all_at(&cipher, HEADER).unwrap();
         let size = plain.len() as u64;

@@ -186,12 +186,13 @@ pub trait Format: Send {
     /// nothing on its engine.
     fn wait(&mut self) {}
 
-    /// How the image's bytes are transformed between the guest and the
-    /// file (an encrypted image), or None: the bytes are the guest's.
-    /// Asked once, when the core is made. A format that answers Some maps
-    /// every read and write to [`Mapping::Host`].
-    fn crypt(&self) -> Option<Arc<Crypt>> {
-        None
+    /// How the bytes of each file of the image's chain are transformed
+    /// between the guest and the file (a LUKS image, an encrypted qcow2
+    /// layer), by the file's index; None for a file whose bytes are the
+    /// guest's, and empty when no file is encrypted. Asked when the core
+    /// is made and whenever the files change ([`Format::files_changed`]).
+    fn crypts(&self) -> Vec<Option<Arc<Crypt>>> {
+        Vec::new()
     }
 }
 
@@ -301,10 +302,11 @@ impl Format for ImageFormat {
         }
     }
 
-    fn crypt(&self) -> Option<Arc<Crypt>> {
+    fn crypts(&self) -> Vec<Option<Arc<Crypt>>> {
         match self {
-            ImageFormat::Luks(luks) => Some(luks.1.clone()),
-            ImageFormat::Raw | ImageFormat::Qcow2(_) => None,
+            ImageFormat::Raw => Vec::new(),
+            ImageFormat::Luks(luks) => vec![Some(luks.1.clone())],
+            ImageFormat::Qcow2(q) => q.crypts(),
         }
     }
 }

@@ -63,6 +63,9 @@ const CLASSES: usize = 17;
 pub struct Staged {
     buf: AlignedBuf,
     len: usize,
+    /// Counted in its pool's limit and kept for reuse; a spare
+    /// ([`Pool::take_or_spare`]) is neither.
+    pooled: bool,
 }
 
 impl Staged {
@@ -158,11 +161,38 @@ impl Pool {
         }
         let buf = AlignedBuf::new(size).ok_or(NoBuf::Fail)?;
         self.held += size;
-        Ok(Box::new(Staged { buf, len }))
+        Ok(Box::new(Staged {
+            buf,
+            len,
+            pooled: true,
+        }))
+    }
+
+    /// A buffer of `len` bytes, as [`Pool::take`], but never `Wait`:
+    /// past the limit, a spare buffer that the pool does not count or
+    /// keep (freed when given back). For a piece of a request whose
+    /// other pieces are on their way and cannot be taken back; a queue
+    /// holds few such requests (its ring's size), each at most the most
+    /// data a request carries.
+    pub fn take_or_spare(&mut self, len: usize) -> Result<Box<Staged>, NoBuf> {
+        match self.take(len) {
+            Err(NoBuf::Wait) => {
+                let buf = AlignedBuf::new(len.max(1)).ok_or(NoBuf::Fail)?;
+                Ok(Box::new(Staged {
+                    buf,
+                    len,
+                    pooled: false,
+                }))
+            }
+            other => other,
+        }
     }
 
     /// Takes back a buffer [`Pool::take`] gave.
     pub fn give(&mut self, staged: Box<Staged>) {
+        if !staged.pooled {
+            return;
+        }
         let size = staged.size();
         let class = (size.trailing_zeros().saturating_sub(MIN_CLASS_SHIFT)) as usize;
         if size.is_power_of_two() && class < CLASSES {

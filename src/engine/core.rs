@@ -47,14 +47,14 @@ use std::sync::Arc;
 
 use slab::Slab;
 
-use super::bounce::{NoBuf, Pool};
+use super::bounce::{NoBuf, Pool, Staged};
 use super::{Completion, Completions, Engine, Format, Full, ImageFormat, Io, Start};
 use crate::device::{Device, Targets};
 use crate::disk::Commit;
 use crate::disk::luks::Crypt;
-use crate::disk::seam::{Mapping, Piece, Place, Slow};
+use crate::disk::seam::{Extent, Mapping, Piece, Place, Slow};
 use crate::metrics::RateLimiter;
-use crate::virtio::{GuestMem, Op, Request, Status};
+use crate::virtio::{GuestBuffers, GuestMem, Op, Request, Status};
 use crate::warn_limited;
 
 /// A queue's engine, with the bookkeeping every engine needs (see the
@@ -89,9 +89,10 @@ pub struct Core<E, F = ImageFormat> {
     /// The bitmaps and backup each change goes through first, and their
     /// number (see [`Core::before_write`]).
     targets: (u64, Arc<Targets>),
-    /// An encrypted disk's transform (see the module doc), and the
-    /// private buffers its writes are encrypted into.
-    crypt: Option<Arc<Crypt>>,
+    /// An encrypted disk's transforms, by file of its chain (see the
+    /// module doc; empty: no file is encrypted), and the private buffers
+    /// its writes are encrypted into.
+    crypts: Vec<Option<Arc<Crypt>>>,
     pool: Pool,
     /// Reused for a read whose buffers split a sector (see
     /// [`decrypt_read`]).
@@ -128,7 +129,7 @@ impl<E: Engine, F: Format> Core<E, F> {
         let capacity = engine.room();
         Ok(Core {
             completions: format.completions(engine.completions())?,
-            crypt: format.crypt(),
+            crypts: format.crypts(),
             pool: Pool::new(crate::virtio::request::MAX_DATA_BYTES as usize),
             scratch: Vec::new(),
             engine,
@@ -177,17 +178,18 @@ impl<E: Engine, F: Format> Core<E, F> {
             self.before_write(offset, len);
         }
         let mapping = self.format.map(op, offset, len);
-        if let Some(fds) = self.format.files_changed()
-            && let Err(e) = self.engine.set_files(&fds)
-        {
-            // The new chain's data I/O would go to the old files.
-            warn_limited!(self.log_limit, "registering the image's files: {e}");
+        if let Some(fds) = self.format.files_changed() {
+            if let Err(e) = self.engine.set_files(&fds) {
+                // The new chain's data I/O would go to the old files.
+                warn_limited!(self.log_limit, "registering the image's files: {e}");
+            }
+            self.crypts = self.format.crypts();
         }
         let fua = !self.device.writeback();
-        if self.crypt.is_some() {
-            return self.submit_encrypted(req, op, offset, len, mapping, fua);
-        }
         match mapping {
+            Mapping::Host(at) if !self.crypts.is_empty() => {
+                return self.submit_encrypted(req, op, at, len, fua);
+            }
             Mapping::Host(at) => match self.engine.start(Io::new(req, op, at, fua)) {
                 Start::Submitted => {}
                 Start::Done(io, status) => {
@@ -223,37 +225,28 @@ impl<E: Engine, F: Format> Core<E, F> {
         Ok(())
     }
 
-    /// [`Core::submit`] on an encrypted disk, once `mapping` is known:
-    /// every request is at one place ([`Format::crypt`]); a write's data,
-    /// or a write-zeroes' zeroes, go encrypted through a staged buffer.
+    /// [`Core::submit`] on an encrypted disk, for a request at one place
+    /// `at`: a write's data, or a write-zeroes' zeroes, go encrypted
+    /// through a staged buffer when that place's file is encrypted; a
+    /// read is decrypted as it comes back ([`decrypt_io`]).
     fn submit_encrypted(
         &mut self,
         req: Request,
         op: Op,
-        offset: u64,
+        at: Extent,
         len: u64,
-        mapping: Mapping,
         fua: bool,
     ) -> Result<(), Full> {
-        let Some(crypt) = self.crypt.clone() else {
-            unreachable!("called for an encrypted disk")
-        };
-        let at = match mapping {
-            Mapping::Host(at) => at,
-            Mapping::Busy => return Err(Full(req)),
-            _ => {
-                warn_limited!(
-                    self.log_limit,
-                    "an encrypted disk mapped a request to {mapping:?}"
-                );
-                return self.refuse(req);
-            }
+        let Some(crypt) = crypt_of(&self.crypts, at.file).cloned() else {
+            // A file of the chain that is not encrypted.
+            return self.start_one(Io::new(req, op, at, fua));
         };
         let sector = crypt.sector_size() as u64;
         let rw = matches!(op, Op::Read | Op::Write | Op::WriteZeroes(_));
-        if rw && (!offset.is_multiple_of(sector) || !len.is_multiple_of(sector)) {
+        if rw && !len.is_multiple_of(sector) {
             // The parser refuses what is not whole logical blocks, and the
-            // logical block is the LUKS sector: not reached.
+            // logical block is a multiple of the sector: not reached. (An
+            // offset off the sector grid is refused by the transform.)
             return self.refuse(req);
         }
         let (op_out, staged) = match op {
@@ -278,7 +271,7 @@ impl<E: Engine, F: Format> Core<E, F> {
                     // would decrypt to noise).
                     bytes.fill(0);
                 }
-                if let Err(e) = crypt.encrypt(offset, bytes) {
+                if let Err(e) = crypt.encrypt(at.offset, bytes) {
                     self.pool.give(staged);
                     warn_limited!(self.log_limit, "encrypting a write: {e}");
                     return self.refuse(req);
@@ -291,9 +284,16 @@ impl<E: Engine, F: Format> Core<E, F> {
         if let Some(staged) = staged {
             io = io.with_staged(staged);
         }
+        self.start_one(io)
+    }
+
+    /// Starts an untracked `io` on an encrypted disk (its request, whole,
+    /// at one place): what the engine finishes at once is decrypted now.
+    fn start_one(&mut self, io: Io) -> Result<(), Full> {
         match self.engine.start(io) {
             Start::Submitted => {}
-            Start::Done(io, status) => {
+            Start::Done(mut io, status) => {
+                let status = decrypt_io(&self.crypts, &mut self.scratch, &mut io, status);
                 let (req, buf) = io.into_parts();
                 if let Some(buf) = buf {
                     self.pool.give(buf);
@@ -377,16 +377,33 @@ impl<E: Engine, F: Format> Core<E, F> {
         let whole = |p: &Piece| p.at == 0 && p.len == data_len;
         let mut ios = Vec::new();
         let mut req = Some(req);
+        let mut status = Status::Ok;
         for p in pieces.drain(..) {
             match p.place {
-                Place::Host(at) if hosts == 1 && whole(&p) => {
-                    // One piece, all of it: the request itself goes.
-                    ios.push(Io::tracked(req.take(), None, op, at, fua, tag));
-                }
                 Place::Host(at) => {
-                    let Some(r) = &req else { unreachable!() };
-                    let part = r.data().slice(p.at, p.len);
-                    ios.push(Io::tracked(None, Some(part), op, at, fua, tag));
+                    let io = if hosts == 1 && whole(&p) {
+                        // One piece, all of it: the request itself goes.
+                        Io::tracked(req.take(), None, op, at, fua, tag)
+                    } else {
+                        let Some(r) = &req else { unreachable!() };
+                        let part = r.data().slice(p.at, p.len);
+                        Io::tracked(None, Some(part), op, at, fua, tag)
+                    };
+                    let io = match crypt_of(&self.crypts, at.file) {
+                        Some(c) if op == Op::Write => match stage(&mut self.pool, c, &io) {
+                            Ok(staged) => io.with_staged(staged),
+                            Err(e) => {
+                                warn_limited!(self.log_limit, "encrypting a write: {e}");
+                                if let Some(r) = io.into_request() {
+                                    req = Some(r);
+                                }
+                                status = Status::IoErr;
+                                continue;
+                            }
+                        },
+                        _ => io,
+                    };
+                    ios.push(io);
                 }
                 Place::Zero => {
                     if let Some(r) = &req {
@@ -402,6 +419,9 @@ impl<E: Engine, F: Format> Core<E, F> {
         }
         let t = &mut self.tracked[tag as usize];
         t.req = req;
+        if !status.is_ok() {
+            t.status = status;
+        }
         t.left = ios.len() as u32;
         if ios.is_empty() {
             self.after_io(tag);
@@ -440,13 +460,22 @@ impl<E: Engine, F: Format> Core<E, F> {
     }
 
     /// A piece of a tracked request came back from the engine.
-    fn piece_done(&mut self, io: Io, status: Status) {
+    fn piece_done(&mut self, mut io: Io, status: Status) {
         let tag = io.tag();
+        let status = if self.crypts.is_empty() {
+            status
+        } else {
+            decrypt_io(&self.crypts, &mut self.scratch, &mut io, status)
+        };
+        let (req, staged) = io.into_parts();
+        if let Some(buf) = staged {
+            self.pool.give(buf);
+        }
         let Some(t) = self.tracked.get_mut(tag as usize) else {
             warn_limited!(self.log_limit, "a piece of unknown request {tag}");
             return;
         };
-        if let Some(req) = io.into_request() {
+        if let Some(req) = req {
             t.req = Some(req);
         }
         if !status.is_ok() {
@@ -523,22 +552,23 @@ impl<E: Engine, F: Format> Core<E, F> {
         let mut n = 0;
         let (device, unflushed) = (&self.device, &mut self.unflushed);
         let (format, reaped) = (&mut self.format, &mut self.reaped);
-        let (crypt, pool, scratch) = (self.crypt.as_deref(), &mut self.pool, &mut self.scratch);
-        self.engine.reap(|io, status| {
+        let (crypts, pool, scratch) = (&self.crypts, &mut self.pool, &mut self.scratch);
+        self.engine.reap(|mut io, status| {
             if io.tag() != Io::UNTRACKED {
                 reaped.push((io, status));
                 return;
             }
+            let status = if crypts.is_empty() {
+                status
+            } else {
+                decrypt_io(crypts, scratch, &mut io, status)
+            };
             let (req, staged) = io.into_parts();
             if let Some(buf) = staged {
                 pool.give(buf);
             }
             let req = req.expect("an untracked Io is a request");
             format.finished();
-            let (req, status) = match crypt {
-                Some(c) => decrypted(c, scratch, req, status),
-                None => (req, status),
-            };
             f(completed(device, unflushed, req, status));
             n += 1;
         });
@@ -551,15 +581,10 @@ impl<E: Engine, F: Format> Core<E, F> {
             self.start_queued();
         }
         let (device, unflushed) = (&self.device, &mut self.unflushed);
-        let (crypt, scratch) = (self.crypt.as_deref(), &mut self.scratch);
         while let Some((req, status, mapped)) = self.done.pop_front() {
             if mapped {
                 self.format.finished();
             }
-            let (req, status) = match crypt {
-                Some(c) => decrypted(c, scratch, req, status),
-                None => (req, status),
-            };
             f(completed(device, unflushed, req, status));
             n += 1;
         }
@@ -570,7 +595,7 @@ impl<E: Engine, F: Format> Core<E, F> {
     /// Whether the disk is encrypted (its requests go through the
     /// transform, with the key schedule on this thread's stack meanwhile).
     pub fn encrypted(&self) -> bool {
-        self.crypt.is_some()
+        !self.crypts.is_empty()
     }
 
     /// How many more requests `submit` takes now.
@@ -631,49 +656,81 @@ impl<E: Engine, F: Format> Core<E, F> {
     }
 }
 
-/// An encrypted disk's request as it finishes: a read that succeeded is
-/// decrypted in place in the guest's buffers (IOERR if it cannot be),
-/// before its completion is published; anything else is left as it is.
+/// The transform of file `file` of an encrypted disk's chain, if that
+/// file is encrypted.
 #[inline]
-fn decrypted(
-    crypt: &Crypt,
-    scratch: &mut Vec<u8>,
-    mut req: Request,
-    status: Status,
-) -> (Request, Status) {
-    if !status.is_ok() || req.kind().class().op != Some(Op::Read) {
-        return (req, status);
+fn crypt_of(crypts: &[Option<Arc<Crypt>>], file: u32) -> Option<&Arc<Crypt>> {
+    crypts.get(file as usize).and_then(Option::as_ref)
+}
+
+/// The staged buffer of a write `io` to an encrypted file: its bytes
+/// gathered from the guest's buffers into a private buffer of `pool` and
+/// encrypted there for its place. A piece of a tracked request may not
+/// wait for the pool (its other pieces are on their way): past the pool's
+/// limit it gets a buffer of its own.
+fn stage(pool: &mut Pool, crypt: &Crypt, io: &Io) -> Result<Box<Staged>, String> {
+    let n = io.data().len() as usize;
+    let Ok(mut staged) = pool.take_or_spare(n) else {
+        return Err(format!("no buffer for a {n}-byte encrypted write"));
+    };
+    let bytes = staged.as_mut_slice();
+    io.data().gather_into(bytes);
+    if let Err(e) = crypt.encrypt(io.at().offset, bytes) {
+        pool.give(staged);
+        return Err(e.to_string());
     }
-    match decrypt_read(crypt, scratch, &mut req) {
-        Ok(()) => (req, status),
-        Err(_) => (req, Status::IoErr),
+    Ok(staged)
+}
+
+/// `io` of an encrypted disk as the engine gives it back: a read that
+/// succeeded from an encrypted file is decrypted in place in the guest's
+/// buffers (IOERR if it cannot be), before its completion is published;
+/// anything else is left as it is.
+#[inline]
+fn decrypt_io(
+    crypts: &[Option<Arc<Crypt>>],
+    scratch: &mut Vec<u8>,
+    io: &mut Io,
+    status: Status,
+) -> Status {
+    if !status.is_ok() || io.op() != Op::Read {
+        return status;
+    }
+    let at = io.at();
+    let Some(crypt) = crypt_of(crypts, at.file) else {
+        return status;
+    };
+    match decrypt_buffers(crypt, scratch, at.offset, io.data_mut()) {
+        Ok(()) => status,
+        Err(_) => Status::IoErr,
     }
 }
 
-/// Decrypts a completed read in its guest buffers: each buffer in place
-/// where every one holds whole sectors (the usual case: pages), else
-/// through `scratch` (a sector split across buffers).
-fn decrypt_read(
+/// Decrypts a completed read in its guest buffers, read from file byte
+/// `at`: each buffer in place where every one holds whole sectors (the
+/// usual case: pages), else through `scratch` (a sector split across
+/// buffers).
+fn decrypt_buffers(
     crypt: &Crypt,
     scratch: &mut Vec<u8>,
-    req: &mut Request,
+    at: u64,
+    data: &mut GuestBuffers,
 ) -> Result<(), crate::crypto::xts::XtsError> {
-    let offset = req.offset();
     let sector = crypt.sector_size();
-    let data = req.data_mut();
     if data
         .iovecs()
         .iter()
         .all(|v| v.iov_len.is_multiple_of(sector))
     {
-        let mut at = offset;
-        // SAFETY: the read's I/O is over (the engine gave the request
-        // back, or it never went) and the core owns the request: no Rust
-        // code of this process holds a view of its buffers, and each slice
-        // is dropped before the next is taken. The bytes are guest memory:
-        // the guest may write them while they are decrypted, and so may
-        // the kernel, for a request still in flight whose buffers a
-        // hostile driver pointed at the same memory. That is outside what
+        let mut at = at;
+        // SAFETY: the read's I/O into these buffers is over (the engine
+        // gave back the Io that carried them: the request, or the part of
+        // its buffers one piece covered, whose request the core holds),
+        // and no Rust code of this process holds a view of them; each
+        // slice is dropped before the next is taken. The bytes are guest
+        // memory: the guest may write them while they are decrypted, and
+        // so may the kernel, for a request or piece still in flight whose
+        // buffers a hostile driver pointed at the same memory. That is outside what
         // a `&mut [u8]` promises, and the daemon relies on it being
         // harmless here as wherever it touches guest memory
         // (`GuestBuffers::fill_from`): `Crypt::decrypt` only computes over
@@ -697,7 +754,7 @@ fn decrypt_read(
     }
     let buf = &mut scratch[..len];
     data.gather_into(buf);
-    crypt.decrypt(offset, buf)?;
+    crypt.decrypt(at, buf)?;
     data.fill_from(buf);
     Ok(())
 }
@@ -989,8 +1046,8 @@ mod tests {
         fn map(&mut self, _op: Op, offset: u64, _len: u64) -> Mapping {
             Mapping::Host(Extent { file: 0, offset })
         }
-        fn crypt(&self) -> Option<Arc<Crypt>> {
-            Some(self.0.clone())
+        fn crypts(&self) -> Vec<Option<Arc<Crypt>>> {
+            vec![Some(self.0.clone())]
         }
     }
 
@@ -1003,7 +1060,7 @@ mod tests {
             iv_tweak: 0,
             key_bytes: 64,
         };
-        Arc::new(Crypt::new(&key, &segment).unwrap())
+        Arc::new(Crypt::new(&key, &segment, 0).unwrap())
     }
 
     /// The guest bytes at `addrs` (address, length), one after the other.

@@ -157,6 +157,16 @@ impl Io {
         }
     }
 
+    /// The buffers, to transform a read's bytes in place once it is back
+    /// (an encrypted disk's, in the core).
+    #[inline]
+    pub(crate) fn data_mut(&mut self) -> &mut GuestBuffers {
+        match &mut self.data {
+            Data::Request(r) => r.data_mut(),
+            Data::Part(p) => p,
+        }
+    }
+
     /// Bytes to transfer.
     #[inline]
     pub fn len(&self) -> u32 {

@@ -72,16 +72,22 @@ pub fn qemu_img(args: &[&str]) -> String {
 /// `qemu-img check --output=json`: (corruptions, leaks). Panics on a
 /// check that cannot run at all.
 pub fn check(path: &Path) -> (u64, u64) {
+    check_with(&["-f", "qcow2", path.to_str().expect("UTF-8 path")])
+}
+
+/// `qemu-img check --output=json ARGS`: the image and how to open it
+/// (`--object secret,... --image-opts OPTS` for an encrypted one); its
+/// corruptions and leaks.
+pub fn check_with(args: &[&str]) -> (u64, u64) {
     need_qemu_img();
     let out = Command::new("qemu-img")
-        .args(["check", "--output=json", "-f", "qcow2"])
-        .arg(path)
+        .args(["check", "--output=json"])
+        .args(args)
         .output()
         .expect("qemu-img check");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
-            "qemu-img check of {}: {e}\n{}\n{}",
-            path.display(),
+            "qemu-img check {args:?}: {e}\n{}\n{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         )

@@ -13,6 +13,7 @@
 pub mod bitmap_store;
 pub mod bitmap_write;
 pub mod bitmaps;
+pub mod crypt;
 pub mod l2log;
 pub mod map_cache;
 pub mod meta;
@@ -33,7 +34,10 @@ use imago::qcow2::Qcow2;
 use imago::raw::Raw;
 use imago::{FormatAccess, FormatCreateBuilder, Mapping};
 
+use super::luks::Crypt;
+use super::reader::read_piece;
 use super::{Commit, Dir, FormatError, Mapper, Piece, Where};
+use crate::crypto::key::Secret;
 use l2log::L2Log;
 use map_cache::{Loc, MAX_FILES, MapCache};
 pub use ordered::{Adopted, ChainFile, FileState, Journal, JournalOp};
@@ -83,6 +87,10 @@ pub struct OpenOptions {
     /// Refuse the top if it is a symlink (O_NOFOLLOW): for a top the
     /// daemon found by name itself (a snapshot record's overlay).
     pub nofollow_top: bool,
+    /// The passphrase of the chain's encrypted layers (`crypt`), for the
+    /// open only: [`Live`](crate::disk::Live) keeps its options without
+    /// it.
+    pub passphrase: Option<Arc<Secret>>,
 }
 
 impl Default for OpenOptions {
@@ -97,6 +105,7 @@ impl Default for OpenOptions {
             bitmaps_at_claim: false,
             backing_dirs: None,
             nofollow_top: false,
+            passphrase: None,
         }
     }
 }
@@ -610,6 +619,273 @@ impl Qcow2Image {
         Ok(())
     }
 
+    /// Whether a layer of the chain is encrypted: copy-on-write then
+    /// decrypts and encrypts again, here (see [`crypt`]), and never copies
+    /// a cluster's bytes as they are.
+    fn encrypted(&self) -> bool {
+        self.files.iter().any(|f| f.crypt().is_some())
+    }
+
+    /// The transform of each file of the chain (see
+    /// [`crate::disk::seam::Format::crypts`]): empty when none is
+    /// encrypted.
+    pub fn crypts(&self) -> Vec<Option<Arc<Crypt>>> {
+        if !self.encrypted() {
+            return Vec::new();
+        }
+        self.files.iter().map(|f| f.crypt_shared()).collect()
+    }
+
+    /// The guest's bytes of `buf.len()` at `offset`, read through the
+    /// chain and decrypted (the one reader's [`read_piece`]). Under `meta`.
+    fn read_locked(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        let mut pieces = Vec::new();
+        self.resolve_read(offset, offset + buf.len() as u64, &mut pieces)?;
+        let files = self.files();
+        for p in &pieces {
+            let from = (p.guest - offset) as usize;
+            let part = &mut buf[from..from + p.len as usize];
+            read_piece(self, &files, p, part).map_err(FormatError::io("copy-on-write"))?;
+        }
+        Ok(())
+    }
+
+    /// Allocates the top's cluster `[cstart, cend)` for a write of
+    /// `[pos, wend)` in a chain with an encrypted layer: imago copies
+    /// nothing (the whole cluster is allocated as overwritten), and the
+    /// rest of the cluster is read through the chain as plaintext first,
+    /// then, encrypted for its new place when the top is encrypted, put
+    /// in `copies` (host offset, bytes) for the caller to write once the
+    /// cluster is checked. Returns the cluster's host offset. Under `meta`.
+    fn allocate_encrypted(
+        &self,
+        pos: u64,
+        wend: u64,
+        cstart: u64,
+        cend: u64,
+        copies: &mut Vec<(u64, Vec<u8>)>,
+    ) -> Result<u64, FormatError> {
+        let mut keep = Vec::new();
+        for (from, to) in [(cstart, pos), (wend, cend)] {
+            if from < to {
+                let mut bytes = vec![0u8; (to - from) as usize];
+                self.read_locked(from, &mut bytes)?;
+                keep.push((from, bytes));
+            }
+        }
+        let (_, at, got) = self
+            .top
+            .ensure_data_mapping(cstart, cend - cstart, true)
+            .map_err(FormatError::io("allocating"))?;
+        if got < cend - cstart {
+            return Err(FormatError::Io {
+                context: "allocating",
+                source: io::Error::other(format!(
+                    "allocated {got} of {} bytes at {cstart:#x}",
+                    cend - cstart
+                )),
+            });
+        }
+        for (from, mut bytes) in keep {
+            let host = at + (from - cstart);
+            if let Some(c) = self.files[0].crypt() {
+                c.encrypt(host, &mut bytes)
+                    .map_err(|e| FormatError::io("copy-on-write")(io::Error::other(e)))?;
+            }
+            copies.push((host, bytes));
+        }
+        Ok(at)
+    }
+
+    /// Writes the guest's `data` at `offset` (allocating, with
+    /// copy-on-write), encrypted for its place when the top is. For the
+    /// zeroes of a write-zeroes in a chain with an encrypted layer. Under
+    /// `meta`; the caller commits.
+    fn write_locked(&self, data: &[u8], offset: u64) -> Result<(), FormatError> {
+        let mut pieces = Vec::new();
+        self.resolve_write_locked(offset, offset + data.len() as u64, &mut pieces)?;
+        for p in pieces {
+            let Where::Data {
+                file: 0,
+                offset: host,
+            } = p.at
+            else {
+                unreachable!("a write resolves to the top's data");
+            };
+            let from = (p.guest - offset) as usize;
+            let mut bytes = data[from..from + p.len as usize].to_vec();
+            if let Some(c) = self.files[0].crypt() {
+                c.encrypt(host, &mut bytes)
+                    .map_err(|e| FormatError::io("writing zeroes")(io::Error::other(e)))?;
+            }
+            self.files[0]
+                .data_write(&bytes, host)
+                .map_err(FormatError::io("writing zeroes"))?;
+        }
+        Ok(())
+    }
+
+    /// The write side of [`Mapper::resolve`], for `[offset, end)`. Under
+    /// `meta`.
+    fn resolve_write_locked(
+        &self,
+        offset: u64,
+        end: u64,
+        out: &mut Vec<Piece>,
+    ) -> Result<Option<Commit>, FormatError> {
+        let cb = self.cluster_bits;
+        let csize = 1u64 << cb;
+        let mut ticket = None;
+        let mut entries = Vec::new();
+        let mut pos = offset;
+        while pos < end {
+            let cstart = pos & !(csize - 1);
+            let cend = (cstart + csize).min(self.size());
+            let wend = end.min(cend);
+            let (mapping, mlen) = self
+                .top
+                .get_mapping(cstart, cend - cstart)
+                .map_err(FormatError::io("reading metadata"))?;
+            let (host, fresh, must_commit) = match mapping {
+                Mapping::Raw {
+                    storage,
+                    offset: host,
+                    writable: true,
+                    ..
+                } if storage.0.index() == 0 && mlen >= cend - cstart => {
+                    self.check_host(0, host, csize)?;
+                    (host, false, false)
+                }
+                other => {
+                    // Replacing a compressed or shared cluster of the top
+                    // frees it; it must not be reused before the new mapping
+                    // is durable, so commit before anyone allocates again.
+                    let frees = match other {
+                        Mapping::Special { layer, .. } => std::ptr::eq(layer, &*self.top),
+                        Mapping::Raw { storage, .. } => storage.0.index() == 0,
+                        _ => false,
+                    };
+                    // The request's own range is overwritten by its data
+                    // write, so only the rest of the cluster is copied (as
+                    // QEMU copies head and tail): the data write then finds
+                    // no page of its own range dirty in the page cache,
+                    // which an O_DIRECT write would have to write back and
+                    // drop first. imago skips a range at either end of the
+                    // cluster; for one in the middle, the tail is read
+                    // through the chain first and written once the cluster
+                    // is allocated. The L2 entry is in imago's cache from
+                    // the allocation on, and a commit (another request's,
+                    // or this one's below) may write it before the data
+                    // write: the file covers the cluster first (`cover`).
+                    let mut copies = Vec::new();
+                    let host = if self.encrypted() {
+                        self.allocate_encrypted(pos, wend, cstart, cend, &mut copies)?
+                    } else {
+                        let tail = if pos > cstart && wend < cend {
+                            let mut tail = vec![0u8; (cend - wend) as usize];
+                            self.top
+                                .read(&mut tail, wend)
+                                .map_err(FormatError::io("copy-on-write"))?;
+                            Some(tail)
+                        } else {
+                            None
+                        };
+                        let skip_end = if tail.is_some() { cend } else { wend };
+                        let (_, at, got) = self
+                            .top
+                            .ensure_data_mapping(pos, skip_end - pos, true)
+                            .map_err(FormatError::io("allocating"))?;
+                        if let Some(tail) = &tail {
+                            self.top
+                                .write(tail, wend)
+                                .map_err(FormatError::io("copy-on-write"))?;
+                        }
+                        if got < skip_end - pos || at < pos - cstart {
+                            return Err(FormatError::Io {
+                                context: "allocating",
+                                source: io::Error::other(format!(
+                                    "allocated {got} of {} bytes at {pos:#x}",
+                                    wend - pos
+                                )),
+                            });
+                        }
+                        at - (pos - cstart)
+                    };
+                    if self.files[0].is_metadata(host >> cb) {
+                        return Err(FormatError::Io {
+                            context: "allocating",
+                            source: io::Error::new(
+                                io::ErrorKind::InvalidData,
+                                format!(
+                                    "cluster {host:#x} was allocated for data but holds metadata: \
+                                     the refcounts are corrupt (qemu-img check -r all)"
+                                ),
+                            ),
+                        });
+                    }
+                    // Inside the file before an L2 entry can point here.
+                    self.files[0]
+                        .cover(host + csize)
+                        .map_err(FormatError::io("allocating"))?;
+                    for (at, bytes) in copies {
+                        self.files[0]
+                            .data_write(&bytes, at)
+                            .map_err(FormatError::io("copy-on-write"))?;
+                    }
+                    (host, true, frees)
+                }
+            };
+            if fresh {
+                let generation = self.dirty.fetch_add(1, Ordering::AcqRel) + 1;
+                ticket = Some(Commit(generation));
+            }
+            // A new L2 table or refblock was hooked up, or a cluster freed:
+            // commit now, before anything can reuse a cluster the file still
+            // points to (the next allocation, or the engine's data write).
+            if must_commit || self.files[0].has_held() {
+                self.commit_locked()?;
+            }
+            // The cluster's granules are writable data of the top: cached
+            // now if its metadata is in the file, else once it is.
+            let gb = self.granule_bits;
+            let mut g = cstart;
+            while g < cend {
+                entries.push((
+                    g >> gb,
+                    Loc::Data {
+                        file: 0,
+                        offset: host + (g - cstart),
+                        writable: true,
+                    },
+                ));
+                g += 1 << gb;
+            }
+            push_piece(
+                out,
+                pos,
+                wend - pos,
+                Where::Data {
+                    file: 0,
+                    offset: host + (pos - cstart),
+                },
+            );
+            pos = wend;
+        }
+        let dirty = self.dirty.load(Ordering::Acquire);
+        if self.committed.load(Ordering::Acquire) >= dirty {
+            for (g, loc) in entries {
+                self.cache.insert(g, loc);
+            }
+        } else {
+            // Something is not committed yet, perhaps the allocation of
+            // these very clusters by a request still in flight (imago's
+            // cache has it, the file may not): this write waits for it too.
+            lock(&self.uncommitted).extend(entries);
+            ticket = Some(Commit(dirty));
+        }
+        Ok(ticket)
+    }
+
     /// Whether all metadata changed so far is in the file. Under `meta`.
     fn all_committed(&self) -> bool {
         self.committed.load(Ordering::Acquire) >= self.dirty.load(Ordering::Acquire)
@@ -733,14 +1009,20 @@ impl Qcow2Image {
         let _meta = lock(&self.meta);
         const CHUNK: u64 = 1 << 20;
         let zeroes = vec![0u8; CHUNK.min(len) as usize];
+        let encrypted = self.encrypted();
         for (mut at, n) in rest {
             let end = at + n;
             self.forget(at, end);
             while at < end {
                 let k = (end - at).min(CHUNK);
-                self.top
-                    .write(&zeroes[..k as usize], at)
-                    .map_err(FormatError::io("writing zeroes"))?;
+                if encrypted {
+                    // Zeroes the guest reads back: encrypted zeroes.
+                    self.write_locked(&zeroes[..k as usize], at)?;
+                } else {
+                    self.top
+                        .write(&zeroes[..k as usize], at)
+                        .map_err(FormatError::io("writing zeroes"))?;
+                }
                 at += k;
             }
         }
@@ -793,6 +1075,11 @@ impl Qcow2Image {
         let at_snapshot = self.qemu.as_ref().and_then(|q| lock(q).at_snapshot.take());
         if !self.writable {
             return Err(FormatError::ReadOnly);
+        }
+        if self.encrypted() {
+            return Err(FormatError::Unsupported(
+                "live snapshots of an encrypted qcow2 are not supported yet (the overlay would need a LUKS header of its own)".into(),
+            ));
         }
         let max_chain = options.max_chain.clamp(1, MAX_FILES);
         if self.files.len() >= max_chain {
@@ -1222,14 +1509,15 @@ fn open_qcow2(
                  convert it: qemu-img convert -O qcow2 -o encrypt.format=luks,...",
             ));
         }
-        2 => {
-            return Err(open_err(
-                path,
-                "is encrypted (encrypt.format=luks), which --format qcow2 does not serve yet",
-            ));
-        }
+        2 => {}
         m => return Err(open_err(path, format!("unknown encryption method {m}"))),
     }
+    let crypt = match be32(&header[32..36]) {
+        2 => {
+            Some(crypt::open(&file, options.passphrase.as_deref()).map_err(|r| open_err(path, r))?)
+        }
+        _ => None,
+    };
     let incompat = u64::from_be_bytes(header[72..80].try_into().unwrap_or([0; 8]));
     let autoclear = u64::from_be_bytes(header[88..96].try_into().unwrap_or([0; 8]));
     // The mark (or an older daemon's): the L2 log has entries the image
@@ -1261,6 +1549,9 @@ fn open_qcow2(
         None
     };
     let mut state = FileState::new(file, path, index).map_err(|e| open_err(path, e))?;
+    if let Some(crypt) = crypt {
+        state.set_crypt(crypt);
+    }
     if writable {
         state.make_ordered(options.ordered, options.journal.clone());
     }
@@ -1513,147 +1804,11 @@ impl Mapper for Qcow2Image {
             self.resolve_read(offset, end, out)?;
             return Ok(None);
         }
-        let cb = self.cluster_bits;
-        let csize = 1u64 << cb;
-        let mut ticket = None;
-        let mut entries = Vec::new();
-        let mut pos = offset;
-        while pos < end {
-            let cstart = pos & !(csize - 1);
-            let cend = (cstart + csize).min(self.size());
-            let wend = end.min(cend);
-            let (mapping, mlen) = self
-                .top
-                .get_mapping(cstart, cend - cstart)
-                .map_err(FormatError::io("reading metadata"))?;
-            let (host, fresh, must_commit) = match mapping {
-                Mapping::Raw {
-                    storage,
-                    offset: host,
-                    writable: true,
-                    ..
-                } if storage.0.index() == 0 && mlen >= cend - cstart => {
-                    self.check_host(0, host, csize)?;
-                    (host, false, false)
-                }
-                other => {
-                    // Replacing a compressed or shared cluster of the top
-                    // frees it; it must not be reused before the new mapping
-                    // is durable, so commit before anyone allocates again.
-                    let frees = match other {
-                        Mapping::Special { layer, .. } => std::ptr::eq(layer, &*self.top),
-                        Mapping::Raw { storage, .. } => storage.0.index() == 0,
-                        _ => false,
-                    };
-                    // The request's own range is overwritten by its data
-                    // write, so only the rest of the cluster is copied (as
-                    // QEMU copies head and tail): the data write then finds
-                    // no page of its own range dirty in the page cache,
-                    // which an O_DIRECT write would have to write back and
-                    // drop first. imago skips a range at either end of the
-                    // cluster; for one in the middle, the tail is read
-                    // through the chain first and written once the cluster
-                    // is allocated. The L2 entry is in imago's cache from
-                    // the allocation on, and a commit (another request's,
-                    // or this one's below) may write it before the data
-                    // write: the file covers the cluster first (`cover`).
-                    let tail = if pos > cstart && wend < cend {
-                        let mut tail = vec![0u8; (cend - wend) as usize];
-                        self.top
-                            .read(&mut tail, wend)
-                            .map_err(FormatError::io("copy-on-write"))?;
-                        Some(tail)
-                    } else {
-                        None
-                    };
-                    let skip_end = if tail.is_some() { cend } else { wend };
-                    let (_, at, got) = self
-                        .top
-                        .ensure_data_mapping(pos, skip_end - pos, true)
-                        .map_err(FormatError::io("allocating"))?;
-                    if let Some(tail) = &tail {
-                        self.top
-                            .write(tail, wend)
-                            .map_err(FormatError::io("copy-on-write"))?;
-                    }
-                    if got < skip_end - pos || at < pos - cstart {
-                        return Err(FormatError::Io {
-                            context: "allocating",
-                            source: io::Error::other(format!(
-                                "allocated {got} of {} bytes at {pos:#x}",
-                                wend - pos
-                            )),
-                        });
-                    }
-                    let host = at - (pos - cstart);
-                    if self.files[0].is_metadata(host >> cb) {
-                        return Err(FormatError::Io {
-                            context: "allocating",
-                            source: io::Error::new(
-                                io::ErrorKind::InvalidData,
-                                format!(
-                                    "cluster {host:#x} was allocated for data but holds metadata: \
-                                     the refcounts are corrupt (qemu-img check -r all)"
-                                ),
-                            ),
-                        });
-                    }
-                    // Inside the file before an L2 entry can point here.
-                    self.files[0]
-                        .cover(host + csize)
-                        .map_err(FormatError::io("allocating"))?;
-                    (host, true, frees)
-                }
-            };
-            if fresh {
-                let generation = self.dirty.fetch_add(1, Ordering::AcqRel) + 1;
-                ticket = Some(Commit(generation));
-            }
-            // A new L2 table or refblock was hooked up, or a cluster freed:
-            // commit now, before anything can reuse a cluster the file still
-            // points to (the next allocation, or the engine's data write).
-            if must_commit || self.files[0].has_held() {
-                self.commit_locked()?;
-            }
-            // The cluster's granules are writable data of the top: cached
-            // now if its metadata is in the file, else once it is.
-            let gb = self.granule_bits;
-            let mut g = cstart;
-            while g < cend {
-                entries.push((
-                    g >> gb,
-                    Loc::Data {
-                        file: 0,
-                        offset: host + (g - cstart),
-                        writable: true,
-                    },
-                ));
-                g += 1 << gb;
-            }
-            push_piece(
-                out,
-                pos,
-                wend - pos,
-                Where::Data {
-                    file: 0,
-                    offset: host + (pos - cstart),
-                },
-            );
-            pos = wend;
-        }
-        let dirty = self.dirty.load(Ordering::Acquire);
-        if self.committed.load(Ordering::Acquire) >= dirty {
-            for (g, loc) in entries {
-                self.cache.insert(g, loc);
-            }
-        } else {
-            // Something is not committed yet, perhaps the allocation of
-            // these very clusters by a request still in flight (imago's
-            // cache has it, the file may not): this write waits for it too.
-            lock(&self.uncommitted).extend(entries);
-            ticket = Some(Commit(dirty));
-        }
-        Ok(ticket)
+        self.resolve_write_locked(offset, end, out)
+    }
+
+    fn crypt(&self, file: usize) -> Option<&Crypt> {
+        self.files.get(file)?.crypt()
     }
 
     /// Reads `buf` at guest `offset` through imago (compressed clusters).

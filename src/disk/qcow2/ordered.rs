@@ -58,6 +58,7 @@ use imago::storage::drivers::CommonStorageHelper;
 
 use super::bitmaps::AUTOCLEAR_OFFSET;
 use super::l2log::{self, INCOMPAT_OFFSET, L2Log};
+use crate::disk::luks::Crypt;
 
 /// The byte of the header that holds [`l2log::MARK`] (autoclear features
 /// are big-endian: bit 62 is in their first byte).
@@ -200,6 +201,9 @@ pub struct FileState {
     /// the 72 bytes of the version 2 header whenever it moves the L1 or
     /// the refcount table, or resizes, with the offset it read at open).
     imago_writes: Mutex<Vec<(u64, Vec<u8>)>>,
+    /// An encrypted layer's transform (`super::crypt`): its data
+    /// clusters hold ciphertext.
+    crypt: Option<Arc<Crypt>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -238,7 +242,23 @@ impl FileState {
             holding: AtomicBool::new(false),
             imago_view: OnceLock::new(),
             imago_writes: Mutex::new(Vec::new()),
+            crypt: None,
         })
+    }
+
+    /// The layer is encrypted with `crypt` (before it is shared).
+    pub fn set_crypt(&mut self, crypt: Crypt) {
+        self.crypt = Some(Arc::new(crypt));
+    }
+
+    /// An encrypted layer's transform.
+    pub fn crypt(&self) -> Option<&Crypt> {
+        self.crypt.as_deref()
+    }
+
+    /// An encrypted layer's transform, shared.
+    pub fn crypt_shared(&self) -> Option<Arc<Crypt>> {
+        self.crypt.clone()
     }
 
     /// The file grew behind imago (bitmaps written past its end).

@@ -13,6 +13,7 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use super::meta::{Inbox, Job, Meta, Work};
 use crate::disk::Mapper;
 use crate::disk::live::Gate;
+use crate::disk::luks::Crypt;
 use crate::disk::seam::{Completions, Extent, Format, Mapping, Piece, Place, Slow, place};
 use crate::disk::{Commit, Dir, Live, Served, Where};
 use crate::virtio::Op;
@@ -131,6 +132,10 @@ impl Format for Qcow2 {
 
     fn files_changed(&mut self) -> Option<Vec<RawFd>> {
         std::mem::take(&mut self.files_changed).then(|| self.served.io_fds())
+    }
+
+    fn crypts(&self) -> Vec<Option<Arc<Crypt>>> {
+        self.served.image.crypts()
     }
 
     fn completions(&mut self, engine: Completions) -> io::Result<Completions> {
