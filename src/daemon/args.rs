@@ -124,14 +124,17 @@ pub struct ServeArgs {
     /// with --readonly; its backing chain of qcow2 and raw images read-only,
     /// their names resolved as QEMU does), or luks (LUKS1 or LUKS2,
     /// aes-xts-plain64, on a file or block device; the guest sees the
-    /// decrypted payload; needs --key-file or --key-fd). The format is
+    /// decrypted payload; needs --key-file or --key-fd; a qcow2 with
+    /// encrypted layers needs one too). The format is
     /// never probed: a qcow2 image given without --format qcow2 is served
     /// as raw (with a warning), since a guest can write a qcow2 header into
     /// a raw disk. See docs/encryption.md.
     #[arg(long, value_name = "FORMAT", default_value = "raw", value_parser = parse_format)]
     pub format: crate::disk::Format,
 
-    /// --format luks: the file holding the passphrase (all of its bytes,
+    /// --format luks, or an encrypted qcow2 (encrypt.format=luks; one
+    /// passphrase for every encrypted layer of its chain): the file
+    /// holding the passphrase (all of its bytes,
     /// a trailing newline included, as cryptsetup --key-file reads it; at
     /// most 64 KiB), read at start-up. A systemd credential:
     /// --key-file ${CREDENTIALS_DIRECTORY}/NAME with LoadCredential=NAME:PATH.
@@ -140,7 +143,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PATH", conflicts_with = "key_fd")]
     pub key_file: Option<PathBuf>,
 
-    /// --format luks: an inherited descriptor to read the passphrase from,
+    /// As --key-file: an inherited descriptor to read the passphrase from,
     /// to its end, at start-up (a pipe from a secret store).
     #[arg(long, value_name = "FD")]
     pub key_fd: Option<i32>,
