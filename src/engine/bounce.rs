@@ -57,8 +57,9 @@ const CLASSES: usize = 17;
 
 /// Bytes the core prepared in a private, page-aligned buffer for a write
 /// (an encrypted disk's ciphertext, see [`super::core`]): what the engine
-/// writes instead of the request's guest buffers. Boxed, and the box
-/// reused with its buffer, so that an `Io` carries one pointer.
+/// writes instead of the request's guest buffers (an `Io` over
+/// `GuestBuffers::private`), owned by the core's tracked request until
+/// the write is back. Its bytes are on the heap: moving it moves none.
 #[derive(Debug)]
 pub struct Staged {
     buf: AlignedBuf,
@@ -79,15 +80,6 @@ impl Staged {
         &mut self.buf.as_mut_slice()[..self.len]
     }
 
-    /// One iovec over them, for the kernel (which only reads them): valid
-    /// while the box lives (the buffer is on the heap and does not move).
-    pub fn iovec(&self) -> libc::iovec {
-        libc::iovec {
-            iov_base: self.buf.as_slice().as_ptr().cast_mut().cast(),
-            iov_len: self.len,
-        }
-    }
-
     /// The buffer's size (its pool's size class).
     fn size(&self) -> usize {
         self.buf.as_slice().len()
@@ -104,10 +96,7 @@ impl Staged {
 /// use to come back.
 #[derive(Debug)]
 pub struct Pool {
-    /// Boxed: each box goes to an `Io` and comes back, never allocated
-    /// again.
-    #[allow(clippy::vec_box)]
-    free: [Vec<Box<Staged>>; CLASSES],
+    free: [Vec<Staged>; CLASSES],
     /// Bytes of every buffer the pool allocated and has not let go.
     held: usize,
     /// Of those, bytes in the free lists.
@@ -136,7 +125,7 @@ impl Pool {
     }
 
     /// A buffer of `len` bytes (its contents are stale).
-    pub fn take(&mut self, len: usize) -> Result<Box<Staged>, NoBuf> {
+    pub fn take(&mut self, len: usize) -> Result<Staged, NoBuf> {
         let size = len.max(1 << MIN_CLASS_SHIFT).next_power_of_two();
         let class = (size.trailing_zeros() - MIN_CLASS_SHIFT) as usize;
         if class >= CLASSES || size > self.limit {
@@ -161,11 +150,11 @@ impl Pool {
         }
         let buf = AlignedBuf::new(size).ok_or(NoBuf::Fail)?;
         self.held += size;
-        Ok(Box::new(Staged {
+        Ok(Staged {
             buf,
             len,
             pooled: true,
-        }))
+        })
     }
 
     /// A buffer of `len` bytes, as [`Pool::take`], but never `Wait`:
@@ -174,22 +163,22 @@ impl Pool {
     /// other pieces are on their way and cannot be taken back; a queue
     /// holds few such requests (its ring's size), each at most the most
     /// data a request carries.
-    pub fn take_or_spare(&mut self, len: usize) -> Result<Box<Staged>, NoBuf> {
+    pub fn take_or_spare(&mut self, len: usize) -> Result<Staged, NoBuf> {
         match self.take(len) {
             Err(NoBuf::Wait) => {
                 let buf = AlignedBuf::new(len.max(1)).ok_or(NoBuf::Fail)?;
-                Ok(Box::new(Staged {
+                Ok(Staged {
                     buf,
                     len,
                     pooled: false,
-                }))
+                })
             }
             other => other,
         }
     }
 
     /// Takes back a buffer [`Pool::take`] gave.
-    pub fn give(&mut self, staged: Box<Staged>) {
+    pub fn give(&mut self, staged: Staged) {
         if !staged.pooled {
             return;
         }

@@ -27,15 +27,19 @@
 //!   the dirty log while a migration runs (the engine, the kernel or a
 //!   bounce copy wrote them behind vm-memory's back).
 //!
-//! An encrypted disk (its format's [`Format::crypt`]): a write's data is
-//! gathered from the guest's buffers into a private buffer of the queue's
-//! pool and encrypted there, and the engine writes that
-//! ([`Io::staged`]); a write-zeroes becomes a write of encrypted zeroes;
-//! a read is decrypted in place in the guest's buffers as it is reaped,
-//! before its completion is published. The one place the data path
-//! transforms bytes; reads off the data path (the backup view and its
-//! copy-before-write) decrypt in the disk's reader
-//! (`crate::disk::reader::Decrypted`), with the same [`Crypt`].
+//! An encrypted disk (its format's [`Format::crypts`]: a transform per
+//! file of the image's chain, where that file is encrypted): a write to an
+//! encrypted file, whole or each piece, is gathered from the guest's
+//! buffers into a private buffer of the queue's pool and encrypted there
+//! for its place, and the engine writes that (an `Io` over the buffer,
+//! `GuestBuffers::private`); the request is tracked, and owns its buffers
+//! until they are back (`Tracked::staged`). A write-zeroes becomes a write
+//! of encrypted zeroes; a read from an encrypted file is decrypted in
+//! place in the guest's buffers as the engine gives it back, piece by
+//! piece, before the completion is published. The one place the data
+//! path transforms bytes; reads off the data path (the backup view, its
+//! copy-before-write, a qcow2 image's copy-on-write) decrypt in the
+//! disk's reader (`crate::disk::reader`), with the same [`Crypt`]s.
 //!
 //! Accounting: `in_flight` counts requests (taken and not yet reaped),
 //! whatever number of pieces they became, so the worker's view (room,
@@ -54,12 +58,15 @@ use crate::disk::Commit;
 use crate::disk::luks::Crypt;
 use crate::disk::seam::{Extent, Mapping, Piece, Place, Slow};
 use crate::metrics::RateLimiter;
-use crate::virtio::{GuestBuffers, GuestMem, Op, Request, Status};
+use crate::virtio::{GuestBuffers, GuestMem, Op, Request, SpareIovecs, Status};
 use crate::warn_limited;
 
 /// A queue's engine, with the bookkeeping every engine needs (see the
 /// module doc). It lives as long as the daemon: connections borrow it.
 pub struct Core<E, F = ImageFormat> {
+    /// Declared first, so dropped first: every engine's drop waits for
+    /// its I/O, which must be over before the staged buffers `tracked`
+    /// owns go.
     engine: E,
     format: F,
     device: Arc<Device>,
@@ -94,6 +101,9 @@ pub struct Core<E, F = ImageFormat> {
     /// its writes are encrypted into.
     crypts: Vec<Option<Arc<Crypt>>>,
     pool: Pool,
+    /// Iovec vectors of pieces that came back, for the next staged
+    /// buffers to reuse.
+    spare_iovecs: SpareIovecs,
     /// Reused for a read whose buffers split a sector (see
     /// [`decrypt_read`]).
     scratch: Vec<u8>,
@@ -111,6 +121,10 @@ struct Tracked {
     status: Status,
     /// What to commit once its data I/O is done.
     ticket: Option<Commit>,
+    /// An encrypted disk's write: the private buffers its pieces write
+    /// from (ciphertext), owned here until the request finishes, so until
+    /// every piece over them is back from the engine.
+    staged: Vec<Staged>,
 }
 
 impl<E: Engine> Core<E> {
@@ -131,6 +145,7 @@ impl<E: Engine, F: Format> Core<E, F> {
             completions: format.completions(engine.completions())?,
             crypts: format.crypts(),
             pool: Pool::new(crate::virtio::request::MAX_DATA_BYTES as usize),
+            spare_iovecs: SpareIovecs::new(SPARE_IOVECS),
             scratch: Vec::new(),
             engine,
             format,
@@ -179,11 +194,7 @@ impl<E: Engine, F: Format> Core<E, F> {
         }
         let mapping = self.format.map(op, offset, len);
         if let Some(fds) = self.format.files_changed() {
-            if let Err(e) = self.engine.set_files(&fds) {
-                // The new chain's data I/O would go to the old files.
-                warn_limited!(self.log_limit, "registering the image's files: {e}");
-            }
-            self.crypts = self.format.crypts();
+            self.files_changed(&fds);
         }
         let fua = !self.device.writeback();
         match mapping {
@@ -225,10 +236,24 @@ impl<E: Engine, F: Format> Core<E, F> {
         Ok(())
     }
 
+    /// The image's chain changed (a snapshot): the engine registers the
+    /// new files, and their transforms are taken anew.
+    #[cold]
+    #[inline(never)]
+    fn files_changed(&mut self, fds: &[std::os::fd::RawFd]) {
+        if let Err(e) = self.engine.set_files(fds) {
+            // The new chain's data I/O would go to the old files.
+            warn_limited!(self.log_limit, "registering the image's files: {e}");
+        }
+        self.crypts = self.format.crypts();
+    }
+
     /// [`Core::submit`] on an encrypted disk, for a request at one place
     /// `at`: a write's data, or a write-zeroes' zeroes, go encrypted
     /// through a staged buffer when that place's file is encrypted; a
     /// read is decrypted as it comes back ([`decrypt_io`]).
+    #[cold]
+    #[inline(never)]
     fn submit_encrypted(
         &mut self,
         req: Request,
@@ -249,65 +274,63 @@ impl<E: Engine, F: Format> Core<E, F> {
             // offset off the sector grid is refused by the transform.)
             return self.refuse(req);
         }
-        let (op_out, staged) = match op {
-            Op::Write | Op::WriteZeroes(_) => {
-                let n = len as usize;
-                let mut staged = match self.pool.take(n) {
-                    Ok(staged) => staged,
-                    Err(NoBuf::Wait) => {
-                        self.format.finished();
-                        return Err(Full(req));
-                    }
-                    Err(NoBuf::Fail) => {
-                        warn_limited!(self.log_limit, "no buffer for a {n}-byte encrypted write");
-                        return self.refuse(req);
-                    }
-                };
-                let bytes = staged.as_mut_slice();
-                if op == Op::Write {
-                    req.data().gather_into(bytes);
-                } else {
-                    // Zeroes the guest reads back: encrypted zeroes (a hole
-                    // would decrypt to noise).
-                    bytes.fill(0);
-                }
-                if let Err(e) = crypt.encrypt(at.offset, bytes) {
-                    self.pool.give(staged);
-                    warn_limited!(self.log_limit, "encrypting a write: {e}");
-                    return self.refuse(req);
-                }
-                (Op::Write, Some(staged))
-            }
-            _ => (op, None),
-        };
-        let mut io = Io::new(req, op_out, at, fua);
-        if let Some(staged) = staged {
-            io = io.with_staged(staged);
+        if !matches!(op, Op::Write | Op::WriteZeroes(_)) {
+            return self.start_one(Io::new(req, op, at, fua));
         }
-        self.start_one(io)
+        let n = len as usize;
+        let mut staged = match self.pool.take(n) {
+            Ok(staged) => staged,
+            Err(NoBuf::Wait) => {
+                self.format.finished();
+                return Err(Full(req));
+            }
+            Err(NoBuf::Fail) => {
+                warn_limited!(self.log_limit, "no buffer for a {n}-byte encrypted write");
+                return self.refuse(req);
+            }
+        };
+        let bytes = staged.as_mut_slice();
+        if op == Op::Write {
+            req.data().gather_into(bytes);
+        } else {
+            // Zeroes the guest reads back: encrypted zeroes (a hole would
+            // decrypt to noise).
+            bytes.fill(0);
+        }
+        if let Err(e) = crypt.encrypt(at.offset, bytes) {
+            self.pool.give(staged);
+            warn_limited!(self.log_limit, "encrypting a write: {e}");
+            return self.refuse(req);
+        }
+        // Tracked: the request owns its staged buffer until the write is
+        // back (`Tracked::staged`), and the engine writes that.
+        let mem = req.data().mem().clone();
+        let tag = self.track(req, Op::Write, fua);
+        let part = staged_buffers(&mem, self.spare_iovecs.take(), &staged);
+        let t = &mut self.tracked[tag as usize];
+        t.staged.push(staged);
+        t.left = 1;
+        self.start_piece(Io::tracked(None, Some(part), Op::Write, at, fua, tag));
+        self.in_flight += 1;
+        Ok(())
     }
 
-    /// Starts an untracked `io` on an encrypted disk (its request, whole,
-    /// at one place): what the engine finishes at once is decrypted now.
+    /// Starts an untracked `io` on an encrypted disk (a read, or a write to
+    /// a file that is not encrypted): what the engine finishes at once is
+    /// decrypted now.
     fn start_one(&mut self, io: Io) -> Result<(), Full> {
         match self.engine.start(io) {
             Start::Submitted => {}
             Start::Done(mut io, status) => {
                 let status = decrypt_io(&self.crypts, &mut self.scratch, &mut io, status);
-                let (req, buf) = io.into_parts();
-                if let Some(buf) = buf {
-                    self.pool.give(buf);
-                }
-                let req = req.expect("an untracked Io is a request");
+                let req = io.into_request().expect("an untracked Io is a request");
                 self.done.push_back((req, status, true));
             }
             Start::Full(io) => {
-                let (req, buf) = io.into_parts();
-                if let Some(buf) = buf {
-                    self.pool.give(buf);
-                }
                 self.format.finished();
-                return Err(Full(req.expect("an untracked Io is a request")));
+                return Err(Full(
+                    io.into_request().expect("an untracked Io is a request"),
+                ));
             }
         }
         self.in_flight += 1;
@@ -356,6 +379,7 @@ impl<E: Engine, F: Format> Core<E, F> {
             left: 0,
             status: Status::Ok,
             ticket: None,
+            staged: Vec::new(),
         }) as u32
     }
 
@@ -391,7 +415,17 @@ impl<E: Engine, F: Format> Core<E, F> {
                     };
                     let io = match crypt_of(&self.crypts, at.file) {
                         Some(c) if op == Op::Write => match stage(&mut self.pool, c, &io) {
-                            Ok(staged) => io.with_staged(staged),
+                            Ok(staged) => {
+                                // The request, or its part, is not needed
+                                // by the write: back to the core.
+                                let spare = self.spare_iovecs.take();
+                                let part = staged_buffers(io.data().mem(), spare, &staged);
+                                if let Some(r) = io.into_request() {
+                                    req = Some(r);
+                                }
+                                self.tracked[tag as usize].staged.push(staged);
+                                Io::tracked(None, Some(part), op, at, fua, tag)
+                            }
                             Err(e) => {
                                 warn_limited!(self.log_limit, "encrypting a write: {e}");
                                 if let Some(r) = io.into_request() {
@@ -467,10 +501,13 @@ impl<E: Engine, F: Format> Core<E, F> {
         } else {
             decrypt_io(&self.crypts, &mut self.scratch, &mut io, status)
         };
-        let (req, staged) = io.into_parts();
-        if let Some(buf) = staged {
-            self.pool.give(buf);
-        }
+        let req = match io.into_inner() {
+            Ok(req) => Some(req),
+            Err(part) => {
+                self.spare_iovecs.give_buffers(part);
+                None
+            }
+        };
         let Some(t) = self.tracked.get_mut(tag as usize) else {
             warn_limited!(self.log_limit, "a piece of unknown request {tag}");
             return;
@@ -502,7 +539,10 @@ impl<E: Engine, F: Format> Core<E, F> {
 
     /// Tracked request `tag` is done.
     fn finish(&mut self, tag: u32) {
-        let t = self.tracked.remove(tag as usize);
+        let mut t = self.tracked.remove(tag as usize);
+        for buf in t.staged.drain(..) {
+            self.pool.give(buf);
+        }
         let Some(req) = t.req else {
             unreachable!("a tracked request finishes with its pieces back");
         };
@@ -552,7 +592,7 @@ impl<E: Engine, F: Format> Core<E, F> {
         let mut n = 0;
         let (device, unflushed) = (&self.device, &mut self.unflushed);
         let (format, reaped) = (&mut self.format, &mut self.reaped);
-        let (crypts, pool, scratch) = (&self.crypts, &mut self.pool, &mut self.scratch);
+        let (crypts, scratch) = (&self.crypts, &mut self.scratch);
         self.engine.reap(|mut io, status| {
             if io.tag() != Io::UNTRACKED {
                 reaped.push((io, status));
@@ -563,11 +603,7 @@ impl<E: Engine, F: Format> Core<E, F> {
             } else {
                 decrypt_io(crypts, scratch, &mut io, status)
             };
-            let (req, staged) = io.into_parts();
-            if let Some(buf) = staged {
-                pool.give(buf);
-            }
-            let req = req.expect("an untracked Io is a request");
+            let req = io.into_request().expect("an untracked Io is a request");
             format.finished();
             f(completed(device, unflushed, req, status));
             n += 1;
@@ -656,6 +692,10 @@ impl<E: Engine, F: Format> Core<E, F> {
     }
 }
 
+/// The most iovec vectors the core keeps for reuse: a queue's pieces in
+/// flight at once, about.
+const SPARE_IOVECS: usize = 256;
+
 /// The transform of file `file` of an encrypted disk's chain, if that
 /// file is encrypted.
 #[inline]
@@ -668,7 +708,7 @@ fn crypt_of(crypts: &[Option<Arc<Crypt>>], file: u32) -> Option<&Arc<Crypt>> {
 /// encrypted there for its place. A piece of a tracked request may not
 /// wait for the pool (its other pieces are on their way): past the pool's
 /// limit it gets a buffer of its own.
-fn stage(pool: &mut Pool, crypt: &Crypt, io: &Io) -> Result<Box<Staged>, String> {
+fn stage(pool: &mut Pool, crypt: &Crypt, io: &Io) -> Result<Staged, String> {
     let n = io.data().len() as usize;
     let Ok(mut staged) = pool.take_or_spare(n) else {
         return Err(format!("no buffer for a {n}-byte encrypted write"));
@@ -680,6 +720,21 @@ fn stage(pool: &mut Pool, crypt: &Crypt, io: &Io) -> Result<Box<Staged>, String>
         return Err(e.to_string());
     }
     Ok(staged)
+}
+
+/// Buffers over `staged`'s bytes, for the engine to write from: private
+/// memory, which the tracked request that holds `staged` keeps until its
+/// pieces are back.
+fn staged_buffers(mem: &Arc<GuestMem>, iovecs: Vec<libc::iovec>, staged: &Staged) -> GuestBuffers {
+    let bytes = staged.as_slice();
+    // SAFETY: `staged` is boxed and goes into its request's
+    // `Tracked::staged` (the caller's next step), which keeps it, unmoved
+    // (a heap buffer) and unwritten, until the request finishes, which is
+    // after every piece over these buffers came back from the engine
+    // (`piece_done`); a core dropped with pieces in flight drops its
+    // engine first (a field declared before `tracked`), and an engine's
+    // drop waits for its I/O.
+    unsafe { GuestBuffers::private(mem, iovecs, bytes.as_ptr(), bytes.len() as u32) }
 }
 
 /// `io` of an encrypted disk as the engine gives it back: a read that
@@ -1092,9 +1147,15 @@ mod tests {
             .unwrap();
         let mut want = plain.clone();
         c.encrypt(8 << 9, &mut want).unwrap();
-        let staged = core.engine.held[0].staged().expect("a staged write");
-        assert_eq!(staged.as_slice(), &want[..]);
-        assert_ne!(staged.as_slice(), &plain[..]);
+        // What the engine writes: the Io's buffers, private memory.
+        let written = {
+            let data = core.engine.held[0].data();
+            let mut b = vec![0u8; data.len() as usize];
+            data.gather_into(&mut b);
+            b
+        };
+        assert_eq!(written, want);
+        assert_ne!(written, plain);
         assert_eq!(reap_all(&mut core)[0].status, Status::Ok);
         assert_eq!(
             gather(&mem, &[(DATA, 1024)]),

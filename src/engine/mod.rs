@@ -57,7 +57,6 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-pub use self::bounce::Staged;
 pub use self::core::Core;
 pub use crate::disk::seam::{Completions, Extent, Format, ImageFormat, Raw};
 pub use null::NullEngine;
@@ -76,8 +75,6 @@ use crate::virtio::{GuestBuffers, GuestMem, Request, Status};
 #[derive(Debug)]
 pub struct Io {
     data: Data,
-    /// What a write writes instead of its guest buffers (ciphertext).
-    staged: Option<Box<Staged>>,
     op: Op,
     at: Extent,
     fua: bool,
@@ -101,7 +98,6 @@ impl Io {
     pub(crate) fn new(req: Request, op: Op, at: Extent, fua: bool) -> Io {
         Io {
             data: Data::Request(req),
-            staged: None,
             op,
             at,
             fua,
@@ -126,25 +122,11 @@ impl Io {
         };
         Io {
             data,
-            staged: None,
             op,
             at,
             fua,
             tag,
         }
-    }
-
-    /// This write writes `staged` instead of its guest buffers.
-    pub(crate) fn with_staged(mut self, staged: Box<Staged>) -> Io {
-        self.staged = Some(staged);
-        self
-    }
-
-    /// The private buffer a write writes from, if the core staged one: an
-    /// engine writes these bytes, never the guest buffers, then.
-    #[inline]
-    pub fn staged(&self) -> Option<&Staged> {
-        self.staged.as_deref()
     }
 
     /// The buffers to read into or write from (the memory they point into
@@ -170,10 +152,7 @@ impl Io {
     /// Bytes to transfer.
     #[inline]
     pub fn len(&self) -> u32 {
-        match &self.staged {
-            Some(s) => s.as_slice().len() as u32,
-            None => self.data().len(),
-        }
+        self.data().len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -201,24 +180,21 @@ impl Io {
         self.tag
     }
 
-    /// The request, if this carries it whole (a staged buffer is let go:
-    /// see [`Io::into_parts`] to keep it).
+    /// The request if this carries it whole, else the part of its
+    /// buffers it carries.
+    pub(crate) fn into_inner(self) -> Result<Request, GuestBuffers> {
+        match self.data {
+            Data::Request(r) => Ok(r),
+            Data::Part(p) => Err(p),
+        }
+    }
+
+    /// The request, if this carries it whole.
     #[inline(always)]
     pub(crate) fn into_request(self) -> Option<Request> {
         match self.data {
             Data::Request(r) => Some(r),
             Data::Part(_) => None,
-        }
-    }
-
-    /// The request, if this carries it whole, and the staged buffer, for
-    /// its pool.
-    #[inline(always)]
-    pub(crate) fn into_parts(self) -> (Option<Request>, Option<Box<Staged>>) {
-        let staged = self.staged;
-        match self.data {
-            Data::Request(r) => (Some(r), staged),
-            Data::Part(_) => (None, staged),
         }
     }
 }

@@ -71,9 +71,6 @@ struct Slot {
     /// For a misaligned O_DIRECT read or write: the aligned buffer and the
     /// one iovec describing it, which the SQE points at.
     bounce: Option<(AlignedBuf, libc::iovec)>,
-    /// For a write the core staged (an encrypted disk's): the one iovec
-    /// over its staged bytes, which the SQE points at.
-    staged: Option<libc::iovec>,
     /// A write-zeroes with UNMAP retried as a plain zero-range.
     retried: bool,
 }
@@ -193,14 +190,13 @@ impl UringEngine {
     fn sqe(&self, slot: &Slot, key: u64) -> squeue::Entry {
         let io = &slot.io;
         let data = io.data().iovecs();
-        let (iov, n) = match (&slot.bounce, &slot.staged) {
-            (Some((_, iov)), _) | (None, Some(iov)) => (iov as *const libc::iovec, 1),
-            (None, None) => (data.as_ptr(), data.len() as u32),
+        let (iov, n) = match &slot.bounce {
+            Some((_, iov)) => (iov as *const libc::iovec, 1),
+            None => (data.as_ptr(), data.len() as u32),
         };
         let (file, offset, dsync) = (io.at().file, io.at().offset, io.fua());
         if n == 1
             && slot.bounce.is_none()
-            && slot.staged.is_none()
             && let Some(idx) = self.fixed_index(&data[0])
         {
             let (buf, len) = (data[0].iov_base.cast::<u8>(), io.len());
@@ -241,12 +237,13 @@ impl UringEngine {
         let entry = self.sqe(&self.slots[key], key as u64);
         // SAFETY: the SQE points at the request's iovec array (heap memory
         // of its `GuestBuffers`, which does not move) and through it at
-        // guest memory its buffers keep mapped, or at the bounce buffer or
-        // the staged buffer (heap memory the slot's `Io` owns) and the
-        // iovec in its slot; the slab never reallocates (checked
-        // above), so the slot does not move, and it stays in the slab
-        // until its CQE is reaped (`reap`, or `Drop`, which waits for
-        // every CQE).
+        // guest memory its buffers keep mapped (or, for an encrypted
+        // disk's write, at a staged buffer the core's tracked request owns
+        // until this `Io` is reaped: `GuestBuffers::private`), or at the
+        // bounce buffer and the iovec in its slot; the slab never
+        // reallocates (checked above), so the slot does not move, and it
+        // stays in the slab until its CQE is reaped (`reap`, or `Drop`,
+        // which waits for every CQE).
         if unsafe { self.ring.push(&entry) } {
             Ok(())
         } else {
@@ -321,9 +318,7 @@ impl Engine for UringEngine {
         }
         let rw = matches!(op, Op::Read | Op::Write);
         let mut bounce = None;
-        // A staged buffer is page-aligned, as O_DIRECT needs.
-        let staged = io.staged().map(|s| s.iovec());
-        if self.cfg.direct && rw && staged.is_none() && !io.data().aligned_to(self.cfg.dio_align) {
+        if self.cfg.direct && rw && !io.data().aligned_to(self.cfg.dio_align) {
             let len = io.len() as usize;
             if self.bounce_in_use + len > self.cfg.bounce_limit {
                 if self.bounce_in_use > 0 {
@@ -359,7 +354,6 @@ impl Engine for UringEngine {
         let slot = Slot {
             io,
             bounce,
-            staged,
             retried: false,
         };
         match self.push(slot) {

@@ -19,7 +19,9 @@ use super::{GuestMem, RequestError};
 /// Data buffers in guest memory, and the memory they are in.
 #[derive(Debug)]
 pub struct GuestBuffers {
-    /// Each lies inside one region of `mem` (checked by `translate`).
+    /// Each lies inside one region of `mem` (checked by `translate`), or,
+    /// for buffers made by [`GuestBuffers::private`], in memory its caller
+    /// owns.
     iovecs: Vec<libc::iovec>,
     /// Their total length.
     len: u32,
@@ -28,12 +30,60 @@ pub struct GuestBuffers {
 }
 
 // SAFETY: the iovecs are plain addresses into `mem`, which is itself Send
-// and Sync and travels with them; moving the whole to another thread
-// changes neither what they point to nor that it stays mapped.
+// and Sync and travels with them (or into private memory whose owner
+// keeps it valid while they live: `GuestBuffers::private`); moving the
+// whole to another thread changes neither what they point to nor that it
+// stays mapped.
 unsafe impl Send for GuestBuffers {}
 // SAFETY: shared references only read the addresses; the memory behind
 // them is guest memory, shared with the guest in any case.
 unsafe impl Sync for GuestBuffers {}
+
+/// Emptied iovec vectors kept for reuse, at most `max`: so that making
+/// buffers allocates nothing once warm (the parser's requests, the engine
+/// core's staged writes).
+#[derive(Debug, Default)]
+pub struct SpareIovecs {
+    spares: Vec<Vec<libc::iovec>>,
+    max: usize,
+}
+
+// SAFETY: the vectors kept are empty (`give` clears them): they point to
+// nothing.
+unsafe impl Send for SpareIovecs {}
+
+impl SpareIovecs {
+    /// Keeps at most `max` vectors.
+    pub const fn new(max: usize) -> SpareIovecs {
+        SpareIovecs {
+            spares: Vec::new(),
+            max,
+        }
+    }
+
+    /// A vector to fill (empty; new when none is kept).
+    #[inline]
+    pub fn take(&mut self) -> Vec<libc::iovec> {
+        self.spares.pop().unwrap_or_default()
+    }
+
+    /// Keeps `v`, emptied, unless `max` are kept already.
+    #[inline]
+    pub fn give(&mut self, mut v: Vec<libc::iovec>) {
+        if self.spares.len() < self.max {
+            v.clear();
+            self.spares.push(v);
+        }
+    }
+
+    /// Keeps the vector of `buffers`, which are done with.
+    #[inline]
+    pub fn give_buffers(&mut self, buffers: GuestBuffers) {
+        if self.spares.len() < self.max {
+            self.spares.push(buffers.into_vec());
+        }
+    }
+}
 
 impl GuestBuffers {
     /// Translates the guest ranges `(addr, len)` of `bufs` into host
@@ -91,6 +141,35 @@ impl GuestBuffers {
         }
     }
 
+    /// Buffers over `len` bytes of private memory at `ptr` (not the
+    /// guest's): an encrypted disk's staged ciphertext, which the engine
+    /// writes as it would a guest buffer. `mem` is the request's snapshot
+    /// (held, as any buffers hold theirs); `iovecs` a vector to reuse
+    /// (its contents are dropped), so that none is allocated.
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must stay valid, and not be written, for as long
+    /// as these buffers (and any I/O started over them) live; the caller
+    /// owns the memory and keeps it until then.
+    pub unsafe fn private(
+        mem: &Arc<GuestMem>,
+        mut iovecs: Vec<libc::iovec>,
+        ptr: *const u8,
+        len: u32,
+    ) -> GuestBuffers {
+        iovecs.clear();
+        iovecs.push(libc::iovec {
+            iov_base: ptr.cast_mut().cast(),
+            iov_len: len as usize,
+        });
+        GuestBuffers {
+            iovecs,
+            len,
+            mem: mem.clone(),
+        }
+    }
+
     /// The iovecs, for the kernel (or librbd). They stay valid while
     /// `self` lives.
     pub fn iovecs(&self) -> &[libc::iovec] {
@@ -113,7 +192,7 @@ impl GuestBuffers {
     }
 
     /// The iovec vector, emptied, for the next request to reuse.
-    pub(super) fn into_vec(self) -> Vec<libc::iovec> {
+    fn into_vec(self) -> Vec<libc::iovec> {
         let mut v = self.iovecs;
         v.clear();
         v

@@ -17,7 +17,9 @@ use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryBackend};
 
 use super::ring::ViewChain;
-use super::{DiscardRange, GuestBuffers, GuestMem, RequestError, RequestKind, SECTOR_SHIFT};
+use super::{
+    DiscardRange, GuestBuffers, GuestMem, RequestError, RequestKind, SECTOR_SHIFT, SpareIovecs,
+};
 
 /// Size of `struct virtio_blk_outhdr`: type (le32), reserved (le32), sector (le64).
 const HEADER_LEN: u32 = 16;
@@ -151,25 +153,30 @@ const POOL_MAX: usize = 1024;
 /// scratch lists are reused from one chain to the next, and each request's
 /// iovec vector comes from a pool that [`Parser::recycle`] refills when
 /// the request is done.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Parser {
     readable: Bufs,
     writable: Bufs,
     /// The device-readable buffers after the header.
     out: Bufs,
-    pool: Vec<Vec<libc::iovec>>,
+    pool: SpareIovecs,
 }
 
-// SAFETY: the pooled vectors are empty (cleared when a request gives its
-// back): they point to nothing.
-unsafe impl Send for Parser {}
+impl Default for Parser {
+    fn default() -> Parser {
+        Parser {
+            readable: Bufs::default(),
+            writable: Bufs::default(),
+            out: Bufs::default(),
+            pool: SpareIovecs::new(POOL_MAX),
+        }
+    }
+}
 
 impl Parser {
     /// Gives a finished request's iovec vector back for the next one.
     pub fn recycle(&mut self, req: Request) {
-        if self.pool.len() < POOL_MAX {
-            self.pool.push(req.data.into_vec());
-        }
+        self.pool.give_buffers(req.data);
     }
 
     /// Parses and validates the chain, for a device of `limits` and (now)
@@ -297,16 +304,14 @@ impl Parser {
             other => return reject(RequestError::UnsupportedType(other)),
         };
 
-        let iovecs = self.pool.pop().unwrap_or_default();
+        let iovecs = self.pool.take();
         let data = if data.is_empty() {
             GuestBuffers::none(mem, iovecs)
         } else {
             match GuestBuffers::translate(mem, data.iter().map(|b| (b.addr, b.len)), iovecs) {
                 Ok(d) => d,
                 Err((e, iovecs)) => {
-                    if self.pool.len() < POOL_MAX {
-                        self.pool.push(iovecs);
-                    }
+                    self.pool.give(iovecs);
                     return reject(e);
                 }
             }
