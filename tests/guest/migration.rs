@@ -85,3 +85,15 @@ fn migrate_busy_qcow2_overlay_with_a_dirty_bitmap() {
         ..Migration::busy(1)
     });
 }
+
+/// A busy guest on an encrypted qcow2 overlay (`encrypt.format=luks`,
+/// `--key-file`) over the image file: its writes are encrypted into the
+/// overlay on the source and then on the destination; QEMU, given the
+/// secret, finds the chain clean and reads what the guest wrote.
+#[test]
+fn migrate_busy_encrypted_qcow2_overlay() {
+    run(Migration {
+        storage: Storage::EncryptedQcow2,
+        ..Migration::busy(2)
+    });
+}

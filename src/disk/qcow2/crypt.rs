@@ -105,3 +105,110 @@ pub fn open(file: &File, passphrase: Option<&Secret>) -> Result<Crypt, String> {
     }
     Crypt::new(&unlocked.key, &unlocked.segment, 0)
 }
+
+/// The most bytes a LUKS header region may have to be copied into an
+/// overlay: QEMU's (a LUKS1 header and eight keyslot areas of 4000
+/// stripes) is about 2 MiB.
+const MAX_REGION: u64 = 16 << 20;
+
+/// Makes the new qcow2 overlay `new` (as imago created it: the header,
+/// one refcount table, one refcount block, the L1 table; nothing else
+/// allocated, nothing pointing at it yet) an encrypted layer with the
+/// LUKS header of the encrypted layer `old`: the header region is
+/// copied into clusters appended to `new`, counted in its refcount
+/// block, named by a crypt header extension, and the crypt method set.
+/// The overlay so opens with the same passphrase and has the same volume
+/// key as `old` (docs/encryption.md: a live snapshot of an encrypted
+/// qcow2). An overlay this cannot extend (refcounts not 16 bits wide,
+/// the region past what the first refcount block covers, no room for the
+/// extension in the first cluster) is an error; nothing is made then.
+pub fn copy_header(new: &File, old: &File) -> Result<(), String> {
+    let old_len = old.metadata().map_err(|e| e.to_string())?.len();
+    let (base, len) = header_region(old, old_len)?;
+    if len > MAX_REGION {
+        return Err(format!("a LUKS header region of {len} bytes"));
+    }
+    let mut region = vec![0u8; len as usize];
+    old.read_exact_at(&mut region, base)
+        .map_err(|e| format!("reading the LUKS header: {e}"))?;
+
+    let mut h = [0u8; 104];
+    new.read_exact_at(&mut h, 0)
+        .map_err(|e| format!("reading the overlay's header: {e}"))?;
+    let cluster_bits = be32(&h, 20);
+    let cluster = 1u64 << cluster_bits;
+    let header_len = u64::from(be32(&h, 100));
+    let refcount_order = be32(&h, 96);
+    let reftable = be64(&h, 48);
+    let (backing_at, backing_len) = (be64(&h, 8), u64::from(be32(&h, 16)));
+    if refcount_order != 4 {
+        return Err(format!("refcounts of 2^{refcount_order} bits, not 16"));
+    }
+    let new_len = new.metadata().map_err(|e| e.to_string())?.len();
+    let at = new_len.next_multiple_of(cluster);
+    let (first, count) = (at >> cluster_bits, len.div_ceil(cluster));
+    let per_block = cluster / 2;
+    if first + count > per_block {
+        return Err("the LUKS header would lie past the first refcount block".into());
+    }
+    let mut entry = [0u8; 8];
+    new.read_exact_at(&mut entry, reftable)
+        .map_err(|e| format!("reading the refcount table: {e}"))?;
+    let refblock = u64::from_be_bytes(entry) & !((1u64 << 9) - 1);
+    if refblock == 0 {
+        return Err("no first refcount block".into());
+    }
+
+    // The extensions and the backing file name, rewritten with ours.
+    let mut area = vec![0u8; cluster as usize];
+    new.read_exact_at(&mut area[..cluster.min(new_len) as usize], 0)
+        .map_err(|e| format!("reading the overlay's header: {e}"))?;
+    let name_range = backing_at as usize..(backing_at + backing_len) as usize;
+    let name = area
+        .get(name_range)
+        .ok_or("the backing file name is outside the first cluster")?
+        .to_vec();
+    let mut exts = Vec::new();
+    let mut pos = header_len as usize;
+    while pos + 8 <= area.len() {
+        let (kind, n) = (be32(&area, pos), be32(&area, pos + 4) as usize);
+        if kind == 0 {
+            break;
+        }
+        if kind == EXT_CRYPT_HEADER || n > area.len() - pos - 8 {
+            return Err("the overlay's header extensions are not as created".into());
+        }
+        exts.extend_from_slice(&area[pos..pos + 8 + n.next_multiple_of(8)]);
+        pos += 8 + n.next_multiple_of(8);
+    }
+    exts.extend_from_slice(&EXT_CRYPT_HEADER.to_be_bytes());
+    exts.extend_from_slice(&16u32.to_be_bytes());
+    exts.extend_from_slice(&at.to_be_bytes());
+    exts.extend_from_slice(&len.to_be_bytes());
+    exts.extend_from_slice(&[0u8; 8]); // the end of the extensions
+    let name_at = header_len as usize + exts.len();
+    if name_at + name.len() > area.len() {
+        return Err("no room for the crypt header extension in the first cluster".into());
+    }
+
+    let io = |what: &str, e: std::io::Error| format!("{what}: {e}");
+    new.write_all_at(&region, at)
+        .map_err(|e| io("writing the LUKS header", e))?;
+    new.set_len(at + count * cluster)
+        .map_err(|e| io("extending the overlay", e))?;
+    for c in first..first + count {
+        new.write_all_at(&1u16.to_be_bytes(), refblock + 2 * c)
+            .map_err(|e| io("counting the LUKS header's clusters", e))?;
+    }
+    let mut tail = exts;
+    tail.extend_from_slice(&name);
+    new.write_all_at(&tail, header_len)
+        .map_err(|e| io("writing the header extensions", e))?;
+    let mut fields = Vec::new();
+    fields.extend_from_slice(&(name_at as u64).to_be_bytes());
+    new.write_all_at(&fields, 8)
+        .map_err(|e| io("writing the header", e))?;
+    new.write_all_at(&2u32.to_be_bytes(), 32)
+        .map_err(|e| io("writing the header", e))?;
+    new.sync_data().map_err(|e| io("fdatasync", e))
+}

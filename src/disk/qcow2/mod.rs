@@ -1076,11 +1076,6 @@ impl Qcow2Image {
         if !self.writable {
             return Err(FormatError::ReadOnly);
         }
-        if self.encrypted() {
-            return Err(FormatError::Unsupported(
-                "live snapshots of an encrypted qcow2 are not supported yet (the overlay would need a LUKS header of its own)".into(),
-            ));
-        }
         let max_chain = options.max_chain.clamp(1, MAX_FILES);
         if self.files.len() >= max_chain {
             return Err(FormatError::Unsupported(format!(
@@ -1140,8 +1135,18 @@ impl Qcow2Image {
             .backing(backing_name.to_string(), "qcow2".to_string())
             .create()
             .map_err(err)?;
+        // An encrypted top's overlay is encrypted too, with its LUKS
+        // header (so its passphrase and volume key): the guest's writes
+        // after the snapshot must not land in clear.
+        let crypt = self.files[0].crypt_shared();
+        if crypt.is_some() {
+            crypt::copy_header(&file, self.files[0].file()).map_err(|r| open_err(path, r))?;
+        }
         file.sync_data().map_err(err)?;
         let mut state = FileState::new(file, path, 0).map_err(err)?;
+        if let Some(crypt) = crypt {
+            state.set_crypt(crypt);
+        }
         state.make_ordered(options.ordered, options.journal.clone());
         let state = Arc::new(state);
         let mut q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(&state)), true)
@@ -1550,7 +1555,7 @@ fn open_qcow2(
     };
     let mut state = FileState::new(file, path, index).map_err(|e| open_err(path, e))?;
     if let Some(crypt) = crypt {
-        state.set_crypt(crypt);
+        state.set_crypt(Arc::new(crypt));
     }
     if writable {
         state.make_ordered(options.ordered, options.journal.clone());

@@ -247,8 +247,8 @@ impl FileState {
     }
 
     /// The layer is encrypted with `crypt` (before it is shared).
-    pub fn set_crypt(&mut self, crypt: Crypt) {
-        self.crypt = Some(Arc::new(crypt));
+    pub fn set_crypt(&mut self, crypt: Arc<Crypt>) {
+        self.crypt = Some(crypt);
     }
 
     /// An encrypted layer's transform.

@@ -33,7 +33,10 @@
 //!   the image file with `--format qcow2`; the source makes the metadata
 //!   durable when its rings stop, the destination reads it afresh when
 //!   its rings start. The host's checks read the chain converted to raw,
-//!   after `qemu-img check` found it clean.
+//!   after `qemu-img check` found it clean;
+//! - an encrypted qcow2 ([`Storage::EncryptedQcow2`]): the same with the
+//!   overlay encrypted (`encrypt.format=luks`, the passphrase from a key
+//!   file), QEMU converting it with the secret.
 //!
 //! What makes a missing dirty mark show. Guest RAM is copied for real (no
 //! `x-ignore-shared`, which would skip it). A page a daemon fills (a read)
@@ -158,6 +161,9 @@ pub enum Storage {
     /// the host's regions: the guest reads them through the backing chain
     /// and its writes allocate in the overlay.
     Qcow2,
+    /// As `Qcow2`, the overlay encrypted (`encrypt.format=luks`, the kit's
+    /// passphrase in a key file both daemons read).
+    EncryptedQcow2,
 }
 
 /// One migration test.
@@ -305,7 +311,9 @@ pub fn run(m: Migration) {
     // long enough for a kill to catch some (an RBD image has no page cache
     // in between: librbd's is off).
     let mut extra: Vec<String> = match (m.kill, m.storage) {
-        (Some(_), Storage::File | Storage::Qcow2) => vec!["--direct".into()],
+        (Some(_), Storage::File | Storage::Qcow2 | Storage::EncryptedQcow2) => {
+            vec!["--direct".into()]
+        }
         _ => vec![],
     };
     extra.extend(served.args.iter().cloned());
@@ -432,6 +440,7 @@ pub fn run(m: Migration) {
             Storage::File => "image file",
             Storage::Rbd => "RBD image",
             Storage::Qcow2 => "qcow2 overlay",
+            Storage::EncryptedQcow2 => "encrypted qcow2 overlay",
         },
         marker_at.elapsed(),
         stats["total-time"],
@@ -656,6 +665,8 @@ struct Served {
     rbd: Option<String>,
     /// The qcow2 overlay over the file.
     qcow2: Option<PathBuf>,
+    /// Its passphrase's key file, if it is encrypted.
+    key: Option<PathBuf>,
 }
 
 impl Served {
@@ -667,6 +678,7 @@ impl Served {
                 args: Vec::new(),
                 rbd: None,
                 qcow2: None,
+                key: None,
             },
             Storage::Qcow2 => {
                 let top = file.with_file_name("overlay.qcow2");
@@ -676,6 +688,42 @@ impl Served {
                     args: vec!["--format".into(), "qcow2".into()],
                     rbd: None,
                     qcow2: Some(top),
+                    key: None,
+                }
+            }
+            Storage::EncryptedQcow2 => {
+                let dir = file.parent().expect("the image's directory");
+                let key = crate::luks::key_file(dir, crate::luks::PASS);
+                let top = file.with_file_name("overlay.qcow2");
+                let secret = format!("secret,id=s0,file={}", key.display());
+                crate::qemu_img::qemu_img(&[
+                    "create",
+                    "-q",
+                    "-f",
+                    "qcow2",
+                    "--object",
+                    &secret,
+                    "-o",
+                    "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
+                    "-b",
+                    file.file_name()
+                        .and_then(|n| n.to_str())
+                        .expect("a UTF-8 name"),
+                    "-F",
+                    "raw",
+                    top.to_str().expect("a UTF-8 path"),
+                ]);
+                Served {
+                    image: top.clone(),
+                    args: vec![
+                        "--format".into(),
+                        "qcow2".into(),
+                        "--key-file".into(),
+                        key.display().to_string(),
+                    ],
+                    rbd: None,
+                    qcow2: Some(top),
+                    key: Some(key),
                 }
             }
             Storage::Rbd => {
@@ -697,6 +745,7 @@ impl Served {
                     args: vec!["--ceph-conf".into(), c.conf.display().to_string()],
                     rbd: Some(name),
                     qcow2: None,
+                    key: None,
                 }
             }
         }
@@ -755,16 +804,31 @@ impl Served {
     /// next to it once `qemu-img check` found it clean.
     fn host_view(&self, file: &Path) -> PathBuf {
         if let Some(top) = &self.qcow2 {
-            let leaks = crate::qemu_img::check_clean(top);
-            eprintln!("qemu-img check of the overlay: clean, {leaks} leaked cluster(s)");
             let raw = file.with_file_name("converted.img");
-            crate::qemu_img::qemu_img(&[
-                "convert",
-                "-O",
-                "raw",
-                top.to_str().expect("a UTF-8 path"),
-                raw.to_str().expect("a UTF-8 path"),
-            ]);
+            let raw_path = raw.to_str().expect("a UTF-8 path");
+            let top_path = top.to_str().expect("a UTF-8 path");
+            match &self.key {
+                None => {
+                    let leaks = crate::qemu_img::check_clean(top);
+                    eprintln!("qemu-img check of the overlay: clean, {leaks} leaked cluster(s)");
+                    crate::qemu_img::qemu_img(&["convert", "-O", "raw", top_path, raw_path]);
+                }
+                Some(key) => {
+                    let secret = format!("secret,id=s0,file={}", key.display());
+                    let opts =
+                        format!("driver=qcow2,file.filename={top_path},encrypt.key-secret=s0");
+                    let open = ["--object", secret.as_str(), "--image-opts", opts.as_str()];
+                    let (corruptions, leaks) = crate::qemu_img::check_with(&open);
+                    assert_eq!(corruptions, 0, "qemu-img check of the encrypted overlay");
+                    eprintln!(
+                        "qemu-img check of the encrypted overlay: clean, {leaks} leaked cluster(s)"
+                    );
+                    let mut args = vec!["convert"];
+                    args.extend(open);
+                    args.extend(["-O", "raw", raw_path]);
+                    crate::qemu_img::qemu_img(&args);
+                }
+            }
             return raw;
         }
         if let Some(name) = &self.rbd {
