@@ -22,7 +22,6 @@
 use std::fs::File;
 use std::path::Path;
 use std::process::Command;
-use std::thread;
 use std::time::{Duration, Instant};
 
 use ringblk_testkit::MIB;
@@ -30,8 +29,8 @@ use ringblk_testkit::luks::{self, cryptsetup, dump, independent_encrypt, indepen
 use ringblk_testkit::qemu_img::sha256;
 use ringblk_testkit::vm::{
     self, BOOT_CHECKS, Backend, DaemonSpec, Guard, HOST_PATTERN_AT, QemuSpec, backend,
-    console_info, daemon_command, guest_timeout, kill_with_requests_in_flight, new_nonce,
-    parse_console, pattern, qemu_command, read_log, resubmitted_in, run_problems, verbose,
+    console_info, daemon_command, guest_timeout, kill_under_guest, new_nonce, parse_console,
+    pattern, qemu_command, read_log, resubmitted_in, run_problems, verbose, wait_for_console,
     wait_for_socket,
 };
 
@@ -45,21 +44,6 @@ const FIO_MB: u64 = 96;
 /// fast guest may finish before the last).
 const KILLS: u32 = 3;
 const CHECKS: &[&str] = &["fio-kills", "mkfs", "fs-fio", "e2fsck"];
-
-/// Waits until the console says `what`; false if the guest finished or
-/// the deadline passed first.
-fn wait_for_console(console: &Path, what: &str, deadline: Instant) -> bool {
-    loop {
-        let log = read_log(console);
-        if log.contains(what) {
-            return true;
-        }
-        if log.contains("RINGBLK-DONE") || Instant::now() > deadline {
-            return false;
-        }
-        thread::sleep(Duration::from_millis(50));
-    }
-}
 
 fn e2fsck_clean(raw: &Path, what: &str) {
     let out = Command::new("e2fsck")
@@ -178,18 +162,9 @@ fn a_guest_on_a_luks2_disk_survives_kills_and_the_oracles_agree() {
     // ---- Kills under fio ----
     let mut kills = 0;
     if wait_for_console(&console, "RINGBLK-PASS host-pattern", deadline) {
-        while kills < KILLS {
-            // Long enough for QEMU (which retries once a second) to
-            // reconnect and the guest to write against each new daemon.
-            thread::sleep(Duration::from_millis(1500));
-            if read_log(&console).contains(" fio-kills") {
-                break;
-            }
-            kill_with_requests_in_flight(daemon.pid() as i32, &socket, Duration::from_secs(2));
-            daemon.wait_for(Duration::from_secs(20));
-            (daemon, _) = start_daemon();
-            kills += 1;
-        }
+        kills = kill_under_guest(&mut daemon, &socket, &console, " fio-kills", KILLS, || {
+            start_daemon().0
+        });
     }
     if kills == 0 {
         problems.push(format!(

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use ringblk_testkit::qemu_img::{check_clean, overlay, qemu_img, sha256};
 use ringblk_testkit::vm::{
     self, BOOT_CHECKS, Backend, DaemonSpec, Guard, QemuSpec, backend, daemon_command,
-    guest_timeout, kill_with_requests_in_flight, new_nonce, parse_console, qemu_command, read_log,
-    resubmitted_in, run_problems, verbose, wait_for_socket, write_host_pattern,
+    guest_timeout, kill_under_guest, new_nonce, parse_console, qemu_command, read_log,
+    resubmitted_in, run_problems, verbose, wait_for_console, wait_for_socket, write_host_pattern,
 };
 use ringblk_testkit::{MIB, ringblk_bin};
 
@@ -39,21 +39,6 @@ const CHECKS: &[&str] = &["fio-alloc", "mkfs", "fs-fio", "fstrim", "e2fsck"];
 
 fn console_says(console: &Path, what: &str) -> bool {
     read_log(console).contains(what)
-}
-
-/// Waits until the console says `what`; false if the guest finished or
-/// the deadline passed first.
-fn wait_for_console(console: &Path, what: &str, deadline: Instant) -> bool {
-    loop {
-        let log = read_log(console);
-        if log.contains(what) {
-            return true;
-        }
-        if log.contains("RINGBLK-DONE") || Instant::now() > deadline {
-            return false;
-        }
-        thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn run_tool(tool: &str, args: &[&str]) -> std::process::Output {
@@ -151,18 +136,9 @@ fn a_guest_on_a_qcow2_overlay_survives_kills_and_a_live_snapshot() {
     // ---- Kills under the allocating fio ----
     let mut kills = 0;
     if wait_for_console(&console, "RINGBLK-PASS host-pattern", deadline) {
-        while kills < KILLS {
-            // Long enough for QEMU (which retries once a second) to
-            // reconnect and the guest to write against each new daemon.
-            thread::sleep(Duration::from_millis(1500));
-            if console_says(&console, " fio-alloc") {
-                break;
-            }
-            kill_with_requests_in_flight(daemon.pid() as i32, &socket, Duration::from_secs(2));
-            daemon.wait_for(Duration::from_secs(20));
-            (daemon, _) = start_daemon();
-            kills += 1;
-        }
+        kills = kill_under_guest(&mut daemon, &socket, &console, " fio-alloc", KILLS, || {
+            start_daemon().0
+        });
     }
     if kills < KILLS {
         problems.push(format!(

@@ -683,6 +683,50 @@ pub fn threads_of(pid: u32) -> String {
     out
 }
 
+/// Waits until the guest's console (the file `console`) says `what`;
+/// false if the guest finished (`RINGBLK-DONE`) or `deadline` passed
+/// first.
+pub fn wait_for_console(console: &Path, what: &str, deadline: Instant) -> bool {
+    loop {
+        let log = read_log(console);
+        if log.contains(what) {
+            return true;
+        }
+        if log.contains("RINGBLK-DONE") || Instant::now() > deadline {
+            return false;
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Kills `daemon` (serving `socket`) with requests in flight and starts it
+/// again with `restart`, at most `kills` times, until the console says
+/// `until` (the guest's step under the kills is over). Each round first
+/// waits 1.5 s: long enough for QEMU, which retries once a second, to
+/// reconnect and for the guest to write against each new daemon. Returns
+/// how many kills happened.
+pub fn kill_under_guest(
+    daemon: &mut Guard,
+    socket: &Path,
+    console: &Path,
+    until: &str,
+    kills: u32,
+    mut restart: impl FnMut() -> Guard,
+) -> u32 {
+    let mut done = 0;
+    while done < kills {
+        thread::sleep(Duration::from_millis(1500));
+        if read_log(console).contains(until) {
+            break;
+        }
+        kill_with_requests_in_flight(daemon.pid() as i32, socket, Duration::from_secs(2));
+        daemon.wait_for(Duration::from_secs(20));
+        *daemon = restart();
+        done += 1;
+    }
+    done
+}
+
 /// SIGKILLs the daemon at a moment when its inflight log shows requests
 /// taken off the ring and not completed, so the restart must resubmit
 /// them: the daemon is stopped (SIGSTOP), the log read through QEMU's
