@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ringblk_testkit::luks::{PASS, key_file, qemu_img_create};
-use ringblk_testkit::qemu_img::{check_with, qemu_img, run};
+use ringblk_testkit::qemu_img::{check_with, run};
 use ringblk_testkit::{Client, Daemon, DaemonOptions, KIB, MIB, pattern, serve_refused, test_dir};
 
 /// `qemu-img create -f qcow2` with `opts` (an encryption), the secret
@@ -148,20 +148,7 @@ fn qemu_opts(dir: &Path, img: &Path, layers: (bool, bool)) -> (String, String) {
 /// QEMU reads it: `qemu-img convert -O raw` with the passphrase.
 fn qemu_plaintext(dir: &Path, img: &Path, layers: (bool, bool)) -> Vec<u8> {
     let (object, opts) = qemu_opts(dir, img, layers);
-    let out = dir.join("qemu-plain.raw");
-    qemu_img(&[
-        "convert",
-        "--object",
-        &object,
-        "--image-opts",
-        &opts,
-        "-O",
-        "raw",
-        out.to_str().unwrap(),
-    ]);
-    let data = std::fs::read(&out).unwrap();
-    std::fs::remove_file(&out).unwrap();
-    data
+    ringblk_testkit::luks::qemu_convert(dir, &object, &opts)
 }
 
 /// Asserts `qemu-img check` of `img` (its encrypted layers as `layers`
@@ -187,12 +174,19 @@ fn qemu_io(dir: &Path, img: &Path, cmds: &[&str]) {
 
 /// Serves `img` (qcow2) with the key file for [`PASS`].
 fn serve(dir: &Path, img: &Path) -> Daemon {
+    serve_with(dir, img, &[])
+}
+
+/// [`serve`], with `extra` arguments.
+fn serve_with(dir: &Path, img: &Path, extra: &[&str]) -> Daemon {
     let key = key_file(dir, PASS);
+    let mut args = vec!["--format", "qcow2", "--key-file", key.to_str().unwrap()];
+    args.extend_from_slice(extra);
     Daemon::start_in(
         dir,
         DaemonOptions {
             image: Some(img.to_path_buf()),
-            args: &["--format", "qcow2", "--key-file", key.to_str().unwrap()],
+            args: &args,
             ..DaemonOptions::default()
         },
     )
@@ -399,23 +393,15 @@ fn a_backup_exports_the_plaintext_at_the_instant() {
     let api = d.join("api.sock");
     let backups = d.join("backups");
     std::fs::create_dir(&backups).unwrap();
-    let key = key_file(d, PASS);
-    let mut daemon = Daemon::start_in(
+    let mut daemon = serve_with(
         d,
-        DaemonOptions {
-            image: Some(top.clone()),
-            args: &[
-                "--format",
-                "qcow2",
-                "--key-file",
-                key.to_str().unwrap(),
-                "--api",
-                api.to_str().unwrap(),
-                "--backup-dir",
-                backups.to_str().unwrap(),
-            ],
-            ..DaemonOptions::default()
-        },
+        &top,
+        &[
+            "--api",
+            api.to_str().unwrap(),
+            "--backup-dir",
+            backups.to_str().unwrap(),
+        ],
     );
     let mut c = Client::connect(&daemon.socket, 2 << 20);
     exercise(&mut c, &mut m);
@@ -475,24 +461,7 @@ fn two_queues_deep_across_clusters_then_grown_online() {
     qemu_writes(d, &base, &mut m, 0xd4);
     let top = encrypted_over(d, "top.qcow2", Some("base.qcow2"));
     let api = d.join("api.sock");
-    let key = key_file(d, PASS);
-    let mut daemon = Daemon::start_in(
-        d,
-        DaemonOptions {
-            image: Some(top.clone()),
-            args: &[
-                "--format",
-                "qcow2",
-                "--key-file",
-                key.to_str().unwrap(),
-                "--queues",
-                "2",
-                "--api",
-                api.to_str().unwrap(),
-            ],
-            ..DaemonOptions::default()
-        },
-    );
+    let mut daemon = serve_with(d, &top, &["--queues", "2", "--api", api.to_str().unwrap()]);
     let chunk = CLUSTER as usize;
     let n = 64;
     let mut c = Client::connect_queues(&daemon.socket, n * chunk, 2);
@@ -547,23 +516,15 @@ fn a_live_snapshot_of_an_encrypted_top_is_encrypted() {
     let api = d.join("api.sock");
     let snaps = d.join("snaps");
     std::fs::create_dir(&snaps).unwrap();
-    let key = key_file(d, PASS);
-    let mut daemon = Daemon::start_in(
+    let mut daemon = serve_with(
         d,
-        DaemonOptions {
-            image: Some(img.clone()),
-            args: &[
-                "--format",
-                "qcow2",
-                "--key-file",
-                key.to_str().unwrap(),
-                "--api",
-                api.to_str().unwrap(),
-                "--snapshot-dir",
-                snaps.to_str().unwrap(),
-            ],
-            ..DaemonOptions::default()
-        },
+        &img,
+        &[
+            "--api",
+            api.to_str().unwrap(),
+            "--snapshot-dir",
+            snaps.to_str().unwrap(),
+        ],
     );
     let mut c = Client::connect(&daemon.socket, 2 << 20);
     exercise(&mut c, &mut m);

@@ -139,13 +139,20 @@ pub fn qemu_luks_opts(dir: &Path, img: &Path) -> (String, String) {
 /// (`qemu-img convert -O raw`).
 pub fn qemu_plaintext(dir: &Path, img: &Path) -> Vec<u8> {
     let (object, opts) = qemu_luks_opts(dir, img);
+    qemu_convert(dir, &object, &opts)
+}
+
+/// What QEMU reads of the image `--image-opts opts` describes, its secret
+/// in `--object object` (`qemu-img convert -O raw`, through a file in
+/// `dir`).
+pub fn qemu_convert(dir: &Path, object: &str, opts: &str) -> Vec<u8> {
     let out = dir.join("qemu-plain.raw");
     crate::qemu_img::qemu_img(&[
         "convert",
         "--object",
-        &object,
+        object,
         "--image-opts",
-        &opts,
+        opts,
         "-O",
         "raw",
         out.to_str().unwrap(),
