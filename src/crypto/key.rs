@@ -33,13 +33,37 @@ static MLOCK_WARNED: AtomicBool = AtomicBool::new(false);
 /// frames held the volume key. Call it from a frame no deeper than the
 /// one that called those functions, once they returned. At start-up
 /// (the key derivation) 64 KiB; a queue thread, where the AES calls spill
-/// round keys, before it sleeps: see `QUEUE_STACK_SCRUB` in the worker.
+/// round keys, before it sleeps: [`PASS_STACK_SCRUB`].
 #[inline(never)]
 pub fn scrub_stack<const N: usize>() {
     let mut below = [0u8; N];
     // Volatile writes: not optimised away although nothing reads them.
     below.zeroize();
     std::hint::black_box(&below);
+}
+
+/// How much of its stack a thread zeroes once an AES pass returned: as
+/// deep as the AES calls' frames reach below the caller's, with room to
+/// spare (round keys were found about 27 KiB below a queue worker's pass
+/// in a debug build, whose frames spill every register, and 15 KiB in a
+/// release one).
+pub const PASS_STACK_SCRUB: usize = if cfg!(debug_assertions) {
+    48 * 1024
+} else {
+    24 * 1024
+};
+
+/// What an AES pass left on this thread, overwritten: [`PASS_STACK_SCRUB`]
+/// bytes of stack below the caller's frame, and the vector registers.
+/// For a thread that encrypts or decrypts off the data path (a qcow2
+/// image's copy-on-write on its metadata thread, a backup's reads on the
+/// NBD thread), right after the pass returns, so that a core dump taken
+/// while it waits holds no round key. A queue thread does it before it
+/// sleeps instead.
+#[inline(always)]
+pub fn scrub_after_pass() {
+    scrub_stack::<PASS_STACK_SCRUB>();
+    scrub_registers();
 }
 
 /// Zeroes the vector registers the AES calls leave round keys in: a

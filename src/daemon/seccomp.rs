@@ -579,6 +579,11 @@ fn allowed(
         (SYS_recvfrom, any()),
         (SYS_sendto, arg64_eq(4, 0)),
         (SYS_rt_sigreturn, any()),
+        // The kernel's own restart of a sleep or wait interrupted by a stop
+        // (SIGSTOP and SIGCONT, a debugger or `gcore` attaching): without
+        // it such a stop killed the daemon (found by tests/socket/luks_key.rs,
+        // whose gcore stopped a thread in its metadata or NBD wait).
+        (SYS_restart_syscall, any()),
         // Rust's SIGSEGV/SIGBUS handler (stack-overflow detection) resets
         // the signal to its default and returns, so that a real fault kills
         // the process with the right signal instead of tripping the filter

@@ -68,7 +68,11 @@ pub fn read_piece<M: Mapper + ?Sized>(
             })?;
             f.read_exact_at(buf, host)?;
             match image.crypt(file) {
-                Some(c) => c.decrypt(host, buf).map_err(io::Error::other),
+                Some(c) => {
+                    let done = c.decrypt(host, buf).map_err(io::Error::other);
+                    crate::crypto::key::scrub_after_pass();
+                    done
+                }
                 None => Ok(()),
             }
         }
@@ -253,7 +257,9 @@ impl Decrypted {
         let decrypt = |at: u64, bytes: &mut [u8]| {
             let at = self.offset + at;
             self.file.read_exact_at(bytes, at)?;
-            self.crypt.decrypt(at, bytes).map_err(io::Error::other)
+            let done = self.crypt.decrypt(at, bytes).map_err(io::Error::other);
+            crate::crypto::key::scrub_after_pass();
+            done
         };
         if (first, last) == (offset, end) {
             return decrypt(offset, buf);

@@ -101,16 +101,6 @@ const LOCK_WAIT: Duration = Duration::from_secs(3);
 /// How often a queue waiting for the image lock tries again.
 const LOCK_RETRY: Duration = Duration::from_millis(10);
 
-/// How much of its stack an encrypted disk's queue thread zeroes before it
-/// sleeps: as deep as the AES calls' frames reach below the pass's, with
-/// room to spare (round keys were found about 27 KiB below it in a debug
-/// build, whose frames spill every register, and 15 KiB in a release one).
-const QUEUE_STACK_SCRUB: usize = if cfg!(debug_assertions) {
-    48 * 1024
-} else {
-    24 * 1024
-};
-
 /// Requests a worker whose thread serves other queues takes in one pass
 /// before it lets them have a turn. A queue waits at most this many of each
 /// thread-mate's requests; a longer turn raises the others' tail latency,
@@ -492,8 +482,7 @@ impl<E: Engine> QueueWorker<E> {
                 // What the AES calls of this pass left on the stack (round
                 // keys, in spilled registers) is not kept while it sleeps,
                 // when a core dump would find it.
-                crate::crypto::key::scrub_stack::<QUEUE_STACK_SCRUB>();
-                crate::crypto::key::scrub_registers();
+                crate::crypto::key::scrub_after_pass();
             }
             self.poll.sleeping(self.awaiting());
             return Ok(());

@@ -5,7 +5,10 @@
 //! dumps do) holds neither the volume key, nor either of its two AES-256
 //! keys, nor any round key of their expanded schedules (for encryption,
 //! and the inverse-mixed ones AES-NI decrypts with), after the daemon
-//! encrypted and decrypted on its queue thread.
+//! encrypted and decrypted on its queue thread; and the same for an
+//! encrypted qcow2 chain's two volume keys, after its metadata thread
+//! copied clusters up (decrypting and encrypting) and a backup's NBD
+//! thread read its export (decrypting).
 //!
 //! gdb (`gcore`) comes from `scripts/format-deps.sh` when missing; the
 //! test never skips for want of it.
@@ -124,12 +127,18 @@ fn leaks(what: &str, bytes: &[u8], volume_key: &[u8]) -> Vec<String> {
         .collect()
 }
 
-fn image(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+/// The key file holding [`PASSPHRASE`], mode 0600.
+fn passphrase_file(dir: &Path) -> std::path::PathBuf {
     use std::os::unix::fs::PermissionsExt;
     // Named for nothing in it: a path is in the command line.
     let key = dir.join("disk.key");
     std::fs::write(&key, PASSPHRASE).unwrap();
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    key
+}
+
+fn image(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let key = passphrase_file(dir);
     let img = dir.join("disk.img");
     std::fs::File::create(&img)
         .unwrap()
@@ -164,13 +173,153 @@ fn the_key_is_in_no_proc_file_and_no_core_dump() {
     assert_eq!(c.read(MIB, data.len()), data);
     assert_eq!(c.flush(), 0);
 
+    assert_no_key(dir.path(), d, &mut c, &data, &[volume_key]);
+}
+
+/// The volume key of the encrypted qcow2 layer `img`, as cryptsetup
+/// dumps it from the LUKS header region (the crypt header extension's)
+/// copied out to a file of its own.
+fn qcow2_volume_key(dir: &Path, img: &Path, key: &Path) -> Vec<u8> {
+    let data = std::fs::read(img).unwrap();
+    let be32 = |at: usize| u32::from_be_bytes(data[at..at + 4].try_into().unwrap());
+    let be64 = |at: usize| u64::from_be_bytes(data[at..at + 8].try_into().unwrap());
+    let mut at = be32(100) as usize;
+    let (base, len) = loop {
+        let (kind, n) = (be32(at), be32(at + 4) as usize);
+        assert_ne!(kind, 0, "{}: no crypt header extension", img.display());
+        if kind == 0x0537_be77 {
+            break (be64(at + 8) as usize, be64(at + 16) as usize);
+        }
+        at += 8 + n.div_ceil(8) * 8;
+    };
+    let region = dir.join("region");
+    std::fs::write(&region, &data[base..base + len]).unwrap();
+    let (volume_key, _) = dump_with(key, &region);
+    std::fs::remove_file(&region).unwrap();
+    volume_key
+}
+
+/// An encrypted qcow2 chain (two layers, each its own volume key) at
+/// work off the queue threads too: partial writes copied up from the
+/// base on the metadata thread (decrypted with the base's key, encrypted
+/// with the top's), and a backup whose export the NBD thread reads,
+/// decrypting. Neither key, nor any round key, is in a core dump after.
+#[test]
+fn an_encrypted_qcow2_chain_leaves_no_key_on_any_thread() {
+    use ringblk_testkit::nbd::{self, backup_start};
+    need_gdb();
+    assert!(nbd::have_tools(), "nbdcopy is needed");
+    let dir = test_dir();
+    let d = dir.path();
+    let key = passphrase_file(d);
+    let secret = format!("secret,id=s0,file={}", key.display());
+    let create = |name: &str, backing: Option<&str>| {
+        let img = d.join(name);
+        let mut args = vec![
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "--object",
+            &secret,
+            "-o",
+            "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
+        ];
+        if let Some(b) = backing {
+            args.extend(["-b", b, "-F", "qcow2"]);
+        }
+        args.extend([img.to_str().unwrap(), "16M"]);
+        ringblk_testkit::luks::qemu_img_create(&args);
+        img
+    };
+    let base = create("base.qcow2", None);
+    let opts = format!(
+        "driver=qcow2,file.filename={},encrypt.key-secret=s0",
+        base.display()
+    );
+    ringblk_testkit::qemu_img::run(
+        "qemu-io",
+        &[
+            "--object",
+            &secret,
+            "--image-opts",
+            &opts,
+            "-c",
+            "write -P 0x5a 0 8M",
+        ],
+    );
+    let top = create("top.qcow2", Some("base.qcow2"));
+    let keys = [
+        qcow2_volume_key(d, &top, &key),
+        qcow2_volume_key(d, &base, &key),
+    ];
+    assert_ne!(keys[0], keys[1], "each layer has a volume key of its own");
+    let api = d.join("api.sock");
+    let backups = d.join("backups");
+    std::fs::create_dir(&backups).unwrap();
+    let daemon = Daemon::start_in(
+        d,
+        DaemonOptions {
+            image: Some(top.clone()),
+            args: &[
+                "--format",
+                "qcow2",
+                "--key-file",
+                key.to_str().unwrap(),
+                "--api",
+                api.to_str().unwrap(),
+                "--backup-dir",
+                backups.to_str().unwrap(),
+            ],
+            ..DaemonOptions::default()
+        },
+    );
+    let mut c = Client::connect(&daemon.socket, 1 << 20);
+    // Partial writes into clusters only the base has: copy-up.
+    for i in 0..16u64 {
+        let off = i * 512 * 1024 + 4096;
+        assert_eq!(c.write(off, &pattern(i, off, 8192)), 0);
+    }
+    let data = pattern(3, MIB, 256 * 1024);
+    assert_eq!(c.write(MIB, &data), 0);
+    assert_eq!(c.read(MIB, data.len()), data);
+    assert_eq!(c.flush(), 0);
+    let sock = backup_start(&api, &backups, "full.sock", None);
+    let copy = d.join("copy.raw");
+    let out = Command::new("nbdcopy")
+        .arg(nbd::uri(&sock))
+        .arg(&copy)
+        .output()
+        .expect("nbdcopy");
+    assert!(
+        out.status.success(),
+        "nbdcopy: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        &std::fs::read(&copy).unwrap()[MIB as usize..][..data.len()],
+        &data[..],
+        "the export's plaintext"
+    );
+    ringblk_testkit::ctl_ok(&api, &["backup", "stop"]);
+    assert_no_key(d, daemon, &mut c, &data, &keys);
+}
+
+/// Checks `d` (serving, `c` its client, which reads `data` back at 1 MiB)
+/// for `keys`: `/proc/PID/cmdline` and `environ` hold none of them nor
+/// the passphrase, and a core dump (`gcore`) holds neither a key nor its
+/// AES keys nor any of their round keys; the client still reads after the
+/// dump. Stops the daemon.
+fn assert_no_key(dir: &Path, d: Daemon, c: &mut Client, data: &[u8], keys: &[Vec<u8>]) {
     let pid = d.pid();
     let mut problems = Vec::new();
     for file in ["cmdline", "environ"] {
         let path = format!("/proc/{pid}/{file}");
         let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
         assert!(!bytes.is_empty(), "{path} is empty");
-        problems.extend(leaks(&path, &bytes, &volume_key));
+        for key in keys {
+            problems.extend(leaks(&path, &bytes, key));
+        }
     }
 
     // Where a hit lies, if one does: the mappings, and each thread's
@@ -189,14 +338,14 @@ fn the_key_is_in_no_proc_file_and_no_core_dump() {
         .unwrap_or_default();
     // The daemon stopped for a moment, its memory copied out as the
     // kernel would dump it (gdb leaves out MADV_DONTDUMP mappings).
-    let prefix = dir.path().join("core");
+    let prefix = dir.join("core");
     let out = Command::new("gcore")
         .arg("-o")
         .arg(&prefix)
         .arg(pid.to_string())
         .output()
         .expect("gcore");
-    let core = dir.path().join(format!("core.{pid}"));
+    let core = dir.join(format!("core.{pid}"));
     assert!(
         out.status.success() && core.exists(),
         "gcore {pid}: {:?}\n{}{}",
@@ -207,19 +356,18 @@ fn the_key_is_in_no_proc_file_and_no_core_dump() {
     let core_len = std::fs::metadata(&core).unwrap().len();
     // The client still works: the daemon went on after gcore detached.
     assert_eq!(c.read(MIB, data.len()), data);
-    drop(c);
     drop(d);
     // The scan's own check: it finds the key where it is.
-    let planted = dir.path().join("planted");
+    let planted = dir.join("planted");
     let mut bytes = std::fs::read(&core).unwrap();
-    bytes.extend_from_slice(&volume_key);
+    bytes.extend_from_slice(&keys[0]);
     std::fs::write(&planted, &bytes).unwrap();
     drop(bytes);
-    let scan = |file: &Path| {
+    let scan = |file: &Path, key: &[u8]| {
         let out = Command::new("python3")
             .args(["-c", SCAN])
             .arg(file)
-            .arg(hex(&volume_key))
+            .arg(hex(key))
             .output()
             .expect("python3");
         assert!(
@@ -229,21 +377,26 @@ fn the_key_is_in_no_proc_file_and_no_core_dump() {
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    let planted_scan = scan(&planted);
+    let planted_scan = scan(&planted, &keys[0]);
     assert!(
         planted_scan.contains("FOUND the volume key")
             && planted_scan.contains("FOUND the first AES key"),
         "the scan misses a key planted in the core:\n{planted_scan}"
     );
     std::fs::remove_file(&planted).unwrap();
-    let report = scan(&core);
-    eprintln!("core of {core_len} bytes scanned: {}", report.trim());
-    problems.extend(
-        report
-            .lines()
-            .filter(|l| l.starts_with("FOUND"))
-            .map(|l| format!("the core dump: {l}")),
-    );
+    for (n, key) in keys.iter().enumerate() {
+        let report = scan(&core, key);
+        eprintln!(
+            "core of {core_len} bytes scanned for key {n}: {}",
+            report.trim()
+        );
+        problems.extend(
+            report
+                .lines()
+                .filter(|l| l.starts_with("FOUND"))
+                .map(|l| format!("the core dump, key {n}: {l}")),
+        );
+    }
     assert!(
         problems.is_empty(),
         "the key leaked:\n  {}\n==== the daemon's threads ====\n{threads}\n==== its mappings ====\n{maps}",

@@ -689,8 +689,9 @@ impl Qcow2Image {
         for (from, mut bytes) in keep {
             let host = at + (from - cstart);
             if let Some(c) = self.files[0].crypt() {
-                c.encrypt(host, &mut bytes)
-                    .map_err(|e| FormatError::io("copy-on-write")(io::Error::other(e)))?;
+                let done = c.encrypt(host, &mut bytes);
+                crate::crypto::key::scrub_after_pass();
+                done.map_err(|e| FormatError::io("copy-on-write")(io::Error::other(e)))?;
             }
             copies.push((host, bytes));
         }
@@ -715,8 +716,9 @@ impl Qcow2Image {
             let from = (p.guest - offset) as usize;
             let mut bytes = data[from..from + p.len as usize].to_vec();
             if let Some(c) = self.files[0].crypt() {
-                c.encrypt(host, &mut bytes)
-                    .map_err(|e| FormatError::io("writing zeroes")(io::Error::other(e)))?;
+                let done = c.encrypt(host, &mut bytes);
+                crate::crypto::key::scrub_after_pass();
+                done.map_err(|e| FormatError::io("writing zeroes")(io::Error::other(e)))?;
             }
             self.files[0]
                 .data_write(&bytes, host)

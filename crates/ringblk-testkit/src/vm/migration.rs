@@ -696,7 +696,9 @@ impl Served {
                 let key = crate::luks::key_file(dir, crate::luks::PASS);
                 let top = file.with_file_name("overlay.qcow2");
                 let secret = format!("secret,id=s0,file={}", key.display());
-                crate::qemu_img::qemu_img(&[
+                // The kit's: it retries qemu-img's "Unable to get accurate
+                // CPU usage" (its timing of the key derivation) under load.
+                crate::luks::qemu_img_create(&[
                     "create",
                     "-q",
                     "-f",
