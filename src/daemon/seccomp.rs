@@ -398,7 +398,7 @@ fn either(rules: impl IntoIterator<Item = Rules>) -> Rules {
 /// lock) added `uname`: the traces above had one queue. A daemon killed
 /// and restarted under a guest (`--seccomp log`, then the kernel's audit
 /// records) added `timerfd_create`, `timerfd_settime` and
-/// `restart_syscall`.
+/// `restart_syscall` (now in every profile's list).
 ///
 /// Bitmaps and backups ([`Extras`]) add, only where the device has them:
 /// for bitmaps, `openat` of the bitmaps' directory with the flags that
@@ -579,10 +579,12 @@ fn allowed(
         (SYS_recvfrom, any()),
         (SYS_sendto, arg64_eq(4, 0)),
         (SYS_rt_sigreturn, any()),
-        // The kernel's own restart of a sleep or wait interrupted by a stop
-        // (SIGSTOP and SIGCONT, a debugger or `gcore` attaching): without
-        // it such a stop killed the daemon (found by tests/socket/luks_key.rs,
-        // whose gcore stopped a thread in its metadata or NBD wait).
+        // The kernel's own restart of a timed sleep or wait interrupted
+        // by a stop (SIGSTOP and SIGCONT, a cgroup freezer, a debugger or
+        // `gcore` attaching): without it such a stop killed the daemon
+        // (found by tests/socket/luks_key.rs, whose gcore stopped a
+        // thread in its metadata or NBD wait; the RBD profile had it
+        // already, for librbd's timer threads).
         (SYS_restart_syscall, any()),
         // Rust's SIGSEGV/SIGBUS handler (stack-overflow detection) resets
         // the signal to its default and returns, so that a real fault kills
@@ -697,11 +699,9 @@ fn allowed(
         // `--seccomp log` through tests/rbd/guest_rbd.rs's kills.
         // (timerfd_settime is on every profile: the QoS timers.)
         list.push((SYS_timerfd_create, any()));
-        // The same run: a timed wait of librbd's timer threads that a
-        // SIGSTOP interrupted (the test stops the daemon before killing
-        // it, as a debugger or a cgroup freezer would) is resumed with
-        // restart_syscall.
-        list.push((SYS_restart_syscall, any()));
+        // (The same run found librbd's timer threads resuming a timed
+        // wait a SIGSTOP interrupted with restart_syscall, which every
+        // profile allows now: the file profile's threads do the same.)
     }
     // Shutdown: remove the sockets and the relay's private directory, by
     // the directory fds opened for that at start-up, and nowhere else.

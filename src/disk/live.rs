@@ -247,9 +247,10 @@ impl Live {
         })?;
         let mut options = options;
         let image = Qcow2Image::open(&path, &options)?;
-        // Kept for the overlays of live snapshots, which are never
-        // encrypted (refused): the passphrase goes (zeroed once the
-        // caller's copy goes too).
+        // Kept for the overlays of live snapshots, which need no
+        // passphrase (an encrypted top's overlay takes a copy of its LUKS
+        // header and shares its transform): the passphrase goes (zeroed
+        // once the caller's copy goes too).
         options.passphrase = None;
         let io_files = io_files(&image, direct)?;
         Ok(Live {

@@ -36,7 +36,9 @@ pub struct GuestBuffers {
 // stays mapped.
 unsafe impl Send for GuestBuffers {}
 // SAFETY: shared references only read the addresses; the memory behind
-// them is guest memory, shared with the guest in any case.
+// them is guest memory, shared with the guest in any case (or a private
+// buffer, which nothing writes while the buffers live:
+// `GuestBuffers::private`).
 unsafe impl Sync for GuestBuffers {}
 
 /// Emptied iovec vectors kept for reuse, at most `max`: so that making

@@ -6,10 +6,12 @@
 //! IV is the sector's *host* offset in the file (QEMU's
 //! `crypt_physical_offset`), not the guest's: a cluster cannot be copied
 //! from one place to another as bytes, only decrypted and encrypted
-//! again (see `Qcow2Image::resolve`'s copy-on-write).
+//! again (`Qcow2Image::allocate_encrypted`, the copy-on-write).
 //!
 //! Each layer of a chain has a header of its own; every encrypted layer
-//! is opened with the one passphrase the daemon was given.
+//! is opened with the one passphrase the daemon was given. A live
+//! snapshot's overlay of an encrypted top gets a copy of the top's header
+//! ([`copy_header`]).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
