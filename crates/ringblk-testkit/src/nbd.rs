@@ -270,13 +270,25 @@ pub mod raw {
 
     /// One request.
     pub fn request(s: &mut UnixStream, cmd: u16, handle: u64, offset: u64, len: u32) {
+        try_request(s, cmd, handle, offset, len).unwrap();
+    }
+
+    /// One request, or why it could not be sent (the server closed the
+    /// connection: a client that loops until then sees EPIPE here).
+    pub fn try_request(
+        s: &mut UnixStream,
+        cmd: u16,
+        handle: u64,
+        offset: u64,
+        len: u32,
+    ) -> std::io::Result<()> {
         let mut r = 0x25609513u32.to_be_bytes().to_vec();
         r.extend_from_slice(&0u16.to_be_bytes());
         r.extend_from_slice(&cmd.to_be_bytes());
         r.extend_from_slice(&handle.to_be_bytes());
         r.extend_from_slice(&offset.to_be_bytes());
         r.extend_from_slice(&len.to_be_bytes());
-        s.write_all(&r).unwrap();
+        s.write_all(&r)
     }
 
     /// A simple reply's `(error, handle)`.
