@@ -215,21 +215,8 @@ fn an_encrypted_qcow2_chain_leaves_no_key_on_any_thread() {
     let secret = format!("secret,id=s0,file={}", key.display());
     let create = |name: &str, backing: Option<&str>| {
         let img = d.join(name);
-        let mut args = vec![
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "--object",
-            &secret,
-            "-o",
-            "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
-        ];
-        if let Some(b) = backing {
-            args.extend(["-b", b, "-F", "qcow2"]);
-        }
-        args.extend([img.to_str().unwrap(), "16M"]);
-        ringblk_testkit::luks::qemu_img_create(&args);
+        let backing = backing.map(|b| (b, "qcow2"));
+        ringblk_testkit::luks::qemu_img_qcow2_luks(&img, &key, backing, Some("16M"));
         img
     };
     let base = create("base.qcow2", None);

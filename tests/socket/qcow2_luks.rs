@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use ringblk_testkit::luks::{PASS, key_file, qemu_img_create};
+use ringblk_testkit::luks::{PASS, key_file, qemu_img_create, qemu_img_qcow2_luks};
 use ringblk_testkit::qemu_img::{check_with, run};
 use ringblk_testkit::{Client, Daemon, DaemonOptions, KIB, MIB, pattern, serve_refused, test_dir};
 
@@ -108,24 +108,9 @@ const CLUSTER: u64 = 64 * KIB;
 /// qcow2 file in the same directory) if given.
 fn encrypted_over(dir: &Path, name: &str, backing: Option<&str>) -> PathBuf {
     let img = dir.join(name);
-    let secret = format!("secret,id=s0,data={}", String::from_utf8_lossy(PASS));
-    let mut args = vec![
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "--object",
-        &secret,
-        "-o",
-        "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
-    ];
-    if let Some(b) = backing {
-        args.extend(["-b", b, "-F", "qcow2"]);
-    }
     let size = SIZE.to_string();
-    args.push(img.to_str().unwrap());
-    args.push(&size);
-    qemu_img_create(&args);
+    let key = key_file(dir, PASS);
+    qemu_img_qcow2_luks(&img, &key, backing.map(|b| (b, "qcow2")), Some(&size));
     img
 }
 

@@ -125,6 +125,36 @@ pub fn qemu_img_luks(dir: &Path, name: &str, size: u64) -> PathBuf {
     img
 }
 
+/// An encrypted qcow2 at `img`, as `qemu-img create -f qcow2 -o
+/// encrypt.format=luks` makes it (PBKDF2 for 10 ms), with the passphrase
+/// in the key file `key`; over `backing` (its name as the header stores
+/// it, and its format) if given; of `size` (`"16M"`; `None`: the backing
+/// file's).
+pub fn qemu_img_qcow2_luks(
+    img: &Path,
+    key: &Path,
+    backing: Option<(&str, &str)>,
+    size: Option<&str>,
+) {
+    let secret = format!("secret,id=s0,file={}", key.display());
+    let mut args = vec![
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "--object",
+        &secret,
+        "-o",
+        "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
+    ];
+    if let Some((name, format)) = backing {
+        args.extend(["-b", name, "-F", format]);
+    }
+    args.push(img.to_str().expect("a UTF-8 path"));
+    args.extend(size);
+    qemu_img_create(&args);
+}
+
 /// The `--image-opts` QEMU opens a LUKS image `img` with, and the
 /// `--object` holding its passphrase (from a key file in `dir`).
 pub fn qemu_luks_opts(dir: &Path, img: &Path) -> (String, String) {

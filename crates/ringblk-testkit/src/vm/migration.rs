@@ -695,26 +695,9 @@ impl Served {
                 let dir = file.parent().expect("the image's directory");
                 let key = crate::luks::key_file(dir, crate::luks::PASS);
                 let top = file.with_file_name("overlay.qcow2");
-                let secret = format!("secret,id=s0,file={}", key.display());
-                // The kit's: it retries qemu-img's "Unable to get accurate
-                // CPU usage" (its timing of the key derivation) under load.
-                crate::luks::qemu_img_create(&[
-                    "create",
-                    "-q",
-                    "-f",
-                    "qcow2",
-                    "--object",
-                    &secret,
-                    "-o",
-                    "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
-                    "-b",
-                    file.file_name()
-                        .and_then(|n| n.to_str())
-                        .expect("a UTF-8 name"),
-                    "-F",
-                    "raw",
-                    top.to_str().expect("a UTF-8 path"),
-                ]);
+                let base = file.file_name().and_then(|n| n.to_str());
+                let base = base.expect("a UTF-8 name");
+                crate::luks::qemu_img_qcow2_luks(&top, &key, Some((base, "raw")), None);
                 Served {
                     image: top.clone(),
                     args: vec![
