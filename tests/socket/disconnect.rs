@@ -81,13 +81,21 @@ fn requests_posted_after_the_close_are_not_executed() {
     q1.setup(&conn, &g);
 
     // Taken before the close: they complete, whenever the close comes.
-    for i in 0..BEFORE {
-        let (first, chain) = write_chain(&g, i, BEFORE_AT + 4096 * i, 0xa5);
-        q1.write_table(&g, first, &chain);
-        q1.publish_without_kick(&g, &[first]);
-    }
+    // Published with one store of avail->idx: a worker polling the ring
+    // sees none or all of them (one store each let it take the first 12
+    // in one pass and be descheduled until after the close, which then,
+    // rightly, left the other 4 on the ring).
+    let heads: Vec<u16> = (0..BEFORE)
+        .map(|i| {
+            let (first, chain) = write_chain(&g, i, BEFORE_AT + 4096 * i, 0xa5);
+            q1.write_table(&g, first, &chain);
+            first
+        })
+        .collect();
+    q1.publish_without_kick(&g, &heads);
     q1.kick.write(1).unwrap();
-    // One is done: the worker took all of them in one pass.
+    // One is done: the worker took all of them in one pass (one pop takes
+    // everything published, up to the engine's room).
     let mut before = q1.take_used(&g, 1, Duration::from_secs(10));
     assert!(!before.is_empty(), "queue 1 took nothing");
     // Queue 0 serves one request and then polls for the next one for
