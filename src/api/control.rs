@@ -89,7 +89,7 @@ impl Control {
         let uptime = self.identity.started.elapsed().as_millis() as f64 / 1000.0;
         let serial = d.serial();
         let serial_len = serial.iter().position(|&b| b == 0).unwrap_or(serial.len());
-        let chain = d.qcow2().map(|live| {
+        let chain = d.chain().map(|live| {
             live.chain()
                 .iter()
                 .map(|p| p.display().to_string())

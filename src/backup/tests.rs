@@ -249,7 +249,7 @@ fn the_view_exports_the_frozen_bitmap() {
 /// it. The store's cluster is the overlay's.
 #[test]
 fn a_qcow2_view_reads_the_chain_and_keeps_the_instant() {
-    use crate::disk::{Dir, Live, Mapper, OpenOptions as DiskOptions, Where};
+    use crate::disk::{Dir, Live, OpenOptions as DiskOptions, Where};
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("base.raw");
     std::fs::write(&base, pattern(1, 0, (4 * MIB) as usize)).unwrap();
@@ -268,7 +268,16 @@ fn a_qcow2_view_reads_the_chain_and_keeps_the_instant() {
         top.to_str().unwrap(),
         &(8 * MIB).to_string(),
     ]);
-    let live = Arc::new(Live::open(&top, DiskOptions::default(), false, None).unwrap());
+    let live = Arc::new(
+        Live::open(
+            &top,
+            crate::disk::Format::Qcow2,
+            DiskOptions::default(),
+            false,
+            None,
+        )
+        .unwrap(),
+    );
     let disk = Arc::new(Reader::new(live.clone(), 8 * MIB));
     let mut at_start = pattern(1, 0, (4 * MIB) as usize);
     at_start.resize((8 * MIB) as usize, 0);
@@ -299,7 +308,8 @@ fn a_qcow2_view_reads_the_chain_and_keeps_the_instant() {
         panic!("{pieces:?}");
     };
     served
-        .image
+        .qcow2()
+        .unwrap()
         .data_write(&pattern(2, w, 4096), offset)
         .unwrap();
     if let Some(t) = ticket {
@@ -372,7 +382,16 @@ fn a_qcow2_allocation_call_does_bounded_work() {
         raw.to_str().unwrap(),
         top.to_str().unwrap(),
     ]);
-    let live = Arc::new(Live::open(&top, DiskOptions::default(), false, None).unwrap());
+    let live = Arc::new(
+        Live::open(
+            &top,
+            crate::disk::Format::Qcow2,
+            DiskOptions::default(),
+            false,
+            None,
+        )
+        .unwrap(),
+    );
     let disk = Reader::new(live, 8 * MIB);
     let cap = crate::disk::reader::MAX_EXAMINED * 512;
     assert!(cap < 8 * MIB);

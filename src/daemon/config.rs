@@ -16,7 +16,7 @@ use crate::device::{Device, DeviceSpec, Serial};
 use crate::disk::Disk;
 use crate::disk::Meta;
 use crate::disk::records::Followed;
-use crate::disk::{Format, Live, SnapshotDir};
+use crate::disk::{Live, Serving, SnapshotDir};
 use crate::engine::UringConfig;
 use crate::io::{Image, ImageLock, ImageOptions, RbdSpec};
 use crate::qos::QosLimits;
@@ -135,8 +135,9 @@ pub enum Backing {
         created: bool,
         /// How each queue's io_uring engine is set up (`--engine uring`).
         uring: UringConfig,
-        /// `--format qcow2`: the image's chain and its metadata thread.
-        qcow2: Option<Qcow2Setup>,
+        /// A format served through its chain (qcow2): the chain and its
+        /// metadata thread.
+        chain: Option<ChainSetup>,
         /// `--format luks`: the payload and its transform.
         luks: Option<LuksSetup>,
     },
@@ -154,8 +155,8 @@ pub struct LuksSetup {
     pub size: Option<u64>,
 }
 
-/// A qcow2 image as the daemon serves it.
-pub struct Qcow2Setup {
+/// An image served through its chain (qcow2) as the daemon serves it.
+pub struct ChainSetup {
     pub live: std::sync::Arc<Live>,
     /// The image's metadata thread (started before the seccomp filter).
     pub meta: Meta,
@@ -240,7 +241,9 @@ impl Config {
             .transpose()
             .map_err(DaemonError::Usage)?;
         let (backing, block_size, default_serial) = match rbd {
-            Some(spec) if args.format != Format::Raw || args.snapshot_dir.is_some() => {
+            Some(spec)
+                if args.format.serving() != Serving::Inline || args.snapshot_dir.is_some() =>
+            {
                 return Err(DaemonError::Usage(format!(
                     "--image {spec}: --format and --snapshot-dir are for image files; an RBD image has snapshots of its own (rbd snap create)"
                 )));
@@ -272,7 +275,7 @@ impl Config {
         let (bitmaps, bitmap_dir) = bitmap_store(&args, &backing)?;
         let (backups, backup_dir) = backup_spec(&args, &backing)?;
         let disk = match &backing {
-            Backing::File { qcow2: Some(q), .. } => Disk::Chain(q.live.clone()),
+            Backing::File { chain: Some(q), .. } => Disk::Chain(q.live.clone()),
             Backing::File {
                 image,
                 luks: Some(l),
@@ -374,10 +377,15 @@ fn bitmap_store(
         // QEMU's bitmap directory in the image: the bitmaps live there
         // (docs/backup.md); sidecars of the image are not used.
         Backing::File {
-            qcow2: Some(q),
+            chain: Some(q),
             named,
             ..
-        } if !args.readonly && q.live.current().image.has_qemu_bitmaps() => {
+        } if !args.readonly
+            && q.live
+                .current()
+                .qcow2()
+                .is_some_and(|i| i.has_qemu_bitmaps()) =>
+        {
             log::info!(
                 "{}: dirty bitmaps in the image's own bitmap directory (QEMU's persistent bitmaps)",
                 named.display()
@@ -607,7 +615,7 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
             // The default is ours to pick, and never a link; nor is an
             // overlay a snapshot record names.
             nofollow: args.image.is_none() || followed.is_some(),
-            formatted: args.format != Format::Raw,
+            formatted: args.format.serving() != Serving::Inline,
         },
     );
     let image = match opened {
@@ -628,15 +636,12 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
             image.size
         );
     }
-    let qcow2 = match args.format {
-        Format::Raw | Format::Luks => None,
-        Format::Qcow2 => Some(open_qcow2(args, &image, followed.as_ref())?),
+    let (chain, luks) = match args.format.serving() {
+        Serving::Inline => (None, None),
+        Serving::Chain => (Some(open_chain(args, &image, followed.as_ref())?), None),
+        Serving::Payload => (None, Some(open_luks(args, &image)?)),
     };
-    let luks = match args.format {
-        Format::Luks => Some(open_luks(args, &image)?),
-        Format::Raw | Format::Qcow2 => None,
-    };
-    let fds = match &qcow2 {
+    let fds = match &chain {
         Some(q) => q.live.current().io_fds(),
         None => vec![image.file.as_raw_fd()],
     };
@@ -644,7 +649,7 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
         image_fd: fds[0],
         backing_fds: fds[1..].to_vec(),
         // Room for a chain as deep as live snapshots may make it.
-        file_slots: if qcow2.is_some() {
+        file_slots: if chain.is_some() {
             crate::disk::qcow2::MAX_CHAIN as u32
         } else {
             1
@@ -688,7 +693,7 @@ fn open_file(args: &ServeArgs, path: PathBuf) -> Result<(Backing, u32, String), 
             named,
             created,
             uring,
-            qcow2,
+            chain,
             luks,
         },
         block_size,
@@ -814,16 +819,17 @@ fn without_direct<T>(file: &std::fs::File, f: impl FnOnce() -> T) -> std::io::Re
 
 /// What `--format` and `--snapshot-dir` need of the other options.
 fn check_format(args: &ServeArgs) -> Result<(), DaemonError> {
-    if args.format == Format::Raw && (args.key_file.is_some() || args.key_fd.is_some()) {
+    let format = args.format;
+    if format.serving() == Serving::Inline && (args.key_file.is_some() || args.key_fd.is_some()) {
         return Err(DaemonError::Usage(
             "--key-file and --key-fd are for an encrypted image (--format luks, or --format qcow2 with encrypt.format=luks)".into(),
         ));
     }
-    if args.format == Format::Luks {
+    if format.serving() == Serving::Payload {
         if args.image.is_none() {
-            return Err(DaemonError::Usage(
-                "--format luks needs --image (create one with cryptsetup luksFormat or qemu-img create -f luks)".into(),
-            ));
+            return Err(DaemonError::Usage(format!(
+                "--format {format} needs --image (create one with cryptsetup luksFormat or qemu-img create -f luks)"
+            )));
         }
         if args.snapshot_dir.is_some() || !args.backing_dir.is_empty() {
             return Err(DaemonError::Usage(
@@ -832,7 +838,7 @@ fn check_format(args: &ServeArgs) -> Result<(), DaemonError> {
         }
         return Ok(());
     }
-    if args.format == Format::Raw {
+    if format.serving() == Serving::Inline {
         if args.snapshot_dir.is_some() {
             return Err(DaemonError::Usage(
                 "--snapshot-dir is for live snapshots of a qcow2 image (--format qcow2)".into(),
@@ -846,15 +852,14 @@ fn check_format(args: &ServeArgs) -> Result<(), DaemonError> {
         return Ok(());
     }
     if args.image.is_none() {
-        return Err(DaemonError::Usage(
-            "--format qcow2 needs --image (create one with qemu-img create -f qcow2)".into(),
-        ));
+        return Err(DaemonError::Usage(format!(
+            "--format {format} needs --image (create one with qemu-img create -f {format})"
+        )));
     }
     if args.iopoll {
-        return Err(DaemonError::Usage(
-            "--iopoll is for raw images: a qcow2 image's metadata work completes outside the ring"
-                .into(),
-        ));
+        return Err(DaemonError::Usage(format!(
+            "--iopoll is for raw images: a {format} image's metadata work completes outside the ring"
+        )));
     }
     Ok(())
 }
@@ -863,7 +868,9 @@ fn check_format(args: &ServeArgs) -> Result<(), DaemonError> {
 /// in DIR lead from the image `named` (see [`crate::disk::records`]);
 /// None: serve `named`.
 fn follow_snapshots(args: &ServeArgs, named: &Path) -> Result<Option<Followed>, DaemonError> {
-    let (Format::Qcow2, Some(dir), Some(_)) = (args.format, &args.snapshot_dir, &args.image) else {
+    let (Serving::Chain, Some(dir), Some(_)) =
+        (args.format.serving(), &args.snapshot_dir, &args.image)
+    else {
         return Ok(None);
     };
     let dir = std::fs::canonicalize(dir)
@@ -875,14 +882,15 @@ fn follow_snapshots(args: &ServeArgs, named: &Path) -> Result<Option<Followed>, 
     crate::disk::records::follow(&dir, &named).map_err(DaemonError::Config)
 }
 
-/// Opens `image` as qcow2, with its backing chain, and starts its metadata
-/// thread. `followed`: `image` is the top the snapshot records led to,
-/// whose chain must go through each image they name.
-fn open_qcow2(
+/// Opens `image` as its format's [`crate::disk::Image`] (qcow2), with its
+/// backing chain, and starts its metadata thread. `followed`: `image` is
+/// the top the snapshot records led to, whose chain must go through each
+/// image they name.
+fn open_chain(
     args: &ServeArgs,
     image: &Image,
     followed: Option<&Followed>,
-) -> Result<Qcow2Setup, DaemonError> {
+) -> Result<ChainSetup, DaemonError> {
     let snapshots = args
         .snapshot_dir
         .as_deref()
@@ -915,6 +923,7 @@ fn open_qcow2(
     };
     let opened = Live::open(
         &image.path,
+        args.format,
         options,
         args.direct && args.engine == EngineKind::Uring,
         snapshots,
@@ -949,7 +958,7 @@ fn open_qcow2(
     let chain = live.chain();
     if chain.len() > 1 {
         log::info!(
-            "qcow2 backing chain, top first: {}",
+            "backing chain, top first: {}",
             chain
                 .iter()
                 .map(|p| p.display().to_string())
@@ -957,7 +966,7 @@ fn open_qcow2(
                 .join(", ")
         );
     }
-    Ok(Qcow2Setup {
+    Ok(ChainSetup {
         live: std::sync::Arc::new(live),
         meta,
     })

@@ -32,7 +32,6 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::device::{Connection, Device};
-use crate::disk::Mapper;
 use crate::engine::{Core, Engine, EngineError, ImageFormat, NullEngine, UringEngine};
 use crate::io::ImageError;
 use crate::metrics::{QueueMetrics, RateLimiter};
@@ -232,7 +231,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // A qcow2 image's snapshot directory: overlays are created and (when
     // a snapshot fails) removed there, by its descriptor.
     let snapshot_dir = device
-        .qcow2()
+        .chain()
         .and_then(|live| live.snapshot_dir())
         .map(|d| d.file().try_clone().map(|f| (f, d.fd())))
         .transpose()
@@ -250,7 +249,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
             .transpose()
             .map_err(|e| DaemonError::Landlock(format!("the image: {e}")))?,
         // A qcow2 image's backing chain, read-only.
-        backing: match device.qcow2() {
+        backing: match device.chain() {
             Some(live) => live
                 .current()
                 .image
@@ -314,9 +313,9 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     let capacity = usize::from(cfg.args.queue_size);
     // The format's handles are cloned out: the backing is moved into the
     // match below (the RBD arm hands its disk to the closer).
-    let qcow2 = match &cfg.backing {
-        config::Backing::File { qcow2, .. } => {
-            qcow2.as_ref().map(|q| (q.live.clone(), q.meta.clone()))
+    let chain = match &cfg.backing {
+        config::Backing::File { chain, .. } => {
+            chain.as_ref().map(|q| (q.live.clone(), q.meta.clone()))
         }
         #[cfg(feature = "rbd")]
         config::Backing::Rbd(_) => None,
@@ -326,7 +325,7 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
         #[cfg(feature = "rbd")]
         config::Backing::Rbd(_) => None,
     };
-    let format = move || match (&qcow2, &luks) {
+    let format = move || match (&chain, &luks) {
         (Some((live, meta)), _) => ImageFormat::chain(live.clone(), meta.clone()),
         (None, Some((offset, crypt))) => ImageFormat::Luks(Box::new((*offset, crypt.clone()))),
         (None, None) => ImageFormat::Raw,

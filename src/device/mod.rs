@@ -335,8 +335,8 @@ impl Device {
         self.image_lock.as_ref()
     }
 
-    /// The qcow2 image being served, if it is one.
-    pub fn qcow2(&self) -> Option<&Arc<Live>> {
+    /// The chain being served (a qcow2 image), if the image has one.
+    pub fn chain(&self) -> Option<&Arc<Live>> {
         self.backing.chain()
     }
 

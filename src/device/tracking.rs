@@ -536,14 +536,17 @@ impl Device {
             if let Some(lock) = &self.image_lock {
                 lock.acquire()?;
             }
-            if let Some(live) = self.qcow2()
+            if let Some(live) = self.chain()
                 && let Err(e) = live.claim()
             {
                 log::error!("{}: reading the metadata afresh: {e}", self.name);
             }
             inner.activate(self.size(), &self.tracking);
-            if let Some(live) = self.qcow2()
-                && !live.current().image.qemu_bitmaps_marked()
+            if let Some(live) = self.chain()
+                && !live
+                    .current()
+                    .qcow2()
+                    .is_none_or(|q| q.qemu_bitmaps_marked())
             {
                 // A bitmap on disk still says it is complete: no write
                 // may land. Let go as a release does; the next request
@@ -572,13 +575,17 @@ impl Device {
     /// migration's source that still serves it: the log is its own), nor
     /// without an image lock, which is the only proof of that.
     pub fn recover_image(&self) {
-        let Some(live) = self.qcow2() else {
+        let Some(live) = self.chain() else {
             return;
         };
         if self.image_lock.is_none() || !live.current().image.writable() {
             return;
         }
-        match live.current().image.needs_recovery() {
+        let served = live.current();
+        let Some(image) = served.qcow2() else {
+            return;
+        };
+        match image.needs_recovery() {
             Ok(true) => {}
             Ok(false) => return,
             Err(e) => {
@@ -612,7 +619,7 @@ impl Device {
     /// metadata made durable and its caches dropped, the lock let go.
     fn let_go(&self, inner: &mut Inner) {
         inner.deactivate(&self.tracking);
-        if let Some(live) = self.qcow2()
+        if let Some(live) = self.chain()
             && let Err(e) = live.refresh()
         {
             log::error!("{}: making the metadata durable: {e}", self.name);
@@ -865,7 +872,7 @@ impl Device {
         // (the store's cluster then covers the top's, see disk::reader),
         // or a LUKS image's payload, decrypted by the disk's reader.
         let (image, cluster): (Arc<dyn crate::backup::Image>, u64) =
-            match (self.qcow2(), self.backing.encrypted()) {
+            match (self.chain(), self.backing.encrypted()) {
                 (Some(live), _) => (
                     Arc::new(Reader::new(live.clone(), size)),
                     Reader::cluster(live, DEFAULT_CLUSTER),

@@ -21,7 +21,7 @@
 
 use std::io::Write;
 
-use super::{Dir, Format, FormatError, Image, Mapper, OpenOptions, Piece, Where};
+use super::{Dir, Format, FormatError, Image, OpenOptions, Piece, Where};
 
 /// What one input led to (for the corpus test's coverage check).
 #[derive(Debug, PartialEq, Eq)]
@@ -32,7 +32,7 @@ pub enum Outcome {
     Served { ok: usize, failed: usize },
 }
 
-fn check_pieces(img: &Image, offset: u64, len: u64, dir: Dir, pieces: &[Piece]) {
+fn check_pieces(img: &dyn Image, offset: u64, len: u64, dir: Dir, pieces: &[Piece]) {
     let mut pos = offset;
     for p in pieces {
         assert_eq!(
@@ -115,7 +115,7 @@ pub fn run_one(data: &[u8]) -> Outcome {
         l2_log: Some(log_path),
         ..OpenOptions::default()
     };
-    let img = match Image::open(&path, Format::Qcow2, &options) {
+    let img = match super::open(&path, Format::Qcow2, &options) {
         Ok(img) => img,
         Err(e) => {
             let msg = e.to_string();
@@ -129,7 +129,7 @@ pub fn run_one(data: &[u8]) -> Outcome {
         Err(_) => failed += 1,
     };
     // As a daemon taking the image lock: the L2 log written in.
-    if let Image::Qcow2(q) = &img {
+    if let Some(q) = img.as_qcow2() {
         tally(q.claim().map(|_| ()));
     }
     let size = img.size();
@@ -144,12 +144,12 @@ pub fn run_one(data: &[u8]) -> Outcome {
         for dir in [Dir::Read, Dir::Write] {
             let mut pieces = Vec::new();
             img.map(offset, len, dir, &mut pieces);
-            check_pieces(&img, offset, len, dir, &pieces);
+            check_pieces(&*img, offset, len, dir, &pieces);
         }
         let mut pieces = Vec::new();
         let r = img.resolve(offset, len, Dir::Read, &mut pieces).map(|_| ());
         if r.is_ok() {
-            check_pieces(&img, offset, len, Dir::Read, &pieces);
+            check_pieces(&*img, offset, len, Dir::Read, &pieces);
             for p in &pieces {
                 if p.at == Where::Slow {
                     let mut buf = vec![0u8; p.len.min(1 << 20) as usize];
@@ -164,7 +164,7 @@ pub fn run_one(data: &[u8]) -> Outcome {
         let mut pieces = Vec::new();
         let r = img.resolve(0, 4096, Dir::Write, &mut pieces);
         if let Ok(ticket) = &r {
-            check_pieces(&img, 0, 4096, Dir::Write, &pieces);
+            check_pieces(&*img, 0, 4096, Dir::Write, &pieces);
             if let Some(t) = ticket {
                 tally(img.commit(*t, false));
             }
@@ -176,7 +176,7 @@ pub fn run_one(data: &[u8]) -> Outcome {
         // write it: the header cluster rewritten around whatever
         // extensions the input has, then the extension removed again.
         // Bounded: the bits of a 64 GiB disk at 64 KiB are 128 KiB.
-        if let (Image::Qcow2(q), true) = (&img, size <= 1 << 36) {
+        if let (Some(q), true) = (img.as_qcow2(), size <= 1 << 36) {
             let granules = size.div_ceil(1 << 16);
             let one = super::qcow2::bitmap_write::Stored {
                 name: "fuzz".to_string(),

@@ -1,4 +1,6 @@
-//! The qcow2 image a daemon serves, across live snapshots: which chain is
+//! The image a daemon serves through its metadata thread (qcow2, or any
+//! format with metadata work: [`super::Image`]), across live snapshots
+//! (which need a qcow2 top's format for the overlay): which chain is
 //! current, the gate every request passes so that a snapshot can stop
 //! them, and the snapshot itself.
 //!
@@ -40,9 +42,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::qcow2::{OpenOptions, Qcow2Image};
+use super::qcow2::OpenOptions;
 use super::records::{RECORD_SUFFIX, Record};
-use super::{FormatError, Mapper};
+use super::{Format, FormatError, Image};
 
 /// How long a snapshot waits for the requests in flight to finish.
 pub const QUIESCE_WAIT: Duration = Duration::from_secs(30);
@@ -53,7 +55,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// A chain, as requests are mapped against it.
 pub struct Served {
-    pub image: Qcow2Image,
+    pub image: Box<dyn Image>,
     /// The files the engine does data I/O on, top first (the image's own
     /// files again, or with `--direct` the same files opened O_DIRECT).
     io_files: Vec<File>,
@@ -62,6 +64,11 @@ pub struct Served {
 }
 
 impl Served {
+    /// The image as qcow2 ([`Image::as_qcow2`]): its bitmaps, its L2 log.
+    pub fn qcow2(&self) -> Option<&super::Qcow2Image> {
+        self.image.as_qcow2()
+    }
+
     /// The descriptors of [`Served::io_files`], top first: what an engine
     /// registers, in this order, for a `Where::Data { file }` to index.
     pub fn io_fds(&self) -> Vec<RawFd> {
@@ -215,7 +222,7 @@ pub enum SnapshotError {
     Format(#[from] FormatError),
 }
 
-/// The served qcow2 image: see the module doc.
+/// The served image and its chain: see the module doc.
 pub struct Live {
     current: Mutex<Arc<Served>>,
     generation: AtomicU64,
@@ -232,10 +239,12 @@ pub struct Live {
 }
 
 impl Live {
-    /// Opens the qcow2 image at `path` and its chain. `direct`: the engine
-    /// does its data I/O with O_DIRECT (on the same files opened again).
+    /// Opens the image at `path` as `format` ([`super::open`]), and its
+    /// chain. `direct`: the engine does its data I/O with O_DIRECT (on the
+    /// same files opened again).
     pub fn open(
         path: &Path,
+        format: Format,
         options: OpenOptions,
         direct: bool,
         snapshots: Option<SnapshotDir>,
@@ -246,13 +255,13 @@ impl Live {
             reason: e.to_string(),
         })?;
         let mut options = options;
-        let image = Qcow2Image::open(&path, &options)?;
+        let image = super::open(&path, format, &options)?;
         // Kept for the overlays of live snapshots, which need no
         // passphrase (an encrypted top's overlay takes a copy of its LUKS
         // header and shares its transform): the passphrase goes (zeroed
         // once the caller's copy goes too).
         options.passphrase = None;
-        let io_files = io_files(&image, direct)?;
+        let io_files = io_files(&*image, direct)?;
         Ok(Live {
             current: Mutex::new(Arc::new(Served {
                 image,
@@ -311,14 +320,16 @@ impl Live {
     }
 
     /// [`Live::refresh`] for a daemon that has just taken the image lock:
-    /// the L2 log is taken into use too (see [`Qcow2Image::claim`]), and
-    /// what it had is said in the log.
+    /// a qcow2 image's L2 log is taken into use too (see
+    /// [`super::Qcow2Image::claim`]), and what it had is said in the log.
     pub fn claim(&self) -> Result<(), FormatError> {
         let served = self.current();
-        let adopted = served.image.claim()?;
+        let Some(image) = served.image.as_qcow2() else {
+            return served.image.invalidate();
+        };
+        let adopted = image.claim()?;
         let top = served.image.chain().into_iter().next().unwrap_or_default();
-        let log = served
-            .image
+        let log = image
             .l2_log_path()
             .map(|p| p.display().to_string())
             .unwrap_or_default();
@@ -430,6 +441,10 @@ impl Live {
         relock: &impl Fn(&File) -> io::Result<()>,
         freeze: impl FnOnce(),
     ) -> Result<Vec<PathBuf>, SnapshotError> {
+        // The overlay is a qcow2 file, and the old top's format makes it.
+        let Some(top) = old.image.as_qcow2() else {
+            return Err(SnapshotError::NotQcow2);
+        };
         let path = &dir.path.join(name);
         let direct = if self.direct {
             let f = dir.open_at(name, libc::O_RDWR | libc::O_DIRECT);
@@ -458,14 +473,11 @@ impl Live {
         // Right before the snapshot, which takes what it stages whether
         // it succeeds or not.
         freeze();
-        let image = match old
-            .image
-            .snapshot(file, path, &backing, &self.options, write_record)
-        {
-            Ok(i) => i,
+        let image = match top.snapshot(file, path, &backing, &self.options, write_record) {
+            Ok(i) => Box::new(i) as Box<dyn Image>,
             Err(e) => {
-                if let Some(top) = old.io_files.first() {
-                    let _ = relock(top);
+                if let Some(old_top) = old.io_files.first() {
+                    let _ = relock(old_top);
                 }
                 return Err(e.into());
             }
@@ -522,7 +534,7 @@ fn io_files_after_snapshot(top: File, below: &[File]) -> Result<Vec<File>, Forma
 /// The files the engine does data I/O on, for `image`: with `direct`, its
 /// files opened again O_DIRECT (by /proc/self/fd, at start-up); else
 /// duplicates.
-fn io_files(image: &Qcow2Image, direct: bool) -> Result<Vec<File>, FormatError> {
+fn io_files(image: &dyn Image, direct: bool) -> Result<Vec<File>, FormatError> {
     image
         .files()
         .into_iter()

@@ -6,15 +6,18 @@
 //! not depend on the engine or the worker.
 //!
 //! - [`Disk`]: the image behind a device, the one owner of its size.
+//! - [`Mapper`] and [`Image`]: what every format implements, in a file
+//!   of its own; [`open`] picks one.
 //! - [`seam`]: what the engine core asks per request ([`seam::Format`]),
-//!   raw's inline identity or a queue's view of a chain.
+//!   raw's inline identity or a queue's view of a chain ([`queue`]).
+//! - [`live`]: the chain a daemon serves (any [`Image`]), across live
+//!   snapshots; [`meta`]: its metadata thread.
 //! - [`reader`]: the one reader of guest data off the queues' data path.
 //! - [`raw`]: the identity on file 0.
 //! - [`luks`]: a LUKS1/LUKS2 image: its payload, shifted by the data
 //!   offset, and the AES-XTS transform of its bytes.
 //! - [`qcow2`]: a qcow2 image and its backing chain (qcow2 or raw), on top
-//!   of the `imago` crate's metadata handling; its metadata thread, a
-//!   queue's view of it and its bitmaps.
+//!   of the `imago` crate's metadata handling; its bitmaps.
 //!
 //! The contract an engine follows, per request:
 //! 1. [`Mapper::map`] for the guest range: cheap, never blocks, never does
@@ -23,7 +26,7 @@
 //!    needed (a cache miss, an allocation, copy-on-write, a compressed
 //!    cluster).
 //! 2. For a slow piece, the engine hands the request to the image's
-//!    metadata thread ([`qcow2::meta`]; the tests call it directly),
+//!    metadata thread ([`meta`]; the tests call it directly),
 //!    which calls [`Mapper::resolve`] (reads and writes) or [`Mapper::read_slow`]
 //!    (compressed data, read into the caller's buffer), then completes back
 //!    to the queue. Other requests of the queue go on meanwhile.
@@ -43,7 +46,9 @@
 
 pub mod live;
 pub mod luks;
+pub mod meta;
 pub mod qcow2;
+pub mod queue;
 pub mod raw;
 pub mod reader;
 pub mod records;
@@ -56,16 +61,16 @@ mod handle;
 use std::fmt;
 use std::fs::File;
 use std::io::{self, Read};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 pub use handle::{Disk, Resizable};
 pub use live::{Live, Served, SnapshotDir, SnapshotError};
-pub use qcow2::meta::Meta;
+pub use meta::Meta;
 pub use qcow2::{OpenOptions, Qcow2Image};
 pub use raw::RawImage;
 
-/// The image formats `--format` accepts.
+/// The image formats `--format` accepts ([`FORMATS`] names them).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Format {
     #[default]
@@ -75,28 +80,61 @@ pub enum Format {
     Luks,
 }
 
+/// How the daemon serves a format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Serving {
+    /// The file itself, mapped inline by the engine core (raw).
+    Inline,
+    /// A part of the file, transformed (a LUKS payload: [`luks`]).
+    Payload,
+    /// Through the format's [`Image`] ([`open`]): a chain ([`Live`]) with
+    /// a metadata thread for what the mapping cannot answer at once.
+    Chain,
+}
+
+/// Every format: its name on the command line, and how it is served.
+/// The one table of them; [`open`] is the one match.
+pub const FORMATS: [(&str, Format, Serving); 3] = [
+    ("raw", Format::Raw, Serving::Inline),
+    ("qcow2", Format::Qcow2, Serving::Chain),
+    ("luks", Format::Luks, Serving::Payload),
+];
+
+impl Format {
+    fn row(self) -> &'static (&'static str, Format, Serving) {
+        FORMATS
+            .iter()
+            .find(|row| row.1 == self)
+            .unwrap_or(&FORMATS[0])
+    }
+
+    pub fn name(self) -> &'static str {
+        self.row().0
+    }
+
+    pub fn serving(self) -> Serving {
+        self.row().2
+    }
+}
+
 impl FromStr for Format {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "raw" => Ok(Format::Raw),
-            "qcow2" => Ok(Format::Qcow2),
-            "luks" => Ok(Format::Luks),
-            other => Err(format!(
-                "unknown image format {other:?} (raw, qcow2 or luks)"
-            )),
-        }
+        FORMATS
+            .iter()
+            .find(|row| row.0 == s)
+            .map(|row| row.1)
+            .ok_or_else(|| {
+                let names: Vec<_> = FORMATS.iter().map(|row| row.0).collect();
+                format!("unknown image format {s:?} ({})", names.join(", "))
+            })
     }
 }
 
 impl fmt::Display for Format {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Format::Raw => "raw",
-            Format::Qcow2 => "qcow2",
-            Format::Luks => "luks",
-        })
+        f.write_str(self.name())
     }
 }
 
@@ -208,130 +246,102 @@ impl FormatError {
     }
 }
 
-/// An open image of either format.
-pub enum Image {
-    Raw(RawImage),
-    Qcow2(Box<Qcow2Image>),
-}
+/// An open image, beyond where its bytes are ([`Mapper`]): what the
+/// metadata thread ([`meta`]), a served chain ([`Live`]) and the layer
+/// tests ask of any format. Each format implements it in its own file,
+/// beside its [`Mapper`]; [`open`] is the one place that picks one.
+pub trait Image: Mapper {
+    fn writable(&self) -> bool;
 
-impl Image {
-    /// Opens `path` as `format`. Raw is the identity: its first bytes are
-    /// never looked at.
-    pub fn open(path: &Path, format: Format, options: &OpenOptions) -> Result<Image, FormatError> {
-        match format {
-            Format::Raw => Ok(Image::Raw(RawImage::open(path, options.writable)?)),
-            Format::Qcow2 => Ok(Image::Qcow2(Box::new(Qcow2Image::open(path, options)?))),
-            Format::Luks => Err(FormatError::Open {
-                path: path.display().to_string(),
-                reason: "a LUKS image is served by the daemon (its key comes from --key-file), \
-                         not opened here"
-                    .into(),
-            }),
-        }
-    }
+    /// The chain's paths, top first (for `ctl status`; one path for a
+    /// format without backing files).
+    fn chain(&self) -> Vec<PathBuf>;
 
-    pub fn writable(&self) -> bool {
-        match self {
-            Image::Raw(r) => r.writable(),
-            Image::Qcow2(q) => q.writable(),
-        }
-    }
+    /// The format's unit of allocation: what the backup's
+    /// copy-before-write copies at a time, at least.
+    fn cluster_size(&self) -> u64;
 
     /// Returns once the metadata of every allocation up to `ticket` is in
     /// the image file (pwritten; a kill -9 cannot lose it), and with
     /// `durable` (a write-through write: the device's write cache is off)
     /// on the disk too (fdatasync), so that a power loss cannot lose the
     /// completed write either. Concurrent callers share the writes and the
-    /// fdatasync (group commit). Blocks.
-    pub fn commit(&self, ticket: Commit, durable: bool) -> Result<(), FormatError> {
-        match self {
-            Image::Raw(_) => Ok(()),
-            Image::Qcow2(q) => q.commit(ticket, durable),
-        }
+    /// fdatasync (group commit). Blocks. A format that allocates nothing
+    /// returns no ticket and has nothing to commit.
+    fn commit(&self, _ticket: Commit, _durable: bool) -> Result<(), FormatError> {
+        Ok(())
     }
 
     /// Makes everything written so far durable: metadata in order, then
     /// fdatasync. The engine syncs the data it wrote itself first. Blocks.
-    pub fn flush(&self) -> Result<(), FormatError> {
-        match self {
-            Image::Raw(r) => r.flush(),
-            Image::Qcow2(q) => q.flush(),
-        }
-    }
+    fn flush(&self) -> Result<(), FormatError>;
 
     /// Makes `[offset, offset + len)` read as zeroes without writing data
     /// where the format can (whole clusters), giving space back to the host
     /// file when `unmap`. Returns the ranges (the unaligned head and tail)
     /// the engine must still write zeroes to through the data path.
-    pub fn write_zeroes(
+    fn write_zeroes(
         &self,
         offset: u64,
         len: u64,
         unmap: bool,
-    ) -> Result<Vec<(u64, u64)>, FormatError> {
-        match self {
-            Image::Raw(r) => r.write_zeroes(offset, len, unmap),
-            Image::Qcow2(q) => q.write_zeroes(offset, len, unmap),
-        }
-    }
+    ) -> Result<Vec<(u64, u64)>, FormatError>;
+
+    /// Write-zeroes of `[offset, offset + len)`, all of it, the head and
+    /// tail written here (the metadata thread's write-zeroes). Blocks.
+    fn zero_range(&self, offset: u64, len: u64, unmap: bool) -> Result<(), FormatError>;
+
+    /// Discard of `[offset, offset + len)`: a hint; what it gives back
+    /// reads as zeroes. Blocks.
+    fn discard(&self, offset: u64, len: u64) -> Result<(), FormatError>;
 
     /// Grows the image to `new_size` bytes (never shrinks).
-    pub fn grow(&self, new_size: u64) -> Result<(), FormatError> {
-        match self {
-            Image::Raw(r) => r.grow(new_size),
-            Image::Qcow2(q) => q.grow(new_size),
-        }
+    fn grow(&self, new_size: u64) -> Result<(), FormatError>;
+
+    /// Forgets what is cached of the metadata, for when another process
+    /// may have written the image (a migration's hand-over).
+    fn invalidate(&self) -> Result<(), FormatError> {
+        Ok(())
+    }
+
+    /// Whether metadata is held back from the file: a FLUSH must then go
+    /// through [`Image::flush`], not only the engine's fdatasync.
+    fn holds_back(&self) -> bool {
+        false
+    }
+
+    /// The transform of each file of the chain ([`Mapper::crypt`], shared
+    /// with the engine: [`seam::Format::crypts`]); empty when none is
+    /// encrypted.
+    fn crypts(&self) -> Vec<Option<std::sync::Arc<luks::Crypt>>> {
+        Vec::new()
+    }
+
+    /// The image as qcow2, for what only qcow2 has: live snapshots (the
+    /// overlay is a qcow2 file, whatever is below it), QEMU's persistent
+    /// bitmaps, the L2 log.
+    fn as_qcow2(&self) -> Option<&Qcow2Image> {
+        None
     }
 }
 
-/// The test seam is one more [`Mapper`], by format.
-impl Mapper for Image {
-    fn size(&self) -> u64 {
-        match self {
-            Image::Raw(r) => r.size(),
-            Image::Qcow2(q) => q.size(),
-        }
-    }
-
-    fn files(&self) -> Vec<&File> {
-        match self {
-            Image::Raw(r) => vec![r.file()],
-            Image::Qcow2(q) => q.files(),
-        }
-    }
-
-    fn map(&self, offset: u64, len: u64, dir: Dir, out: &mut Vec<Piece>) {
-        match self {
-            Image::Raw(r) => r.map(offset, len, dir, out),
-            Image::Qcow2(q) => q.map(offset, len, dir, out),
-        }
-    }
-
-    fn resolve(
-        &self,
-        offset: u64,
-        len: u64,
-        dir: Dir,
-        out: &mut Vec<Piece>,
-    ) -> Result<Option<Commit>, FormatError> {
-        match self {
-            Image::Raw(r) => r.resolve(offset, len, dir, out),
-            Image::Qcow2(q) => q.resolve(offset, len, dir, out),
-        }
-    }
-
-    fn read_slow(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
-        match self {
-            Image::Raw(r) => r.read_slow(offset, buf),
-            Image::Qcow2(q) => q.read_slow(offset, buf),
-        }
-    }
-
-    fn crypt(&self, file: usize) -> Option<&luks::Crypt> {
-        match self {
-            Image::Raw(_) => None,
-            Image::Qcow2(q) => q.crypt(file),
-        }
+/// Opens `path` as `format`: the one place that picks a format's
+/// [`Image`] (the layer tests' seam, and what [`Live`] serves). Raw is
+/// the identity: its first bytes are never looked at.
+pub fn open(
+    path: &Path,
+    format: Format,
+    options: &OpenOptions,
+) -> Result<Box<dyn Image>, FormatError> {
+    match format {
+        Format::Raw => Ok(Box::new(RawImage::open(path, options.writable)?)),
+        Format::Qcow2 => Ok(Box::new(Qcow2Image::open(path, options)?)),
+        Format::Luks => Err(FormatError::Open {
+            path: path.display().to_string(),
+            reason: "a LUKS image is served by the daemon (its key comes from --key-file), \
+                     not opened here"
+                .into(),
+        }),
     }
 }
 
@@ -367,4 +377,30 @@ pub fn raw_qcow2_warning(path: &Path, format: Format) -> Option<String> {
             path.display()
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each format has one row, found by its name and by its value.
+    #[test]
+    fn every_format_is_one_row_of_the_table() {
+        for (name, format, serving) in FORMATS {
+            assert_eq!(name.parse::<Format>(), Ok(format));
+            assert_eq!(format.to_string(), name);
+            assert_eq!(format.serving(), serving);
+            assert_eq!(FORMATS.iter().filter(|r| r.1 == format).count(), 1);
+        }
+        // Every value of the enum (a new one fails to compile here until
+        // it is listed, and then this test until it has its row).
+        for format in [Format::Raw, Format::Qcow2, Format::Luks] {
+            match format {
+                Format::Raw | Format::Qcow2 | Format::Luks => {}
+            }
+            assert!(FORMATS.iter().any(|r| r.1 == format), "{format:?}");
+        }
+        let e = "vmdk".parse::<Format>().unwrap_err();
+        assert_eq!(e, "unknown image format \"vmdk\" (raw, qcow2, luks)");
+    }
 }

@@ -3,13 +3,14 @@
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Commit, Dir, FormatError, Mapper, Piece, Where};
+use super::{Commit, Dir, FormatError, Image, Mapper, Piece, Where};
 
 pub struct RawImage {
     file: File,
+    path: PathBuf,
     size: AtomicU64,
     writable: bool,
 }
@@ -27,13 +28,10 @@ impl RawImage {
         let size = file.metadata().map_err(FormatError::io("stat"))?.len();
         Ok(RawImage {
             file,
+            path: path.to_path_buf(),
             size: AtomicU64::new(size),
             writable,
         })
-    }
-
-    pub fn writable(&self) -> bool {
-        self.writable
     }
 
     pub fn file(&self) -> &File {
@@ -57,12 +55,27 @@ impl RawImage {
             .read_exact_at(buf, offset)
             .map_err(FormatError::io("read"))
     }
+}
 
-    pub(super) fn flush(&self) -> Result<(), FormatError> {
+impl Image for RawImage {
+    fn writable(&self) -> bool {
+        self.writable
+    }
+
+    fn chain(&self) -> Vec<PathBuf> {
+        vec![self.path.clone()]
+    }
+
+    /// Allocation is the host file system's: the sector.
+    fn cluster_size(&self) -> u64 {
+        512
+    }
+
+    fn flush(&self) -> Result<(), FormatError> {
         self.file.sync_data().map_err(FormatError::io("fdatasync"))
     }
 
-    pub(super) fn write_zeroes(
+    fn write_zeroes(
         &self,
         offset: u64,
         len: u64,
@@ -92,7 +105,27 @@ impl RawImage {
         }
     }
 
-    pub(super) fn grow(&self, new_size: u64) -> Result<(), FormatError> {
+    fn zero_range(&self, offset: u64, len: u64, unmap: bool) -> Result<(), FormatError> {
+        const CHUNK: u64 = 1 << 20;
+        for (mut at, n) in self.write_zeroes(offset, len, unmap)? {
+            let zeroes = vec![0u8; CHUNK.min(n) as usize];
+            let end = at + n;
+            while at < end {
+                let k = (end - at).min(CHUNK) as usize;
+                self.file
+                    .write_all_at(&zeroes[..k], at)
+                    .map_err(FormatError::io("writing zeroes"))?;
+                at += k as u64;
+            }
+        }
+        Ok(())
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<(), FormatError> {
+        self.write_zeroes(offset, len, true).map(|_| ())
+    }
+
+    fn grow(&self, new_size: u64) -> Result<(), FormatError> {
         if !self.writable {
             return Err(FormatError::ReadOnly);
         }

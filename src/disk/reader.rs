@@ -132,7 +132,7 @@ impl Reader {
                 )));
             }
             let part = &mut buf[done as usize..(done + p.len) as usize];
-            read_piece(image, &files, &p, part)?;
+            read_piece(&**image, &files, &p, part)?;
             done += p.len;
         }
         if done != buf.len() as u64 {

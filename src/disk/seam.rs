@@ -48,8 +48,8 @@ use std::sync::Arc;
 
 use super::Commit;
 use super::luks::Crypt;
-use super::qcow2::meta::Meta;
-use super::qcow2::queue::Qcow2;
+use super::meta::Meta;
+use super::queue::ChainQueue;
 use super::{Live, Where};
 use crate::virtio::Op;
 
@@ -207,12 +207,13 @@ impl Format for Raw {
     }
 }
 
-/// The format of the image a queue serves: raw, LUKS, or qcow2 through
-/// the per-queue [`Qcow2`]. One type for the worker, whatever the image;
+/// The format of the image a queue serves: raw, LUKS, or a chain of any
+/// format ([`Live`]) through the per-queue [`ChainQueue`]. One type for
+/// the worker, whatever the image;
 /// a raw request costs one predictable branch more than [`Raw`] alone.
 pub enum ImageFormat {
     Raw,
-    Qcow2(Box<Qcow2>),
+    Chain(Box<ChainQueue>),
     /// A LUKS image ([`super::luks`]): guest byte `o` is at `offset + o`
     /// in file 0 (`.0`), encrypted with `.1` (boxed: the enum stays as
     /// small as raw's path wants).
@@ -223,7 +224,7 @@ impl ImageFormat {
     /// A queue's view of an image with a chain (`live`), whose metadata
     /// thread is `meta`.
     pub fn chain(live: Arc<Live>, meta: Meta) -> ImageFormat {
-        ImageFormat::Qcow2(Box::new(Qcow2::new(live, meta)))
+        ImageFormat::Chain(Box::new(ChainQueue::new(live, meta)))
     }
 }
 
@@ -232,7 +233,7 @@ impl Format for ImageFormat {
     fn map(&mut self, op: Op, offset: u64, len: u64) -> Mapping {
         match self {
             ImageFormat::Raw => Raw.map(op, offset, len),
-            ImageFormat::Qcow2(q) => q.map(op, offset, len),
+            ImageFormat::Chain(q) => q.map(op, offset, len),
             ImageFormat::Luks(luks) => Mapping::Host(Extent {
                 file: 0,
                 // The request is inside the payload, which is inside the
@@ -243,14 +244,14 @@ impl Format for ImageFormat {
     }
 
     fn pieces(&mut self, out: &mut Vec<Piece>) {
-        if let ImageFormat::Qcow2(q) = self {
+        if let ImageFormat::Chain(q) = self {
             q.pieces(out);
         }
     }
 
     #[inline]
     fn finished(&mut self) {
-        if let ImageFormat::Qcow2(q) = self {
+        if let ImageFormat::Chain(q) = self {
             q.finished();
         }
     }
@@ -259,25 +260,25 @@ impl Format for ImageFormat {
     fn files_changed(&mut self) -> Option<Vec<RawFd>> {
         match self {
             ImageFormat::Raw | ImageFormat::Luks(_) => None,
-            ImageFormat::Qcow2(q) => q.files_changed(),
+            ImageFormat::Chain(q) => q.files_changed(),
         }
     }
 
     fn completions(&mut self, engine: Completions) -> io::Result<Completions> {
         match self {
             ImageFormat::Raw | ImageFormat::Luks(_) => Ok(engine),
-            ImageFormat::Qcow2(q) => q.completions(engine),
+            ImageFormat::Chain(q) => q.completions(engine),
         }
     }
 
     fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64, durable: bool) {
-        if let ImageFormat::Qcow2(q) = self {
+        if let ImageFormat::Chain(q) = self {
             q.start_slow(tag, op, offset, len, durable);
         }
     }
 
     fn start_commit(&mut self, tag: u32, ticket: Commit, durable: bool) {
-        if let ImageFormat::Qcow2(q) = self {
+        if let ImageFormat::Chain(q) = self {
             q.start_commit(tag, ticket, durable);
         }
     }
@@ -286,18 +287,18 @@ impl Format for ImageFormat {
     fn slow_in_flight(&self) -> usize {
         match self {
             ImageFormat::Raw | ImageFormat::Luks(_) => 0,
-            ImageFormat::Qcow2(q) => q.slow_in_flight(),
+            ImageFormat::Chain(q) => q.slow_in_flight(),
         }
     }
 
     fn reap_slow(&mut self, f: &mut dyn FnMut(u32, Slow)) {
-        if let ImageFormat::Qcow2(q) = self {
+        if let ImageFormat::Chain(q) = self {
             q.reap_slow(f);
         }
     }
 
     fn wait(&mut self) {
-        if let ImageFormat::Qcow2(q) = self {
+        if let ImageFormat::Chain(q) = self {
             q.wait();
         }
     }
@@ -306,7 +307,7 @@ impl Format for ImageFormat {
         match self {
             ImageFormat::Raw => Vec::new(),
             ImageFormat::Luks(luks) => vec![Some(luks.1.clone())],
-            ImageFormat::Qcow2(q) => q.crypts(),
+            ImageFormat::Chain(q) => q.crypts(),
         }
     }
 }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use harness::*;
-use ringblk::disk::{self, Format, FormatError, Image, Mapper, OpenOptions};
+use ringblk::disk::{self, Format, FormatError, Image, OpenOptions};
 
 /// An overlay over a base with known content (pattern 0), in `dir`.
 /// `kind`: "raw", "qcow2" or "compressed" (`qemu-img convert -c`).
@@ -67,7 +67,7 @@ fn write_and_verify(kind: &str) {
         assert_eq!(img.size(), size);
         // Reads fall through to the base.
         let mut buf = vec![0u8; 3 * 65536 + 1000];
-        read(&img, 12345, &mut buf).unwrap();
+        read(&*img, 12345, &mut buf).unwrap();
         assert!(
             buf == model[12345..12345 + buf.len()],
             "base content read wrong"
@@ -92,17 +92,17 @@ fn write_and_verify(kind: &str) {
             let seed = 100 + i as u64;
             let mut data = vec![0u8; len as usize];
             fill(seed, off, &mut data);
-            write(&img, off, &data).unwrap_or_else(|e| panic!("write {len}@{off}: {e}"));
+            write(&*img, off, &data).unwrap_or_else(|e| panic!("write {len}@{off}: {e}"));
             model[off as usize..(off + len) as usize].copy_from_slice(&data);
             // Read back through both paths.
             let mut back = vec![0u8; len as usize];
-            read(&img, off, &mut back).unwrap();
+            read(&*img, off, &mut back).unwrap();
             assert!(back == data, "write {i} ({len}@{off}) read back wrong");
         }
         let mut all = vec![0u8; size as usize];
-        read(&img, 0, &mut all).unwrap();
+        read(&*img, 0, &mut all).unwrap();
         assert!(all == model, "image differs from the model");
-        flush(&img).unwrap();
+        flush(&*img).unwrap();
     }
     assert_eq!(sha256(&base), base_sum, "the base changed");
     check_clean(&top);
@@ -154,16 +154,13 @@ fn concurrent_allocating_writes(threads: u64) {
                     let block = rng.below(blocks / threads) * threads + t;
                     let mut data = vec![0u8; 4096];
                     fill(1000 + t, block * 4096, &mut data);
-                    write(&img, block * 4096, &data).unwrap();
+                    write(&**img, block * 4096, &data).unwrap();
                 }
             });
         }
     });
-    let syncs = match &*img {
-        Image::Qcow2(q) => q.syncs(),
-        Image::Raw(_) => unreachable!(),
-    };
-    flush(&img).unwrap();
+    let syncs = qcow(&**img).syncs();
+    flush(&**img).unwrap();
     // The model: replay each thread's writes (deterministic).
     let mut model = vec![0u8; size as usize];
     fill(0, 0, &mut model);
@@ -232,24 +229,24 @@ fn zeroes_discard_and_grow() {
     // Allocate 2 MiB of the top.
     let mut data = vec![0u8; 2 * MIB as usize];
     fill(7, MIB, &mut data);
-    write(&img, MIB, &data).unwrap();
+    write(&*img, MIB, &data).unwrap();
     model[MIB as usize..3 * MIB as usize].copy_from_slice(&data);
-    flush(&img).unwrap();
+    flush(&*img).unwrap();
     let allocated = std::fs::metadata(&top).unwrap();
     let blocks_before = std::os::unix::fs::MetadataExt::blocks(&allocated);
 
     // Discard (unmap) most of it, unaligned at both ends.
     let (off, len) = (MIB + 1000, MIB + 5000);
-    write_zeroes(&img, off, len, true).unwrap();
+    write_zeroes(&*img, off, len, true).unwrap();
     model[off as usize..(off + len) as usize].fill(0);
     // Write-zeroes without unmap over the base (unallocated in the top).
     let (off2, len2) = (5 * MIB, 3 * 65536);
-    write_zeroes(&img, off2, len2, false).unwrap();
+    write_zeroes(&*img, off2, len2, false).unwrap();
     model[off2 as usize..(off2 + len2) as usize].fill(0);
     let mut all = vec![0u8; size as usize];
-    read(&img, 0, &mut all).unwrap();
+    read(&*img, 0, &mut all).unwrap();
     assert!(all == model, "zeroed image differs from the model");
-    flush(&img).unwrap();
+    flush(&*img).unwrap();
     let blocks_after = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&top).unwrap());
     assert!(
         blocks_after + 1500 < blocks_before,
@@ -263,9 +260,9 @@ fn zeroes_discard_and_grow() {
     model.resize((size + 4 * MIB) as usize, 0);
     let mut tail = vec![0u8; 4096];
     fill(9, size + MIB, &mut tail);
-    write(&img, size + MIB, &tail).unwrap();
+    write(&*img, size + MIB, &tail).unwrap();
     model[(size + MIB) as usize..(size + MIB) as usize + 4096].copy_from_slice(&tail);
-    flush(&img).unwrap();
+    flush(&*img).unwrap();
     drop(img);
     check_clean(&top);
     let info = qemu_img(&["info", "--output=json", top.to_str().unwrap()]);
@@ -323,11 +320,11 @@ fn long_chains_and_loops() {
         assert_eq!(img.files().len(), disk::qcow2::MAX_CHAIN);
         for i in 1..disk::qcow2::MAX_CHAIN as u64 {
             let mut b = [0u8; 16];
-            read(&img, i * 65536, &mut b).unwrap();
+            read(&*img, i * 65536, &mut b).unwrap();
             assert_eq!(b, [i as u8; 16], "layer {i}'s data");
         }
         let mut b = [0u8; 16];
-        read(&img, 0, &mut b).unwrap();
+        read(&*img, 0, &mut b).unwrap();
         let mut want = [0u8; 16];
         fill(0, 0, &mut want);
         assert_eq!(b, want, "the raw bottom's data");
@@ -397,7 +394,7 @@ fn open_err(path: &Path) -> String {
 }
 
 fn open_err_with(path: &Path, options: &OpenOptions) -> String {
-    match Image::open(path, Format::Qcow2, options) {
+    match disk::open(path, Format::Qcow2, options) {
         Ok(_) => panic!("{} opened", path.display()),
         Err(e) => {
             let s = e.to_string();
@@ -427,11 +424,11 @@ fn v2_is_read_only() {
     assert!(err.contains("version 2"), "{err}");
     let img = open(&v2, false);
     let mut b = vec![0u8; 8192];
-    read(&img, 4096, &mut b).unwrap();
+    read(&*img, 4096, &mut b).unwrap();
     let mut want = vec![0u8; 8192];
     fill(0, 4096, &mut want);
     assert!(b == want);
-    let r = write(&img, 0, &[1u8; 512]);
+    let r = write(&*img, 0, &[1u8; 512]);
     assert!(matches!(r, Err(FormatError::ReadOnly)), "{r:?}");
 }
 
@@ -457,10 +454,10 @@ fn raw_is_never_probed() {
         "64K",
     ]);
     let header = std::fs::read(&disk).unwrap();
-    let img = Image::open(&disk, Format::Raw, &OpenOptions::default()).unwrap();
+    let img = disk::open(&disk, Format::Raw, &OpenOptions::default()).unwrap();
     assert_eq!(img.files().len(), 1);
     let mut b = vec![0u8; 4];
-    read(&img, 0, &mut b).unwrap();
+    read(&*img, 0, &mut b).unwrap();
     assert_eq!(b, &header[..4], "raw must read the file's own bytes");
     let warning = disk::raw_qcow2_warning(&disk, Format::Raw).expect("no warning");
     assert!(warning.contains("--format qcow2"), "{warning}");
@@ -621,17 +618,17 @@ fn bad_images() {
     });
     let img = open(&p, true);
     let mut buf = vec![0u8; 4096];
-    let err = read(&img, 0, &mut buf).unwrap_err().to_string();
+    let err = read(&*img, 0, &mut buf).unwrap_err().to_string();
     assert!(err.contains("past the end"), "{err}");
-    assert!(write(&img, 0, &[1u8; 4096]).is_err());
+    assert!(write(&*img, 0, &[1u8; 4096]).is_err());
     // Other clusters still work.
-    read(&img, 2 * MIB, &mut buf).unwrap();
+    read(&*img, 2 * MIB, &mut buf).unwrap();
     drop(img);
     let p = variant("l1-entry-past-eof", &|b| {
         put64(b, l1_off, (1u64 << 63) | (1 << 44))
     });
     let img = open(&p, false);
-    let err = read(&img, 0, &mut buf).unwrap_err().to_string();
+    let err = read(&*img, 0, &mut buf).unwrap_err().to_string();
     assert!(err.contains("past the end"), "{err}");
 
     // A backing file whose format is not recorded: never probed.
@@ -700,26 +697,23 @@ fn invalidate_rereads_metadata() {
     let (top, _) = overlay_over(&dir, "raw", 4 * MIB);
     let reader = open(&top, false);
     let mut buf = vec![0u8; 4096];
-    read(&reader, 65536, &mut buf).unwrap(); // caches "from the base"
+    read(&*reader, 65536, &mut buf).unwrap(); // caches "from the base"
     {
         let writer = open(&top, true);
         let mut data = vec![0u8; 4096];
         fill(42, 65536, &mut data);
-        write(&writer, 65536, &data).unwrap();
-        flush(&writer).unwrap();
+        write(&*writer, 65536, &data).unwrap();
+        flush(&*writer).unwrap();
     }
     let mut want = vec![0u8; 4096];
     fill(42, 65536, &mut want);
-    read(&reader, 65536, &mut buf).unwrap();
+    read(&*reader, 65536, &mut buf).unwrap();
     assert!(
         buf != want,
         "the reader saw the write without invalidating (test is void)"
     );
-    match &reader {
-        Image::Qcow2(q) => q.invalidate().unwrap(),
-        Image::Raw(_) => unreachable!(),
-    }
-    read(&reader, 65536, &mut buf).unwrap();
+    reader.invalidate().unwrap();
+    read(&*reader, 65536, &mut buf).unwrap();
     assert!(buf == want, "stale data after invalidate");
 }
 
@@ -760,16 +754,13 @@ fn qemu_bitmaps_are_marked_in_use_not_dropped() {
     );
     let mut data = vec![0u8; 65536];
     fill(3, 0, &mut data);
-    write(&w, 0, &data).unwrap();
-    flush(&w).unwrap();
+    write(&*w, 0, &data).unwrap();
+    flush(&*w).unwrap();
     // Dropping imago's caches rereads the header, whose autoclear bit
     // imago did not leave set.
-    match &w {
-        Image::Qcow2(q) => q.invalidate().unwrap(),
-        Image::Raw(_) => unreachable!(),
-    }
-    write(&w, 2 * MIB, &data).unwrap();
-    flush(&w).unwrap();
+    w.invalidate().unwrap();
+    write(&*w, 2 * MIB, &data).unwrap();
+    flush(&*w).unwrap();
     drop(w);
     assert_eq!(qemu_bitmaps(&img), flags(&["in-use", "auto"]));
     check_clean(&img);
@@ -987,7 +978,7 @@ fn imago_allocates_after_a_write_back_grew_the_refcount_table() {
     let size = 7900 * MIB;
     let img = small_refblocks(&dir, size, 16384, "b");
     let w = open(&img, true);
-    let q = qcow(&w);
+    let q = qcow(&*w);
     assert_eq!(q.open_qemu_bitmaps().unwrap().len(), 1);
     let b = DirtyBitmap::new(size, 16384).unwrap();
     for m in (0..size).step_by(MIB as usize) {
@@ -1011,9 +1002,9 @@ fn imago_allocates_after_a_write_back_grew_the_refcount_table() {
         .enumerate()
     {
         fill(k as u64 + 1, at, &mut data);
-        write(&w, at, &data).unwrap();
+        write(&*w, at, &data).unwrap();
     }
-    flush(&w).unwrap();
+    flush(&*w).unwrap();
     q.invalidate().unwrap();
     drop(w);
     assert_eq!(check_clean(&img), 0, "leaked clusters");
@@ -1025,7 +1016,7 @@ fn imago_allocates_after_a_write_back_grew_the_refcount_table() {
         .enumerate()
     {
         fill(k as u64 + 1, at, &mut data);
-        read(&r, at, &mut got).unwrap();
+        read(&*r, at, &mut got).unwrap();
         assert!(got == data, "the data written at {at} after the move");
     }
 }
@@ -1128,11 +1119,8 @@ fn written_back(cluster_size: &str) {
     assert_eq!(qemu_dirty(&img, "fresh"), [(0, MIB), (size / 2, size / 2)]);
 }
 
-fn qcow(i: &Image) -> &ringblk::disk::Qcow2Image {
-    match i {
-        Image::Qcow2(q) => q,
-        Image::Raw(_) => unreachable!(),
-    }
+fn qcow(i: &dyn Image) -> &ringblk::disk::Qcow2Image {
+    i.as_qcow2().expect("a qcow2 image")
 }
 
 /// `bitmaps_at_claim` (how the daemon opens an image): the open writes
@@ -1156,8 +1144,8 @@ fn an_open_for_a_later_claim_writes_nothing() {
         bitmaps_at_claim: true,
         ..OpenOptions::default()
     };
-    let w = Image::open(&img, Format::Qcow2, &options).unwrap();
-    let q = qcow(&w);
+    let w = disk::open(&img, Format::Qcow2, &options).unwrap();
+    let q = qcow(&*w);
     assert!(
         !q.qemu_bitmaps_marked(),
         "no write may land before the claim"
@@ -1216,13 +1204,13 @@ fn qemu_bitmaps_follow_a_handover() {
     };
 
     let source = open(&img, true);
-    let src = qcow(&source);
+    let src = qcow(&*source);
     let a = load(src.open_qemu_bitmaps().unwrap());
     assert!(a.is_consistent());
     a.mark(MIB, 1);
 
     let dest = open(&img, true);
-    let dst = qcow(&dest);
+    let dst = qcow(&*dest);
 
     assert!(src.stage_qemu_bitmaps(as_set(&a)));
     src.invalidate().unwrap();
@@ -1258,7 +1246,7 @@ fn a_bitmaps_extension_broken_later_is_an_error_not_a_stop() {
     qemu_img(&["create", "-q", "-f", "qcow2", p, "4M"]);
     qemu_img(&["bitmap", "--add", p, "b"]);
     let w = open(&img, true);
-    let q = qcow(&w);
+    let q = qcow(&*w);
     assert_eq!(q.open_qemu_bitmaps().unwrap().len(), 1);
     q.invalidate().unwrap();
     // nb_bitmaps past QEMU's bound, written by "someone else".
@@ -1280,10 +1268,10 @@ fn a_bitmaps_extension_broken_later_is_an_error_not_a_stop() {
     assert!(q.qemu_bitmaps_marked());
     let mut data = vec![0u8; 4096];
     fill(5, 0, &mut data);
-    write(&w, 0, &data).unwrap();
-    flush(&w).unwrap();
+    write(&*w, 0, &data).unwrap();
+    flush(&*w).unwrap();
     let mut back = vec![0u8; 4096];
-    read(&w, 0, &mut back).unwrap();
+    read(&*w, 0, &mut back).unwrap();
     assert!(back == data);
 }
 
@@ -1423,13 +1411,13 @@ fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
 
     let as_set = |b: &DirtyBitmap| vec![stored("b", b)];
     let image = open(&img, true);
-    let q = qcow(&image);
+    let q = qcow(&*image);
     assert!(q.has_qemu_bitmaps());
     assert!(q.open_qemu_bitmaps().unwrap().is_empty());
     let mut data = vec![0u8; 65536];
     fill(7, MIB, &mut data);
-    write(&image, MIB, &data).unwrap();
-    flush(&image).unwrap();
+    write(&*image, MIB, &data).unwrap();
+    flush(&*image).unwrap();
     let b = DirtyBitmap::new(size, 65536).unwrap();
     b.mark(MIB, 65536);
     assert!(q.stage_qemu_bitmaps(as_set(&b)));
@@ -1445,11 +1433,11 @@ fn a_first_bitmap_adds_the_extension_and_the_last_removes_it() {
     // Served on after the release: imago reread the header.
     let mut more = vec![0u8; 65536];
     fill(8, 3 * MIB, &mut more);
-    write(&image, 3 * MIB, &more).unwrap();
-    flush(&image).unwrap();
+    write(&*image, 3 * MIB, &more).unwrap();
+    flush(&*image).unwrap();
     // A resize: imago writes the header's first bytes.
     q.grow(2 * size).unwrap();
-    flush(&image).unwrap();
+    flush(&*image).unwrap();
     assert_eq!(
         ringblk_testkit::qemu_img::backing_filename(&img),
         name,
@@ -1620,7 +1608,7 @@ fn a_handover_after_the_extension_was_added_keeps_the_backing_name() {
     let name = ringblk_testkit::qemu_img::backing_filename(&img);
     let source = open(&img, true);
     let dest = open(&img, true);
-    let src = qcow(&source);
+    let src = qcow(&*source);
     assert!(src.open_qemu_bitmaps().unwrap().is_empty());
     let b = DirtyBitmap::new(size, 65536).unwrap();
     b.mark(0, 1);
@@ -1629,11 +1617,11 @@ fn a_handover_after_the_extension_was_added_keeps_the_backing_name() {
     drop(source);
     assert_eq!(ringblk_testkit::qemu_img::backing_filename(&img), name);
 
-    let dst = qcow(&dest);
+    let dst = qcow(&*dest);
     dst.claim().unwrap();
     assert_eq!(dst.open_qemu_bitmaps().unwrap().len(), 1);
     dst.grow(2 * size).unwrap();
-    flush(&dest).unwrap();
+    flush(&*dest).unwrap();
     assert_eq!(
         ringblk_testkit::qemu_img::backing_filename(&img),
         name,

@@ -44,8 +44,9 @@ use std::sync::Arc;
 use crate::bitmap::{
     BitmapError, BitmapInfo, BitmapStore, DirtyBitmap, check_name, granularity_shift,
 };
-use crate::disk::Live;
+use crate::disk::qcow2::Qcow2Image;
 use crate::disk::qcow2::bitmap_write::Stored;
+use crate::disk::{Live, Served};
 use crate::metrics::SharedRateLimiter;
 
 /// For the errors of loads that claims retry.
@@ -118,11 +119,17 @@ impl Qcow2Store {
             });
         }
         all.extend(self.frozen.iter().cloned());
-        self.live
-            .current()
-            .image
+        let served = self.live.current();
+        self.top(&served)?
             .store_qemu_bitmaps_now(all)
             .map_err(|e| self.err(e.to_string()))
+    }
+
+    /// The served top, which a qcow2 image's snapshots keep qcow2.
+    fn top<'a>(&self, served: &'a Served) -> Result<&'a Qcow2Image, BitmapError> {
+        served
+            .qcow2()
+            .ok_or_else(|| self.err("the served image is not qcow2"))
     }
 
     fn err(&self, why: impl Into<String>) -> BitmapError {
@@ -139,12 +146,15 @@ impl Qcow2Store {
         disk_size: u64,
         claim: bool,
     ) -> Vec<(String, Result<DirtyBitmap, BitmapError>)> {
-        let image = &self.live.current().image;
-        let loaded = match if claim {
-            image.open_qemu_bitmaps()
-        } else {
-            image.peek_qemu_bitmaps()
-        } {
+        let served = self.live.current();
+        let loaded = match self.top(&served).and_then(|image| {
+            if claim {
+                image.open_qemu_bitmaps()
+            } else {
+                image.peek_qemu_bitmaps()
+            }
+            .map_err(|e| self.err(e.to_string()))
+        }) {
             Ok(l) => l,
             Err(e) => {
                 // A guest's requests retry a claim that failed.
@@ -198,10 +208,9 @@ impl Qcow2Store {
         if claim && self.known.is_empty() && !self.frozen.is_empty() {
             // No close will come: the disabled ones go back at the next
             // release as they are.
-            self.live
-                .current()
-                .image
-                .stage_qemu_bitmaps(self.frozen.clone());
+            if let Some(top) = self.live.current().qcow2() {
+                top.stage_qemu_bitmaps(self.frozen.clone());
+            }
         }
         out
     }
@@ -311,12 +320,8 @@ impl BitmapStore for Qcow2Store {
             return Err(self.err("not every bitmap is loaded"));
         }
         all.extend(self.frozen.iter().cloned());
-        if !self
-            .live
-            .current()
-            .image
-            .stage_qemu_bitmaps_for_snapshot(all)
-        {
+        let served = self.live.current();
+        if !self.top(&served)?.stage_qemu_bitmaps_for_snapshot(all) {
             return Err(self.err("the top keeps no bitmaps (not writable)"));
         }
         Ok(())
@@ -343,7 +348,8 @@ impl BitmapStore for Qcow2Store {
         if self.closed.len() == self.known.len() {
             let mut all = std::mem::take(&mut self.closed);
             all.extend(self.frozen.iter().cloned());
-            if !self.live.current().image.stage_qemu_bitmaps(all) {
+            let served = self.live.current();
+            if !self.top(&served)?.stage_qemu_bitmaps(all) {
                 return Err(self.err(
                     "the image no longer has a bitmap directory to write to (a live snapshot \
                      moved the top, or the extension is gone); the bitmaps stay in use",

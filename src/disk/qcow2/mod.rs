@@ -16,9 +16,7 @@ pub mod bitmaps;
 pub mod crypt;
 pub mod l2log;
 pub mod map_cache;
-pub mod meta;
 pub mod ordered;
-pub mod queue;
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -36,7 +34,7 @@ use imago::{FormatAccess, FormatCreateBuilder, Mapping};
 
 use super::luks::Crypt;
 use super::reader::read_piece;
-use super::{Commit, Dir, FormatError, Mapper, Piece, Where};
+use super::{Commit, Dir, FormatError, Image, Mapper, Piece, Where};
 use crate::crypto::key::Secret;
 use l2log::L2Log;
 use map_cache::{Loc, MAX_FILES, MapCache};
@@ -486,19 +484,6 @@ impl Qcow2Image {
         }
     }
 
-    pub fn writable(&self) -> bool {
-        self.writable
-    }
-
-    /// The chain's paths, top first (for `ctl status`).
-    pub fn chain(&self) -> Vec<PathBuf> {
-        self.files.iter().map(|f| f.path().to_path_buf()).collect()
-    }
-
-    pub fn cluster_size(&self) -> u64 {
-        1 << self.cluster_bits
-    }
-
     fn check(&self, offset: u64, len: u64, dir: Dir) -> Result<(), FormatError> {
         if dir == Dir::Write && !self.writable {
             return Err(FormatError::ReadOnly);
@@ -624,16 +609,6 @@ impl Qcow2Image {
     /// a cluster's bytes as they are.
     fn encrypted(&self) -> bool {
         self.files.iter().any(|f| f.crypt().is_some())
-    }
-
-    /// The transform of each file of the chain (see
-    /// [`crate::disk::seam::Format::crypts`]): empty when none is
-    /// encrypted.
-    pub fn crypts(&self) -> Vec<Option<Arc<Crypt>>> {
-        if !self.encrypted() {
-            return Vec::new();
-        }
-        self.files.iter().map(|f| f.crypt_shared()).collect()
     }
 
     /// The guest's bytes of `buf.len()` at `offset`, read through the
@@ -923,122 +898,6 @@ impl Qcow2Image {
         Ok(())
     }
 
-    /// See [`super::Image::commit`].
-    pub fn commit(&self, ticket: Commit, durable: bool) -> Result<(), FormatError> {
-        if !durable && self.committed.load(Ordering::Acquire) >= ticket.0 {
-            return Ok(());
-        }
-        let _group = lock(&self.commit_lock);
-        if self.committed.load(Ordering::Acquire) < ticket.0 {
-            let _meta = lock(&self.meta);
-            self.commit_locked()?;
-        }
-        if durable {
-            // The L2 entries (and anything else) pwritten since the last
-            // fdatasync, this ticket's among them, whoever committed them.
-            // The write's own data went with FUA (RWF_DSYNC).
-            self.files[0]
-                .sync_if_unsynced()
-                .map_err(FormatError::io("fdatasync"))?;
-        }
-        Ok(())
-    }
-
-    /// See [`super::Image::flush`].
-    pub fn flush(&self) -> Result<(), FormatError> {
-        if !self.writable {
-            return Ok(());
-        }
-        let _group = lock(&self.commit_lock);
-        let _meta = lock(&self.meta);
-        self.commit_locked()?;
-        self.files[0]
-            .sync_now()
-            .map_err(FormatError::io("fdatasync"))
-    }
-
-    /// See [`super::Image::write_zeroes`]: whole clusters become zero
-    /// clusters, keeping their allocation (so a cluster is never freed and
-    /// reused while a request may still be in flight to it); with `unmap`
-    /// their space is punched out of the file.
-    pub fn write_zeroes(
-        &self,
-        offset: u64,
-        len: u64,
-        unmap: bool,
-    ) -> Result<Vec<(u64, u64)>, FormatError> {
-        self.check(offset, len, Dir::Write)?;
-        if !self.v3 {
-            return Ok(vec![(offset, len)]);
-        }
-        let csize = self.cluster_size();
-        let end = offset + len;
-        let first = offset.div_ceil(csize) * csize;
-        // The last cluster may be partial: it is whole if the range ends at
-        // the image's end.
-        let last = if end == self.size() {
-            end
-        } else {
-            end & !(csize - 1)
-        };
-        if first >= last {
-            return Ok(vec![(offset, len)]);
-        }
-        let mut rest = Vec::new();
-        if offset < first {
-            rest.push((offset, first - offset));
-        }
-        if last < end {
-            rest.push((last, end - last));
-        }
-        let _group = lock(&self.commit_lock);
-        let _meta = lock(&self.meta);
-        rest.extend(self.zero_locked(first, last, unmap)?);
-        Ok(rest)
-    }
-
-    /// Write-zeroes of `[offset, offset + len)`, all of it: the whole
-    /// clusters as zero clusters (see [`Qcow2Image::write_zeroes`]), the
-    /// unaligned head and tail as data (through imago, which allocates and
-    /// copies on write where needed), everything committed before this
-    /// returns. Blocks.
-    pub fn zero_range(&self, offset: u64, len: u64, unmap: bool) -> Result<(), FormatError> {
-        let rest = self.write_zeroes(offset, len, unmap)?;
-        if rest.is_empty() {
-            return Ok(());
-        }
-        let _group = lock(&self.commit_lock);
-        let _meta = lock(&self.meta);
-        const CHUNK: u64 = 1 << 20;
-        let zeroes = vec![0u8; CHUNK.min(len) as usize];
-        let encrypted = self.encrypted();
-        for (mut at, n) in rest {
-            let end = at + n;
-            self.forget(at, end);
-            while at < end {
-                let k = (end - at).min(CHUNK);
-                if encrypted {
-                    // Zeroes the guest reads back: encrypted zeroes.
-                    self.write_locked(&zeroes[..k as usize], at)?;
-                } else {
-                    self.top
-                        .write(&zeroes[..k as usize], at)
-                        .map_err(FormatError::io("writing zeroes"))?;
-                }
-                at += k;
-            }
-        }
-        self.dirty.fetch_add(1, Ordering::AcqRel);
-        self.commit_locked()
-    }
-
-    /// Discard of `[offset, offset + len)`: its whole clusters read as
-    /// zeroes and their space is given back to the host file; the rest is
-    /// left as it is (a discard is a hint). Blocks.
-    pub fn discard(&self, offset: u64, len: u64) -> Result<(), FormatError> {
-        self.write_zeroes(offset, len, true).map(|_| ())
-    }
-
     /// A live snapshot: formats `file` (empty, open read-write, at `path`)
     /// as a qcow2 overlay of this image (backing file `backing_name`,
     /// format qcow2; as large as this image, with its cluster size), and
@@ -1261,73 +1120,6 @@ impl Qcow2Image {
         Ok(rest)
     }
 
-    /// Grows the image to `new_size` (see [`super::Image::grow`]); the new
-    /// area reads as zeroes even where a backing file is longer.
-    pub fn grow(&self, new_size: u64) -> Result<(), FormatError> {
-        if !self.writable {
-            return Err(FormatError::ReadOnly);
-        }
-        let _group = lock(&self.commit_lock);
-        let _meta = lock(&self.meta);
-        if new_size <= self.size() {
-            return Ok(());
-        }
-        self.commit_locked()?;
-        let old_size = self.size();
-        // No preallocation inside imago's grow: it would allocate L2 tables
-        // in the same operation that frees the old L1 table, and could
-        // reuse that table's cluster while the header on disk still points
-        // to it.
-        self.top
-            .resize_grow(new_size, PreallocateMode::None)
-            .map_err(FormatError::io("growing"))?;
-        self.dirty.fetch_add(1, Ordering::AcqRel);
-        self.commit_locked()?;
-        self.files[0]
-            .sync_now()
-            .map_err(FormatError::io("fdatasync"))?;
-        self.size.store(new_size, Ordering::Release);
-        // Where a backing file is longer than the image was, its data must
-        // not show through the new area (QEMU zeroes it too): zero clusters.
-        let longest = self.files[1..]
-            .iter()
-            .filter_map(|f| f.file().metadata().ok().map(|m| m.len()))
-            .max()
-            .unwrap_or(0);
-        if longest > old_size {
-            let csize = self.cluster_size();
-            let first = old_size.div_ceil(csize) * csize;
-            if first > old_size {
-                // The rest of the old last cluster: zeroes as data.
-                let head = (first.min(new_size) - old_size) as usize;
-                self.top
-                    .write(&vec![0u8; head][..], old_size)
-                    .map_err(FormatError::io("zeroing"))?;
-            }
-            let last = longest.min(new_size).div_ceil(csize) * csize;
-            if first < last.min(new_size) {
-                let rest = self.zero_locked(first, last.min(new_size), false)?;
-                if !rest.is_empty() {
-                    return Err(FormatError::Unsupported(format!(
-                        "cannot zero {rest:?} after growing"
-                    )));
-                }
-            }
-            self.commit_locked()?;
-        }
-        self.size.store(new_size, Ordering::Release);
-        Ok(())
-    }
-
-    /// Makes everything durable, then forgets every cached mapping and
-    /// table, so that the next request reads the metadata fresh from the
-    /// file: for when another process may have written the image meanwhile
-    /// (the source of a migration before it stops, and the side that gets
-    /// the image back).
-    pub fn invalidate(&self) -> Result<(), FormatError> {
-        self.reread(false).map(|_| ())
-    }
-
     /// [`Qcow2Image::invalidate`], for a daemon that has just taken the
     /// image lock: then also the L2 log is taken into use (what a daemon
     /// killed on the image left in it written into the image first; see
@@ -1406,13 +1198,6 @@ impl Qcow2Image {
     /// The top's L2 log, if it has one.
     pub fn l2_log_path(&self) -> Option<&Path> {
         self.l2log.as_deref().map(L2Log::path)
-    }
-
-    /// Whether metadata is held back from the file (see [`l2log`]): a
-    /// FLUSH must then go through [`Qcow2Image::flush`].
-    #[inline]
-    pub fn holds_back(&self) -> bool {
-        self.files[0].holding()
     }
 
     /// Bytes of L2 tables held back from the file now (see [`l2log`]).
@@ -1751,6 +1536,225 @@ fn check_l1_covers(path: &Path, header: &[u8], size: u64) -> Result<(), FormatEr
         ));
     }
     Ok(())
+}
+
+impl Image for Qcow2Image {
+    fn writable(&self) -> bool {
+        self.writable
+    }
+
+    /// The chain's paths, top first (for `ctl status`).
+    fn chain(&self) -> Vec<PathBuf> {
+        self.files.iter().map(|f| f.path().to_path_buf()).collect()
+    }
+
+    fn cluster_size(&self) -> u64 {
+        1 << self.cluster_bits
+    }
+
+    /// The transform of each file of the chain (see
+    /// [`crate::disk::seam::Format::crypts`]): empty when none is
+    /// encrypted.
+    fn crypts(&self) -> Vec<Option<Arc<Crypt>>> {
+        if !self.encrypted() {
+            return Vec::new();
+        }
+        self.files.iter().map(|f| f.crypt_shared()).collect()
+    }
+
+    /// See [`super::Image::commit`].
+    fn commit(&self, ticket: Commit, durable: bool) -> Result<(), FormatError> {
+        if !durable && self.committed.load(Ordering::Acquire) >= ticket.0 {
+            return Ok(());
+        }
+        let _group = lock(&self.commit_lock);
+        if self.committed.load(Ordering::Acquire) < ticket.0 {
+            let _meta = lock(&self.meta);
+            self.commit_locked()?;
+        }
+        if durable {
+            // The L2 entries (and anything else) pwritten since the last
+            // fdatasync, this ticket's among them, whoever committed them.
+            // The write's own data went with FUA (RWF_DSYNC).
+            self.files[0]
+                .sync_if_unsynced()
+                .map_err(FormatError::io("fdatasync"))?;
+        }
+        Ok(())
+    }
+
+    /// See [`super::Image::flush`].
+    fn flush(&self) -> Result<(), FormatError> {
+        if !self.writable {
+            return Ok(());
+        }
+        let _group = lock(&self.commit_lock);
+        let _meta = lock(&self.meta);
+        self.commit_locked()?;
+        self.files[0]
+            .sync_now()
+            .map_err(FormatError::io("fdatasync"))
+    }
+
+    /// See [`super::Image::write_zeroes`]: whole clusters become zero
+    /// clusters, keeping their allocation (so a cluster is never freed and
+    /// reused while a request may still be in flight to it); with `unmap`
+    /// their space is punched out of the file.
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+    ) -> Result<Vec<(u64, u64)>, FormatError> {
+        self.check(offset, len, Dir::Write)?;
+        if !self.v3 {
+            return Ok(vec![(offset, len)]);
+        }
+        let csize = self.cluster_size();
+        let end = offset + len;
+        let first = offset.div_ceil(csize) * csize;
+        // The last cluster may be partial: it is whole if the range ends at
+        // the image's end.
+        let last = if end == self.size() {
+            end
+        } else {
+            end & !(csize - 1)
+        };
+        if first >= last {
+            return Ok(vec![(offset, len)]);
+        }
+        let mut rest = Vec::new();
+        if offset < first {
+            rest.push((offset, first - offset));
+        }
+        if last < end {
+            rest.push((last, end - last));
+        }
+        let _group = lock(&self.commit_lock);
+        let _meta = lock(&self.meta);
+        rest.extend(self.zero_locked(first, last, unmap)?);
+        Ok(rest)
+    }
+
+    /// Write-zeroes of `[offset, offset + len)`, all of it: the whole
+    /// clusters as zero clusters (see [`Qcow2Image::write_zeroes`]), the
+    /// unaligned head and tail as data (through imago, which allocates and
+    /// copies on write where needed), everything committed before this
+    /// returns. Blocks.
+    fn zero_range(&self, offset: u64, len: u64, unmap: bool) -> Result<(), FormatError> {
+        let rest = self.write_zeroes(offset, len, unmap)?;
+        if rest.is_empty() {
+            return Ok(());
+        }
+        let _group = lock(&self.commit_lock);
+        let _meta = lock(&self.meta);
+        const CHUNK: u64 = 1 << 20;
+        let zeroes = vec![0u8; CHUNK.min(len) as usize];
+        let encrypted = self.encrypted();
+        for (mut at, n) in rest {
+            let end = at + n;
+            self.forget(at, end);
+            while at < end {
+                let k = (end - at).min(CHUNK);
+                if encrypted {
+                    // Zeroes the guest reads back: encrypted zeroes.
+                    self.write_locked(&zeroes[..k as usize], at)?;
+                } else {
+                    self.top
+                        .write(&zeroes[..k as usize], at)
+                        .map_err(FormatError::io("writing zeroes"))?;
+                }
+                at += k;
+            }
+        }
+        self.dirty.fetch_add(1, Ordering::AcqRel);
+        self.commit_locked()
+    }
+
+    /// Discard of `[offset, offset + len)`: its whole clusters read as
+    /// zeroes and their space is given back to the host file; the rest is
+    /// left as it is (a discard is a hint). Blocks.
+    fn discard(&self, offset: u64, len: u64) -> Result<(), FormatError> {
+        self.write_zeroes(offset, len, true).map(|_| ())
+    }
+
+    /// Grows the image to `new_size` (see [`super::Image::grow`]); the new
+    /// area reads as zeroes even where a backing file is longer.
+    fn grow(&self, new_size: u64) -> Result<(), FormatError> {
+        if !self.writable {
+            return Err(FormatError::ReadOnly);
+        }
+        let _group = lock(&self.commit_lock);
+        let _meta = lock(&self.meta);
+        if new_size <= self.size() {
+            return Ok(());
+        }
+        self.commit_locked()?;
+        let old_size = self.size();
+        // No preallocation inside imago's grow: it would allocate L2 tables
+        // in the same operation that frees the old L1 table, and could
+        // reuse that table's cluster while the header on disk still points
+        // to it.
+        self.top
+            .resize_grow(new_size, PreallocateMode::None)
+            .map_err(FormatError::io("growing"))?;
+        self.dirty.fetch_add(1, Ordering::AcqRel);
+        self.commit_locked()?;
+        self.files[0]
+            .sync_now()
+            .map_err(FormatError::io("fdatasync"))?;
+        self.size.store(new_size, Ordering::Release);
+        // Where a backing file is longer than the image was, its data must
+        // not show through the new area (QEMU zeroes it too): zero clusters.
+        let longest = self.files[1..]
+            .iter()
+            .filter_map(|f| f.file().metadata().ok().map(|m| m.len()))
+            .max()
+            .unwrap_or(0);
+        if longest > old_size {
+            let csize = self.cluster_size();
+            let first = old_size.div_ceil(csize) * csize;
+            if first > old_size {
+                // The rest of the old last cluster: zeroes as data.
+                let head = (first.min(new_size) - old_size) as usize;
+                self.top
+                    .write(&vec![0u8; head][..], old_size)
+                    .map_err(FormatError::io("zeroing"))?;
+            }
+            let last = longest.min(new_size).div_ceil(csize) * csize;
+            if first < last.min(new_size) {
+                let rest = self.zero_locked(first, last.min(new_size), false)?;
+                if !rest.is_empty() {
+                    return Err(FormatError::Unsupported(format!(
+                        "cannot zero {rest:?} after growing"
+                    )));
+                }
+            }
+            self.commit_locked()?;
+        }
+        self.size.store(new_size, Ordering::Release);
+        Ok(())
+    }
+
+    /// Makes everything durable, then forgets every cached mapping and
+    /// table, so that the next request reads the metadata fresh from the
+    /// file: for when another process may have written the image meanwhile
+    /// (the source of a migration before it stops, and the side that gets
+    /// the image back).
+    fn invalidate(&self) -> Result<(), FormatError> {
+        self.reread(false).map(|_| ())
+    }
+
+    /// Whether metadata is held back from the file (see [`l2log`]): a
+    /// FLUSH must then go through [`Image::flush`].
+    #[inline]
+    fn holds_back(&self) -> bool {
+        self.files[0].holding()
+    }
+
+    fn as_qcow2(&self) -> Option<&Qcow2Image> {
+        Some(self)
+    }
 }
 
 /// A qcow2 image's mapping through its chain.

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use super::harness::*;
 use ringblk::disk::qcow2::{Journal, JournalOp};
-use ringblk::disk::{Format, Image, Mapper, OpenOptions};
+use ringblk::disk::{self, Format, Image, OpenOptions};
 
 /// An overlay with 4 KiB clusters over a qcow2 base, so that a short
 /// workload needs new L2 tables and new refblocks too (each L2 table covers
@@ -42,7 +42,7 @@ fn small_cluster_overlay_with(dir: &Path, size: u64, opts: &str) -> std::path::P
 /// The workload of the write-order checker: allocating writes of 512 B to
 /// 12 KiB over the whole disk (new L2 tables, new refblocks), rewrites,
 /// write-zeroes with unmap, a grow (L1 table and header), flushes.
-fn workload(img: &Image, size: u64) {
+fn workload(img: &dyn Image, size: u64) {
     let mut rng = Rng(0xc0ffee);
     for i in 0..160u64 {
         let len = 512 * (1 + rng.below(24));
@@ -95,7 +95,7 @@ enum Mode {
 
 /// Opens `top` for a workload in `mode`, with the journal of every write
 /// and fdatasync attached.
-fn open_for(top: &Path, mode: Mode, journal: &Arc<Journal>) -> Image {
+fn open_for(top: &Path, mode: Mode, journal: &Arc<Journal>) -> Box<dyn Image> {
     let options = OpenOptions {
         ordered: mode != Mode::Unordered,
         journal: Some(Arc::clone(journal)),
@@ -103,7 +103,7 @@ fn open_for(top: &Path, mode: Mode, journal: &Arc<Journal>) -> Image {
     };
     match mode {
         Mode::Logged => open_logged(top, options).0,
-        _ => Image::open(top, Format::Qcow2, &options).unwrap(),
+        _ => disk::open(top, Format::Qcow2, &options).unwrap(),
     }
 }
 
@@ -133,8 +133,8 @@ fn power_loss_replays(
     let journal = Arc::new(Journal::default());
     {
         let img = open_for(&top, mode, &journal);
-        workload(&img, size);
-        flush(&img).unwrap();
+        workload(&*img, size);
+        flush(&*img).unwrap();
     }
     // The image as the workload left it checks clean (no crash).
     check_clean(&top);
@@ -289,15 +289,15 @@ fn power_loss_keeps_durable_writes(name: &str, writethrough: bool, mode: Mode) -
             let mut data = vec![0u8; len as usize];
             fill(seed, off, &mut data);
             if writethrough {
-                write_through(&img, off, &data).unwrap();
+                write_through(&*img, off, &data).unwrap();
             } else {
-                write(&img, off, &data).unwrap();
+                write(&*img, off, &data).unwrap();
             }
             writes.push((off, len, seed));
             if writethrough {
                 points.push((journal.ops().len(), writes.len()));
             } else if i % 8 == 7 {
-                flush(&img).unwrap();
+                flush(&*img).unwrap();
                 points.push((journal.ops().len(), writes.len()));
             }
         }
@@ -340,7 +340,7 @@ fn power_loss_keeps_durable_writes(name: &str, writethrough: bool, mode: Mode) -
         let img = open(&replay_path, false);
         for (i, &(off, len, _)) in writes[..keep].iter().enumerate() {
             let mut got = vec![0u8; len as usize];
-            read(&img, off, &mut got).unwrap();
+            read(&*img, off, &mut got).unwrap();
             assert!(
                 got[..] == model[off as usize..(off + len) as usize],
                 "power loss after write {keep} ({}): write {i} ({len} bytes at {off}) lost",
@@ -417,7 +417,7 @@ fn crash_child() {
                     let seed = 10_000 + round * 1000 + t;
                     let mut data = vec![0u8; 4096];
                     fill(seed, block * 4096, &mut data);
-                    write(&img, block * 4096, &data).unwrap();
+                    write(&**img, block * 4096, &data).unwrap();
                     println!("ACK {block} {seed}");
                 }
             });
@@ -620,7 +620,7 @@ fn kill_9_rounds(name: &str, logged: bool) {
         }
         for (&block, &seed) in &last {
             let mut got = vec![0u8; 4096];
-            read(&img, block * 4096, &mut got).unwrap();
+            read(&*img, block * 4096, &mut got).unwrap();
             let mut want = vec![0u8; 4096];
             fill(seed, block * 4096, &mut want);
             assert!(
@@ -645,10 +645,10 @@ fn kill_9_rounds(name: &str, logged: bool) {
                 let seed = 10_000 + round * 1000 + t;
                 let mut data = vec![0u8; 4096];
                 fill(seed, block * 4096, &mut data);
-                write(&img, block * 4096, &data).unwrap();
+                write(&*img, block * 4096, &data).unwrap();
             }
         }
-        flush(&img).unwrap();
+        flush(&*img).unwrap();
         drop(img);
         check_clean(&top);
         for &(b, s) in &acked {
@@ -686,7 +686,7 @@ fn a_log_pointing_outside_the_tables_is_not_applied() {
         let (img, _) = open_logged(&top, OpenOptions::default());
         let mut data = vec![0u8; 4096];
         fill(9, 4096, &mut data);
-        write(&img, 4096, &data).unwrap();
+        write(&*img, 4096, &data).unwrap();
         // Killed: nothing written out.
         std::mem::forget(img);
     }
@@ -723,8 +723,8 @@ fn an_image_marked_by_an_older_daemon_is_recovered() {
         // second one's entry is in the log only.
         let mut first = vec![0u8; 4096];
         fill(76, 0, &mut first);
-        write(&img, 0, &first).unwrap();
-        write(&img, 3 * 4096, &data).unwrap();
+        write(&*img, 0, &first).unwrap();
+        write(&*img, 3 * 4096, &data).unwrap();
         // Killed: nothing written out.
         std::mem::forget(img);
     }
@@ -750,7 +750,7 @@ fn an_image_marked_by_an_older_daemon_is_recovered() {
         "QEMU opened an image with incompatible bit 62"
     );
     // Nothing but a writable open with the log takes it.
-    assert!(Image::open(&top, Format::Qcow2, &OpenOptions::default()).is_err());
+    assert!(disk::open(&top, Format::Qcow2, &OpenOptions::default()).is_err());
     let (img, replayed) = open_logged(&top, OpenOptions::default());
     assert!(replayed > 0, "the log was not written in");
     drop(img);
@@ -763,6 +763,6 @@ fn an_image_marked_by_an_older_daemon_is_recovered() {
     check_clean(&top);
     let img = open(&top, false);
     let mut got = vec![0u8; 4096];
-    read(&img, 3 * 4096, &mut got).unwrap();
+    read(&*img, 3 * 4096, &mut got).unwrap();
     assert!(got == data, "the write the log held is lost");
 }

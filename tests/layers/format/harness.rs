@@ -5,7 +5,7 @@
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use ringblk::disk::{Dir, Format, FormatError, Image, Mapper, OpenOptions, Piece, Where};
+use ringblk::disk::{self, Dir, Format, FormatError, Image, OpenOptions, Piece, Where};
 pub use ringblk_testkit::qemu_img::{
     check, check_clean, compare_identical, create_qcow2, overlay, qemu_img, run, sha256,
 };
@@ -58,33 +58,33 @@ pub fn raw_base(path: &Path, size: u64) {
     std::fs::write(path, &data).unwrap();
 }
 
-pub fn open(path: &Path, writable: bool) -> Image {
+pub fn open(path: &Path, writable: bool) -> Box<dyn Image> {
     let options = OpenOptions {
         writable,
         ..OpenOptions::default()
     };
-    Image::open(path, Format::Qcow2, &options).unwrap_or_else(|e| panic!("open: {e}"))
+    disk::open(path, Format::Qcow2, &options).unwrap_or_else(|e| panic!("open: {e}"))
 }
 
 /// Opens the qcow2 image at `path` read-write as the daemon does: with its
 /// L2 log (`PATH.ringblk-l2log`) taken into use, which writes in what a
 /// process killed on the image left in it. Returns the image and how many
 /// entries that was.
-pub fn open_logged(path: &Path, options: OpenOptions) -> (Image, usize) {
+pub fn open_logged(path: &Path, options: OpenOptions) -> (Box<dyn Image>, usize) {
     let options = OpenOptions {
         writable: true,
         l2_log: Some(ringblk::disk::qcow2::l2log::path_for(path)),
         ..options
     };
-    let img = Image::open(path, Format::Qcow2, &options).unwrap_or_else(|e| panic!("open: {e}"));
-    let replayed = match &img {
-        Image::Qcow2(q) => q.claim().unwrap_or_else(|e| panic!("claim: {e}")).replayed,
-        Image::Raw(_) => 0,
+    let img = disk::open(path, Format::Qcow2, &options).unwrap_or_else(|e| panic!("open: {e}"));
+    let replayed = match img.as_qcow2() {
+        Some(q) => q.claim().unwrap_or_else(|e| panic!("claim: {e}")).replayed,
+        None => 0,
     };
     (img, replayed)
 }
 
-fn pread(img: &Image, file: usize, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+fn pread(img: &dyn Image, file: usize, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
     let files = img.files();
     let f = files[file];
     let mut done = 0;
@@ -108,7 +108,7 @@ fn pread(img: &Image, file: usize, offset: u64, buf: &mut [u8]) -> Result<(), Fo
 }
 
 /// Reads through the contract: fast map, then the slow path for misses.
-pub fn read(img: &Image, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+pub fn read(img: &dyn Image, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
     let mut pieces = Vec::new();
     img.map(offset, buf.len() as u64, Dir::Read, &mut pieces);
     for p in pieces {
@@ -118,7 +118,7 @@ pub fn read(img: &Image, offset: u64, buf: &mut [u8]) -> Result<(), FormatError>
 }
 
 fn read_piece(
-    img: &Image,
+    img: &dyn Image,
     base: u64,
     buf: &mut [u8],
     p: Piece,
@@ -146,17 +146,17 @@ fn read_piece(
 
 /// Writes through the contract: fast map, allocation on the slow path,
 /// data straight to the host offsets, then the commit before "completion".
-pub fn write(img: &Image, offset: u64, data: &[u8]) -> Result<(), FormatError> {
+pub fn write(img: &dyn Image, offset: u64, data: &[u8]) -> Result<(), FormatError> {
     write_as(img, offset, data, false)
 }
 
 /// A write with the device's write cache off (`--writethrough`): the data
 /// with FUA (pwrite and fdatasync, as RWF_DSYNC), then a durable commit.
-pub fn write_through(img: &Image, offset: u64, data: &[u8]) -> Result<(), FormatError> {
+pub fn write_through(img: &dyn Image, offset: u64, data: &[u8]) -> Result<(), FormatError> {
     write_as(img, offset, data, true)
 }
 
-fn write_as(img: &Image, offset: u64, data: &[u8], fua: bool) -> Result<(), FormatError> {
+fn write_as(img: &dyn Image, offset: u64, data: &[u8], fua: bool) -> Result<(), FormatError> {
     let mut pieces = Vec::new();
     img.map(offset, data.len() as u64, Dir::Write, &mut pieces);
     let mut ticket = None;
@@ -187,11 +187,11 @@ fn write_as(img: &Image, offset: u64, data: &[u8], fua: bool) -> Result<(), Form
     Ok(())
 }
 
-fn data_write(img: &Image, data: &[u8], host: u64, fua: bool) -> Result<(), FormatError> {
-    let r = match img {
-        Image::Qcow2(q) if fua => q.data_write_dsync(data, host),
-        Image::Qcow2(q) => q.data_write(data, host),
-        Image::Raw(_) => img.files()[0].write_all_at(data, host),
+fn data_write(img: &dyn Image, data: &[u8], host: u64, fua: bool) -> Result<(), FormatError> {
+    let r = match img.as_qcow2() {
+        Some(q) if fua => q.data_write_dsync(data, host),
+        Some(q) => q.data_write(data, host),
+        None => img.files()[0].write_all_at(data, host),
     };
     r.map_err(|source| FormatError::Io {
         context: "pwrite",
@@ -201,7 +201,12 @@ fn data_write(img: &Image, data: &[u8], host: u64, fua: bool) -> Result<(), Form
 
 /// Write-zeroes through the contract: the format zeroes whole clusters,
 /// the "engine" writes zeroes over what it hands back.
-pub fn write_zeroes(img: &Image, offset: u64, len: u64, unmap: bool) -> Result<(), FormatError> {
+pub fn write_zeroes(
+    img: &dyn Image,
+    offset: u64,
+    len: u64,
+    unmap: bool,
+) -> Result<(), FormatError> {
     for (o, l) in img.write_zeroes(offset, len, unmap)? {
         write(img, o, &vec![0u8; l as usize])?;
     }
@@ -209,7 +214,7 @@ pub fn write_zeroes(img: &Image, offset: u64, len: u64, unmap: bool) -> Result<(
 }
 
 /// Flush: the engine's fdatasync of the data, then the format's.
-pub fn flush(img: &Image) -> Result<(), FormatError> {
+pub fn flush(img: &dyn Image) -> Result<(), FormatError> {
     img.files()[0]
         .sync_data()
         .map_err(|source| FormatError::Io {

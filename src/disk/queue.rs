@@ -1,7 +1,8 @@
-//! One queue's view of a qcow2 image: the per-queue side of the seam
-//! ([`crate::disk::seam::Format`]), which maps from the queue's thread
-//! through the chain's map cache and hands what misses it to the image's
-//! metadata thread ([`super::meta`]).
+//! One queue's view of a served chain ([`Live`], of any format): the
+//! per-queue side of the seam ([`crate::disk::seam::Format`]), which maps
+//! from the queue's thread through the image's [`crate::disk::Mapper`]
+//! (for qcow2, its map cache) and hands what needs metadata work to the
+//! image's metadata thread ([`super::meta`]).
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -11,16 +12,15 @@ use std::time::Duration;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::meta::{Inbox, Job, Meta, Work};
-use crate::disk::Mapper;
 use crate::disk::live::Gate;
 use crate::disk::luks::Crypt;
 use crate::disk::seam::{Completions, Extent, Format, Mapping, Piece, Place, Slow, place};
 use crate::disk::{Commit, Dir, Live, Served, Where};
 use crate::virtio::Op;
 
-/// One queue's view of a qcow2 image ([`Live`]): the chain it maps
+/// One queue's view of a served chain ([`Live`]): the chain it maps
 /// against, its gate, and its line to the image's metadata thread.
-pub struct Qcow2 {
+pub struct ChainQueue {
     live: Arc<Live>,
     served: Arc<Served>,
     generation: u64,
@@ -38,11 +38,11 @@ pub struct Qcow2 {
     answers: Vec<(u32, Slow)>,
 }
 
-impl Qcow2 {
+impl ChainQueue {
     /// A queue's view of `live`, whose metadata thread is `meta`.
-    pub fn new(live: Arc<Live>, meta: Meta) -> Qcow2 {
+    pub fn new(live: Arc<Live>, meta: Meta) -> ChainQueue {
         let served = live.current();
-        Qcow2 {
+        ChainQueue {
             generation: served.generation,
             served,
             live,
@@ -61,7 +61,7 @@ impl Qcow2 {
         let Some(inbox) = self.inbox.clone() else {
             // `completions` sets it up when the core is made, always
             // before a request.
-            unreachable!("a qcow2 queue without its inbox");
+            unreachable!("a chain's queue without its inbox");
         };
         self.slow += 1;
         self.meta.send(Job {
@@ -73,10 +73,10 @@ impl Qcow2 {
     }
 }
 
-impl Format for Qcow2 {
+impl Format for ChainQueue {
     fn map(&mut self, op: Op, offset: u64, len: u64) -> Mapping {
         let Some(gate) = &self.gate else {
-            unreachable!("a qcow2 queue without its gate");
+            unreachable!("a chain's queue without its gate");
         };
         if !self.live.enter(gate) {
             return Mapping::Busy;
@@ -165,7 +165,7 @@ impl Format for Qcow2 {
             Completions::Polled => {
                 return Err(io::Error::new(
                     io::ErrorKind::Unsupported,
-                    "a qcow2 image cannot be served with IOPOLL",
+                    "an image with metadata work (qcow2) cannot be served with IOPOLL",
                 ));
             }
         };
@@ -234,5 +234,95 @@ impl Format for Qcow2 {
         } else if self.live.paused() {
             self.live.wait_resumed(A_WHILE);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+    use std::time::Instant;
+
+    use super::*;
+    use crate::disk::seam::Format as _;
+    use crate::disk::{Format, OpenOptions, SnapshotDir, SnapshotError};
+    use crate::virtio::DiscardRange;
+
+    /// Waits for the metadata thread's answer to `tag`.
+    fn answer(q: &mut ChainQueue, tag: u32) -> Slow {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut got = None;
+        while got.is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "no answer from the metadata thread"
+            );
+            q.wait();
+            q.reap_slow(&mut |t, slow| {
+                assert_eq!(t, tag);
+                got = Some(slow);
+            });
+        }
+        got.unwrap()
+    }
+
+    /// The chain machinery (`Live`, this view, the metadata thread) serves
+    /// any format's `Image`, not only qcow2's: a raw file opened through
+    /// `disk::open` and served as a chain maps in place, has its
+    /// write-zeroes done by the metadata thread through `Image`, flushes
+    /// as a plain fdatasync, and refuses a live snapshot (whose overlay
+    /// needs a qcow2 top) with the one line for that.
+    #[test]
+    fn a_format_other_than_qcow2_is_served_as_a_chain() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.raw");
+        std::fs::write(&path, vec![0xa5u8; 1 << 20]).unwrap();
+        let snapshots = SnapshotDir::open(dir.path()).unwrap();
+        let live = Live::open(
+            &path,
+            Format::Raw,
+            OpenOptions::default(),
+            false,
+            Some(snapshots),
+        );
+        let live = Arc::new(live.unwrap());
+        assert_eq!(live.size(), 1 << 20);
+        assert_eq!(live.chain(), vec![std::fs::canonicalize(&path).unwrap()]);
+        let mut q = ChainQueue::new(live.clone(), Meta::spawn().unwrap());
+        q.completions(Completions::Immediate).unwrap();
+
+        let at = |offset| Mapping::Host(Extent { file: 0, offset });
+        assert_eq!(q.map(Op::Read, 8192, 4096), at(8192));
+        q.finished();
+        assert_eq!(q.map(Op::Flush, 0, 0), at(0));
+        q.finished();
+
+        let zeroes = Op::WriteZeroes(DiscardRange {
+            sector: 8,
+            num_sectors: 16,
+            unmap: false,
+        });
+        assert_eq!(q.map(zeroes, 4096, 8192), Mapping::Slow);
+        q.start_slow(7, zeroes, 4096, 8192, true);
+        assert_eq!(q.slow_in_flight(), 1);
+        assert!(matches!(answer(&mut q, 7), Slow::Done));
+        assert_eq!(q.slow_in_flight(), 0);
+        q.finished();
+        let file = std::fs::File::open(&path).unwrap();
+        let mut buf = vec![0u8; 16384];
+        file.read_exact_at(&mut buf, 0).unwrap();
+        assert!(buf[..4096].iter().all(|&b| b == 0xa5));
+        assert!(buf[4096..12288].iter().all(|&b| b == 0), "the zeroes");
+        assert!(buf[12288..].iter().all(|&b| b == 0xa5));
+
+        live.grow(2 << 20).unwrap();
+        assert_eq!(live.size(), 2 << 20);
+        let overlay = dir.path().join("top.qcow2");
+        let refused = live.snapshot(&overlay, |_| Ok(()), || {});
+        assert!(
+            matches!(refused, Err(SnapshotError::NotQcow2)),
+            "{refused:?}"
+        );
+        assert!(!overlay.exists(), "the overlay made for it is removed");
+        assert_eq!(live.generation(), 0);
     }
 }

@@ -1,5 +1,6 @@
-//! The metadata thread of a qcow2 image: the format's blocking work, off
-//! the queue threads.
+//! The metadata thread of a served chain ([`crate::disk::Live`], of any
+//! format): the format's blocking work (for qcow2: tables, allocations,
+//! copy-on-write), off the queue threads.
 //!
 //! A queue hands it a [`Job`] (resolve a range that missed the mapping
 //! cache or needs an allocation, commit a write's metadata, zero or
@@ -29,7 +30,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::disk::reader::read_piece;
 use crate::disk::seam::{Piece, Place, Resolved, Slow, place};
-use crate::disk::{Commit, Dir, Mapper, Served};
+use crate::disk::{Commit, Dir, Served};
 use crate::metrics::RateLimiter;
 use crate::warn_limited;
 
@@ -134,7 +135,7 @@ impl Meta {
     pub fn spawn() -> std::io::Result<Meta> {
         let (tx, rx) = channel();
         std::thread::Builder::new()
-            .name("qcow2-meta".into())
+            .name("disk-meta".into())
             .spawn(move || run(rx))?;
         Ok(Meta { tx })
     }
@@ -231,14 +232,14 @@ fn work(job: &Job, log_limit: &mut RateLimiter) -> Slow {
             durable,
         } => image
             .zero_range(offset, len, unmap)
-            .and_then(|()| durable_if(image, durable)),
+            .and_then(|()| durable_if(&**image, durable)),
         Work::Discard {
             offset,
             len,
             durable,
         } => image
             .discard(offset, len)
-            .and_then(|()| durable_if(image, durable)),
+            .and_then(|()| durable_if(&**image, durable)),
         Work::Flush => image.flush(),
         Work::Commit { .. } => unreachable!("commits are grouped"),
     };
@@ -254,7 +255,7 @@ fn work(job: &Job, log_limit: &mut RateLimiter) -> Slow {
 /// A write-through write-zeroes or discard: its metadata (and the zeroes
 /// written through the format) on the disk before it completes.
 fn durable_if(
-    image: &crate::disk::qcow2::Qcow2Image,
+    image: &dyn crate::disk::Image,
     durable: bool,
 ) -> Result<(), crate::disk::FormatError> {
     if durable { image.flush() } else { Ok(()) }
@@ -285,7 +286,7 @@ fn resolve(job: &Job, offset: u64, len: u64, dir: Dir, log_limit: &mut RateLimit
                 // Compressed: read here, copied into the guest's buffers
                 // by the queue.
                 let mut bytes = vec![0u8; p.len as usize];
-                if let Err(e) = read_piece(image, &files, &p, &mut bytes) {
+                if let Err(e) = read_piece(&**image, &files, &p, &mut bytes) {
                     return failed(&e, log_limit);
                 }
                 Place::Bytes(bytes)
