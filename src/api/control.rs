@@ -182,6 +182,25 @@ impl Control {
         self.device.snapshot(overlay)
     }
 
+    /// See [`Device::stream`].
+    pub fn stream(
+        &self,
+        base: Option<&std::path::Path>,
+        speed: Option<u64>,
+    ) -> Result<crate::device::JobInfo, crate::device::JobError> {
+        self.device.stream(base, speed)
+    }
+
+    /// See [`Device::job`].
+    pub fn job(&self) -> Option<crate::device::JobInfo> {
+        self.device.job()
+    }
+
+    /// See [`Device::job_cancel`].
+    pub fn job_cancel(&self) -> Result<crate::device::JobInfo, crate::device::JobError> {
+        self.device.job_cancel()
+    }
+
     /// See [`Device::resize`].
     pub fn resize(&self, size: Option<u64>, force: bool) -> Result<Resized, ResizeError> {
         self.device.resize(size, force)

@@ -289,6 +289,31 @@ pub const VERBS: &[Verb] = &[
         doc: "Take a live external snapshot of a qcow2 image: {\"overlay\": NAME or a path in --snapshot-dir}; the new overlay becomes the top of the chain.",
         run: snapshot,
     },
+    Verb {
+        methods: &[Method::PUT, Method::POST],
+        path: "/api/v1/stream",
+        control: true,
+        slow: false,
+        doc: "Start a stream job: {\"base\": a layer of the chain as status lists it (optional: none, the top then stands alone), \"speed\": bytes per second (optional)}; the layers between the top and the base are copied into the top, then drop out of the chain.",
+        run: stream,
+    },
+    Verb {
+        methods: &[Method::GET],
+        path: "/api/v1/job",
+        control: true,
+        slow: false,
+        doc: "The block job running or last run: kind, state, bytes done of total, speed, the chain, the files it no longer uses.",
+        run: job_status,
+    },
+    Verb {
+        methods: &[Method::POST],
+        path: "/api/v1/job/cancel",
+        control: true,
+        // It waits for the job to see the cancel.
+        slow: true,
+        doc: "Cancel the running block job; the chain stays as it was.",
+        run: job_cancel,
+    },
 ];
 
 fn metrics_text(ctx: &Ctx<'_>) -> Reply {
@@ -412,6 +437,59 @@ fn snapshot(ctx: &Ctx<'_>) -> Reply {
         })
     };
     match run() {
+        Ok(r) => Reply::json(200, &r),
+        Err(r) => r,
+    }
+}
+
+/// PUT /api/v1/stream body.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StreamBody {
+    #[serde(default)]
+    base: Option<std::path::PathBuf>,
+    #[serde(default)]
+    speed: Option<u64>,
+}
+
+fn job_error(e: crate::device::JobError) -> Reply {
+    use crate::device::JobError as E;
+    let status = match &e {
+        E::Invalid(_) => 400,
+        E::Conflict(_) => 409,
+        E::NoJob => 404,
+    };
+    Reply::error(status, e.to_string())
+}
+
+/// Starts a stream job.
+fn stream(ctx: &Ctx<'_>) -> Reply {
+    let run = || -> Result<crate::device::JobInfo, Reply> {
+        let c = control(ctx)?;
+        let body: StreamBody = ctx.json_body()?;
+        c.stream(body.base.as_deref(), body.speed)
+            .map_err(job_error)
+    };
+    match run() {
+        Ok(r) => Reply::json(200, &r),
+        Err(r) => r,
+    }
+}
+
+/// The block job running or last run.
+fn job_status(ctx: &Ctx<'_>) -> Reply {
+    match control(ctx).and_then(|c| {
+        c.job()
+            .ok_or_else(|| job_error(crate::device::JobError::NoJob))
+    }) {
+        Ok(r) => Reply::json(200, &r),
+        Err(r) => r,
+    }
+}
+
+/// Cancels the running block job.
+fn job_cancel(ctx: &Ctx<'_>) -> Reply {
+    match control(ctx).and_then(|c| c.job_cancel().map_err(job_error)) {
         Ok(r) => Reply::json(200, &r),
         Err(r) => r,
     }

@@ -67,6 +67,25 @@ pub enum CtlVerb {
         #[arg(long, value_name = "NEW.qcow2")]
         overlay: PathBuf,
     },
+    /// Start a stream job: copy into the top of the chain the data of
+    /// the layers between it and --base (without --base: of every layer
+    /// below it), while the guest runs; then point the top's backing file
+    /// at --base (or at none), so that those layers drop out of the chain.
+    /// The daemon never deletes them: `job status` lists the files no
+    /// longer used once it completed. Prints the job (JSON).
+    Stream {
+        /// The layer that becomes the top's backing file: a path of the
+        /// chain (`ctl status` lists it).
+        #[arg(long, value_name = "IMG")]
+        base: Option<PathBuf>,
+        /// Bytes per second copied, at most (K/M/G suffixes); none: as
+        /// fast as it goes.
+        #[arg(long, value_name = "SIZE", value_parser = ringblk_metrics::parse_size)]
+        speed: Option<u64>,
+    },
+    /// The block job: status, cancel.
+    #[command(subcommand)]
+    Job(JobVerb),
     /// The counters, as `ringblk stats` prints them.
     Stats {
         /// Print the raw JSON snapshot instead of a table.
@@ -82,6 +101,16 @@ pub enum CtlVerb {
         #[arg(long, requires = "interval")]
         count: Option<u64>,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum JobVerb {
+    /// The job running or last run (JSON): kind, state (running,
+    /// completed, cancelled, failed), bytes done of total, bytes copied,
+    /// speed, the chain, the files no longer used.
+    Status,
+    /// Cancel the running job; the chain stays as it was. Prints the job.
+    Cancel,
 }
 
 #[derive(Debug, Subcommand)]
@@ -212,6 +241,16 @@ pub fn ctl(args: &CtlArgs) -> Result<(), Failure> {
                 chain.join(", ")
             ))?;
         }
+        CtlVerb::Stream { base, speed } => {
+            let base = match base {
+                Some(b) => Some(in_chain(&addr, &args.api, b)?),
+                None => None,
+            };
+            let body = serde_json::json!({ "base": base, "speed": speed }).to_string();
+            out(&call(&addr, "PUT", "/api/v1/stream", body.as_bytes())?)?;
+        }
+        CtlVerb::Job(JobVerb::Status) => out(&call(&addr, "GET", "/api/v1/job", b"")?)?,
+        CtlVerb::Job(JobVerb::Cancel) => out(&call(&addr, "POST", "/api/v1/job/cancel", b"{}")?)?,
         CtlVerb::Stats {
             json,
             prometheus,
@@ -226,6 +265,30 @@ pub fn ctl(args: &CtlArgs) -> Result<(), Failure> {
         })?,
     }
     Ok(())
+}
+
+/// The chain's own spelling of `wanted` (`ctl status` lists the chain):
+/// the entry that is the same file (compared as real paths here, where
+/// the daemon's sandbox would not let it look), else `wanted` as given,
+/// for the daemon to refuse with the chain in its message.
+fn in_chain(
+    addr: &str,
+    api: &std::path::Path,
+    wanted: &std::path::Path,
+) -> Result<String, Failure> {
+    let status = parse(api, &call(addr, "GET", "/api/v1/status", b"")?)?;
+    let real = |p: &std::path::Path| std::fs::canonicalize(p).ok();
+    let want = real(wanted);
+    let found = status["chain"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p.as_str())
+        .find(|p| {
+            std::path::Path::new(p) == wanted
+                || (want.is_some() && real(std::path::Path::new(p)) == want)
+        });
+    Ok(found.map_or_else(|| wanted.display().to_string(), str::to_string))
 }
 
 /// `GET|PUT  /api/v1/qos  The QoS limits ...`, one line per verb.

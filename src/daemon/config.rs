@@ -1036,9 +1036,20 @@ fn check_followed(args: &ServeArgs, live: &Live, f: &Followed) -> Result<(), Dae
         .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()))
         .collect();
     let dir = args.snapshot_dir.as_deref().unwrap_or(Path::new(""));
-    for (i, want) in f.chain.iter().enumerate().skip(1) {
+    // Images a stream dropped from the chain (its records say which):
+    // the records still name them, the chain no longer has them.
+    let dropped: Vec<PathBuf> = crate::disk::records::dropped(dir)
+        .map_err(DaemonError::Config)?
+        .iter()
+        .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()))
+        .collect();
+    // The chain begins with the images the records name, in order, but
+    // those dropped.
+    let expected: Vec<&PathBuf> = f.chain.iter().filter(|p| !dropped.contains(p)).collect();
+    for i in 1..expected.len() {
+        let want = expected[i];
         if chain.get(i) != Some(want) {
-            let over = &f.chain[i - 1];
+            let over = expected[i - 1];
             return Err(DaemonError::Config(format!(
                 "the snapshot records in {} say {} was superseded by {}, but the backing file of {2} is {}, not {1}: the records and the images disagree; serve the intended top with --image, or remove the wrong record",
                 dir.display(),

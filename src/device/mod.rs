@@ -32,6 +32,7 @@
 //! asks; the control API resizes, reads and changes QoS; the daemon sets
 //! the connection and stops. Nothing here does I/O on the request path.
 
+pub mod job;
 mod resize;
 mod snapshot;
 pub mod tracking;
@@ -60,6 +61,7 @@ pub enum DeviceError {
     Bitmap(#[from] crate::bitmap::BitmapError),
 }
 
+pub use job::{JobError, JobInfo, JobState};
 pub use snapshot::Snapshot;
 
 /// GET_ID's answer: the serial, zero-padded to 20 bytes.
@@ -181,6 +183,8 @@ pub struct Device {
     /// a backup that started before it, and refuses (it would change the
     /// chain under the backup's view).
     chain_change: Mutex<()>,
+    /// The block job running or last run ([`job`]).
+    job: Mutex<Option<Arc<job::Job>>>,
     /// The dirty bitmaps, the running backup, the image's holders.
     tracking: Tracking,
 }
@@ -208,6 +212,7 @@ impl Device {
             backing: spec.backing,
             resizing: Mutex::new(()),
             chain_change: Mutex::new(()),
+            job: Mutex::new(None),
         })
     }
 

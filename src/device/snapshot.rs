@@ -34,6 +34,9 @@ impl Device {
         // A backup's view reads the guest's disk through this chain: it
         // must not change under it.
         let _chain = self.chain_change.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(job) = self.job_running() {
+            return Err(SnapshotError::Refused(job));
+        }
         if let Some(b) = self.backup() {
             return Err(SnapshotError::Refused(format!(
                 "a backup is running (NBD on {}); a live snapshot would change the chain under its view: `backup stop` it first",

@@ -102,6 +102,9 @@ pub enum TrackingError {
     BackupStarting(String),
     #[error("no backup is running")]
     NoBackup,
+    /// A block job is changing the chain the backup would read.
+    #[error("{0}")]
+    JobRunning(String),
     #[error(
         "bitmap '{0}' is exported by the running backup; `backup stop` (or `backup stop --failed`) first"
     )]
@@ -121,6 +124,7 @@ impl TrackingError {
             | TrackingError::Locked
             | TrackingError::BackupRunning(_)
             | TrackingError::BackupStarting(_)
+            | TrackingError::JobRunning(_)
             | TrackingError::Exported(_) => 409,
             TrackingError::Bitmap(BitmapError::Io { .. } | BitmapError::Corrupt { .. })
             | TrackingError::Unmarked
@@ -827,6 +831,10 @@ impl Device {
         };
         // A live snapshot waits for this start, then sees the backup.
         let _chain = self.chain_change.lock().unwrap_or_else(|e| e.into_inner());
+        // A job changes the chain the backup's view would read.
+        if let Some(job) = self.job_running() {
+            return Err(TrackingError::JobRunning(job));
+        }
         // The image is held until `backup stop`; the bitmaps are loaded.
         self.claim_image()?;
         let started = self.start_holding(&path, &name, bitmap, image, store);

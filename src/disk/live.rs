@@ -33,7 +33,7 @@
 
 use std::ffi::CString;
 use std::fs::File;
-use std::io;
+use std::io::{self, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
@@ -43,7 +43,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::qcow2::OpenOptions;
-use super::records::{RECORD_SUFFIX, Record};
+use super::records::{Dropped, RECORD_SUFFIX, Record};
 use super::{Format, FormatError, Image};
 
 /// How long a snapshot waits for the requests in flight to finish.
@@ -183,6 +183,37 @@ impl SnapshotDir {
         if let Err(e) = record.write_to(&file).and_then(|()| self.dir.sync_data()) {
             self.remove(&name);
             return Err(err(e));
+        }
+        Ok(())
+    }
+
+    /// Creates a record of layers a switch drops ([`Dropped`]) and makes
+    /// it durable, under a name no file has.
+    fn record_dropped(&self, record: &Dropped) -> Result<(), FormatError> {
+        let mut n = 0;
+        let (name, file) = loop {
+            let name = record.name_for(n);
+            match self.open_at(&name, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL) {
+                Ok(f) => break (name, f),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && n < 100 => n += 1,
+                Err(e) => {
+                    return Err(FormatError::Open {
+                        path: self.path.join(&name).display().to_string(),
+                        reason: format!("writing the record of the dropped layers: {e}"),
+                    });
+                }
+            }
+        };
+        let written = (&file)
+            .write_all(record.line().as_bytes())
+            .and_then(|()| file.sync_data())
+            .and_then(|()| self.dir.sync_data());
+        if let Err(e) = written {
+            self.remove(&name);
+            return Err(FormatError::Open {
+                path: self.path.join(&name).display().to_string(),
+                reason: format!("writing the record of the dropped layers: {e}"),
+            });
         }
         Ok(())
     }
@@ -491,6 +522,53 @@ impl Live {
         });
         self.generation.store(generation, Ordering::Release);
         Ok(chain)
+    }
+
+    /// The switch of a stream ([`super::qcow2::stream`]): with every
+    /// request kept out, the top's backing file becomes file `base` of
+    /// the chain (none at `base` = the chain's length), and the layers
+    /// between them drop out. Returns the new chain, top first.
+    pub fn rebase(&self, base: usize) -> Result<Vec<PathBuf>, SnapshotError> {
+        let _one = lock(&self.switching);
+        let old = self.current();
+        let Some(top) = old.qcow2() else {
+            return Err(SnapshotError::NotQcow2);
+        };
+        let name = old.image.chain().get(base).map(|p| p.display().to_string());
+        // Recorded first, where the snapshot records are: a restart that
+        // follows them then knows the images missing from the chain were
+        // dropped here, not swapped (see `records::dropped`).
+        if let Some(dir) = &self.snapshots {
+            let chain = old.image.chain();
+            let dropped = chain.get(1..base).unwrap_or_default();
+            dir.record_dropped(&Dropped::new(&chain[0], dropped))?;
+        }
+        let mut io_files = Vec::new();
+        for f in old
+            .io_files
+            .iter()
+            .take(1)
+            .chain(old.io_files.iter().skip(base))
+        {
+            io_files.push(f.try_clone().map_err(FormatError::io("dup"))?);
+        }
+        let made = self.pause().and_then(|()| {
+            top.rebase(base, name.as_deref(), &self.options)
+                .map_err(SnapshotError::from)
+        });
+        let made = made.map(|image| {
+            let generation = old.generation + 1;
+            let chain = image.chain();
+            *lock(&self.current) = Arc::new(Served {
+                image: Box::new(image),
+                io_files,
+                generation,
+            });
+            self.generation.store(generation, Ordering::Release);
+            chain
+        });
+        self.resume();
+        made
     }
 
     /// Stops new requests and waits for those in flight.

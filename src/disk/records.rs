@@ -98,6 +98,78 @@ impl Record {
     }
 }
 
+/// What a record of layers dropped from the chain is named with: a
+/// stream (`ctl stream`) writes one into the snapshot directory before it
+/// switches the chain, so that a restart knows that the images the
+/// snapshot records name but the chain no longer has were dropped, not
+/// swapped (see [`dropped`]).
+pub const DROPPED_SUFFIX: &str = ".ringblk-dropped";
+
+/// One chain switch that dropped layers: `dropped` (paths as the chain
+/// listed them) are no longer below `top`, since `at`.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Dropped {
+    pub ringblk_dropped: u32,
+    pub top: String,
+    pub dropped: Vec<String>,
+    pub at: u64,
+}
+
+impl Dropped {
+    pub fn new(top: &Path, dropped: &[PathBuf]) -> Dropped {
+        Dropped {
+            ringblk_dropped: VERSION,
+            top: top.display().to_string(),
+            dropped: dropped.iter().map(|p| p.display().to_string()).collect(),
+            at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        }
+    }
+
+    /// A file name for it: the top's name, the time, and `n` to make it
+    /// one no file has (records are created, never overwritten).
+    pub fn name_for(&self, n: u32) -> String {
+        let top = Path::new(&self.top)
+            .file_name()
+            .map_or_else(|| "top".into(), |n| n.to_string_lossy().into_owned());
+        format!("{top}.{}.{n}{DROPPED_SUFFIX}", self.at)
+    }
+
+    pub fn line(&self) -> String {
+        let mut s = serde_json::to_string(self).unwrap_or_default();
+        s.push('\n');
+        s
+    }
+}
+
+/// Every image the records in `dir` say a chain switch dropped (as
+/// [`Dropped`] lists them). Read as the snapshot records are: bounded, no
+/// link followed; a record that does not parse (cut short by a crash
+/// before its switch) is skipped.
+pub fn dropped(dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let mut out = Vec::new();
+    for (path, text) in read_suffixed(dir, DROPPED_SUFFIX, "record of dropped layers")? {
+        match serde_json::from_str::<Dropped>(text.trim_end()) {
+            Ok(d) if d.ringblk_dropped == VERSION => {
+                out.extend(d.dropped.iter().map(PathBuf::from));
+            }
+            Ok(d) => {
+                return Err(format!(
+                    "{}: a record of version {}, which this ringblk does not know (it knows {VERSION})",
+                    path.display(),
+                    d.ringblk_dropped
+                ));
+            }
+            Err(_) => log::warn!(
+                "{}: not a complete record of dropped layers (a switch cut short before it was recorded); ignored",
+                path.display()
+            ),
+        }
+    }
+    Ok(out)
+}
+
 /// Where [`follow`] led: the top to serve, and the steps that led there.
 #[derive(Debug)]
 pub struct Followed {
@@ -206,30 +278,8 @@ fn read_record(path: &Path) -> io::Result<String> {
 /// One that does not (a snapshot cut short before its record was synced)
 /// is skipped with a warning.
 fn read_all(dir: &Path) -> Result<Vec<(PathBuf, Record)>, String> {
-    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut out = Vec::new();
-    let mut seen = 0;
-    for entry in entries {
-        let entry = entry.map_err(|e| format!("{}: {e}", dir.display()))?;
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if !name.ends_with(RECORD_SUFFIX) {
-            continue;
-        }
-        seen += 1;
-        if seen > RECORDS_MAX {
-            return Err(format!(
-                "{}: more than {RECORDS_MAX} snapshot records; a chain that long is not one the daemon made, or needs merging (qemu-img commit) first",
-                dir.display()
-            ));
-        }
-        let path = entry.path();
-        let text = read_record(&path).map_err(|e| {
-            format!(
-                "{}: cannot read this snapshot record: {e}; a record is a small regular file the daemon wrote: remove what is there",
-                path.display()
-            )
-        })?;
+    for (path, text) in read_suffixed(dir, RECORD_SUFFIX, "snapshot record")? {
         match serde_json::from_str::<Record>(text.trim_end()) {
             Ok(r) if r.ringblk_snapshot == VERSION => out.push((path, r)),
             Ok(r) => {
@@ -244,6 +294,36 @@ fn read_all(dir: &Path) -> Result<Vec<(PathBuf, Record)>, String> {
                 path.display()
             ),
         }
+    }
+    Ok(out)
+}
+
+/// The text of each record in `dir` whose name ends with `suffix` (a
+/// `what`, for messages), at most [`RECORDS_MAX`] of them.
+fn read_suffixed(dir: &Path, suffix: &str, what: &str) -> Result<Vec<(PathBuf, String)>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| format!("{}: {e}", dir.display()))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.ends_with(suffix) {
+            continue;
+        }
+        if out.len() >= RECORDS_MAX {
+            return Err(format!(
+                "{}: more than {RECORDS_MAX} {what}s; a chain that long is not one the daemon made, or needs merging (qemu-img commit) first",
+                dir.display()
+            ));
+        }
+        let path = entry.path();
+        let text = read_record(&path).map_err(|e| {
+            format!(
+                "{}: cannot read this {what}: {e}; a record is a small regular file the daemon wrote: remove what is there",
+                path.display()
+            )
+        })?;
+        out.push((path, text));
     }
     Ok(out)
 }

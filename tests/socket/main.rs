@@ -52,5 +52,6 @@ mod sandbox;
 mod seccomp;
 mod sighup;
 mod socket_mode;
+mod stream;
 mod trap;
 mod untrusted_files;

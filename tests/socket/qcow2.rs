@@ -16,8 +16,8 @@ use std::time::Duration;
 use ringblk_testkit::qemu_img::{check_clean, compare_identical, overlay, qemu_img, sha256};
 use ringblk_testkit::{Client, Daemon, DaemonOptions, KIB, MIB, Op, ctl, test_dir};
 
-const SIZE: u64 = 32 * MIB;
-const CLUSTER: u64 = 64 * KIB;
+pub(crate) const SIZE: u64 = 32 * MIB;
+pub(crate) const CLUSTER: u64 = 64 * KIB;
 
 /// A deterministic byte for `offset` of pattern `seed` (0: the base's).
 fn byte(seed: u64, offset: u64) -> u8 {
@@ -26,7 +26,7 @@ fn byte(seed: u64, offset: u64) -> u8 {
     (x >> ((offset % 8) * 8)) as u8 ^ (x >> 56) as u8
 }
 
-fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
+pub(crate) fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
     for (i, b) in buf.iter_mut().enumerate() {
         *b = byte(seed, offset + i as u64);
     }
@@ -49,14 +49,14 @@ impl Rng {
 /// A base of `kind` ("raw", "qcow2", "compressed") holding pattern 0, an
 /// overlay over it, and a raw reference of what the overlay reads (a copy
 /// of the base's content), all in `dir`.
-struct Chain {
-    base: PathBuf,
-    top: PathBuf,
-    reference: PathBuf,
+pub(crate) struct Chain {
+    pub(crate) base: PathBuf,
+    pub(crate) top: PathBuf,
+    pub(crate) reference: PathBuf,
     base_sum: String,
 }
 
-fn chain(dir: &Path, kind: &str, size: u64) -> Chain {
+pub(crate) fn chain(dir: &Path, kind: &str, size: u64) -> Chain {
     let reference = dir.join("reference.raw");
     let mut data = vec![0u8; size as usize];
     fill(0, 0, &mut data);
@@ -91,7 +91,7 @@ fn chain(dir: &Path, kind: &str, size: u64) -> Chain {
 
 impl Chain {
     /// Applies a write of pattern `seed` to the reference.
-    fn write(&self, seed: u64, offset: u64, len: usize) -> Vec<u8> {
+    pub(crate) fn write(&self, seed: u64, offset: u64, len: usize) -> Vec<u8> {
         let mut buf = vec![0u8; len];
         fill(seed, offset, &mut buf);
         let f = std::fs::OpenOptions::new()
@@ -110,7 +110,7 @@ impl Chain {
         f.write_all_at(&vec![0u8; len as usize], offset).unwrap();
     }
 
-    fn expected(&self, offset: u64, len: usize) -> Vec<u8> {
+    pub(crate) fn expected(&self, offset: u64, len: usize) -> Vec<u8> {
         let mut buf = vec![0u8; len];
         std::fs::File::open(&self.reference)
             .unwrap()
@@ -130,7 +130,7 @@ impl Chain {
     }
 }
 
-fn serve(c: &Chain, dir: &Path, args: &[&str]) -> Daemon {
+pub(crate) fn serve(c: &Chain, dir: &Path, args: &[&str]) -> Daemon {
     let mut all = vec!["--format", "qcow2"];
     all.extend_from_slice(args);
     Daemon::start_in(
@@ -143,7 +143,7 @@ fn serve(c: &Chain, dir: &Path, args: &[&str]) -> Daemon {
     )
 }
 
-fn stop(mut d: Daemon) {
+pub(crate) fn stop(mut d: Daemon) {
     let st = d.signal_and_wait(libc::SIGTERM, Duration::from_secs(20));
     assert!(st.success(), "the daemon exited with {st}:\n{}", d.log());
 }
@@ -681,13 +681,13 @@ fn bad_images_are_refused_or_fail_their_requests() {
 }
 
 /// `ctl status`, parsed.
-fn status(api: &Path) -> serde_json::Value {
+pub(crate) fn status(api: &Path) -> serde_json::Value {
     let out = ctl(api, &["status"]);
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// The chain `ctl status` shows, top first.
-fn status_chain(api: &Path) -> Vec<String> {
+pub(crate) fn status_chain(api: &Path) -> Vec<String> {
     status(api)["chain"]
         .as_array()
         .unwrap()
@@ -696,7 +696,7 @@ fn status_chain(api: &Path) -> Vec<String> {
         .collect()
 }
 
-fn canonical(p: &Path) -> String {
+pub(crate) fn canonical(p: &Path) -> String {
     std::fs::canonicalize(p)
         .unwrap()
         .to_str()
@@ -705,7 +705,7 @@ fn canonical(p: &Path) -> String {
 }
 
 /// `ctl snapshot --overlay NAME`, which must succeed.
-fn snapshot(api: &Path, name: &str) {
+pub(crate) fn snapshot(api: &Path, name: &str) {
     let out = ctl(api, &["snapshot", "--overlay", name]);
     assert!(
         out.status.success(),
@@ -718,7 +718,7 @@ fn snapshot(api: &Path, name: &str) {
 /// Writes `n` 40 KiB writes of pattern `seed + i`, spread over the disk
 /// (over clusters the lower images have, and new ones), through `client`
 /// and into the reference.
-fn write_round(client: &mut Client, c: &Chain, seed: u64, n: u64) {
+pub(crate) fn write_round(client: &mut Client, c: &Chain, seed: u64, n: u64) {
     for i in 0..n {
         let offset = (i * 5 + seed % 3) * CLUSTER + 4 * KIB;
         let data = c.write(seed + i, offset, 40 * KIB as usize);
@@ -728,7 +728,7 @@ fn write_round(client: &mut Client, c: &Chain, seed: u64, n: u64) {
 }
 
 /// The whole disk, read through `client`, equals the reference.
-fn reads_as_reference(client: &mut Client, c: &Chain, when: &str) {
+pub(crate) fn reads_as_reference(client: &mut Client, c: &Chain, when: &str) {
     let chunk = 2 * MIB;
     for offset in (0..SIZE).step_by(chunk as usize) {
         let got = client.read(offset, chunk as usize);

@@ -17,6 +17,7 @@ pub mod crypt;
 pub mod l2log;
 pub mod map_cache;
 pub mod ordered;
+pub mod stream;
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -112,6 +113,9 @@ pub struct Qcow2Image {
     top: Layer,
     /// The chain's files, top first; `Where::Data::file` indexes them.
     files: Vec<Arc<FileState>>,
+    /// imago's layer of each file, in the same order (`layers[0]` is
+    /// `top`): what a stream puts below the top.
+    layers: Vec<Layer>,
     writable: bool,
     size: AtomicU64,
     /// log2 of the top's cluster size (allocation unit).
@@ -183,6 +187,8 @@ pub fn resolve_backing(overlay: &Path, name: &str) -> Result<PathBuf, String> {
 /// What opening one layer found out, for the next one down.
 struct Chain {
     files: Vec<Arc<FileState>>,
+    /// Each file's layer, by its index in `files` (made bottom first).
+    layers: Vec<Option<Layer>>,
     seen: HashSet<(u64, u64)>,
     min_cluster_bits: u32,
     /// The writable top's QEMU bitmaps.
@@ -214,10 +220,25 @@ struct QemuBitmaps {
     marked: bool,
 }
 
+impl QemuBitmaps {
+    /// What is left in a handle whose bitmaps moved to another
+    /// ([`Qcow2Image::rebase`]): nothing to write.
+    fn none() -> QemuBitmaps {
+        QemuBitmaps {
+            dir: None,
+            loaded: None,
+            staged: None,
+            at_snapshot: None,
+            marked: true,
+        }
+    }
+}
+
 impl Qcow2Image {
     pub fn open(path: &Path, options: &OpenOptions) -> Result<Qcow2Image, FormatError> {
         let mut chain = Chain {
             files: Vec::new(),
+            layers: Vec::new(),
             seen: HashSet::new(),
             min_cluster_bits: 21,
             qemu: None,
@@ -239,9 +260,14 @@ impl Qcow2Image {
         let version = be32(&header[4..8]);
         let cluster_bits = be32(&header[20..24]);
         let size = top.size();
+        let layers = chain.layers.into_iter().flatten().collect::<Vec<_>>();
+        if layers.len() != chain.files.len() {
+            return Err(open_err(path, "the chain's layers do not match its files"));
+        }
         Ok(Qcow2Image {
             top,
             files: chain.files,
+            layers,
             writable: options.writable,
             size: AtomicU64::new(size),
             cluster_bits,
@@ -1032,10 +1058,13 @@ impl Qcow2Image {
         }
         let mut files = vec![state];
         files.extend(self.files.iter().cloned());
+        let mut layers = vec![Arc::clone(&top)];
+        layers.extend(self.layers.iter().cloned());
         let size = top.size();
         Ok(Qcow2Image {
             top,
             files,
+            layers,
             writable: true,
             size: AtomicU64::new(size),
             cluster_bits: self.cluster_bits,
@@ -1401,7 +1430,9 @@ fn open_qcow2(
                     chain.files.push(Arc::clone(&st));
                     let raw =
                         Raw::open_image(ChainFile(st), false).map_err(|e| open_err(&bpath, e))?;
-                    Arc::new(FormatAccess::new(raw))
+                    let layer: Layer = Arc::new(FormatAccess::new(raw));
+                    chain.set_layer(chain.files.len() - 1, &layer);
+                    layer
                 }
                 other => {
                     return Err(open_err(
@@ -1462,7 +1493,18 @@ fn open_qcow2(
         });
     }
     q.set_backing(backing);
-    Ok((Arc::new(FormatAccess::new(q)), header))
+    let layer: Layer = Arc::new(FormatAccess::new(q));
+    chain.set_layer(index, &layer);
+    Ok((layer, header))
+}
+
+impl Chain {
+    fn set_layer(&mut self, index: usize, layer: &Layer) {
+        if self.layers.len() <= index {
+            self.layers.resize(index + 1, None);
+        }
+        self.layers[index] = Some(Arc::clone(layer));
+    }
 }
 
 /// Opens one file of the chain, refusing loops and chains past the bound,

@@ -417,6 +417,12 @@ impl FileState {
         self.index.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// This file is `by` further up the chain (a stream dropped the
+    /// layers above it but the top).
+    pub fn move_up(&self, by: usize) {
+        self.index.fetch_sub(by, Ordering::Relaxed);
+    }
+
     /// This file is written no more (it was the top until a snapshot):
     /// from now on every write to it fails. Everything imago had to write
     /// was written and synced before.

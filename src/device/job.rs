@@ -1,0 +1,339 @@
+//! Block jobs: work on the image's chain that runs beside the guest, one
+//! at a time per device. Today: stream ([`crate::disk::qcow2::stream`]),
+//! which copies the data of the layers between the top and a base up into
+//! the top, then drops those layers from the chain.
+//!
+//! A job runs on a thread of its own and holds the image (its lock, its
+//! bitmaps) until it ends, also with no front-end connected. It copies one
+//! stretch at a time ([`STRETCH`]), checking between stretches whether it
+//! was cancelled or the daemon is stopping, and keeps to its speed by
+//! sleeping. A job, a backup and a live snapshot refuse each other (each
+//! would change or read the chain under the other); so does a migration
+//! under way. The old layers are never deleted: the job's answer says
+//! which files the chain no longer uses.
+//!
+//! After a kill -9 or a power loss during a stream the chain on disk is
+//! the old one (what was copied into the top reads the same through it)
+//! or, once the switch's header write is durable, the new one; either
+//! serves correctly after a restart, and the job is gone (started again,
+//! it skips what the top has by then).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::Device;
+use crate::disk::Live;
+
+/// What a job copies at a time: the longest the guest's own metadata work
+/// waits behind it (each stretch holds the image's metadata locks).
+pub const STRETCH: u64 = 1 << 20;
+
+/// How long a cancel waits for the job to see it.
+const CANCEL_WAIT: Duration = Duration::from_secs(30);
+
+/// Why a job cannot start or be changed.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The request is wrong whatever the state: bad input, no chain.
+    #[error("{0}")]
+    Invalid(String),
+    /// Another operation is in the way (a job, a backup, a migration).
+    #[error("{0}")]
+    Conflict(String),
+    /// No job has run on this device.
+    #[error("no job has run on this device")]
+    NoJob,
+}
+
+/// A job's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobState {
+    Running,
+    Completed,
+    Cancelled,
+    Failed,
+}
+
+/// What `job status` shows.
+#[derive(Clone, Debug, Serialize)]
+pub struct JobInfo {
+    /// "stream".
+    pub kind: &'static str,
+    pub state: JobState,
+    /// Guest bytes looked at so far, out of `total`.
+    pub done: u64,
+    pub total: u64,
+    /// Bytes copied up so far.
+    pub copied: u64,
+    /// The speed limit in bytes per second (0: none).
+    pub speed: u64,
+    /// The layer that becomes the top's backing file (none: the top
+    /// stands alone).
+    pub base: Option<String>,
+    /// The chain, top first: as it is now (after a completed stream, the
+    /// new one).
+    pub chain: Vec<String>,
+    /// Files the chain no longer uses once the job completed (never
+    /// deleted by the daemon).
+    pub unused: Vec<String>,
+    /// Why it failed.
+    pub error: Option<String>,
+}
+
+/// A job as the device keeps it.
+pub struct Job {
+    base: Option<String>,
+    total: u64,
+    done: AtomicU64,
+    copied: AtomicU64,
+    speed: u64,
+    cancel: AtomicBool,
+    state: Mutex<(JobState, Option<String>, Vec<String>)>,
+    live: Arc<Live>,
+}
+
+impl Job {
+    fn info(&self) -> JobInfo {
+        let (state, error, unused) = self.state.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        JobInfo {
+            kind: "stream",
+            state,
+            done: self.done.load(Ordering::Relaxed),
+            total: self.total,
+            copied: self.copied.load(Ordering::Relaxed),
+            speed: self.speed,
+            base: self.base.clone(),
+            chain: self
+                .live
+                .chain()
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect(),
+            unused,
+            error,
+        }
+    }
+
+    fn running(&self) -> bool {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).0 == JobState::Running
+    }
+
+    fn end(&self, state: JobState, error: Option<String>, unused: Vec<String>) {
+        *self.state.lock().unwrap_or_else(|e| e.into_inner()) = (state, error, unused);
+    }
+}
+
+impl Device {
+    /// The job running or last run, if any.
+    pub fn job(&self) -> Option<JobInfo> {
+        self.job_slot().as_ref().map(|j| j.info())
+    }
+
+    /// A line saying which job runs, for what it keeps out.
+    pub(super) fn job_running(&self) -> Option<String> {
+        self.job_slot()
+            .as_ref()
+            .filter(|j| j.running())
+            .map(|_| "a stream job is running; wait for it or `job cancel` it first".to_string())
+    }
+
+    fn job_slot(&self) -> std::sync::MutexGuard<'_, Option<Arc<Job>>> {
+        self.job.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts a stream (see the module doc): `base` is a file of the
+    /// chain below the top (as `ctl status` lists it), or none; `speed`
+    /// in bytes per second, none for as fast as it goes.
+    pub fn stream(
+        self: &Arc<Self>,
+        base: Option<&Path>,
+        speed: Option<u64>,
+    ) -> Result<JobInfo, JobError> {
+        let invalid = |why: String| Err(JobError::Invalid(why));
+        let Some(live) = self.backing.chain().cloned() else {
+            return invalid(
+                "a stream needs an image with a backing chain (serve --format qcow2)".into(),
+            );
+        };
+        if self.limits.readonly {
+            return invalid("the image is served read-only (--readonly)".into());
+        }
+        if speed == Some(0) {
+            return invalid("--speed 0 would never finish; leave it out for no limit".into());
+        }
+        let chain = live.chain();
+        let base_index = match base {
+            None => chain.len(),
+            Some(b) => find_in_chain(&chain, b)?,
+        };
+        if base_index == 0 {
+            return invalid(format!(
+                "--base {}: that is the top, which a stream copies into; name a layer below it",
+                chain[0].display()
+            ));
+        }
+        if chain.len() == 1 {
+            return invalid(format!(
+                "{} has no backing file: there is nothing to stream",
+                chain[0].display()
+            ));
+        }
+        let _chain = self.chain_change.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = self.backup() {
+            return Err(JobError::Conflict(format!(
+                "a backup is running (NBD on {}); a stream would change the chain under its view: `backup stop` it first",
+                b.socket
+            )));
+        }
+        if self.logging() {
+            return Err(JobError::Conflict(
+                "a migration is under way; start the job on the destination once it is over".into(),
+            ));
+        }
+        let mut slot = self.job_slot();
+        if slot.as_ref().is_some_and(|j| j.running()) {
+            return Err(JobError::Conflict(
+                "a stream job is running already; one job at a time (`job cancel` it first)".into(),
+            ));
+        }
+        let job = Arc::new(Job {
+            base: base.map(|_| chain[base_index].display().to_string()),
+            total: live.size(),
+            done: AtomicU64::new(0),
+            copied: AtomicU64::new(0),
+            speed: speed.unwrap_or(0),
+            cancel: AtomicBool::new(false),
+            state: Mutex::new((JobState::Running, None, Vec::new())),
+            live: live.clone(),
+        });
+        let device = self.clone();
+        let run = job.clone();
+        std::thread::Builder::new()
+            .name("job".into())
+            .spawn(move || device.run_stream(&run, base_index))
+            .map_err(|e| JobError::Conflict(format!("starting the job's thread: {e}")))?;
+        *slot = Some(job.clone());
+        log::info!(
+            "{}: stream started into {}, base {}",
+            self.name,
+            chain[0].display(),
+            job.base
+                .as_deref()
+                .unwrap_or("none (the top will stand alone)")
+        );
+        Ok(job.info())
+    }
+
+    /// Asks the running job to stop; returns once it has (its state is
+    /// then `cancelled`, or `completed` if it was past its switch).
+    pub fn job_cancel(&self) -> Result<JobInfo, JobError> {
+        let Some(job) = self.job_slot().clone() else {
+            return Err(JobError::NoJob);
+        };
+        job.cancel.store(true, Ordering::Relaxed);
+        let deadline = Instant::now() + CANCEL_WAIT;
+        while job.running() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(job.info())
+    }
+
+    /// The job's thread: copies, then switches.
+    fn run_stream(&self, job: &Job, base: usize) {
+        let fail = |why: String| {
+            log::error!("{}: stream failed: {why}", self.name);
+            job.end(JobState::Failed, Some(why), Vec::new());
+        };
+        let hold = match self.hold_guard() {
+            Ok(h) => h,
+            Err(e) => return fail(format!("the image cannot be held: {e}")),
+        };
+        let started = Instant::now();
+        let mut offset = 0;
+        while offset < job.total {
+            if job.cancel.load(Ordering::Relaxed) || self.stopping() {
+                log::info!("{}: stream cancelled; the chain is as it was", self.name);
+                drop(hold);
+                return job.end(JobState::Cancelled, None, Vec::new());
+            }
+            let served = job.live.current();
+            let Some(image) = served.qcow2() else {
+                return fail("the top is no longer a qcow2 image".into());
+            };
+            let stretch = STRETCH.max(image_cluster(&*served.image));
+            match image.stream_step(base, offset, stretch) {
+                Ok(step) => {
+                    job.done.fetch_add(step.examined, Ordering::Relaxed);
+                    job.copied.fetch_add(step.copied, Ordering::Relaxed);
+                    offset += step.examined.max(1);
+                }
+                Err(e) => return fail(format!("copying at byte {offset}: {e}")),
+            }
+            if job.speed > 0 {
+                // Copied bytes keep to the speed: sleep until the time
+                // they are due.
+                let due = Duration::from_secs_f64(
+                    job.copied.load(Ordering::Relaxed) as f64 / job.speed as f64,
+                );
+                let now = started.elapsed();
+                if due > now {
+                    std::thread::sleep((due - now).min(Duration::from_secs(1)));
+                }
+            }
+        }
+        let before = job.live.chain();
+        match job.live.rebase(base) {
+            Ok(chain) => {
+                let unused: Vec<String> = before
+                    .iter()
+                    .filter(|p| !chain.contains(p))
+                    .map(|p| p.display().to_string())
+                    .collect();
+                log::info!(
+                    "{}: stream completed: the chain is now, top first, {}; no longer used (not deleted): {}",
+                    self.name,
+                    chain
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    if unused.is_empty() {
+                        "none".to_string()
+                    } else {
+                        unused.join(", ")
+                    }
+                );
+                drop(hold);
+                job.end(JobState::Completed, None, unused);
+            }
+            Err(e) => fail(format!("switching the chain: {e}")),
+        }
+    }
+}
+
+fn image_cluster(image: &dyn crate::disk::Image) -> u64 {
+    image.cluster_size()
+}
+
+/// The index of `wanted` in `chain` (top first), the path as the chain
+/// lists it (`ctl status`; `ctl stream` finds it there for a path given
+/// otherwise). The daemon looks nothing up by path: its sandbox allows
+/// no such call after start-up.
+fn find_in_chain(chain: &[PathBuf], wanted: &Path) -> Result<usize, JobError> {
+    chain.iter().position(|p| p == wanted).ok_or_else(|| {
+        JobError::Invalid(format!(
+            "--base {}: not in the chain ({}; as `ctl status` lists it)",
+            wanted.display(),
+            chain
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    })
+}

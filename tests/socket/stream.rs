@@ -1,0 +1,355 @@
+//! Stream jobs (`ctl stream`, `ctl job`): the layers between the top and a
+//! base copied up into the top while the guest writes, then dropped from
+//! the chain; qemu-img is the judge of what is left on disk.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use ringblk_testkit::qemu_img::{check_clean, compare_identical, qemu_img, sha256};
+use ringblk_testkit::{Client, MIB, ctl, test_dir};
+
+use super::qcow2::{
+    Chain, SIZE, canonical, chain, reads_as_reference, serve, snapshot, status_chain, stop,
+    write_round,
+};
+
+fn ok(out: &std::process::Output, what: &str) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "{what}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+/// `ctl ARGS` must fail with one line containing `what`.
+fn refused(api: &Path, args: &[&str], what: &str) {
+    let out = ctl(api, args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "ctl {args:?}: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "ctl {args:?}: {err}");
+    assert!(err.contains(what), "ctl {args:?}: {err}");
+}
+
+/// Polls `job status` until the job is no longer running.
+fn wait_job(api: &Path) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let job = ok(&ctl(api, &["job", "status"]), "job status");
+        if job["state"] != "running" {
+            return job;
+        }
+        assert!(Instant::now() < deadline, "the job runs on: {job}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The chain qemu-img sees from `top`, top first (`-U`: also while the
+/// daemon holds the image).
+fn qemu_chain(top: &Path) -> Vec<String> {
+    let out = qemu_img(&[
+        "info",
+        "-U",
+        "--backing-chain",
+        "--output=json",
+        top.to_str().unwrap(),
+    ]);
+    let infos: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    infos
+        .iter()
+        .map(|i| canonical(Path::new(i["filename"].as_str().unwrap())))
+        .collect()
+}
+
+/// Waits until a process that was killed no longer holds `image`'s
+/// locks: its io_uring, torn down by the kernel after the process is
+/// reaped, holds its files (and so their locks) until then.
+fn unlocked(image: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = std::process::Command::new("qemu-img")
+            .args(["info", "-f", "qcow2"])
+            .arg(image)
+            .output()
+            .unwrap();
+        if out.status.success() {
+            return;
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("Failed to lock") && Instant::now() < deadline,
+            "qemu-img info {}: {err}",
+            image.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A chain of four: base.raw, top.qcow2 (the named image), s1.qcow2 and
+/// s2.qcow2 made by live snapshots, each layer with writes of its own.
+fn four_layers(dir: &Path, c: &Chain, client: &mut Client, api: &Path) {
+    write_round(client, c, 10, 12);
+    snapshot(api, "s1.qcow2");
+    write_round(client, c, 20, 12);
+    snapshot(api, "s2.qcow2");
+    write_round(client, c, 30, 6);
+    assert_eq!(
+        status_chain(api),
+        [
+            canonical(&dir.join("snaps/s2.qcow2")),
+            canonical(&dir.join("snaps/s1.qcow2")),
+            canonical(&c.top),
+            canonical(&c.base),
+        ]
+    );
+}
+
+/// A stream onto the base while the guest writes, then one that leaves
+/// the top alone: each time every read is what the guest wrote, the
+/// layers dropped are untouched and listed as unused, qemu-img sees the
+/// new chain and finds every file clean, and a restart with the same
+/// command line (which follows the snapshot records to the top) serves
+/// the new chain.
+#[test]
+fn a_stream_under_writes_drops_the_layers_and_loses_nothing() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let args = [
+        "--api",
+        api.to_str().unwrap(),
+        "--snapshot-dir",
+        snaps.to_str().unwrap(),
+    ];
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    four_layers(dir.path(), &c, &mut client, &api);
+    let (s1, s2) = (snaps.join("s1.qcow2"), snaps.join("s2.qcow2"));
+    let sums = [sha256(&c.top), sha256(&s1), sha256(&c.base)];
+
+    // Slow enough that the guest's writes land while it copies.
+    let base = canonical(&c.base);
+    let started = ok(
+        &ctl(&api, &["stream", "--base", &base, "--speed", "2M"]),
+        "stream",
+    );
+    assert_eq!(started["state"], "running");
+    assert_eq!(started["kind"], "stream");
+    assert_eq!(started["total"], SIZE);
+    // One job at a time; a snapshot or a backup waits for it.
+    refused(&api, &["stream"], "a stream job is running already");
+    refused(
+        &api,
+        &["snapshot", "--overlay", "s3.qcow2"],
+        "a stream job is running",
+    );
+    let mut rounds = 0;
+    while ok(&ctl(&api, &["job", "status"]), "job status")["state"] == "running" {
+        write_round(&mut client, &c, 40 + rounds, 3);
+        rounds += 1;
+    }
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    assert!(
+        rounds > 0,
+        "the stream ended before the guest wrote during it"
+    );
+    assert_eq!(job["done"], SIZE);
+    assert!(job["copied"].as_u64().unwrap() > 0, "{job}");
+    let new_chain = [canonical(&s2), base.clone()];
+    assert_eq!(status_chain(&api), new_chain);
+    assert_eq!(job["chain"], serde_json::json!(new_chain));
+    assert_eq!(
+        job["unused"],
+        serde_json::json!([canonical(&s1), canonical(&c.top)])
+    );
+    reads_as_reference(&mut client, &c, "after the stream");
+    write_round(&mut client, &c, 90, 4);
+    reads_as_reference(&mut client, &c, "writes after the stream");
+
+    // Standing alone: every layer below the top copied up.
+    let job = ok(&ctl(&api, &["stream"]), "stream to none");
+    assert_eq!(job["base"], serde_json::Value::Null);
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    assert_eq!(status_chain(&api), [canonical(&s2)]);
+    assert_eq!(job["unused"], serde_json::json!([base]));
+    reads_as_reference(&mut client, &c, "after the second stream");
+    drop(client);
+    stop(d);
+
+    assert_eq!(qemu_chain(&s2), [canonical(&s2)]);
+    check_clean(&s2);
+    compare_identical(&s2, &c.reference);
+    assert_eq!(
+        [sha256(&c.top), sha256(&s1), sha256(&c.base)],
+        sums,
+        "a dropped layer was written"
+    );
+
+    // The same command line again: the records lead to s2, which now
+    // stands alone.
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    assert_eq!(status_chain(&api), [canonical(&s2)]);
+    reads_as_reference(&mut client, &c, "after a restart");
+    drop(client);
+    stop(d);
+}
+
+/// Bad requests get one line each, and a cancelled stream leaves the
+/// chain as it was (what it had copied reads the same).
+#[test]
+fn a_stream_refuses_bad_input_and_a_cancel_leaves_the_chain() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "qcow2", SIZE);
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let backups = dir.path().join("backups");
+    std::fs::create_dir(&backups).unwrap();
+    let args = [
+        "--api",
+        api.to_str().unwrap(),
+        "--snapshot-dir",
+        snaps.to_str().unwrap(),
+        "--backup-dir",
+        backups.to_str().unwrap(),
+    ];
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    four_layers(dir.path(), &c, &mut client, &api);
+    let before = status_chain(&api);
+    refused(&api, &["job", "status"], "no job has run");
+    refused(&api, &["job", "cancel"], "no job has run");
+    // A speed of 0 is refused by the command line before the daemon,
+    // which refuses it too (for a client of the API).
+    let out = ctl(&api, &["stream", "--speed", "0"]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("'0' is not a usable size"));
+    refused(
+        &api,
+        &["stream", "--base", "/nowhere.qcow2"],
+        "not in the chain",
+    );
+    refused(&api, &["stream", "--base", &before[0]], "that is the top");
+    // A backup reads the chain: no stream under it.
+    let out = ctl(&api, &["backup", "start", "--nbd", "b.sock"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    refused(&api, &["stream"], "a backup is running");
+    let out = ctl(&api, &["backup", "stop"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    ok(&ctl(&api, &["stream", "--speed", "1M"]), "stream");
+    refused(
+        &api,
+        &["backup", "start", "--nbd", "b.sock"],
+        "a stream job is running",
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let job = ok(&ctl(&api, &["job", "cancel"]), "job cancel");
+    assert_eq!(job["state"], "cancelled", "{job}");
+    assert!(job["done"].as_u64().unwrap() < SIZE, "{job}");
+    assert_eq!(status_chain(&api), before);
+    reads_as_reference(&mut client, &c, "after a cancel");
+    write_round(&mut client, &c, 70, 4);
+    reads_as_reference(&mut client, &c, "writes after a cancel");
+    drop(client);
+    stop(d);
+    let s2 = snaps.join("s2.qcow2");
+    assert_eq!(qemu_chain(&s2), before);
+    check_clean(&s2);
+    compare_identical(&s2, &c.reference);
+
+    // A raw image has no chain to stream.
+    let raw = dir.path().join("plain.raw");
+    std::fs::write(&raw, vec![0u8; MIB as usize]).unwrap();
+    let api2 = dir.path().join("api2.sock");
+    let d = ringblk_testkit::Daemon::start_in(
+        dir.path(),
+        ringblk_testkit::DaemonOptions {
+            image: Some(raw),
+            args: &["--api", api2.to_str().unwrap()],
+            ..Default::default()
+        },
+    );
+    refused(&api2, &["stream"], "needs an image with a backing chain");
+    stop(d);
+}
+
+/// kill -9 at points through a stream (while it copies, and right after
+/// it switched), then the same command line: the chain is the old one or
+/// the new one, it reads as the guest wrote it, and qemu-img finds every
+/// file of it clean.
+#[test]
+fn a_kill_9_during_a_stream_leaves_a_chain_that_serves() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let args = [
+        "--api",
+        api.to_str().unwrap(),
+        "--snapshot-dir",
+        snaps.to_str().unwrap(),
+    ];
+    let mut d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    four_layers(dir.path(), &c, &mut client, &api);
+    let old = status_chain(&api);
+    let s2 = snaps.join("s2.qcow2");
+    let mut switched = false;
+    for (round, wait_ms) in [150u64, 600, 0].into_iter().enumerate() {
+        let speed = if wait_ms == 0 { "1G" } else { "4M" };
+        ok(
+            &ctl(&api, &["stream", "--base", &old[3], "--speed", speed]),
+            "stream",
+        );
+        write_round(&mut client, &c, 100 + round as u64 * 10, 3);
+        if wait_ms == 0 {
+            let job = wait_job(&api);
+            assert_eq!(job["state"], "completed", "{job}");
+        } else {
+            std::thread::sleep(Duration::from_millis(wait_ms));
+        }
+        drop(client);
+        let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+        assert!(!st.success());
+        unlocked(&s2);
+        let chain = qemu_chain(&s2);
+        assert!(
+            chain == old || chain == [old[0].clone(), old[3].clone()],
+            "round {round}: the chain on disk is {chain:?}"
+        );
+        switched = chain.len() == 2;
+        eprintln!("round {round}: killed {wait_ms} ms into the stream; switched: {switched}");
+        check_clean(&s2);
+        compare_identical(&s2, &c.reference);
+        // The killed daemon's fixture goes first: it removes its socket,
+        // which the next one reuses.
+        drop(d);
+        d = serve(&c, dir.path(), &args);
+        client = Client::connect(&d.socket, 2 * MIB as usize);
+        assert_eq!(qemu_chain(&s2), status_chain(&api));
+        reads_as_reference(&mut client, &c, "after a kill -9 during a stream");
+        if switched {
+            break;
+        }
+    }
+    assert!(switched, "no round got to the switch");
+    drop(client);
+    stop(d);
+    check_clean(&s2);
+}
