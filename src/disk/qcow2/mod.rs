@@ -704,6 +704,14 @@ impl Qcow2Image {
     /// zeroes of a write-zeroes in a chain with an encrypted layer. Under
     /// `meta`; the caller commits.
     fn write_locked(&self, data: &[u8], offset: u64) -> Result<(), FormatError> {
+        self.write_locked_as(data, offset, false)
+    }
+
+    /// [`Qcow2Image::write_locked`]; `copy`: the bytes are not the
+    /// guest's new data but what it reads already (a stream's copy up),
+    /// which must never be pointed to before it is durable (see
+    /// [`FileState::copy_write`]). Under `meta`.
+    fn write_locked_as(&self, data: &[u8], offset: u64, copy: bool) -> Result<(), FormatError> {
         let mut pieces = Vec::new();
         self.resolve_write_locked(offset, offset + data.len() as u64, &mut pieces)?;
         for p in pieces {
@@ -721,9 +729,13 @@ impl Qcow2Image {
                 crate::crypto::key::scrub_after_pass();
                 done.map_err(|e| FormatError::io("writing zeroes")(io::Error::other(e)))?;
             }
-            self.files[0]
-                .data_write(&bytes, host)
-                .map_err(FormatError::io("writing zeroes"))?;
+            let top = &self.files[0];
+            if copy {
+                top.copy_write(&bytes, host)
+            } else {
+                top.data_write(&bytes, host)
+            }
+            .map_err(FormatError::io("writing zeroes"))?;
         }
         Ok(())
     }

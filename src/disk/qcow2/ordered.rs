@@ -970,6 +970,35 @@ impl FileState {
         }
     }
 
+    /// A write of data that metadata written after it will point to (a
+    /// stream's copy into the top, a header's new backing file name):
+    /// through the ordering, so that the next pointer write waits for an
+    /// fdatasync after it, as copy-on-write data does; recorded in the
+    /// journal.
+    pub fn copy_write(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        match &self.order {
+            Some(order) => {
+                let mut o = lock(order);
+                self.pwrite(data, offset)?;
+                o.unsynced |= UNSYNCED_OTHER;
+                Ok(())
+            }
+            None => self.file.write_all_at(data, offset),
+        }
+    }
+
+    /// An fdatasync and nothing else (nothing held back is written
+    /// first); recorded in the journal.
+    pub fn sync_only(&self) -> io::Result<()> {
+        match &self.order {
+            Some(order) => {
+                let mut o = lock(order);
+                self.fdatasync(&mut o)
+            }
+            None => self.file.sync_data(),
+        }
+    }
+
     /// fdatasync if anything was pwritten through the ordering since the
     /// last one (a write-through commit: nothing to do when another
     /// commit's fdatasync already covered its metadata).

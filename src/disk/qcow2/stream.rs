@@ -116,7 +116,7 @@ impl Qcow2Image {
                         buf.clear();
                         buf.resize(n as usize, 0);
                         self.forget(pos, pos + n);
-                        self.write_locked(&buf, pos)?;
+                        self.write_locked_as(&buf, pos, true)?;
                     }
                     self.dirty.fetch_add(1, Ordering::AcqRel);
                     step.copied += n;
@@ -129,7 +129,7 @@ impl Qcow2Image {
                         // Reads as zeroes without a backing file anyway.
                     } else {
                         self.forget(pos, pos + n);
-                        self.write_locked(&buf, pos)?;
+                        self.write_locked_as(&buf, pos, true)?;
                         self.dirty.fetch_add(1, Ordering::AcqRel);
                         step.copied += n;
                     }
@@ -216,7 +216,7 @@ impl Qcow2Image {
         self.commit_locked()?;
         top.sync_now().map_err(FormatError::io("fdatasync"))?;
         let csize = 1u64 << self.cluster_bits;
-        rewrite_backing(top.file(), csize, name.zip(format))
+        rewrite_backing(top, csize, name.zip(format))
             .map_err(|e| open_err(&path, format!("rewriting the backing file: {e}")))?;
         // From here on the chain on disk is the new one.
         let again = |e: io::Error| {
@@ -298,10 +298,11 @@ fn be64(b: &[u8], at: usize) -> u64 {
 /// old name), synced; then the first 512 bytes with the name's offset and
 /// length and the format, in one write, synced.
 pub(super) fn rewrite_backing(
-    file: &std::fs::File,
+    top: &FileState,
     csize: u64,
     new: Option<(&str, &str)>,
 ) -> io::Result<()> {
+    let file = top.file();
     let bad = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
     let span = csize.min(2 << 20) as usize;
     let mut cluster = vec![0u8; span];
@@ -372,8 +373,8 @@ pub(super) fn rewrite_backing(
                 .ok_or_else(|| {
                     bad("no room for the backing file name in the header cluster".into())
                 })?;
-            file.write_all_at(name.as_bytes(), place as u64)?;
-            file.sync_data()?;
+            top.copy_write(name.as_bytes(), place as u64)?;
+            top.sync_only()?;
             sector[8..16].copy_from_slice(&(place as u64).to_be_bytes());
             sector[16..20].copy_from_slice(&(name.len() as u32).to_be_bytes());
             sector[fat + 4..fat + 8].copy_from_slice(&(format.len() as u32).to_be_bytes());
@@ -382,6 +383,6 @@ pub(super) fn rewrite_backing(
             data[..format.len()].copy_from_slice(format.as_bytes());
         }
     }
-    file.write_all_at(&sector, 0)?;
-    file.sync_data()
+    top.copy_write(&sector, 0)?;
+    top.sync_only()
 }
