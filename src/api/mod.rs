@@ -32,7 +32,7 @@ pub use server::{
     ANSWER_DEADLINE, Bound, ENDPOINT_FDS, MAX_CONNECTIONS, MAX_HEAD, REQUEST_DEADLINE, VERB_THREADS,
 };
 
-use crate::device::{ResizeError, Resized};
+use crate::device::{Device, ResizeError, Resized};
 
 /// The largest request body taken; a larger one gets 413.
 pub const MAX_BODY: usize = 64 << 10;
@@ -79,6 +79,7 @@ pub struct Ctx<'a> {
     method: &'a Method,
     queues: &'a [Arc<QueueMetrics>],
     control: Option<&'a Control>,
+    device: Option<&'a Device>,
     body: &'a [u8],
 }
 
@@ -317,10 +318,53 @@ pub const VERBS: &[Verb] = &[
 ];
 
 fn metrics_text(ctx: &Ctx<'_>) -> Reply {
+    let mut body = prometheus::encode(&ctx.snapshot().queues);
+    if let Some(job) = ctx.device.and_then(Device::job) {
+        job_metrics(&mut body, &job);
+    }
     Reply {
         status: 200,
         content_type: prometheus::CONTENT_TYPE,
-        body: prometheus::encode(&ctx.snapshot().queues),
+        body,
+    }
+}
+
+/// The block job's progress (the one running, or the last one), as
+/// gauges labelled with its kind.
+fn job_metrics(out: &mut String, job: &crate::device::JobInfo) {
+    use std::fmt::Write;
+    let running = u64::from(job.state == crate::device::JobState::Running);
+    for (name, help, value) in [
+        (
+            "job_running",
+            "Whether the block job runs (1) or ended (0).",
+            running,
+        ),
+        (
+            "job_done_bytes",
+            "Guest bytes the block job has gone through.",
+            job.done,
+        ),
+        (
+            "job_total_bytes",
+            "Guest bytes the block job goes through in all.",
+            job.total,
+        ),
+        (
+            "job_copied_bytes",
+            "Bytes the block job has copied.",
+            job.copied,
+        ),
+        (
+            "job_speed_bytes",
+            "The block job's speed limit in bytes per second (0: none).",
+            job.speed,
+        ),
+    ] {
+        // Writing to a String cannot fail.
+        let _ = writeln!(out, "# HELP ringblk_{name} {help}");
+        let _ = writeln!(out, "# TYPE ringblk_{name} gauge");
+        let _ = writeln!(out, "ringblk_{name}{{kind=\"{}\"}} {value}", job.kind);
     }
 }
 
@@ -627,14 +671,22 @@ pub struct Api {
     verbs: &'static [Verb],
     queues: Vec<Arc<QueueMetrics>>,
     control: Option<Arc<Control>>,
+    /// The device, for what `/metrics` shows of it beside the queues' counters
+    /// (a block job's progress).
+    device: Option<Arc<Device>>,
 }
 
 impl Api {
-    pub fn new(queues: Vec<Arc<QueueMetrics>>, control: Option<Arc<Control>>) -> Api {
+    pub fn new(
+        queues: Vec<Arc<QueueMetrics>>,
+        control: Option<Arc<Control>>,
+        device: Option<Arc<Device>>,
+    ) -> Api {
         Api {
             verbs: VERBS,
             queues,
             control,
+            device,
         }
     }
 
@@ -666,6 +718,7 @@ impl Api {
             method,
             queues: &self.queues,
             control: self.control.as_deref(),
+            device: self.device.as_deref(),
             body,
         })
     }
@@ -725,9 +778,13 @@ pub fn bind_metrics(addr: &str) -> Result<(Bound, MetricsAddr), MetricsError> {
 }
 
 /// The read-only metrics endpoint on `addr`.
-pub fn spawn_metrics(addr: &str, queues: Vec<Arc<QueueMetrics>>) -> Result<Endpoint, MetricsError> {
+pub fn spawn_metrics(
+    addr: &str,
+    queues: Vec<Arc<QueueMetrics>>,
+    device: Option<Arc<Device>>,
+) -> Result<Endpoint, MetricsError> {
     let (bound, addr) = bind_metrics(addr)?;
-    let endpoint = spawn(bound, addr, queues, None)?;
+    let endpoint = spawn(bound, addr, queues, None, device)?;
     log::info!(
         "metrics on {} ({})",
         endpoint.local_addr(),
@@ -737,19 +794,20 @@ pub fn spawn_metrics(addr: &str, queues: Vec<Arc<QueueMetrics>>) -> Result<Endpo
 }
 
 /// Serves `bound` (known as `addr`) on a thread of its own: the counters
-/// of `queues`, and with `control` the control verbs too.
+/// of `queues` (and of `device`, where given), and with `control` the
+/// control verbs too.
 pub fn spawn(
     bound: Bound,
     addr: MetricsAddr,
     queues: Vec<Arc<QueueMetrics>>,
     control: Option<Arc<Control>>,
+    device: Option<Arc<Device>>,
 ) -> Result<Endpoint, MetricsError> {
     let name = if control.is_some() { "api" } else { "metrics" };
-    let server = server::Server::spawn(name, bound, Api::new(queues, control)).map_err(|e| {
-        MetricsError::Bind {
-            addr: addr.to_string(),
-            source: e,
-        }
+    let api = Api::new(queues, control, device);
+    let server = server::Server::spawn(name, bound, api).map_err(|e| MetricsError::Bind {
+        addr: addr.to_string(),
+        source: e,
     })?;
     Ok(Endpoint { addr, server })
 }

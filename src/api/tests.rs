@@ -12,10 +12,11 @@ fn metrics() -> Vec<Arc<QueueMetrics>> {
 
 #[test]
 fn metrics_over_tcp_and_unix() {
-    let tcp = spawn_metrics("127.0.0.1:0", metrics()).expect("bind tcp");
+    let tcp = spawn_metrics("127.0.0.1:0", metrics(), None).expect("bind tcp");
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("m.sock");
-    let unix = spawn_metrics(path.to_str().expect("utf-8 path"), metrics()).expect("bind unix");
+    let unix =
+        spawn_metrics(path.to_str().expect("utf-8 path"), metrics(), None).expect("bind unix");
     for addr in [tcp.local_addr(), unix.local_addr()] {
         let doc = fetch(&addr).expect("json");
         assert_eq!(doc.queues.len(), 2);
@@ -34,24 +35,24 @@ fn metrics_over_tcp_and_unix() {
         assert_eq!(status, 405);
     }
     // A second daemon must not steal a live socket...
-    assert!(spawn_metrics(path.to_str().expect("utf-8"), metrics()).is_err());
+    assert!(spawn_metrics(path.to_str().expect("utf-8"), metrics(), None).is_err());
     unix.shutdown();
     tcp.shutdown();
     // ...and shutdown cleans up so the next one can bind.
     assert!(!path.exists());
     drop(UnixListener::bind(&path).expect("stale socket"));
-    let again = spawn_metrics(path.to_str().expect("utf-8"), metrics());
+    let again = spawn_metrics(path.to_str().expect("utf-8"), metrics(), None);
     assert!(again.is_ok(), "a stale socket is replaced");
     drop(again);
     let file = dir.path().join("file");
     std::fs::write(&file, b"data").expect("write");
-    assert!(spawn_metrics(file.to_str().expect("utf-8"), metrics()).is_err());
+    assert!(spawn_metrics(file.to_str().expect("utf-8"), metrics(), None).is_err());
     assert!(file.exists(), "a regular file is never removed");
 }
 
 #[test]
 fn every_verb_is_routed_and_control_verbs_need_control() {
-    let api = Api::new(metrics(), None);
+    let api = Api::new(metrics(), None, None);
     for v in VERBS {
         let r = api.dispatch(&v.methods[0], v.path, b"");
         if v.control {
@@ -82,7 +83,7 @@ fn control() -> Arc<Control> {
 fn the_verbs_verb_lists_the_table() {
     for control in [None, Some(control())] {
         let on_api = control.is_some();
-        let api = Api::new(metrics(), control);
+        let api = Api::new(metrics(), control, None);
         let r = api.dispatch(&Method::GET, "/api/v1/verbs", b"");
         assert_eq!(r.status, 200, "{}", r.body);
         let listed: serde_json::Value = serde_json::from_str(&r.body).unwrap();
@@ -114,7 +115,7 @@ fn the_verbs_verb_lists_the_table() {
 /// serial, lock, front-end.
 #[test]
 fn status_has_the_daemons_identity() {
-    let api = Api::new(metrics(), Some(control()));
+    let api = Api::new(metrics(), Some(control()), None);
     let r = api.dispatch(&Method::GET, "/api/v1/status", b"");
     assert_eq!(r.status, 200, "{}", r.body);
     let s: serde_json::Value = serde_json::from_str(&r.body).unwrap();
@@ -168,6 +169,7 @@ fn test_server() -> (server::Server, String) {
         verbs: TEST_VERBS,
         queues: metrics(),
         control: None,
+        device: None,
     };
     let s = server::Server::spawn("test", Bound::Tcp(l), api).expect("spawn");
     (s, addr)

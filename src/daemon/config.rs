@@ -318,6 +318,14 @@ impl Config {
             backups,
         })
         .map_err(|e| DaemonError::Config(e.to_string()))?;
+        // A block job the last daemon was in the middle of.
+        if let Some(dir) = device.chain().and_then(|live| live.snapshot_dir()) {
+            match crate::disk::records::job(dir.path()) {
+                Ok(Some(record)) => device.recover_job(record),
+                Ok(None) => {}
+                Err(e) => log::warn!("{e}"),
+            }
+        }
         let settings = Settings {
             notify: args.notify,
             signal: args.signal,

@@ -59,6 +59,7 @@ fn spawn_api(
         crate::metrics::MetricsAddr::Unix(path.to_path_buf()),
         metrics.to_vec(),
         Some(Arc::new(crate::api::Control::new(device.clone(), identity))),
+        Some(device.clone()),
     )
     .map_err(|e| err(e.to_string()))?;
     log::info!(
@@ -137,16 +138,16 @@ pub fn serve(args: ServeArgs) -> Result<(), DaemonError> {
     // be a clean stop (the handler thread picks it up once it runs), not
     // the default action, which would leave the sockets behind.
     let signals = Signals::new().map_err(DaemonError::Signals)?;
+    // The workers, the backend and the endpoints share the device.
+    let device = Arc::new(cfg.device);
     // Bound before the seccomp filter: binding probes for a stale socket.
     let _endpoint = match &cfg.args.metrics {
         Some(addr) => Some(
-            crate::api::spawn_metrics(addr, metrics.clone())
+            crate::api::spawn_metrics(addr, metrics.clone(), Some(device.clone()))
                 .map_err(|e| DaemonError::Config(format!("--metrics: {e}")))?,
         ),
         None => None,
     };
-    // The workers, the backend and the control API share the device.
-    let device = Arc::new(cfg.device);
     // Before the vhost-user socket listens: what a daemon killed on the
     // image left (`Device::recover_image`).
     device.recover_image();

@@ -27,6 +27,7 @@ use serde::Serialize;
 
 use super::Device;
 use crate::disk::Live;
+use crate::disk::records::JobRecord;
 
 /// What a job copies at a time: the longest the guest's own metadata work
 /// waits behind it (each stretch holds the image's metadata locks).
@@ -57,6 +58,10 @@ pub enum JobState {
     Completed,
     Cancelled,
     Failed,
+    /// Cut short by a crash or a kill of the daemon (found at start-up):
+    /// the chain is as it was; started again, the job goes on from what
+    /// was copied.
+    Interrupted,
 }
 
 /// What `job status` shows.
@@ -124,6 +129,7 @@ impl Job {
     }
 
     fn end(&self, state: JobState, error: Option<String>, unused: Vec<String>) {
+        self.live.clear_job();
         *self.state.lock().unwrap_or_else(|e| e.into_inner()) = (state, error, unused);
     }
 }
@@ -201,6 +207,10 @@ impl Device {
                 "a stream job is running already; one job at a time (`job cancel` it first)".into(),
             ));
         }
+        // Recorded before it starts: a restart after a crash says it was
+        // cut short.
+        live.record_job(&JobRecord::new("stream", &chain, base_index))
+            .map_err(|e| JobError::Conflict(format!("the job cannot be recorded: {e}")))?;
         let job = Arc::new(Job {
             base: base.map(|_| chain[base_index].display().to_string()),
             total: live.size(),
@@ -227,6 +237,57 @@ impl Device {
                 .unwrap_or("none (the top will stand alone)")
         );
         Ok(job.info())
+    }
+
+    /// At start-up: the job record a daemon that stopped in the middle of
+    /// a job left (see [`crate::disk::records::job`]). Its job shows as
+    /// `completed` when the chain is already the one it was making (the
+    /// crash came after its switch), else `interrupted`, until the next
+    /// job starts.
+    pub fn recover_job(&self, record: JobRecord) {
+        let Some(live) = self.backing.chain().cloned() else {
+            return;
+        };
+        let chain: Vec<String> = live
+            .chain()
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        let switched = chain.first() == Some(&record.top)
+            && chain.get(1) == record.base.as_ref()
+            && !record.drops.iter().any(|d| chain.contains(d));
+        let (state, error) = if switched {
+            (JobState::Completed, None)
+        } else {
+            log::warn!(
+                "{}: a {} job started {} was cut short (the daemon stopped in its middle); the chain is as it was: start it again to finish it (what it copied is kept)",
+                self.name,
+                record.kind,
+                crate::disk::records::utc(record.at)
+            );
+            (
+                JobState::Interrupted,
+                Some(
+                    "cut short when the daemon stopped; the chain is as it was: start it again (what it copied is kept)"
+                        .to_string(),
+                ),
+            )
+        };
+        let unused = if switched {
+            record.drops.clone()
+        } else {
+            Vec::new()
+        };
+        *self.job_slot() = Some(Arc::new(Job {
+            base: record.base,
+            total: live.size(),
+            done: AtomicU64::new(0),
+            copied: AtomicU64::new(0),
+            speed: 0,
+            cancel: AtomicBool::new(false),
+            state: Mutex::new((state, error, unused)),
+            live,
+        }));
     }
 
     /// Asks the running job to stop; returns once it has (its state is

@@ -43,7 +43,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::qcow2::OpenOptions;
-use super::records::{Dropped, RECORD_SUFFIX, Record};
+use super::records::{DROPPED_SUFFIX, Dropped, JOB_RECORD, JobRecord, RECORD_SUFFIX, Record};
 use super::{Format, FormatError, Image};
 
 /// How long a snapshot waits for the requests in flight to finish.
@@ -160,6 +160,11 @@ impl SnapshotDir {
                 "names ending in {RECORD_SUFFIX} are the snapshot records'"
             )));
         }
+        if name.ends_with(DROPPED_SUFFIX) || name == JOB_RECORD {
+            return Err(bad(&format!(
+                "names ending in {DROPPED_SUFFIX}, and {JOB_RECORD}, are the block jobs' records"
+            )));
+        }
         Ok(name)
     }
 
@@ -182,6 +187,27 @@ impl SnapshotDir {
             .map_err(err)?;
         if let Err(e) = record.write_to(&file).and_then(|()| self.dir.sync_data()) {
             self.remove(&name);
+            return Err(err(e));
+        }
+        Ok(())
+    }
+
+    /// Writes the job record ([`JobRecord`]), replacing one a crash left.
+    fn record_job(&self, record: &JobRecord) -> Result<(), FormatError> {
+        let err = |e: io::Error| FormatError::Open {
+            path: self.path.join(JOB_RECORD).display().to_string(),
+            reason: format!("writing the job record: {e}"),
+        };
+        let _ = crate::host::unlink_at(&self.dir, JOB_RECORD);
+        let file = self
+            .open_at(JOB_RECORD, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)
+            .map_err(err)?;
+        let written = (&file)
+            .write_all(record.line().as_bytes())
+            .and_then(|()| file.sync_data())
+            .and_then(|()| self.dir.sync_data());
+        if let Err(e) = written {
+            self.remove(JOB_RECORD);
             return Err(err(e));
         }
         Ok(())
@@ -569,6 +595,24 @@ impl Live {
         });
         self.resume();
         made
+    }
+
+    /// Records a block job that starts (in the snapshot directory; with
+    /// none, nothing is recorded and a restart cannot say a job was cut
+    /// short).
+    pub fn record_job(&self, record: &JobRecord) -> Result<(), FormatError> {
+        match &self.snapshots {
+            Some(dir) => dir.record_job(record),
+            None => Ok(()),
+        }
+    }
+
+    /// The job ended: its record goes.
+    pub fn clear_job(&self) {
+        if let Some(dir) = &self.snapshots {
+            dir.remove(JOB_RECORD);
+            let _ = dir.dir.sync_data();
+        }
     }
 
     /// Stops new requests and waits for those in flight.

@@ -143,6 +143,67 @@ impl Dropped {
     }
 }
 
+/// The record of the block job running (one at a time), in the snapshot
+/// directory: written when it starts and removed when it ends, so that a
+/// daemon restarted after a crash in the middle of one can say so.
+pub const JOB_RECORD: &str = "job.ringblk-job";
+
+/// A block job that started: `kind` on the chain whose top was `top`,
+/// onto `base` (none: the top to stand alone), dropping `drops`.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JobRecord {
+    pub ringblk_job: u32,
+    pub kind: String,
+    pub top: String,
+    pub base: Option<String>,
+    pub drops: Vec<String>,
+    pub at: u64,
+}
+
+impl JobRecord {
+    pub fn new(kind: &str, chain: &[PathBuf], base: usize) -> JobRecord {
+        let name = |p: &PathBuf| p.display().to_string();
+        JobRecord {
+            ringblk_job: VERSION,
+            kind: kind.to_string(),
+            top: chain.first().map(name).unwrap_or_default(),
+            base: chain.get(base).map(name),
+            drops: chain
+                .get(1..base)
+                .unwrap_or_default()
+                .iter()
+                .map(name)
+                .collect(),
+            at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        }
+    }
+
+    pub fn line(&self) -> String {
+        let mut s = serde_json::to_string(self).unwrap_or_default();
+        s.push('\n');
+        s
+    }
+}
+
+/// The job record in `dir`, if there is one (read as the snapshot
+/// records are); one that does not parse is skipped with a warning.
+pub fn job(dir: &Path) -> Result<Option<JobRecord>, String> {
+    for (path, text) in read_suffixed(dir, ".ringblk-job", "job record")? {
+        if path.file_name().is_some_and(|n| n == JOB_RECORD) {
+            match serde_json::from_str::<JobRecord>(text.trim_end()) {
+                Ok(r) if r.ringblk_job == VERSION => return Ok(Some(r)),
+                _ => log::warn!(
+                    "{}: not a job record this ringblk knows (cut short by a crash?); ignored",
+                    path.display()
+                ),
+            }
+        }
+    }
+    Ok(None)
+}
+
 /// Every image the records in `dir` say a chain switch dropped (as
 /// [`Dropped`] lists them). Read as the snapshot records are: bounded, no
 /// link followed; a record that does not parse (cut short by a crash

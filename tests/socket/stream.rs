@@ -139,6 +139,16 @@ fn a_stream_under_writes_drops_the_layers_and_loses_nothing() {
     assert_eq!(started["state"], "running");
     assert_eq!(started["kind"], "stream");
     assert_eq!(started["total"], SIZE);
+    // Its progress shows in the metrics.
+    let metrics = ctl(&api, &["stats", "--prometheus"]);
+    let text = String::from_utf8_lossy(&metrics.stdout);
+    assert!(
+        text.contains("ringblk_job_running{kind=\"stream\"} 1"),
+        "{text}"
+    );
+    assert!(text.contains(&format!(
+        "ringblk_job_total_bytes{{kind=\"stream\"}} {SIZE}"
+    )));
     // One job at a time; a snapshot or a backup waits for it.
     refused(&api, &["stream"], "a stream job is running already");
     refused(
@@ -158,6 +168,13 @@ fn a_stream_under_writes_drops_the_layers_and_loses_nothing() {
         "the stream ended before the guest wrote during it"
     );
     assert_eq!(job["done"], SIZE);
+    let metrics = ctl(&api, &["stats", "--prometheus"]);
+    let text = String::from_utf8_lossy(&metrics.stdout);
+    assert!(
+        text.contains("ringblk_job_running{kind=\"stream\"} 0"),
+        "{text}"
+    );
+    assert!(text.contains(&format!("ringblk_job_done_bytes{{kind=\"stream\"}} {SIZE}")));
     assert!(job["copied"].as_u64().unwrap() > 0, "{job}");
     let new_chain = [canonical(&s2), base.clone()];
     assert_eq!(status_chain(&api), new_chain);
@@ -343,6 +360,21 @@ fn a_kill_9_during_a_stream_leaves_a_chain_that_serves() {
         d = serve(&c, dir.path(), &args);
         client = Client::connect(&d.socket, 2 * MIB as usize);
         assert_eq!(qemu_chain(&s2), status_chain(&api));
+        // The job record says what became of the job.
+        let job = ctl(&api, &["job", "status"]);
+        if switched {
+            // Completed before the kill (its record gone), or switched
+            // just before it.
+            let text = String::from_utf8_lossy(&job.stdout);
+            assert!(
+                !job.status.success() || text.contains("\"completed\""),
+                "round {round}: {text}"
+            );
+        } else {
+            let job = ok(&job, "job status after a restart");
+            assert_eq!(job["state"], "interrupted", "round {round}: {job}");
+            assert!(job["error"].as_str().unwrap().contains("start it again"));
+        }
         reads_as_reference(&mut client, &c, "after a kill -9 during a stream");
         if switched {
             break;
