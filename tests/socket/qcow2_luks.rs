@@ -617,3 +617,74 @@ fn outside_at(buf: &[u8], off: u64, hole: &std::ops::Range<usize>) -> Vec<u8> {
     }
     v
 }
+
+/// A stream on an encrypted chain (an encrypted top, a live snapshot of
+/// it, writes in both): every layer below the top copied up, decrypted
+/// with the key of the layer it lay in and encrypted for the top; the top
+/// then stands alone. QEMU, given the secret for the top only, finds it
+/// clean, reads what the client wrote, and the client's plaintext is not
+/// in the file.
+#[test]
+fn a_stream_of_an_encrypted_chain_stays_encrypted() {
+    use ringblk_testkit::ctl_ok;
+    let dir = test_dir();
+    let d = dir.path();
+    let mut m = Model(vec![0u8; SIZE as usize]);
+    let img = encrypted_over(d, "enc.qcow2", None);
+    qemu_writes(d, &img, &mut m, 0xe6);
+    let api = d.join("api.sock");
+    let snaps = d.join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let mut daemon = serve_with(
+        d,
+        &img,
+        &[
+            "--api",
+            api.to_str().unwrap(),
+            "--snapshot-dir",
+            snaps.to_str().unwrap(),
+        ],
+    );
+    let mut c = Client::connect(&daemon.socket, 2 << 20);
+    exercise(&mut c, &mut m);
+    ctl_ok(&api, &["snapshot", "--overlay", "s1.qcow2"]);
+    let s1 = snaps.join("s1.qcow2");
+    m.write(&mut c, 3 * MIB + 4096, &pattern(800, 3 * MIB + 4096, 8192));
+    assert_eq!(c.flush(), 0);
+    ctl_ok(&api, &["stream"]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = ringblk_testkit::ctl(&api, &["job", "status"]);
+        let job: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        if job["state"] != "running" {
+            assert_eq!(job["state"], "completed", "{job}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the stream runs on");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    m.read_back(&mut c);
+    drop(c);
+    daemon.signal_and_wait(libc::SIGTERM, Duration::from_secs(20));
+    // The top alone: no secret needed for a layer below it.
+    check_clean(d, &s1, (true, false));
+    assert_same(
+        "qemu-img convert of the streamed top",
+        &qemu_plaintext(d, &s1, (true, false)),
+        &m.0,
+        0,
+    );
+    let file = std::fs::read(&s1).unwrap();
+    for (what, needle) in [
+        ("qemu-io's", vec![0xe6u8; 4096]),
+        ("the client's", pattern(100, 4096, 4096)),
+    ] {
+        assert!(
+            !file
+                .windows(needle.len())
+                .step_by(512)
+                .any(|w| w == &needle[..]),
+            "{what} plaintext is in the streamed top"
+        );
+    }
+}

@@ -385,3 +385,71 @@ fn a_kill_9_during_a_stream_leaves_a_chain_that_serves() {
     stop(d);
     check_clean(&s2);
 }
+
+/// A dirty bitmap across a stream: the bits the guest's writes set before,
+/// during and after it are all there (the copy itself sets none, since it
+/// changes nothing the guest reads), an incremental backup after it
+/// exports exactly those ranges, a full one reads as the guest wrote, and
+/// once the backup is done the bits leave the bitmap in the image.
+#[test]
+fn a_bitmap_follows_the_guest_across_a_stream() {
+    use ringblk_testkit::nbd;
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    let backups = dir.path().join("backups");
+    std::fs::create_dir(&snaps).unwrap();
+    std::fs::create_dir(&backups).unwrap();
+    let args = [
+        "--api",
+        api.to_str().unwrap(),
+        "--snapshot-dir",
+        snaps.to_str().unwrap(),
+        "--backup-dir",
+        backups.to_str().unwrap(),
+    ];
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    four_layers(dir.path(), &c, &mut client, &api);
+    ok_text(&ctl(&api, &["bitmap", "add", "b"]), "bitmap add");
+    let k64 = 64 * 1024;
+    let mut write = |client: &mut Client, seed: u64, offset: u64| {
+        let data = c.write(seed, offset, k64 as usize);
+        assert_eq!(client.write(offset, &data), 0);
+    };
+    write(&mut client, 1, MIB);
+    ok(&ctl(&api, &["stream", "--speed", "8M"]), "stream");
+    write(&mut client, 2, 3 * MIB);
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    write(&mut client, 3, 5 * MIB);
+    assert_eq!(client.flush(), 0);
+
+    let sock = nbd::backup_start(&api, &backups, "b.sock", Some("b"));
+    assert_eq!(
+        nbd::dirty(&sock, "b"),
+        [(MIB, k64), (3 * MIB, k64), (5 * MIB, k64)]
+    );
+    let full = dir.path().join("full.raw");
+    nbd::copy_full(&sock, &full);
+    assert!(
+        std::fs::read(&full).unwrap() == std::fs::read(&c.reference).unwrap(),
+        "the full backup after a stream differs from what the guest wrote"
+    );
+    ok_text(&ctl(&api, &["backup", "stop"]), "backup stop");
+    drop(client);
+    stop(d);
+    let s2 = dir.path().join("snaps/s2.qcow2");
+    assert_eq!(qemu_chain(&s2), [canonical(&s2)]);
+    assert_eq!(nbd::qemu_nbd_dirty(&s2, "b"), []);
+    check_clean(&s2);
+}
+
+fn ok_text(out: &std::process::Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -234,10 +234,13 @@ impl Qcow2Image {
             state.set_crypt(crypt);
         }
         state.make_ordered(options.ordered, options.journal.clone());
+        // imago sees the header with the autoclear bits cleared before it
+        // opens it, as at the first open: else its open would clear them
+        // in the file (QEMU's bitmaps would read as inconsistent).
+        state.show_imago(bitmaps::header_view(state.file()).map_err(again)?);
         let state = Arc::new(state);
         let mut q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(&state)), true)
             .map_err(again)?;
-        state.show_imago(bitmaps::header_view(state.file()).map_err(again)?);
         state.load_shadow().map_err(again)?;
         let mut header = [0u8; 104];
         state.file().read_exact_at(&mut header, 0).map_err(again)?;
