@@ -414,7 +414,7 @@ fn a_bitmap_follows_the_guest_across_a_stream() {
     four_layers(dir.path(), &c, &mut client, &api);
     ok_text(&ctl(&api, &["bitmap", "add", "b"]), "bitmap add");
     let k64 = 64 * 1024;
-    let mut write = |client: &mut Client, seed: u64, offset: u64| {
+    let write = |client: &mut Client, seed: u64, offset: u64| {
         let data = c.write(seed, offset, k64 as usize);
         assert_eq!(client.write(offset, &data), 0);
     };
