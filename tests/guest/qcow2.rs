@@ -6,15 +6,18 @@
 //! - fio write+verify in 4 KiB random writes, most of them allocating,
 //!   while the host kills the daemon (SIGKILL, with requests in flight)
 //!   three times and restarts it; QEMU reconnects (`reconnect=1`);
-//! - mkfs.ext4, then a live snapshot (`ctl snapshot`) while fio
-//!   write+verifies a file of the file system; fstrim; e2fsck.
+//! - mkfs.ext4, then a live snapshot (`ctl snapshot`) and a stream
+//!   (`ctl stream`: the base and the old top copied up into the new top,
+//!   which then stands alone) while fio write+verifies a file of the file
+//!   system; fstrim; e2fsck.
 //!
 //! Afterwards, the daemon stopped: the base is unchanged, `qemu-img
 //! check` finds both the old top (the kills' image) and the new chain free
 //! of corruption (leaked clusters are printed), and the old top, converted
 //! to raw, holds an ext4 file system that `e2fsck -f -n` finds clean once
 //! its journal is replayed (the snapshot is crash-consistent: what a crash
-//! at that instant would leave, which a mount would replay).
+//! at that instant would leave, which a mount would replay). The new top
+//! has no backing file, and its file system checks clean.
 
 use std::fs::{self, File};
 use std::path::Path;
@@ -39,6 +42,16 @@ const CHECKS: &[&str] = &["fio-alloc", "mkfs", "fs-fio", "fstrim", "e2fsck"];
 
 fn console_says(console: &Path, what: &str) -> bool {
     read_log(console).contains(what)
+}
+
+fn ctl(api: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(ringblk_bin())
+        .arg("ctl")
+        .arg("--api")
+        .arg(api)
+        .args(args)
+        .output()
+        .expect("running ringblk ctl")
 }
 
 fn run_tool(tool: &str, args: &[&str]) -> std::process::Output {
@@ -165,6 +178,17 @@ fn a_guest_on_a_qcow2_overlay_survives_kills_and_a_live_snapshot() {
             .expect("running ringblk ctl");
         if out.status.success() {
             snapshot_taken = true;
+            // Then a stream, with the file system's fio still writing:
+            // the base and the old top copied up into the new top, which
+            // then stands alone.
+            let out = ctl(&api, &["stream"]);
+            if !out.status.success() {
+                problems.push(format!(
+                    "ctl stream failed: {}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ));
+            }
         } else {
             problems.push(format!(
                 "ctl snapshot failed: {}{}",
@@ -173,7 +197,9 @@ fn a_guest_on_a_qcow2_overlay_survives_kills_and_a_live_snapshot() {
             ));
         }
         if console_says(&console, " fs-fio") {
-            problems.push("the file system's fio ended before the snapshot was taken".into());
+            problems.push(
+                "the file system's fio ended before the snapshot and the stream started".into(),
+            );
         }
     } else {
         problems.push("the guest never asked for the snapshot".into());
@@ -190,6 +216,19 @@ fn a_guest_on_a_qcow2_overlay_survives_kills_and_a_live_snapshot() {
         &[BOOT_CHECKS, CHECKS].concat(),
     ));
     drop(qemu);
+    // The stream ends (a SIGTERM would cancel it).
+    let job_deadline = Instant::now() + Duration::from_secs(120);
+    let job = loop {
+        let out = ctl(&api, &["job", "status"]);
+        let job: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        if job["state"] != "running" || Instant::now() > job_deadline {
+            break job;
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    if snapshot_taken && job["state"] != "completed" {
+        problems.push(format!("the stream did not complete: {job}"));
+    }
     daemon.signal(libc::SIGTERM);
     match daemon.wait_for(Duration::from_secs(20)) {
         Some(s) if s.success() => {}
@@ -228,6 +267,29 @@ fn a_guest_on_a_qcow2_overlay_survives_kills_and_a_live_snapshot() {
     eprintln!(
         "qemu-img check: the old top (3 kills under allocating writes) clean, {old_leaks} \
          leaked cluster(s); the new top clean, {new_leaks} leaked cluster(s)"
+    );
+    // The stream left the new top standing alone, and it holds a clean
+    // file system (the guest unmounted it after its own e2fsck).
+    let info = qemu_img(&["info", "--output=json", s1.to_str().unwrap()]);
+    assert!(
+        !info.contains("backing-filename"),
+        "the new top still has a backing file after the stream: {info}"
+    );
+    let streamed = dir.join("streamed.raw");
+    qemu_img(&[
+        "convert",
+        "-O",
+        "raw",
+        s1.to_str().unwrap(),
+        streamed.to_str().unwrap(),
+    ]);
+    let fsck = run_tool("e2fsck", &["-f", "-n", streamed.to_str().unwrap()]);
+    assert!(
+        fsck.status.success(),
+        "e2fsck -f -n of the streamed top: {:?}\n{}{}",
+        fsck.status,
+        String::from_utf8_lossy(&fsck.stdout),
+        String::from_utf8_lossy(&fsck.stderr)
     );
     // The old top as an ext4 file system: what a crash at the snapshot
     // would have left. Its journal is replayed, as a mount would, then
