@@ -839,6 +839,9 @@ fn spawn_signal_handler(
                 log::info!("signal {sig}: finishing in-flight requests");
                 notifier.notify("STOPPING=1");
                 device.stop();
+                // A block job's last stretch is committed before the image
+                // is made durable below.
+                device.stop_job();
                 if let Some(c) = device.connection() {
                     c.drain_all();
                 }

@@ -305,6 +305,16 @@ impl Device {
         Ok(job.info())
     }
 
+    /// The daemon stops: the running job, if any, is cancelled and
+    /// waited for (its stretch finished and committed), so that nothing
+    /// writes the image after it is made durable.
+    pub fn stop_job(&self) {
+        let running = self.job_slot().clone().filter(|j| j.running());
+        if running.is_some() {
+            let _ = self.job_cancel();
+        }
+    }
+
     /// The job's thread: copies, then switches.
     fn run_stream(&self, job: &Job, base: usize) {
         let fail = |why: String| {

@@ -282,12 +282,21 @@ fn a_stream_refuses_bad_input_and_a_cancel_leaves_the_chain() {
     reads_as_reference(&mut client, &c, "after a cancel");
     write_round(&mut client, &c, 70, 4);
     reads_as_reference(&mut client, &c, "writes after a cancel");
+    // SIGTERM in the middle of a stream: the daemon stops cleanly (the
+    // job cancelled, its stretch committed), and a restart finds the
+    // chain as it was and no job cut short.
+    ok(&ctl(&api, &["stream", "--speed", "1M"]), "stream");
+    std::thread::sleep(Duration::from_millis(200));
     drop(client);
     stop(d);
     let s2 = snaps.join("s2.qcow2");
     assert_eq!(qemu_chain(&s2), before);
     check_clean(&s2);
     compare_identical(&s2, &c.reference);
+    let d = serve(&c, dir.path(), &args);
+    refused(&api, &["job", "status"], "no job has run");
+    assert_eq!(status_chain(&api), before);
+    stop(d);
 
     // A raw image has no chain to stream.
     let raw = dir.path().join("plain.raw");
