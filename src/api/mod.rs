@@ -502,6 +502,7 @@ fn job_error(e: crate::device::JobError) -> Reply {
         E::Invalid(_) => 400,
         E::Conflict(_) => 409,
         E::NoJob => 404,
+        E::Io(_) => 500,
     };
     Reply::error(status, e.to_string())
 }

@@ -49,6 +49,9 @@ pub enum JobError {
     /// No job has run on this device.
     #[error("no job has run on this device")]
     NoJob,
+    /// The job could not be started (its record, its thread).
+    #[error("{0}")]
+    Io(String),
 }
 
 /// A job's state.
@@ -211,7 +214,7 @@ impl Device {
         // Recorded before it starts: a restart after a crash says it was
         // cut short.
         live.record_job(&JobRecord::new("stream", &chain, base_index))
-            .map_err(|e| JobError::Conflict(format!("the job cannot be recorded: {e}")))?;
+            .map_err(|e| JobError::Io(format!("the job cannot be recorded: {e}")))?;
         let job = Arc::new(Job {
             base: base.map(|_| chain[base_index].display().to_string()),
             total: live.size(),
@@ -227,7 +230,10 @@ impl Device {
         std::thread::Builder::new()
             .name("job".into())
             .spawn(move || device.run_stream(&run, base_index))
-            .map_err(|e| JobError::Conflict(format!("starting the job's thread: {e}")))?;
+            .map_err(|e| {
+                live.clear_job();
+                JobError::Io(format!("starting the job's thread: {e}"))
+            })?;
         *slot = Some(job.clone());
         log::info!(
             "{}: stream started into {}, base {}",
@@ -337,7 +343,7 @@ impl Device {
             let Some(image) = served.qcow2() else {
                 return fail("the top is no longer a qcow2 image".into());
             };
-            let stretch = STRETCH.max(image_cluster(&*served.image));
+            let stretch = STRETCH.max(served.image.cluster_size());
             let took = Instant::now();
             match image.stream_step(base, offset, stretch) {
                 Ok(step) => {
@@ -397,10 +403,6 @@ impl Device {
             Err(e) => fail(format!("switching the chain: {e}")),
         }
     }
-}
-
-fn image_cluster(image: &dyn crate::disk::Image) -> u64 {
-    image.cluster_size()
 }
 
 /// The index of `wanted` in `chain` (top first), the path as the chain

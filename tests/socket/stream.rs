@@ -462,3 +462,37 @@ fn ok_text(out: &std::process::Output, what: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A stream over a base of compressed clusters (`qemu-img convert -c`):
+/// the top, standing alone after it, reads as the base and the guest's
+/// writes did, and checks clean.
+#[test]
+fn a_stream_decompresses_what_it_copies() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "compressed", SIZE);
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let d = serve(
+        &c,
+        dir.path(),
+        &[
+            "--api",
+            api.to_str().unwrap(),
+            "--snapshot-dir",
+            snaps.to_str().unwrap(),
+        ],
+    );
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    write_round(&mut client, &c, 5, 8);
+    ok(&ctl(&api, &["stream"]), "stream");
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    assert_eq!(status_chain(&api), [canonical(&c.top)]);
+    reads_as_reference(&mut client, &c, "after streaming a compressed base");
+    drop(client);
+    stop(d);
+    assert_eq!(qemu_chain(&c.top), [canonical(&c.top)]);
+    check_clean(&c.top);
+    compare_identical(&c.top, &c.reference);
+}

@@ -20,7 +20,7 @@
 //! before through the unchanged chain.
 //!
 //! **The switch** ([`Qcow2Image::rebase`]) runs with every request kept
-//! out (the caller, [`crate::disk::Live::stream`]): the top's metadata is
+//! out (the caller, [`crate::disk::Live::rebase`]): the top's metadata is
 //! committed and synced, the new backing file's name is written into a
 //! free part of the header cluster and synced, and then the header's
 //! first 512 bytes (where the name's offset and length and the backing
@@ -105,14 +105,16 @@ impl Qcow2Image {
                 Found::Stays => {}
                 Found::Zeroes if alone => {}
                 Found::Zeroes => {
-                    // A whole cluster (a stretch never crosses one).
+                    // Whole clusters of the top become zero clusters; a
+                    // part of one (a layer below has smaller clusters) is
+                    // written as zeroes, the rest of its cluster copied
+                    // up as a write's copy-on-write copies it.
                     let (zofs, zlen) = self
                         .top
                         .inner()
                         .ensure_zero_mapping(pos, n)
                         .map_err(FormatError::io("zeroing"))?;
                     if zofs != pos || zlen != n {
-                        // Part of a cluster: its zeroes as data.
                         buf.clear();
                         buf.resize(n as usize, 0);
                         self.forget(pos, pos + n);
@@ -295,7 +297,7 @@ fn be64(b: &[u8], at: usize) -> u64 {
     u64::from_be_bytes(b[at..at + 8].try_into().unwrap_or([0; 8]))
 }
 
-/// Points the header of the qcow2 file `file` (clusters of `csize`) at
+/// Points the header of the qcow2 file of `top` (clusters of `csize`) at
 /// the backing file `new` (its name and format), or at none: the name
 /// first, into a part of the header cluster nothing uses (never over the
 /// old name), synced; then the first 512 bytes with the name's offset and
