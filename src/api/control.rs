@@ -191,6 +191,16 @@ impl Control {
         self.device.stream(base, speed)
     }
 
+    /// See [`Device::commit`].
+    pub fn commit(
+        &self,
+        top: &std::path::Path,
+        base: Option<&std::path::Path>,
+        speed: Option<u64>,
+    ) -> Result<crate::device::JobInfo, crate::device::JobError> {
+        self.device.commit(top, base, speed)
+    }
+
     /// See [`Device::job`].
     pub fn job(&self) -> Option<crate::device::JobInfo> {
         self.device.job()

@@ -299,6 +299,15 @@ pub const VERBS: &[Verb] = &[
         run: stream,
     },
     Verb {
+        methods: &[Method::PUT, Method::POST],
+        path: "/api/v1/commit",
+        control: true,
+        // It opens the base for writing.
+        slow: true,
+        doc: "Start a commit job: {\"top\": the layer right below the top, as status lists it, \"base\": a layer below it (optional: its backing file), \"speed\": bytes per second (optional)}; the layers from top down to the base are copied into the base, then drop out of the chain.",
+        run: commit,
+    },
+    Verb {
         methods: &[Method::GET],
         path: "/api/v1/job",
         control: true,
@@ -513,6 +522,31 @@ fn stream(ctx: &Ctx<'_>) -> Reply {
         let c = control(ctx)?;
         let body: StreamBody = ctx.json_body()?;
         c.stream(body.base.as_deref(), body.speed)
+            .map_err(job_error)
+    };
+    match run() {
+        Ok(r) => Reply::json(200, &r),
+        Err(r) => r,
+    }
+}
+
+/// PUT /api/v1/commit body.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CommitBody {
+    top: std::path::PathBuf,
+    #[serde(default)]
+    base: Option<std::path::PathBuf>,
+    #[serde(default)]
+    speed: Option<u64>,
+}
+
+/// Starts a commit job.
+fn commit(ctx: &Ctx<'_>) -> Reply {
+    let run = || -> Result<crate::device::JobInfo, Reply> {
+        let c = control(ctx)?;
+        let body: CommitBody = ctx.json_body()?;
+        c.commit(&body.top, body.base.as_deref(), body.speed)
             .map_err(job_error)
     };
     match run() {

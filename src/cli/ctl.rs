@@ -83,6 +83,24 @@ pub enum CtlVerb {
         #[arg(long, value_name = "SIZE", value_parser = ringblk_metrics::parse_size)]
         speed: Option<u64>,
     },
+    /// Start a commit job: copy into --base (default: the backing file
+    /// of --top) the data of --top and of the layers between them, while
+    /// the guest runs; then point the layer above --top at --base, so
+    /// that they drop out of the chain. Today --top is the layer right
+    /// below the top of the chain, and --base an overlay in the daemon's
+    /// --snapshot-dir. The daemon never deletes the layers dropped. Prints
+    /// the job (JSON).
+    Commit {
+        /// The layer to commit: a path of the chain (`ctl status`).
+        #[arg(long, value_name = "IMG")]
+        top: PathBuf,
+        /// The layer it is committed into (default: its backing file).
+        #[arg(long, value_name = "IMG")]
+        base: Option<PathBuf>,
+        /// Bytes per second copied, at most (K/M/G suffixes).
+        #[arg(long, value_name = "SIZE", value_parser = ringblk_metrics::parse_size)]
+        speed: Option<u64>,
+    },
     /// The block job: status, cancel.
     #[command(subcommand)]
     Job(JobVerb),
@@ -248,6 +266,15 @@ pub fn ctl(args: &CtlArgs) -> Result<(), Failure> {
             };
             let body = serde_json::json!({ "base": base, "speed": speed }).to_string();
             out(&call(&addr, "PUT", "/api/v1/stream", body.as_bytes())?)?;
+        }
+        CtlVerb::Commit { top, base, speed } => {
+            let top = in_chain(&addr, &args.api, top)?;
+            let base = match base {
+                Some(b) => Some(in_chain(&addr, &args.api, b)?),
+                None => None,
+            };
+            let body = serde_json::json!({ "top": top, "base": base, "speed": speed }).to_string();
+            out(&call(&addr, "PUT", "/api/v1/commit", body.as_bytes())?)?;
         }
         CtlVerb::Job(JobVerb::Status) => out(&call(&addr, "GET", "/api/v1/job", b"")?)?,
         CtlVerb::Job(JobVerb::Cancel) => out(&call(&addr, "POST", "/api/v1/job/cancel", b"{}")?)?,

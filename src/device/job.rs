@@ -71,7 +71,7 @@ pub enum JobState {
 /// What `job status` shows.
 #[derive(Clone, Debug, Serialize)]
 pub struct JobInfo {
-    /// "stream".
+    /// "stream" or "commit".
     pub kind: &'static str,
     pub state: JobState,
     /// Guest bytes looked at so far, out of `total`.
@@ -96,6 +96,8 @@ pub struct JobInfo {
 
 /// A job as the device keeps it.
 pub struct Job {
+    /// "stream" or "commit".
+    kind: &'static str,
     base: Option<String>,
     total: u64,
     done: AtomicU64,
@@ -110,7 +112,7 @@ impl Job {
     fn info(&self) -> JobInfo {
         let (state, error, unused) = self.state.lock().unwrap_or_else(|e| e.into_inner()).clone();
         JobInfo {
-            kind: "stream",
+            kind: self.kind,
             state,
             done: self.done.load(Ordering::Relaxed),
             total: self.total,
@@ -146,10 +148,12 @@ impl Device {
 
     /// A line saying which job runs, for what it keeps out.
     pub(super) fn job_running(&self) -> Option<String> {
-        self.job_slot()
-            .as_ref()
-            .filter(|j| j.running())
-            .map(|_| "a stream job is running; wait for it or `job cancel` it first".to_string())
+        self.job_slot().as_ref().filter(|j| j.running()).map(|j| {
+            format!(
+                "a {} job is running; wait for it or `job cancel` it first",
+                j.kind
+            )
+        })
     }
 
     fn job_slot(&self) -> std::sync::MutexGuard<'_, Option<Arc<Job>>> {
@@ -193,10 +197,84 @@ impl Device {
                 chain[0].display()
             ));
         }
+        self.start_job(&live, Work::Stream, base_index, base.is_some(), speed)
+    }
+
+    /// Starts a commit (see the module doc): `top`, a read-only layer of
+    /// the chain (today the one right below the top), and the layers down
+    /// to `base` (default: `top`'s backing file) are copied into `base`,
+    /// which the layer above `top` then points at.
+    pub fn commit(
+        self: &Arc<Self>,
+        top: &Path,
+        base: Option<&Path>,
+        speed: Option<u64>,
+    ) -> Result<JobInfo, JobError> {
+        let invalid = |why: String| Err(JobError::Invalid(why));
+        let Some(live) = self.backing.chain().cloned() else {
+            return invalid(
+                "a commit needs an image with a backing chain (serve --format qcow2)".into(),
+            );
+        };
+        if self.limits.readonly {
+            return invalid("the image is served read-only (--readonly)".into());
+        }
+        if speed == Some(0) {
+            return invalid("--speed 0 would never finish; leave it out for no limit".into());
+        }
+        let chain = live.chain();
+        let t = find_in_chain(&chain, top)?;
+        if t == 0 {
+            return invalid(format!(
+                "--top {}: that is the active layer; an active commit (with a pivot) is not built yet: stream into it instead (ctl stream)",
+                top.display()
+            ));
+        }
+        if t > 1 {
+            return invalid(format!(
+                "--top {}: only the layer right below the top ({}) can be committed for now; stream the layers above it first, or commit that one",
+                top.display(),
+                chain[1].display()
+            ));
+        }
+        let b = match base {
+            None => t + 1,
+            Some(b) => find_in_chain(&chain, b)?,
+        };
+        if b <= t {
+            return invalid(format!(
+                "--base {}: a commit's base is below its top",
+                chain[b].display()
+            ));
+        }
+        if b >= chain.len() {
+            return invalid(format!(
+                "--top {}: it has no backing file to commit into",
+                top.display()
+            ));
+        }
+        let written = live
+            .open_base(b)
+            .map_err(|e| JobError::Invalid(e.to_string()))?;
+        self.start_job(&live, Work::Commit(t, Box::new(written)), b, true, speed)
+    }
+
+    /// What [`Device::stream`] and [`Device::commit`] share once their
+    /// request is checked: the conflicts, the record, the thread.
+    fn start_job(
+        self: &Arc<Self>,
+        live: &Arc<Live>,
+        work: Work,
+        base_index: usize,
+        named_base: bool,
+        speed: Option<u64>,
+    ) -> Result<JobInfo, JobError> {
+        let kind = work.kind();
+        let chain = live.chain();
         let _chain = self.chain_change.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(b) = self.backup() {
             return Err(JobError::Conflict(format!(
-                "a backup is running (NBD on {}); a stream would change the chain under its view: `backup stop` it first",
+                "a backup is running (NBD on {}); a {kind} would change the chain under its view: `backup stop` it first",
                 b.socket
             )));
         }
@@ -206,17 +284,19 @@ impl Device {
             ));
         }
         let mut slot = self.job_slot();
-        if slot.as_ref().is_some_and(|j| j.running()) {
-            return Err(JobError::Conflict(
-                "a stream job is running already; one job at a time (`job cancel` it first)".into(),
-            ));
+        if let Some(j) = slot.as_ref().filter(|j| j.running()) {
+            return Err(JobError::Conflict(format!(
+                "a {} job is running already; one job at a time (`job cancel` it first)",
+                j.kind
+            )));
         }
         // Recorded before it starts: a restart after a crash says it was
         // cut short.
-        live.record_job(&JobRecord::new("stream", &chain, base_index))
+        live.record_job(&JobRecord::new(kind, &chain, base_index))
             .map_err(|e| JobError::Io(format!("the job cannot be recorded: {e}")))?;
         let job = Arc::new(Job {
-            base: base.map(|_| chain[base_index].display().to_string()),
+            kind,
+            base: named_base.then(|| chain[base_index].display().to_string()),
             total: live.size(),
             done: AtomicU64::new(0),
             copied: AtomicU64::new(0),
@@ -229,16 +309,20 @@ impl Device {
         let run = job.clone();
         std::thread::Builder::new()
             .name("job".into())
-            .spawn(move || device.run_stream(&run, base_index))
+            .spawn(move || device.run_job(&run, work, base_index))
             .map_err(|e| {
                 live.clear_job();
                 JobError::Io(format!("starting the job's thread: {e}"))
             })?;
         *slot = Some(job.clone());
         log::info!(
-            "{}: stream started into {}, base {}",
+            "{}: {kind} started on the chain {}, base {}",
             self.name,
-            chain[0].display(),
+            chain
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
             job.base
                 .as_deref()
                 .unwrap_or("none (the top will stand alone)")
@@ -285,7 +369,13 @@ impl Device {
         } else {
             Vec::new()
         };
+        let kind = if record.kind == "commit" {
+            "commit"
+        } else {
+            "stream"
+        };
         *self.job_slot() = Some(Arc::new(Job {
+            kind,
             base: record.base,
             total: live.size(),
             done: AtomicU64::new(0),
@@ -322,9 +412,10 @@ impl Device {
     }
 
     /// The job's thread: copies, then switches.
-    fn run_stream(&self, job: &Job, base: usize) {
+    fn run_job(&self, job: &Job, work: Work, base: usize) {
+        let kind = work.kind();
         let fail = |why: String| {
-            log::error!("{}: stream failed: {why}", self.name);
+            log::error!("{}: {kind} failed: {why}", self.name);
             job.end(JobState::Failed, Some(why), Vec::new());
         };
         let hold = match self.hold_guard() {
@@ -335,7 +426,7 @@ impl Device {
         let mut offset = 0;
         while offset < job.total {
             if job.cancel.load(Ordering::Relaxed) || self.stopping() {
-                log::info!("{}: stream cancelled; the chain is as it was", self.name);
+                log::info!("{}: {kind} cancelled; the chain is as it was", self.name);
                 drop(hold);
                 return job.end(JobState::Cancelled, None, Vec::new());
             }
@@ -345,7 +436,11 @@ impl Device {
             };
             let stretch = STRETCH.max(served.image.cluster_size());
             let took = Instant::now();
-            match image.stream_step(base, offset, stretch) {
+            let stepped = match &work {
+                Work::Stream => image.stream_step(base, offset, stretch),
+                Work::Commit(top, into) => image.commit_step(into, *top, base, offset, stretch),
+            };
+            match stepped {
                 Ok(step) => {
                     job.done.fetch_add(step.examined, Ordering::Relaxed);
                     job.copied.fetch_add(step.copied, Ordering::Relaxed);
@@ -376,7 +471,11 @@ impl Device {
             }
         }
         let before = job.live.chain();
-        match job.live.rebase(base) {
+        let written = match &work {
+            Work::Commit(_, into) => Some(&**into),
+            Work::Stream => None,
+        };
+        match job.live.rebase(base, written) {
             Ok(chain) => {
                 let unused: Vec<String> = before
                     .iter()
@@ -384,7 +483,7 @@ impl Device {
                     .map(|p| p.display().to_string())
                     .collect();
                 log::info!(
-                    "{}: stream completed: the chain is now, top first, {}; no longer used (not deleted): {}",
+                    "{}: {kind} completed: the chain is now, top first, {}; no longer used (not deleted): {}",
                     self.name,
                     chain
                         .iter()
@@ -401,6 +500,24 @@ impl Device {
                 job.end(JobState::Completed, None, unused);
             }
             Err(e) => fail(format!("switching the chain: {e}")),
+        }
+    }
+}
+
+/// What a job does between its checks and its switch.
+enum Work {
+    /// Copy up into the top.
+    Stream,
+    /// Copy down from layer `.0` (and those below it, above the base)
+    /// into the base, through the base's own handle.
+    Commit(usize, Box<crate::disk::Qcow2Image>),
+}
+
+impl Work {
+    fn kind(&self) -> &'static str {
+        match self {
+            Work::Stream => "stream",
+            Work::Commit(..) => "commit",
         }
     }
 }

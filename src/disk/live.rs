@@ -554,7 +554,12 @@ impl Live {
     /// request kept out, the top's backing file becomes file `base` of
     /// the chain (none at `base` = the chain's length), and the layers
     /// between them drop out. Returns the new chain, top first.
-    pub fn rebase(&self, base: usize) -> Result<Vec<PathBuf>, SnapshotError> {
+    /// `written`: a commit's handle of the base ([`super::Qcow2Image::open_base`]).
+    pub fn rebase(
+        &self,
+        base: usize,
+        written: Option<&super::Qcow2Image>,
+    ) -> Result<Vec<PathBuf>, SnapshotError> {
         let _one = lock(&self.switching);
         let old = self.current();
         let Some(top) = old.qcow2() else {
@@ -579,7 +584,7 @@ impl Live {
             io_files.push(f.try_clone().map_err(FormatError::io("dup"))?);
         }
         let made = self.pause().and_then(|()| {
-            top.rebase(base, name.as_deref(), &self.options)
+            top.rebase(base, name.as_deref(), &self.options, written)
                 .map_err(SnapshotError::from)
         });
         let made = made.map(|image| {
@@ -595,6 +600,41 @@ impl Live {
         });
         self.resume();
         made
+    }
+
+    /// A handle for writing file `base` of the chain (a commit's base):
+    /// only an overlay in the snapshot directory, which the daemon may
+    /// open for writing after start-up (by the directory's descriptor,
+    /// never following a link).
+    pub fn open_base(&self, base: usize) -> Result<super::Qcow2Image, SnapshotError> {
+        let served = self.current();
+        let Some(image) = served.qcow2() else {
+            return Err(SnapshotError::NotQcow2);
+        };
+        let chain = served.image.chain();
+        let Some(path) = chain.get(base) else {
+            return Err(SnapshotError::Refused(format!(
+                "no layer {base} in the chain"
+            )));
+        };
+        let in_dir = self.snapshots.as_ref().and_then(|dir| {
+            let name = path.file_name()?.to_str()?;
+            (path.parent() == Some(dir.path.as_path())).then_some((dir, name))
+        });
+        let Some((dir, name)) = in_dir else {
+            return Err(SnapshotError::Refused(format!(
+                "{}: a commit writes into its base, and the daemon may write only the overlays it \
+                 made in --snapshot-dir; commit into one of those, or stream instead",
+                path.display()
+            )));
+        };
+        let file = dir
+            .open_at(name, libc::O_RDWR)
+            .map_err(|source| SnapshotError::Create {
+                path: path.display().to_string(),
+                source,
+            })?;
+        Ok(image.open_base(base, file, &self.options)?)
     }
 
     /// Records a block job that starts (in the snapshot directory; with

@@ -496,3 +496,153 @@ fn a_stream_decompresses_what_it_copies() {
     check_clean(&c.top);
     compare_identical(&c.top, &c.reference);
 }
+
+/// Five layers: base.raw, top.qcow2 (the named image), and s1, s2, s3
+/// made by live snapshots, each with writes of its own.
+fn five_layers(dir: &Path, c: &Chain, client: &mut Client, api: &Path) -> Vec<String> {
+    four_layers(dir, c, client, api);
+    snapshot(api, "s3.qcow2");
+    write_round(client, c, 60, 5);
+    let chain = status_chain(api);
+    assert_eq!(chain[0], canonical(&dir.join("snaps/s3.qcow2")));
+    chain
+}
+
+/// A commit of the layer right below the top into its backing file while
+/// the guest writes: the guest reads what it wrote throughout, the layer
+/// drops out of the chain (listed as unused, unchanged), qemu-img sees the
+/// new chain clean and reading as the guest wrote, and a restart follows
+/// the records to it. What a commit cannot do yet, or must not, is refused
+/// in one line.
+#[test]
+fn a_commit_under_writes_drops_the_layer_and_loses_nothing() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let args = [
+        "--api",
+        api.to_str().unwrap(),
+        "--snapshot-dir",
+        snaps.to_str().unwrap(),
+    ];
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    let chain = five_layers(dir.path(), &c, &mut client, &api);
+    let (s3, s2, s1) = (&chain[0], &chain[1], &chain[2]);
+    refused(&api, &["commit", "--top", s3], "an active commit");
+    refused(
+        &api,
+        &["commit", "--top", &chain[3]],
+        "only the layer right below the top",
+    );
+    refused(
+        &api,
+        &["commit", "--top", s2, "--base", s3],
+        "a commit's base is below its top",
+    );
+    refused(
+        &api,
+        &["commit", "--top", s2, "--base", &chain[4]],
+        "may write only the overlays it",
+    );
+    let sums = [sha256(Path::new(s2)), sha256(&c.top), sha256(&c.base)];
+
+    let job = ok(
+        &ctl(&api, &["commit", "--top", s2, "--speed", "2M"]),
+        "commit",
+    );
+    assert_eq!(job["kind"], "commit");
+    assert_eq!(job["base"], serde_json::json!(s1));
+    refused(&api, &["stream"], "a commit job is running already");
+    let mut rounds = 0;
+    while ok(&ctl(&api, &["job", "status"]), "job status")["state"] == "running" {
+        write_round(&mut client, &c, 80 + rounds, 3);
+        rounds += 1;
+    }
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    assert!(
+        rounds > 0,
+        "the commit ended before the guest wrote during it"
+    );
+    assert!(job["copied"].as_u64().unwrap() > 0, "{job}");
+    let new_chain = [s3.clone(), s1.clone(), chain[3].clone(), chain[4].clone()];
+    assert_eq!(status_chain(&api), new_chain);
+    assert_eq!(job["unused"], serde_json::json!([s2]));
+    reads_as_reference(&mut client, &c, "after the commit");
+    write_round(&mut client, &c, 95, 4);
+    reads_as_reference(&mut client, &c, "writes after the commit");
+    drop(client);
+    stop(d);
+    let s3p = Path::new(s3);
+    assert_eq!(qemu_chain(s3p), new_chain);
+    for layer in [s3, s1] {
+        check_clean(Path::new(layer));
+    }
+    compare_identical(s3p, &c.reference);
+    assert_eq!(
+        [sha256(Path::new(s2)), sha256(&c.top), sha256(&c.base)],
+        sums,
+        "a layer other than the base was written"
+    );
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    assert_eq!(status_chain(&api), new_chain);
+    reads_as_reference(&mut client, &c, "after a restart");
+    drop(client);
+    stop(d);
+}
+
+/// kill -9 in the middle of a commit: the chain on disk is the old one,
+/// it serves after a restart (which says the job was cut short) and reads
+/// as the guest wrote; the base, with part of the copy in it, and the
+/// rest of the chain check clean; the commit started again completes.
+#[test]
+fn a_kill_9_during_a_commit_leaves_the_chain_as_it_was() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let api = dir.path().join("api.sock");
+    let snaps = dir.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let args = [
+        "--api",
+        api.to_str().unwrap(),
+        "--snapshot-dir",
+        snaps.to_str().unwrap(),
+    ];
+    let mut d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    let chain = five_layers(dir.path(), &c, &mut client, &api);
+    ok(
+        &ctl(&api, &["commit", "--top", &chain[1], "--speed", "1M"]),
+        "commit",
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    drop(client);
+    let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    assert!(!st.success());
+    let s3 = Path::new(&chain[0]);
+    unlocked(s3);
+    assert_eq!(qemu_chain(s3), chain);
+    for layer in &chain[..3] {
+        check_clean(Path::new(layer));
+    }
+    compare_identical(s3, &c.reference);
+    drop(d);
+    let d = serve(&c, dir.path(), &args);
+    let job = ok(&ctl(&api, &["job", "status"]), "job status");
+    assert_eq!(job["state"], "interrupted", "{job}");
+    assert_eq!(job["kind"], "commit");
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    reads_as_reference(&mut client, &c, "after a kill -9 during a commit");
+    ok(&ctl(&api, &["commit", "--top", &chain[1]]), "commit again");
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    reads_as_reference(&mut client, &c, "after the commit completed");
+    drop(client);
+    stop(d);
+    check_clean(s3);
+    compare_identical(s3, &c.reference);
+}

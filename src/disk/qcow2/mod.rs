@@ -13,6 +13,7 @@
 pub mod bitmap_store;
 pub mod bitmap_write;
 pub mod bitmaps;
+pub mod commit;
 pub mod crypt;
 pub mod l2log;
 pub mod map_cache;

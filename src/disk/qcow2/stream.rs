@@ -191,11 +191,15 @@ impl Qcow2Image {
     /// is as it was; after, the error says the image must be served
     /// again (the chain on disk is the new one). `options`: those the
     /// image was opened with (the new handle's ordering and cache).
+    /// `written`: the base's handle a commit wrote through
+    /// ([`Qcow2Image::open_base`]), which takes the base's place in the
+    /// new chain (the old handle's tables do not know what it wrote).
     pub fn rebase(
         &self,
         base: usize,
         name: Option<&str>,
         options: &OpenOptions,
+        written: Option<&Qcow2Image>,
     ) -> Result<Qcow2Image, FormatError> {
         if !self.writable {
             return Err(FormatError::ReadOnly);
@@ -247,7 +251,15 @@ impl Qcow2Image {
         let mut header = [0u8; 104];
         state.file().read_exact_at(&mut header, 0).map_err(again)?;
         check_l1_covers(&path, &header, q.size())?;
-        q.set_backing(self.layers.get(base).cloned());
+        // The base's layer and file: the commit's handle, or as they were.
+        let (base_layer, base_file) = match written {
+            Some(w) => (Some(Arc::clone(&w.top)), Some(Arc::clone(&w.files[0]))),
+            None => (
+                self.layers.get(base).cloned(),
+                self.files.get(base).cloned(),
+            ),
+        };
+        q.set_backing(base_layer.clone());
         let new_top: Layer = Arc::new(FormatAccess::new(q));
         // The old handle writes nothing more: everything it had was
         // committed and synced above.
@@ -257,12 +269,23 @@ impl Qcow2Image {
         }
         let dropped = base - 1;
         let mut files = vec![state];
-        for f in &self.files[base..] {
+        let mut layers = vec![Arc::clone(&new_top)];
+        if let (Some(f), Some(l)) = (base_file, base_layer) {
+            // The commit's handle of the base is file 0 of its own image:
+            // here it is file 1.
+            if written.is_some() {
+                f.move_down();
+            } else {
+                f.move_up(dropped);
+            }
+            files.push(f);
+            layers.push(l);
+        }
+        for f in self.files.iter().skip(base + 1) {
             f.move_up(dropped);
             files.push(Arc::clone(f));
         }
-        let mut layers = vec![Arc::clone(&new_top)];
-        layers.extend(self.layers[base..].iter().cloned());
+        layers.extend(self.layers.iter().skip(base + 1).cloned());
         // The top's bitmaps stay where they are, in the same file.
         let qemu = self.qemu.as_ref().map(|m| {
             let mut held = lock(m);

@@ -839,7 +839,7 @@ fn power_loss_during_a_stream_keeps_the_disk() {
             copied += q.stream_step(2, off, MIB).unwrap().copied;
         }
         assert!(copied > 0, "the stream copied nothing");
-        let streamed = q.rebase(2, Some(&base_name), &options).unwrap();
+        let streamed = q.rebase(2, Some(&base_name), &options, None).unwrap();
         assert_eq!(streamed.chain(), [top.clone(), base.clone()]);
         let mut buf = vec![0u8; size as usize];
         read(&streamed, 0, &mut buf).unwrap();

@@ -1,0 +1,270 @@
+//! Commit: the data of a read-only layer of the chain (and of the layers
+//! between it and a base) copied down into the base, then the layer above
+//! it pointed at the base, so that the committed layers drop out of the
+//! chain while the guest runs (QEMU's `block-commit` of an intermediate
+//! layer).
+//!
+//! Today the committed layer is the one right below the top (so the layer
+//! above it is the top, whose header the switch rewrites as a stream's
+//! does: [`super::stream`]), and the base is an overlay the daemon made
+//! (in its snapshot directory, where it may open files for writing after
+//! start-up).
+//!
+//! **Copying** ([`Qcow2Image::commit_step`]) needs none of the served
+//! image's locks: no request writes the layers it reads (they are below
+//! the top), nor the base (below them); a guest read that reaches the
+//! base does so only where no layer above it has data, which is where the
+//! copy writes nothing. It writes through a handle of the base of its own
+//! ([`Qcow2Image::open_base`]), one whole cluster of the base at a time
+//! (what the committed layer shows of it, read through the chain below it
+//! and decrypted per layer, encrypted for the base), its data durable
+//! before any table points to it, each stretch committed before the next.
+//! A crash leaves the base with clusters that read as they did through
+//! the layer above (which still hides them): nothing the guest reads
+//! changes.
+//!
+//! **The switch** is a stream's ([`Qcow2Image::rebase`]), with the base's
+//! new handle (whose tables know the copied clusters) in the chain.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use imago::FormatAccess;
+use imago::ShallowMapping;
+use imago::format::drivers::FormatDriverInstance;
+use imago::qcow2::Qcow2;
+
+use super::map_cache::MapCache;
+use super::stream::Step;
+use super::{
+    ChainFile, FileState, FormatError, Layer, OpenOptions, Qcow2Image, bitmaps, check_l1_covers,
+    lock, open_err,
+};
+use crate::disk::Mapper;
+
+impl Qcow2Image {
+    /// A writable handle of file `base` of the chain (a qcow2 layer below
+    /// the top), on `file` (the same file, opened for writing): what a
+    /// commit writes through. Refused for a raw file and for one with
+    /// QEMU's bitmaps (they would not record what the commit writes).
+    pub fn open_base(
+        &self,
+        base: usize,
+        file: File,
+        options: &OpenOptions,
+    ) -> Result<Qcow2Image, FormatError> {
+        let (Some(old), Some(layer)) = (self.files.get(base), self.layers.get(base)) else {
+            return Err(FormatError::Unsupported(format!("no layer {base}")));
+        };
+        let path = old.path().to_path_buf();
+        if base == 0 || !matches!(layer.inner().format(), imago::format::Format::Qcow2) {
+            return Err(open_err(
+                &path,
+                "a commit's base must be a qcow2 layer below the top",
+            ));
+        }
+        let err = |e: std::io::Error| open_err(&path, e);
+        if bitmaps::Bitmaps::load(&file)
+            .map_err(|e| open_err(&path, e))?
+            .is_some()
+        {
+            return Err(open_err(
+                &path,
+                "has QEMU's persistent bitmaps, which a commit into it would not record; \
+                 remove them (qemu-img bitmap --remove), or stream instead",
+            ));
+        }
+        let mut state = FileState::new(file, &path, 0).map_err(err)?;
+        if let Some(crypt) = old.crypt_shared() {
+            state.set_crypt(crypt);
+        }
+        state.make_ordered(options.ordered, options.journal.clone());
+        state.show_imago(bitmaps::header_view(state.file()).map_err(err)?);
+        let state = Arc::new(state);
+        let mut q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(&state)), true)
+            .map_err(err)?;
+        state.load_shadow().map_err(err)?;
+        let mut header = [0u8; 104];
+        state.file().read_exact_at(&mut header, 0).map_err(err)?;
+        check_l1_covers(&path, &header, q.size())?;
+        let cluster_bits = u32::from_be_bytes([header[20], header[21], header[22], header[23]]);
+        q.set_backing(self.layers.get(base + 1).cloned());
+        let top: Layer = Arc::new(FormatAccess::new(q));
+        let size = top.size();
+        Ok(Qcow2Image {
+            top: Arc::clone(&top),
+            files: vec![state],
+            layers: vec![top],
+            writable: true,
+            size: AtomicU64::new(size),
+            cluster_bits,
+            granule_bits: cluster_bits,
+            v3: true,
+            cache: MapCache::new(options.map_cache_entries),
+            meta: Mutex::new(()),
+            dirty: AtomicU64::new(0),
+            committed: AtomicU64::new(0),
+            commit_lock: Mutex::new(()),
+            uncommitted: Mutex::new(Vec::new()),
+            l2log: None,
+            qemu: None,
+        })
+    }
+
+    /// Copies down into `into` (the base's handle, [`Qcow2Image::open_base`],
+    /// file `base` of this chain) the clusters of `[offset, offset + len)`
+    /// that a layer from `top` to `base` (excluded) has: each as layer
+    /// `top` shows it. Whole clusters of the base; blocks.
+    pub fn commit_step(
+        &self,
+        into: &Qcow2Image,
+        top: usize,
+        base: usize,
+        offset: u64,
+        len: u64,
+    ) -> Result<Step, FormatError> {
+        if top == 0 || base <= top || base >= self.layers.len() {
+            return Err(FormatError::Unsupported(format!(
+                "no layers {top}..{base} to commit in a chain of {}",
+                self.layers.len()
+            )));
+        }
+        let size = self.size().min(into.size());
+        let end = offset.saturating_add(len).min(size);
+        let csize = 1u64 << into.cluster_bits;
+        let _group = lock(&into.commit_lock);
+        let _meta = lock(&into.meta);
+        let mut step = Step::default();
+        let mut buf = Vec::new();
+        let mut pos = offset & !(csize - 1);
+        while pos < end {
+            let cend = (pos + csize).min(size);
+            if self.held_between(top, base, pos, cend)? {
+                buf.clear();
+                buf.resize((cend - pos) as usize, 0);
+                self.read_view(top, pos, &mut buf)?;
+                into.forget(pos, cend);
+                into.write_locked_as(&buf, pos, true)?;
+                into.dirty.fetch_add(1, Ordering::AcqRel);
+                step.copied += cend - pos;
+            }
+            pos = cend;
+        }
+        into.commit_locked()?;
+        into.files[0]
+            .sync_now()
+            .map_err(FormatError::io("fdatasync"))?;
+        step.examined = end.saturating_sub(offset);
+        Ok(step)
+    }
+
+    /// Whether a layer from `top` down to `base` (excluded) has data or
+    /// explicit zeroes anywhere in `[pos, end)`.
+    fn held_between(
+        &self,
+        top: usize,
+        base: usize,
+        pos: u64,
+        end: u64,
+    ) -> Result<bool, FormatError> {
+        let mut at = pos;
+        while at < end {
+            let mut layer: &FormatAccess<ChainFile> = &self.layers[top];
+            let mut off = at;
+            let mut len = end - at;
+            let mut depth = top;
+            let n = loop {
+                if depth >= base {
+                    break len;
+                }
+                let (mapping, n) = layer
+                    .get_shallow_mapping(off, len)
+                    .map_err(FormatError::io("reading metadata"))?;
+                let n = n.clamp(1, len);
+                match mapping {
+                    ShallowMapping::Indirect {
+                        layer: below,
+                        offset,
+                        ..
+                    } => {
+                        layer = below;
+                        off = offset;
+                        len = n;
+                        depth += 1;
+                    }
+                    ShallowMapping::Eof { .. }
+                    | ShallowMapping::Zero {
+                        explicit: false, ..
+                    } => {
+                        break n;
+                    }
+                    _ => return Ok(true),
+                }
+            };
+            at += n;
+        }
+        Ok(false)
+    }
+
+    /// What layer `from` of the chain shows of `[pos, pos + buf.len())`:
+    /// its own data and, where it has none, the layers below it, each
+    /// decrypted with its own key.
+    fn read_view(&self, from: usize, pos: u64, buf: &mut [u8]) -> Result<(), FormatError> {
+        let end = pos + buf.len() as u64;
+        let mut at = pos;
+        while at < end {
+            let mut layer: &FormatAccess<ChainFile> = &self.layers[from];
+            let mut off = at;
+            let len = end - at;
+            let part = |a: u64, n: u64| (a - pos) as usize..(a - pos + n) as usize;
+            let n = loop {
+                let (mapping, n) = layer
+                    .get_shallow_mapping(off, len)
+                    .map_err(FormatError::io("reading metadata"))?;
+                let n = n.clamp(1, len);
+                match mapping {
+                    ShallowMapping::Indirect {
+                        layer: below,
+                        offset,
+                        ..
+                    } => {
+                        layer = below;
+                        off = offset;
+                    }
+                    ShallowMapping::Raw {
+                        storage, offset, ..
+                    } => {
+                        let out = &mut buf[part(at, n)];
+                        let file = &storage.0;
+                        file.file()
+                            .read_exact_at(out, offset)
+                            .map_err(FormatError::io("reading a layer"))?;
+                        if let Some(crypt) = file.crypt() {
+                            let done = crypt.decrypt(offset, out);
+                            crate::crypto::key::scrub_after_pass();
+                            done.map_err(|e| {
+                                FormatError::io("decrypting a layer")(std::io::Error::other(e))
+                            })?;
+                        }
+                        break n;
+                    }
+                    ShallowMapping::Special { .. } => {
+                        // Compressed: imago reads and inflates it.
+                        layer
+                            .read(&mut buf[part(at, n)], off)
+                            .map_err(FormatError::io("reading compressed data"))?;
+                        break n;
+                    }
+                    _ => {
+                        buf[part(at, n)].fill(0);
+                        break n;
+                    }
+                }
+            };
+            at += n;
+        }
+        Ok(())
+    }
+}
