@@ -169,18 +169,7 @@ impl Device {
         speed: Option<u64>,
     ) -> Result<JobInfo, JobError> {
         let invalid = |why: String| Err(JobError::Invalid(why));
-        let Some(live) = self.backing.chain().cloned() else {
-            return invalid(
-                "a stream needs an image with a backing chain (serve --format qcow2)".into(),
-            );
-        };
-        if self.limits.readonly {
-            return invalid("the image is served read-only (--readonly)".into());
-        }
-        if speed == Some(0) {
-            return invalid("--speed 0 would never finish; leave it out for no limit".into());
-        }
-        let chain = live.chain();
+        let (live, chain) = self.job_chain("stream", speed)?;
         let base_index = match base {
             None => chain.len(),
             Some(b) => find_in_chain(&chain, b)?,
@@ -211,18 +200,7 @@ impl Device {
         speed: Option<u64>,
     ) -> Result<JobInfo, JobError> {
         let invalid = |why: String| Err(JobError::Invalid(why));
-        let Some(live) = self.backing.chain().cloned() else {
-            return invalid(
-                "a commit needs an image with a backing chain (serve --format qcow2)".into(),
-            );
-        };
-        if self.limits.readonly {
-            return invalid("the image is served read-only (--readonly)".into());
-        }
-        if speed == Some(0) {
-            return invalid("--speed 0 would never finish; leave it out for no limit".into());
-        }
-        let chain = live.chain();
+        let (live, chain) = self.job_chain("commit", speed)?;
         let t = find_in_chain(&chain, top)?;
         if t == 0 {
             return invalid(format!(
@@ -257,6 +235,29 @@ impl Device {
             .open_base(b)
             .map_err(|e| JobError::Invalid(e.to_string()))?;
         self.start_job(&live, Work::Commit(t, Box::new(written)), b, true, speed)
+    }
+
+    /// The chain a `kind` job would work on, and its files (top first),
+    /// once the checks every job makes pass.
+    fn job_chain(
+        &self,
+        kind: &str,
+        speed: Option<u64>,
+    ) -> Result<(Arc<Live>, Vec<PathBuf>), JobError> {
+        let invalid = |why: String| Err(JobError::Invalid(why));
+        let Some(live) = self.backing.chain().cloned() else {
+            return invalid(format!(
+                "a {kind} needs an image with a backing chain (serve --format qcow2)"
+            ));
+        };
+        if self.limits.readonly {
+            return invalid("the image is served read-only (--readonly)".into());
+        }
+        if speed == Some(0) {
+            return invalid("--speed 0 would never finish; leave it out for no limit".into());
+        }
+        let chain = live.chain();
+        Ok((live, chain))
     }
 
     /// What [`Device::stream`] and [`Device::commit`] share once their

@@ -2,7 +2,7 @@
 //! base copied up into the top while the guest writes, then dropped from
 //! the chain; qemu-img is the judge of what is left on disk.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ringblk_testkit::qemu_img::{check_clean, compare_identical, qemu_img, sha256};
@@ -21,6 +21,39 @@ fn ok(out: &std::process::Output, what: &str) -> serde_json::Value {
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+/// The daemon's control socket, snapshot and backup directories in a
+/// test's directory (the directories made).
+struct Dirs {
+    api: PathBuf,
+    snaps: PathBuf,
+    backups: PathBuf,
+}
+
+fn dirs(dir: &Path) -> Dirs {
+    let d = Dirs {
+        api: dir.join("api.sock"),
+        snaps: dir.join("snaps"),
+        backups: dir.join("backups"),
+    };
+    std::fs::create_dir(&d.snaps).unwrap();
+    std::fs::create_dir(&d.backups).unwrap();
+    d
+}
+
+/// `--api API --snapshot-dir SNAPS [--backup-dir BACKUPS]`.
+fn args_of<'a>(api: &'a Path, snaps: &'a Path, backups: Option<&'a Path>) -> Vec<&'a str> {
+    let mut args = vec![
+        "--api",
+        api.to_str().unwrap(),
+        "--snapshot-dir",
+        snaps.to_str().unwrap(),
+    ];
+    if let Some(b) = backups {
+        args.extend(["--backup-dir", b.to_str().unwrap()]);
+    }
+    args
 }
 
 /// `ctl ARGS` must fail with one line containing `what`.
@@ -115,15 +148,8 @@ fn four_layers(dir: &Path, c: &Chain, client: &mut Client, api: &Path) {
 fn a_stream_under_writes_drops_the_layers_and_loses_nothing() {
     let dir = test_dir();
     let c = chain(dir.path(), "raw", SIZE);
-    let api = dir.path().join("api.sock");
-    let snaps = dir.path().join("snaps");
-    std::fs::create_dir(&snaps).unwrap();
-    let args = [
-        "--api",
-        api.to_str().unwrap(),
-        "--snapshot-dir",
-        snaps.to_str().unwrap(),
-    ];
+    let Dirs { api, snaps, .. } = dirs(dir.path());
+    let args = args_of(&api, &snaps, None);
     let d = serve(&c, dir.path(), &args);
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     four_layers(dir.path(), &c, &mut client, &api);
@@ -223,19 +249,12 @@ fn a_stream_under_writes_drops_the_layers_and_loses_nothing() {
 fn a_stream_refuses_bad_input_and_a_cancel_leaves_the_chain() {
     let dir = test_dir();
     let c = chain(dir.path(), "qcow2", SIZE);
-    let api = dir.path().join("api.sock");
-    let snaps = dir.path().join("snaps");
-    std::fs::create_dir(&snaps).unwrap();
-    let backups = dir.path().join("backups");
-    std::fs::create_dir(&backups).unwrap();
-    let args = [
-        "--api",
-        api.to_str().unwrap(),
-        "--snapshot-dir",
-        snaps.to_str().unwrap(),
-        "--backup-dir",
-        backups.to_str().unwrap(),
-    ];
+    let Dirs {
+        api,
+        snaps,
+        backups,
+    } = dirs(dir.path());
+    let args = args_of(&api, &snaps, Some(&backups));
     let d = serve(&c, dir.path(), &args);
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     four_layers(dir.path(), &c, &mut client, &api);
@@ -322,15 +341,8 @@ fn a_stream_refuses_bad_input_and_a_cancel_leaves_the_chain() {
 fn a_kill_9_during_a_stream_leaves_a_chain_that_serves() {
     let dir = test_dir();
     let c = chain(dir.path(), "raw", SIZE);
-    let api = dir.path().join("api.sock");
-    let snaps = dir.path().join("snaps");
-    std::fs::create_dir(&snaps).unwrap();
-    let args = [
-        "--api",
-        api.to_str().unwrap(),
-        "--snapshot-dir",
-        snaps.to_str().unwrap(),
-    ];
+    let Dirs { api, snaps, .. } = dirs(dir.path());
+    let args = args_of(&api, &snaps, None);
     let mut d = serve(&c, dir.path(), &args);
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     four_layers(dir.path(), &c, &mut client, &api);
@@ -405,19 +417,12 @@ fn a_bitmap_follows_the_guest_across_a_stream() {
     use ringblk_testkit::nbd;
     let dir = test_dir();
     let c = chain(dir.path(), "raw", SIZE);
-    let api = dir.path().join("api.sock");
-    let snaps = dir.path().join("snaps");
-    let backups = dir.path().join("backups");
-    std::fs::create_dir(&snaps).unwrap();
-    std::fs::create_dir(&backups).unwrap();
-    let args = [
-        "--api",
-        api.to_str().unwrap(),
-        "--snapshot-dir",
-        snaps.to_str().unwrap(),
-        "--backup-dir",
-        backups.to_str().unwrap(),
-    ];
+    let Dirs {
+        api,
+        snaps,
+        backups,
+    } = dirs(dir.path());
+    let args = args_of(&api, &snaps, Some(&backups));
     let d = serve(&c, dir.path(), &args);
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     four_layers(dir.path(), &c, &mut client, &api);
@@ -518,15 +523,8 @@ fn five_layers(dir: &Path, c: &Chain, client: &mut Client, api: &Path) -> Vec<St
 fn a_commit_under_writes_drops_the_layer_and_loses_nothing() {
     let dir = test_dir();
     let c = chain(dir.path(), "raw", SIZE);
-    let api = dir.path().join("api.sock");
-    let snaps = dir.path().join("snaps");
-    std::fs::create_dir(&snaps).unwrap();
-    let args = [
-        "--api",
-        api.to_str().unwrap(),
-        "--snapshot-dir",
-        snaps.to_str().unwrap(),
-    ];
+    let Dirs { api, snaps, .. } = dirs(dir.path());
+    let args = args_of(&api, &snaps, None);
     let d = serve(&c, dir.path(), &args);
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     let chain = five_layers(dir.path(), &c, &mut client, &api);
@@ -603,15 +601,8 @@ fn a_commit_under_writes_drops_the_layer_and_loses_nothing() {
 fn a_kill_9_during_a_commit_leaves_the_chain_as_it_was() {
     let dir = test_dir();
     let c = chain(dir.path(), "raw", SIZE);
-    let api = dir.path().join("api.sock");
-    let snaps = dir.path().join("snaps");
-    std::fs::create_dir(&snaps).unwrap();
-    let args = [
-        "--api",
-        api.to_str().unwrap(),
-        "--snapshot-dir",
-        snaps.to_str().unwrap(),
-    ];
+    let Dirs { api, snaps, .. } = dirs(dir.path());
+    let args = args_of(&api, &snaps, None);
     let mut d = serve(&c, dir.path(), &args);
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     let chain = five_layers(dir.path(), &c, &mut client, &api);

@@ -34,13 +34,11 @@ use std::sync::{Arc, Mutex};
 use imago::FormatAccess;
 use imago::ShallowMapping;
 use imago::format::drivers::FormatDriverInstance;
-use imago::qcow2::Qcow2;
 
 use super::map_cache::MapCache;
-use super::stream::Step;
+use super::stream::{Step, Walked, open_writable};
 use super::{
-    ChainFile, FileState, FormatError, Layer, OpenOptions, Qcow2Image, bitmaps, check_l1_covers,
-    lock, open_err,
+    FormatError, Layer, OpenOptions, Qcow2Image, bitmaps, check_l1_covers, lock, open_err,
 };
 use crate::disk::Mapper;
 
@@ -76,18 +74,8 @@ impl Qcow2Image {
                  remove them (qemu-img bitmap --remove), or stream instead",
             ));
         }
-        let mut state = FileState::new(file, &path, 0).map_err(err)?;
-        if let Some(crypt) = old.crypt_shared() {
-            state.set_crypt(crypt);
-        }
-        state.make_ordered(options.ordered, options.journal.clone());
-        state.show_imago(bitmaps::header_view(state.file()).map_err(err)?);
-        let state = Arc::new(state);
-        let mut q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(&state)), true)
-            .map_err(err)?;
-        state.load_shadow().map_err(err)?;
-        let mut header = [0u8; 104];
-        state.file().read_exact_at(&mut header, 0).map_err(err)?;
+        let (state, mut q, header) =
+            open_writable(file, &path, old.crypt_shared(), options).map_err(err)?;
         check_l1_covers(&path, &header, q.size())?;
         let cluster_bits = u32::from_be_bytes([header[20], header[21], header[22], header[23]]);
         q.set_backing(self.layers.get(base + 1).cloned());
@@ -171,38 +159,19 @@ impl Qcow2Image {
     ) -> Result<bool, FormatError> {
         let mut at = pos;
         while at < end {
-            let mut layer: &FormatAccess<ChainFile> = &self.layers[top];
-            let mut off = at;
-            let mut len = end - at;
-            let mut depth = top;
-            let n = loop {
-                if depth >= base {
-                    break len;
-                }
-                let (mapping, n) = layer
-                    .get_shallow_mapping(off, len)
-                    .map_err(FormatError::io("reading metadata"))?;
-                let n = n.clamp(1, len);
-                match mapping {
-                    ShallowMapping::Indirect {
-                        layer: below,
-                        offset,
-                        ..
-                    } => {
-                        layer = below;
-                        off = offset;
-                        len = n;
-                        depth += 1;
-                    }
+            let (walked, n) = self.walk(top, base, at, end - at)?;
+            if let Walked::At { mapping, .. } = walked
+                && !matches!(
+                    mapping,
                     ShallowMapping::Eof { .. }
-                    | ShallowMapping::Zero {
-                        explicit: false, ..
-                    } => {
-                        break n;
-                    }
-                    _ => return Ok(true),
-                }
-            };
+                        | ShallowMapping::Zero {
+                            explicit: false,
+                            ..
+                        }
+                )
+            {
+                return Ok(true);
+            }
             at += n;
         }
         Ok(false)
@@ -215,54 +184,41 @@ impl Qcow2Image {
         let end = pos + buf.len() as u64;
         let mut at = pos;
         while at < end {
-            let mut layer: &FormatAccess<ChainFile> = &self.layers[from];
-            let mut off = at;
-            let len = end - at;
-            let part = |a: u64, n: u64| (a - pos) as usize..(a - pos + n) as usize;
-            let n = loop {
-                let (mapping, n) = layer
-                    .get_shallow_mapping(off, len)
-                    .map_err(FormatError::io("reading metadata"))?;
-                let n = n.clamp(1, len);
-                match mapping {
-                    ShallowMapping::Indirect {
-                        layer: below,
-                        offset,
-                        ..
-                    } => {
-                        layer = below;
-                        off = offset;
-                    }
-                    ShallowMapping::Raw {
-                        storage, offset, ..
-                    } => {
-                        let out = &mut buf[part(at, n)];
-                        let file = &storage.0;
-                        file.file()
-                            .read_exact_at(out, offset)
-                            .map_err(FormatError::io("reading a layer"))?;
-                        if let Some(crypt) = file.crypt() {
-                            let done = crypt.decrypt(offset, out);
-                            crate::crypto::key::scrub_after_pass();
-                            done.map_err(|e| {
-                                FormatError::io("decrypting a layer")(std::io::Error::other(e))
-                            })?;
-                        }
-                        break n;
-                    }
-                    ShallowMapping::Special { .. } => {
-                        // Compressed: imago reads and inflates it.
-                        layer
-                            .read(&mut buf[part(at, n)], off)
-                            .map_err(FormatError::io("reading compressed data"))?;
-                        break n;
-                    }
-                    _ => {
-                        buf[part(at, n)].fill(0);
-                        break n;
+            let (walked, n) = self.walk(from, usize::MAX, at, end - at)?;
+            let out = &mut buf[(at - pos) as usize..(at - pos + n) as usize];
+            match walked {
+                Walked::At {
+                    mapping:
+                        ShallowMapping::Raw {
+                            storage, offset, ..
+                        },
+                    ..
+                } => {
+                    let file = &storage.0;
+                    file.file()
+                        .read_exact_at(out, offset)
+                        .map_err(FormatError::io("reading a layer"))?;
+                    if let Some(crypt) = file.crypt() {
+                        let done = crypt.decrypt(offset, out);
+                        crate::crypto::key::scrub_after_pass();
+                        done.map_err(|e| {
+                            FormatError::io("decrypting a layer")(std::io::Error::other(e))
+                        })?;
                     }
                 }
-            };
+                Walked::At {
+                    mapping: ShallowMapping::Special { .. },
+                    layer,
+                    offset,
+                    ..
+                } => {
+                    // Compressed: imago reads and inflates it.
+                    layer
+                        .read(out, offset)
+                        .map_err(FormatError::io("reading compressed data"))?;
+                }
+                _ => out.fill(0),
+            }
             at += n;
         }
         Ok(())

@@ -60,6 +60,20 @@ pub struct Step {
     pub copied: u64,
 }
 
+/// Where [`Qcow2Image::walk`] ended.
+pub(super) enum Walked<'a> {
+    /// At the layer it was to stop at: nothing above it answered.
+    Below,
+    /// Layer `depth` of the chain (`layer`, at `offset` there) answers,
+    /// with `mapping` (not `Indirect`).
+    At {
+        depth: usize,
+        layer: &'a FormatAccess<ChainFile>,
+        offset: u64,
+        mapping: ShallowMapping<'a, ChainFile>,
+    },
+}
+
 /// Where the data of a stretch of the guest disk lies, for a stream.
 enum Found {
     /// In the top already, or at the base or below it (or nowhere):
@@ -145,20 +159,50 @@ impl Qcow2Image {
     }
 
     /// Where `[pos, pos + len)` (inside one cluster of the top) lies,
-    /// looked up layer by layer, and for how many bytes the answer holds.
-    /// Under `meta`.
+    /// and for how many bytes the answer holds. Under `meta`.
     fn found(&self, pos: u64, len: u64, base: usize) -> Result<(Found, u64), FormatError> {
-        let mut layer: &FormatAccess<ChainFile> = &self.top;
-        let (mut at, mut len) = (pos, len);
-        for depth in 0.. {
-            if depth >= base {
-                return Ok((Found::Stays, len));
+        let (walked, n) = self.walk(0, base, pos, len)?;
+        let found = match walked {
+            Walked::Below => Found::Stays,
+            Walked::At { depth: 0, .. } => Found::Stays,
+            Walked::At { mapping, .. } => match mapping {
+                ShallowMapping::Eof { .. }
+                | ShallowMapping::Zero {
+                    explicit: false, ..
+                } => Found::Stays,
+                ShallowMapping::Zero { .. } => Found::Zeroes,
+                _ => Found::Data,
+            },
+        };
+        Ok((found, n))
+    }
+
+    /// Follows `[pos, pos + len)` from layer `from` of the chain down
+    /// through the layers that leave it to their backing file, to the
+    /// first that answers for it (data, zeroes, compressed data, or the
+    /// end of the chain), or to layer `stop`: where it ended, and for how
+    /// many bytes from `pos` that holds (at least 1).
+    pub(super) fn walk(
+        &self,
+        from: usize,
+        stop: usize,
+        pos: u64,
+        len: u64,
+    ) -> Result<(Walked<'_>, u64), FormatError> {
+        let Some(mut layer) = self.layers.get(from).map(|l| &**l) else {
+            return Ok((Walked::Below, len.max(1)));
+        };
+        let (mut at, mut len) = (pos, len.max(1));
+        let mut depth = from;
+        loop {
+            if depth >= stop {
+                return Ok((Walked::Below, len));
             }
             let (mapping, n) = layer
                 .get_shallow_mapping(at, len)
                 .map_err(FormatError::io("reading metadata"))?;
-            let n = n.min(len);
-            let found = match mapping {
+            let n = n.clamp(1, len);
+            match mapping {
                 ShallowMapping::Indirect {
                     layer: below,
                     offset,
@@ -166,20 +210,22 @@ impl Qcow2Image {
                 } => {
                     layer = below;
                     at = offset;
-                    len = n.max(1);
-                    continue;
+                    len = n;
+                    depth += 1;
                 }
-                ShallowMapping::Eof { .. } => Found::Stays,
-                ShallowMapping::Zero {
-                    explicit: false, ..
-                } => Found::Stays,
-                _ if depth == 0 => Found::Stays,
-                ShallowMapping::Zero { .. } => Found::Zeroes,
-                _ => Found::Data,
-            };
-            return Ok((found, n));
+                mapping => {
+                    return Ok((
+                        Walked::At {
+                            depth,
+                            layer,
+                            offset: at,
+                            mapping,
+                        },
+                        n,
+                    ));
+                }
+            }
         }
-        unreachable!("the loop returns")
     }
 
     /// The switch of a stream (see the module doc): the top's backing
@@ -235,21 +281,8 @@ impl Qcow2Image {
             )
         };
         let file = top.file().try_clone().map_err(again)?;
-        let mut state = FileState::new(file, &path, 0).map_err(again)?;
-        if let Some(crypt) = top.crypt_shared() {
-            state.set_crypt(crypt);
-        }
-        state.make_ordered(options.ordered, options.journal.clone());
-        // imago sees the header with the autoclear bits cleared before it
-        // opens it, as at the first open: else its open would clear them
-        // in the file (QEMU's bitmaps would read as inconsistent).
-        state.show_imago(bitmaps::header_view(state.file()).map_err(again)?);
-        let state = Arc::new(state);
-        let mut q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(&state)), true)
-            .map_err(again)?;
-        state.load_shadow().map_err(again)?;
-        let mut header = [0u8; 104];
-        state.file().read_exact_at(&mut header, 0).map_err(again)?;
+        let (state, mut q, header) =
+            open_writable(file, &path, top.crypt_shared(), options).map_err(again)?;
         check_l1_covers(&path, &header, q.size())?;
         // The base's layer and file: the commit's handle, or as they were.
         let (base_layer, base_file) = match written {
@@ -310,6 +343,36 @@ impl Qcow2Image {
             qemu,
         })
     }
+}
+
+/// imago's handle of a layer opened again ([`open_writable`]).
+pub(super) type Reopened = Qcow2<ChainFile, Layer>;
+
+/// Opens `file`, the qcow2 file at `path`, again as a writable layer:
+/// a new [`FileState`] (with `crypt`, ordered as `options` say), imago's
+/// handle of it (its backing file not yet set) and the header's first
+/// 104 bytes.
+pub(super) fn open_writable(
+    file: std::fs::File,
+    path: &std::path::Path,
+    crypt: Option<Arc<crate::disk::luks::Crypt>>,
+    options: &OpenOptions,
+) -> io::Result<(Arc<FileState>, Reopened, [u8; 104])> {
+    let mut state = FileState::new(file, path, 0)?;
+    if let Some(crypt) = crypt {
+        state.set_crypt(crypt);
+    }
+    state.make_ordered(options.ordered, options.journal.clone());
+    // imago sees the header with the autoclear bits cleared before it
+    // opens it, as at the first open: else its open would clear them in
+    // the file (QEMU's bitmaps would read as inconsistent).
+    state.show_imago(bitmaps::header_view(state.file())?);
+    let state = Arc::new(state);
+    let q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(&state)), true)?;
+    state.load_shadow()?;
+    let mut header = [0u8; 104];
+    state.file().read_exact_at(&mut header, 0)?;
+    Ok((state, q, header))
 }
 
 fn be32(b: &[u8], at: usize) -> u32 {
