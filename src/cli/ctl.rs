@@ -88,8 +88,8 @@ pub enum CtlVerb {
     /// the guest runs; then point the layer above --top at --base, so
     /// that they drop out of the chain. Today --top is the layer right
     /// below the top of the chain, and --base an overlay in the daemon's
-    /// --snapshot-dir. The daemon never deletes the layers dropped. Prints
-    /// the job (JSON).
+    /// --snapshot-dir or the image --image names. The daemon never deletes
+    /// the layers dropped. Prints the job (JSON).
     Commit {
         /// The layer to commit: a path of the chain (`ctl status`).
         #[arg(long, value_name = "IMG")]

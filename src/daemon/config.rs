@@ -953,6 +953,24 @@ fn open_chain(
     if let Some(f) = followed {
         check_followed(args, &live, f)?;
     }
+    let mut live = live;
+    if !args.readonly {
+        // The image --image names, open for writing from now on: a commit
+        // into it, once live snapshots have put it below the top, cannot
+        // open it later (the sandbox allows no open by path then).
+        let named = followed.map_or(image.path.as_path(), named_of);
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(named)
+        {
+            Ok(file) => live.keep_named(named, file),
+            Err(e) => log::warn!(
+                "{}: not opened for writing ({e}); a commit into it will be refused",
+                named.display()
+            ),
+        }
+    }
     let size = live.size();
     let block = image.block_size;
     if size == 0 || size % u64::from(block) != 0 {

@@ -289,6 +289,9 @@ pub struct Live {
     resumed: (Mutex<()>, Condvar),
     gates: Mutex<Vec<Arc<Gate>>>,
     snapshots: Option<SnapshotDir>,
+    /// The image `--image` names and a descriptor of it open for writing
+    /// (a commit's base may be it: [`Live::open_base`]).
+    named: Option<(PathBuf, File)>,
     options: OpenOptions,
     direct: bool,
     /// One snapshot at a time.
@@ -330,10 +333,18 @@ impl Live {
             resumed: (Mutex::new(()), Condvar::new()),
             gates: Mutex::new(Vec::new()),
             snapshots,
+            named: None,
             options,
             direct,
             switching: Mutex::new(()),
         })
+    }
+
+    /// Keeps `file`, the image `--image` named (`path`, as the chain
+    /// lists it), open for writing: a commit into it needs that.
+    pub fn keep_named(&mut self, path: &Path, file: File) {
+        let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        self.named = Some((path, file));
     }
 
     /// The chain requests are mapped against now.
@@ -605,7 +616,8 @@ impl Live {
     /// A handle for writing file `base` of the chain (a commit's base):
     /// only an overlay in the snapshot directory, which the daemon may
     /// open for writing after start-up (by the directory's descriptor,
-    /// never following a link).
+    /// never following a link), or the image `--image` names, kept open
+    /// for writing since start-up ([`Live::keep_named`]).
     pub fn open_base(&self, base: usize) -> Result<super::Qcow2Image, SnapshotError> {
         let served = self.current();
         let Some(image) = served.qcow2() else {
@@ -621,19 +633,22 @@ impl Live {
             let name = path.file_name()?.to_str()?;
             (path.parent() == Some(dir.path.as_path())).then_some((dir, name))
         });
-        let Some((dir, name)) = in_dir else {
-            return Err(SnapshotError::Refused(format!(
-                "{}: a commit writes into its base, and the daemon may write only the overlays it \
-                 made in --snapshot-dir; commit into one of those, or stream instead",
-                path.display()
-            )));
+        let opened = match (in_dir, &self.named) {
+            (Some((dir, name)), _) => dir.open_at(name, libc::O_RDWR),
+            (None, Some((named, file))) if named == path => file.try_clone(),
+            _ => {
+                return Err(SnapshotError::Refused(format!(
+                    "{}: a commit writes into its base, and the daemon may write only the image \
+                     --image names and the overlays it made in --snapshot-dir; commit into one of \
+                     those, or stream instead",
+                    path.display()
+                )));
+            }
         };
-        let file = dir
-            .open_at(name, libc::O_RDWR)
-            .map_err(|source| SnapshotError::Create {
-                path: path.display().to_string(),
-                source,
-            })?;
+        let file = opened.map_err(|source| SnapshotError::Create {
+            path: path.display().to_string(),
+            source,
+        })?;
         Ok(image.open_base(base, file, &self.options)?)
     }
 

@@ -543,7 +543,7 @@ fn a_commit_under_writes_drops_the_layer_and_loses_nothing() {
     refused(
         &api,
         &["commit", "--top", s2, "--base", &chain[4]],
-        "may write only the overlays it",
+        "may write only the image --image names",
     );
     let sums = [sha256(Path::new(s2)), sha256(&c.top), sha256(&c.base)];
 
@@ -589,8 +589,25 @@ fn a_commit_under_writes_drops_the_layer_and_loses_nothing() {
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     assert_eq!(status_chain(&api), new_chain);
     reads_as_reference(&mut client, &c, "after a restart");
+    // After the restart the image --image names is below the top (the
+    // records led past it): a commit into it, of the layer above it.
+    ok(
+        &ctl(&api, &["commit", "--top", s1]),
+        "commit into the named image",
+    );
+    write_round(&mut client, &c, 97, 3);
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    assert_eq!(job["base"], serde_json::json!(chain[3]));
+    let last_chain = [s3.clone(), chain[3].clone(), chain[4].clone()];
+    assert_eq!(status_chain(&api), last_chain);
+    reads_as_reference(&mut client, &c, "after a commit into the named image");
     drop(client);
     stop(d);
+    assert_eq!(qemu_chain(s3p), last_chain);
+    check_clean(&c.top);
+    compare_identical(s3p, &c.reference);
+    assert_eq!(sha256(&c.base), sums[2], "the raw base was written");
 }
 
 /// kill -9 in the middle of a commit: the chain on disk is the old one,

@@ -8,7 +8,8 @@
 //! above it is the top, whose header the switch rewrites as a stream's
 //! does: [`super::stream`]), and the base is an overlay the daemon made
 //! (in its snapshot directory, where it may open files for writing after
-//! start-up).
+//! start-up) or the image `--image` names (open for writing since
+//! start-up): [`crate::disk::Live::open_base`].
 //!
 //! **Copying** ([`Qcow2Image::commit_step`]) needs none of the served
 //! image's locks: no request writes the layers it reads (they are below
