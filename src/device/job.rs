@@ -1,22 +1,26 @@
 //! Block jobs: work on the image's chain that runs beside the guest, one
-//! at a time per device. Today: stream ([`crate::disk::qcow2::stream`]),
-//! which copies the data of the layers between the top and a base up into
-//! the top, then drops those layers from the chain.
+//! at a time per device. A stream ([`crate::disk::qcow2::stream`]) copies
+//! the data of the layers between the top and a base up into the top; a
+//! commit ([`crate::disk::qcow2::commit`]) copies the layer right below
+//! the top (and those down to a base) down into the base; either then
+//! drops those layers from the chain.
 //!
 //! A job runs on a thread of its own and holds the image (its lock, its
 //! bitmaps) until it ends, also with no front-end connected. It copies one
 //! stretch at a time ([`STRETCH`]), checking between stretches whether it
 //! was cancelled or the daemon is stopping, and keeps to its speed by
-//! sleeping. A job, a backup and a live snapshot refuse each other (each
-//! would change or read the chain under the other); so does a migration
-//! under way. The old layers are never deleted: the job's answer says
-//! which files the chain no longer uses.
+//! sleeping (without one, it works a quarter of the time at most). A job, a backup and a live
+//! snapshot refuse each other (each would change or read the chain under
+//! the other); so does a migration under way. The old layers are never
+//! deleted: the job's answer says which files the chain no longer uses.
 //!
-//! After a kill -9 or a power loss during a stream the chain on disk is
-//! the old one (what was copied into the top reads the same through it)
-//! or, once the switch's header write is durable, the new one; either
-//! serves correctly after a restart, and the job is gone (started again,
-//! it skips what the top has by then).
+//! After a kill -9 or a power loss during a job the chain on disk is the
+//! old one (what was copied reads the same through it) or, once the
+//! switch's header write is durable, the new one; either serves correctly
+//! after a restart. The job's record in the snapshot directory
+//! ([`crate::disk::records::JOB_RECORD`]) then has the restarted daemon
+//! show it as interrupted (or completed); started again, it skips what
+//! was copied.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -30,8 +34,9 @@ use crate::disk::Live;
 use crate::disk::records::JobRecord;
 
 /// What a job copies at a time: the longest the guest's own metadata work
-/// waits behind it (each stretch holds the image's metadata locks), and
-/// what two fdatasyncs are paid for (1 MiB cost the guest more).
+/// waits behind a stream (each of its stretches holds the image's
+/// metadata locks), and what a stretch's fdatasyncs are paid for (1 MiB
+/// stretches cost the guest more).
 pub const STRETCH: u64 = 8 << 20;
 
 /// How long a cancel waits for the job to see it.
@@ -162,7 +167,7 @@ impl Device {
 
     /// Starts a stream (see the module doc): `base` is a file of the
     /// chain below the top (as `ctl status` lists it), or none; `speed`
-    /// in bytes per second, none for as fast as it goes.
+    /// in bytes per second, or none: a quarter of the time at most.
     pub fn stream(
         self: &Arc<Self>,
         base: Option<&Path>,
@@ -446,14 +451,15 @@ impl Device {
                     job.done.fetch_add(step.examined, Ordering::Relaxed);
                     job.copied.fetch_add(step.copied, Ordering::Relaxed);
                     offset += step.examined.max(1);
-                    if step.copied > 0 {
-                        // A quarter of the time at most, the guest's the
-                        // rest: a stretch holds the image's metadata locks
-                        // (which a waiter would not get back from a thread
-                        // that takes them again at once) and takes the
-                        // disk (its data, and two fdatasyncs). Measured
-                        // with scripts/bench-jobs.sh: at half the time
-                        // the guest kept 0.45-0.79 of its write IOPS.
+                    if step.copied > 0 && job.speed == 0 {
+                        // Without a speed, a quarter of the time at most,
+                        // the guest's the rest: a stream's stretch holds
+                        // the image's metadata locks (which a waiter would
+                        // not get back from a thread that takes them again
+                        // at once), and any stretch takes the disk (its
+                        // data and fdatasyncs). Measured with
+                        // scripts/bench-jobs.sh: at half the time the
+                        // guest kept 0.45-0.79 of its write IOPS.
                         std::thread::sleep((3 * took.elapsed()).min(Duration::from_millis(500)));
                     }
                 }
