@@ -1,7 +1,7 @@
 //! Block jobs: work on the image's chain that runs beside the guest, one
-//! at a time per device. A stream ([`crate::disk::qcow2::stream`]) copies
+//! at a time per device. A stream ([`Live::stream_step`]) copies
 //! the data of the layers between the top and a base up into the top; a
-//! commit ([`crate::disk::qcow2::commit`]) copies the layer right below
+//! commit ([`Live::commit_step`]) copies the layer right below
 //! the top (and those down to a base) down into the base; either then
 //! drops those layers from the chain.
 //!
@@ -239,7 +239,7 @@ impl Device {
         let written = live
             .open_base(b)
             .map_err(|e| JobError::Invalid(e.to_string()))?;
-        self.start_job(&live, Work::Commit(t, Box::new(written)), b, true, speed)
+        self.start_job(&live, Work::Commit(t, written), b, true, speed)
     }
 
     /// The chain a `kind` job would work on, and its files (top first),
@@ -436,15 +436,11 @@ impl Device {
                 drop(hold);
                 return job.end(JobState::Cancelled, None, Vec::new());
             }
-            let served = job.live.current();
-            let Some(image) = served.qcow2() else {
-                return fail("the top is no longer a qcow2 image".into());
-            };
-            let stretch = STRETCH.max(served.image.cluster_size());
+            let stretch = STRETCH.max(job.live.cluster_size());
             let took = Instant::now();
             let stepped = match &work {
-                Work::Stream => image.stream_step(base, offset, stretch),
-                Work::Commit(top, into) => image.commit_step(into, *top, base, offset, stretch),
+                Work::Stream => job.live.stream_step(base, offset, stretch),
+                Work::Commit(top, into) => job.live.commit_step(into, *top, base, offset, stretch),
             };
             match stepped {
                 Ok(step) => {
@@ -479,7 +475,7 @@ impl Device {
         }
         let before = job.live.chain();
         let written = match &work {
-            Work::Commit(_, into) => Some(&**into),
+            Work::Commit(_, into) => Some(into),
             Work::Stream => None,
         };
         match job.live.rebase(base, written) {
@@ -517,7 +513,7 @@ enum Work {
     Stream,
     /// Copy down from layer `.0` (and those below it, above the base)
     /// into the base, through the base's own handle.
-    Commit(usize, Box<crate::disk::Qcow2Image>),
+    Commit(usize, crate::disk::CommitBase),
 }
 
 impl Work {

@@ -42,7 +42,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::Qcow2Image;
 use super::qcow2::OpenOptions;
+use super::qcow2::stream::Step;
 use super::records::{DROPPED_SUFFIX, Dropped, JOB_RECORD, JobRecord, RECORD_SUFFIX, Record};
 use super::{Format, FormatError, Image};
 
@@ -75,6 +77,11 @@ impl Served {
         self.io_files.iter().map(AsRawFd::as_raw_fd).collect()
     }
 }
+
+/// A commit's base, open for writing ([`Live::open_base`]): what
+/// [`Live::commit_step`] writes through and [`Live::rebase`] puts in the
+/// chain.
+pub struct CommitBase(Box<Qcow2Image>);
 
 /// One queue's count of requests in flight, and how to wake it.
 #[repr(align(64))]
@@ -565,11 +572,11 @@ impl Live {
     /// request kept out, the top's backing file becomes file `base` of
     /// the chain (none at `base` = the chain's length), and the layers
     /// between them drop out. Returns the new chain, top first.
-    /// `written`: a commit's handle of the base ([`super::Qcow2Image::open_base`]).
+    /// `written`: a commit's handle of the base ([`Live::open_base`]).
     pub fn rebase(
         &self,
         base: usize,
-        written: Option<&super::Qcow2Image>,
+        written: Option<&CommitBase>,
     ) -> Result<Vec<PathBuf>, SnapshotError> {
         let _one = lock(&self.switching);
         let old = self.current();
@@ -595,7 +602,7 @@ impl Live {
             io_files.push(f.try_clone().map_err(FormatError::io("dup"))?);
         }
         let made = self.pause().and_then(|()| {
-            top.rebase(base, name.as_deref(), &self.options, written)
+            top.rebase(base, name.as_deref(), &self.options, written.map(|w| &*w.0))
                 .map_err(SnapshotError::from)
         });
         let made = made.map(|image| {
@@ -618,7 +625,7 @@ impl Live {
     /// open for writing after start-up (by the directory's descriptor,
     /// never following a link), or the image `--image` names, kept open
     /// for writing since start-up ([`Live::keep_named`]).
-    pub fn open_base(&self, base: usize) -> Result<super::Qcow2Image, SnapshotError> {
+    pub fn open_base(&self, base: usize) -> Result<CommitBase, SnapshotError> {
         let served = self.current();
         let Some(image) = served.qcow2() else {
             return Err(SnapshotError::NotQcow2);
@@ -649,7 +656,49 @@ impl Live {
             path: path.display().to_string(),
             source,
         })?;
-        Ok(image.open_base(base, file, &self.options)?)
+        Ok(CommitBase(Box::new(image.open_base(
+            base,
+            file,
+            &self.options,
+        )?)))
+    }
+
+    /// A stream's stretch ([`super::qcow2::stream`]): copies up into the
+    /// top what the layers above file `base` have of `[offset, offset +
+    /// len)`. Blocks.
+    pub fn stream_step(&self, base: usize, offset: u64, len: u64) -> Result<Step, FormatError> {
+        let served = self.current();
+        let Some(image) = served.qcow2() else {
+            return Err(FormatError::Unsupported(
+                "the top is not a qcow2 image".into(),
+            ));
+        };
+        image.stream_step(base, offset, len)
+    }
+
+    /// A commit's stretch ([`super::qcow2::commit`]): copies down into
+    /// `into` (file `base`) what layers `top` to `base` have of `[offset,
+    /// offset + len)`. Blocks.
+    pub fn commit_step(
+        &self,
+        into: &CommitBase,
+        top: usize,
+        base: usize,
+        offset: u64,
+        len: u64,
+    ) -> Result<Step, FormatError> {
+        let served = self.current();
+        let Some(image) = served.qcow2() else {
+            return Err(FormatError::Unsupported(
+                "the top is not a qcow2 image".into(),
+            ));
+        };
+        image.commit_step(&into.0, top, base, offset, len)
+    }
+
+    /// What a job's stretch is a whole number of: the top's clusters.
+    pub fn cluster_size(&self) -> u64 {
+        self.current().image.cluster_size()
     }
 
     /// Records a block job that starts (in the snapshot directory; with

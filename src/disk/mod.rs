@@ -65,8 +65,9 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 pub use handle::{Disk, Resizable};
-pub use live::{Live, Served, SnapshotDir, SnapshotError};
+pub use live::{CommitBase, Live, Served, SnapshotDir, SnapshotError};
 pub use meta::Meta;
+pub use qcow2::stream::Step;
 pub use qcow2::{OpenOptions, Qcow2Image};
 pub use raw::RawImage;
 
