@@ -407,6 +407,21 @@ impl Device {
         Ok(job.info())
     }
 
+    /// A migration starts (the front-end acked dirty logging): the
+    /// running job, if any, is told to stop at its next stretch, and lets
+    /// the image go then (its chain as it was); it is not waited for here,
+    /// on the front-end's thread.
+    pub(super) fn cancel_job_for_migration(&self) {
+        if let Some(job) = self.job_slot().as_ref().filter(|j| j.running()) {
+            log::warn!(
+                "{}: a migration started: the {} job is cancelled (start it again on the destination once the migration is over)",
+                self.name,
+                job.kind
+            );
+            job.cancel.store(true, Ordering::Relaxed);
+        }
+    }
+
     /// The daemon stops: the running job, if any, is cancelled and
     /// waited for (its stretch finished and committed), so that nothing
     /// writes the image after it is made durable.

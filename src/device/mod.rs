@@ -285,8 +285,15 @@ impl Device {
     }
 
     /// LOG_ALL acked on (or off again). Returns whether that changed it.
+    /// A migration starting cancels a running block job: the job holds
+    /// the image, which the destination must take once the source lets
+    /// it go.
     pub fn set_logging(&self, on: bool) -> bool {
-        self.logging.swap(on, Ordering::Relaxed) != on
+        let changed = self.logging.swap(on, Ordering::Relaxed) != on;
+        if changed && on {
+            self.cancel_job_for_migration();
+        }
+        changed
     }
 
     /// A new connection starts from what the device advertises: the guest
