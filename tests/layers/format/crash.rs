@@ -63,20 +63,80 @@ fn workload(img: &dyn Image, size: u64) {
     }
 }
 
-/// Rebuilds the file as a power loss after journal position `upto` could
-/// have left it: every write before the last fdatasync, and the writes
-/// after it that `keep` selects. Returns the corruptions and leaks found.
-struct Replayer {
-    durable: Vec<u8>,
+/// Lays one journalled write, `data` at `offset`, over `image` (a file's
+/// bytes, grown as the write grew the file).
+fn apply_write(image: &mut Vec<u8>, offset: u64, data: &[u8]) {
+    let end = offset as usize + data.len();
+    if image.len() < end {
+        image.resize(end, 0);
+    }
+    image[offset as usize..end].copy_from_slice(data);
 }
 
-impl Replayer {
-    fn apply(image: &mut Vec<u8>, offset: u64, data: &[u8]) {
-        let end = offset as usize + data.len();
-        if image.len() < end {
-            image.resize(end, 0);
+/// Every image a power loss could leave of a file that was `initial`,
+/// from the journal `ops` of the writes and fdatasyncs that reached it: at
+/// every `step`-th fdatasync (and the start; `step` 0 is 1), everything
+/// before it plus, of the writes after it up to the next one, none
+/// (subset 0), all (1) and random ones (2 to `subsets - 1`; none of these
+/// when there are no such writes). `f` gets the segment's journal range,
+/// the subset, how many writes the segment has, and the image.
+fn power_loss_images(
+    ops: &[JournalOp],
+    initial: &[u8],
+    step: usize,
+    subsets: usize,
+    rng: &mut Rng,
+    mut f: impl FnMut(std::ops::Range<usize>, usize, usize, &[u8]),
+) {
+    let mut starts = vec![0usize];
+    starts.extend(
+        ops.iter()
+            .enumerate()
+            .filter(|(_, op)| matches!(op, JournalOp::Sync))
+            .map(|(i, _)| i + 1),
+    );
+    let mut durable = initial.to_vec();
+    let mut applied = 0usize;
+    for (n, &start) in starts.iter().enumerate() {
+        // Make everything before `start` durable.
+        for op in &ops[applied..start] {
+            if let JournalOp::Write { offset, data } = op {
+                apply_write(&mut durable, *offset, data);
+            }
         }
-        image[offset as usize..end].copy_from_slice(data);
+        applied = start;
+        if n % step.max(1) != 0 {
+            continue;
+        }
+        let end = ops[start..]
+            .iter()
+            .position(|op| matches!(op, JournalOp::Sync))
+            .map_or(ops.len(), |p| start + p);
+        let writes: Vec<(u64, &Vec<u8>)> = ops[start..end]
+            .iter()
+            .filter_map(|op| match op {
+                JournalOp::Write { offset, data } => Some((*offset, data)),
+                JournalOp::Sync => None,
+            })
+            .collect();
+        for k in 0..subsets {
+            let mut image = durable.clone();
+            for (offset, data) in writes.iter() {
+                // Subset 0: none of them; 1: all; then random ones.
+                let keep = match k {
+                    0 => false,
+                    1 => true,
+                    _ => rng.below(2) == 0,
+                };
+                if keep {
+                    apply_write(&mut image, *offset, data);
+                }
+            }
+            f(start..end, k, writes.len(), &image);
+            if writes.is_empty() {
+                break;
+            }
+        }
     }
 }
 
@@ -151,53 +211,19 @@ fn power_loss_replays(
         "only {} fdatasyncs in the journal",
         syncs.len()
     );
-    // Segments: [start, next sync) after each sync (and from the start).
-    let mut starts = vec![0usize];
-    starts.extend(syncs.iter().map(|&s| s + 1));
-    let step = (starts.len() / boundaries).max(1);
+    let step = (syncs.len() + 1) / boundaries;
     let replay_path = dir.join("replay.qcow2");
-    let mut rep = Replayer {
-        durable: initial.clone(),
-    };
-    let mut applied = 0usize;
     let (mut checked, mut corrupt, mut most_leaks) = (0, 0, 0);
     let mut rng = Rng(0xfeed);
-    for (n, &start) in starts.iter().enumerate() {
-        // Make everything before `start` durable.
-        for op in &ops[applied..start] {
-            if let JournalOp::Write { offset, data } = op {
-                Replayer::apply(&mut rep.durable, *offset, data);
-            }
-        }
-        applied = start;
-        if n % step != 0 {
-            continue;
-        }
-        let end = ops[start..]
-            .iter()
-            .position(|op| matches!(op, JournalOp::Sync))
-            .map_or(ops.len(), |p| start + p);
-        let writes: Vec<(u64, &Vec<u8>)> = ops[start..end]
-            .iter()
-            .filter_map(|op| match op {
-                JournalOp::Write { offset, data } => Some((*offset, data)),
-                JournalOp::Sync => None,
-            })
-            .collect();
-        for k in 0..subsets {
-            let mut image = rep.durable.clone();
-            for (offset, data) in writes.iter() {
-                // Subset 0: none of them; 1: all; then random ones.
-                let keep = match k {
-                    0 => false,
-                    1 => true,
-                    _ => rng.below(2) == 0,
-                };
-                if keep {
-                    Replayer::apply(&mut image, *offset, data);
-                }
-            }
-            std::fs::write(&replay_path, &image).unwrap();
+    power_loss_images(
+        &ops,
+        &initial,
+        step,
+        subsets,
+        &mut rng,
+        |segment, k, writes, image| {
+            let start = segment.start;
+            std::fs::write(&replay_path, image).unwrap();
             if mode == Mode::Logged {
                 if k == 1 {
                     // QEMU opens the file as the power loss left it, the
@@ -218,17 +244,13 @@ fn power_loss_replays(
                 let keep = dir.join(format!("corrupt-{corrupt}.qcow2"));
                 std::fs::copy(&replay_path, &keep).unwrap();
                 eprintln!(
-                    "corrupt: {} (segment from journal op {start}, {} writes, subset {k})",
+                    "corrupt: {} (segment from journal op {start}, {writes} writes, subset {k})",
                     keep.display(),
-                    writes.len()
                 );
             }
             most_leaks = most_leaks.max(l);
-            if writes.is_empty() {
-                break;
-            }
-        }
-    }
+        },
+    );
     (checked, corrupt, most_leaks)
 }
 
@@ -317,7 +339,7 @@ fn power_loss_keeps_durable_writes(name: &str, writethrough: bool, mode: Mode) -
             .map_or(0, |p| p + 1);
         for op in &ops[applied..synced.max(applied)] {
             if let JournalOp::Write { offset, data } = op {
-                Replayer::apply(&mut durable, *offset, data);
+                apply_write(&mut durable, *offset, data);
             }
         }
         applied = applied.max(synced);
@@ -850,57 +872,21 @@ fn power_loss_during_a_stream_keeps_the_disk() {
 
     let ops = journal.ops();
     let replay = dir.join("replay.qcow2");
-    let mut durable = initial;
     let (mut checked, mut switched) = (0, 0);
-    let mut start = 0;
-    while start <= ops.len() {
-        let end = ops[start..]
-            .iter()
-            .position(|op| matches!(op, JournalOp::Sync))
-            .map_or(ops.len(), |p| start + p);
-        let writes: Vec<(u64, &Vec<u8>)> = ops[start..end]
-            .iter()
-            .filter_map(|op| match op {
-                JournalOp::Write { offset, data } => Some((*offset, data)),
-                JournalOp::Sync => None,
-            })
-            .collect();
-        for k in 0..4 {
-            let mut image = durable.clone();
-            for (offset, data) in &writes {
-                let keep = match k {
-                    0 => false,
-                    1 => true,
-                    _ => rng.below(2) == 0,
-                };
-                if keep {
-                    Replayer::apply(&mut image, *offset, data);
-                }
-            }
-            std::fs::write(&replay, &image).unwrap();
-            let (corrupt, _) = check(&replay);
-            assert_eq!(
-                corrupt, 0,
-                "journal ops {start}..{end}, subset {k}: corrupt"
-            );
-            assert!(
-                disk_of(&replay, &dir) == reference,
-                "journal ops {start}..{end}, subset {k}: the disk reads otherwise"
-            );
-            let info = qemu_img(&["info", "--output=json", replay.to_str().unwrap()]);
-            if info.contains(&format!("\"backing-filename\": \"{base_name}\"")) {
-                switched += 1;
-            }
-            checked += 1;
-            if writes.is_empty() {
-                break;
-            }
+    power_loss_images(&ops, &initial, 1, 4, &mut rng, |segment, k, _, image| {
+        std::fs::write(&replay, image).unwrap();
+        let (corrupt, _) = check(&replay);
+        assert_eq!(corrupt, 0, "journal ops {segment:?}, subset {k}: corrupt");
+        assert!(
+            disk_of(&replay, &dir) == reference,
+            "journal ops {segment:?}, subset {k}: the disk reads otherwise"
+        );
+        let info = qemu_img(&["info", "--output=json", replay.to_str().unwrap()]);
+        if info.contains(&format!("\"backing-filename\": \"{base_name}\"")) {
+            switched += 1;
         }
-        for (offset, data) in &writes {
-            Replayer::apply(&mut durable, *offset, data);
-        }
-        start = end + 1;
-    }
+        checked += 1;
+    });
     eprintln!(
         "power loss during a stream: {checked} images checked, {switched} with the new chain"
     );
