@@ -475,19 +475,8 @@ fn ok_text(out: &std::process::Output, what: &str) {
 fn a_stream_decompresses_what_it_copies() {
     let dir = test_dir();
     let c = chain(dir.path(), "compressed", SIZE);
-    let api = dir.path().join("api.sock");
-    let snaps = dir.path().join("snaps");
-    std::fs::create_dir(&snaps).unwrap();
-    let d = serve(
-        &c,
-        dir.path(),
-        &[
-            "--api",
-            api.to_str().unwrap(),
-            "--snapshot-dir",
-            snaps.to_str().unwrap(),
-        ],
-    );
+    let Dirs { api, snaps, .. } = dirs(dir.path());
+    let d = serve(&c, dir.path(), &args_of(&api, &snaps, None));
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     write_round(&mut client, &c, 5, 8);
     ok(&ctl(&api, &["stream"]), "stream");
