@@ -16,6 +16,13 @@
 #    no job, then while a stream (no speed limit, the default) copies the
 #    rest of a LOAD_SIZE chain: the ratio is what the job costs.
 #
+# 3. An active commit of SIZE with no guest load: chain/mid.qcow2 (empty,
+#    over base.raw; the image served) <- snaps/s1.qcow2 (all of it
+#    allocated, the top, found through a snapshot record as a live
+#    snapshot leaves it). `ctl commit --top s1.qcow2` copies s1 into mid
+#    and pivots; timed from the request to `completed`. Then the guest's
+#    4k randwrite IOPS during an active commit of a LOAD_SIZE chain.
+#
 # DIRECT=1 serves with --direct (the guest's I/O O_DIRECT). Prints one
 # line per figure. Needs the release build:
 #   cargo build --release -p ringblk -p ringblk-bench
@@ -75,7 +82,7 @@ wait_job() {
         sleep 0.05
     done
     "$bin" ctl --api api.sock job status | grep -Eq '"state": *"completed"' ||
-        { echo "the stream did not complete:" >&2; "$bin" ctl --api api.sock job status >&2; exit 1; }
+        { echo "the job did not complete:" >&2; "$bin" ctl --api api.sock job status >&2; exit 1; }
 }
 
 bytes=$(numfmt --from=iec "$SIZE")
@@ -124,3 +131,43 @@ state=$("$bin" ctl --api api.sock job status | sed -n 's/.*"state": *"\([a-z]*\)
 wait_job
 stop
 echo "guest 4k randwrite QD16 ($LOAD_SIZE chain): $alone IOPS (p99 $alone_p99 us) alone, $during IOPS (p99 $during_p99 us) during the stream ($(echo "scale=2; $during / $alone" | bc)x; the job $state when the run ended)"
+
+# ---- 3. Active commit ----
+# s1 is made offline over mid, with the record a live snapshot leaves, so
+# that the daemon serving mid follows it to s1.
+make_active() {
+    local size=${1:-$SIZE}
+    make_chain "$size"
+    rm -f chain/top.qcow2
+    mv chain/mid.qcow2 snaps/s1.qcow2
+    qemu-img rebase -q -u -f qcow2 -b "$(realpath chain)/mid.qcow2" -F qcow2 snaps/s1.qcow2
+    qemu-img create -q -f qcow2 -b base.raw -F raw chain/mid.qcow2
+    printf '{"ringblk_snapshot":1,"superseded":"%s","by":"s1.qcow2","at":0}\n' \
+        "$(realpath chain/mid.qcow2)" >snaps/s1.qcow2.ringblk-snapshot
+    sync
+}
+serve_mid() {
+    rm -f vhost.sock api.sock
+    "$bin" serve --image chain/mid.qcow2 --format qcow2 --socket vhost.sock \
+        --api api.sock --snapshot-dir snaps ${DIRECT:+--direct} 2>daemon.log &
+    daemon=$!
+    for _ in $(seq 100); do [ -S vhost.sock ] && [ -S api.sock ] && break; sleep 0.1; done
+}
+make_active
+serve_mid
+t0=$(ms)
+"$bin" ctl --api api.sock commit --top "$(realpath snaps/s1.qcow2)" >/dev/null
+wait_job
+t1=$(ms)
+stop
+echo "active commit of s1.qcow2, $SIZE into mid.qcow2: $((t1 - t0)) ms, $(mbps $((t1 - t0))) MiB/s"
+
+make_active "$LOAD_SIZE"
+serve_mid
+read -r alone alone_p99 <<<"$(iops 3s)"
+"$bin" ctl --api api.sock commit --top "$(realpath snaps/s1.qcow2)" >/dev/null
+read -r during during_p99 <<<"$(iops 3s)"
+state=$("$bin" ctl --api api.sock job status | sed -n 's/.*"state": *"\([a-z]*\)".*/\1/p')
+wait_job
+stop
+echo "guest 4k randwrite QD16 ($LOAD_SIZE chain): $alone IOPS (p99 $alone_p99 us) alone, $during IOPS (p99 $during_p99 us) during the active commit ($(echo "scale=2; $during / $alone" | bc)x; the job $state when the run ended)"

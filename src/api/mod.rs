@@ -451,7 +451,7 @@ fn resize(ctx: &Ctx<'_>) -> Reply {
             let status = match &e {
                 e if e.is_internal() => 500,
                 ResizeError::Tracking(e) => e.status(),
-                ResizeError::Shrink { .. } | ResizeError::NotHeld(_) => 409,
+                ResizeError::Shrink { .. } | ResizeError::NotHeld(_) | ResizeError::Job(_) => 409,
                 _ => 400,
             };
             Reply::error(status, e.to_string())

@@ -86,10 +86,13 @@ pub enum CtlVerb {
     /// Start a commit job: copy into --base (default: the backing file
     /// of --top) the data of --top and of the layers between them, while
     /// the guest runs; then point the layer above --top at --base, so
-    /// that they drop out of the chain. Today --top is the layer right
-    /// below the top of the chain, and --base an overlay in the daemon's
-    /// --snapshot-dir or the image --image names. The daemon never deletes
-    /// the layers dropped. Prints the job (JSON).
+    /// that they drop out of the chain. --top is the layer right below
+    /// the top of the chain, or the top itself (an active commit: the
+    /// guest's writes are copied too until they converge, then --base
+    /// becomes the top, with the image lock and the bitmaps). --base is
+    /// an overlay in the daemon's --snapshot-dir or the image --image
+    /// names. The daemon never deletes the layers dropped. Prints the job
+    /// (JSON).
     Commit {
         /// The layer to commit: a path of the chain (`ctl status`).
         #[arg(long, value_name = "IMG")]

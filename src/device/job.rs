@@ -30,14 +30,18 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::Device;
-use crate::disk::Live;
 use crate::disk::records::JobRecord;
+use crate::disk::{CommitBase, Live};
 
 /// What a job copies at a time: the longest the guest's own metadata work
 /// waits behind a stream (each of its stretches holds the image's
 /// metadata locks), and what a stretch's fdatasyncs are paid for (1 MiB
 /// stretches cost the guest more).
 pub const STRETCH: u64 = 8 << 20;
+
+/// An active commit pivots once the guest changed at most this much since
+/// its last pass: what is copied with the guest's queues held.
+pub const CONVERGED: u64 = STRETCH;
 
 /// How long a cancel waits for the job to see it.
 const CANCEL_WAIT: Duration = Duration::from_secs(30);
@@ -97,12 +101,24 @@ pub struct JobInfo {
     pub unused: Vec<String>,
     /// Why it failed.
     pub error: Option<String>,
+    /// An active commit (of the top, with a pivot).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub active: bool,
+    /// An active commit that copied what the layers had: bytes the guest
+    /// changed since its last pass, which the next copies (the pivot comes
+    /// once they are at most [`CONVERGED`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remaining: Option<u64>,
 }
 
 /// A job as the device keeps it.
 pub struct Job {
     /// "stream" or "commit".
     kind: &'static str,
+    active: bool,
+    /// An active commit copied what the layers had and follows the
+    /// guest's writes now.
+    mirroring: AtomicBool,
     base: Option<String>,
     total: u64,
     done: AtomicU64,
@@ -132,6 +148,8 @@ impl Job {
                 .collect(),
             unused,
             error,
+            active: self.active,
+            remaining: None,
         }
     }
 
@@ -148,7 +166,12 @@ impl Job {
 impl Device {
     /// The job running or last run, if any.
     pub fn job(&self) -> Option<JobInfo> {
-        self.job_slot().as_ref().map(|j| j.info())
+        let job = self.job_slot().clone()?;
+        let mut info = job.info();
+        if job.mirroring.load(Ordering::Relaxed) && info.state == JobState::Running {
+            info.remaining = Some(self.mirror_dirty());
+        }
+        Some(info)
     }
 
     /// A line saying which job runs, for what it keeps out.
@@ -207,19 +230,6 @@ impl Device {
         let invalid = |why: String| Err(JobError::Invalid(why));
         let (live, chain) = self.job_chain("commit", speed)?;
         let t = find_in_chain(&chain, top)?;
-        if t == 0 {
-            return invalid(format!(
-                "--top {}: that is the active layer; an active commit (with a pivot) is not built yet: stream into it instead (ctl stream)",
-                top.display()
-            ));
-        }
-        if t > 1 {
-            return invalid(format!(
-                "--top {}: only the layer right below the top ({}) can be committed for now; stream the layers above it first, or commit that one",
-                top.display(),
-                chain[1].display()
-            ));
-        }
         let b = match base {
             None => t + 1,
             Some(b) => find_in_chain(&chain, b)?,
@@ -236,10 +246,20 @@ impl Device {
                 top.display()
             ));
         }
+        if t > 1 {
+            // The layer above --top gets the new backing file.
+            live.check_writable(t - 1)
+                .map_err(|e| JobError::Invalid(e.to_string()))?;
+        }
         let written = live
-            .open_base(b)
+            .open_base(b, t == 0)
             .map_err(|e| JobError::Invalid(e.to_string()))?;
-        self.start_job(&live, Work::Commit(t, written), b, true, speed)
+        let work = if t == 0 {
+            Work::Active(written)
+        } else {
+            Work::Commit(t, written)
+        };
+        self.start_job(&live, work, b, true, speed)
     }
 
     /// The chain a `kind` job would work on, and its files (top first),
@@ -298,10 +318,18 @@ impl Device {
         }
         // Recorded before it starts: a restart after a crash says it was
         // cut short.
-        live.record_job(&JobRecord::new(kind, &chain, base_index))
+        let active = matches!(work, Work::Active(_));
+        let record = match &work {
+            Work::Active(_) => JobRecord::active_commit(&chain, base_index),
+            Work::Commit(top, _) => JobRecord::commit(&chain, *top, base_index),
+            Work::Stream => JobRecord::new(kind, &chain, base_index),
+        };
+        live.record_job(&record)
             .map_err(|e| JobError::Io(format!("the job cannot be recorded: {e}")))?;
         let job = Arc::new(Job {
             kind,
+            active,
+            mirroring: AtomicBool::new(false),
             base: named_base.then(|| chain[base_index].display().to_string()),
             total: live.size(),
             done: AtomicU64::new(0),
@@ -350,9 +378,12 @@ impl Device {
             .iter()
             .map(|p| p.display().to_string())
             .collect();
-        let switched = chain.first() == Some(&record.top)
-            && chain.get(1) == record.base.as_ref()
-            && !record.drops.iter().any(|d| chain.contains(d));
+        let switched = if record.active {
+            chain.first() == record.base.as_ref()
+        } else {
+            chain.first() == Some(&record.top)
+                && record.base.as_ref().is_none_or(|b| chain.contains(b))
+        } && !record.drops.iter().any(|d| chain.contains(d));
         let (state, error) = if switched {
             (JobState::Completed, None)
         } else {
@@ -382,6 +413,8 @@ impl Device {
         };
         *self.job_slot() = Some(Arc::new(Job {
             kind,
+            active: record.active,
+            mirroring: AtomicBool::new(false),
             base: record.base,
             total: live.size(),
             done: AtomicU64::new(0),
@@ -443,57 +476,72 @@ impl Device {
             Ok(h) => h,
             Err(e) => return fail(format!("the image cannot be held: {e}")),
         };
+        let active = matches!(work, Work::Active(_));
+        if let Work::Active(into) = &work {
+            // Before the first copy: every write from here on is marked,
+            // and copied again after it.
+            if let Err(e) = self.mirror_start(into.cluster_size()) {
+                return fail(format!("tracking the guest's writes: {e}"));
+            }
+        }
+        // Cancelled, or failed, before the switch: an active commit stops
+        // tracking, and the chain is as it was.
+        let give_up = |state: JobState, why: Option<String>| {
+            if active {
+                self.mirror_end(|_| ());
+            }
+            match &why {
+                Some(w) => log::error!("{}: {kind} failed: {w}", self.name),
+                None => log::info!("{}: {kind} cancelled; the chain is as it was", self.name),
+            }
+            job.end(state, why, Vec::new());
+        };
         let started = Instant::now();
         let mut offset = 0;
         while offset < job.total {
-            if job.cancel.load(Ordering::Relaxed) || self.stopping() {
-                log::info!("{}: {kind} cancelled; the chain is as it was", self.name);
+            if job.cancelled(self) {
                 drop(hold);
-                return job.end(JobState::Cancelled, None, Vec::new());
+                return give_up(JobState::Cancelled, None);
             }
             let stretch = STRETCH.max(job.live.cluster_size());
             let took = Instant::now();
             let stepped = match &work {
                 Work::Stream => job.live.stream_step(base, offset, stretch),
                 Work::Commit(top, into) => job.live.commit_step(into, *top, base, offset, stretch),
+                Work::Active(into) => job.live.commit_step(into, 0, base, offset, stretch),
             };
             match stepped {
                 Ok(step) => {
                     job.done.fetch_add(step.examined, Ordering::Relaxed);
-                    job.copied.fetch_add(step.copied, Ordering::Relaxed);
                     offset += step.examined.max(1);
-                    if step.copied > 0 && job.speed == 0 {
-                        // Without a speed, a quarter of the time at most,
-                        // the guest's the rest: a stream's stretch holds
-                        // the image's metadata locks (which a waiter would
-                        // not get back from a thread that takes them again
-                        // at once), and any stretch takes the disk (its
-                        // data and fdatasyncs). Measured with
-                        // scripts/bench-jobs.sh: at half the time the
-                        // guest kept 0.45-0.79 of its write IOPS.
-                        std::thread::sleep((3 * took.elapsed()).min(Duration::from_millis(500)));
-                    }
+                    job.pace(step.copied, took, started);
                 }
-                Err(e) => return fail(format!("copying at byte {offset}: {e}")),
-            }
-            if job.speed > 0 {
-                // Copied bytes keep to the speed: sleep until the time
-                // they are due.
-                let due = Duration::from_secs_f64(
-                    job.copied.load(Ordering::Relaxed) as f64 / job.speed as f64,
-                );
-                let now = started.elapsed();
-                if due > now {
-                    std::thread::sleep((due - now).min(Duration::from_secs(1)));
+                Err(e) => {
+                    drop(hold);
+                    return give_up(
+                        JobState::Failed,
+                        Some(format!("copying at byte {offset}: {e}")),
+                    );
                 }
             }
         }
         let before = job.live.chain();
-        let written = match &work {
-            Work::Commit(_, into) => Some(into),
-            Work::Stream => None,
+        let switched = match work {
+            Work::Commit(top, into) => job.live.rebase(top - 1, base, Some(&into)),
+            Work::Stream => job.live.rebase(0, base, None),
+            Work::Active(into) => match self.converge(job, &into, base, started) {
+                Ok(true) => self.pivot(job, into, base),
+                Ok(false) => {
+                    drop(hold);
+                    return give_up(JobState::Cancelled, None);
+                }
+                Err(e) => {
+                    drop(hold);
+                    return give_up(JobState::Failed, Some(e));
+                }
+            },
         };
-        match job.live.rebase(base, written) {
+        match switched {
             Ok(chain) => {
                 let unused: Vec<String> = before
                     .iter()
@@ -520,6 +568,120 @@ impl Device {
             Err(e) => fail(format!("switching the chain: {e}")),
         }
     }
+
+    /// An active commit's passes after its first: while the guest changed
+    /// more than [`CONVERGED`] bytes since the last, the bitmap is swapped
+    /// for an empty one and what it had is copied again. `Ok(false)`:
+    /// cancelled (the caller stops the tracking).
+    fn converge(
+        &self,
+        job: &Job,
+        into: &CommitBase,
+        base: usize,
+        started: Instant,
+    ) -> Result<bool, String> {
+        job.mirroring.store(true, Ordering::Relaxed);
+        while self.mirror_dirty() > CONVERGED {
+            let Some(pass) = self.mirror_swap() else {
+                return Err("the tracking of the guest's writes is gone".into());
+            };
+            let extents = pass.dirty_extents();
+            for chunk in stretches(&extents, STRETCH) {
+                if job.cancelled(self) {
+                    return Ok(false);
+                }
+                let took = Instant::now();
+                let step = job
+                    .live
+                    .commit_extents(into, 0, base, &chunk)
+                    .map_err(|e| format!("copying the guest's changes: {e}"))?;
+                job.pace(step.copied, took, started);
+            }
+        }
+        Ok(!job.cancelled(self))
+    }
+
+    /// The pivot of an active commit: with the queues quiesced, the last
+    /// of the guest's changes copied and the base made the top
+    /// ([`Live::pivot`]), the image lock with it; then the bitmaps move
+    /// into it, as after a snapshot.
+    fn pivot(
+        &self,
+        job: &Job,
+        into: CommitBase,
+        base: usize,
+    ) -> Result<Vec<PathBuf>, crate::disk::SnapshotError> {
+        let relock = |file: &std::fs::File| match &self.image_lock {
+            Some(l) => l.relock(file),
+            None => Ok(()),
+        };
+        let pivoted = self.mirror_end(|last| {
+            let extents = last.map(|b| b.dirty_extents()).unwrap_or_default();
+            let step = job.live.commit_extents(&into, 0, base, &extents)?;
+            job.copied.fetch_add(step.copied, Ordering::Relaxed);
+            job.live.pivot(into, base, relock)
+        })?;
+        self.bitmaps_follow_snapshot();
+        Ok(pivoted)
+    }
+}
+
+impl Job {
+    /// Whether the job is to stop: cancelled, or the daemon stopping.
+    fn cancelled(&self, device: &Device) -> bool {
+        self.cancel.load(Ordering::Relaxed) || device.stopping()
+    }
+
+    /// After a stretch that copied `copied` bytes in the time since
+    /// `took`: counts them and keeps to the speed (from `started`), or
+    /// without one to a quarter of the time.
+    fn pace(&self, copied: u64, took: Instant, started: Instant) {
+        self.copied.fetch_add(copied, Ordering::Relaxed);
+        if copied > 0 && self.speed == 0 {
+            // Without a speed, a quarter of the time at most, the guest's
+            // the rest: a stream's stretch holds the image's metadata
+            // locks (which a waiter would not get back from a thread that
+            // takes them again at once), and any stretch takes the disk
+            // (its data and fdatasyncs). Measured with
+            // scripts/bench-jobs.sh: at half the time the guest kept
+            // 0.45-0.79 of its write IOPS.
+            std::thread::sleep((3 * took.elapsed()).min(Duration::from_millis(500)));
+        }
+        if self.speed > 0 {
+            // Copied bytes keep to the speed: sleep until the time they
+            // are due.
+            let due = Duration::from_secs_f64(
+                self.copied.load(Ordering::Relaxed) as f64 / self.speed as f64,
+            );
+            let now = started.elapsed();
+            if due > now {
+                std::thread::sleep((due - now).min(Duration::from_secs(1)));
+            }
+        }
+    }
+}
+
+/// `extents` (sorted, not overlapping) cut into runs of at most about
+/// `max` bytes each (an extent longer than that is cut too).
+fn stretches(extents: &[(u64, u64)], max: u64) -> Vec<Vec<(u64, u64)>> {
+    let mut out: Vec<Vec<(u64, u64)>> = Vec::new();
+    let mut bytes = max;
+    for &(mut at, mut len) in extents {
+        while len > 0 {
+            if bytes >= max {
+                out.push(Vec::new());
+                bytes = 0;
+            }
+            let n = len.min(max - bytes);
+            if let Some(v) = out.last_mut() {
+                v.push((at, n));
+            }
+            bytes += n;
+            at += n;
+            len -= n;
+        }
+    }
+    out
 }
 
 /// What a job does between its checks and its switch.
@@ -528,14 +690,18 @@ enum Work {
     Stream,
     /// Copy down from layer `.0` (and those below it, above the base)
     /// into the base, through the base's own handle.
-    Commit(usize, crate::disk::CommitBase),
+    Commit(usize, CommitBase),
+    /// An active commit: copy the active layer (and those below it, above
+    /// the base) into the base while tracking the guest's writes, then
+    /// pivot to the base.
+    Active(CommitBase),
 }
 
 impl Work {
     fn kind(&self) -> &'static str {
         match self {
             Work::Stream => "stream",
-            Work::Commit(..) => "commit",
+            Work::Commit(..) | Work::Active(_) => "commit",
         }
     }
 }

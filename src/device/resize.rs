@@ -35,6 +35,10 @@ pub enum ResizeError {
         what: &'static str,
         source: io::Error,
     },
+    /// A block job is running: it copies against the size it started
+    /// with (an active commit's base was grown to it, its bitmap sized).
+    #[error("{0}")]
+    Job(String),
     /// The bitmaps or the running backup refuse it.
     #[error(transparent)]
     Tracking(#[from] super::TrackingError),
@@ -112,6 +116,9 @@ impl Device {
     /// The resize itself, one at a time: returns the old size and the new.
     fn set_size(&self, size: Option<u64>, force: bool) -> Result<(u64, u64), ResizeError> {
         let _one = self.resizing.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(job) = self.job_running() {
+            return Err(ResizeError::Job(job));
+        }
         let old = self.size();
         let block_size = self.limits.block_size;
         let io = |what| move |source| ResizeError::Io { what, source };

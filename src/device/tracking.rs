@@ -278,6 +278,9 @@ struct Inner {
     starting: Option<PathBuf>,
     /// The number of the last targets made.
     last: u64,
+    /// An active commit's own dirty bitmap ([`Device::mirror_start`]):
+    /// marked by every write as the live bitmaps are, never stored.
+    mirror: Option<Arc<DirtyBitmap>>,
 }
 
 /// The device's bitmaps and backup: see the module doc.
@@ -316,6 +319,7 @@ impl Tracking {
                 backup: None,
                 starting: None,
                 last: 0,
+                mirror: None,
             }),
         })
     }
@@ -374,7 +378,7 @@ impl Inner {
             .and_then(|b| b.successor.as_ref())
             .map(|(b, _)| b.clone());
         let targets = Targets {
-            bitmaps: live.chain(successor).collect(),
+            bitmaps: live.chain(successor).chain(self.mirror.clone()).collect(),
             cbw: self.backup.as_ref().map(|b| b.cbw.clone()),
         };
         self.last += 1;
@@ -661,6 +665,60 @@ impl Device {
             (None, None) => unreachable!("f ran or is still here"),
         };
         (out, held)
+    }
+
+    /// An active commit starts tracking the guest's writes in a bitmap of
+    /// its own (at `granularity`, the base's clusters): from the return
+    /// on, every write, discard and write-zeroes marks it before it
+    /// reaches the image, as the live bitmaps are marked (switched with
+    /// the queues quiesced: a write in flight before is complete).
+    pub(super) fn mirror_start(&self, granularity: u64) -> Result<(), TrackingError> {
+        let bitmap = Arc::new(DirtyBitmap::new(self.size(), granularity)?);
+        self.quiesced(|| {
+            let mut inner = self.tracking.lock();
+            inner.mirror = Some(bitmap);
+            inner.retarget(&self.tracking);
+        });
+        Ok(())
+    }
+
+    /// The active commit's bitmap so far, replaced by an empty one with
+    /// the queues quiesced: every write it has marked is complete, and
+    /// every later one marks the new one. `None` when no commit tracks.
+    pub(super) fn mirror_swap(&self) -> Option<Arc<DirtyBitmap>> {
+        let (old, _) = self.quiesced(|| {
+            let mut inner = self.tracking.lock();
+            let old = inner.mirror.take()?;
+            let fresh = DirtyBitmap::new(old.disk_size(), old.granularity()).ok()?;
+            inner.mirror = Some(Arc::new(fresh));
+            inner.retarget(&self.tracking);
+            Some(old)
+        });
+        old
+    }
+
+    /// Bytes the active commit's bitmap has marked since the last swap.
+    pub(super) fn mirror_dirty(&self) -> u64 {
+        self.tracking
+            .lock()
+            .mirror
+            .as_ref()
+            .map_or(0, |b| b.dirty_bytes())
+    }
+
+    /// The active commit's end: `f` runs with the queues quiesced (no
+    /// write in flight, none started until it returns) and the bitmap's
+    /// last marks, and the bitmap goes.
+    pub(super) fn mirror_end<R>(&self, f: impl FnOnce(Option<&DirtyBitmap>) -> R) -> R {
+        let (out, held) = self.quiesced(|| {
+            let mut inner = self.tracking.lock();
+            let last = inner.mirror.take();
+            inner.retarget(&self.tracking);
+            drop(inner);
+            f(last.as_deref())
+        });
+        log::debug!("{}: the active commit held the queues {held} µs", self.name);
+        out
     }
 
     /// Every bitmap: name, granularity, dirty bytes, consistency.

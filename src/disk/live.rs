@@ -46,7 +46,7 @@ use super::Qcow2Image;
 use super::qcow2::OpenOptions;
 use super::qcow2::stream::Step;
 use super::records::{DROPPED_SUFFIX, Dropped, JOB_RECORD, JobRecord, RECORD_SUFFIX, Record};
-use super::{Format, FormatError, Image};
+use super::{Format, FormatError, Image, Mapper};
 
 /// How long a snapshot waits for the requests in flight to finish.
 pub const QUIESCE_WAIT: Duration = Duration::from_secs(30);
@@ -82,6 +82,20 @@ impl Served {
 /// [`Live::commit_step`] writes through and [`Live::rebase`] puts in the
 /// chain.
 pub struct CommitBase(Box<Qcow2Image>);
+
+impl CommitBase {
+    /// The base's clusters: what an active commit's dirty bitmap counts in.
+    pub fn cluster_size(&self) -> u64 {
+        self.0.cluster_size()
+    }
+}
+
+/// The image `--image` names, kept open for writing ([`Live::keep_named`]).
+struct Named {
+    path: PathBuf,
+    file: File,
+    direct: Option<File>,
+}
 
 /// One queue's count of requests in flight, and how to wake it.
 #[repr(align(64))]
@@ -296,9 +310,10 @@ pub struct Live {
     resumed: (Mutex<()>, Condvar),
     gates: Mutex<Vec<Arc<Gate>>>,
     snapshots: Option<SnapshotDir>,
-    /// The image `--image` names and a descriptor of it open for writing
-    /// (a commit's base may be it: [`Live::open_base`]).
-    named: Option<(PathBuf, File)>,
+    /// The image `--image` names, open for writing (a commit's base may
+    /// be it: [`Live::open_base`]), and with `--direct` open O_DIRECT for
+    /// writing too (an active commit's pivot makes it the top).
+    named: Option<Named>,
     options: OpenOptions,
     direct: bool,
     /// One snapshot at a time.
@@ -348,10 +363,34 @@ impl Live {
     }
 
     /// Keeps `file`, the image `--image` named (`path`, as the chain
-    /// lists it), open for writing: a commit into it needs that.
+    /// lists it), open for writing: a commit into it needs that. With
+    /// `--direct`, it is opened O_DIRECT for writing too (now: the sandbox
+    /// allows no open by path later), for the engine once an active
+    /// commit's pivot makes it the top; if that fails, a WARN, and an
+    /// active commit into it is refused.
     pub fn keep_named(&mut self, path: &Path, file: File) {
         let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-        self.named = Some((path, file));
+        let direct = if self.direct {
+            let proc = format!("/proc/self/fd/{}", file.as_raw_fd());
+            match std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&proc)
+            {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    log::warn!(
+                        "{}: not opened O_DIRECT for writing ({e}); an active commit into it will be refused",
+                        path.display()
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        self.named = Some(Named { path, file, direct });
     }
 
     /// The chain requests are mapped against now.
@@ -569,12 +608,14 @@ impl Live {
     }
 
     /// The switch of a stream ([`super::qcow2::stream`]): with every
-    /// request kept out, the top's backing file becomes file `base` of
-    /// the chain (none at `base` = the chain's length), and the layers
-    /// between them drop out. Returns the new chain, top first.
-    /// `written`: a commit's handle of the base ([`Live::open_base`]).
+    /// request kept out, the backing file of layer `above` (the top, 0,
+    /// but for a commit of a deeper layer) becomes file `base` of the
+    /// chain (none at `base` = the chain's length), and the layers between
+    /// them drop out. Returns the new chain, top first. `written`: a
+    /// commit's handle of the base ([`Live::open_base`]).
     pub fn rebase(
         &self,
+        above: usize,
         base: usize,
         written: Option<&CommitBase>,
     ) -> Result<Vec<PathBuf>, SnapshotError> {
@@ -583,27 +624,38 @@ impl Live {
         let Some(top) = old.qcow2() else {
             return Err(SnapshotError::NotQcow2);
         };
-        let name = old.image.chain().get(base).map(|p| p.display().to_string());
+        let chain = old.image.chain();
+        let name = chain.get(base).map(|p| p.display().to_string());
+        let above_file = match above {
+            0 => None,
+            _ => Some(self.open_rw(&chain, above)?),
+        };
         // Recorded first, where the snapshot records are: a restart that
         // follows them then knows the images missing from the chain were
         // dropped here, not swapped (see `records::dropped`).
         if let Some(dir) = &self.snapshots {
-            let chain = old.image.chain();
-            let dropped = chain.get(1..base).unwrap_or_default();
+            let dropped = chain.get(above + 1..base).unwrap_or_default();
             dir.record_dropped(&Dropped::new(&chain[0], dropped))?;
         }
         let mut io_files = Vec::new();
         for f in old
             .io_files
             .iter()
-            .take(1)
+            .take(above + 1)
             .chain(old.io_files.iter().skip(base))
         {
             io_files.push(f.try_clone().map_err(FormatError::io("dup"))?);
         }
         let made = self.pause().and_then(|()| {
-            top.rebase(base, name.as_deref(), &self.options, written.map(|w| &*w.0))
-                .map_err(SnapshotError::from)
+            top.rebase(
+                above,
+                base,
+                name.as_deref(),
+                &self.options,
+                written.map(|w| &*w.0),
+                above_file,
+            )
+            .map_err(SnapshotError::from)
         });
         let made = made.map(|image| {
             let generation = old.generation + 1;
@@ -620,20 +672,15 @@ impl Live {
         made
     }
 
-    /// A handle for writing file `base` of the chain (a commit's base):
-    /// only an overlay in the snapshot directory, which the daemon may
-    /// open for writing after start-up (by the directory's descriptor,
-    /// never following a link), or the image `--image` names, kept open
-    /// for writing since start-up ([`Live::keep_named`]).
-    pub fn open_base(&self, base: usize) -> Result<CommitBase, SnapshotError> {
-        let served = self.current();
-        let Some(image) = served.qcow2() else {
-            return Err(SnapshotError::NotQcow2);
-        };
-        let chain = served.image.chain();
-        let Some(path) = chain.get(base) else {
+    /// File `index` of `chain`, opened for writing: only an overlay in
+    /// the snapshot directory, which the daemon may open for writing after
+    /// start-up (by the directory's descriptor, never following a link),
+    /// or the image `--image` names, kept open for writing since start-up
+    /// ([`Live::keep_named`]).
+    fn open_rw(&self, chain: &[PathBuf], index: usize) -> Result<File, SnapshotError> {
+        let Some(path) = chain.get(index) else {
             return Err(SnapshotError::Refused(format!(
-                "no layer {base} in the chain"
+                "no layer {index} in the chain"
             )));
         };
         let in_dir = self.snapshots.as_ref().and_then(|dir| {
@@ -642,25 +689,216 @@ impl Live {
         });
         let opened = match (in_dir, &self.named) {
             (Some((dir, name)), _) => dir.open_at(name, libc::O_RDWR),
-            (None, Some((named, file))) if named == path => file.try_clone(),
+            (None, Some(named)) if &named.path == path => named.file.try_clone(),
             _ => {
                 return Err(SnapshotError::Refused(format!(
-                    "{}: a commit writes into its base, and the daemon may write only the image \
+                    "{}: a commit writes into it, and the daemon may write only the image \
                      --image names and the overlays it made in --snapshot-dir; commit into one of \
                      those, or stream instead",
                     path.display()
                 )));
             }
         };
-        let file = opened.map_err(|source| SnapshotError::Create {
+        opened.map_err(|source| SnapshotError::Create {
             path: path.display().to_string(),
             source,
-        })?;
-        Ok(CommitBase(Box::new(image.open_base(
-            base,
-            file,
-            &self.options,
-        )?)))
+        })
+    }
+
+    /// Checks that a commit of a deeper layer may rewrite the backing file
+    /// of layer `above` (see [`Live::open_rw`]), before it copies anything.
+    pub fn check_writable(&self, above: usize) -> Result<(), SnapshotError> {
+        self.open_rw(&self.chain(), above).map(drop)
+    }
+
+    /// A handle for writing file `base` of the chain (a commit's base):
+    /// only an overlay in the snapshot directory, which the daemon may
+    /// open for writing after start-up (by the directory's descriptor,
+    /// never following a link), or the image `--image` names, kept open
+    /// for writing since start-up ([`Live::keep_named`]).
+    /// `active`: for an active commit, whose pivot makes the base the top
+    /// (see [`Live::pivot`]).
+    pub fn open_base(&self, base: usize, active: bool) -> Result<CommitBase, SnapshotError> {
+        let served = self.current();
+        let Some(image) = served.qcow2() else {
+            return Err(SnapshotError::NotQcow2);
+        };
+        let chain = served.image.chain();
+        let file = self.open_rw(&chain, base)?;
+        let path = &chain[base];
+        let into = image.open_base(base, file, &self.options, active)?;
+        if active {
+            // The base becomes the top: as large as the guest's disk (a
+            // larger one would grow the disk at the pivot).
+            let (have, want) = (into.size(), served.image.size());
+            if have > want {
+                return Err(SnapshotError::Refused(format!(
+                    "{}: it is larger ({have} bytes) than the guest's disk ({want}); an active commit into it would grow the disk",
+                    path.display()
+                )));
+            }
+            into.grow(want)?;
+            // Its I/O descriptor, and the record a pivot removes: both
+            // checked now, before anything is copied.
+            self.base_io_file(path, into.files()[0])?;
+            self.superseding(&chain, base)?;
+        }
+        Ok(CommitBase(Box::new(into)))
+    }
+
+    /// The descriptor the engine does data I/O on once an active commit's
+    /// pivot made `path` (the commit's base, whose handle's file is
+    /// `file`) the top: with `--direct`, the base opened O_DIRECT for
+    /// writing (by the snapshot directory, or kept since start-up for the
+    /// named image); else a duplicate.
+    fn base_io_file(&self, path: &Path, file: &File) -> Result<File, SnapshotError> {
+        let create = |source| SnapshotError::Create {
+            path: path.display().to_string(),
+            source,
+        };
+        if !self.direct {
+            return file.try_clone().map_err(create);
+        }
+        let in_dir = self.snapshots.as_ref().and_then(|dir| {
+            let name = path.file_name()?.to_str()?;
+            (path.parent() == Some(dir.path.as_path())).then_some((dir, name))
+        });
+        match (in_dir, &self.named) {
+            (Some((dir, name)), _) => dir
+                .open_at(name, libc::O_RDWR | libc::O_DIRECT)
+                .map_err(create),
+            (
+                None,
+                Some(Named {
+                    path: p,
+                    direct: Some(f),
+                    ..
+                }),
+            ) if p == path => f.try_clone().map_err(create),
+            _ => Err(SnapshotError::Refused(format!(
+                "{}: not open O_DIRECT for writing (see the start-up log); an active commit cannot make it the top",
+                path.display()
+            ))),
+        }
+    }
+
+    /// The snapshot record that says file `base` of `chain` was superseded
+    /// (by a layer above it: the records of the layers above it that are
+    /// overlays in the snapshot directory are read): its name there. An
+    /// active commit's pivot removes it, which is what makes a restart
+    /// (following the records) serve the base; without one, an active
+    /// commit into `base` is refused.
+    fn superseding(&self, chain: &[PathBuf], base: usize) -> Result<String, SnapshotError> {
+        let Some(base_path) = chain.get(base) else {
+            return Err(SnapshotError::Refused(format!(
+                "no layer {base} in the chain"
+            )));
+        };
+        let refuse = |why: &str| {
+            SnapshotError::Refused(format!(
+                "{}: an active commit makes it the active layer, and a restart with the same command line serves it only once the snapshot record that put an overlay above it is removed; {why}",
+                base_path.display()
+            ))
+        };
+        let Some(dir) = &self.snapshots else {
+            return Err(refuse("serve with --snapshot-dir"));
+        };
+        for above in &chain[..base] {
+            let Some(name) = above
+                .file_name()
+                .and_then(|n| n.to_str())
+                .filter(|_| above.parent() == Some(dir.path.as_path()))
+            else {
+                continue;
+            };
+            let record_name = Record::name_for(name);
+            let Ok(file) = dir.open_at(&record_name, libc::O_RDONLY | libc::O_NONBLOCK) else {
+                continue;
+            };
+            let text = crate::host::read_capped(&file, super::records::RECORD_MAX)
+                .map_err(|e| refuse(&format!("its record {record_name}: {e}")))?;
+            let Ok(record) = serde_json::from_slice::<Record>(&text) else {
+                continue;
+            };
+            if Path::new(&record.superseded) == base_path.as_path() {
+                return Ok(record_name);
+            }
+        }
+        Err(refuse(
+            "no record of a layer above it in --snapshot-dir names it (it is not a live snapshot's base, or the overlay that was is no longer in the chain); stream into the top instead",
+        ))
+    }
+
+    /// An active commit's pivot (see [`super::qcow2::commit`]): `into`
+    /// (file `base` of the chain, which the commit filled with everything
+    /// the layers above it had) becomes the top, the image lock moves to
+    /// it (`relock`), and the layers above it drop out. The caller keeps
+    /// the guest's requests out (and has copied the last of its writes);
+    /// the pause here then waits for nothing. The switch on disk is the
+    /// removal of the snapshot record that made the layer above the base
+    /// its overlay ([`Live::superseding`]): before it is durable a restart
+    /// serves the old top (the base's new clusters hidden under it), after
+    /// it the base. Returns the new chain, top first.
+    pub fn pivot(
+        &self,
+        into: CommitBase,
+        base: usize,
+        relock: impl Fn(&File) -> io::Result<()>,
+    ) -> Result<Vec<PathBuf>, SnapshotError> {
+        let _one = lock(&self.switching);
+        let old = self.current();
+        let Some(top) = old.qcow2() else {
+            return Err(SnapshotError::NotQcow2);
+        };
+        let chain = old.image.chain();
+        let Some(dir) = &self.snapshots else {
+            return Err(SnapshotError::NoDirectory);
+        };
+        let record = self.superseding(&chain, base)?;
+        let mut io_files = vec![self.base_io_file(&chain[base], into.0.files()[0])?];
+        for f in old.io_files.iter().skip(base + 1) {
+            io_files.push(f.try_clone().map_err(FormatError::io("dup"))?);
+        }
+        let base_file = into.0.files()[0];
+        let made = self.pause().and_then(|()| {
+            relock(base_file).map_err(SnapshotError::Lock)?;
+            let switch = || {
+                crate::host::unlink_at(&dir.dir, &record).map_err(|e| FormatError::Open {
+                    path: dir.path.join(&record).display().to_string(),
+                    reason: format!("removing the snapshot record (the pivot's switch): {e}"),
+                })?;
+                // Removed: the pivot goes on whatever the sync says (a
+                // restart after a power loss serves either chain, each
+                // whole but for what the guest had not flushed).
+                if let Err(e) = dir.dir.sync_data() {
+                    log::error!(
+                        "{}: syncing after the pivot's switch: {e}",
+                        dir.path.display()
+                    );
+                }
+                Ok(())
+            };
+            top.pivot(&into.0, base, &self.options, switch)
+                .map_err(|e| {
+                    if let Some(old_top) = old.io_files.first() {
+                        let _ = relock(old_top);
+                    }
+                    SnapshotError::from(e)
+                })
+        });
+        let made = made.map(|image| {
+            let generation = old.generation + 1;
+            let chain = image.chain();
+            *lock(&self.current) = Arc::new(Served {
+                image: Box::new(image),
+                io_files,
+                generation,
+            });
+            self.generation.store(generation, Ordering::Release);
+            chain
+        });
+        self.resume();
+        made
     }
 
     /// A stream's stretch ([`super::qcow2::stream`]): copies up into the
@@ -694,6 +932,24 @@ impl Live {
             ));
         };
         image.commit_step(&into.0, top, base, offset, len)
+    }
+
+    /// [`Live::commit_step`] over several ranges, synced once: an active
+    /// commit's copy (`top` 0) of what its dirty bitmap found changed.
+    pub fn commit_extents(
+        &self,
+        into: &CommitBase,
+        top: usize,
+        base: usize,
+        ranges: &[(u64, u64)],
+    ) -> Result<Step, FormatError> {
+        let served = self.current();
+        let Some(image) = served.qcow2() else {
+            return Err(FormatError::Unsupported(
+                "the top is not a qcow2 image".into(),
+            ));
+        };
+        image.commit_extents(&into.0, top, base, ranges)
     }
 
     /// What a job's stretch is a whole number of: the top's clusters.

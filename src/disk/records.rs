@@ -158,6 +158,10 @@ pub struct JobRecord {
     pub base: Option<String>,
     pub drops: Vec<String>,
     pub at: u64,
+    /// An active commit: `base` becomes the top at its pivot, and `top`
+    /// is among what it drops.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub active: bool,
 }
 
 impl JobRecord {
@@ -177,7 +181,29 @@ impl JobRecord {
             at: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            active: false,
         }
+    }
+
+    /// A commit of file `top` of `chain` (and the layers down to `base`)
+    /// into file `base`.
+    pub fn commit(chain: &[PathBuf], top: usize, base: usize) -> JobRecord {
+        let mut r = JobRecord::new("commit", chain, base);
+        r.drops = chain
+            .get(top..base)
+            .unwrap_or_default()
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        r
+    }
+
+    /// An active commit of `chain`'s top into file `base` of it.
+    pub fn active_commit(chain: &[PathBuf], base: usize) -> JobRecord {
+        let mut r = JobRecord::new("commit", chain, base);
+        r.drops.insert(0, r.top.clone());
+        r.active = true;
+        r
     }
 
     pub fn line(&self) -> String {

@@ -688,3 +688,88 @@ fn a_stream_of_an_encrypted_chain_stays_encrypted() {
         );
     }
 }
+
+/// An active commit of an encrypted chain: a live snapshot's overlay (as
+/// encrypted as the image below it) committed back into the image while
+/// the client writes, then the pivot. What the client wrote before, during
+/// and after lands in the image encrypted: QEMU, given its secret, finds it
+/// clean and reads the client's data, and the client's plaintext is not in
+/// the file.
+#[test]
+fn an_active_commit_of_an_encrypted_chain_stays_encrypted() {
+    use ringblk_testkit::ctl_ok;
+    let dir = test_dir();
+    let d = dir.path();
+    let mut m = Model(vec![0u8; SIZE as usize]);
+    let img = encrypted_over(d, "enc.qcow2", None);
+    qemu_writes(d, &img, &mut m, 0xe6);
+    let api = d.join("api.sock");
+    let snaps = d.join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let mut daemon = serve_with(
+        d,
+        &img,
+        &[
+            "--api",
+            api.to_str().unwrap(),
+            "--snapshot-dir",
+            snaps.to_str().unwrap(),
+        ],
+    );
+    let mut c = Client::connect(&daemon.socket, 2 << 20);
+    exercise(&mut c, &mut m);
+    ctl_ok(&api, &["snapshot", "--overlay", "s1.qcow2"]);
+    let s1 = snaps.join("s1.qcow2");
+    m.write(&mut c, 3 * MIB + 4096, &pattern(800, 3 * MIB + 4096, 8192));
+    assert_eq!(c.flush(), 0);
+    let s1_name = std::fs::canonicalize(&s1).unwrap();
+    ctl_ok(
+        &api,
+        &[
+            "commit",
+            "--top",
+            s1_name.to_str().unwrap(),
+            "--speed",
+            "256K",
+        ],
+    );
+    m.write(&mut c, 5 * MIB, &pattern(810, 5 * MIB, 65536));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = ringblk_testkit::ctl(&api, &["job", "status"]);
+        let job: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        if job["state"] != "running" {
+            assert_eq!(job["state"], "completed", "{job}");
+            assert_eq!(job["active"], true, "{job}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the commit runs on");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    m.write(&mut c, 7 * MIB, &pattern(820, 7 * MIB, 65536));
+    assert_eq!(c.flush(), 0);
+    m.read_back(&mut c);
+    drop(c);
+    daemon.signal_and_wait(libc::SIGTERM, Duration::from_secs(20));
+    check_clean(d, &img, (true, false));
+    assert_same(
+        "qemu-img convert of the image the commit pivoted to",
+        &qemu_plaintext(d, &img, (true, false)),
+        &m.0,
+        0,
+    );
+    let file = std::fs::read(&img).unwrap();
+    for (when, needle) in [
+        ("before the snapshot", pattern(100, 4096, 4096)),
+        ("during the commit", pattern(810, 5 * MIB, 4096)),
+        ("after the pivot", pattern(820, 7 * MIB, 4096)),
+    ] {
+        assert!(
+            !file
+                .windows(needle.len())
+                .step_by(512)
+                .any(|w| w == &needle[..]),
+            "the client's plaintext written {when} is in the image"
+        );
+    }
+}

@@ -518,11 +518,10 @@ fn a_commit_under_writes_drops_the_layer_and_loses_nothing() {
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     let chain = five_layers(dir.path(), &c, &mut client, &api);
     let (s3, s2, s1) = (&chain[0], &chain[1], &chain[2]);
-    refused(&api, &["commit", "--top", s3], "an active commit");
     refused(
         &api,
         &["commit", "--top", &chain[3]],
-        "only the layer right below the top",
+        "may write only the image --image names",
     );
     refused(
         &api,
@@ -673,6 +672,357 @@ fn a_migration_cancels_a_running_stream() {
     drop(conn);
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     reads_as_reference(&mut client, &c, "after a migration cancelled a stream");
+    drop(client);
+    stop(d);
+}
+
+/// An active commit (`commit --top` naming the active layer) while the
+/// guest writes: the top's data and the guest's writes during the job go
+/// down into the base, which becomes the top at the pivot; the old top is
+/// listed unused and written no more after it; qemu-img finds the new
+/// chain clean and reading as the guest wrote; a restart with the same
+/// command line serves the base (the pivot removed the snapshot record
+/// that led past it). Then a second one, two layers deep, into the image
+/// `--image` names, which a restart then serves as it is.
+#[test]
+fn an_active_commit_under_writes_pivots_and_loses_nothing() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let Dirs { api, snaps, .. } = dirs(dir.path());
+    let args = args_of(&api, &snaps, None);
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    let chain = five_layers(dir.path(), &c, &mut client, &api);
+    let (s3, s2) = (&chain[0], &chain[1]);
+    refused(
+        &api,
+        &["commit", "--top", s3, "--base", &chain[4]],
+        "may write only the image --image names",
+    );
+    let job = ok(
+        &ctl(&api, &["commit", "--top", s3, "--speed", "512K"]),
+        "active commit",
+    );
+    assert_eq!(job["kind"], "commit");
+    assert_eq!(job["active"], true, "{job}");
+    assert_eq!(job["base"], serde_json::json!(s2));
+    refused(&api, &["stream"], "a commit job is running already");
+    refused(
+        &api,
+        &["snapshot", "--overlay", "s9.qcow2"],
+        "a commit job is running",
+    );
+    refused(&api, &["resize", "64M"], "a commit job is running");
+    let mut rounds = 0;
+    while ok(&ctl(&api, &["job", "status"]), "job status")["state"] == "running" {
+        write_round(&mut client, &c, 110 + rounds, 4);
+        rounds += 1;
+    }
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    assert!(
+        rounds > 0,
+        "the commit ended before the guest wrote during it"
+    );
+    assert!(job["copied"].as_u64().unwrap() > 0, "{job}");
+    let new_chain: Vec<String> = chain[1..].to_vec();
+    assert_eq!(status_chain(&api), new_chain);
+    assert_eq!(job["unused"], serde_json::json!([s3]));
+    reads_as_reference(&mut client, &c, "after the pivot");
+    let s3_sum = sha256(Path::new(s3));
+    write_round(&mut client, &c, 130, 6);
+    reads_as_reference(&mut client, &c, "writes after the pivot");
+    assert_eq!(
+        sha256(Path::new(s3)),
+        s3_sum,
+        "the old top was written after the pivot"
+    );
+    drop(client);
+    stop(d);
+    let s2p = Path::new(s2);
+    assert_eq!(qemu_chain(s2p), new_chain);
+    check_clean(s2p);
+    compare_identical(s2p, &c.reference);
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    assert_eq!(status_chain(&api), new_chain);
+    reads_as_reference(&mut client, &c, "after a restart");
+
+    // Two layers deep, into the named image (below s1 and s2 now).
+    let named = chain[3].clone();
+    ok(
+        &ctl(&api, &["commit", "--top", s2, "--base", &named]),
+        "active commit into the named image",
+    );
+    write_round(&mut client, &c, 140, 3);
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    let last_chain = [named.clone(), chain[4].clone()];
+    assert_eq!(status_chain(&api), last_chain);
+    assert_eq!(job["unused"], serde_json::json!([s2, &chain[2]]));
+    reads_as_reference(&mut client, &c, "after the pivot to the named image");
+    write_round(&mut client, &c, 150, 3);
+    drop(client);
+    stop(d);
+    assert_eq!(qemu_chain(&c.top), last_chain);
+    check_clean(&c.top);
+    compare_identical(&c.top, &c.reference);
+    let d = serve(&c, dir.path(), &args);
+    assert_eq!(status_chain(&api), last_chain);
+    assert!(
+        !d.log().contains("was superseded by live snapshot"),
+        "a restart followed a record past the named image"
+    );
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    reads_as_reference(&mut client, &c, "after a restart on the named image");
+    drop(client);
+    stop(d);
+}
+
+/// What an active commit refuses, and a cancel before its pivot: the
+/// chain is as it was and reads as the guest wrote, the base's copy is
+/// hidden under the top (qemu-img finds every file clean).
+#[test]
+fn an_active_commit_refuses_what_a_restart_could_not_follow_and_a_cancel_leaves_the_chain() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "qcow2", SIZE);
+    let Dirs { api, snaps, .. } = dirs(dir.path());
+    let args = args_of(&api, &snaps, None);
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    write_round(&mut client, &c, 10, 8);
+    // The top is the named image, over a base qemu-img made, which the
+    // daemon does not write.
+    refused(
+        &api,
+        &["commit", "--top", c.top.to_str().unwrap()],
+        "may write only the image --image names",
+    );
+    snapshot(&api, "s1.qcow2");
+    write_round(&mut client, &c, 20, 8);
+    snapshot(&api, "s2.qcow2");
+    write_round(&mut client, &c, 25, 4);
+    // A stream dropped s1, the overlay whose record led past the named
+    // image: no record would make a restart serve the named image.
+    let named = canonical(&c.top);
+    ok(&ctl(&api, &["stream", "--base", &named]), "stream");
+    assert_eq!(wait_job(&api)["state"], "completed");
+    let before = status_chain(&api);
+    assert_eq!(before[1], named);
+    refused(
+        &api,
+        &["commit", "--top", &before[0]],
+        "no record of a layer above it",
+    );
+    snapshot(&api, "s3.qcow2");
+    write_round(&mut client, &c, 27, 4);
+    let before = status_chain(&api);
+    ok(
+        &ctl(&api, &["commit", "--top", &before[0], "--speed", "64K"]),
+        "active commit",
+    );
+    write_round(&mut client, &c, 30, 3);
+    std::thread::sleep(Duration::from_millis(300));
+    let job = ok(&ctl(&api, &["job", "cancel"]), "job cancel");
+    assert_eq!(job["state"], "cancelled", "{job}");
+    assert_eq!(status_chain(&api), before);
+    reads_as_reference(&mut client, &c, "after a cancelled active commit");
+    write_round(&mut client, &c, 40, 4);
+    reads_as_reference(&mut client, &c, "writes after a cancel");
+    drop(client);
+    stop(d);
+    let s3 = snaps.join("s3.qcow2");
+    assert_eq!(qemu_chain(&s3), before);
+    check_clean(&s3);
+    check_clean(&snaps.join("s2.qcow2"));
+    compare_identical(&s3, &c.reference);
+}
+
+/// kill -9 during an active commit, before its pivot and after it: the
+/// chain on disk is the old one (the base's copy hidden under the top) or
+/// the new one, a restart with the same command line serves it and reads
+/// as the guest wrote, qemu-img finds it clean, and `job status` says
+/// what became of the job.
+#[test]
+fn a_kill_9_during_an_active_commit_leaves_a_chain_that_serves() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let Dirs { api, snaps, .. } = dirs(dir.path());
+    let args = args_of(&api, &snaps, None);
+    let mut d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    let chain = five_layers(dir.path(), &c, &mut client, &api);
+    let (s3, s2) = (Path::new(&chain[0]), Path::new(&chain[1]));
+    ok(
+        &ctl(&api, &["commit", "--top", &chain[0], "--speed", "128K"]),
+        "active commit",
+    );
+    write_round(&mut client, &c, 120, 3);
+    std::thread::sleep(Duration::from_millis(300));
+    drop(client);
+    let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    assert!(!st.success());
+    unlocked(s3);
+    assert_eq!(qemu_chain(s3), chain);
+    check_clean(s3);
+    check_clean(s2);
+    compare_identical(s3, &c.reference);
+    drop(d);
+    d = serve(&c, dir.path(), &args);
+    assert_eq!(status_chain(&api), chain);
+    let job = ok(&ctl(&api, &["job", "status"]), "job status");
+    assert_eq!(job["state"], "interrupted", "{job}");
+    assert_eq!(job["active"], true, "{job}");
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    reads_as_reference(&mut client, &c, "after a kill -9 before the pivot");
+    // Again, to its end, and a kill -9 right after the pivot.
+    ok(
+        &ctl(&api, &["commit", "--top", &chain[0]]),
+        "active commit again",
+    );
+    write_round(&mut client, &c, 125, 3);
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    write_round(&mut client, &c, 128, 3);
+    drop(client);
+    let st = d.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    assert!(!st.success());
+    unlocked(s2);
+    let new_chain: Vec<String> = chain[1..].to_vec();
+    assert_eq!(qemu_chain(s2), new_chain);
+    check_clean(s2);
+    compare_identical(s2, &c.reference);
+    drop(d);
+    let d = serve(&c, dir.path(), &args);
+    assert_eq!(status_chain(&api), new_chain);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    reads_as_reference(&mut client, &c, "after a kill -9 after the pivot");
+    drop(client);
+    stop(d);
+}
+
+/// A dirty bitmap across an active commit into a base that has the
+/// bitmap too (a live snapshot left it there, frozen): the bits the
+/// guest's writes set before, during and after the job are in the bitmap
+/// the pivot moved into the base, an incremental backup exports exactly
+/// them, and once it is done the bits leave the bitmap in the base.
+#[test]
+fn a_bitmap_follows_the_guest_across_an_active_commit() {
+    use ringblk_testkit::nbd;
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let Dirs {
+        api,
+        snaps,
+        backups,
+    } = dirs(dir.path());
+    let args = args_of(&api, &snaps, Some(&backups));
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    ok_text(&ctl(&api, &["bitmap", "add", "b"]), "bitmap add");
+    four_layers(dir.path(), &c, &mut client, &api);
+    let s1 = snaps.join("s1.qcow2");
+    assert!(
+        qemu_img(&["info", "-U", s1.to_str().unwrap()]).contains("name: b"),
+        "the snapshot left no bitmap in the layer below the top"
+    );
+    // Everything so far backed up: the bitmap starts empty.
+    let sock = nbd::backup_start(&api, &backups, "b.sock", Some("b"));
+    drop(sock);
+    ok_text(&ctl(&api, &["backup", "stop"]), "backup stop");
+    let k64 = 64 * 1024;
+    let write = |client: &mut Client, seed: u64, offset: u64| {
+        let data = c.write(seed, offset, k64 as usize);
+        assert_eq!(client.write(offset, &data), 0);
+    };
+    write(&mut client, 1, MIB);
+    let s2 = status_chain(&api)[0].clone();
+    ok(
+        &ctl(&api, &["commit", "--top", &s2, "--speed", "256K"]),
+        "active commit",
+    );
+    write(&mut client, 2, 3 * MIB);
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    assert_eq!(status_chain(&api)[0], canonical(&s1));
+    write(&mut client, 3, 5 * MIB);
+    assert_eq!(client.flush(), 0);
+
+    let sock = nbd::backup_start(&api, &backups, "b.sock", Some("b"));
+    assert_eq!(
+        nbd::dirty(&sock, "b"),
+        [(MIB, k64), (3 * MIB, k64), (5 * MIB, k64)]
+    );
+    let full = dir.path().join("full.raw");
+    nbd::copy_full(&sock, &full);
+    assert!(
+        std::fs::read(&full).unwrap() == std::fs::read(&c.reference).unwrap(),
+        "the full backup after an active commit differs from what the guest wrote"
+    );
+    ok_text(&ctl(&api, &["backup", "stop"]), "backup stop");
+    drop(client);
+    stop(d);
+    assert_eq!(nbd::qemu_nbd_dirty(&s1, "b"), []);
+    check_clean(&s1);
+    compare_identical(&s1, &c.reference);
+}
+
+/// A commit of a layer deeper than the one below the top, while the
+/// guest writes: the layer above it (read-only in the chain) is pointed at
+/// the base, the committed layer drops out, the guest reads what it wrote
+/// throughout, qemu-img finds the new chain clean and reading so, and a
+/// restart with the same command line follows the records to it (the
+/// dropped layer recorded as such).
+#[test]
+fn a_commit_of_a_deeper_layer_drops_it_and_loses_nothing() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let Dirs { api, snaps, .. } = dirs(dir.path());
+    let args = args_of(&api, &snaps, None);
+    let d = serve(&c, dir.path(), &args);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    let chain = five_layers(dir.path(), &c, &mut client, &api);
+    let (s3, s2, s1, named) = (&chain[0], &chain[1], &chain[2], &chain[3]);
+    let sums = [sha256(Path::new(s1)), sha256(&c.base)];
+    let job = ok(
+        &ctl(&api, &["commit", "--top", s1, "--speed", "1M"]),
+        "commit of a deeper layer",
+    );
+    assert_eq!(job["base"], serde_json::json!(named));
+    let mut rounds = 0;
+    while ok(&ctl(&api, &["job", "status"]), "job status")["state"] == "running" {
+        write_round(&mut client, &c, 160 + rounds, 3);
+        rounds += 1;
+    }
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    assert!(
+        rounds > 0,
+        "the commit ended before the guest wrote during it"
+    );
+    let new_chain = [s3.clone(), s2.clone(), named.clone(), chain[4].clone()];
+    assert_eq!(status_chain(&api), new_chain);
+    assert_eq!(job["unused"], serde_json::json!([s1]));
+    reads_as_reference(&mut client, &c, "after a deeper commit");
+    write_round(&mut client, &c, 180, 4);
+    reads_as_reference(&mut client, &c, "writes after a deeper commit");
+    drop(client);
+    stop(d);
+    let s3p = Path::new(s3);
+    assert_eq!(qemu_chain(s3p), new_chain);
+    for layer in [s3, s2, named] {
+        check_clean(Path::new(layer));
+    }
+    compare_identical(s3p, &c.reference);
+    assert_eq!(
+        [sha256(Path::new(s1)), sha256(&c.base)],
+        sums,
+        "a layer other than the base and the one above the committed one was written"
+    );
+    let d = serve(&c, dir.path(), &args);
+    assert_eq!(status_chain(&api), new_chain);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    reads_as_reference(&mut client, &c, "after a restart");
     drop(client);
     stop(d);
 }

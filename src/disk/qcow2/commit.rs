@@ -39,20 +39,26 @@ use imago::format::drivers::FormatDriverInstance;
 use super::map_cache::MapCache;
 use super::stream::{Step, Walked, open_writable};
 use super::{
-    FormatError, Layer, OpenOptions, Qcow2Image, bitmaps, check_l1_covers, lock, open_err,
+    FormatError, Layer, OpenOptions, Qcow2Image, QemuBitmaps, bitmaps, check_l1_covers, lock,
+    open_err,
 };
 use crate::disk::Mapper;
 
 impl Qcow2Image {
     /// A writable handle of file `base` of the chain (a qcow2 layer below
     /// the top), on `file` (the same file, opened for writing): what a
-    /// commit writes through. Refused for a raw file and for one with
-    /// QEMU's bitmaps (they would not record what the commit writes).
+    /// commit writes through. Refused for a raw file. A base with QEMU's
+    /// bitmaps is refused for a commit of a layer below the top (they
+    /// would not record what the commit writes); an `active` commit's base
+    /// becomes the top at its pivot, where the device's bitmaps replace
+    /// them: they are marked in use (inconsistent) before anything is
+    /// written, as a top's are at a claim.
     pub fn open_base(
         &self,
         base: usize,
         file: File,
         options: &OpenOptions,
+        active: bool,
     ) -> Result<Qcow2Image, FormatError> {
         let (Some(old), Some(layer)) = (self.files.get(base), self.layers.get(base)) else {
             return Err(FormatError::Unsupported(format!("no layer {base}")));
@@ -65,15 +71,17 @@ impl Qcow2Image {
             ));
         }
         let err = |e: std::io::Error| open_err(&path, e);
-        if bitmaps::Bitmaps::load(&file)
-            .map_err(|e| open_err(&path, e))?
-            .is_some()
-        {
-            return Err(open_err(
-                &path,
-                "has QEMU's persistent bitmaps, which a commit into it would not record; \
-                 remove them (qemu-img bitmap --remove), or stream instead",
-            ));
+        let mut found = bitmaps::Bitmaps::load(&file).map_err(|e| open_err(&path, e))?;
+        match &mut found {
+            Some(_) if !active => {
+                return Err(open_err(
+                    &path,
+                    "has QEMU's persistent bitmaps, which a commit into it would not record; \
+                     remove them (qemu-img bitmap --remove), or stream instead",
+                ));
+            }
+            Some(b) => b.mark_in_use(&file).map_err(err)?,
+            None => {}
         }
         let (state, mut q, header) =
             open_writable(file, &path, old.crypt_shared(), options).map_err(err)?;
@@ -98,7 +106,17 @@ impl Qcow2Image {
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
             l2log: None,
-            qemu: None,
+            // An active commit's base takes the device's bitmaps at the
+            // pivot (written over the directory it has, if any).
+            qemu: active.then(|| {
+                Mutex::new(QemuBitmaps {
+                    dir: found,
+                    loaded: None,
+                    staged: None,
+                    at_snapshot: None,
+                    marked: true,
+                })
+            }),
         })
     }
 
@@ -114,38 +132,61 @@ impl Qcow2Image {
         offset: u64,
         len: u64,
     ) -> Result<Step, FormatError> {
-        if top == 0 || base <= top || base >= self.layers.len() {
+        self.commit_extents(into, top, base, &[(offset, len)])
+    }
+
+    /// [`Qcow2Image::commit_step`] over several ranges, committed and
+    /// synced once at the end. `top` may be 0, the active layer (an active
+    /// commit, `super::super::live`'s mirror): its tables are then read
+    /// under its metadata lock, one cluster at a time, and a guest write
+    /// that lands in a cluster after it was read is the caller's to copy
+    /// again (its dirty bitmap has it).
+    pub fn commit_extents(
+        &self,
+        into: &Qcow2Image,
+        top: usize,
+        base: usize,
+        ranges: &[(u64, u64)],
+    ) -> Result<Step, FormatError> {
+        if base <= top || base >= self.layers.len() {
             return Err(FormatError::Unsupported(format!(
                 "no layers {top}..{base} to commit in a chain of {}",
                 self.layers.len()
             )));
         }
         let size = self.size().min(into.size());
-        let end = offset.saturating_add(len).min(size);
         let csize = 1u64 << into.cluster_bits;
         let _group = lock(&into.commit_lock);
         let _meta = lock(&into.meta);
         let mut step = Step::default();
         let mut buf = Vec::new();
-        let mut pos = offset & !(csize - 1);
-        while pos < end {
-            let cend = (pos + csize).min(size);
-            if self.held_between(top, base, pos, cend)? {
-                buf.clear();
-                buf.resize((cend - pos) as usize, 0);
-                self.read_view(top, pos, &mut buf)?;
-                into.forget(pos, cend);
-                into.write_locked_as(&buf, pos, true)?;
-                into.dirty.fetch_add(1, Ordering::AcqRel);
-                step.copied += cend - pos;
+        for &(offset, len) in ranges {
+            let end = offset.saturating_add(len).min(size);
+            let mut pos = offset & !(csize - 1);
+            while pos < end {
+                let cend = (pos + csize).min(size);
+                // The active layer's tables change under the guest's
+                // writes: read under its lock (the layers below it are
+                // written by nothing).
+                let active = (top == 0).then(|| lock(&self.meta));
+                if self.held_between(top, base, pos, cend)? {
+                    buf.clear();
+                    buf.resize((cend - pos) as usize, 0);
+                    self.read_view(top, pos, &mut buf)?;
+                    drop(active);
+                    into.forget(pos, cend);
+                    into.write_locked_as(&buf, pos, true)?;
+                    into.dirty.fetch_add(1, Ordering::AcqRel);
+                    step.copied += cend - pos;
+                }
+                pos = cend;
             }
-            pos = cend;
+            step.examined += end.saturating_sub(offset);
         }
         into.commit_locked()?;
         into.files[0]
             .sync_now()
             .map_err(FormatError::io("fdatasync"))?;
-        step.examined = end.saturating_sub(offset);
         Ok(step)
     }
 
@@ -223,5 +264,92 @@ impl Qcow2Image {
             at += n;
         }
         Ok(())
+    }
+}
+
+impl Qcow2Image {
+    /// An active commit's pivot: `into` (file `base` of this chain, the
+    /// active commit's handle of it, [`Qcow2Image::open_base`], holding
+    /// everything the layers above it had) becomes the top, and the layers
+    /// above it drop out. The caller keeps every request out and has
+    /// copied the last of the top's changes into `into`. This top's
+    /// metadata is committed and synced and the top frozen (written no
+    /// more); the L2 log and QEMU's bitmaps go to `into`. `switch` makes
+    /// the new chain the one a restart serves: an error from it leaves
+    /// this image as it was (thawed, the log its own again).
+    pub fn pivot(
+        &self,
+        into: &Qcow2Image,
+        base: usize,
+        options: &OpenOptions,
+        switch: impl FnOnce() -> Result<(), FormatError>,
+    ) -> Result<Qcow2Image, FormatError> {
+        if !self.writable {
+            return Err(FormatError::ReadOnly);
+        }
+        if base == 0 || base >= self.files.len() {
+            return Err(FormatError::Unsupported(format!(
+                "no layer {base} to pivot to in a chain of {}",
+                self.files.len()
+            )));
+        }
+        {
+            let _group = lock(&self.commit_lock);
+            let _meta = lock(&self.meta);
+            self.commit_locked()?;
+            self.files[0]
+                .sync_now()
+                .map_err(FormatError::io("fdatasync"))?;
+            self.files[0].freeze();
+        }
+        let state = &into.files[0];
+        let undo = |e: FormatError| {
+            self.files[0].thaw();
+            if let Some(log) = &self.l2log
+                && let Err(again) = self.files[0].adopt_log(Arc::clone(log))
+            {
+                log::error!(
+                    "{}: taking the L2 log back after a failed pivot: {again}",
+                    self.files[0].path().display()
+                );
+            }
+            e
+        };
+        if let Some(log) = &self.l2log {
+            state
+                .adopt_log(Arc::clone(log))
+                .map_err(|e| undo(open_err(state.path(), e)))?;
+        }
+        switch().map_err(undo)?;
+        // From here on the new chain is the one a restart serves.
+        let mut files = vec![Arc::clone(state)];
+        for f in self.files.iter().skip(base + 1) {
+            f.move_up(base);
+            files.push(Arc::clone(f));
+        }
+        let mut layers = vec![Arc::clone(&into.top)];
+        layers.extend(self.layers.iter().skip(base + 1).cloned());
+        let qemu = into.qemu.as_ref().map(|m| {
+            let mut held = lock(m);
+            Mutex::new(std::mem::replace(&mut *held, QemuBitmaps::none()))
+        });
+        Ok(Qcow2Image {
+            top: Arc::clone(&into.top),
+            files,
+            layers,
+            writable: true,
+            size: AtomicU64::new(self.size()),
+            cluster_bits: into.cluster_bits,
+            granule_bits: self.granule_bits.min(into.cluster_bits),
+            v3: into.v3,
+            cache: MapCache::new(options.map_cache_entries),
+            meta: Mutex::new(()),
+            dirty: AtomicU64::new(0),
+            committed: AtomicU64::new(0),
+            commit_lock: Mutex::new(()),
+            uncommitted: Mutex::new(Vec::new()),
+            l2log: self.l2log.clone(),
+            qemu,
+        })
     }
 }

@@ -240,19 +240,31 @@ impl Qcow2Image {
     /// `written`: the base's handle a commit wrote through
     /// ([`Qcow2Image::open_base`]), which takes the base's place in the
     /// new chain (the old handle's tables do not know what it wrote).
+    ///
+    /// `above`: the layer whose backing file changes, 0 (the top) but for
+    /// a commit of a deeper layer, whose upper layer (read-only in the
+    /// chain) is rewritten through `above_file` (that file, opened for
+    /// writing); the layers from it up to the top are then opened again
+    /// over the base (imago's handles know their backing layer).
     pub fn rebase(
         &self,
+        above: usize,
         base: usize,
         name: Option<&str>,
         options: &OpenOptions,
         written: Option<&Qcow2Image>,
+        above_file: Option<std::fs::File>,
     ) -> Result<Qcow2Image, FormatError> {
         if !self.writable {
             return Err(FormatError::ReadOnly);
         }
-        if base == 0 || base > self.files.len() || name.is_some() != (base < self.files.len()) {
+        if base <= above
+            || base > self.files.len()
+            || name.is_some() != (base < self.files.len())
+            || (above > 0) != above_file.is_some()
+        {
             return Err(FormatError::Unsupported(format!(
-                "no layer {base} to rebase onto in a chain of {}",
+                "no layer {base} to rebase layer {above} onto in a chain of {}",
                 self.files.len()
             )));
         }
@@ -267,23 +279,34 @@ impl Qcow2Image {
         let _meta = lock(&self.meta);
         self.commit_locked()?;
         top.sync_now().map_err(FormatError::io("fdatasync"))?;
-        let csize = 1u64 << self.cluster_bits;
-        rewrite_backing(top, csize, name.zip(format))
-            .map_err(|e| open_err(&path, format!("rewriting the backing file: {e}")))?;
+        match above_file {
+            None => {
+                let csize = 1u64 << self.cluster_bits;
+                rewrite_backing(top, csize, name.zip(format))
+                    .map_err(|e| open_err(&path, format!("rewriting the backing file: {e}")))?;
+            }
+            Some(file) => {
+                let upper = self.files[above].path().to_path_buf();
+                let err =
+                    |e: io::Error| open_err(&upper, format!("rewriting the backing file: {e}"));
+                let mut head = [0u8; 24];
+                file.read_exact_at(&mut head, 0).map_err(err)?;
+                let csize = 1u64 << be32(&head, 20).clamp(9, 21);
+                // Not ordered: its writes go straight to the file.
+                let state = FileState::new(file, &upper, above).map_err(err)?;
+                rewrite_backing(&state, csize, name.zip(format)).map_err(err)?;
+            }
+        }
         // From here on the chain on disk is the new one.
         let again = |e: io::Error| {
             open_err(
                 &path,
                 format!(
-                    "its header names the new backing file, but opening it again failed: {e}; \
+                    "the chain on disk is the new one, but opening it again failed: {e}; \
                      restart the daemon to serve it"
                 ),
             )
         };
-        let file = top.file().try_clone().map_err(again)?;
-        let (state, mut q, header) =
-            open_writable(file, &path, top.crypt_shared(), options).map_err(again)?;
-        check_l1_covers(&path, &header, q.size())?;
         // The base's layer and file: the commit's handle, or as they were.
         let (base_layer, base_file) = match written {
             Some(w) => (Some(Arc::clone(&w.top)), Some(Arc::clone(&w.files[0]))),
@@ -292,7 +315,24 @@ impl Qcow2Image {
                 self.files.get(base).cloned(),
             ),
         };
-        q.set_backing(base_layer.clone());
+        // The layers between the top and the rewritten one, and that one,
+        // opened again (read-only, on their files as they are), bottom up.
+        let mut below = base_layer.clone();
+        let mut middle = Vec::new();
+        for i in (1..=above).rev() {
+            let st = &self.files[i];
+            let mut q = Qcow2::<ChainFile, Layer>::open_image(ChainFile(Arc::clone(st)), false)
+                .map_err(again)?;
+            q.set_backing(below);
+            let layer: Layer = Arc::new(FormatAccess::new(q));
+            below = Some(Arc::clone(&layer));
+            middle.insert(0, layer);
+        }
+        let file = top.file().try_clone().map_err(again)?;
+        let (state, mut q, header) =
+            open_writable(file, &path, top.crypt_shared(), options).map_err(again)?;
+        check_l1_covers(&path, &header, q.size())?;
+        q.set_backing(below);
         let new_top: Layer = Arc::new(FormatAccess::new(q));
         // The old handle writes nothing more: everything it had was
         // committed and synced above.
@@ -300,14 +340,18 @@ impl Qcow2Image {
         if let Some(log) = &self.l2log {
             state.adopt_log(Arc::clone(log)).map_err(again)?;
         }
-        let dropped = base - 1;
+        let dropped = base - above - 1;
         let mut files = vec![state];
         let mut layers = vec![Arc::clone(&new_top)];
+        files.extend(self.files[1..=above].iter().cloned());
+        layers.extend(middle);
         if let (Some(f), Some(l)) = (base_file, base_layer) {
             // The commit's handle of the base is file 0 of its own image:
-            // here it is file 1.
+            // here it is file `above + 1`.
             if written.is_some() {
-                f.move_down();
+                for _ in 0..=above {
+                    f.move_down();
+                }
             } else {
                 f.move_up(dropped);
             }
