@@ -87,6 +87,7 @@ impl Ctx<'_> {
     fn snapshot(&self) -> MetricsDoc {
         MetricsDoc {
             queues: self.queues.iter().map(|q| q.snapshot()).collect(),
+            job: None,
         }
     }
 
@@ -304,7 +305,7 @@ pub const VERBS: &[Verb] = &[
         control: true,
         // It opens the base for writing.
         slow: true,
-        doc: "Start a commit job: {\"top\": the layer right below the top, as status lists it, \"base\": a layer below it (optional: its backing file), \"speed\": bytes per second (optional)}; the layers from top down to the base are copied into the base, then drop out of the chain.",
+        doc: "Start a commit job: {\"top\": a layer of the chain, as status lists it (the top itself: an active commit, which pivots to the base), \"base\": a layer below it (optional: its backing file), \"speed\": bytes per second (optional)}; the layers from top down to the base are copied into the base, then drop out of the chain.",
         run: commit,
     },
     Verb {
@@ -369,6 +370,11 @@ fn job_metrics(out: &mut String, job: &crate::device::JobInfo) {
             "The block job's speed limit in bytes per second (0: none).",
             job.speed,
         ),
+        (
+            "job_remaining_bytes",
+            "An active commit: bytes the guest changed since its last pass, still to copy (0 for other jobs).",
+            job.remaining.unwrap_or(0),
+        ),
     ] {
         // Writing to a String cannot fail.
         let _ = writeln!(out, "# HELP ringblk_{name} {help}");
@@ -378,7 +384,12 @@ fn job_metrics(out: &mut String, job: &crate::device::JobInfo) {
 }
 
 fn metrics_json(ctx: &Ctx<'_>) -> Reply {
-    match serde_json::to_string(&ctx.snapshot()) {
+    let mut doc = ctx.snapshot();
+    doc.job = ctx
+        .device
+        .and_then(Device::job)
+        .and_then(|j| serde_json::to_value(j).ok());
+    match serde_json::to_string(&doc) {
         Ok(body) => Reply {
             status: 200,
             content_type: "application/json",

@@ -109,6 +109,10 @@ pub struct JobInfo {
     /// once they are at most [`CONVERGED`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remaining: Option<u64>,
+    /// An active commit: the passes over what the guest changed, after
+    /// the first copy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub passes: Option<u64>,
 }
 
 /// A job as the device keeps it.
@@ -119,6 +123,7 @@ pub struct Job {
     /// An active commit copied what the layers had and follows the
     /// guest's writes now.
     mirroring: AtomicBool,
+    passes: AtomicU64,
     base: Option<String>,
     total: u64,
     done: AtomicU64,
@@ -150,6 +155,7 @@ impl Job {
             error,
             active: self.active,
             remaining: None,
+            passes: self.active.then(|| self.passes.load(Ordering::Relaxed)),
         }
     }
 
@@ -330,6 +336,7 @@ impl Device {
             kind,
             active,
             mirroring: AtomicBool::new(false),
+            passes: AtomicU64::new(0),
             base: named_base.then(|| chain[base_index].display().to_string()),
             total: live.size(),
             done: AtomicU64::new(0),
@@ -415,6 +422,7 @@ impl Device {
             kind,
             active: record.active,
             mirroring: AtomicBool::new(false),
+            passes: AtomicU64::new(0),
             base: record.base,
             total: live.size(),
             done: AtomicU64::new(0),
@@ -585,6 +593,7 @@ impl Device {
             let Some(pass) = self.mirror_swap() else {
                 return Err("the tracking of the guest's writes is gone".into());
             };
+            job.passes.fetch_add(1, Ordering::Relaxed);
             let extents = pass.dirty_extents();
             for chunk in stretches(&extents, STRETCH) {
                 if job.cancelled(self) {

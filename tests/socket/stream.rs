@@ -201,6 +201,10 @@ fn a_stream_under_writes_drops_the_layers_and_loses_nothing() {
         "{text}"
     );
     assert!(text.contains(&format!("ringblk_job_done_bytes{{kind=\"stream\"}} {SIZE}")));
+    // And in the JSON document, as `job status` has it.
+    let doc = ok(&ctl(&api, &["stats", "--json"]), "stats --json");
+    assert_eq!(doc["job"]["state"], "completed", "{doc}");
+    assert_eq!(doc["job"]["done"], SIZE, "{doc}");
     assert!(job["copied"].as_u64().unwrap() > 0, "{job}");
     let new_chain = [canonical(&s2), base.clone()];
     assert_eq!(status_chain(&api), new_chain);
@@ -1025,4 +1029,81 @@ fn a_commit_of_a_deeper_layer_drops_it_and_loses_nothing() {
     reads_as_reference(&mut client, &c, "after a restart");
     drop(client);
     stop(d);
+}
+
+/// An active commit on four queues, the guest writing on all of them
+/// faster than one pass copies: more than the pivot's threshold changes
+/// during the job, so its dirty bitmap is swapped and copied again at
+/// least once (`passes`), and what the guest
+/// wrote on every queue is in the base after the pivot.
+#[test]
+fn an_active_commit_on_four_queues_follows_writes_on_all_of_them() {
+    use ringblk_testkit::Op;
+    let dir = test_dir();
+    let c = chain(dir.path(), "raw", SIZE);
+    let Dirs { api, snaps, .. } = dirs(dir.path());
+    let mut args = args_of(&api, &snaps, None);
+    args.extend(["--queues", "4"]);
+    let d = serve(&c, dir.path(), &args);
+    let buf = 4 * MIB as usize;
+    let mut client = Client::connect_queues(&d.socket, buf, 4);
+    snapshot(&api, "s1.qcow2");
+    let k64 = 64 * 1024usize;
+    // `n` 64 KiB writes of pattern `seed`, 256 KiB apart from `first` on
+    // (wrapping), spread over the four queues, 64 at a time.
+    let write_spread = |client: &mut Client, seed: u64, first: u64, n: u64| {
+        for batch in 0..n.div_ceil(64) {
+            let mut ops = Vec::new();
+            for i in batch * 64..((batch + 1) * 64).min(n) {
+                let offset = (first + i * 256 * 1024) % (SIZE - k64 as u64);
+                let offset = offset & !(k64 as u64 - 1);
+                let data = c.write(seed + i, offset, k64);
+                let buf_off = (i - batch * 64) as usize * k64;
+                client.buf()[buf_off..buf_off + k64].copy_from_slice(&data);
+                ops.push((
+                    (i % 4) as usize,
+                    Op::Write {
+                        offset,
+                        buf_off,
+                        len: k64,
+                    },
+                ));
+            }
+            assert!(client.batch_queues(&ops).iter().all(|&r| r == 0));
+        }
+        assert_eq!(client.flush(), 0);
+    };
+    // 8 MiB in the top before the job.
+    write_spread(&mut client, 1000, 0, 128);
+    let top = status_chain(&api)[0].clone();
+    let job = ok(
+        &ctl(&api, &["commit", "--top", &top, "--speed", "4M"]),
+        "active commit",
+    );
+    assert_eq!(job["active"], true, "{job}");
+    let metrics = ctl(&api, &["stats", "--prometheus"]);
+    let text = String::from_utf8_lossy(&metrics.stdout);
+    assert!(
+        text.contains("ringblk_job_remaining_bytes{kind=\"commit\"}"),
+        "{text}"
+    );
+    // More than the pivot's threshold (8 MiB) while the first pass runs:
+    // 12 MiB over other clusters and those it copies.
+    for round in 0..3u64 {
+        write_spread(&mut client, 2000 + round * 100, round * 64 * 1024, 64);
+    }
+    let job = wait_job(&api);
+    assert_eq!(job["state"], "completed", "{job}");
+    assert!(
+        job["passes"].as_u64().unwrap() >= 1,
+        "no pass over the guest's writes during the first copy: {job}"
+    );
+    assert_eq!(status_chain(&api), [canonical(&c.top), canonical(&c.base)]);
+    reads_as_reference(&mut client, &c, "after the pivot");
+    write_spread(&mut client, 3000, 3 * 64 * 1024, 32);
+    reads_as_reference(&mut client, &c, "writes on four queues after the pivot");
+    drop(client);
+    stop(d);
+    check_clean(&c.top);
+    compare_identical(&c.top, &c.reference);
 }

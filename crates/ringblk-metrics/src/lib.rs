@@ -40,6 +40,10 @@ pub use transport::MetricsAddr;
 pub struct MetricsDoc {
     /// One entry per virtqueue, in queue order.
     pub queues: Vec<QueueSnapshot>,
+    /// The block job running or last run, as the control API's `GET
+    /// /api/v1/job` answers it (the daemon's own type; kept as JSON here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<serde_json::Value>,
 }
 
 /// Errors of the endpoint and its client.
