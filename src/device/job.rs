@@ -43,6 +43,9 @@ pub const STRETCH: u64 = 8 << 20;
 /// its last pass: what is copied with the guest's queues held.
 pub const CONVERGED: u64 = STRETCH;
 
+/// The smallest granule of an active commit's dirty bitmap.
+const MIRROR_GRANULE: u64 = 64 << 10;
+
 /// How long a cancel waits for the job to see it.
 const CANCEL_WAIT: Duration = Duration::from_secs(30);
 
@@ -488,7 +491,10 @@ impl Device {
         if let Work::Active(into) = &work {
             // Before the first copy: every write from here on is marked,
             // and copied again after it.
-            if let Err(e) = self.mirror_start(into.cluster_size()) {
+            // At least 64 KiB granules: a disk of 512-byte clusters
+            // would cost a bitmap of a bit per sector (a granule copies
+            // every cluster of the base it covers).
+            if let Err(e) = self.mirror_start(into.cluster_size().max(MIRROR_GRANULE)) {
                 return fail(format!("tracking the guest's writes: {e}"));
             }
         }

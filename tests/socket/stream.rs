@@ -648,10 +648,12 @@ fn a_kill_9_during_a_commit_leaves_the_chain_as_it_was() {
 }
 
 /// A migration starting (the front-end acks dirty logging, as QEMU does
-/// at the start of one) cancels a running stream, which lets the image
-/// go for the destination; the chain stays as it was and reads as written.
+/// at the start of one) cancels a running stream, and a running active
+/// commit (which stops tracking the guest's writes), each of which lets
+/// the image go for the destination; the chain stays as it was and reads
+/// as written.
 #[test]
-fn a_migration_cancels_a_running_stream() {
+fn a_migration_cancels_a_running_job() {
     use ringblk_testkit::frontend::{Conn, F_LOG_ALL, P_LOG_SHMFD};
     let dir = test_dir();
     let c = chain(dir.path(), "raw", SIZE);
@@ -661,22 +663,34 @@ fn a_migration_cancels_a_running_stream() {
     let mut client = Client::connect(&d.socket, 2 * MIB as usize);
     let chain = five_layers(dir.path(), &c, &mut client, &api);
     drop(client);
-    ok(&ctl(&api, &["stream", "--speed", "1M"]), "stream");
-    let conn = Conn::connect(&d.socket);
-    conn.handshake_with(F_LOG_ALL, P_LOG_SHMFD);
-    let job = wait_job(&api);
-    assert_eq!(job["state"], "cancelled", "{job}");
-    assert_eq!(status_chain(&api), chain);
-    assert!(
-        d.log()
-            .contains("a migration started: the stream job is cancelled")
-    );
-    // And none starts while the migration is under way.
-    refused(&api, &["stream"], "a migration is under way");
-    drop(conn);
-    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
-    reads_as_reference(&mut client, &c, "after a migration cancelled a stream");
-    drop(client);
+    let jobs: [(Vec<&str>, &str); 2] = [
+        (vec!["stream", "--speed", "1M"], "stream"),
+        (
+            vec!["commit", "--top", &chain[0], "--speed", "128K"],
+            "commit",
+        ),
+    ];
+    for (start, kind) in jobs {
+        ok(&ctl(&api, &start), kind);
+        let conn = Conn::connect(&d.socket);
+        conn.handshake_with(F_LOG_ALL, P_LOG_SHMFD);
+        let job = wait_job(&api);
+        assert_eq!(job["state"], "cancelled", "{job}");
+        assert_eq!(status_chain(&api), chain);
+        assert!(
+            d.log()
+                .contains(&format!("a migration started: the {kind} job is cancelled"))
+        );
+        // And none starts while the migration is under way.
+        refused(&api, &["stream"], "a migration is under way");
+        drop(conn);
+        let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+        reads_as_reference(
+            &mut client,
+            &c,
+            &format!("after a migration cancelled a {kind}"),
+        );
+    }
     stop(d);
 }
 
