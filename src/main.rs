@@ -28,6 +28,7 @@ fn main() {
         ),
         Command::Stats(args) => ("stats", ringblk::cli::stats::stats(&args)),
         Command::Ctl(args) => ("ctl", ringblk::cli::ctl::ctl(&args)),
+        Command::Backup(args) => ("backup", ringblk::cli::backup::run(&args)),
         Command::Bench(args) => (
             "bench",
             ringblk::cli::bench::exec(&args).map_err(Failure::Runtime),

@@ -29,6 +29,8 @@
 //! calls `before_write` where a write is admitted, before the format maps
 //! it and before it is submitted.
 
+pub mod archive;
+
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;

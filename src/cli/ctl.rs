@@ -484,7 +484,7 @@ fn overlay_path(overlay: &std::path::Path) -> PathBuf {
 
 /// The body of a 200 answer; otherwise the daemon's `error`, or the
 /// status line.
-fn call(addr: &str, method: &str, path: &str, body: &[u8]) -> Result<String, String> {
+pub(super) fn call(addr: &str, method: &str, path: &str, body: &[u8]) -> Result<String, String> {
     let (status, line, body) = ringblk_metrics::request(addr, method, path, body)
         .map_err(|e| super::stats::explain(&e, "--api"))?;
     if status == 200 {

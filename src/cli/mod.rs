@@ -10,6 +10,7 @@
 //! the log's format (journald's priorities under systemd) is
 //! [`logging`]'s.
 
+pub mod backup;
 pub mod bench;
 pub mod ctl;
 pub mod exit;
@@ -42,6 +43,11 @@ pub enum Command {
     /// Control a running daemon over its --api socket: status, verbs,
     /// resize, qos, stats.
     Ctl(ctl::CtlArgs),
+    /// Back up a running daemon's disk into a directory of qcow2 files, a
+    /// full backup and then incremental ones (a dirty bitmap tracks the
+    /// changes between them), with checksums; `backup verify|restore|prune`
+    /// on that directory.
+    Backup(backup::BackupArgs),
     /// Load generator for any vhost-user-blk socket, and a side-by-side
     /// comparison with qemu-storage-daemon and the host's own io_uring:
     /// runs ringblk-bench with these arguments.

@@ -53,6 +53,7 @@ pub mod raw;
 pub mod reader;
 pub mod records;
 pub mod seam;
+pub mod writer;
 
 #[cfg(feature = "test-utils")]
 pub mod fuzzing;

@@ -86,6 +86,40 @@ pub fn read_piece<M: Mapper + ?Sized>(
     }
 }
 
+/// Fills `buf` from guest byte `offset` of `image`, through its tables
+/// ([`Mapper::resolve`], then [`read_piece`]): the served chain's, or an
+/// image opened on its own (the backup client's files).
+pub fn read_at<M: Mapper + ?Sized>(image: &M, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    if buf.is_empty() {
+        return Ok(());
+    }
+    let mut pieces = Vec::new();
+    image
+        .resolve(offset, buf.len() as u64, Dir::Read, &mut pieces)
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    let files = image.files();
+    let mut done = 0u64;
+    for p in pieces {
+        if p.guest != offset + done {
+            return Err(io::Error::other(format!(
+                "qcow2 mapping of {offset:#x}+{:#x} has a gap at {:#x}",
+                buf.len(),
+                offset + done
+            )));
+        }
+        let part = &mut buf[done as usize..(done + p.len) as usize];
+        read_piece(image, &files, &p, part)?;
+        done += p.len;
+    }
+    if done != buf.len() as u64 {
+        return Err(io::Error::other(format!(
+            "qcow2 mapping of {offset:#x}+{:#x} ended after {done:#x}",
+            buf.len()
+        )));
+    }
+    Ok(())
+}
+
 /// The guest's disk of an image with a chain, read through it: see the
 /// module doc.
 pub struct Reader {
@@ -112,36 +146,7 @@ impl Reader {
 
     /// Fills `buf` from guest byte `offset`.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let served = self.live.current();
-        let image = &served.image;
-        let mut pieces = Vec::new();
-        image
-            .resolve(offset, buf.len() as u64, Dir::Read, &mut pieces)
-            .map_err(|e| io::Error::other(e.to_string()))?;
-        let files = image.files();
-        let mut done = 0u64;
-        for p in pieces {
-            if p.guest != offset + done {
-                return Err(io::Error::other(format!(
-                    "qcow2 mapping of {offset:#x}+{:#x} has a gap at {:#x}",
-                    buf.len(),
-                    offset + done
-                )));
-            }
-            let part = &mut buf[done as usize..(done + p.len) as usize];
-            read_piece(&**image, &files, &p, part)?;
-            done += p.len;
-        }
-        if done != buf.len() as u64 {
-            return Err(io::Error::other(format!(
-                "qcow2 mapping of {offset:#x}+{:#x} ended after {done:#x}",
-                buf.len()
-            )));
-        }
-        Ok(())
+        read_at(&*self.live.current().image, buf, offset)
     }
 
     /// The allocation at `offset`: the length of the run that shares it

@@ -29,6 +29,7 @@
 //! error reply, or is disconnected where the stream cannot be trusted any
 //! more (a bad magic); nothing it sends reaches the guest's I/O.
 
+pub mod client;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod fuzzing;
 pub mod proto;

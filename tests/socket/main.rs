@@ -22,6 +22,7 @@
 
 mod activation;
 mod backup;
+mod backup_command;
 mod backup_interrupted;
 mod bench_launcher;
 mod bitmap_files;

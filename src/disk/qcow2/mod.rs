@@ -1025,16 +1025,14 @@ impl Qcow2Image {
         record: impl FnOnce() -> Result<(), FormatError>,
     ) -> Result<Qcow2Image, FormatError> {
         let err = |e: io::Error| open_err(path, e);
-        // Formatting: imago's writes go straight through (an unloaded
-        // ordered file passes them on); nothing points at the overlay yet.
-        let mut blank = FileState::new(file.try_clone().map_err(err)?, path, 0).map_err(err)?;
-        blank.make_ordered(true, None);
-        Qcow2::<ChainFile, Layer>::create_builder(ChainFile(Arc::new(blank)))
-            .size(self.size())
-            .cluster_size(1 << self.cluster_bits)
-            .backing(backing_name.to_string(), "qcow2".to_string())
-            .create()
-            .map_err(err)?;
+        create(
+            &file,
+            path,
+            self.size(),
+            1 << self.cluster_bits,
+            Some((backing_name, "qcow2")),
+        )
+        .map_err(err)?;
         // An encrypted top's overlay is encrypted too, with its LUKS
         // header (so its passphrase and volume key): the guest's writes
         // after the snapshot must not land in clear.
@@ -1311,6 +1309,29 @@ fn push_piece(out: &mut Vec<Piece>, guest: u64, len: u64, at: Where) {
 
 /// Opens the qcow2 image at `path` and, below it, its backing chain.
 /// Returns imago's handle and the first bytes of the header.
+/// Formats `file` (empty, at `path`) as a qcow2 v3 image of `size` bytes
+/// with clusters of `cluster_size`, over the backing file `backing` (its
+/// name as the header records it, and its format), or standing alone:
+/// imago's writes go straight through (an unloaded ordered file passes
+/// them on). Not synced: the caller syncs before anything points at it.
+pub fn create(
+    file: &File,
+    path: &Path,
+    size: u64,
+    cluster_size: u64,
+    backing: Option<(&str, &str)>,
+) -> io::Result<()> {
+    let mut blank = FileState::new(file.try_clone()?, path, 0)?;
+    blank.make_ordered(true, None);
+    let mut builder = Qcow2::<ChainFile, Layer>::create_builder(ChainFile(Arc::new(blank)))
+        .size(size)
+        .cluster_size(cluster_size as usize);
+    if let Some((name, format)) = backing {
+        builder = builder.backing(name.to_string(), format.to_string());
+    }
+    builder.create()
+}
+
 fn open_qcow2(
     path: &Path,
     options: &OpenOptions,

@@ -145,58 +145,16 @@ fn read_piece(
 }
 
 /// Writes through the contract: fast map, allocation on the slow path,
-/// data straight to the host offsets, then the commit before "completion".
+/// data straight to the host offsets, then the commit before "completion"
+/// (the library's [`disk::writer`], which the backup client writes with).
 pub fn write(img: &dyn Image, offset: u64, data: &[u8]) -> Result<(), FormatError> {
-    write_as(img, offset, data, false)
+    disk::writer::write(img, offset, data, false)
 }
 
 /// A write with the device's write cache off (`--writethrough`): the data
 /// with FUA (pwrite and fdatasync, as RWF_DSYNC), then a durable commit.
 pub fn write_through(img: &dyn Image, offset: u64, data: &[u8]) -> Result<(), FormatError> {
-    write_as(img, offset, data, true)
-}
-
-fn write_as(img: &dyn Image, offset: u64, data: &[u8], fua: bool) -> Result<(), FormatError> {
-    let mut pieces = Vec::new();
-    img.map(offset, data.len() as u64, Dir::Write, &mut pieces);
-    let mut ticket = None;
-    let mut direct = Vec::new();
-    for p in pieces {
-        match p.at {
-            Where::Data { file: 0, offset } => direct.push((p.guest, p.len, offset)),
-            Where::Slow => {
-                let mut sub = Vec::new();
-                ticket = ticket.max(img.resolve(p.guest, p.len, Dir::Write, &mut sub)?);
-                for s in sub {
-                    match s.at {
-                        Where::Data { file: 0, offset } => direct.push((s.guest, s.len, offset)),
-                        other => panic!("resolve gave {other:?} for a write"),
-                    }
-                }
-            }
-            other => panic!("map gave {other:?} for a write"),
-        }
-    }
-    for (guest, len, host) in direct {
-        let at = (guest - offset) as usize;
-        data_write(img, &data[at..at + len as usize], host, fua)?;
-    }
-    if let Some(t) = ticket {
-        img.commit(t, fua)?;
-    }
-    Ok(())
-}
-
-fn data_write(img: &dyn Image, data: &[u8], host: u64, fua: bool) -> Result<(), FormatError> {
-    let r = match img.as_qcow2() {
-        Some(q) if fua => q.data_write_dsync(data, host),
-        Some(q) => q.data_write(data, host),
-        None => img.files()[0].write_all_at(data, host),
-    };
-    r.map_err(|source| FormatError::Io {
-        context: "pwrite",
-        source,
-    })
+    disk::writer::write(img, offset, data, true)
 }
 
 /// Write-zeroes through the contract: the format zeroes whole clusters,
@@ -207,21 +165,12 @@ pub fn write_zeroes(
     len: u64,
     unmap: bool,
 ) -> Result<(), FormatError> {
-    for (o, l) in img.write_zeroes(offset, len, unmap)? {
-        write(img, o, &vec![0u8; l as usize])?;
-    }
-    Ok(())
+    disk::writer::write_zeroes(img, offset, len, unmap)
 }
 
 /// Flush: the engine's fdatasync of the data, then the format's.
 pub fn flush(img: &dyn Image) -> Result<(), FormatError> {
-    img.files()[0]
-        .sync_data()
-        .map_err(|source| FormatError::Io {
-            context: "fdatasync",
-            source,
-        })?;
-    img.flush()
+    disk::writer::flush(img)
 }
 
 /// The stored form of the bitmap `b` named `name` (QEMU's AUTO flag set,
