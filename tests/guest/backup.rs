@@ -13,6 +13,9 @@
 //!   the granules the guest wrote since the first, and the full backup with
 //!   the incremental on top, restored with qemu-img, equals the disk at the
 //!   second start;
+//! - `ringblk backup` at both instants too, into a directory of its own
+//!   (a full backup, then an incremental one): each point, restored with
+//!   `ringblk backup restore`, equals the disk at its instant;
 //! - the guest's fio verify saw no error, and the daemon stops cleanly.
 //!
 //! Shares the guest machinery, its lock and its environment variables
@@ -157,6 +160,14 @@ fn a_backup_of_a_running_guest_is_the_instant_and_the_incremental_holds_every_ch
     wait_for_marker("RINGBLK-BACKUP", &console, &mut qemu, started);
     let at_start = dir.join("at-start.raw");
     std::fs::copy(&image, &at_start).unwrap();
+    // `ringblk backup` too, into a directory of its own (its bitmap
+    // added by its first run): a full backup now, an incremental one at
+    // the second instant.
+    let archive = dir.join("archive");
+    let first = ringblk_backup(&api, &archive);
+    if first["point"]["kind"] != "full" {
+        problems.push(format!("the first `ringblk backup`: {first}"));
+    }
     let sock = backup_start(&api, &backups, "full.sock", Some("inc"));
     let first_map = dirty(&sock, "inc");
     let copy = dir.join("copy.raw");
@@ -215,6 +226,27 @@ fn a_backup_of_a_running_guest_is_the_instant_and_the_incremental_holds_every_ch
             "full + incremental differs from the disk at the second backup start at byte {at}"
         ));
     }
+    let second = ringblk_backup(&api, &archive);
+    if second["point"]["kind"] != "incremental" {
+        problems.push(format!("the second `ringblk backup`: {second}"));
+    }
+    for (n, reference) in [(1, &at_start), (2, &at_second)] {
+        let out = dir.join(format!("restored-{n}.raw"));
+        let st = Command::new(ringblk_testkit::ringblk_bin())
+            .args(["backup", "restore"])
+            .arg(&archive)
+            .args(["--upto", &n.to_string(), "--to"])
+            .arg(&out)
+            .status()
+            .unwrap();
+        if !st.success() {
+            problems.push(format!("ringblk backup restore --upto {n}: {st}"));
+        } else if let Some(at) = first_difference(&out, reference) {
+            problems.push(format!(
+                "`ringblk backup` point {n}, restored, differs from the disk at its instant at byte {at}"
+            ));
+        }
+    }
     qmp.run("inject-nmi", serde_json::json!({}));
 
     let timeout = guest_timeout();
@@ -245,4 +277,24 @@ fn a_backup_of_a_running_guest_is_the_instant_and_the_incremental_holds_every_ch
         read_log(&qemu_log),
         read_log(&daemon_log)
     );
+}
+
+/// `ringblk backup --api API --to DIR --json`, which must succeed: its
+/// summary.
+fn ringblk_backup(api: &Path, dir: &Path) -> serde_json::Value {
+    let out = Command::new(ringblk_testkit::ringblk_bin())
+        .arg("backup")
+        .arg("--api")
+        .arg(api)
+        .arg("--to")
+        .arg(dir)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "ringblk backup: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }

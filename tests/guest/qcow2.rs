@@ -17,7 +17,9 @@
 //! to raw, holds an ext4 file system that `e2fsck -f -n` finds clean once
 //! its journal is replayed (the snapshot is crash-consistent: what a crash
 //! at that instant would leave, which a mount would replay). The new top
-//! has no backing file, and its file system checks clean.
+//! has no backing file, and its file system checks clean; so does a
+//! `ringblk backup` of it (taken while the daemon serves it, verified and
+//! restored by `ringblk backup verify|restore`).
 
 use std::fs::{self, File};
 use std::path::Path;
@@ -86,6 +88,8 @@ fn a_guest_on_a_qcow2_overlay_survives_kills_and_a_live_snapshot() {
     overlay(&base, "raw", &top);
     let snaps = dir.join("snaps");
     fs::create_dir(&snaps).unwrap();
+    let backups = dir.join("backups");
+    fs::create_dir(&backups).unwrap();
     let socket = dir.join("vhost.sock");
     let api = dir.join("api.sock");
     let daemon_log = dir.join("daemon.log");
@@ -103,6 +107,8 @@ fn a_guest_on_a_qcow2_overlay_survives_kills_and_a_live_snapshot() {
         api.to_str().unwrap(),
         "--snapshot-dir",
         snaps.to_str().unwrap(),
+        "--backup-dir",
+        backups.to_str().unwrap(),
     ]
     .map(String::from)
     .to_vec();
@@ -229,6 +235,14 @@ fn a_guest_on_a_qcow2_overlay_survives_kills_and_a_live_snapshot() {
     if snapshot_taken && job["state"] != "completed" {
         problems.push(format!("the stream did not complete: {job}"));
     }
+    // `ringblk backup` of the disk the guest left (its file system
+    // unmounted), restored: e2fsck below finds it clean.
+    let archive = dir.join("archive");
+    let restored = dir.join("backup-restored.raw");
+    let backed_up = ctl_backup(&api, &archive, &restored);
+    if let Err(why) = &backed_up {
+        problems.push(why.clone());
+    }
     daemon.signal(libc::SIGTERM);
     match daemon.wait_for(Duration::from_secs(20)) {
         Some(s) if s.success() => {}
@@ -283,6 +297,14 @@ fn a_guest_on_a_qcow2_overlay_survives_kills_and_a_live_snapshot() {
         s1.to_str().unwrap(),
         streamed.to_str().unwrap(),
     ]);
+    let fsck = run_tool("e2fsck", &["-f", "-n", restored.to_str().unwrap()]);
+    assert!(
+        fsck.status.success(),
+        "e2fsck -f -n of the `ringblk backup` restored: {:?}\n{}{}",
+        fsck.status,
+        String::from_utf8_lossy(&fsck.stdout),
+        String::from_utf8_lossy(&fsck.stderr)
+    );
     let fsck = run_tool("e2fsck", &["-f", "-n", streamed.to_str().unwrap()]);
     assert!(
         fsck.status.success(),
@@ -319,4 +341,38 @@ fn a_guest_on_a_qcow2_overlay_survives_kills_and_a_live_snapshot() {
         String::from_utf8_lossy(&fsck.stdout),
         String::from_utf8_lossy(&fsck.stderr)
     );
+}
+
+/// `ringblk backup --api API --to DIR` (a full backup), then `backup
+/// verify` and `backup restore --to RESTORED`.
+fn ctl_backup(api: &Path, dir: &Path, restored: &Path) -> Result<(), String> {
+    let run = |args: &[&std::ffi::OsStr]| {
+        let out = Command::new(ringblk_bin())
+            .args(args)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "ringblk {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        }
+    };
+    run(&[
+        "backup".as_ref(),
+        "--api".as_ref(),
+        api.as_os_str(),
+        "--to".as_ref(),
+        dir.as_os_str(),
+    ])?;
+    run(&["backup".as_ref(), "verify".as_ref(), dir.as_os_str()])?;
+    run(&[
+        "backup".as_ref(),
+        "restore".as_ref(),
+        dir.as_os_str(),
+        "--to".as_ref(),
+        restored.as_os_str(),
+    ])
 }
