@@ -24,7 +24,8 @@ use super::proto::*;
 pub const MAX_READ: u32 = 4 << 20;
 /// Read requests in flight at most.
 pub const DEPTH: usize = 8;
-/// Descriptors taken from one block-status chunk.
+/// Block-status runs taken per context for one request (the server's
+/// chunks together).
 pub const MAX_DESCRIPTORS: usize = 1 << 16;
 /// How long one reply (or the handshake) may take.
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -49,9 +50,10 @@ fn bad<T>(why: impl Into<String>) -> Res<T> {
     Err(ClientError::Protocol(why.into()))
 }
 
-/// A connection in transmission.
-pub struct Client {
-    sock: UnixStream,
+/// A connection in transmission, over a Unix socket or (the fuzz target)
+/// any byte stream.
+pub struct Client<S: Read + Write = UnixStream> {
+    sock: S,
     size: u64,
     /// The ids of the contexts asked for, by name.
     contexts: HashMap<String, u32>,
@@ -70,6 +72,14 @@ impl Client {
         let sock = UnixStream::connect(socket)?;
         sock.set_read_timeout(Some(DEADLINE))?;
         sock.set_write_timeout(Some(DEADLINE))?;
+        Client::over(sock, contexts)
+    }
+}
+
+impl<S: Read + Write> Client<S> {
+    /// The handshake over `sock`, a stream to the server already open
+    /// (bounded in time by its owner): see [`Client::connect`].
+    pub fn over(sock: S, contexts: &[&str]) -> Res<Client<S>> {
         let mut c = Client {
             sock,
             size: 0,
@@ -280,7 +290,7 @@ impl Client {
     /// it ended its request.
     fn chunk<P>(
         &mut self,
-        take: impl FnOnce(&mut HashMap<u64, P>, u64, &mut Chunk<'_>, u32) -> Res<()>,
+        take: impl FnOnce(&mut HashMap<u64, P>, u64, &mut Chunk<'_, S>, u32) -> Res<()>,
         pending: &mut HashMap<u64, P>,
     ) -> Res<(u64, bool)> {
         let magic = self.u32()?;
@@ -348,7 +358,7 @@ impl Client {
     }
 }
 
-impl Drop for Client {
+impl<S: Read + Write> Drop for Client<S> {
     fn drop(&mut self) {
         // NBD_CMD_DISC: the server may close cleanly. Best effort.
         let _ = self.request(CMD_DISC, 0, 0, 0);
@@ -359,13 +369,13 @@ impl Drop for Client {
 const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
 
 /// One reply chunk whose payload is still on the socket.
-struct Chunk<'a> {
-    sock: &'a mut UnixStream,
+struct Chunk<'a, S> {
+    sock: &'a mut S,
     /// The structured reply's type, or `u16::MAX` for a simple reply.
     kind: u16,
 }
 
-impl Chunk<'_> {
+impl<S: Read> Chunk<'_, S> {
     fn u32(&mut self) -> Res<u32> {
         let mut b = [0u8; 4];
         self.sock.read_exact(&mut b)?;
@@ -430,6 +440,9 @@ impl Chunk<'_> {
             return bad(format!("block status for the context {id}, not selected"));
         }
         let runs = out.entry(id).or_default();
+        if runs.len() + ((len - 4) / 8) as usize > MAX_DESCRIPTORS {
+            return bad("more block-status runs for one request than a client takes");
+        }
         for _ in 0..(len - 4) / 8 {
             let n = self.u32()?;
             let flags = self.u32()?;

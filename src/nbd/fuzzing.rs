@@ -689,3 +689,64 @@ mod tests {
         }
     }
 }
+
+/// The logic of the `nbd_client` fuzz target (`fuzz/fuzz_targets/nbd_client.rs`):
+/// `data` is everything a server sends. The client's handshake, a block
+/// status and a read must each end in an answer or an error, never a
+/// panic, and what they hand back must be what was asked (a read's length,
+/// runs that are not empty). Returns what the session reached, for the
+/// corpus replay to check.
+pub fn client_one(data: &[u8]) -> Vec<&'static str> {
+    /// The server's bytes, from memory; what the client sends is dropped.
+    struct Replay<'a>(&'a [u8]);
+    impl Read for Replay<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let n = buf.len().min(self.0.len());
+            buf[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            Ok(n)
+        }
+    }
+    impl Write for Replay<'_> {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+    let bitmap = format!("{CONTEXT_BITMAP_PREFIX}b");
+    let contexts = [CONTEXT_ALLOCATION, bitmap.as_str()];
+    let mut reached = Vec::new();
+    let Ok(mut c) = super::client::Client::over(Replay(data), &contexts) else {
+        return reached;
+    };
+    reached.push("handshake");
+    let size = c.size();
+    if size == 0 {
+        return reached;
+    }
+    let asked = size.min(1 << 30) as u32;
+    if let Ok(status) = c.block_status(0, asked, &contexts) {
+        assert_eq!(status.len(), 2, "a status per context asked for");
+        assert!(
+            status
+                .iter()
+                .all(|runs| !runs.is_empty() && runs.iter().all(|r| r.0 > 0))
+        );
+        reached.push("block-status");
+    }
+    let len = size.min(64 << 10) as u32;
+    let read = c.read_ranges(&[(0, len)], |offset, d| {
+        assert_eq!(
+            (offset, d.len()),
+            (0, len as usize),
+            "a read is handed back whole"
+        );
+        Ok(())
+    });
+    if read.is_ok() {
+        reached.push("read");
+    }
+    reached
+}
