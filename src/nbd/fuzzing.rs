@@ -657,39 +657,6 @@ fn check_reply(
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A few thousand generated sessions: no broken promise, and between
-    /// them they reach transmission, reads, block status and errors.
-    #[test]
-    fn generated_sessions_keep_the_protocol() {
-        let mut all = BTreeSet::new();
-        let mut x = 0x1234_5678_9abc_def1u64;
-        for _ in 0..400 {
-            let data: Vec<u8> = (0..96)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    x as u8
-                })
-                .collect();
-            all.extend(session_one(&data));
-        }
-        for want in [
-            "read:data",
-            "block-status",
-            "end:disconnect",
-            "end:closed",
-            "corrupted",
-        ] {
-            assert!(all.contains(want), "never saw {want}: {all:?}");
-        }
-    }
-}
-
 /// The logic of the `nbd_client` fuzz target (`fuzz/fuzz_targets/nbd_client.rs`):
 /// `data` is everything a server sends. The client's handshake, a block
 /// status and a read must each end in an answer or an error, never a
@@ -749,4 +716,37 @@ pub fn client_one(data: &[u8]) -> Vec<&'static str> {
         reached.push("read");
     }
     reached
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A few thousand generated sessions: no broken promise, and between
+    /// them they reach transmission, reads, block status and errors.
+    #[test]
+    fn generated_sessions_keep_the_protocol() {
+        let mut all = BTreeSet::new();
+        let mut x = 0x1234_5678_9abc_def1u64;
+        for _ in 0..400 {
+            let data: Vec<u8> = (0..96)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            all.extend(session_one(&data));
+        }
+        for want in [
+            "read:data",
+            "block-status",
+            "end:disconnect",
+            "end:closed",
+            "corrupted",
+        ] {
+            assert!(all.contains(want), "never saw {want}: {all:?}");
+        }
+    }
 }
