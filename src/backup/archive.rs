@@ -469,22 +469,46 @@ pub fn take(t: &Take<'_>, manifest: &Manifest, progress: &mut dyn FnMut(u64, u64
         let mut copied = 0;
         let incremental = prev.is_some();
         client.read_ranges(&ranges, |offset, data| {
-            for (i, chunk) in data.chunks(CHUNK as usize).enumerate() {
-                let at = offset + i as u64 * CHUNK;
-                sums.set((at / CHUNK) as usize, chunk);
-                let zero = chunk.iter().all(|&b| b == 0);
-                let written = match (zero, incremental) {
-                    // Nothing to write: a new image reads as zeroes.
-                    (true, false) => Ok(()),
-                    // The older backup's data must not show through.
-                    (true, true) => writer::write_zeroes(&*image, at, chunk.len() as u64, false),
-                    (false, _) => writer::write(&*image, at, chunk, false),
-                };
-                written.map_err(|e| {
-                    ClientError::Refused(format!("writing {}: {e}", partial.display()))
-                })?;
-                if !zero || incremental {
-                    copied += chunk.len() as u64;
+            // Runs of chunks of one kind (data, or zeroes), each written
+            // with one call: an allocating write's metadata is committed
+            // (after an fdatasync of its data) once per call.
+            let mut run: Option<(bool, usize)> = None;
+            let n = data.len().div_ceil(CHUNK as usize);
+            for i in 0..=n {
+                let chunk = (i < n).then(|| {
+                    let start = i * CHUNK as usize;
+                    &data[start..(start + CHUNK as usize).min(data.len())]
+                });
+                let zero = chunk.map(|c| c.iter().all(|&b| b == 0));
+                if let Some(c) = chunk {
+                    sums.set(((offset / CHUNK) as usize) + i, c);
+                }
+                if let Some((kind, first)) = run
+                    && zero != Some(kind)
+                {
+                    let start = first * CHUNK as usize;
+                    let end = (i * CHUNK as usize).min(data.len());
+                    let at = offset + start as u64;
+                    let piece = &data[start..end];
+                    let written = match (kind, incremental) {
+                        // Nothing to write: a new image reads as zeroes.
+                        (true, false) => Ok(()),
+                        // The older backup's data must not show through.
+                        (true, true) => {
+                            writer::write_zeroes(&*image, at, piece.len() as u64, false)
+                        }
+                        (false, _) => writer::write(&*image, at, piece, false),
+                    };
+                    written.map_err(|e| {
+                        ClientError::Refused(format!("writing {}: {e}", partial.display()))
+                    })?;
+                    if !kind || incremental {
+                        copied += piece.len() as u64;
+                    }
+                    run = None;
+                }
+                if let (None, Some(z)) = (run, zero) {
+                    run = Some((z, i));
                 }
             }
             done += data.len() as u64;
@@ -918,4 +942,68 @@ pub fn describe(manifest: &Manifest) -> String {
 /// The directory's path made absolute, for the files it names.
 pub fn absolute(dir: &Path) -> Res<PathBuf> {
     fs::canonicalize(dir).map_err(io_err(dir))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_widen_to_chunks_merge_and_split_into_reads() {
+        let size = 20 * READ + 100;
+        // Two granules in one chunk, one in the next: one read.
+        assert_eq!(
+            chunked(&[(4096, 4096), (CHUNK - 512, 1024)], size),
+            [(0, 2 * CHUNK as u32)]
+        );
+        // A run longer than a read is cut; the disk's end is the end.
+        let got = chunked(&[(1, 2 * READ)], size);
+        assert_eq!(
+            got,
+            [
+                (0, READ as u32),
+                (READ, READ as u32),
+                (2 * READ, CHUNK as u32)
+            ]
+        );
+        assert_eq!(chunked(&[(size - 10, 10)], size), [(size - 100, 100)]);
+    }
+
+    #[test]
+    fn the_sums_of_zeroes_are_those_of_zero_chunks() {
+        let size = 3 * CHUNK + 512;
+        let mut sums = Sums::zeroes(size);
+        let zero = sums.root();
+        sums.set(3, &[0u8; 512]);
+        assert_eq!(sums.root(), zero, "the short last chunk");
+        sums.set(1, &[1u8; CHUNK as usize]);
+        assert_ne!(sums.root(), zero);
+        sums.set(1, &[0u8; CHUNK as usize]);
+        assert_eq!(sums.root(), zero);
+    }
+
+    #[test]
+    fn a_manifest_naming_a_path_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut m = Manifest {
+            ringblk_backups: VERSION,
+            points: Vec::new(),
+        };
+        m.points.push(Point {
+            n: 1,
+            file: "../../etc/passwd".into(),
+            kind: Kind::Full,
+            at: 0,
+            bitmap: None,
+            size: 0,
+            granularity: 0,
+            copied: 0,
+            sums: "0001-full.sums".into(),
+            sha256: String::new(),
+            file_sha256: String::new(),
+        });
+        m.save(dir.path()).unwrap();
+        let err = Manifest::load(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("not a file in the directory"), "{err}");
+    }
 }
