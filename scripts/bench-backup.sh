@@ -14,7 +14,7 @@
 #    in each 6.4 MiB of the disk (`ringblk bench --distinct`), then
 #    `ringblk backup`: its time against the full one's.
 # 3. The guest's 4k randwrite IOPS and p99 (QD16, one queue, `ringblk
-#    bench --socket`) alone, then while a full backup runs.
+#    bench --socket`) alone, while a full backup runs, and alone again.
 #
 # Prints one line per figure. Needs the release build and nbdcopy:
 #   cargo build --release -p ringblk -p ringblk-bench; scripts/nbd-tools.sh
@@ -40,7 +40,7 @@ mbps() { echo "scale=0; $1 / 1048576 * 1000 / $2" | bc; }
 rm -rf backups out copies vhost.sock api.sock
 mkdir -p backups copies
 # Data in every byte: an 8-byte pattern, so that nothing reads as zeroes.
-yes ringblk | head -c "$bytes" >disk.img
+{ yes ringblk || true; } | head -c "$bytes" >disk.img
 sync
 "$bin" serve --image disk.img --socket vhost.sock --api api.sock --backup-dir backups 2>daemon.log &
 daemon=$!
@@ -60,6 +60,7 @@ nbdcopy "$uri" copies/nbdcopy.raw
 sync
 t1=$(ms)
 echo "nbdcopy of the same export into a raw file: $((t1 - t0)) ms, $(mbps "$bytes" $((t1 - t0))) MiB/s"
+rm -f copies/nbdcopy.raw
 t0=$(ms)
 qemu-img convert -O qcow2 "$uri" copies/convert.qcow2
 sync
@@ -89,4 +90,6 @@ backup=$!
 sleep 0.5
 read -r during during_p99 <<<"$(iops 3s)"
 wait "$backup"
-echo "guest 4k randwrite QD16: $alone IOPS (p99 $alone_p99 us) alone, $during IOPS (p99 $during_p99 us) during a full backup ($(echo "scale=2; $during / $alone" | bc)x)"
+# Alone again, after: an order effect shows as a difference of the two.
+read -r after after_p99 <<<"$(iops 3s)"
+echo "guest 4k randwrite QD16: $alone IOPS (p99 $alone_p99 us) alone, $during IOPS (p99 $during_p99 us) during a full backup, $after IOPS (p99 $after_p99 us) alone after it ($(echo "scale=2; 2 * $during / ($alone + $after)" | bc)x the mean of the two)"
