@@ -683,11 +683,7 @@ impl Live {
                 "no layer {index} in the chain"
             )));
         };
-        let in_dir = self.snapshots.as_ref().and_then(|dir| {
-            let name = path.file_name()?.to_str()?;
-            (path.parent() == Some(dir.path.as_path())).then_some((dir, name))
-        });
-        let opened = match (in_dir, &self.named) {
+        let opened = match (self.in_snapshot_dir(path), &self.named) {
             (Some((dir, name)), _) => dir.open_at(name, libc::O_RDWR),
             (None, Some(named)) if &named.path == path => named.file.try_clone(),
             _ => {
@@ -703,6 +699,14 @@ impl Live {
             path: path.display().to_string(),
             source,
         })
+    }
+
+    /// `path`'s file name, if it is a file of the snapshot directory (which
+    /// the daemon may open by name after start-up), with the directory.
+    fn in_snapshot_dir<'a>(&'a self, path: &'a Path) -> Option<(&'a SnapshotDir, &'a str)> {
+        let dir = self.snapshots.as_ref()?;
+        let name = path.file_name()?.to_str()?;
+        (path.parent() == Some(dir.path.as_path())).then_some((dir, name))
     }
 
     /// Checks that a commit of a deeper layer may rewrite the backing file
@@ -759,11 +763,7 @@ impl Live {
         if !self.direct {
             return file.try_clone().map_err(create);
         }
-        let in_dir = self.snapshots.as_ref().and_then(|dir| {
-            let name = path.file_name()?.to_str()?;
-            (path.parent() == Some(dir.path.as_path())).then_some((dir, name))
-        });
-        match (in_dir, &self.named) {
+        match (self.in_snapshot_dir(path), &self.named) {
             (Some((dir, name)), _) => dir
                 .open_at(name, libc::O_RDWR | libc::O_DIRECT)
                 .map_err(create),

@@ -340,22 +340,23 @@ impl<S: Read + Write> Client<S> {
     }
 
     fn u16(&mut self) -> Res<u16> {
-        let mut b = [0u8; 2];
-        self.sock.read_exact(&mut b)?;
-        Ok(u16::from_be_bytes(b))
+        Ok(u16::from_be_bytes(take(&mut self.sock)?))
     }
 
     fn u32(&mut self) -> Res<u32> {
-        let mut b = [0u8; 4];
-        self.sock.read_exact(&mut b)?;
-        Ok(u32::from_be_bytes(b))
+        Ok(u32::from_be_bytes(take(&mut self.sock)?))
     }
 
     fn u64(&mut self) -> Res<u64> {
-        let mut b = [0u8; 8];
-        self.sock.read_exact(&mut b)?;
-        Ok(u64::from_be_bytes(b))
+        Ok(u64::from_be_bytes(take(&mut self.sock)?))
     }
+}
+
+/// The next `N` bytes of `r`.
+fn take<const N: usize>(r: &mut impl Read) -> Res<[u8; N]> {
+    let mut b = [0u8; N];
+    r.read_exact(&mut b)?;
+    Ok(b)
 }
 
 impl<S: Read + Write> Drop for Client<S> {
@@ -377,15 +378,11 @@ struct Chunk<'a, S> {
 
 impl<S: Read> Chunk<'_, S> {
     fn u32(&mut self) -> Res<u32> {
-        let mut b = [0u8; 4];
-        self.sock.read_exact(&mut b)?;
-        Ok(u32::from_be_bytes(b))
+        Ok(u32::from_be_bytes(take(self.sock)?))
     }
 
     fn u64(&mut self) -> Res<u64> {
-        let mut b = [0u8; 8];
-        self.sock.read_exact(&mut b)?;
-        Ok(u64::from_be_bytes(b))
+        Ok(u64::from_be_bytes(take(self.sock)?))
     }
 
     /// A read's chunk into `buf`, the request's buffer (from `offset`).

@@ -29,18 +29,17 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use imago::FormatAccess;
 use imago::ShallowMapping;
 use imago::format::drivers::FormatDriverInstance;
 
-use super::map_cache::MapCache;
 use super::stream::{Step, Walked, open_writable};
 use super::{
-    FormatError, Layer, OpenOptions, Qcow2Image, QemuBitmaps, bitmaps, check_l1_covers, lock,
-    open_err,
+    FormatError, Layer, OpenOptions, Parts, Qcow2Image, QemuBitmaps, bitmaps, check_l1_covers,
+    lock, open_err,
 };
 use crate::disk::Mapper;
 
@@ -90,34 +89,29 @@ impl Qcow2Image {
         q.set_backing(self.layers.get(base + 1).cloned());
         let top: Layer = Arc::new(FormatAccess::new(q));
         let size = top.size();
-        Ok(Qcow2Image {
-            top: Arc::clone(&top),
-            files: vec![state],
-            layers: vec![top],
-            writable: true,
-            size: AtomicU64::new(size),
-            cluster_bits,
-            granule_bits: cluster_bits,
-            v3: true,
-            cache: MapCache::new(options.map_cache_entries),
-            meta: Mutex::new(()),
-            dirty: AtomicU64::new(0),
-            committed: AtomicU64::new(0),
-            commit_lock: Mutex::new(()),
-            uncommitted: Mutex::new(Vec::new()),
-            l2log: None,
-            // An active commit's base takes the device's bitmaps at the
-            // pivot (written over the directory it has, if any).
-            qemu: active.then(|| {
-                Mutex::new(QemuBitmaps {
+        Ok(Qcow2Image::from_parts(
+            Parts {
+                top: Arc::clone(&top),
+                files: vec![state],
+                layers: vec![top],
+                writable: true,
+                size,
+                cluster_bits,
+                granule_bits: cluster_bits,
+                v3: true,
+                l2log: None,
+                // An active commit's base takes the device's bitmaps at the
+                // pivot (written over the directory it has, if any).
+                qemu: active.then_some(QemuBitmaps {
                     dir: found,
                     loaded: None,
                     staged: None,
                     at_snapshot: None,
                     marked: true,
-                })
-            }),
-        })
+                }),
+            },
+            options,
+        ))
     }
 
     /// Copies down into `into` (the base's handle, [`Qcow2Image::open_base`],
@@ -293,15 +287,7 @@ impl Qcow2Image {
                 self.files.len()
             )));
         }
-        {
-            let _group = lock(&self.commit_lock);
-            let _meta = lock(&self.meta);
-            self.commit_locked()?;
-            self.files[0]
-                .sync_now()
-                .map_err(FormatError::io("fdatasync"))?;
-            self.files[0].freeze();
-        }
+        self.freeze_top()?;
         let state = &into.files[0];
         let undo = |e: FormatError| {
             self.files[0].thaw();
@@ -329,27 +315,20 @@ impl Qcow2Image {
         }
         let mut layers = vec![Arc::clone(&into.top)];
         layers.extend(self.layers.iter().skip(base + 1).cloned());
-        let qemu = into.qemu.as_ref().map(|m| {
-            let mut held = lock(m);
-            Mutex::new(std::mem::replace(&mut *held, QemuBitmaps::none()))
-        });
-        Ok(Qcow2Image {
-            top: Arc::clone(&into.top),
-            files,
-            layers,
-            writable: true,
-            size: AtomicU64::new(self.size()),
-            cluster_bits: into.cluster_bits,
-            granule_bits: self.granule_bits.min(into.cluster_bits),
-            v3: into.v3,
-            cache: MapCache::new(options.map_cache_entries),
-            meta: Mutex::new(()),
-            dirty: AtomicU64::new(0),
-            committed: AtomicU64::new(0),
-            commit_lock: Mutex::new(()),
-            uncommitted: Mutex::new(Vec::new()),
-            l2log: self.l2log.clone(),
-            qemu,
-        })
+        Ok(Qcow2Image::from_parts(
+            Parts {
+                top: Arc::clone(&into.top),
+                files,
+                layers,
+                writable: true,
+                size: self.size(),
+                cluster_bits: into.cluster_bits,
+                granule_bits: self.granule_bits.min(into.cluster_bits),
+                v3: into.v3,
+                l2log: self.l2log.clone(),
+                qemu: into.take_qemu(),
+            },
+            options,
+        ))
     }
 }

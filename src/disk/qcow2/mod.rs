@@ -146,6 +146,67 @@ pub struct Qcow2Image {
     qemu: Option<Mutex<QemuBitmaps>>,
 }
 
+/// What differs between the ways a [`Qcow2Image`] is made (an open, a
+/// snapshot's overlay, a stream's switch, a commit's base, a pivot); its
+/// cache, locks and counters start empty ([`Qcow2Image::from_parts`]).
+struct Parts {
+    top: Layer,
+    files: Vec<Arc<FileState>>,
+    layers: Vec<Layer>,
+    writable: bool,
+    size: u64,
+    cluster_bits: u32,
+    granule_bits: u32,
+    v3: bool,
+    l2log: Option<Arc<L2Log>>,
+    qemu: Option<QemuBitmaps>,
+}
+
+impl Qcow2Image {
+    /// An image of `p`, its map cache sized as `options` say.
+    fn from_parts(p: Parts, options: &OpenOptions) -> Qcow2Image {
+        Qcow2Image {
+            top: p.top,
+            files: p.files,
+            layers: p.layers,
+            writable: p.writable,
+            size: AtomicU64::new(p.size),
+            cluster_bits: p.cluster_bits,
+            granule_bits: p.granule_bits,
+            v3: p.v3,
+            cache: MapCache::new(options.map_cache_entries),
+            meta: Mutex::new(()),
+            dirty: AtomicU64::new(0),
+            committed: AtomicU64::new(0),
+            commit_lock: Mutex::new(()),
+            uncommitted: Mutex::new(Vec::new()),
+            l2log: p.l2log,
+            qemu: p.qemu.map(Mutex::new),
+        }
+    }
+
+    /// The top's metadata committed and synced, then the top frozen:
+    /// written no more (a snapshot's old top, a pivot's).
+    fn freeze_top(&self) -> Result<(), FormatError> {
+        let _group = lock(&self.commit_lock);
+        let _meta = lock(&self.meta);
+        self.commit_locked()?;
+        self.files[0]
+            .sync_now()
+            .map_err(FormatError::io("fdatasync"))?;
+        self.files[0].freeze();
+        Ok(())
+    }
+
+    /// This image's QEMU bitmaps, taken for the image that replaces it
+    /// (nothing is left here to write).
+    fn take_qemu(&self) -> Option<QemuBitmaps> {
+        self.qemu
+            .as_ref()
+            .map(|m| std::mem::replace(&mut *lock(m), QemuBitmaps::none()))
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -265,24 +326,21 @@ impl Qcow2Image {
         if layers.len() != chain.files.len() {
             return Err(open_err(path, "the chain's layers do not match its files"));
         }
-        Ok(Qcow2Image {
-            top,
-            files: chain.files,
-            layers,
-            writable: options.writable,
-            size: AtomicU64::new(size),
-            cluster_bits,
-            granule_bits: chain.min_cluster_bits,
-            v3: version >= 3,
-            cache: MapCache::new(options.map_cache_entries),
-            meta: Mutex::new(()),
-            dirty: AtomicU64::new(0),
-            committed: AtomicU64::new(0),
-            commit_lock: Mutex::new(()),
-            uncommitted: Mutex::new(Vec::new()),
-            l2log,
-            qemu: chain.qemu.map(Mutex::new),
-        })
+        Ok(Qcow2Image::from_parts(
+            Parts {
+                top,
+                files: chain.files,
+                layers,
+                writable: options.writable,
+                size,
+                cluster_bits,
+                granule_bits: chain.min_cluster_bits,
+                v3: version >= 3,
+                l2log,
+                qemu: chain.qemu,
+            },
+            options,
+        ))
     }
 
     /// Whether the top keeps QEMU's persistent bitmaps: it is served
@@ -983,15 +1041,7 @@ impl Qcow2Image {
                 self.files.len()
             )));
         }
-        {
-            let _group = lock(&self.commit_lock);
-            let _meta = lock(&self.meta);
-            self.commit_locked()?;
-            self.files[0]
-                .sync_now()
-                .map_err(FormatError::io("fdatasync"))?;
-            self.files[0].freeze();
-        }
+        self.freeze_top()?;
         let made = self.make_overlay(file, path, backing_name, options, record);
         if let (Ok(_), Some(bitmaps)) = (&made, at_snapshot) {
             // Frozen: imago writes nothing more here, and its caches of
@@ -1072,34 +1122,31 @@ impl Qcow2Image {
         let mut layers = vec![Arc::clone(&top)];
         layers.extend(self.layers.iter().cloned());
         let size = top.size();
-        Ok(Qcow2Image {
-            top,
-            files,
-            layers,
-            writable: true,
-            size: AtomicU64::new(size),
-            cluster_bits: self.cluster_bits,
-            granule_bits: self.granule_bits,
-            v3: true,
-            cache: MapCache::new(options.map_cache_entries),
-            meta: Mutex::new(()),
-            dirty: AtomicU64::new(0),
-            committed: AtomicU64::new(0),
-            commit_lock: Mutex::new(()),
-            uncommitted: Mutex::new(Vec::new()),
-            l2log: self.l2log.clone(),
-            // A new overlay has no bitmaps: the device writes its set
-            // into it once the snapshot is over, and the bits at the next
-            // release (the old top's were written back above, as they
-            // were at the snapshot).
-            qemu: Some(Mutex::new(QemuBitmaps {
-                dir: None,
-                loaded: None,
-                staged: None,
-                at_snapshot: None,
-                marked: true,
-            })),
-        })
+        Ok(Qcow2Image::from_parts(
+            Parts {
+                top,
+                files,
+                layers,
+                writable: true,
+                size,
+                cluster_bits: self.cluster_bits,
+                granule_bits: self.granule_bits,
+                v3: true,
+                l2log: self.l2log.clone(),
+                // A new overlay has no bitmaps: the device writes its set
+                // into it once the snapshot is over, and the bits at the
+                // next release (the old top's were written back above, as
+                // they were at the snapshot).
+                qemu: Some(QemuBitmaps {
+                    dir: None,
+                    loaded: None,
+                    staged: None,
+                    at_snapshot: None,
+                    marked: true,
+                }),
+            },
+            options,
+        ))
     }
 
     /// Zeroes the whole clusters `[first, last)` (see `write_zeroes`),

@@ -31,17 +31,16 @@
 
 use std::io;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use imago::format::Format as ImagoFormat;
 use imago::format::drivers::FormatDriverInstance;
 use imago::qcow2::Qcow2;
 use imago::{FormatAccess, ShallowMapping};
 
-use super::map_cache::MapCache;
 use super::{
-    ChainFile, FileState, FormatError, Layer, OpenOptions, Qcow2Image, QemuBitmaps, bitmaps,
+    ChainFile, FileState, FormatError, Layer, OpenOptions, Parts, Qcow2Image, bitmaps,
     check_l1_covers, lock, open_err,
 };
 use crate::disk::Mapper;
@@ -363,29 +362,22 @@ impl Qcow2Image {
             files.push(Arc::clone(f));
         }
         layers.extend(self.layers.iter().skip(base + 1).cloned());
-        // The top's bitmaps stay where they are, in the same file.
-        let qemu = self.qemu.as_ref().map(|m| {
-            let mut held = lock(m);
-            Mutex::new(std::mem::replace(&mut *held, QemuBitmaps::none()))
-        });
-        Ok(Qcow2Image {
-            top: new_top,
-            files,
-            layers,
-            writable: true,
-            size: AtomicU64::new(self.size()),
-            cluster_bits: self.cluster_bits,
-            granule_bits: self.granule_bits,
-            v3: self.v3,
-            cache: MapCache::new(options.map_cache_entries),
-            meta: Mutex::new(()),
-            dirty: AtomicU64::new(0),
-            committed: AtomicU64::new(0),
-            commit_lock: Mutex::new(()),
-            uncommitted: Mutex::new(Vec::new()),
-            l2log: self.l2log.clone(),
-            qemu,
-        })
+        Ok(Qcow2Image::from_parts(
+            Parts {
+                top: new_top,
+                files,
+                layers,
+                writable: true,
+                size: self.size(),
+                cluster_bits: self.cluster_bits,
+                granule_bits: self.granule_bits,
+                v3: self.v3,
+                l2log: self.l2log.clone(),
+                // The top's bitmaps stay where they are, in the same file.
+                qemu: self.take_qemu(),
+            },
+            options,
+        ))
     }
 }
 
