@@ -1,9 +1,14 @@
 //! Block jobs: work on the image's chain that runs beside the guest, one
 //! at a time per device. A stream ([`Live::stream_step`]) copies
 //! the data of the layers between the top and a base up into the top; a
-//! commit ([`Live::commit_step`]) copies the layer right below
-//! the top (and those down to a base) down into the base; either then
-//! drops those layers from the chain.
+//! commit ([`Live::commit_step`]) copies a layer below the top (and those
+//! down to a base) down into the base; either then drops those layers
+//! from the chain ([`Live::rebase`]). An active commit copies the top
+//! itself into the base while its own dirty bitmap (marked as the
+//! device's bitmaps are, `super::tracking`) follows the guest's writes,
+//! copies what they changed again, pass after pass, until a pass leaves
+//! at most [`CONVERGED`] bytes, then copies those with the queues
+//! quiesced and pivots: the base becomes the top ([`Live::pivot`]).
 //!
 //! A job runs on a thread of its own and holds the image (its lock, its
 //! bitmaps) until it ends, also with no front-end connected. It copies one
@@ -16,8 +21,9 @@
 //!
 //! After a kill -9 or a power loss during a job the chain on disk is the
 //! old one (what was copied reads the same through it) or, once the
-//! switch's header write is durable, the new one; either serves correctly
-//! after a restart. The job's record in the snapshot directory
+//! switch's header write (an active commit's: the removal of a snapshot
+//! record) is durable, the new one; either serves correctly after a
+//! restart. The job's record in the snapshot directory
 //! ([`crate::disk::records::JOB_RECORD`]) then has the restarted daemon
 //! show it as interrupted (or completed); started again, it skips what
 //! was copied.

@@ -1,31 +1,37 @@
-//! Commit: the data of a read-only layer of the chain (and of the layers
-//! between it and a base) copied down into the base, then the layer above
-//! it pointed at the base, so that the committed layers drop out of the
-//! chain while the guest runs (QEMU's `block-commit` of an intermediate
-//! layer).
+//! Commit: the data of a layer of the chain (and of the layers between it
+//! and a base) copied down into the base, then the layer above it pointed
+//! at the base, so that the committed layers drop out of the chain while
+//! the guest runs (QEMU's `block-commit`); or, for the top itself, an
+//! active commit that ends in a pivot to the base.
 //!
-//! Today the committed layer is the one right below the top (so the layer
-//! above it is the top, whose header the switch rewrites as a stream's
-//! does: [`super::stream`]), and the base is an overlay the daemon made
-//! (in its snapshot directory, where it may open files for writing after
-//! start-up) or the image `--image` names (open for writing since
-//! start-up): [`crate::disk::Live::open_base`].
+//! The base is an overlay the daemon made (in its snapshot directory,
+//! where it may open files for writing after start-up) or the image
+//! `--image` names (open for writing since start-up):
+//! [`crate::disk::Live::open_base`].
 //!
-//! **Copying** ([`Qcow2Image::commit_step`]) needs none of the served
-//! image's locks: no request writes the layers it reads (they are below
-//! the top), nor the base (below them); a guest read that reaches the
-//! base does so only where no layer above it has data, which is where the
-//! copy writes nothing. It writes through a handle of the base of its own
-//! ([`Qcow2Image::open_base`]), one whole cluster of the base at a time
-//! (what the committed layer shows of it, read through the chain below it
-//! and decrypted per layer, encrypted for the base), its data durable
-//! before any table points to it, each stretch committed before the next.
-//! A crash leaves the base with clusters that read as they did through
-//! the layer above (which still hides them): nothing the guest reads
-//! changes.
+//! **Copying** ([`Qcow2Image::commit_extents`]) writes through a handle of
+//! the base of its own ([`Qcow2Image::open_base`]), one whole cluster of
+//! the base at a time (what the committed layer shows of it, read through
+//! the chain below it and decrypted per layer, encrypted for the base),
+//! its data durable before any table points to it, each call committed
+//! and synced before the next. A crash leaves the base with clusters that
+//! read as they did through the layer above (which still hides them):
+//! nothing the guest reads changes. A read-only layer's copy needs none of
+//! the served image's locks: no request writes the layers it reads, nor
+//! the base; a guest read that reaches the base does so only where no
+//! layer above it has data, which is where the copy writes nothing. The
+//! active layer's tables are read under its metadata lock, and a guest
+//! write that lands after a cluster was read is the caller's to copy again
+//! (`crate::device::job`: its dirty bitmap has it).
 //!
-//! **The switch** is a stream's ([`Qcow2Image::rebase`]), with the base's
-//! new handle (whose tables know the copied clusters) in the chain.
+//! **The switch** of a read-only layer's commit is a stream's
+//! ([`Qcow2Image::rebase`]): the header of the layer above the committed
+//! one (the top, or a read-only layer rewritten through a descriptor of
+//! its own) names the base, and the base's new handle (whose tables know
+//! the copied clusters) takes its place in the chain. **The pivot** of an
+//! active commit ([`Qcow2Image::pivot`]) freezes the top and makes the
+//! base's handle the top; the caller's switch on disk is the removal of a
+//! snapshot record (`crate::disk::Live::pivot`).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
