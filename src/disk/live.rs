@@ -710,7 +710,7 @@ impl Live {
     }
 
     /// Checks that a commit of a deeper layer may rewrite the backing file
-    /// of layer `above` (see [`Live::open_rw`]), before it copies anything.
+    /// of layer `above` (see `Live::open_rw`), before it copies anything.
     pub fn check_writable(&self, above: usize) -> Result<(), SnapshotError> {
         self.open_rw(&self.chain(), above).map(drop)
     }
@@ -836,7 +836,7 @@ impl Live {
     /// the guest's requests out (and has copied the last of its writes);
     /// the pause here then waits for nothing. The switch on disk is the
     /// removal of the snapshot record that made the layer above the base
-    /// its overlay ([`Live::superseding`]): before it is durable a restart
+    /// its overlay (`Live::superseding`): before it is durable a restart
     /// serves the old top (the base's new clusters hidden under it), after
     /// it the base. Returns the new chain, top first.
     pub fn pivot(
