@@ -364,12 +364,12 @@ fn end_stale_backup(api: &Api) -> Result<(), Failure> {
         .and_then(|n| n.strip_prefix(SOCKET_PREFIX))
         .and_then(|n| n.strip_suffix(".sock"))
         .and_then(|n| n.parse::<i32>().ok());
-    // SAFETY: kill(2) takes no pointers; signal 0 sends nothing and asks
-    // whether the process exists (EPERM: it does, as another user's).
-    let alive = pid.is_some_and(|p| {
-        p > 0
-            && (unsafe { libc::kill(p, 0) } == 0
-                || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+    // Signal 0 sends nothing and asks whether the process exists (EPERM:
+    // it does, as another user's).
+    let alive = pid.filter(|&p| p > 0).is_some_and(|p| {
+        // SAFETY: kill(2) takes no pointers.
+        let sent = unsafe { libc::kill(p, 0) };
+        sent == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
     });
     match pid {
         Some(_) if !alive => {
