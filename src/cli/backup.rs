@@ -148,53 +148,62 @@ impl Api {
     }
 }
 
-/// Progress on standard error: a bar on a terminal, else a line per 10%.
+/// Progress on standard error: on a terminal, one line rewritten in
+/// place (at most five times a second); else a line per 10%. (Not
+/// indicatif's bar: the daemon's binary does not link the benchmark
+/// client's stack, scripts/test.sh "daemon dependencies".)
 struct Progress {
-    bar: Option<indicatif::ProgressBar>,
+    terminal: bool,
+    started: Instant,
+    shown: Option<Instant>,
     last_tenth: u64,
     what: &'static str,
 }
 
 impl Progress {
     fn new(what: &'static str) -> Progress {
-        let bar = std::io::stderr().is_terminal().then(|| {
-            let b = indicatif::ProgressBar::new(0);
-            b.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-                )
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            b.set_message(what);
-            b
-        });
         Progress {
-            bar,
+            terminal: std::io::stderr().is_terminal(),
+            started: Instant::now(),
+            shown: None,
             last_tenth: 0,
             what,
         }
     }
 
     fn update(&mut self, done: u64, total: u64) {
-        match &self.bar {
-            Some(b) => {
-                b.set_length(total);
-                b.set_position(done);
+        if total == 0 {
+            return;
+        }
+        if self.terminal {
+            if self
+                .shown
+                .is_some_and(|t| t.elapsed().as_millis() < 200 && done < total)
+            {
+                return;
             }
-            None if total > 0 => {
-                let tenth = done * 10 / total;
-                if tenth > self.last_tenth {
-                    self.last_tenth = tenth;
-                    eprintln!("{}: {}% ({done} of {total} bytes)", self.what, tenth * 10);
-                }
-            }
-            None => {}
+            self.shown = Some(Instant::now());
+            let secs = self.started.elapsed().as_secs_f64().max(1e-3);
+            eprint!(
+                "\r{}: {:>3}% {} of {}, {}/s   ",
+                self.what,
+                done * 100 / total,
+                human(done),
+                human(total),
+                human((done as f64 / secs) as u64)
+            );
+            return;
+        }
+        let tenth = done * 10 / total;
+        if tenth > self.last_tenth {
+            self.last_tenth = tenth;
+            eprintln!("{}: {}% ({done} of {total} bytes)", self.what, tenth * 10);
         }
     }
 
     fn done(&self) {
-        if let Some(b) = &self.bar {
-            b.finish_and_clear();
+        if self.terminal && self.shown.is_some() {
+            eprintln!();
         }
     }
 }
