@@ -158,6 +158,8 @@ fn the_package_installs_serves_and_uninstalls() {
         "/usr/share/man/man1/ringblk.1.gz",
         "/usr/share/man/man1/ringblk-serve.1.gz",
         "/usr/share/man/man1/ringblk-ctl.1.gz",
+        "/usr/share/man/man1/ringblk-backup.1.gz",
+        "/usr/share/man/man1/ringblk-backup-restore.1.gz",
         "/usr/share/bash-completion/completions/ringblk",
         "/usr/share/zsh/vendor-completions/_ringblk",
         "/usr/share/fish/vendor_completions.d/ringblk.fish",
@@ -180,6 +182,13 @@ fn the_package_installs_serves_and_uninstalls() {
     assert!(bench.contains("\\-\\-compare"), "ringblk-bench.1:\n{bench}");
     let bash = fs::read_to_string("/usr/share/bash-completion/completions/ringblk").unwrap();
     assert!(bash.contains("--queue-size"), "bash completion");
+    // `man ringblk-backup` says what its flags do.
+    let backup = run_ok(
+        "sh",
+        &["-c", "zcat /usr/share/man/man1/ringblk-backup.1.gz"],
+    );
+    assert!(backup.contains("\\-\\-full"), "ringblk-backup.1:\n{backup}");
+    assert!(bash.contains("prune"), "bash completion of backup prune");
     // The dedicated user, and the directories it owns.
     let (uid, gid) = uid_gid("ringblk");
     for (dir, mode) in [("/var/lib/ringblk", 0o750), ("/run/ringblk", 0o750)] {
