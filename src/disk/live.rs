@@ -596,6 +596,13 @@ impl Live {
                 return Err(e.into());
             }
         };
+        Ok(self.install(old, image, io_files))
+    }
+
+    /// Makes `image` (on `io_files`) the chain requests are mapped against,
+    /// in place of `old`, and bumps the generation: each queue takes it at
+    /// its next request. Returns its chain, top first. Called paused.
+    fn install(&self, old: &Served, image: Box<dyn Image>, io_files: Vec<File>) -> Vec<PathBuf> {
         let generation = old.generation + 1;
         let chain = image.chain();
         *lock(&self.current) = Arc::new(Served {
@@ -604,7 +611,7 @@ impl Live {
             generation,
         });
         self.generation.store(generation, Ordering::Release);
-        Ok(chain)
+        chain
     }
 
     /// The switch of a stream ([`super::qcow2::stream`]): with every
@@ -657,17 +664,7 @@ impl Live {
             )
             .map_err(SnapshotError::from)
         });
-        let made = made.map(|image| {
-            let generation = old.generation + 1;
-            let chain = image.chain();
-            *lock(&self.current) = Arc::new(Served {
-                image: Box::new(image),
-                io_files,
-                generation,
-            });
-            self.generation.store(generation, Ordering::Release);
-            chain
-        });
+        let made = made.map(|image| self.install(&old, Box::new(image), io_files));
         self.resume();
         made
     }
@@ -886,17 +883,7 @@ impl Live {
                     SnapshotError::from(e)
                 })
         });
-        let made = made.map(|image| {
-            let generation = old.generation + 1;
-            let chain = image.chain();
-            *lock(&self.current) = Arc::new(Served {
-                image: Box::new(image),
-                io_files,
-                generation,
-            });
-            self.generation.store(generation, Ordering::Release);
-            chain
-        });
+        let made = made.map(|image| self.install(&old, Box::new(image), io_files));
         self.resume();
         made
     }
