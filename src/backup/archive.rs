@@ -430,7 +430,14 @@ pub fn take(t: &Take<'_>, manifest: &Manifest, progress: &mut dyn FnMut(u64, u64
                     p.size, p.n
                 )));
             }
-            Sums::load(t.dir, &p.sums, size.div_ceil(CHUNK) as usize, &p.sha256)?
+            Sums::load(t.dir, &p.sums, size.div_ceil(CHUNK) as usize, &p.sha256).map_err(
+                |e| {
+                    ArchiveError::Mismatch(format!(
+                        "{e}: an incremental backup over backup {:04} cannot be checked; take a full one (--full)",
+                        p.n
+                    ))
+                },
+            )?
         }
         None => Sums::zeroes(size),
     };

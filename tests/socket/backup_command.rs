@@ -458,6 +458,26 @@ fn faults(format: &str) {
         &r1,
         "the first point at the end",
     );
+    // The last point's sums damaged: no incremental over it (it could
+    // not be checked); the line says to take a full one, which works.
+    let sums = to.join(s["point"]["sums"].as_str().unwrap());
+    let mut bytes = std::fs::read(&sums).unwrap();
+    bytes[100] ^= 1;
+    std::fs::write(&sums, &bytes).unwrap();
+    m.round(&mut c, 7);
+    let out = backup_cmd(&api, &to, &[]).output().unwrap();
+    assert!(!out.status.success(), "an incremental over damaged sums");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--full"), "{err}");
+    let reference = m.0.clone();
+    let out = backup_cmd(&api, &to, &["--full"]).output().unwrap();
+    let s = done(&out, "a full backup after damaged sums");
+    let n = s["point"]["n"].as_u64().unwrap();
+    same(
+        &restore(&to, n, "raw", &d0.join("r.raw")),
+        &reference,
+        "the full backup after damaged sums",
+    );
     drop(c);
     stop(d);
 }
