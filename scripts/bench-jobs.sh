@@ -61,9 +61,10 @@ make_chain() {
     sync
 }
 
+# Serves IMAGE (default chain/top.qcow2) with the API and snapshot dir.
 serve() {
     rm -f vhost.sock api.sock
-    "$bin" serve --image chain/top.qcow2 --format qcow2 --socket vhost.sock \
+    "$bin" serve --image "${1:-chain/top.qcow2}" --format qcow2 --socket vhost.sock \
         --api api.sock --snapshot-dir snaps ${DIRECT:+--direct} 2>daemon.log &
     daemon=$!
     for _ in $(seq 100); do [ -S vhost.sock ] && [ -S api.sock ] && break; sleep 0.1; done
@@ -146,15 +147,8 @@ make_active() {
         "$(realpath chain/mid.qcow2)" >snaps/s1.qcow2.ringblk-snapshot
     sync
 }
-serve_mid() {
-    rm -f vhost.sock api.sock
-    "$bin" serve --image chain/mid.qcow2 --format qcow2 --socket vhost.sock \
-        --api api.sock --snapshot-dir snaps ${DIRECT:+--direct} 2>daemon.log &
-    daemon=$!
-    for _ in $(seq 100); do [ -S vhost.sock ] && [ -S api.sock ] && break; sleep 0.1; done
-}
 make_active
-serve_mid
+serve chain/mid.qcow2
 t0=$(ms)
 "$bin" ctl --api api.sock commit --top "$(realpath snaps/s1.qcow2)" >/dev/null
 wait_job
@@ -163,7 +157,7 @@ stop
 echo "active commit of s1.qcow2, $SIZE into mid.qcow2: $((t1 - t0)) ms, $(mbps $((t1 - t0))) MiB/s"
 
 make_active "$LOAD_SIZE"
-serve_mid
+serve chain/mid.qcow2
 read -r alone alone_p99 <<<"$(iops 3s)"
 "$bin" ctl --api api.sock commit --top "$(realpath snaps/s1.qcow2)" >/dev/null
 read -r during during_p99 <<<"$(iops 3s)"
