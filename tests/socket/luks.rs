@@ -13,8 +13,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use ringblk_testkit::luks::{
-    PASS, format, independent_plaintext, key_file, luks2_pbkdf2, qemu_img_luks, qemu_io,
-    qemu_plaintext,
+    PASS, format, independent_plaintext, key_file, luks2_pbkdf2, qemu_img_create_under_shim,
+    qemu_img_luks, qemu_io, qemu_plaintext,
 };
 use ringblk_testkit::{Client, Daemon, DaemonOptions, KIB, MIB, pattern, serve_refused, test_dir};
 
@@ -199,6 +199,39 @@ fn qemu_img_luks_both_ways() {
     assert_eq!(
         &plain[4 * MIB as usize..4 * MIB as usize + 4096],
         &[0xcd; 4096][..]
+    );
+}
+
+/// The path the kit takes when qemu-img's PBKDF2 timing reads no CPU
+/// time (a busy host): qemu-img under the thread-clock shim still makes a
+/// LUKS image, which ringblk serves and QEMU reads back.
+#[test]
+fn qemu_img_under_the_thread_clock_shim() {
+    let dir = test_dir();
+    let img = dir.path().join("shim.luks");
+    let secret = format!("secret,id=s0,data={}", String::from_utf8_lossy(PASS));
+    qemu_img_create_under_shim(&[
+        "create",
+        "-q",
+        "-f",
+        "luks",
+        "--object",
+        &secret,
+        "-o",
+        "key-secret=s0,iter-time=10",
+        img.to_str().unwrap(),
+        &(4 * MIB).to_string(),
+    ]);
+    let mut d = serve(dir.path(), &img, &[]);
+    let mut c = Client::connect(&d.socket, 1 << 20);
+    assert_eq!(c.capacity, 4 * MIB);
+    let written = write_patterns(&mut c);
+    drop(c);
+    d.signal_and_wait(libc::SIGTERM, Duration::from_secs(20));
+    assert_holds(
+        "qemu-img convert",
+        &qemu_plaintext(dir.path(), &img),
+        &written,
     );
 }
 
