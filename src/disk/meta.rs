@@ -40,8 +40,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// What a queue asks of the metadata thread.
 pub enum Work {
-    /// Where `len` bytes at `offset` are, allocating for a write.
-    Resolve { offset: u64, len: u64, dir: Dir },
+    /// Where `len` bytes at `offset` are, allocating for a write;
+    /// `durable`: a write-through write.
+    Resolve {
+        offset: u64,
+        len: u64,
+        dir: Dir,
+        durable: bool,
+    },
     /// The metadata a write's allocation needs, in the file; `durable`
     /// (a write-through write): on the disk too.
     Commit { ticket: Commit, durable: bool },
@@ -150,6 +156,7 @@ fn run(rx: Receiver<Job>) {
     let mut log_limit = RateLimiter::new(10, Duration::from_secs(5));
     let mut batch = Vec::new();
     let mut commits = Vec::new();
+    let mut allocated: Vec<(Resolved, Job)> = Vec::new();
     let mut woken: Vec<Arc<Inbox>> = Vec::new();
     while let Ok(first) = rx.recv() {
         batch.push(first);
@@ -160,8 +167,52 @@ fn run(rx: Receiver<Job>) {
                 continue;
             }
             let answer = work(&job, &mut log_limit);
-            job.inbox.post(job.tag, answer);
-            note(&mut woken, &job.inbox);
+            match answer {
+                Slow::Resolved(r)
+                    if r.ticket.is_some()
+                        && matches!(job.work, Work::Resolve { durable: false, .. }) =>
+                {
+                    allocated.push((r, job));
+                }
+                answer => {
+                    job.inbox.post(job.tag, answer);
+                    note(&mut woken, &job.inbox);
+                }
+            }
+        }
+        // The write-back writes that allocated: one commit per image, then
+        // their answers, without a ticket.
+        while let Some((_, first)) = allocated.first() {
+            let served = first.served.clone();
+            let same = |j: &Job| Arc::ptr_eq(&j.served, &served);
+            let ticket = allocated
+                .iter()
+                .filter(|(_, j)| same(j))
+                .filter_map(|(r, _)| r.ticket)
+                .max();
+            let result = match ticket {
+                Some(t) => served.image.commit(t, false),
+                None => Ok(()),
+            };
+            if let Err(e) = &result {
+                warn_limited!(log_limit, "{}: committing metadata: {e}", name(&served));
+            }
+            let mut rest = Vec::new();
+            for (mut r, job) in allocated.drain(..) {
+                if same(&job) {
+                    let answer = if result.is_ok() {
+                        r.ticket = None;
+                        Slow::Resolved(r)
+                    } else {
+                        Slow::Failed
+                    };
+                    job.inbox.post(job.tag, answer);
+                    note(&mut woken, &job.inbox);
+                } else {
+                    rest.push((r, job));
+                }
+            }
+            allocated = rest;
         }
         for inbox in woken.drain(..) {
             inbox.wake();
@@ -224,7 +275,9 @@ fn name(served: &Served) -> String {
 fn work(job: &Job, log_limit: &mut RateLimiter) -> Slow {
     let image = &job.served.image;
     let result = match job.work {
-        Work::Resolve { offset, len, dir } => return resolve(job, offset, len, dir, log_limit),
+        Work::Resolve {
+            offset, len, dir, ..
+        } => return resolve(job, offset, len, dir, log_limit),
         Work::Zero {
             offset,
             len,

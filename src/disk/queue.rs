@@ -182,11 +182,13 @@ impl Format for ChainQueue {
                 offset,
                 len,
                 dir: Dir::Read,
+                durable: false,
             },
             Op::Write => Work::Resolve {
                 offset,
                 len,
                 dir: Dir::Write,
+                durable,
             },
             Op::WriteZeroes(r) => Work::Zero {
                 offset,
@@ -239,6 +241,7 @@ impl Format for ChainQueue {
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileExt;
     use std::time::Instant;
 
@@ -263,6 +266,84 @@ mod tests {
             });
         }
         got.unwrap()
+    }
+
+    /// A write-back write that allocates takes one trip to the metadata
+    /// thread: its answer comes committed, with no ticket, and the
+    /// cluster is writable in the queue's cache at once; a write-through
+    /// one keeps its ticket (its commit is the fdatasync after its data).
+    /// Over a base with no data, the copy-on-write writes nothing: the
+    /// new cluster lies past the end of the file, which reads as zeroes.
+    #[test]
+    fn a_write_back_allocation_takes_one_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("base.raw");
+        std::fs::File::create(&base)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let top = dir.path().join("top.qcow2");
+        let file = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&top)
+            .unwrap();
+        crate::disk::qcow2::create(&file, &top, 1 << 20, 64 << 10, Some(("base.raw", "raw")))
+            .unwrap();
+        drop(file);
+        let live = Live::open(&top, Format::Qcow2, OpenOptions::default(), false, None);
+        let live = Arc::new(live.unwrap());
+        live.claim().unwrap();
+        let mut q = ChainQueue::new(live.clone(), Meta::spawn().unwrap());
+        q.completions(Completions::Immediate).unwrap();
+        let len_before = std::fs::metadata(&top).unwrap().len();
+
+        assert_eq!(q.map(Op::Write, 4096, 4096), Mapping::Slow);
+        q.start_slow(1, Op::Write, 4096, 4096, false);
+        let Slow::Resolved(r) = answer(&mut q, 1) else {
+            panic!("the write resolves");
+        };
+        q.finished();
+        assert_eq!(r.ticket, None, "committed before the answer");
+        let [
+            Piece {
+                place: Place::Host(at),
+                ..
+            },
+        ] = r.pieces[..]
+        else {
+            panic!("one piece in the top: {:?}", r.pieces);
+        };
+        assert_eq!(at.file, 0);
+        assert!(at.offset >= len_before, "a new cluster at the end");
+        // Nothing of the cluster was written but its last byte (`cover`,
+        // which sets the file's length): head and tail are a hole.
+        let cluster = at.offset - 4096;
+        let f = std::fs::File::open(&top).unwrap();
+        // SAFETY: lseek on a descriptor `f` owns; no memory is passed.
+        let data = unsafe { libc::lseek(f.as_raw_fd(), cluster as i64, libc::SEEK_DATA) };
+        assert!(
+            data >= (cluster + (60 << 10)) as i64,
+            "data at {data}, in the cluster at {cluster}"
+        );
+        assert_eq!(
+            q.map(Op::Write, 8192, 4096),
+            Mapping::Host(Extent {
+                file: 0,
+                offset: cluster + 8192,
+            }),
+            "the allocated cluster is in the cache, writable"
+        );
+        q.finished();
+
+        assert_eq!(q.map(Op::Write, 128 << 10, 4096), Mapping::Slow);
+        q.start_slow(2, Op::Write, 128 << 10, 4096, true);
+        let Slow::Resolved(r) = answer(&mut q, 2) else {
+            panic!("the write resolves");
+        };
+        q.finished();
+        assert!(r.ticket.is_some(), "a write-through write keeps its ticket");
     }
 
     /// The chain machinery (`Live`, this view, the metadata thread) serves

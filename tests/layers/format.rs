@@ -239,6 +239,18 @@ fn zeroes_discard_and_grow() {
     let (off, len) = (MIB + 1000, MIB + 5000);
     write_zeroes(&*img, off, len, true).unwrap();
     model[off as usize..(off + len) as usize].fill(0);
+    // Write-zeroes without unmap over clusters of the top: zero clusters
+    // that keep their allocation, and their old bytes in the file. A
+    // write into the middle of one reuses it, and must write its head and
+    // tail as zeroes (the copy-on-write of a zero cluster).
+    let (off3, len3) = (2 * MIB + 4 * 65536, 3 * 65536);
+    write_zeroes(&*img, off3, len3, false).unwrap();
+    model[off3 as usize..(off3 + len3) as usize].fill(0);
+    let mut mid = vec![0u8; 4096];
+    fill(8, off3 + 65536 + 8192, &mut mid);
+    write(&*img, off3 + 65536 + 8192, &mid).unwrap();
+    let at = (off3 + 65536 + 8192) as usize;
+    model[at..at + 4096].copy_from_slice(&mid);
     // Write-zeroes without unmap over the base (unallocated in the top).
     let (off2, len2) = (5 * MIB, 3 * 65536);
     write_zeroes(&*img, off2, len2, false).unwrap();

@@ -6,7 +6,7 @@
 //! IV is the sector's *host* offset in the file (QEMU's
 //! `crypt_physical_offset`), not the guest's: a cluster cannot be copied
 //! from one place to another as bytes, only decrypted and encrypted
-//! again (`Qcow2Image::allocate_encrypted`, the copy-on-write).
+//! again (`Qcow2Image::allocate_cow`, the copy-on-write).
 //!
 //! Each layer of a chain has a header of its own; every encrypted layer
 //! is opened with the one passphrase the daemon was given. A live

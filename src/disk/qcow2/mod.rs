@@ -711,13 +711,19 @@ impl Qcow2Image {
     }
 
     /// Allocates the top's cluster `[cstart, cend)` for a write of
-    /// `[pos, wend)` in a chain with an encrypted layer: imago copies
-    /// nothing (the whole cluster is allocated as overwritten), and the
-    /// rest of the cluster is read through the chain as plaintext first,
-    /// then, encrypted for its new place when the top is encrypted, put
-    /// in `copies` (host offset, bytes) for the caller to write once the
-    /// cluster is checked. Returns the cluster's host offset. Under `meta`.
-    fn allocate_encrypted(
+    /// `[pos, wend)`, doing the copy-on-write here rather than in imago:
+    /// imago copies nothing (the whole cluster is allocated as
+    /// overwritten), and the rest of the cluster (head and tail) is read
+    /// through the chain as the guest sees it, decrypted and, when the top
+    /// is encrypted, encrypted for its new place, then put in `copies`
+    /// (host offset, bytes) for the caller to write once the cluster is
+    /// checked. Where the chain has no data (unallocated to the bottom, or
+    /// zero clusters) nothing is read; and where the new cluster lies past
+    /// the end of the file, zeroes (known so, or read so) need no write
+    /// either, since the file reads as zeroes there (QEMU skips a copy of
+    /// zeroes the same way, `is_zero_cow`). Returns the
+    /// cluster's host offset. Under `meta`.
+    fn allocate_cow(
         &self,
         pos: u64,
         wend: u64,
@@ -725,12 +731,27 @@ impl Qcow2Image {
         cend: u64,
         copies: &mut Vec<(u64, Vec<u8>)>,
     ) -> Result<u64, FormatError> {
+        // (guest offset, bytes; None: zeroes)
         let mut keep = Vec::new();
         for (from, to) in [(cstart, pos), (wend, cend)] {
             if from < to {
+                let mut pieces = Vec::new();
+                self.resolve_read(from, to, &mut pieces)?;
+                if pieces.iter().all(|p| p.at == Where::Zero) {
+                    keep.push((from, to, None));
+                    continue;
+                }
                 let mut bytes = vec![0u8; (to - from) as usize];
-                self.read_locked(from, &mut bytes)?;
-                keep.push((from, bytes));
+                let files = self.files();
+                for p in &pieces {
+                    let at = (p.guest - from) as usize;
+                    read_piece(self, &files, p, &mut bytes[at..at + p.len as usize])
+                        .map_err(FormatError::io("copy-on-write"))?;
+                }
+                // A raw base maps everything as data; a sparse one reads
+                // zeroes (the scan stops at the first byte that is not).
+                let zero = bytes.iter().all(|&b| b == 0);
+                keep.push((from, to, (!zero).then_some(bytes)));
             }
         }
         let (_, at, got) = self
@@ -746,8 +767,23 @@ impl Qcow2Image {
                 )),
             });
         }
-        for (from, mut bytes) in keep {
+        // Past the end of the file: reads as zeroes already. (Checked
+        // before `cover` extends the file; a cluster inside it may be
+        // one freed and reused, or a zero cluster's own, and holds old
+        // bytes.)
+        let past_end = self.files[0]
+            .file()
+            .metadata()
+            .map_err(FormatError::io("allocating"))?
+            .len()
+            <= at;
+        for (from, to, bytes) in keep {
             let host = at + (from - cstart);
+            let mut bytes = match bytes {
+                None if past_end && self.files[0].crypt().is_none() => continue,
+                None => vec![0u8; (to - from) as usize],
+                Some(b) => b,
+            };
             if let Some(c) = self.files[0].crypt() {
                 let done = c.encrypt(host, &mut bytes);
                 crate::crypto::key::scrub_after_pass();
@@ -841,50 +877,17 @@ impl Qcow2Image {
                     };
                     // The request's own range is overwritten by its data
                     // write, so only the rest of the cluster is copied (as
-                    // QEMU copies head and tail): the data write then finds
-                    // no page of its own range dirty in the page cache,
-                    // which an O_DIRECT write would have to write back and
-                    // drop first. imago skips a range at either end of the
-                    // cluster; for one in the middle, the tail is read
-                    // through the chain first and written once the cluster
-                    // is allocated. The L2 entry is in imago's cache from
-                    // the allocation on, and a commit (another request's,
-                    // or this one's below) may write it before the data
-                    // write: the file covers the cluster first (`cover`).
+                    // QEMU copies head and tail), by `allocate_cow`: the
+                    // data write then finds no page of its own range dirty
+                    // in the page cache, which an O_DIRECT write would have
+                    // to write back and drop first. The L2 entry is in
+                    // imago's cache from the allocation on, and a commit
+                    // (another request's, or this one's below) may write it
+                    // before the data write: the file covers the cluster
+                    // first (`cover`), and the copies are written before
+                    // any commit can run.
                     let mut copies = Vec::new();
-                    let host = if self.encrypted() {
-                        self.allocate_encrypted(pos, wend, cstart, cend, &mut copies)?
-                    } else {
-                        let tail = if pos > cstart && wend < cend {
-                            let mut tail = vec![0u8; (cend - wend) as usize];
-                            self.top
-                                .read(&mut tail, wend)
-                                .map_err(FormatError::io("copy-on-write"))?;
-                            Some(tail)
-                        } else {
-                            None
-                        };
-                        let skip_end = if tail.is_some() { cend } else { wend };
-                        let (_, at, got) = self
-                            .top
-                            .ensure_data_mapping(pos, skip_end - pos, true)
-                            .map_err(FormatError::io("allocating"))?;
-                        if let Some(tail) = &tail {
-                            self.top
-                                .write(tail, wend)
-                                .map_err(FormatError::io("copy-on-write"))?;
-                        }
-                        if got < skip_end - pos || at < pos - cstart {
-                            return Err(FormatError::Io {
-                                context: "allocating",
-                                source: io::Error::other(format!(
-                                    "allocated {got} of {} bytes at {pos:#x}",
-                                    wend - pos
-                                )),
-                            });
-                        }
-                        at - (pos - cstart)
-                    };
+                    let host = self.allocate_cow(pos, wend, cstart, cend, &mut copies)?;
                     if self.files[0].is_metadata(host >> cb) {
                         return Err(FormatError::Io {
                             context: "allocating",
@@ -901,9 +904,11 @@ impl Qcow2Image {
                     self.files[0]
                         .cover(host + csize)
                         .map_err(FormatError::io("allocating"))?;
+                    // Through the ordering: the L2 entry waits for an
+                    // fdatasync after them.
                     for (at, bytes) in copies {
                         self.files[0]
-                            .data_write(&bytes, at)
+                            .copy_write(&bytes, at)
                             .map_err(FormatError::io("copy-on-write"))?;
                     }
                     (host, true, frees)
