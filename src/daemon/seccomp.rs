@@ -627,9 +627,12 @@ fn allowed(
         (SYS_statx, any()),
         // A qcow2 image's metadata thread reads and writes tables (and
         // copy-on-write data, compressed clusters) at offsets, through
-        // std's FileExt, on files opened at start-up.
+        // std's FileExt, on files opened at start-up; an allocating
+        // write's cluster (copied head, the guest's data, copied tail) as
+        // one pwritev.
         (SYS_pread64, any()),
         (SYS_pwrite64, any()),
+        (SYS_pwritev, any()),
     ];
     // Sockets of the daemon's own after start-up: TCP ones to an RBD
     // cluster, a Unix one for a backup's NBD export.

@@ -337,6 +337,7 @@ impl Live {
             reason: e.to_string(),
         })?;
         let mut options = options;
+        options.direct = direct;
         let image = super::open(&path, format, &options)?;
         // Kept for the overlays of live snapshots, which need no
         // passphrase (an encrypted top's overlay takes a copy of its LUKS

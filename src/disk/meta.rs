@@ -8,9 +8,14 @@
 //! the work on the chain the request was mapped against, puts the answer
 //! in the queue's [`Inbox`] and writes the queue's completion eventfd: the
 //! one its engine signals, which the worker already watches (as librbd's
-//! callbacks do for the RBD engine). The thread never touches guest
-//! memory: compressed data it reads comes back as bytes, which the queue
-//! copies into the request's buffers.
+//! callbacks do for the RBD engine). It writes guest memory never:
+//! compressed data it reads comes back as bytes, which the queue copies
+//! into the request's buffers. It reads it for one thing: a write that
+//! allocates a cluster with a copy-on-write hands its buffers along
+//! ([`Work::Resolve`]'s `data`), and the image may write them with the
+//! copied head and tail as one pwritev (cached images: the engine would
+//! have written them through the same page cache); the request is in
+//! flight, and its buffers mapped, until the answer is reaped.
 //!
 //! One thread per image, so one metadata operation at a time, which the
 //! format needs anyway (its `meta` lock). Jobs come in batches: the
@@ -20,6 +25,19 @@
 //! round of metadata writes and fdatasyncs for every write waiting, and
 //! one more fdatasync after them when a write of the batch is
 //! write-through).
+//!
+//! A write-back write that allocated is committed before its answer, one
+//! commit for every such write of the batch, and comes back with no
+//! ticket: its completion then needs no second trip here. The cluster's
+//! copy-on-write data is written already (synchronously, in the resolve;
+//! with the write's own data where the image wrote that too). Where the
+//! engine writes the data after the answer, the L2 entry is in the file
+//! (or the L2 log) before it, and a kill -9 or power loss before the data
+//! write completes leaves the guest's own range reading as the new
+//! cluster did, a range whose write was never acknowledged (which another
+//! write's commit could always do too: imago's cache has the entry from
+//! the allocation on). A write-through write keeps its ticket: its commit
+//! ends with the fdatasync that must follow its data.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -32,6 +50,7 @@ use crate::disk::reader::read_piece;
 use crate::disk::seam::{Piece, Place, Resolved, Slow, place};
 use crate::disk::{Commit, Dir, Served};
 use crate::metrics::RateLimiter;
+use crate::virtio::GuestBuffers;
 use crate::warn_limited;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -41,12 +60,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// What a queue asks of the metadata thread.
 pub enum Work {
     /// Where `len` bytes at `offset` are, allocating for a write;
-    /// `durable`: a write-through write.
+    /// `durable`: a write-through write; `data`: a write's buffers, which
+    /// the image may write from itself ([`crate::disk::Image::resolve_write`]).
     Resolve {
         offset: u64,
         len: u64,
         dir: Dir,
         durable: bool,
+        data: Option<GuestBuffers>,
     },
     /// The metadata a write's allocation needs, in the file; `durable`
     /// (a write-through write): on the disk too.
@@ -276,8 +297,12 @@ fn work(job: &Job, log_limit: &mut RateLimiter) -> Slow {
     let image = &job.served.image;
     let result = match job.work {
         Work::Resolve {
-            offset, len, dir, ..
-        } => return resolve(job, offset, len, dir, log_limit),
+            offset,
+            len,
+            dir,
+            ref data,
+            ..
+        } => return resolve(job, offset, len, dir, data.as_ref(), log_limit),
         Work::Zero {
             offset,
             len,
@@ -314,7 +339,14 @@ fn durable_if(
     if durable { image.flush() } else { Ok(()) }
 }
 
-fn resolve(job: &Job, offset: u64, len: u64, dir: Dir, log_limit: &mut RateLimiter) -> Slow {
+fn resolve(
+    job: &Job,
+    offset: u64,
+    len: u64,
+    dir: Dir,
+    data: Option<&GuestBuffers>,
+    log_limit: &mut RateLimiter,
+) -> Slow {
     let image = &job.served.image;
     let mut out = Vec::new();
     let failed = |e: &dyn std::fmt::Display, log_limit: &mut RateLimiter| {
@@ -325,7 +357,17 @@ fn resolve(job: &Job, offset: u64, len: u64, dir: Dir, log_limit: &mut RateLimit
         );
         Slow::Failed
     };
-    let ticket = match image.resolve(offset, len, dir, &mut out) {
+    let resolved = match data {
+        // SAFETY: the iovecs are the request's, validated when it was
+        // parsed, into guest memory whose mapping `data` holds; the
+        // request stays in flight (its buffers the guest's to read) until
+        // this answer is reaped.
+        Some(data) if dir == Dir::Write => unsafe {
+            image.resolve_write(offset, len, data.iovecs(), &mut out)
+        },
+        _ => image.resolve(offset, len, dir, &mut out),
+    };
+    let ticket = match resolved {
         Ok(t) => t,
         Err(e) => return failed(&e, log_limit),
     };

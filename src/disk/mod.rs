@@ -158,6 +158,9 @@ pub enum Where {
     /// Needs metadata work first: [`Mapper::resolve`] or, for a compressed
     /// cluster, [`Mapper::read_slow`].
     Slow,
+    /// A write's data the format wrote itself, with its cluster's
+    /// copy-on-write ([`Image::resolve_write`]): nothing left to do.
+    Written,
 }
 
 /// A piece of a guest range: `len` bytes from `guest`.
@@ -262,6 +265,25 @@ pub trait Image: Mapper {
     /// The format's unit of allocation: what the backup's
     /// copy-before-write copies at a time, at least.
     fn cluster_size(&self) -> u64;
+
+    /// [`Mapper::resolve`] of a write whose bytes are `data`: a format
+    /// that copies on write may write the data itself, with the copied
+    /// part of the cluster around it (one write, not three), and answers
+    /// such a piece [`Where::Written`]. The default leaves the data to the
+    /// caller. Blocks.
+    ///
+    /// # Safety
+    /// `data`'s iovecs cover `len` bytes, readable for the whole call
+    /// (guest memory whose mapping the caller holds, or its own buffer).
+    unsafe fn resolve_write(
+        &self,
+        offset: u64,
+        len: u64,
+        _data: &[libc::iovec],
+        out: &mut Vec<Piece>,
+    ) -> Result<Option<Commit>, FormatError> {
+        self.resolve(offset, len, Dir::Write, out)
+    }
 
     /// Returns once the metadata of every allocation up to `ticket` is in
     /// the image file (pwritten; a kill -9 cannot lose it), and with

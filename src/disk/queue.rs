@@ -16,7 +16,7 @@ use crate::disk::live::Gate;
 use crate::disk::luks::Crypt;
 use crate::disk::seam::{Completions, Extent, Format, Mapping, Piece, Place, Slow, place};
 use crate::disk::{Commit, Dir, Live, Served, Where};
-use crate::virtio::Op;
+use crate::virtio::{GuestBuffers, Op};
 
 /// One queue's view of a served chain ([`Live`]): the chain it maps
 /// against, its gate, and its line to the image's metadata thread.
@@ -176,19 +176,29 @@ impl Format for ChainQueue {
         Ok(completions)
     }
 
-    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64, durable: bool) {
+    fn start_slow(
+        &mut self,
+        tag: u32,
+        op: Op,
+        offset: u64,
+        len: u64,
+        durable: bool,
+        data: Option<GuestBuffers>,
+    ) {
         let work = match op {
             Op::Read => Work::Resolve {
                 offset,
                 len,
                 dir: Dir::Read,
                 durable: false,
+                data: None,
             },
             Op::Write => Work::Resolve {
                 offset,
                 len,
                 dir: Dir::Write,
                 durable,
+                data,
             },
             Op::WriteZeroes(r) => Work::Zero {
                 offset,
@@ -268,21 +278,15 @@ mod tests {
         got.unwrap()
     }
 
-    /// A write-back write that allocates takes one trip to the metadata
-    /// thread: its answer comes committed, with no ticket, and the
-    /// cluster is writable in the queue's cache at once; a write-through
-    /// one keeps its ticket (its commit is the fdatasync after its data).
-    /// Over a base with no data, the copy-on-write writes nothing: the
-    /// new cluster lies past the end of the file, which reads as zeroes.
-    #[test]
-    fn a_write_back_allocation_takes_one_trip() {
-        let dir = tempfile::tempdir().unwrap();
-        let base = dir.path().join("base.raw");
-        std::fs::File::create(&base)
-            .unwrap()
-            .set_len(1 << 20)
-            .unwrap();
-        let top = dir.path().join("top.qcow2");
+    /// A qcow2 overlay (64 KiB clusters) over a raw base of 1 MiB whose
+    /// first `data` bytes are 0xa5 (the rest a hole), served as a chain
+    /// through a queue and a metadata thread of its own.
+    fn overlay_queue(dir: &std::path::Path, data: usize) -> (std::path::PathBuf, ChainQueue) {
+        let base = dir.join("base.raw");
+        let f = std::fs::File::create(&base).unwrap();
+        f.set_len(1 << 20).unwrap();
+        f.write_all_at(&vec![0xa5u8; data], 0).unwrap();
+        let top = dir.join("top.qcow2");
         let file = std::fs::File::options()
             .read(true)
             .write(true)
@@ -295,12 +299,26 @@ mod tests {
         let live = Live::open(&top, Format::Qcow2, OpenOptions::default(), false, None);
         let live = Arc::new(live.unwrap());
         live.claim().unwrap();
-        let mut q = ChainQueue::new(live.clone(), Meta::spawn().unwrap());
+        let mut q = ChainQueue::new(live, Meta::spawn().unwrap());
         q.completions(Completions::Immediate).unwrap();
+        (top, q)
+    }
+
+    /// A write-back write that allocates takes one trip to the metadata
+    /// thread: its answer comes committed, with no ticket, and the
+    /// cluster is writable in the queue's cache at once; a write-through
+    /// one keeps its ticket (its commit is the fdatasync after its data).
+    /// Over a base with no data, the copy-on-write writes nothing: the
+    /// new cluster lies past the end of the file, which reads as zeroes,
+    /// and the engine writes the data.
+    #[test]
+    fn a_write_back_allocation_takes_one_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let (top, mut q) = overlay_queue(dir.path(), 0);
         let len_before = std::fs::metadata(&top).unwrap().len();
 
         assert_eq!(q.map(Op::Write, 4096, 4096), Mapping::Slow);
-        q.start_slow(1, Op::Write, 4096, 4096, false);
+        q.start_slow(1, Op::Write, 4096, 4096, false, None);
         let Slow::Resolved(r) = answer(&mut q, 1) else {
             panic!("the write resolves");
         };
@@ -338,12 +356,67 @@ mod tests {
         q.finished();
 
         assert_eq!(q.map(Op::Write, 128 << 10, 4096), Mapping::Slow);
-        q.start_slow(2, Op::Write, 128 << 10, 4096, true);
+        q.start_slow(2, Op::Write, 128 << 10, 4096, true, None);
         let Slow::Resolved(r) = answer(&mut q, 2) else {
             panic!("the write resolves");
         };
         q.finished();
         assert!(r.ticket.is_some(), "a write-through write keeps its ticket");
+    }
+
+    /// Over a base with data, an allocating write's buffers go with the
+    /// copy-on-write: the metadata thread writes head, data and tail as
+    /// one write (the piece comes back done), and the cluster holds them.
+    /// A write into a cluster the top has already is left to the engine.
+    #[test]
+    fn an_allocating_write_goes_with_its_copy() {
+        let dir = tempfile::tempdir().unwrap();
+        let (top, mut q) = overlay_queue(dir.path(), 1 << 20);
+        let mem = Arc::new(
+            crate::virtio::GuestMem::from_ranges(&[(vm_memory::GuestAddress(0), 0x1000)]).unwrap(),
+        );
+        let bytes = vec![0x5au8; 8192];
+        // SAFETY: `bytes` outlives the buffers and every use of them
+        // below, and nothing writes it meanwhile.
+        let data = unsafe { GuestBuffers::private(&mem, Vec::new(), bytes.as_ptr(), 8192) };
+
+        assert_eq!(q.map(Op::Write, 12288, 8192), Mapping::Slow);
+        q.start_slow(1, Op::Write, 12288, 8192, false, Some(data));
+        let Slow::Resolved(r) = answer(&mut q, 1) else {
+            panic!("the write resolves");
+        };
+        q.finished();
+        assert_eq!(r.ticket, None);
+        assert_eq!(
+            r.pieces,
+            vec![Piece {
+                at: 0,
+                len: 8192,
+                place: Place::Done
+            }]
+        );
+        let Mapping::Host(at) = q.map(Op::Read, 0, 65536) else {
+            panic!("the cluster is cached");
+        };
+        q.finished();
+        let f = std::fs::File::open(&top).unwrap();
+        let mut cluster = vec![0u8; 65536];
+        f.read_exact_at(&mut cluster, at.offset).unwrap();
+        assert!(cluster[..12288].iter().all(|&b| b == 0xa5), "the head");
+        assert!(cluster[12288..20480].iter().all(|&b| b == 0x5a), "the data");
+        assert!(cluster[20480..].iter().all(|&b| b == 0xa5), "the tail");
+
+        // SAFETY: as above.
+        let again = unsafe { GuestBuffers::private(&mem, Vec::new(), bytes.as_ptr(), 4096) };
+        assert_eq!(q.map(Op::Write, 0, 4096), Mapping::Host(at));
+        q.finished();
+        q.start_slow(2, Op::Write, 0, 4096, false, Some(again));
+        let Slow::Resolved(r) = answer(&mut q, 2) else {
+            panic!("the write resolves");
+        };
+        q.finished();
+        assert_eq!(r.pieces.len(), 1);
+        assert_eq!(r.pieces[0].place, Place::Host(at));
     }
 
     /// The chain machinery (`Live`, this view, the metadata thread) serves
@@ -383,7 +456,7 @@ mod tests {
             unmap: false,
         });
         assert_eq!(q.map(zeroes, 4096, 8192), Mapping::Slow);
-        q.start_slow(7, zeroes, 4096, 8192, true);
+        q.start_slow(7, zeroes, 4096, 8192, true, None);
         assert_eq!(q.slow_in_flight(), 1);
         assert!(matches!(answer(&mut q, 7), Slow::Done));
         assert_eq!(q.slow_in_flight(), 0);

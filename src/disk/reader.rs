@@ -83,6 +83,7 @@ pub fn read_piece<M: Mapper + ?Sized>(
         Where::Slow => image
             .read_slow(piece.guest, buf)
             .map_err(|e| io::Error::other(e.to_string())),
+        Where::Written => Err(io::Error::other("a read resolved to a write's piece")),
     }
 }
 

@@ -51,7 +51,7 @@ use super::luks::Crypt;
 use super::meta::Meta;
 use super::queue::ChainQueue;
 use super::{Live, Where};
-use crate::virtio::Op;
+use crate::virtio::{GuestBuffers, Op};
 
 /// A place on the image: a file of its chain, and an offset there.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -95,6 +95,8 @@ pub enum Place {
     Zero,
     /// These bytes, read already (compressed data, decompressed).
     Bytes(Vec<u8>),
+    /// A write's part the format wrote already ([`Where::Written`]).
+    Done,
 }
 
 /// The engine's place for a piece the disk mapped ([`Where`]), the one
@@ -109,6 +111,7 @@ pub fn place(at: Where) -> Option<Place> {
             offset,
         })),
         Where::Zero => Some(Place::Zero),
+        Where::Written => Some(Place::Done),
         Where::Slow => None,
     }
 }
@@ -164,8 +167,20 @@ pub trait Format: Send {
 
     /// Starts the metadata work of request `tag`, which `map` answered
     /// [`Mapping::Slow`] for; `durable` (write-through): a write-zeroes or
-    /// discard is on the disk when it is done.
-    fn start_slow(&mut self, _tag: u32, _op: Op, _offset: u64, _len: u64, _durable: bool) {}
+    /// discard is on the disk when it is done. `data`: a write's buffers,
+    /// which the format may write from itself ([`Place::Done`]); the
+    /// request is in flight, and its buffers valid, until the answer is
+    /// reaped.
+    fn start_slow(
+        &mut self,
+        _tag: u32,
+        _op: Op,
+        _offset: u64,
+        _len: u64,
+        _durable: bool,
+        _data: Option<GuestBuffers>,
+    ) {
+    }
 
     /// Starts the commit of `ticket` for request `tag`, whose data I/O is
     /// done; `durable` (a write-through write) makes it an fdatasync too.
@@ -271,9 +286,17 @@ impl Format for ImageFormat {
         }
     }
 
-    fn start_slow(&mut self, tag: u32, op: Op, offset: u64, len: u64, durable: bool) {
+    fn start_slow(
+        &mut self,
+        tag: u32,
+        op: Op,
+        offset: u64,
+        len: u64,
+        durable: bool,
+        data: Option<GuestBuffers>,
+    ) {
         if let ImageFormat::Chain(q) = self {
-            q.start_slow(tag, op, offset, len, durable);
+            q.start_slow(tag, op, offset, len, durable, data);
         }
     }
 

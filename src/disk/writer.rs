@@ -25,10 +25,21 @@ pub fn write(img: &dyn Image, offset: u64, data: &[u8], fua: bool) -> Result<(),
             Where::Data { file: 0, offset } => direct.push((p.guest, p.len, offset)),
             Where::Slow => {
                 let mut sub = Vec::new();
-                ticket = ticket.max(img.resolve(p.guest, p.len, Dir::Write, &mut sub)?);
+                let at = (p.guest - offset) as usize;
+                let part = &data[at..at + p.len as usize];
+                let iovec = libc::iovec {
+                    iov_base: part.as_ptr().cast_mut().cast(),
+                    iov_len: part.len(),
+                };
+                // SAFETY: the iovec covers `part`, p.len bytes of `data`,
+                // which the caller lends us for the call.
+                let t = unsafe { img.resolve_write(p.guest, p.len, &[iovec], &mut sub)? };
+                ticket = ticket.max(t);
                 for s in sub {
                     match s.at {
                         Where::Data { file: 0, offset } => direct.push((s.guest, s.len, offset)),
+                        // The format wrote it, with its copy-on-write.
+                        Where::Written => {}
                         other => return unexpected("resolve", other),
                     }
                 }

@@ -228,8 +228,11 @@ impl<E: Engine, F: Format> Core<E, F> {
                 self.pieces = pieces;
             }
             Mapping::Slow => {
+                // A write's buffers go along: the format may write them
+                // itself (with the copy-on-write of a cluster it allocates).
+                let data = (op == Op::Write).then(|| req.data().slice(0, req.data_len()));
                 let tag = self.track(req, op, fua);
-                self.format.start_slow(tag, op, offset, len, fua);
+                self.format.start_slow(tag, op, offset, len, fua, data);
             }
         }
         self.in_flight += 1;
@@ -449,6 +452,7 @@ impl<E: Engine, F: Format> Core<E, F> {
                         r.data().fill_at(p.at, &b);
                     }
                 }
+                Place::Done => {}
             }
         }
         let t = &mut self.tracked[tag as usize];
@@ -1001,7 +1005,15 @@ mod tests {
         fn map(&mut self, _op: Op, _offset: u64, _len: u64) -> Mapping {
             Mapping::Slow
         }
-        fn start_slow(&mut self, tag: u32, _op: Op, offset: u64, len: u64, durable: bool) {
+        fn start_slow(
+            &mut self,
+            tag: u32,
+            _op: Op,
+            offset: u64,
+            len: u64,
+            durable: bool,
+            _data: Option<GuestBuffers>,
+        ) {
             self.slow.push(durable);
             let pieces = vec![Piece {
                 at: 0,

@@ -252,27 +252,10 @@ impl GuestBuffers {
     /// not pass [`GuestBuffers::len`]; what would is cut off.
     pub fn slice(&self, from: u32, len: u32) -> GuestBuffers {
         let mut iovecs = Vec::new();
-        let (mut skip, mut left) = (from as usize, len as usize);
-        for v in &self.iovecs {
-            if left == 0 {
-                break;
-            }
-            if skip >= v.iov_len {
-                skip -= v.iov_len;
-                continue;
-            }
-            let n = (v.iov_len - skip).min(left);
-            iovecs.push(libc::iovec {
-                // Inside `v`, which lies inside a region of `self.mem`.
-                iov_base: v.iov_base.cast::<u8>().wrapping_add(skip).cast(),
-                iov_len: n,
-            });
-            left -= n;
-            skip = 0;
-        }
+        let got = slice_iovecs(&self.iovecs, from as usize, len as usize, &mut iovecs);
         GuestBuffers {
             iovecs,
-            len: len - left as u32,
+            len: got as u32,
             mem: self.mem.clone(),
         }
     }
@@ -338,6 +321,36 @@ impl GuestBuffers {
             .iter()
             .all(|v| (v.iov_base as usize).is_multiple_of(align) && v.iov_len % align == 0)
     }
+}
+
+/// Appends to `out` the iovecs over `len` bytes of `iovecs` from byte
+/// `from` on (inside the same memory); returns how many bytes they cover
+/// (fewer where `iovecs` end first).
+pub fn slice_iovecs(
+    iovecs: &[libc::iovec],
+    from: usize,
+    len: usize,
+    out: &mut Vec<libc::iovec>,
+) -> usize {
+    let (mut skip, mut left) = (from, len);
+    for v in iovecs {
+        if left == 0 {
+            break;
+        }
+        if skip >= v.iov_len {
+            skip -= v.iov_len;
+            continue;
+        }
+        let n = (v.iov_len - skip).min(left);
+        out.push(libc::iovec {
+            // Inside `v`.
+            iov_base: v.iov_base.cast::<u8>().wrapping_add(skip).cast(),
+            iov_len: n,
+        });
+        left -= n;
+        skip = 0;
+    }
+    len - left
 }
 
 #[cfg(test)]

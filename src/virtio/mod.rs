@@ -20,7 +20,7 @@ mod status;
 #[cfg(test)]
 pub(crate) mod testing;
 
-pub use buffers::{GuestBuffers, SpareIovecs};
+pub use buffers::{GuestBuffers, SpareIovecs, slice_iovecs};
 pub use dirty::{DirtyLog, LogRegion};
 pub use error::RequestError;
 pub use kind::{Class, Direction, DiscardRange, Op, RequestKind};

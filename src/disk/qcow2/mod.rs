@@ -38,6 +38,7 @@ use super::luks::Crypt;
 use super::reader::read_piece;
 use super::{Commit, Dir, FormatError, Image, Mapper, Piece, Where};
 use crate::crypto::key::Secret;
+use crate::virtio::slice_iovecs;
 use l2log::L2Log;
 use map_cache::{Loc, MAX_FILES, MapCache};
 pub use ordered::{Adopted, ChainFile, FileState, Journal, JournalOp};
@@ -91,6 +92,13 @@ pub struct OpenOptions {
     /// open only: [`Live`](crate::disk::Live) keeps its options without
     /// it.
     pub passphrase: Option<Arc<Secret>>,
+    /// The engine writes the guest's data O_DIRECT (`--direct`; set by
+    /// [`Live::open`](crate::disk::Live::open)): an allocating write's
+    /// data is then left to it. Otherwise the copy-on-write writes the
+    /// data itself, with the copied head and tail, through the page cache
+    /// the engine would write it through anyway
+    /// ([`Image::resolve_write`](crate::disk::Image::resolve_write)).
+    pub direct: bool,
 }
 
 impl Default for OpenOptions {
@@ -106,6 +114,7 @@ impl Default for OpenOptions {
             backing_dirs: None,
             nofollow_top: false,
             passphrase: None,
+            direct: false,
         }
     }
 }
@@ -144,6 +153,9 @@ pub struct Qcow2Image {
     l2log: Option<Arc<L2Log>>,
     /// QEMU's persistent bitmaps of the top, if it has any.
     qemu: Option<Mutex<QemuBitmaps>>,
+    /// Whether an allocating write's data goes with its copy-on-write
+    /// (not [`OpenOptions::direct`]).
+    data_with_copy: bool,
 }
 
 /// What differs between the ways a [`Qcow2Image`] is made (an open, a
@@ -182,6 +194,7 @@ impl Qcow2Image {
             uncommitted: Mutex::new(Vec::new()),
             l2log: p.l2log,
             qemu: p.qemu.map(Mutex::new),
+            data_with_copy: !options.direct,
         }
     }
 
@@ -808,7 +821,10 @@ impl Qcow2Image {
     /// [`FileState::copy_write`]). Under `meta`.
     fn write_locked_as(&self, data: &[u8], offset: u64, copy: bool) -> Result<(), FormatError> {
         let mut pieces = Vec::new();
-        self.resolve_write_locked(offset, offset + data.len() as u64, &mut pieces)?;
+        // SAFETY: no data.
+        unsafe {
+            self.resolve_write_locked(offset, offset + data.len() as u64, None, &mut pieces)?
+        };
         for p in pieces {
             let Where::Data {
                 file: 0,
@@ -837,10 +853,19 @@ impl Qcow2Image {
 
     /// The write side of [`Mapper::resolve`], for `[offset, end)`. Under
     /// `meta`.
-    fn resolve_write_locked(
+    /// `data`: the write's bytes from `offset` on; for a cluster it
+    /// allocates with a copy-on-write, when the engine writes through the
+    /// page cache and the top is not encrypted, they are written here with
+    /// the copied head and tail, one pwritev, and the piece is
+    /// [`Where::Written`].
+    ///
+    /// # Safety
+    /// `data`, if given, as [`super::Image::resolve_write`] asks.
+    unsafe fn resolve_write_locked(
         &self,
         offset: u64,
         end: u64,
+        data: Option<&[libc::iovec]>,
         out: &mut Vec<Piece>,
     ) -> Result<Option<Commit>, FormatError> {
         let cb = self.cluster_bits;
@@ -856,6 +881,7 @@ impl Qcow2Image {
                 .top
                 .get_mapping(cstart, cend - cstart)
                 .map_err(FormatError::io("reading metadata"))?;
+            let mut written = false;
             let (host, fresh, must_commit) = match mapping {
                 Mapping::Raw {
                     storage,
@@ -900,17 +926,54 @@ impl Qcow2Image {
                             ),
                         });
                     }
-                    // Inside the file before an L2 entry can point here.
-                    self.files[0]
-                        .cover(host + csize)
-                        .map_err(FormatError::io("allocating"))?;
                     // Through the ordering: the L2 entry waits for an
-                    // fdatasync after them.
-                    for (at, bytes) in copies {
-                        self.files[0]
-                            .copy_write(&bytes, at)
-                            .map_err(FormatError::io("copy-on-write"))?;
+                    // fdatasync after them. With the guest's data between
+                    // head and tail when the page cache is where the engine
+                    // would write it too: one write of the cluster's
+                    // written part.
+                    let top = &self.files[0];
+                    let data = data.filter(|_| {
+                        self.data_with_copy && top.crypt().is_none() && !copies.is_empty()
+                    });
+                    let reaches_end = copies
+                        .last()
+                        .is_some_and(|(at, b)| at + b.len() as u64 == host + (cend - cstart))
+                        || (data.is_some() && wend == cend);
+                    let wrote = match data {
+                        Some(d) => {
+                            let at_data = host + (pos - cstart);
+                            let mut iovecs = Vec::with_capacity(d.len() + 2);
+                            let mut start = at_data;
+                            for (at, bytes) in &copies {
+                                if *at < at_data {
+                                    start = *at;
+                                    iovecs.push(iovec_of(bytes));
+                                }
+                            }
+                            let from = (pos - offset) as usize;
+                            slice_iovecs(d, from, (wend - pos) as usize, &mut iovecs);
+                            for (at, bytes) in &copies {
+                                if *at > at_data {
+                                    iovecs.push(iovec_of(bytes));
+                                }
+                            }
+                            written = true;
+                            // SAFETY: the copies live in `copies` across the
+                            // call; the rest are inside `data`'s iovecs,
+                            // readable for the call (our caller's promise).
+                            unsafe { top.copy_writev(&iovecs, start) }
+                        }
+                        None => copies
+                            .iter()
+                            .try_for_each(|(at, bytes)| top.copy_write(bytes, *at)),
+                    };
+                    // Inside the file before an L2 entry can point here:
+                    // the write did it if it reached the cluster's end.
+                    if wrote.is_err() || !reaches_end {
+                        top.cover(host + csize)
+                            .map_err(FormatError::io("allocating"))?;
                     }
+                    wrote.map_err(FormatError::io("copy-on-write"))?;
                     (host, true, frees)
                 }
             };
@@ -939,15 +1002,15 @@ impl Qcow2Image {
                 ));
                 g += 1 << gb;
             }
-            push_piece(
-                out,
-                pos,
-                wend - pos,
+            let at = if written {
+                Where::Written
+            } else {
                 Where::Data {
                     file: 0,
                     offset: host + (pos - cstart),
-                },
-            );
+                }
+            };
+            push_piece(out, pos, wend - pos, at);
             pos = wend;
         }
         let dirty = self.dirty.load(Ordering::Acquire);
@@ -1333,12 +1396,22 @@ fn punch_hole(file: &File, offset: u64, len: u64) {
 }
 
 /// Appends a piece, merging it into the last one when it continues it.
+/// An iovec over `bytes` (for a write: read only).
+fn iovec_of(bytes: &[u8]) -> libc::iovec {
+    libc::iovec {
+        iov_base: bytes.as_ptr().cast_mut().cast(),
+        iov_len: bytes.len(),
+    }
+}
+
 fn push_piece(out: &mut Vec<Piece>, guest: u64, len: u64, at: Where) {
     if let Some(last) = out.last_mut()
         && last.guest + last.len == guest
     {
         let merged = match (last.at, at) {
-            (Where::Zero, Where::Zero) | (Where::Slow, Where::Slow) => true,
+            (Where::Zero, Where::Zero)
+            | (Where::Slow, Where::Slow)
+            | (Where::Written, Where::Written) => true,
             (
                 Where::Data {
                     file: f1,
@@ -1690,6 +1763,29 @@ impl Image for Qcow2Image {
         self.files.iter().map(|f| f.crypt_shared()).collect()
     }
 
+    /// See [`super::Image::resolve_write`].
+    unsafe fn resolve_write(
+        &self,
+        offset: u64,
+        len: u64,
+        data: &[libc::iovec],
+        out: &mut Vec<Piece>,
+    ) -> Result<Option<Commit>, FormatError> {
+        self.check(offset, len, Dir::Write)?;
+        let covered: usize = data.iter().map(|v| v.iov_len).sum();
+        if covered as u64 != len {
+            return Err(FormatError::Io {
+                context: "writing",
+                source: io::Error::other(format!(
+                    "{covered} bytes of buffers for a write of {len}"
+                )),
+            });
+        }
+        let _meta = lock(&self.meta);
+        // SAFETY: as our caller promises.
+        unsafe { self.resolve_write_locked(offset, offset + len, Some(data), out) }
+    }
+
     /// See [`super::Image::commit`].
     fn commit(&self, ticket: Commit, durable: bool) -> Result<(), FormatError> {
         if !durable && self.committed.load(Ordering::Acquire) >= ticket.0 {
@@ -1943,7 +2039,8 @@ impl Mapper for Qcow2Image {
             self.resolve_read(offset, end, out)?;
             return Ok(None);
         }
-        self.resolve_write_locked(offset, end, out)
+        // SAFETY: no data.
+        unsafe { self.resolve_write_locked(offset, end, None, out) }
     }
 
     fn crypt(&self, file: usize) -> Option<&Crypt> {

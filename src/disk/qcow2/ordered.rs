@@ -987,6 +987,43 @@ impl FileState {
         }
     }
 
+    /// [`FileState::copy_write`] of the bytes `iovecs` point to, as one
+    /// pwritev at `offset` (a cluster's copied head, a write's data from
+    /// guest memory, its copied tail).
+    ///
+    /// # Safety
+    /// Every iovec points to memory readable for its length for the whole
+    /// call (guest memory: its mapping held by the caller's buffers).
+    pub unsafe fn copy_writev(&self, iovecs: &[libc::iovec], offset: u64) -> io::Result<()> {
+        let len: usize = iovecs.iter().map(|v| v.iov_len).sum();
+        let Some(order) = &self.order else {
+            // SAFETY: as the caller promises.
+            return unsafe { pwritev_all(&self.file, iovecs, offset) };
+        };
+        let mut o = lock(order);
+        if o.frozen {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "write to a former top of the chain (a snapshot froze it)",
+            ));
+        }
+        // SAFETY: as the caller promises.
+        unsafe { pwritev_all(&self.file, iovecs, offset)? };
+        self.size.fetch_max(offset + len as u64, Ordering::Relaxed);
+        if let Some(j) = &self.journal {
+            let mut data = Vec::with_capacity(len);
+            for v in iovecs {
+                // SAFETY: as the caller promises: readable for iov_len.
+                data.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len)
+                });
+            }
+            j.push(JournalOp::Write { offset, data });
+        }
+        o.unsynced |= UNSYNCED_OTHER;
+        Ok(())
+    }
+
     /// An fdatasync and nothing else (nothing held back is written
     /// first); recorded in the journal.
     pub fn sync_only(&self) -> io::Result<()> {
@@ -1027,6 +1064,57 @@ impl FileState {
             _ => self.file.write_all_at(data, offset),
         }
     }
+}
+
+/// pwritev of every byte of `iovecs` at `offset`, short writes continued.
+///
+/// # Safety
+/// Every iovec points to memory readable for its length for the whole
+/// call.
+unsafe fn pwritev_all(file: &File, iovecs: &[libc::iovec], offset: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut iovecs = iovecs.to_vec();
+    let mut first = 0;
+    let mut offset = offset;
+    while first < iovecs.len() {
+        let rest = &iovecs[first..];
+        let count = rest.len().min(libc::UIO_MAXIOV as usize) as libc::c_int;
+        // SAFETY: `rest` holds `count` iovecs, each readable for its
+        // length (the caller's promise, kept by the advancing below,
+        // which only shortens them from the front).
+        let n = unsafe { libc::pwritev(file.as_raw_fd(), rest.as_ptr(), count, offset as i64) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "pwritev wrote nothing",
+            ));
+        }
+        let mut n = n as usize;
+        offset += n as u64;
+        while n > 0 {
+            let v = &mut iovecs[first];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                first += 1;
+            } else {
+                // SAFETY: moves the base forward inside its own buffer.
+                v.iov_base = unsafe { (v.iov_base as *mut u8).add(n) }.cast();
+                v.iov_len -= n;
+                n = 0;
+            }
+        }
+        while first < iovecs.len() && iovecs[first].iov_len == 0 {
+            first += 1;
+        }
+    }
+    Ok(())
 }
 
 /// Refuses a layout whose metadata structures share clusters.

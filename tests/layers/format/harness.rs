@@ -141,6 +141,7 @@ fn read_piece(
             Ok(())
         }
         Where::Slow => img.read_slow(p.guest, slice),
+        Where::Written => panic!("a read resolved to a write's piece"),
     }
 }
 
