@@ -227,16 +227,22 @@ impl<E: Engine, F: Format> Core<E, F> {
                 self.start_pieces(tag, &mut pieces);
                 self.pieces = pieces;
             }
-            Mapping::Slow => {
-                // A write's buffers go along: the format may write them
-                // itself (with the copy-on-write of a cluster it allocates).
-                let data = (op == Op::Write).then(|| req.data().slice(0, req.data_len()));
-                let tag = self.track(req, op, fua);
-                self.format.start_slow(tag, op, offset, len, fua, data);
-            }
+            Mapping::Slow => self.start_slow(req, op, offset, len, fua),
         }
         self.in_flight += 1;
         Ok(())
+    }
+
+    /// `req` needs the format's metadata work first. A write's buffers go
+    /// along: the format may write them itself (with the copy-on-write of
+    /// a cluster it allocates). Out of line: the submit path stays as it
+    /// was for requests that map at once.
+    #[cold]
+    #[inline(never)]
+    fn start_slow(&mut self, req: Request, op: Op, offset: u64, len: u64, fua: bool) {
+        let data = (op == Op::Write).then(|| req.data().slice(0, req.data_len()));
+        let tag = self.track(req, op, fua);
+        self.format.start_slow(tag, op, offset, len, fua, data);
     }
 
     /// The image's chain changed (a snapshot): the engine registers the
