@@ -263,9 +263,22 @@ impl FileState {
 
     /// The file grew behind imago (bitmaps written past its end).
     pub fn grew(&self) -> io::Result<()> {
+        self.len_now().map(|_| ())
+    }
+
+    /// The largest length the file is known to have had: at the open,
+    /// from writes through here, a resize, or the last
+    /// [`len_now`](Self::len_now). Never more than the file's length
+    /// unless the file shrank behind us.
+    pub fn known_len(&self) -> u64 {
+        self.size.load(Ordering::Relaxed)
+    }
+
+    /// The file's length now (a statx), kept as the known one too.
+    pub fn len_now(&self) -> io::Result<u64> {
         let len = self.file.metadata()?.len();
         self.size.fetch_max(len, Ordering::Relaxed);
-        Ok(())
+        Ok(len)
     }
 
     /// From now on imago reads these `(offset, bytes)` of the file as
