@@ -201,79 +201,80 @@ fn run(rx: Receiver<Job>) {
                 }
             }
         }
+        // The answers that need no commit go at once.
+        for inbox in woken.drain(..) {
+            inbox.wake();
+        }
         // The write-back writes that allocated: one commit per image, then
         // their answers, without a ticket.
-        while let Some((_, first)) = allocated.first() {
-            let served = first.served.clone();
-            let same = |j: &Job| Arc::ptr_eq(&j.served, &served);
-            let ticket = allocated
-                .iter()
-                .filter(|(_, j)| same(j))
-                .filter_map(|(r, _)| r.ticket)
-                .max();
-            let result = match ticket {
-                Some(t) => served.image.commit(t, false),
-                None => Ok(()),
-            };
-            if let Err(e) = &result {
-                warn_limited!(log_limit, "{}: committing metadata: {e}", name(&served));
-            }
-            let mut rest = Vec::new();
-            for (mut r, job) in allocated.drain(..) {
-                if same(&job) {
-                    let answer = if result.is_ok() {
-                        r.ticket = None;
-                        Slow::Resolved(r)
-                    } else {
-                        Slow::Failed
-                    };
-                    job.inbox.post(job.tag, answer);
-                    note(&mut woken, &job.inbox);
+        commit_by_image(
+            &mut allocated,
+            |r| r.ticket.map(|t| (t, false)),
+            |mut r, committed| {
+                if committed {
+                    r.ticket = None;
+                    Slow::Resolved(r)
                 } else {
-                    rest.push((r, job));
+                    Slow::Failed
                 }
-            }
-            allocated = rest;
-        }
+            },
+            &mut woken,
+            &mut log_limit,
+        );
         for inbox in woken.drain(..) {
             inbox.wake();
         }
-        // One commit per image for the whole group: its highest ticket.
-        while let Some((_, first)) = commits.first() {
-            let served = first.served.clone();
-            let same = |j: &Job| Arc::ptr_eq(&j.served, &served);
-            // Durable if any write of the group is write-through.
-            let ticket = commits
-                .iter()
-                .filter(|(_, j)| same(j))
-                .map(|(t, _)| *t)
-                .reduce(|(a, da), (b, db)| (a.max(b), da || db));
-            let result = match ticket {
-                Some((t, durable)) => served.image.commit(t, durable),
-                None => Ok(()),
-            };
-            if let Err(e) = &result {
-                warn_limited!(log_limit, "{}: committing metadata: {e}", name(&served));
-            }
-            let mut rest = Vec::new();
-            for (t, job) in commits.drain(..) {
-                if same(&job) {
-                    let answer = if result.is_ok() {
-                        Slow::Done
-                    } else {
-                        Slow::Failed
-                    };
-                    job.inbox.post(job.tag, answer);
-                    note(&mut woken, &job.inbox);
-                } else {
-                    rest.push((t, job));
-                }
-            }
-            commits = rest;
-        }
+        // The commits asked for after data I/O.
+        commit_by_image(
+            &mut commits,
+            |&t| Some(t),
+            |_, committed| {
+                if committed { Slow::Done } else { Slow::Failed }
+            },
+            &mut woken,
+            &mut log_limit,
+        );
         for inbox in woken.drain(..) {
             inbox.wake();
         }
+    }
+}
+
+/// Group commit: for each image among `group`'s jobs, one commit of its
+/// highest ticket (`ticket` of each item; durable if any is), then every
+/// one of its jobs answered with `answer(item, committed)`.
+fn commit_by_image<T>(
+    group: &mut Vec<(T, Job)>,
+    ticket: impl Fn(&T) -> Option<(Commit, bool)>,
+    answer: impl Fn(T, bool) -> Slow,
+    woken: &mut Vec<Arc<Inbox>>,
+    log_limit: &mut RateLimiter,
+) {
+    while let Some((_, first)) = group.first() {
+        let served = first.served.clone();
+        let same = |j: &Job| Arc::ptr_eq(&j.served, &served);
+        let highest = group
+            .iter()
+            .filter(|(_, j)| same(j))
+            .filter_map(|(t, _)| ticket(t))
+            .reduce(|(a, da), (b, db)| (a.max(b), da || db));
+        let result = match highest {
+            Some((t, durable)) => served.image.commit(t, durable),
+            None => Ok(()),
+        };
+        if let Err(e) = &result {
+            warn_limited!(log_limit, "{}: committing metadata: {e}", name(&served));
+        }
+        let mut rest = Vec::new();
+        for (t, job) in group.drain(..) {
+            if same(&job) {
+                job.inbox.post(job.tag, answer(t, result.is_ok()));
+                note(woken, &job.inbox);
+            } else {
+                rest.push((t, job));
+            }
+        }
+        *group = rest;
     }
 }
 

@@ -13,8 +13,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use ringblk_testkit::luks::{
-    PASS, format, independent_plaintext, key_file, luks2_pbkdf2, qemu_img_create_under_shim,
-    qemu_img_luks, qemu_io, qemu_plaintext,
+    PASS, format, independent_plaintext, key_file, luks2_pbkdf2, qemu_img_luks,
+    qemu_img_luks_under_shim, qemu_io, qemu_plaintext,
 };
 use ringblk_testkit::{Client, Daemon, DaemonOptions, KIB, MIB, pattern, serve_refused, test_dir};
 
@@ -208,20 +208,7 @@ fn qemu_img_luks_both_ways() {
 #[test]
 fn qemu_img_under_the_thread_clock_shim() {
     let dir = test_dir();
-    let img = dir.path().join("shim.luks");
-    let secret = format!("secret,id=s0,data={}", String::from_utf8_lossy(PASS));
-    qemu_img_create_under_shim(&[
-        "create",
-        "-q",
-        "-f",
-        "luks",
-        "--object",
-        &secret,
-        "-o",
-        "key-secret=s0,iter-time=10",
-        img.to_str().unwrap(),
-        &(4 * MIB).to_string(),
-    ]);
+    let img = qemu_img_luks_under_shim(dir.path(), "shim.luks", 4 * MIB);
     let mut d = serve(dir.path(), &img, &[]);
     let mut c = Client::connect(&d.socket, 1 << 20);
     assert_eq!(c.capacity, 4 * MIB);

@@ -177,9 +177,19 @@ int getrusage(int who, struct rusage *ru) {
 /// A LUKS1 image of `size` bytes of payload made by `qemu-img create -f
 /// luks` (PBKDF2 for 10 ms), with the passphrase [`PASS`].
 pub fn qemu_img_luks(dir: &Path, name: &str, size: u64) -> PathBuf {
+    luks1_by_qemu_img(dir, name, size, qemu_img_create)
+}
+
+/// [`qemu_img_luks`], qemu-img under [`thread_clock_shim`] from the first
+/// try ([`qemu_img_create_under_shim`]).
+pub fn qemu_img_luks_under_shim(dir: &Path, name: &str, size: u64) -> PathBuf {
+    luks1_by_qemu_img(dir, name, size, qemu_img_create_under_shim)
+}
+
+fn luks1_by_qemu_img(dir: &Path, name: &str, size: u64, create: fn(&[&str])) -> PathBuf {
     let img = dir.join(name);
     let secret = format!("secret,id=s0,data={}", String::from_utf8_lossy(PASS));
-    qemu_img_create(&[
+    create(&[
         "create",
         "-f",
         "luks",
