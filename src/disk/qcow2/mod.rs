@@ -596,6 +596,7 @@ impl Qcow2Image {
     /// Checks that a data location taken from the image's metadata is
     /// plausible: a host offset far past the end of its file is a corrupt
     /// (or hostile) table, and the request touching it fails.
+    ///
     /// The length known from the writes through it (and the last look)
     /// answers most checks without a syscall; the file is looked at again
     /// only when that would fail.
@@ -738,8 +739,8 @@ impl Qcow2Image {
     /// zero clusters) nothing is read; and where the new cluster lies past
     /// the end of the file, zeroes (known so, or read so) need no write
     /// either, since the file reads as zeroes there (QEMU skips a copy of
-    /// zeroes the same way, `is_zero_cow`). Returns the
-    /// cluster's host offset. Under `meta`.
+    /// zeroes the same way, `is_zero_cow`). Returns the cluster's host
+    /// offset. Under `meta`.
     fn allocate_cow(
         &self,
         pos: u64,
@@ -857,6 +858,7 @@ impl Qcow2Image {
 
     /// The write side of [`Mapper::resolve`], for `[offset, end)`. Under
     /// `meta`.
+    ///
     /// `data`: the write's bytes from `offset` on; for a cluster it
     /// allocates with a copy-on-write, when the engine writes through the
     /// page cache and the top is not encrypted, they are written here with
@@ -1399,7 +1401,6 @@ fn punch_hole(file: &File, offset: u64, len: u64) {
     }
 }
 
-/// Appends a piece, merging it into the last one when it continues it.
 /// An iovec over `bytes` (for a write: read only).
 fn iovec_of(bytes: &[u8]) -> libc::iovec {
     libc::iovec {
@@ -1408,6 +1409,7 @@ fn iovec_of(bytes: &[u8]) -> libc::iovec {
     }
 }
 
+/// Appends a piece, merging it into the last one when it continues it.
 fn push_piece(out: &mut Vec<Piece>, guest: u64, len: u64, at: Where) {
     if let Some(last) = out.last_mut()
         && last.guest + last.len == guest
