@@ -282,6 +282,15 @@ mod tests {
     /// first `data` bytes are 0xa5 (the rest a hole), served as a chain
     /// through a queue and a metadata thread of its own.
     fn overlay_queue(dir: &std::path::Path, data: usize) -> (std::path::PathBuf, ChainQueue) {
+        overlay_queue_served(dir, data, false)
+    }
+
+    /// [`overlay_queue`], `direct`: served as with `--direct`.
+    fn overlay_queue_served(
+        dir: &std::path::Path,
+        data: usize,
+        direct: bool,
+    ) -> (std::path::PathBuf, ChainQueue) {
         let base = dir.join("base.raw");
         let f = std::fs::File::create(&base).unwrap();
         f.set_len(1 << 20).unwrap();
@@ -296,7 +305,7 @@ mod tests {
         crate::disk::qcow2::create(&file, &top, 1 << 20, 64 << 10, Some(("base.raw", "raw")))
             .unwrap();
         drop(file);
-        let live = Live::open(&top, Format::Qcow2, OpenOptions::default(), false, None);
+        let live = Live::open(&top, Format::Qcow2, OpenOptions::default(), direct, None);
         let live = Arc::new(live.unwrap());
         live.claim().unwrap();
         let mut q = ChainQueue::new(live, Meta::spawn().unwrap());
@@ -417,6 +426,47 @@ mod tests {
         q.finished();
         assert_eq!(r.pieces.len(), 1);
         assert_eq!(r.pieces[0].place, Place::Host(at));
+    }
+
+    /// Served with `--direct`, the same allocating write is left to the
+    /// engine (its O_DIRECT descriptor): one piece in the top, its head
+    /// and tail copied there already.
+    #[test]
+    fn with_direct_an_allocating_write_is_left_to_the_engine() {
+        let dir = tempfile::tempdir().unwrap();
+        let (top, mut q) = overlay_queue_served(dir.path(), 1 << 20, true);
+        let mem = Arc::new(
+            crate::virtio::GuestMem::from_ranges(&[(vm_memory::GuestAddress(0), 0x1000)]).unwrap(),
+        );
+        let bytes = vec![0x5au8; 8192];
+        // SAFETY: `bytes` outlives the buffers and every use of them
+        // below, and nothing writes it meanwhile.
+        let data = unsafe { GuestBuffers::private(&mem, Vec::new(), bytes.as_ptr(), 8192) };
+        q.start_slow(1, Op::Write, 12288, 8192, false, Some(data));
+        let Slow::Resolved(r) = answer(&mut q, 1) else {
+            panic!("the write resolves");
+        };
+        q.finished();
+        assert_eq!(r.ticket, None);
+        let [
+            Piece {
+                at: 0,
+                len: 8192,
+                place: Place::Host(at),
+            },
+        ] = r.pieces[..]
+        else {
+            panic!("one piece for the engine: {:?}", r.pieces);
+        };
+        let f = std::fs::File::open(&top).unwrap();
+        let mut cluster = vec![0u8; 65536];
+        f.read_exact_at(&mut cluster, at.offset - 12288).unwrap();
+        assert!(cluster[..12288].iter().all(|&b| b == 0xa5), "the head");
+        assert!(cluster[20480..].iter().all(|&b| b == 0xa5), "the tail");
+        assert!(
+            cluster[12288..20480].iter().all(|&b| b != 0x5a),
+            "the data is the engine's to write"
+        );
     }
 
     /// The chain machinery (`Live`, this view, the metadata thread) serves
