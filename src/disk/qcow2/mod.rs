@@ -719,8 +719,19 @@ impl Qcow2Image {
     fn read_locked(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
         let mut pieces = Vec::new();
         self.resolve_read(offset, offset + buf.len() as u64, &mut pieces)?;
+        self.read_resolved(offset, &pieces, buf)
+    }
+
+    /// Reads `pieces` (resolved for the range at `offset` that `buf`
+    /// covers) into `buf`. Under `meta`.
+    fn read_resolved(
+        &self,
+        offset: u64,
+        pieces: &[Piece],
+        buf: &mut [u8],
+    ) -> Result<(), FormatError> {
         let files = self.files();
-        for p in &pieces {
+        for p in pieces {
             let from = (p.guest - offset) as usize;
             let part = &mut buf[from..from + p.len as usize];
             read_piece(self, &files, p, part).map_err(FormatError::io("copy-on-write"))?;
@@ -760,12 +771,7 @@ impl Qcow2Image {
                     continue;
                 }
                 let mut bytes = vec![0u8; (to - from) as usize];
-                let files = self.files();
-                for p in &pieces {
-                    let at = (p.guest - from) as usize;
-                    read_piece(self, &files, p, &mut bytes[at..at + p.len as usize])
-                        .map_err(FormatError::io("copy-on-write"))?;
-                }
+                self.read_resolved(from, &pieces, &mut bytes)?;
                 // A raw base maps everything as data; a sparse one reads
                 // zeroes (the scan stops at the first byte that is not).
                 let zero = bytes.iter().all(|&b| b == 0);
@@ -790,10 +796,8 @@ impl Qcow2Image {
         // one freed and reused, or a zero cluster's own, and holds old
         // bytes.)
         let past_end = self.files[0]
-            .file()
-            .metadata()
+            .len_now()
             .map_err(FormatError::io("allocating"))?
-            .len()
             <= at;
         for (from, to, bytes) in keep {
             let host = at + (from - cstart);
