@@ -61,6 +61,8 @@ pub struct Served {
     /// The files the engine does data I/O on, top first (the image's own
     /// files again, or with `--direct` the same files opened O_DIRECT).
     io_files: Vec<File>,
+    /// Whether [`Served::io_files`] are open O_DIRECT (`--direct`).
+    direct: bool,
     /// Which chain this is (see [`Live::generation`]).
     pub generation: u64,
 }
@@ -75,6 +77,13 @@ impl Served {
     /// registers, in this order, for a `Where::Data { file }` to index.
     pub fn io_fds(&self) -> Vec<RawFd> {
         self.io_files.iter().map(AsRawFd::as_raw_fd).collect()
+    }
+
+    /// The top's O_DIRECT descriptor (`--direct`), the engine's: what the
+    /// image writes a cluster it allocates for a write through, with the
+    /// write's data ([`Image::resolve_write`]). None on a cached image.
+    pub fn direct_top(&self) -> Option<&File> {
+        self.io_files.first().filter(|_| self.direct)
     }
 }
 
@@ -337,7 +346,6 @@ impl Live {
             reason: e.to_string(),
         })?;
         let mut options = options;
-        options.direct = direct;
         let image = super::open(&path, format, &options)?;
         // Kept for the overlays of live snapshots, which need no
         // passphrase (an encrypted top's overlay takes a copy of its LUKS
@@ -349,6 +357,7 @@ impl Live {
             current: Mutex::new(Arc::new(Served {
                 image,
                 io_files,
+                direct,
                 generation: 0,
             })),
             generation: AtomicU64::new(0),
@@ -609,6 +618,7 @@ impl Live {
         *lock(&self.current) = Arc::new(Served {
             image,
             io_files,
+            direct: self.direct,
             generation,
         });
         self.generation.store(generation, Ordering::Release);

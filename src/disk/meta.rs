@@ -13,9 +13,11 @@
 //! into the request's buffers. It reads it for one thing: a write that
 //! allocates a cluster with a copy-on-write hands its buffers along
 //! ([`Work::Resolve`]'s `data`), and the image may write them with the
-//! copied head and tail as one pwritev (cached images: the engine would
-//! have written them through the same page cache); the request is in
-//! flight, and its buffers mapped, until the answer is reaped.
+//! copied head and tail as one write: through the page cache, or with
+//! `--direct` O_DIRECT through the engine's own descriptor
+//! ([`Served::direct_top`]), as the engine would have written them; the
+//! request is in flight, and its buffers mapped, until the answer is
+//! reaped.
 //!
 //! One thread per image, so one metadata operation at a time, which the
 //! format needs anyway (its `meta` lock). Jobs come in batches: the
@@ -48,7 +50,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::disk::reader::read_piece;
 use crate::disk::seam::{Piece, Place, Resolved, Slow, place};
-use crate::disk::{Commit, Dir, Served};
+use crate::disk::{Commit, Dir, Served, WriteData};
 use crate::metrics::RateLimiter;
 use crate::virtio::GuestBuffers;
 use crate::warn_limited;
@@ -364,7 +366,11 @@ fn resolve(
         // request stays in flight (its buffers the guest's to read) until
         // this answer is reaped.
         Some(data) if dir == Dir::Write => unsafe {
-            image.resolve_write(offset, len, data.iovecs(), &mut out)
+            let data = WriteData {
+                iovecs: data.iovecs(),
+                direct: job.served.direct_top(),
+            };
+            image.resolve_write(offset, len, data, &mut out)
         },
         _ => image.resolve(offset, len, dir, &mut out),
     };

@@ -252,6 +252,19 @@ impl FormatError {
 }
 
 /// An open image, beyond where its bytes are ([`Mapper`]): what the
+/// A write's bytes, lent to [`Image::resolve_write`].
+#[derive(Clone, Copy)]
+pub struct WriteData<'a> {
+    /// The request's buffers, from the write's offset on.
+    pub iovecs: &'a [libc::iovec],
+    /// The top's descriptor the engine writes through when it is O_DIRECT
+    /// (`--direct`; [`Served::direct_top`]): a format that writes the data
+    /// itself writes it through this one too (from an aligned buffer), so
+    /// that the data of a disk served O_DIRECT never goes through the
+    /// page cache. None: the image's own descriptor.
+    pub direct: Option<&'a File>,
+}
+
 /// metadata thread ([`meta`]), a served chain ([`Live`]) and the layer
 /// tests ask of any format. Each format implements it in its own file,
 /// beside its [`Mapper`]; [`open`] is the one place that picks one.
@@ -279,7 +292,7 @@ pub trait Image: Mapper {
         &self,
         offset: u64,
         len: u64,
-        _data: &[libc::iovec],
+        _data: WriteData<'_>,
         out: &mut Vec<Piece>,
     ) -> Result<Option<Commit>, FormatError> {
         self.resolve(offset, len, Dir::Write, out)

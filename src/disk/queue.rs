@@ -428,45 +428,74 @@ mod tests {
         assert_eq!(r.pieces[0].place, Place::Host(at));
     }
 
-    /// Served with `--direct`, the same allocating write is left to the
-    /// engine (its O_DIRECT descriptor): one piece in the top, its head
-    /// and tail copied there already.
+    /// Served with `--direct`, an allocating write goes with its copy
+    /// too, as one O_DIRECT write through the engine's descriptor: the
+    /// piece comes back done, the cluster holds head, data and tail, and
+    /// none of its pages is in the page cache (a write through the image's
+    /// own descriptor would have left them there, dirty). The write is
+    /// 512-byte aligned only, from an unaligned buffer: the image gathers
+    /// it in an aligned one and writes whole 4 KiB blocks around it.
     #[test]
-    fn with_direct_an_allocating_write_is_left_to_the_engine() {
+    fn with_direct_an_allocating_write_goes_with_its_copy_o_direct() {
         let dir = tempfile::tempdir().unwrap();
         let (top, mut q) = overlay_queue_served(dir.path(), 1 << 20, true);
         let mem = Arc::new(
             crate::virtio::GuestMem::from_ranges(&[(vm_memory::GuestAddress(0), 0x1000)]).unwrap(),
         );
-        let bytes = vec![0x5au8; 8192];
+        let bytes = vec![0x5au8; 1025];
+        let unaligned = &bytes[1..];
         // SAFETY: `bytes` outlives the buffers and every use of them
         // below, and nothing writes it meanwhile.
-        let data = unsafe { GuestBuffers::private(&mem, Vec::new(), bytes.as_ptr(), 8192) };
-        q.start_slow(1, Op::Write, 12288, 8192, false, Some(data));
+        let data = unsafe { GuestBuffers::private(&mem, Vec::new(), unaligned.as_ptr(), 1024) };
+        q.start_slow(1, Op::Write, 12800, 1024, false, Some(data));
         let Slow::Resolved(r) = answer(&mut q, 1) else {
             panic!("the write resolves");
         };
         q.finished();
         assert_eq!(r.ticket, None);
-        let [
-            Piece {
+        assert_eq!(
+            r.pieces,
+            vec![Piece {
                 at: 0,
-                len: 8192,
-                place: Place::Host(at),
-            },
-        ] = r.pieces[..]
-        else {
-            panic!("one piece for the engine: {:?}", r.pieces);
-        };
-        let f = std::fs::File::open(&top).unwrap();
-        let mut cluster = vec![0u8; 65536];
-        f.read_exact_at(&mut cluster, at.offset - 12288).unwrap();
-        assert!(cluster[..12288].iter().all(|&b| b == 0xa5), "the head");
-        assert!(cluster[20480..].iter().all(|&b| b == 0xa5), "the tail");
-        assert!(
-            cluster[12288..20480].iter().all(|&b| b != 0x5a),
-            "the data is the engine's to write"
+                len: 1024,
+                place: Place::Done
+            }]
         );
+        let Mapping::Host(at) = q.map(Op::Read, 0, 65536) else {
+            panic!("the cluster is cached");
+        };
+        q.finished();
+        let f = std::fs::File::open(&top).unwrap();
+        assert_eq!(resident_pages(&f, at.offset, 65536), 0, "written O_DIRECT");
+        let mut cluster = vec![0u8; 65536];
+        f.read_exact_at(&mut cluster, at.offset).unwrap();
+        assert!(cluster[..12800].iter().all(|&b| b == 0xa5), "the head");
+        assert!(cluster[12800..13824].iter().all(|&b| b == 0x5a), "the data");
+        assert!(cluster[13824..].iter().all(|&b| b == 0xa5), "the tail");
+    }
+
+    /// How many of the pages of `len` bytes at `offset` of `f` are in the
+    /// page cache (mincore over a mapping, which faults nothing in).
+    fn resident_pages(f: &std::fs::File, offset: u64, len: usize) -> usize {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh read-only shared mapping of the file, unmapped
+        // below; mincore writes one byte per page of it into `vec`, which
+        // has that many.
+        unsafe {
+            let addr = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                offset as libc::off_t,
+            );
+            assert_ne!(addr, libc::MAP_FAILED);
+            let mut vec = vec![0u8; len.div_ceil(4096)];
+            assert_eq!(libc::mincore(addr, len, vec.as_mut_ptr()), 0);
+            libc::munmap(addr, len);
+            vec.iter().filter(|&&b| b & 1 != 0).count()
+        }
     }
 
     /// The chain machinery (`Live`, this view, the metadata thread) serves

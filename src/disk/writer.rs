@@ -6,7 +6,7 @@
 
 use std::os::unix::fs::FileExt;
 
-use super::{Dir, FormatError, Image, Where};
+use super::{Dir, FormatError, Image, Where, WriteData};
 
 /// Writes `data` at guest byte `offset` of `img`; with `fua`, the data
 /// with an fdatasync of its own (as RWF_DSYNC) and a durable commit.
@@ -33,7 +33,13 @@ pub fn write(img: &dyn Image, offset: u64, data: &[u8], fua: bool) -> Result<(),
                 };
                 // SAFETY: the iovec covers `part`, p.len bytes of `data`,
                 // which the caller lends us for the call.
-                let t = unsafe { img.resolve_write(p.guest, p.len, &[iovec], &mut sub)? };
+                let t = unsafe {
+                    let data = WriteData {
+                        iovecs: &[iovec],
+                        direct: None,
+                    };
+                    img.resolve_write(p.guest, p.len, data, &mut sub)?
+                };
                 ticket = ticket.max(t);
                 for s in sub {
                     match s.at {

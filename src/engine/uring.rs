@@ -25,9 +25,9 @@ use io_uring::squeue;
 use slab::Slab;
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
-use super::bounce::AlignedBuf;
 use super::ring::{EngineError, Ring, UringOptions, op};
 use super::{Completions, Engine, Io, Op, Start, sync};
+use crate::io::AlignedBuf;
 use crate::metrics::{QueueMetrics, RateLimiter};
 use crate::virtio::{GuestMem, Status};
 use crate::warn_limited;

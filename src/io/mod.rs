@@ -2,9 +2,11 @@
 //! O_DIRECT alignment, file or block device). The engines that do I/O on it
 //! are [`crate::engine`].
 
+mod aligned;
 mod image;
 mod lock;
 
+pub use aligned::{AlignedBuf, BOUNCE_ALIGN};
 pub use image::{
     BLKDISCARD, BLKGETSIZE64, Image, ImageError, ImageOptions, device_size, serial_of,
 };

@@ -36,8 +36,9 @@ use imago::{FormatAccess, FormatCreateBuilder, Mapping};
 
 use super::luks::Crypt;
 use super::reader::read_piece;
-use super::{Commit, Dir, FormatError, Image, Mapper, Piece, Where};
+use super::{Commit, Dir, FormatError, Image, Mapper, Piece, Where, WriteData};
 use crate::crypto::key::Secret;
+use crate::io::{AlignedBuf, BOUNCE_ALIGN};
 use crate::virtio::slice_iovecs;
 use l2log::L2Log;
 use map_cache::{Loc, MAX_FILES, MapCache};
@@ -92,13 +93,6 @@ pub struct OpenOptions {
     /// open only: [`Live`](crate::disk::Live) keeps its options without
     /// it.
     pub passphrase: Option<Arc<Secret>>,
-    /// The engine writes the guest's data O_DIRECT (`--direct`; set by
-    /// [`Live::open`](crate::disk::Live::open)): an allocating write's
-    /// data is then left to it. Otherwise the copy-on-write writes the
-    /// data itself, with the copied head and tail, through the page cache
-    /// the engine would write it through anyway
-    /// ([`Image::resolve_write`](crate::disk::Image::resolve_write)).
-    pub direct: bool,
 }
 
 impl Default for OpenOptions {
@@ -114,7 +108,6 @@ impl Default for OpenOptions {
             backing_dirs: None,
             nofollow_top: false,
             passphrase: None,
-            direct: false,
         }
     }
 }
@@ -153,9 +146,6 @@ pub struct Qcow2Image {
     l2log: Option<Arc<L2Log>>,
     /// QEMU's persistent bitmaps of the top, if it has any.
     qemu: Option<Mutex<QemuBitmaps>>,
-    /// Whether an allocating write's data goes with its copy-on-write
-    /// (not [`OpenOptions::direct`]).
-    data_with_copy: bool,
 }
 
 /// What differs between the ways a [`Qcow2Image`] is made (an open, a
@@ -194,7 +184,6 @@ impl Qcow2Image {
             uncommitted: Mutex::new(Vec::new()),
             l2log: p.l2log,
             qemu: p.qemu.map(Mutex::new),
-            data_with_copy: !options.direct,
         }
     }
 
@@ -864,10 +853,11 @@ impl Qcow2Image {
     /// `meta`.
     ///
     /// `data`: the write's bytes from `offset` on; for a cluster it
-    /// allocates with a copy-on-write, when the engine writes through the
-    /// page cache and the top is not encrypted, they are written here with
-    /// the copied head and tail, one pwritev, and the piece is
-    /// [`Where::Written`].
+    /// allocates with a copy-on-write, when the top is not encrypted, they
+    /// are written here with the copied head and tail, one write, and the
+    /// piece is [`Where::Written`]: a pwritev through the page cache, or
+    /// with `--direct` one O_DIRECT pwrite of an aligned buffer through
+    /// the engine's descriptor.
     ///
     /// # Safety
     /// `data`, if given, as [`super::Image::resolve_write`] asks.
@@ -875,7 +865,7 @@ impl Qcow2Image {
         &self,
         offset: u64,
         end: u64,
-        data: Option<&[libc::iovec]>,
+        data: Option<WriteData<'_>>,
         out: &mut Vec<Piece>,
     ) -> Result<Option<Commit>, FormatError> {
         let cb = self.cluster_bits;
@@ -938,48 +928,43 @@ impl Qcow2Image {
                     }
                     // Through the ordering: the L2 entry waits for an
                     // fdatasync after them. With the guest's data between
-                    // head and tail when the page cache is where the engine
-                    // would write it too: one write of the cluster's
-                    // written part.
+                    // head and tail: one write of the cluster's written
+                    // part, through the page cache or O_DIRECT as the
+                    // engine would have written the data.
                     let top = &self.files[0];
-                    let data = data.filter(|_| {
-                        self.data_with_copy && top.crypt().is_none() && !copies.is_empty()
+                    let data = data.filter(|d| {
+                        top.crypt().is_none()
+                            && !copies.is_empty()
+                            && (d.direct.is_none() || csize >= BOUNCE_ALIGN as u64)
                     });
-                    let reaches_end = copies
-                        .last()
-                        .is_some_and(|(at, b)| at + b.len() as u64 == host + (cend - cstart))
-                        || (data.is_some() && wend == cend);
                     let wrote = match data {
                         Some(d) => {
-                            let at_data = host + (pos - cstart);
-                            let mut iovecs = Vec::with_capacity(d.len() + 2);
-                            let mut start = at_data;
-                            for (at, bytes) in &copies {
-                                if *at < at_data {
-                                    start = *at;
-                                    iovecs.push(iovec_of(bytes));
-                                }
-                            }
-                            let from = (pos - offset) as usize;
-                            slice_iovecs(d, from, (wend - pos) as usize, &mut iovecs);
-                            for (at, bytes) in &copies {
-                                if *at > at_data {
-                                    iovecs.push(iovec_of(bytes));
-                                }
-                            }
                             written = true;
-                            // SAFETY: the copies live in `copies` across the
-                            // call; the rest are inside `data`'s iovecs,
-                            // readable for the call (our caller's promise).
-                            unsafe { top.copy_writev(&iovecs, start) }
+                            let from = (pos - offset) as usize;
+                            let guest = (pos - cstart, wend - pos);
+                            match d.direct {
+                                // SAFETY: `d.iovecs` readable for the call
+                                // (our caller's promise).
+                                None => unsafe {
+                                    write_with_copies(top, host, &copies, d.iovecs, from, guest)
+                                },
+                                // SAFETY: as above.
+                                Some(f) => unsafe {
+                                    write_cluster_direct(
+                                        top, f, host, csize, &copies, d.iovecs, from, guest,
+                                    )
+                                },
+                            }
                         }
                         None => copies
                             .iter()
-                            .try_for_each(|(at, bytes)| top.copy_write(bytes, *at)),
+                            .try_for_each(|(at, bytes)| top.copy_write(bytes, *at))
+                            .map(|()| copies.last().map_or(0, |(at, b)| at + b.len() as u64)),
                     };
                     // Inside the file before an L2 entry can point here:
                     // the write did it if it reached the cluster's end.
-                    if wrote.is_err() || !reaches_end {
+                    let reaches_end = matches!(wrote, Ok(e) if e >= host + (cend - cstart));
+                    if !reaches_end {
                         top.cover(host + csize)
                             .map_err(FormatError::io("allocating"))?;
                     }
@@ -1413,6 +1398,96 @@ fn iovec_of(bytes: &[u8]) -> libc::iovec {
     }
 }
 
+/// Writes a cluster's copied head (`copies` before the guest's range),
+/// the guest's `len` bytes from byte `from` of `data` at cluster offset
+/// `at`, and its copied tail, as one pwritev through the top's ordering
+/// ([`FileState::copy_writev`]). `copies` are adjacent to the guest's
+/// range (as [`Qcow2Image::allocate_cow`] makes them). Returns the host
+/// offset the write ended at.
+///
+/// # Safety
+/// `data` readable for the call.
+unsafe fn write_with_copies(
+    top: &FileState,
+    host: u64,
+    copies: &[(u64, Vec<u8>)],
+    data: &[libc::iovec],
+    from: usize,
+    (at, len): (u64, u64),
+) -> io::Result<u64> {
+    let at_data = host + at;
+    let mut iovecs = Vec::with_capacity(data.len() + 2);
+    let mut start = at_data;
+    for (at, bytes) in copies {
+        if *at < at_data {
+            start = *at;
+            iovecs.push(iovec_of(bytes));
+        }
+    }
+    slice_iovecs(data, from, len as usize, &mut iovecs);
+    for (at, bytes) in copies {
+        if *at > at_data {
+            iovecs.push(iovec_of(bytes));
+        }
+    }
+    let end = start + iovecs.iter().map(|v| v.iov_len as u64).sum::<u64>();
+    // SAFETY: the copies live in `copies` across the call; the rest are
+    // inside `data`'s iovecs, readable for the call (our caller's
+    // promise).
+    unsafe { top.copy_writev(None, &iovecs, start)? };
+    Ok(end)
+}
+
+/// [`write_with_copies`] with `--direct`: head, the guest's bytes and
+/// tail gathered in one aligned buffer of the cluster's `csize` bytes
+/// (zeroes where nothing is copied, which is what the file reads there),
+/// written O_DIRECT through `direct` (the engine's descriptor of the top)
+/// from the first to the last written byte, widened to [`BOUNCE_ALIGN`]
+/// (a multiple of every O_DIRECT alignment the engine accepts;
+/// `csize` is one too).
+///
+/// # Safety
+/// `data` readable for the call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn write_cluster_direct(
+    top: &FileState,
+    direct: &File,
+    host: u64,
+    csize: u64,
+    copies: &[(u64, Vec<u8>)],
+    data: &[libc::iovec],
+    from: usize,
+    (at, len): (u64, u64),
+) -> io::Result<u64> {
+    let mut buf = AlignedBuf::new(csize as usize)
+        .ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
+    let b = buf.as_mut_slice();
+    let (mut lo, mut hi) = (at as usize, (at + len) as usize);
+    for (h, bytes) in copies {
+        let o = (h - host) as usize;
+        b[o..o + bytes.len()].copy_from_slice(bytes);
+        lo = lo.min(o);
+        hi = hi.max(o + bytes.len());
+    }
+    let mut parts = Vec::new();
+    slice_iovecs(data, from, len as usize, &mut parts);
+    let mut o = at as usize;
+    for v in parts {
+        // SAFETY: inside `data`'s iovecs, readable for the call (our
+        // caller's promise); guest memory the guest may change meanwhile
+        // is only copied, as the engine's write would have read it.
+        let part = unsafe { std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len) };
+        b[o..o + part.len()].copy_from_slice(part);
+        o += part.len();
+    }
+    let lo = lo / BOUNCE_ALIGN * BOUNCE_ALIGN;
+    let hi = hi.div_ceil(BOUNCE_ALIGN) * BOUNCE_ALIGN;
+    let iovec = [iovec_of(&b[lo..hi])];
+    // SAFETY: the iovec covers `buf`, alive across the call.
+    unsafe { top.copy_writev(Some(direct), &iovec, host + lo as u64)? };
+    Ok(host + hi as u64)
+}
+
 /// Appends a piece, merging it into the last one when it continues it.
 fn push_piece(out: &mut Vec<Piece>, guest: u64, len: u64, at: Where) {
     if let Some(last) = out.last_mut()
@@ -1778,11 +1853,11 @@ impl Image for Qcow2Image {
         &self,
         offset: u64,
         len: u64,
-        data: &[libc::iovec],
+        data: WriteData<'_>,
         out: &mut Vec<Piece>,
     ) -> Result<Option<Commit>, FormatError> {
         self.check(offset, len, Dir::Write)?;
-        let covered: usize = data.iter().map(|v| v.iov_len).sum();
+        let covered: usize = data.iovecs.iter().map(|v| v.iov_len).sum();
         if covered as u64 != len {
             return Err(FormatError::Io {
                 context: "writing",

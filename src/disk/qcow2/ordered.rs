@@ -1002,16 +1002,24 @@ impl FileState {
 
     /// [`FileState::copy_write`] of the bytes `iovecs` point to, as one
     /// pwritev at `offset` (a cluster's copied head, a write's data from
-    /// guest memory, its copied tail).
+    /// guest memory, its copied tail); `through`: another descriptor of
+    /// this file to write them through (the engine's O_DIRECT one, with
+    /// `--direct`; the caller aligns), else this one's.
     ///
     /// # Safety
     /// Every iovec points to memory readable for its length for the whole
     /// call (guest memory: its mapping held by the caller's buffers).
-    pub unsafe fn copy_writev(&self, iovecs: &[libc::iovec], offset: u64) -> io::Result<()> {
+    pub unsafe fn copy_writev(
+        &self,
+        through: Option<&File>,
+        iovecs: &[libc::iovec],
+        offset: u64,
+    ) -> io::Result<()> {
         let len: usize = iovecs.iter().map(|v| v.iov_len).sum();
+        let file = through.unwrap_or(&self.file);
         let Some(order) = &self.order else {
             // SAFETY: as the caller promises.
-            return unsafe { pwritev_all(&self.file, iovecs, offset) };
+            return unsafe { pwritev_all(file, iovecs, offset) };
         };
         let mut o = lock(order);
         if o.frozen {
@@ -1021,7 +1029,7 @@ impl FileState {
             ));
         }
         // SAFETY: as the caller promises.
-        unsafe { pwritev_all(&self.file, iovecs, offset)? };
+        unsafe { pwritev_all(file, iovecs, offset)? };
         self.size.fetch_max(offset + len as u64, Ordering::Relaxed);
         if let Some(j) = &self.journal {
             let mut data = Vec::with_capacity(len);
