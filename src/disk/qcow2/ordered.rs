@@ -640,12 +640,23 @@ impl FileState {
                 }
             };
             let bits = 1u32 << o.refcount_order;
-            for (i, (new, old)) in data.chunks_exact(8).zip(prev.chunks_exact(8)).enumerate() {
-                if new != old {
-                    if refblock && refcount_max(old, new, bits) != new {
-                        return Ok(Some(data));
+            // A commit changes a few words of a 64 KiB table: equal
+            // blocks are skipped with one comparison each (a word at a
+            // time was 5% of an allocating write's CPU).
+            for (b, (new, old)) in data
+                .chunks(DIFF_BLOCK)
+                .zip(prev.chunks(DIFF_BLOCK))
+                .enumerate()
+                .filter(|(_, (new, old))| new != old)
+            {
+                for (i, (new, old)) in new.chunks_exact(8).zip(old.chunks_exact(8)).enumerate() {
+                    if new != old {
+                        if refblock && refcount_max(old, new, bits) != new {
+                            return Ok(Some(data));
+                        }
+                        let at = b * DIFF_BLOCK + 8 * i;
+                        changed.push((offset + at as u64, be64(new, 0)));
                     }
-                    changed.push((offset + 8 * i as u64, be64(new, 0)));
                 }
             }
         }
@@ -1173,6 +1184,10 @@ fn check_layout(o: &Order) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// The bytes [`FileState::hold`] compares a table in at a time before
+/// it looks for the changed words (a multiple of 8).
+const DIFF_BLOCK: usize = 256;
 
 /// Entry by entry, the larger of two refblocks' refcounts (`bits` wide:
 /// big-endian from 8 bits on, packed from the low bits of a byte below).
