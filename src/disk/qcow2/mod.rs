@@ -733,38 +733,42 @@ impl Qcow2Image {
     /// imago copies nothing (the whole cluster is allocated as
     /// overwritten), and the rest of the cluster (head and tail) is read
     /// through the chain as the guest sees it, decrypted and, when the top
-    /// is encrypted, encrypted for its new place, then put in `copies`
-    /// (host offset, bytes) for the caller to write once the cluster is
-    /// checked. Where the chain has no data (unallocated to the bottom, or
-    /// zero clusters) nothing is read; and where the new cluster lies past
-    /// the end of the file, zeroes (known so, or read so) need no write
-    /// either, since the file reads as zeroes there (QEMU skips a copy of
-    /// zeroes the same way, `is_zero_cow`). Returns the cluster's host
-    /// offset. Under `meta`.
+    /// is encrypted, encrypted for its new place, into one [`Cow`] for the
+    /// caller to write once the cluster is checked. Where the chain has no
+    /// data (unallocated to the bottom, or zero clusters) nothing is read;
+    /// and where the new cluster lies past the end of the file, zeroes
+    /// (known so, or read so) need no write either, since the file reads
+    /// as zeroes there (QEMU skips a copy of zeroes the same way,
+    /// `is_zero_cow`). Returns the cluster's host offset. Under `meta`.
     fn allocate_cow(
         &self,
         pos: u64,
         wend: u64,
         cstart: u64,
         cend: u64,
-        copies: &mut Vec<(u64, Vec<u8>)>,
-    ) -> Result<u64, FormatError> {
-        // (guest offset, bytes; None: zeroes)
+    ) -> Result<(u64, Cow), FormatError> {
+        let csize = 1usize << self.cluster_bits;
+        let mut buf = AlignedBuf::new(csize).ok_or_else(|| FormatError::Io {
+            context: "copy-on-write",
+            source: io::ErrorKind::OutOfMemory.into(),
+        })?;
+        // (cluster offsets, whether they hold data)
         let mut keep = Vec::new();
         for (from, to) in [(cstart, pos), (wend, cend)] {
             if from < to {
+                let part = (from - cstart) as usize..(to - cstart) as usize;
                 let mut pieces = Vec::new();
                 self.resolve_read(from, to, &mut pieces)?;
                 if pieces.iter().all(|p| p.at == Where::Zero) {
-                    keep.push((from, to, None));
+                    keep.push((part, false));
                     continue;
                 }
-                let mut bytes = vec![0u8; (to - from) as usize];
-                self.read_resolved(from, &pieces, &mut bytes)?;
+                let bytes = &mut buf.as_mut_slice()[part.clone()];
+                self.read_resolved(from, &pieces, bytes)?;
                 // A raw base maps everything as data; a sparse one reads
                 // zeroes (the scan stops at the first byte that is not).
-                let zero = bytes.iter().all(|&b| b == 0);
-                keep.push((from, to, (!zero).then_some(bytes)));
+                let data = bytes.iter().any(|&b| b != 0);
+                keep.push((part, data));
             }
         }
         let (_, at, got) = self
@@ -788,21 +792,23 @@ impl Qcow2Image {
             .len_now()
             .map_err(FormatError::io("allocating"))?
             <= at;
-        for (from, to, bytes) in keep {
-            let host = at + (from - cstart);
-            let mut bytes = match bytes {
-                None if past_end && self.files[0].crypt().is_none() => continue,
-                None => vec![0u8; (to - from) as usize],
-                Some(b) => b,
-            };
-            if let Some(c) = self.files[0].crypt() {
-                let done = c.encrypt(host, &mut bytes);
+        let crypt = self.files[0].crypt();
+        let mut copies = Vec::new();
+        for (part, data) in keep {
+            if !data && past_end && crypt.is_none() {
+                continue;
+            }
+            if let Some(c) = crypt {
+                let done = c.encrypt(
+                    at + part.start as u64,
+                    &mut buf.as_mut_slice()[part.clone()],
+                );
                 crate::crypto::key::scrub_after_pass();
                 done.map_err(|e| FormatError::io("copy-on-write")(io::Error::other(e)))?;
             }
-            copies.push((host, bytes));
+            copies.push(part);
         }
-        Ok(at)
+        Ok((at, Cow { buf, copies }))
     }
 
     /// Writes the guest's `data` at `offset` (allocating, with
@@ -912,8 +918,7 @@ impl Qcow2Image {
                     // before the data write: the file covers the cluster
                     // first (`cover`), and the copies are written before
                     // any commit can run.
-                    let mut copies = Vec::new();
-                    let host = self.allocate_cow(pos, wend, cstart, cend, &mut copies)?;
+                    let (host, mut cow) = self.allocate_cow(pos, wend, cstart, cend)?;
                     if self.files[0].is_metadata(host >> cb) {
                         return Err(FormatError::Io {
                             context: "allocating",
@@ -934,7 +939,7 @@ impl Qcow2Image {
                     let top = &self.files[0];
                     let data = data.filter(|d| {
                         top.crypt().is_none()
-                            && !copies.is_empty()
+                            && !cow.copies.is_empty()
                             && (d.direct.is_none() || csize >= BOUNCE_ALIGN as u64)
                     });
                     let wrote = match data {
@@ -946,20 +951,26 @@ impl Qcow2Image {
                                 // SAFETY: `d.iovecs` readable for the call
                                 // (our caller's promise).
                                 None => unsafe {
-                                    write_with_copies(top, host, &copies, d.iovecs, from, guest)
+                                    write_with_copies(top, host, &cow, d.iovecs, from, guest)
                                 },
                                 // SAFETY: as above.
                                 Some(f) => unsafe {
                                     write_cluster_direct(
-                                        top, f, host, csize, &copies, d.iovecs, from, guest,
+                                        top, f, host, &mut cow, d.iovecs, from, guest,
                                     )
                                 },
                             }
                         }
-                        None => copies
+                        None => cow
+                            .copies
                             .iter()
-                            .try_for_each(|(at, bytes)| top.copy_write(bytes, *at))
-                            .map(|()| copies.last().map_or(0, |(at, b)| at + b.len() as u64)),
+                            .try_for_each(|r| {
+                                top.copy_write(
+                                    &cow.buf.as_slice()[r.clone()],
+                                    host + r.start as u64,
+                                )
+                            })
+                            .map(|()| cow.copies.last().map_or(0, |r| host + r.end as u64)),
                     };
                     // Inside the file before an L2 entry can point here:
                     // the write did it if it reached the cluster's end.
@@ -1398,80 +1409,73 @@ fn iovec_of(bytes: &[u8]) -> libc::iovec {
     }
 }
 
-/// Writes a cluster's copied head (`copies` before the guest's range),
-/// the guest's `len` bytes from byte `from` of `data` at cluster offset
-/// `at`, and its copied tail, as one pwritev through the top's ordering
-/// ([`FileState::copy_writev`]). `copies` are adjacent to the guest's
-/// range (as [`Qcow2Image::allocate_cow`] makes them). Returns the host
-/// offset the write ended at.
+/// A cluster's copy-on-write ([`Qcow2Image::allocate_cow`]): the
+/// cluster's bytes as the guest reads them, encrypted for the top when it
+/// is, in one aligned buffer of the cluster's size (zeroes where nothing
+/// was read, and in the write's own range), and the ranges of it to
+/// write (cluster offsets: the head before the write's range, the tail
+/// after it, each next to it; none where the file reads as them already).
+struct Cow {
+    buf: AlignedBuf,
+    copies: Vec<std::ops::Range<usize>>,
+}
+
+/// Writes a cluster's copied head, the guest's `len` bytes from byte
+/// `from` of `data` at cluster offset `at`, and its copied tail, as one
+/// pwritev through the top's ordering ([`FileState::copy_writev`]).
+/// Returns the host offset the write ended at.
 ///
 /// # Safety
 /// `data` readable for the call.
 unsafe fn write_with_copies(
     top: &FileState,
     host: u64,
-    copies: &[(u64, Vec<u8>)],
+    cow: &Cow,
     data: &[libc::iovec],
     from: usize,
     (at, len): (u64, u64),
 ) -> io::Result<u64> {
-    let at_data = host + at;
+    let at = at as usize;
+    let copy = |r: &std::ops::Range<usize>| iovec_of(&cow.buf.as_slice()[r.clone()]);
     let mut iovecs = Vec::with_capacity(data.len() + 2);
-    let mut start = at_data;
-    for (at, bytes) in copies {
-        if *at < at_data {
-            start = *at;
-            iovecs.push(iovec_of(bytes));
-        }
-    }
+    let head = cow.copies.iter().find(|r| r.start < at);
+    let tail = cow.copies.iter().find(|r| r.start > at);
+    iovecs.extend(head.map(copy));
     slice_iovecs(data, from, len as usize, &mut iovecs);
-    for (at, bytes) in copies {
-        if *at > at_data {
-            iovecs.push(iovec_of(bytes));
-        }
-    }
-    let end = start + iovecs.iter().map(|v| v.iov_len as u64).sum::<u64>();
-    // SAFETY: the copies live in `copies` across the call; the rest are
+    iovecs.extend(tail.map(copy));
+    let start = head.map_or(at, |r| r.start);
+    let end = tail.map_or(at + len as usize, |r| r.end);
+    // SAFETY: the copies live in `cow` across the call; the rest are
     // inside `data`'s iovecs, readable for the call (our caller's
     // promise).
-    unsafe { top.copy_writev(None, &iovecs, start)? };
-    Ok(end)
+    unsafe { top.copy_writev(None, &iovecs, host + start as u64)? };
+    Ok(host + end as u64)
 }
 
-/// [`write_with_copies`] with `--direct`: head, the guest's bytes and
-/// tail gathered in one aligned buffer of the cluster's `csize` bytes
-/// (zeroes where nothing is copied, which is what the file reads there),
-/// written O_DIRECT through `direct` (the engine's descriptor of the top)
-/// from the first to the last written byte, widened to [`BOUNCE_ALIGN`]
-/// (a multiple of every O_DIRECT alignment the engine accepts;
-/// `csize` is one too).
+/// [`write_with_copies`] with `--direct`: the guest's bytes copied into
+/// the cluster's buffer between head and tail, and the buffer written
+/// O_DIRECT through `direct` (the engine's descriptor of the top) from
+/// the first to the last byte to write, widened to [`BOUNCE_ALIGN`] (a
+/// multiple of every O_DIRECT alignment the engine accepts; the cluster
+/// size is one too, as the caller checks): what it widens over reads as
+/// the buffer's zeroes already.
 ///
 /// # Safety
 /// `data` readable for the call.
-#[allow(clippy::too_many_arguments)]
 unsafe fn write_cluster_direct(
     top: &FileState,
     direct: &File,
     host: u64,
-    csize: u64,
-    copies: &[(u64, Vec<u8>)],
+    cow: &mut Cow,
     data: &[libc::iovec],
     from: usize,
     (at, len): (u64, u64),
 ) -> io::Result<u64> {
-    let mut buf = AlignedBuf::new(csize as usize)
-        .ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
-    let b = buf.as_mut_slice();
-    let (mut lo, mut hi) = (at as usize, (at + len) as usize);
-    for (h, bytes) in copies {
-        let o = (h - host) as usize;
-        b[o..o + bytes.len()].copy_from_slice(bytes);
-        lo = lo.min(o);
-        hi = hi.max(o + bytes.len());
-    }
+    let at = at as usize;
+    let b = cow.buf.as_mut_slice();
     let mut parts = Vec::new();
     slice_iovecs(data, from, len as usize, &mut parts);
-    let mut o = at as usize;
+    let mut o = at;
     for v in parts {
         // SAFETY: inside `data`'s iovecs, readable for the call (our
         // caller's promise); guest memory the guest may change meanwhile
@@ -1480,10 +1484,12 @@ unsafe fn write_cluster_direct(
         b[o..o + part.len()].copy_from_slice(part);
         o += part.len();
     }
+    let lo = cow.copies.iter().map(|r| r.start).fold(at, usize::min);
+    let hi = cow.copies.iter().map(|r| r.end).fold(o, usize::max);
     let lo = lo / BOUNCE_ALIGN * BOUNCE_ALIGN;
     let hi = hi.div_ceil(BOUNCE_ALIGN) * BOUNCE_ALIGN;
     let iovec = [iovec_of(&b[lo..hi])];
-    // SAFETY: the iovec covers `buf`, alive across the call.
+    // SAFETY: the iovec covers part of `cow.buf`, alive across the call.
     unsafe { top.copy_writev(Some(direct), &iovec, host + lo as u64)? };
     Ok(host + hi as u64)
 }
