@@ -272,7 +272,8 @@ pub struct ServeArgs {
 
     /// Turn off the checks that stop busy-polling when it hurts (the
     /// thread was preempted, another ringblk thread polls on its CPU, the
-    /// window keeps expiring empty). For measuring what they are worth.
+    /// window keeps expiring empty), and the yield between two looks. For
+    /// measuring what they are worth.
     #[arg(long, hide = true)]
     pub no_poll_checks: bool,
 

@@ -31,6 +31,16 @@
 //!   pollers on one CPU only take turns by preemption; it does not poll;
 //! - the window keeps expiring with nothing found: after [`MISS_LIMIT`]
 //!   empty windows in a row the window halves.
+//!
+//! And between two looks it yields the CPU ([`yield_cpu`]): the event it
+//! waits for may need a thread on its own CPU to run first (an io_uring
+//! worker doing a buffered write, which ext4 always punts there; the
+//! metadata thread; the block layer's completion work), which would
+//! otherwise wait for the next preemption. With nothing else runnable
+//! the call returns at once. Measured (raw image, one queue, the daemon
+//! on one CPU): cached 4k randwrite at depth 16 went from 24.9k to
+//! 32-34k IOPS, as with polling off; O_DIRECT randread at depth 1 from
+//! 13.1-13.7k to 14.4-16.7k; cached randread at depth 16 unchanged.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -203,6 +213,16 @@ impl AdaptivePoll {
             self.shrink(wait);
         }
     }
+}
+
+/// Lets another thread runnable on this CPU run now (`sched_yield`),
+/// between two looks of a polling window; returns at once when there is
+/// none. A yield that lasts past [`PREEMPT_GAP`] ends the window as a
+/// preemption does: someone wanted the CPU.
+pub fn yield_cpu() {
+    // SAFETY: sched_yield takes no arguments and touches no memory of
+    // ours.
+    unsafe { libc::sched_yield() };
 }
 
 /// Involuntary context switches of the calling thread so far.

@@ -83,7 +83,7 @@ use crate::{info_limited, warn_limited};
 
 use super::arrivals::Arrivals;
 use super::inflight::InflightQueue;
-use super::poll::{AdaptivePoll, CpuClaim, Outcome, PREEMPT_GAP, Wait};
+use super::poll::{AdaptivePoll, CpuClaim, Outcome, PREEMPT_GAP, Wait, yield_cpu};
 use super::resubmit::Replay;
 use super::timer::Timer;
 
@@ -663,7 +663,11 @@ impl<E: Engine> QueueWorker<E> {
             if now >= deadline {
                 break Outcome::Expired;
             }
-            std::hint::spin_loop();
+            if checks {
+                yield_cpu();
+            } else {
+                std::hint::spin_loop();
+            }
         };
         let spent = last.saturating_duration_since(start).saturating_sub(lost);
         QueueMetrics::add(
