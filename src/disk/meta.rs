@@ -19,6 +19,11 @@
 //! request is in flight, and its buffers mapped, until the answer is
 //! reaped.
 //!
+//! When no job waits, the thread caches mappings ahead: after a miss,
+//! the rest of what the L2 table there maps, a step at a time
+//! ([`crate::disk::Image::warm_step`]), so that the next requests there
+//! take the fast path.
+//!
 //! One thread per image, so one metadata operation at a time, which the
 //! format needs anyway (its `meta` lock). Jobs come in batches: the
 //! thread takes every job waiting, answers the resolves, zeroes and
@@ -42,7 +47,7 @@
 //! ends with the fdatasync that must follow its data.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -181,13 +186,37 @@ fn run(rx: Receiver<Job>) {
     let mut commits = Vec::new();
     let mut allocated: Vec<(Resolved, Job)> = Vec::new();
     let mut woken: Vec<Arc<Inbox>> = Vec::new();
-    while let Ok(first) = rx.recv() {
+    // Chains with mappings to cache ahead ([`Image::missed`]), worked on
+    // a step at a time while no job waits.
+    let mut warming: Vec<Arc<Served>> = Vec::new();
+    loop {
+        let first = if warming.is_empty() {
+            match rx.recv() {
+                Ok(job) => job,
+                Err(_) => break,
+            }
+        } else {
+            match rx.try_recv() {
+                Ok(job) => job,
+                Err(TryRecvError::Empty) => {
+                    warming.retain(|s| s.image.warm_step());
+                    continue;
+                }
+                Err(TryRecvError::Disconnected) => break,
+            }
+        };
         batch.push(first);
         batch.extend(rx.try_iter());
         for job in batch.drain(..) {
             if let Work::Commit { ticket, durable } = job.work {
                 commits.push(((ticket, durable), job));
                 continue;
+            }
+            if let Work::Resolve { offset, .. } = job.work
+                && job.served.image.missed(offset)
+                && !warming.iter().any(|s| Arc::ptr_eq(s, &job.served))
+            {
+                warming.push(job.served.clone());
             }
             let answer = work(&job, &mut log_limit);
             match answer {

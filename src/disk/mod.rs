@@ -347,6 +347,20 @@ pub trait Image: Mapper {
         false
     }
 
+    /// A request at `offset` missed the mapping cache: the format may note
+    /// mappings around it to cache ahead of the next requests
+    /// ([`Image::warm_step`]). True when it noted something new.
+    fn missed(&self, _offset: u64) -> bool {
+        false
+    }
+
+    /// Caches a step of the mappings [`Image::missed`] noted, for the
+    /// metadata thread to call when idle; true while more are left.
+    /// Blocks (briefly: one step).
+    fn warm_step(&self) -> bool {
+        false
+    }
+
     /// The transform of each file of the chain ([`Mapper::crypt`], shared
     /// with the engine: [`seam::Format::crypts`]); empty when none is
     /// encrypted.

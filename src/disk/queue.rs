@@ -498,6 +498,37 @@ mod tests {
         }
     }
 
+    /// A miss caches ahead: once the metadata thread has answered a read
+    /// that missed, and has nothing else to do, the rest of what the L2
+    /// table there maps enters the cache, and a read elsewhere in it maps
+    /// at once (here, the last granule of a 1 MiB disk read through from
+    /// its base).
+    #[test]
+    fn a_miss_caches_the_rest_of_its_table() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_top, mut q) = overlay_queue(dir.path(), 1 << 20);
+        let last = (1 << 20) - 65536;
+        assert_eq!(q.map(Op::Read, last, 4096), Mapping::Slow);
+        q.finished();
+        assert_eq!(q.map(Op::Read, 0, 4096), Mapping::Slow);
+        q.finished();
+        q.start_slow(1, Op::Read, 0, 4096, false, None);
+        let Slow::Resolved(_) = answer(&mut q, 1) else {
+            panic!("the read resolves");
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let m = q.map(Op::Read, last, 4096);
+            q.finished();
+            if let Mapping::Host(at) = m {
+                assert_eq!(at.file, 1, "the base's data");
+                break;
+            }
+            assert!(Instant::now() < deadline, "never cached ahead: {m:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// The chain machinery (`Live`, this view, the metadata thread) serves
     /// any format's `Image`, not only qcow2's: a raw file opened through
     /// `disk::open` and served as a chain maps in place, has its

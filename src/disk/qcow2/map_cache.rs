@@ -68,6 +68,11 @@ pub struct MapCache {
 }
 
 impl MapCache {
+    /// Most entries it holds.
+    pub fn capacity(&self) -> usize {
+        self.per_shard * SHARDS
+    }
+
     pub fn new(capacity: usize) -> MapCache {
         MapCache {
             shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
@@ -111,8 +116,8 @@ impl MapCache {
         }
     }
 
-    #[cfg(test)]
-    fn len(&self) -> usize {
+    /// Entries cached now (one read lock per shard).
+    pub fn entries(&self) -> usize {
         self.shards
             .iter()
             .map(|s| s.read().unwrap_or_else(|e| e.into_inner()).len())
@@ -140,6 +145,6 @@ mod tests {
         for g in 0..10_000 {
             c.insert(g, Loc::Zero);
         }
-        assert!(c.len() <= 128, "cache grew to {}", c.len());
+        assert!(c.entries() <= 128, "cache grew to {}", c.entries());
     }
 }
