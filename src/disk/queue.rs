@@ -390,24 +390,8 @@ mod tests {
         let data = unsafe { GuestBuffers::private(&mem, Vec::new(), bytes.as_ptr(), 8192) };
 
         assert_eq!(q.map(Op::Write, 12288, 8192), Mapping::Slow);
-        q.start_slow(1, Op::Write, 12288, 8192, false, Some(data));
-        let Slow::Resolved(r) = answer(&mut q, 1) else {
-            panic!("the write resolves");
-        };
         q.finished();
-        assert_eq!(r.ticket, None);
-        assert_eq!(
-            r.pieces,
-            vec![Piece {
-                at: 0,
-                len: 8192,
-                place: Place::Done
-            }]
-        );
-        let Mapping::Host(at) = q.map(Op::Read, 0, 65536) else {
-            panic!("the cluster is cached");
-        };
-        q.finished();
+        let at = written_with_its_copy(&mut q, data, 12288, 8192);
         let f = std::fs::File::open(&top).unwrap();
         let mut cluster = vec![0u8; 65536];
         f.read_exact_at(&mut cluster, at.offset).unwrap();
@@ -447,8 +431,29 @@ mod tests {
         // SAFETY: `bytes` outlives the buffers and every use of them
         // below, and nothing writes it meanwhile.
         let data = unsafe { GuestBuffers::private(&mem, Vec::new(), unaligned.as_ptr(), 1024) };
-        q.start_slow(1, Op::Write, 12800, 1024, false, Some(data));
-        let Slow::Resolved(r) = answer(&mut q, 1) else {
+        let at = written_with_its_copy(&mut q, data, 12800, 1024);
+        let f = std::fs::File::open(&top).unwrap();
+        assert_eq!(resident_pages(&f, at.offset, 65536), 0, "written O_DIRECT");
+        let mut cluster = vec![0u8; 65536];
+        f.read_exact_at(&mut cluster, at.offset).unwrap();
+        assert!(cluster[..12800].iter().all(|&b| b == 0xa5), "the head");
+        assert!(cluster[12800..13824].iter().all(|&b| b == 0x5a), "the data");
+        assert!(cluster[13824..].iter().all(|&b| b == 0xa5), "the tail");
+    }
+
+    /// Writes `data` (`len` bytes at `offset`, in the disk's first
+    /// cluster, which the top does not have): the metadata thread writes
+    /// it with the cluster's copy, and answers committed (no ticket) and
+    /// done (one piece, nothing for the engine). Returns where the cluster
+    /// is, from the cache.
+    fn written_with_its_copy(
+        q: &mut ChainQueue,
+        data: GuestBuffers,
+        offset: u64,
+        len: u32,
+    ) -> Extent {
+        q.start_slow(1, Op::Write, offset, u64::from(len), false, Some(data));
+        let Slow::Resolved(r) = answer(q, 1) else {
             panic!("the write resolves");
         };
         q.finished();
@@ -457,7 +462,7 @@ mod tests {
             r.pieces,
             vec![Piece {
                 at: 0,
-                len: 1024,
+                len,
                 place: Place::Done
             }]
         );
@@ -465,13 +470,7 @@ mod tests {
             panic!("the cluster is cached");
         };
         q.finished();
-        let f = std::fs::File::open(&top).unwrap();
-        assert_eq!(resident_pages(&f, at.offset, 65536), 0, "written O_DIRECT");
-        let mut cluster = vec![0u8; 65536];
-        f.read_exact_at(&mut cluster, at.offset).unwrap();
-        assert!(cluster[..12800].iter().all(|&b| b == 0xa5), "the head");
-        assert!(cluster[12800..13824].iter().all(|&b| b == 0x5a), "the data");
-        assert!(cluster[13824..].iter().all(|&b| b == 0xa5), "the tail");
+        at
     }
 
     /// How many of the pages of `len` bytes at `offset` of `f` are in the
