@@ -251,7 +251,6 @@ impl FormatError {
     }
 }
 
-/// An open image, beyond where its bytes are ([`Mapper`]): what the
 /// A write's bytes, lent to [`Image::resolve_write`].
 #[derive(Clone, Copy)]
 pub struct WriteData<'a> {
@@ -265,6 +264,7 @@ pub struct WriteData<'a> {
     pub direct: Option<&'a File>,
 }
 
+/// An open image, beyond where its bytes are ([`Mapper`]): what the
 /// metadata thread ([`meta`]), a served chain ([`Live`]) and the layer
 /// tests ask of any format. Each format implements it in its own file,
 /// beside its [`Mapper`]; [`open`] is the one place that picks one.
