@@ -633,6 +633,11 @@ fn allowed(
         (SYS_pread64, any()),
         (SYS_pwrite64, any()),
         (SYS_pwritev, any()),
+        // A queue's thread that allocates on a cached qcow2 image reads
+        // the copy-on-write's head and tail from the page cache only
+        // (`disk::reader::read_piece_from`): preadv2 with RWF_NOWAIT
+        // (flags, argument 5), nothing else.
+        (SYS_preadv2, args_eq(&[(5, libc::RWF_NOWAIT as u64)])),
     ];
     // Sockets of the daemon's own after start-up: TCP ones to an RBD
     // cluster, a Unix one for a backup's NBD export.

@@ -298,6 +298,33 @@ pub trait Image: Mapper {
         self.resolve(offset, len, Dir::Write, out)
     }
 
+    /// [`Image::resolve_write`] on the caller's thread, if it can be done
+    /// now without waiting: for a cached image whose metadata no one else
+    /// is working on (qcow2: its metadata lock is free), so that a queue
+    /// can allocate without a round trip through the metadata thread. None
+    /// where it cannot (the default): the caller hands the write to the
+    /// metadata thread.
+    ///
+    /// # Safety
+    /// As for [`Image::resolve_write`].
+    unsafe fn resolve_write_now(
+        &self,
+        _offset: u64,
+        _len: u64,
+        _data: WriteData<'_>,
+        _out: &mut Vec<Piece>,
+    ) -> Option<Result<Option<Commit>, FormatError>> {
+        None
+    }
+
+    /// [`Image::commit`] of a write-back write's `ticket` on the caller's
+    /// thread if no one else is committing or working on the metadata
+    /// now; None where not (the default): the caller leaves the commit to
+    /// the metadata thread.
+    fn commit_now(&self, _ticket: Commit) -> Option<Result<(), FormatError>> {
+        None
+    }
+
     /// Returns once the metadata of every allocation up to `ticket` is in
     /// the image file (pwritten; a kill -9 cannot lose it), and with
     /// `durable` (a write-through write: the device's write cache is off)

@@ -11,12 +11,16 @@ use std::time::Duration;
 
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use super::meta::{Inbox, Job, Meta, Work};
+use super::meta::{self, Inbox, Job, Meta, Work};
 use crate::disk::live::Gate;
 use crate::disk::luks::Crypt;
-use crate::disk::seam::{Completions, Extent, Format, Mapping, Piece, Place, Slow, place};
-use crate::disk::{Commit, Dir, Live, Served, Where};
+use crate::disk::seam::{
+    Completions, Extent, Format, Mapping, Piece, Place, Resolved, Slow, place,
+};
+use crate::disk::{Commit, Dir, Live, Served, Where, WriteData};
+use crate::metrics::RateLimiter;
 use crate::virtio::{GuestBuffers, Op};
+use crate::warn_limited;
 
 /// One queue's view of a served chain ([`Live`]): the chain it maps
 /// against, its gate, and its line to the image's metadata thread.
@@ -30,8 +34,13 @@ pub struct ChainQueue {
     /// Set up by `completions` (it needs the engine's eventfd).
     inbox: Option<Arc<Inbox>>,
     gate: Option<Arc<Gate>>,
-    /// Requests at the metadata thread.
+    /// Requests at the metadata thread, and in `now`.
     slow: usize,
+    /// Write-back writes resolved on this thread
+    /// ([`crate::disk::Image::resolve_write_now`]; None: failed), answered
+    /// in `reap_slow` after one commit for all of them.
+    now: Vec<(u32, Option<Resolved>)>,
+    log_limit: RateLimiter,
     /// The format layer's pieces of the last `map`, and ours.
     scratch: Vec<crate::disk::Piece>,
     pieces: Vec<Piece>,
@@ -51,6 +60,8 @@ impl ChainQueue {
             inbox: None,
             gate: None,
             slow: 0,
+            now: Vec::new(),
+            log_limit: RateLimiter::new(10, Duration::from_secs(5)),
             scratch: Vec::new(),
             pieces: Vec::new(),
             answers: Vec::new(),
@@ -70,6 +81,71 @@ impl ChainQueue {
             tag,
             inbox,
         });
+    }
+
+    /// A write-back write resolved here rather than by the metadata
+    /// thread, if the image can do it now ([`crate::disk::Image::resolve_write_now`]):
+    /// an allocating write on a cached image then costs no hand-off to
+    /// that thread and back (two wake-ups, which on a busy CPU cost more
+    /// than the allocation). False: the caller sends it.
+    fn resolve_now(&mut self, tag: u32, offset: u64, len: u64, data: &GuestBuffers) -> bool {
+        let image = &self.served.image;
+        let write = WriteData {
+            iovecs: data.iovecs(),
+            direct: self.served.direct_top(),
+        };
+        self.scratch.clear();
+        // SAFETY: the iovecs are the request's, validated when it was
+        // parsed, into guest memory whose mapping `data` holds for the
+        // call.
+        let Some(resolved) =
+            (unsafe { image.resolve_write_now(offset, len, write, &mut self.scratch) })
+        else {
+            return false;
+        };
+        let out = std::mem::take(&mut self.scratch);
+        let answer = match resolved.and_then(|ticket| meta::answer(&**image, offset, out, ticket)) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                warn_limited!(self.log_limit, "{len} bytes at {offset}: {e}");
+                None
+            }
+        };
+        self.slow += 1;
+        self.now.push((tag, answer));
+        true
+    }
+
+    /// Answers the writes resolved here: one commit of the metadata they
+    /// changed first (group commit, as the metadata thread does), so that
+    /// their completion needs no trip to it. Where that thread is at work
+    /// on the image, the commit is left to it: the answers keep their
+    /// ticket, and the requests' completions wait for it.
+    fn answer_now(&mut self, f: &mut dyn FnMut(u32, Slow)) {
+        let highest = self
+            .now
+            .iter()
+            .filter_map(|(_, r)| r.as_ref()?.ticket)
+            .max();
+        let committed = match highest {
+            Some(ticket) => self.served.image.commit_now(ticket),
+            None => Some(Ok(())),
+        };
+        if let Some(Err(e)) = &committed {
+            warn_limited!(self.log_limit, "committing metadata: {e}");
+        }
+        self.slow -= self.now.len();
+        for (tag, r) in self.now.drain(..) {
+            let answer = match (r, &committed) {
+                (Some(mut r), Some(Ok(()))) => {
+                    r.ticket = None;
+                    Slow::Resolved(r)
+                }
+                (Some(r), None) => Slow::Resolved(r),
+                (None, _) | (_, Some(Err(_))) => Slow::Failed,
+            };
+            f(tag, answer);
+        }
     }
 }
 
@@ -185,6 +261,11 @@ impl Format for ChainQueue {
         durable: bool,
         data: Option<GuestBuffers>,
     ) {
+        if let (Op::Write, false, Some(d)) = (op, durable, &data)
+            && self.resolve_now(tag, offset, len, d)
+        {
+            return;
+        }
         let work = match op {
             Op::Read => Work::Resolve {
                 offset,
@@ -226,6 +307,9 @@ impl Format for ChainQueue {
     }
 
     fn reap_slow(&mut self, f: &mut dyn FnMut(u32, Slow)) {
+        if !self.now.is_empty() {
+            self.answer_now(f);
+        }
         let Some(inbox) = &self.inbox else { return };
         if self.slow == 0 || !inbox.ready() {
             return;
@@ -239,7 +323,9 @@ impl Format for ChainQueue {
 
     fn wait(&mut self) {
         const A_WHILE: Duration = Duration::from_millis(50);
-        if self.slow > 0 {
+        if !self.now.is_empty() {
+            // Answered at the next reap.
+        } else if self.slow > 0 {
             if let Some(inbox) = &self.inbox {
                 inbox.wait(A_WHILE);
             }
@@ -254,6 +340,8 @@ mod tests {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileExt;
     use std::time::Instant;
+
+    use std::sync::mpsc::Receiver;
 
     use super::*;
     use crate::disk::seam::Format as _;
@@ -291,6 +379,16 @@ mod tests {
         data: usize,
         direct: bool,
     ) -> (std::path::PathBuf, ChainQueue) {
+        overlay_queue_with(dir, data, direct, Meta::spawn().unwrap())
+    }
+
+    /// [`overlay_queue_served`], its jobs sent through `meta`.
+    fn overlay_queue_with(
+        dir: &std::path::Path,
+        data: usize,
+        direct: bool,
+        meta: Meta,
+    ) -> (std::path::PathBuf, ChainQueue) {
         let base = dir.join("base.raw");
         let f = std::fs::File::create(&base).unwrap();
         f.set_len(1 << 20).unwrap();
@@ -308,9 +406,42 @@ mod tests {
         let live = Live::open(&top, Format::Qcow2, OpenOptions::default(), direct, None);
         let live = Arc::new(live.unwrap());
         live.claim().unwrap();
-        let mut q = ChainQueue::new(live, Meta::spawn().unwrap());
+        let mut q = ChainQueue::new(live, meta);
         q.completions(Completions::Immediate).unwrap();
         (top, q)
+    }
+
+    /// The queue's first cluster, written with `bytes` at 12288 (over a
+    /// base with data in every byte), with no one at the metadata thread:
+    /// what reaches it stays in the receiver returned.
+    fn write_without_meta_thread(
+        dir: &std::path::Path,
+        bytes: &[u8],
+        hold_meta: bool,
+    ) -> (ChainQueue, Receiver<Job>, Option<Slow>) {
+        let (meta, rx) = Meta::detached();
+        let (_top, mut q) = overlay_queue_with(dir, 1 << 20, false, meta);
+        let mem = Arc::new(
+            crate::virtio::GuestMem::from_ranges(&[(vm_memory::GuestAddress(0), 0x1000)]).unwrap(),
+        );
+        // SAFETY: `bytes` outlives the buffers (dropped by `start_slow`
+        // or with the job), and nothing writes it meanwhile.
+        let data =
+            unsafe { GuestBuffers::private(&mem, Vec::new(), bytes.as_ptr(), bytes.len() as u32) };
+        let len = bytes.len() as u64;
+        assert_eq!(q.map(Op::Write, 12288, len), Mapping::Slow);
+        q.finished();
+        let served = q.served.clone();
+        let image = served.image.as_qcow2().unwrap();
+        let held = hold_meta.then(|| image.hold_meta());
+        q.start_slow(1, Op::Write, 12288, len, false, Some(data));
+        drop(held);
+        let mut got = None;
+        q.reap_slow(&mut |tag, slow| {
+            assert_eq!(tag, 1);
+            got = Some(slow);
+        });
+        (q, rx, got)
     }
 
     /// A write-back write that allocates takes one trip to the metadata
@@ -495,6 +626,101 @@ mod tests {
             libc::munmap(addr, len);
             vec.iter().filter(|&&b| b & 1 != 0).count()
         }
+    }
+
+    /// On a cached image whose metadata no one is working on, a
+    /// write-back write allocates on the queue's own thread: its answer is
+    /// there at the first reap, committed (no ticket) and done, the
+    /// cluster holds head, data and tail and is in the cache, and nothing
+    /// went to the metadata thread.
+    #[test]
+    fn an_allocating_write_is_done_on_the_queue_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = vec![0x5au8; 8192];
+        let (mut q, rx, got) = write_without_meta_thread(dir.path(), &bytes, false);
+        let Some(Slow::Resolved(r)) = got else {
+            panic!("answered at once: {got:?}");
+        };
+        assert_eq!(r.ticket, None, "committed before the answer");
+        assert_eq!(r.pieces.len(), 1);
+        assert_eq!(r.pieces[0].place, Place::Done);
+        assert_eq!(q.slow_in_flight(), 0);
+        assert!(rx.try_recv().is_err(), "nothing for the metadata thread");
+        let Mapping::Host(at) = q.map(Op::Read, 0, 65536) else {
+            panic!("the cluster is cached");
+        };
+        q.finished();
+        let f = std::fs::File::open(dir.path().join("top.qcow2")).unwrap();
+        let mut cluster = vec![0u8; 65536];
+        f.read_exact_at(&mut cluster, at.offset).unwrap();
+        assert!(cluster[..12288].iter().all(|&b| b == 0xa5), "the head");
+        assert!(cluster[12288..20480].iter().all(|&b| b == 0x5a), "the data");
+        assert!(cluster[20480..].iter().all(|&b| b == 0xa5), "the tail");
+    }
+
+    /// While the metadata thread holds the image's metadata (a commit's
+    /// fdatasync may take milliseconds), the queue does not wait for it:
+    /// the write goes to that thread, as a resolve with its buffers.
+    #[test]
+    fn while_the_metadata_is_busy_a_write_goes_to_its_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = vec![0x5au8; 4096];
+        let (q, rx, got) = write_without_meta_thread(dir.path(), &bytes, true);
+        assert!(got.is_none(), "no answer without the metadata thread");
+        assert_eq!(q.slow_in_flight(), 1);
+        let job = rx.try_recv().expect("sent to the metadata thread");
+        assert!(matches!(
+            job.work,
+            Work::Resolve {
+                offset: 12288,
+                len: 4096,
+                dir: Dir::Write,
+                durable: false,
+                data: Some(_),
+            }
+        ));
+    }
+
+    /// Where the copy-on-write's head or tail is not in the page cache,
+    /// the queue does not wait for the device either: the write goes to
+    /// the metadata thread, and nothing of it was allocated. (On a file
+    /// system with a page cache to drop: under /var/tmp.)
+    #[test]
+    fn a_copy_not_in_the_page_cache_goes_to_the_metadata_thread() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let (meta, rx) = Meta::detached();
+        let (top, mut q) = overlay_queue_with(dir.path(), 1 << 20, false, meta);
+        let base = std::fs::File::open(dir.path().join("base.raw")).unwrap();
+        base.sync_all().unwrap();
+        // SAFETY: fadvise on a descriptor `base` owns; no memory passed.
+        let r = unsafe { libc::posix_fadvise(base.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        assert_eq!(r, 0);
+        assert_eq!(
+            resident_pages(&base, 0, 65536),
+            0,
+            "the base's first cluster dropped from the page cache"
+        );
+        let len_before = std::fs::metadata(&top).unwrap().len();
+        let mem = Arc::new(
+            crate::virtio::GuestMem::from_ranges(&[(vm_memory::GuestAddress(0), 0x1000)]).unwrap(),
+        );
+        let bytes = vec![0x5au8; 4096];
+        // SAFETY: `bytes` outlives the buffers (held by the job below),
+        // and nothing writes it meanwhile.
+        let data = unsafe { GuestBuffers::private(&mem, Vec::new(), bytes.as_ptr(), 4096) };
+        assert_eq!(q.map(Op::Write, 12288, 4096), Mapping::Slow);
+        q.finished();
+        q.start_slow(1, Op::Write, 12288, 4096, false, Some(data));
+        let mut got = None;
+        q.reap_slow(&mut |_, slow| got = Some(slow));
+        assert!(got.is_none(), "not answered on the queue's thread");
+        let job = rx.try_recv().expect("sent to the metadata thread");
+        assert!(matches!(job.work, Work::Resolve { data: Some(_), .. }));
+        assert_eq!(
+            std::fs::metadata(&top).unwrap().len(),
+            len_before,
+            "nothing allocated"
+        );
     }
 
     /// A miss caches ahead: once the metadata thread has answered a read

@@ -32,6 +32,7 @@
 //! while one runs (`Device::snapshot`), and so is a resize.
 
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
@@ -61,12 +62,30 @@ pub fn read_piece<M: Mapper + ?Sized>(
     piece: &Piece,
     buf: &mut [u8],
 ) -> io::Result<()> {
+    read_piece_from(image, files, piece, buf, false)
+}
+
+/// [`read_piece`]; with `cached_only`, data only from the page cache: a
+/// read that would wait for the device fails with `WouldBlock` (preadv2
+/// with RWF_NOWAIT), as compressed data always does then. For a queue's
+/// thread, which must not wait on a device.
+pub fn read_piece_from<M: Mapper + ?Sized>(
+    image: &M,
+    files: &[&File],
+    piece: &Piece,
+    buf: &mut [u8],
+    cached_only: bool,
+) -> io::Result<()> {
     match piece.at {
         Where::Data { file, offset: host } => {
             let f = files.get(file).ok_or_else(|| {
                 io::Error::other(format!("qcow2 mapping names file {file} of the chain"))
             })?;
-            f.read_exact_at(buf, host)?;
+            if cached_only {
+                read_exact_cached(f, buf, host)?;
+            } else {
+                f.read_exact_at(buf, host)?;
+            }
             match image.crypt(file) {
                 Some(c) => {
                     let done = c.decrypt(host, buf).map_err(io::Error::other);
@@ -80,11 +99,41 @@ pub fn read_piece<M: Mapper + ?Sized>(
             buf.fill(0);
             Ok(())
         }
+        Where::Slow if cached_only => Err(io::ErrorKind::WouldBlock.into()),
         Where::Slow => image
             .read_slow(piece.guest, buf)
             .map_err(|e| io::Error::other(e.to_string())),
         Where::Written => Err(io::Error::other("a read resolved to a write's piece")),
     }
+}
+
+/// `read_exact_at` from the page cache only: `WouldBlock` where the
+/// bytes are not all there (or the kernel cannot tell without waiting).
+fn read_exact_cached(f: &File, mut buf: &mut [u8], mut at: u64) -> io::Result<()> {
+    while !buf.is_empty() {
+        let iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: one iovec over `buf`, writable for the call; `f` is open.
+        let n =
+            unsafe { libc::preadv2(f.as_raw_fd(), &iov, 1, at as libc::off_t, libc::RWF_NOWAIT) };
+        if n > 0 {
+            buf = &mut buf[n as usize..];
+            at += n as u64;
+            continue;
+        }
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => {}
+            Some(libc::EAGAIN | libc::EOPNOTSUPP) => return Err(io::ErrorKind::WouldBlock.into()),
+            _ => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Fills `buf` from guest byte `offset` of `image`, through its tables

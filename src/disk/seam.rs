@@ -20,7 +20,8 @@
 //!   to allocate, copy-on-write, a compressed cluster, a discard): the
 //!   core hands the request to the format ([`Format::start_slow`]), which
 //!   gives it back resolved into pieces ([`Format::reap_slow`]), through a
-//!   completion the worker already waits on (the engine's eventfd);
+//!   completion the worker already waits on (the engine's eventfd), or at
+//!   the worker's next reap when the format could do the work at once;
 //! - [`Mapping::Busy`]: not now (a snapshot is switching the chain): the
 //!   request waits at the head of its queue, and the format wakes the
 //!   queue when it may go.

@@ -934,10 +934,16 @@ impl<E: Engine> QueueWorker<E> {
     }
 
     /// Takes the completions available now into `reaped`, where
-    /// `complete` finishes them. Returns how many.
+    /// `complete` finishes them, and submits the I/O that metadata answers
+    /// reaped with them started. Returns how many.
     fn reap(&mut self) -> u32 {
         let reaped = &mut self.reaped;
         let n = self.core.reap(|c| reaped.push(c));
+        // Metadata work answered in the reap (the format's, done on this
+        // thread or the metadata thread's) may have started its request's
+        // data I/O: to the kernel now, before the pass can sleep. Nothing
+        // queued: no syscall.
+        self.commit();
         if n > 0 {
             QueueMetrics::add(&self.metrics.completion_passes, 1);
             QueueMetrics::add(&self.metrics.completions, u64::from(n));

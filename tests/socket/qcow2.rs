@@ -228,6 +228,37 @@ fn an_overlay_served_with_o_direct() {
     c.verify();
 }
 
+/// A connection starts with an empty mapping cache: writes into clusters
+/// the overlay has already miss it, one after another (depth 1), and are
+/// resolved at once on the queue's own thread; each completes (its data
+/// I/O submitted in the same pass), and they read back.
+#[test]
+fn writes_after_a_reconnect_miss_the_cache_and_complete() {
+    let dir = test_dir();
+    let c = chain(dir.path(), "qcow2", SIZE);
+    let d = serve(&c, dir.path(), &[]);
+    let at = |i: u64, within: u64| 3 * i * CLUSTER + within;
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    for i in 0..8 {
+        let data = c.write(i + 1, at(i, 4 * KIB), 4 * KIB as usize);
+        assert_eq!(client.write(at(i, 4 * KIB), &data), 0);
+    }
+    drop(client);
+    let mut client = Client::connect(&d.socket, 2 * MIB as usize);
+    for i in 0..8 {
+        let data = c.write(i + 11, at(i, 12 * KIB), 4 * KIB as usize);
+        assert_eq!(client.write(at(i, 12 * KIB), &data), 0);
+        assert!(
+            client.read(at(i, 0), CLUSTER as usize) == c.expected(at(i, 0), CLUSTER as usize),
+            "cluster {i} differs from the reference"
+        );
+    }
+    assert_eq!(client.flush(), 0);
+    drop(client);
+    stop(d);
+    c.verify();
+}
+
 /// 1, 2, 8 and 64 queues write random 4 KiB blocks of an empty overlay at
 /// once, most of them allocating (copy-on-write from the base): every
 /// block reads back, and the image checks clean.

@@ -35,7 +35,7 @@ use imago::raw::Raw;
 use imago::{FormatAccess, FormatCreateBuilder, Mapping};
 
 use super::luks::Crypt;
-use super::reader::read_piece;
+use super::reader::read_piece_from;
 use super::{Commit, Dir, FormatError, Image, Mapper, Piece, Where, WriteData};
 use crate::crypto::key::Secret;
 use crate::io::{AlignedBuf, BOUNCE_ALIGN};
@@ -231,6 +231,15 @@ impl Qcow2Image {
         self.qemu
             .as_ref()
             .map(|m| std::mem::replace(&mut *lock(m), QemuBitmaps::none()))
+    }
+}
+
+/// The lock if no one holds it now.
+fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
     }
 }
 
@@ -607,6 +616,21 @@ impl Qcow2Image {
         }
     }
 
+    /// [`Self::check`] of a write, and that its buffers cover it.
+    fn check_write(&self, offset: u64, len: u64, data: &WriteData<'_>) -> Result<(), FormatError> {
+        self.check(offset, len, Dir::Write)?;
+        let covered: usize = data.iovecs.iter().map(|v| v.iov_len).sum();
+        if covered as u64 != len {
+            return Err(FormatError::Io {
+                context: "writing",
+                source: io::Error::other(format!(
+                    "{covered} bytes of buffers for a write of {len}"
+                )),
+            });
+        }
+        Ok(())
+    }
+
     /// Checks that a data location taken from the image's metadata is
     /// plausible: a host offset far past the end of its file is a corrupt
     /// (or hostile) table, and the request touching it fails.
@@ -729,26 +753,29 @@ impl Qcow2Image {
     }
 
     /// The guest's bytes of `buf.len()` at `offset`, read through the
-    /// chain and decrypted (the one reader's [`read_piece`]). Under `meta`.
+    /// chain and decrypted (the one reader's [`read_piece`](super::reader::read_piece)). Under `meta`.
     fn read_locked(&self, offset: u64, buf: &mut [u8]) -> Result<(), FormatError> {
         let mut pieces = Vec::new();
         self.resolve_read(offset, offset + buf.len() as u64, &mut pieces)?;
-        self.read_resolved(offset, &pieces, buf)
+        self.read_resolved(offset, &pieces, buf, false)
     }
 
     /// Reads `pieces` (resolved for the range at `offset` that `buf`
-    /// covers) into `buf`. Under `meta`.
+    /// covers) into `buf`; `cached_only`: from the page cache only
+    /// ([`read_piece_from`]). Under `meta`.
     fn read_resolved(
         &self,
         offset: u64,
         pieces: &[Piece],
         buf: &mut [u8],
+        cached_only: bool,
     ) -> Result<(), FormatError> {
         let files = self.files();
         for p in pieces {
             let from = (p.guest - offset) as usize;
             let part = &mut buf[from..from + p.len as usize];
-            read_piece(self, &files, p, part).map_err(FormatError::io("copy-on-write"))?;
+            read_piece_from(self, &files, p, part, cached_only)
+                .map_err(FormatError::io("copy-on-write"))?;
         }
         Ok(())
     }
@@ -764,13 +791,16 @@ impl Qcow2Image {
     /// and where the new cluster lies past the end of the file, zeroes
     /// (known so, or read so) need no write either, since the file reads
     /// as zeroes there (QEMU skips a copy of zeroes the same way,
-    /// `is_zero_cow`). Returns the cluster's host offset. Under `meta`.
+    /// `is_zero_cow`). Returns the cluster's host offset. `cached_only`:
+    /// head and tail are read from the page cache only, before anything
+    /// is allocated ([`read_piece_from`]). Under `meta`.
     fn allocate_cow(
         &self,
         pos: u64,
         wend: u64,
         cstart: u64,
         cend: u64,
+        cached_only: bool,
     ) -> Result<(u64, Cow), FormatError> {
         let csize = 1usize << self.cluster_bits;
         let mut buf = AlignedBuf::new(csize).ok_or_else(|| FormatError::Io {
@@ -789,7 +819,7 @@ impl Qcow2Image {
                     continue;
                 }
                 let bytes = &mut buf.as_mut_slice()[part.clone()];
-                self.read_resolved(from, &pieces, bytes)?;
+                self.read_resolved(from, &pieces, bytes, cached_only)?;
                 // A raw base maps everything as data; a sparse one reads
                 // zeroes (the scan stops at the first byte that is not).
                 let data = bytes.iter().any(|&b| b != 0);
@@ -852,7 +882,7 @@ impl Qcow2Image {
         let mut pieces = Vec::new();
         // SAFETY: no data.
         unsafe {
-            self.resolve_write_locked(offset, offset + data.len() as u64, None, &mut pieces)?
+            self.resolve_write_locked(offset, offset + data.len() as u64, None, false, &mut pieces)?
         };
         for p in pieces {
             let Where::Data {
@@ -888,7 +918,10 @@ impl Qcow2Image {
     /// are written here with the copied head and tail, one write, and the
     /// piece is [`Where::Written`]: a pwritev through the page cache, or
     /// with `--direct` one O_DIRECT pwrite of an aligned buffer through
-    /// the engine's descriptor.
+    /// the engine's descriptor. `cached_only`: copy-on-write reads from
+    /// the page cache only; where they would wait for the device the
+    /// resolve fails with `WouldBlock` ([`Self::allocate_cow`]), having
+    /// done (and written) the clusters before in full.
     ///
     /// # Safety
     /// `data`, if given, as [`super::Image::resolve_write`] asks.
@@ -897,6 +930,7 @@ impl Qcow2Image {
         offset: u64,
         end: u64,
         data: Option<WriteData<'_>>,
+        cached_only: bool,
         out: &mut Vec<Piece>,
     ) -> Result<Option<Commit>, FormatError> {
         let cb = self.cluster_bits;
@@ -943,7 +977,8 @@ impl Qcow2Image {
                     // before the data write: the file covers the cluster
                     // first (`cover`), and the copies are written before
                     // any commit can run.
-                    let (host, mut cow) = self.allocate_cow(pos, wend, cstart, cend)?;
+                    let (host, mut cow) =
+                        self.allocate_cow(pos, wend, cstart, cend, cached_only)?;
                     if self.files[0].is_metadata(host >> cb) {
                         return Err(FormatError::Io {
                             context: "allocating",
@@ -1390,6 +1425,12 @@ impl Qcow2Image {
     /// Bytes of L2 tables held back from the file now (see [`l2log`]).
     pub fn held_l2_bytes(&self) -> usize {
         self.files[0].held_l2_bytes()
+    }
+
+    /// Holds the metadata lock, as the metadata thread at work does.
+    #[cfg(test)]
+    pub fn hold_meta(&self) -> MutexGuard<'_, ()> {
+        lock(&self.meta)
     }
 
     /// fdatasyncs of the top so far: the ordering's cost, for tests and
@@ -1888,19 +1929,55 @@ impl Image for Qcow2Image {
         data: WriteData<'_>,
         out: &mut Vec<Piece>,
     ) -> Result<Option<Commit>, FormatError> {
-        self.check(offset, len, Dir::Write)?;
-        let covered: usize = data.iovecs.iter().map(|v| v.iov_len).sum();
-        if covered as u64 != len {
-            return Err(FormatError::Io {
-                context: "writing",
-                source: io::Error::other(format!(
-                    "{covered} bytes of buffers for a write of {len}"
-                )),
-            });
-        }
+        self.check_write(offset, len, &data)?;
         let _meta = lock(&self.meta);
         // SAFETY: as our caller promises.
-        unsafe { self.resolve_write_locked(offset, offset + len, Some(data), out) }
+        unsafe { self.resolve_write_locked(offset, offset + len, Some(data), false, out) }
+    }
+
+    /// See [`super::Image::resolve_write_now`]: not with `--direct` (the
+    /// cluster's write would wait for the device) nor on an encrypted top
+    /// (the engine encrypts the data), nor while the metadata lock is
+    /// taken (the metadata thread at work: a commit's fdatasync may take
+    /// milliseconds).
+    unsafe fn resolve_write_now(
+        &self,
+        offset: u64,
+        len: u64,
+        data: WriteData<'_>,
+        out: &mut Vec<Piece>,
+    ) -> Option<Result<Option<Commit>, FormatError>> {
+        if data.direct.is_some() || self.files[0].crypt().is_some() {
+            return None;
+        }
+        if let Err(e) = self.check_write(offset, len, &data) {
+            return Some(Err(e));
+        }
+        let _meta = try_lock(&self.meta)?;
+        // SAFETY: as our caller promises.
+        match unsafe { self.resolve_write_locked(offset, offset + len, Some(data), true, out) } {
+            // Head or tail not in the page cache: the metadata thread
+            // does it (again from the start: the clusters done already
+            // map as allocated then).
+            Err(FormatError::Io { source, .. }) if source.kind() == io::ErrorKind::WouldBlock => {
+                out.clear();
+                None
+            }
+            done => Some(done),
+        }
+    }
+
+    /// See [`super::Image::commit_now`].
+    fn commit_now(&self, ticket: Commit) -> Option<Result<(), FormatError>> {
+        if self.committed.load(Ordering::Acquire) >= ticket.0 {
+            return Some(Ok(()));
+        }
+        let _group = try_lock(&self.commit_lock)?;
+        let _meta = try_lock(&self.meta)?;
+        if self.committed.load(Ordering::Acquire) < ticket.0 {
+            return Some(self.commit_locked());
+        }
+        Some(Ok(()))
     }
 
     /// See [`super::Image::commit`].
@@ -2195,7 +2272,7 @@ impl Mapper for Qcow2Image {
             return Ok(None);
         }
         // SAFETY: no data.
-        unsafe { self.resolve_write_locked(offset, end, None, out) }
+        unsafe { self.resolve_write_locked(offset, end, None, false, out) }
     }
 
     fn crypt(&self, file: usize) -> Option<&Crypt> {
