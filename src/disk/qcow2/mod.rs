@@ -142,6 +142,14 @@ pub struct Qcow2Image {
     /// that a write never takes the fast path to a cluster whose
     /// allocation a kill -9 could still lose. Under `meta`.
     uncommitted: Mutex<Vec<(u64, Loc)>>,
+    /// The data clusters allocated since imago's caches were last written
+    /// or their changes logged (guest cluster index, host offset), when
+    /// nothing else changed there: a commit then logs them itself
+    /// ([`FileState::log_allocations`]) rather than have imago write whole
+    /// tables. None when imago may have changed anything else (a
+    /// write-zeroes, a discard, a resize, an allocation that failed half
+    /// way): the next commit writes imago's caches. Under `meta`.
+    allocated: Mutex<Option<Vec<(u64, u64)>>>,
     /// The top's L2 log, if it has one (see [`l2log`]).
     l2log: Option<Arc<L2Log>>,
     /// QEMU's persistent bitmaps of the top, if it has any.
@@ -206,6 +214,7 @@ impl Qcow2Image {
             committed: AtomicU64::new(0),
             commit_lock: Mutex::new(()),
             uncommitted: Mutex::new(Vec::new()),
+            allocated: Mutex::new(None),
             l2log: p.l2log,
             qemu: p.qemu.map(Mutex::new),
             warm: Mutex::new(Warm::default()),
@@ -976,7 +985,11 @@ impl Qcow2Image {
                     // (another request's, or this one's below) may write it
                     // before the data write: the file covers the cluster
                     // first (`cover`), and the copies are written before
-                    // any commit can run.
+                    // any commit can run. The list of allocations a
+                    // commit may log itself is None until this one is
+                    // made and written (a failure half way leaves imago's
+                    // caches to be written whole).
+                    let mut allocated = lock(&self.allocated).take();
                     let (host, mut cow) =
                         self.allocate_cow(pos, wend, cstart, cend, cached_only)?;
                     if self.files[0].is_metadata(host >> cb) {
@@ -1040,6 +1053,10 @@ impl Qcow2Image {
                             .map_err(FormatError::io("allocating"))?;
                     }
                     wrote.map_err(FormatError::io("copy-on-write"))?;
+                    if let Some(list) = allocated.as_mut() {
+                        list.push((cstart >> cb, host));
+                    }
+                    *lock(&self.allocated) = allocated;
                     (host, true, frees)
                 }
             };
@@ -1114,19 +1131,62 @@ impl Qcow2Image {
     /// Called under `meta`.
     fn commit_locked(&self) -> Result<(), FormatError> {
         let target = self.dirty.load(Ordering::Acquire);
+        *lock(&self.allocated) = None;
         self.top
             .flush()
             .map_err(FormatError::io("writing metadata"))?;
         self.files[0]
             .commit_pointers()
             .map_err(FormatError::io("writing metadata"))?;
+        // imago's caches are as the file (and the log) has them.
+        *lock(&self.allocated) = Some(Vec::new());
+        self.committed_up_to(target);
+        Ok(())
+    }
+
+    /// [`Self::commit_locked`] of a write's ticket: where only data
+    /// clusters were allocated since the last commit, their entries and
+    /// refcounts go to the L2 log from what the allocations know
+    /// ([`FileState::log_allocations`]); imago writes its caches
+    /// otherwise. Under `meta`.
+    fn commit_allocations_locked(&self) -> Result<(), FormatError> {
+        let target = self.dirty.load(Ordering::Acquire);
+        let mut allocated = lock(&self.allocated);
+        let logged = match allocated.as_mut() {
+            Some(list) => {
+                let logged = self.files[0]
+                    .log_allocations(list)
+                    .map_err(FormatError::io("writing metadata"))?;
+                if logged {
+                    list.clear();
+                }
+                logged
+            }
+            None => false,
+        };
+        drop(allocated);
+        if !logged {
+            return self.commit_locked();
+        }
+        self.committed_up_to(target);
+        Ok(())
+    }
+
+    /// imago is about to change its metadata otherwise than by allocating
+    /// a data cluster: the next commit writes its caches. Under `meta`.
+    fn imago_changes(&self) {
+        *lock(&self.allocated) = None;
+    }
+
+    /// Metadata up to generation `target` is in the file: the mappings
+    /// waiting for it enter the cache once everything is.
+    fn committed_up_to(&self, target: u64) {
         self.committed.fetch_max(target, Ordering::AcqRel);
         if self.committed.load(Ordering::Acquire) >= self.dirty.load(Ordering::Acquire) {
             for (g, loc) in lock(&self.uncommitted).drain(..) {
                 self.cache.insert(g, loc);
             }
         }
-        Ok(())
     }
 
     /// A live snapshot: formats `file` (empty, open read-write, at `path`)
@@ -1317,6 +1377,7 @@ impl Qcow2Image {
             }
         }
         let mut pos = first;
+        self.imago_changes();
         while pos < last {
             let (zofs, zlen) = self
                 .top
@@ -1975,7 +2036,7 @@ impl Image for Qcow2Image {
         let _group = try_lock(&self.commit_lock)?;
         let _meta = try_lock(&self.meta)?;
         if self.committed.load(Ordering::Acquire) < ticket.0 {
-            return Some(self.commit_locked());
+            return Some(self.commit_allocations_locked());
         }
         Some(Ok(()))
     }
@@ -1988,7 +2049,7 @@ impl Image for Qcow2Image {
         let _group = lock(&self.commit_lock);
         if self.committed.load(Ordering::Acquire) < ticket.0 {
             let _meta = lock(&self.meta);
-            self.commit_locked()?;
+            self.commit_allocations_locked()?;
         }
         if durable {
             // The L2 entries (and anything else) pwritten since the last
@@ -2078,6 +2139,7 @@ impl Image for Qcow2Image {
                     // Zeroes the guest reads back: encrypted zeroes.
                     self.write_locked(&zeroes[..k as usize], at)?;
                 } else {
+                    self.imago_changes();
                     self.top
                         .write(&zeroes[..k as usize], at)
                         .map_err(FormatError::io("writing zeroes"))?;
@@ -2113,6 +2175,7 @@ impl Image for Qcow2Image {
         // in the same operation that frees the old L1 table, and could
         // reuse that table's cluster while the header on disk still points
         // to it.
+        self.imago_changes();
         self.top
             .resize_grow(new_size, PreallocateMode::None)
             .map_err(FormatError::io("growing"))?;
@@ -2135,6 +2198,7 @@ impl Image for Qcow2Image {
             if first > old_size {
                 // The rest of the old last cluster: zeroes as data.
                 let head = (first.min(new_size) - old_size) as usize;
+                self.imago_changes();
                 self.top
                     .write(&vec![0u8; head][..], old_size)
                     .map_err(FormatError::io("zeroing"))?;

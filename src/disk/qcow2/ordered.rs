@@ -226,6 +226,29 @@ fn be32(b: &[u8], at: usize) -> u32 {
 
 /// Offset bits of an L1 or refcount-table entry.
 const TABLE_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+/// Offset bits of a standard L2 entry.
+const L2_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+/// An L1 or L2 entry's "refcount is exactly one" flag.
+const COPIED: u64 = 1 << 63;
+/// A standard L2 entry's "reads as zeroes" flag.
+const ZERO_FLAG: u64 = 1;
+
+fn host_of(entry: u64) -> u64 {
+    entry & L2_OFFSET_MASK
+}
+
+/// Sets the refcount at bit `bit` of the 8-byte word `word` (a part of a
+/// refblock, its entries `bits` wide, as [`refcount_max`] lays them out)
+/// to 1.
+fn set_refcount_one(word: &mut [u8; 8], bit: u64, bits: u64) {
+    let byte = (bit / 8) as usize;
+    if bits >= 8 {
+        // Big-endian: the entry's last byte holds its lowest bits.
+        word[byte + (bits / 8) as usize - 1] = 1;
+    } else {
+        word[byte] |= 1 << (bit % 8);
+    }
+}
 
 impl FileState {
     pub fn new(file: File, path: &Path, index: usize) -> io::Result<Self> {
@@ -677,6 +700,129 @@ impl FileState {
             self.write_out(o)?;
         }
         Ok(None)
+    }
+
+    /// Logs the metadata of data clusters imago allocated since its caches
+    /// were last written, without imago writing them: each `(index,
+    /// host)` (the guest cluster's index; the new cluster's offset in this
+    /// file) sets the L2 entry to `host` with COPIED, as imago has it, and
+    /// the cluster's refcount to at least 1, in the held copies of their
+    /// tables, and appends the changed words to the log: what [`Self::hold`]
+    /// would find when imago writes those tables, found from what the
+    /// allocation knows rather than by imago serializing a whole L2 table
+    /// and refblock per commit (a sixth of an allocating write's CPU).
+    /// imago's next write of those tables finds the words held already.
+    ///
+    /// False, with nothing changed, where that cannot stand for imago's
+    /// write: no log adopted, a pointer write held (a table hooked up,
+    /// which the L1 or refcount table in the file does not show yet), a
+    /// table not where the file's L1 or refcount table says, or an entry
+    /// that held something else. The caller then has imago write its
+    /// caches.
+    pub fn log_allocations(&self, allocations: &[(u64, u64)]) -> io::Result<bool> {
+        let Some(order) = &self.order else {
+            return Ok(false);
+        };
+        let mut o = lock(order);
+        let Some(log) = o.l2log.clone() else {
+            return Ok(false);
+        };
+        if !o.loaded || !o.enabled || o.frozen || !o.held.is_empty() || !o.held_frees.is_empty() {
+            return Ok(false);
+        }
+        let cb = o.cluster_bits;
+        let csize = 1u64 << cb;
+        let l2_entries = csize / 8;
+        let bits = 1u64 << o.refcount_order;
+        let rb_entries = (csize * 8) / bits;
+        let word_at = |o: &Order, at: u64| -> io::Result<u64> {
+            let mut w = [0u8; 8];
+            self.read_overlaid(Some(o), &mut w, at)?;
+            Ok(u64::from_be_bytes(w))
+        };
+        // (table, refblock, offset of the word in the table, new entry
+        // for an L2 table / bit of the refcount in the word)
+        let mut wanted = Vec::with_capacity(2 * allocations.len());
+        for &(index, host) in allocations {
+            if host & (csize - 1) != 0 || host & !L2_OFFSET_MASK != 0 {
+                return Ok(false);
+            }
+            let l1_at = (index / l2_entries) * 8;
+            if l1_at + 8 > o.l1_len {
+                return Ok(false);
+            }
+            let l1e = word_at(&o, o.l1_offset + l1_at)?;
+            let l2 = l1e & TABLE_OFFSET_MASK;
+            if l1e & COPIED == 0 || l2 == 0 || !o.l2_clusters.contains(&(l2 >> cb)) {
+                return Ok(false);
+            }
+            wanted.push((l2, false, (index % l2_entries) * 8, host | COPIED));
+            let cluster = host >> cb;
+            let rt_at = (cluster / rb_entries) * 8;
+            if rt_at + 8 > o.rt_len {
+                return Ok(false);
+            }
+            let rb = word_at(&o, o.rt_offset + rt_at)? & !(csize - 1);
+            if rb == 0 || !o.rb_clusters.contains(&(rb >> cb)) {
+                return Ok(false);
+            }
+            let bit = (cluster % rb_entries) * bits;
+            wanted.push((rb, true, (bit / 64) * 8, bit % 64));
+        }
+        // Checked before anything changes: an L2 entry that was
+        // unallocated or a zero cluster (of this very cluster), or is the
+        // new one already.
+        for &(table, refblock, at, new) in &wanted {
+            if refblock {
+                continue;
+            }
+            let old = word_at(&o, table + at)?;
+            let old_host = host_of(old);
+            let zero_here = old & ZERO_FLAG != 0 && (old_host == 0 || old_host == host_of(new));
+            if !(old == new || old == 0 || zero_here) {
+                return Ok(false);
+            }
+        }
+        // The held copies the words go into (read from the file, with what
+        // is held over it, where a table is not held yet).
+        for &(table, refblock, _, _) in &wanted {
+            if !o.held_l2.contains_key(&table) {
+                let mut data = vec![0u8; csize as usize];
+                self.read_overlaid(Some(&o), &mut data, table)?;
+                o.held_l2.insert(table, Held { refblock, data });
+                o.held_l2_bytes += csize as usize;
+            }
+        }
+        let mut changed = Vec::with_capacity(wanted.len());
+        for (table, refblock, at, new) in wanted {
+            let at = at as usize;
+            let held = o.held_l2.get_mut(&table).expect("held above");
+            let old: [u8; 8] = held.data[at..at + 8].try_into().expect("a word");
+            let new = if refblock {
+                let mut one = [0u8; 8];
+                set_refcount_one(&mut one, new, bits);
+                let raised = refcount_max(&old, &one, bits as u32);
+                be64(&raised, 0)
+            } else {
+                new
+            };
+            if new != u64::from_be_bytes(old) {
+                held.data[at..at + 8].copy_from_slice(&new.to_be_bytes());
+                changed.push((table + at as u64, new));
+            }
+        }
+        if changed.is_empty() {
+            return Ok(true);
+        }
+        if !o.marked {
+            self.set_mark(&mut o, true)?;
+        }
+        let log_len = log.append(&changed)?;
+        self.holding.store(true, Ordering::Release);
+        if log_len > l2log::MAX_LOG || o.held_l2_bytes > MAX_HELD_L2 {
+            self.write_out(&mut o)?;
+        }
+        Ok(true)
     }
 
     /// Writes the held L2 tables into the file, once what they point to is

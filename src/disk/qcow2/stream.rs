@@ -122,6 +122,7 @@ impl Qcow2Image {
                     // part of one (a layer below has smaller clusters) is
                     // written as zeroes, the rest of its cluster copied
                     // up as a write's copy-on-write copies it.
+                    self.imago_changes();
                     let (zofs, zlen) = self
                         .top
                         .inner()
