@@ -89,6 +89,9 @@ pub struct Core<E, F = ImageFormat> {
     pieces: Vec<Piece>,
     reaped: Vec<(Io, Status)>,
     answers: Vec<(u32, Slow)>,
+    /// Metadata answers were taken in the last [`Core::reap`]: their
+    /// requests' data I/O may wait unsubmitted ([`Core::answered`]).
+    answered: bool,
     /// A change to the image (write, discard, write-zeroes) completed
     /// since the last flush that completed.
     unflushed: bool,
@@ -158,6 +161,7 @@ impl<E: Engine, F: Format> Core<E, F> {
             pieces: Vec::new(),
             reaped: Vec::new(),
             answers: Vec::new(),
+            answered: false,
             unflushed: false,
             log_limit: RateLimiter::new(10, std::time::Duration::from_secs(5)),
             targets: Default::default(),
@@ -588,12 +592,21 @@ impl<E: Engine, F: Format> Core<E, F> {
         self.engine.commit()
     }
 
+    /// Whether the last [`Core::reap`] took metadata answers, whose
+    /// requests' data I/O it started: the caller commits before it sleeps
+    /// (no eventfd announces it when the format answered on this thread).
+    #[inline]
+    pub fn answered(&mut self) -> bool {
+        std::mem::take(&mut self.answered)
+    }
+
     /// Passes every completion available now to `f`. Returns how many.
     pub fn reap(&mut self, mut f: impl FnMut(Completion)) -> u32 {
         if self.format.slow_in_flight() > 0 {
             let mut answers = std::mem::take(&mut self.answers);
             self.format
                 .reap_slow(&mut |tag, answer| answers.push((tag, answer)));
+            self.answered = !answers.is_empty();
             for (tag, answer) in answers.drain(..) {
                 self.slow_done(tag, answer);
             }

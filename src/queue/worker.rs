@@ -941,9 +941,10 @@ impl<E: Engine> QueueWorker<E> {
         let n = self.core.reap(|c| reaped.push(c));
         // Metadata work answered in the reap (the format's, done on this
         // thread or the metadata thread's) may have started its request's
-        // data I/O: to the kernel now, before the pass can sleep. Nothing
-        // queued: no syscall.
-        self.commit();
+        // data I/O: to the kernel now, before the pass can sleep.
+        if self.core.answered() {
+            self.commit();
+        }
         if n > 0 {
             QueueMetrics::add(&self.metrics.completion_passes, 1);
             QueueMetrics::add(&self.metrics.completions, u64::from(n));

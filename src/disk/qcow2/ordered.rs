@@ -39,6 +39,12 @@
 //! after its L2 tables ([`FileState::sync_if_unsynced`]); with the write
 //! cache on, the next FLUSH's fdatasync covers them.
 //!
+//! With the L2 log adopted, a commit whose only changes are data
+//! clusters allocated since the last one does not have imago write its
+//! tables at all: [`FileState::log_allocations`] sets their L2 entries and
+//! refcounts in the held copies and logs them, the words imago's write
+//! would have changed, found through the file's L1 and refcount tables.
+//!
 //! With a [`Journal`] attached (tests), every pwrite and fdatasync that
 //! reaches the file is recorded in order, so a test can rebuild the image
 //! as a power loss could have left it.
