@@ -334,7 +334,8 @@ fn note(woken: &mut Vec<Arc<Inbox>>, inbox: &Arc<Inbox>) {
     }
 }
 
-fn name(served: &Served) -> String {
+/// The served chain's top, for a log line.
+pub fn name(served: &Served) -> String {
     served
         .image
         .chain()

@@ -107,7 +107,8 @@ impl ChainQueue {
         let answer = match resolved.and_then(|ticket| meta::answer(&**image, offset, out, ticket)) {
             Ok(r) => Some(r),
             Err(e) => {
-                warn_limited!(self.log_limit, "{len} bytes at {offset}: {e}");
+                let top = meta::name(&self.served);
+                warn_limited!(self.log_limit, "{top}: {len} bytes at {offset}: {e}");
                 None
             }
         };
@@ -132,7 +133,8 @@ impl ChainQueue {
             None => Some(Ok(())),
         };
         if let Some(Err(e)) = &committed {
-            warn_limited!(self.log_limit, "committing metadata: {e}");
+            let top = meta::name(&self.served);
+            warn_limited!(self.log_limit, "{top}: committing metadata: {e}");
         }
         self.slow -= self.now.len();
         for (tag, r) in self.now.drain(..) {

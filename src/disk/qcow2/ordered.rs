@@ -716,7 +716,7 @@ impl FileState {
     /// tables, and appends the changed words to the log: what [`Self::hold`]
     /// would find when imago writes those tables, found from what the
     /// allocation knows rather than by imago serializing a whole L2 table
-    /// and refblock per commit (a sixth of an allocating write's CPU).
+    /// and refblock per commit (a quarter of an allocating write's CPU).
     /// imago's next write of those tables finds the words held already.
     ///
     /// False, with nothing changed, where that cannot stand for imago's
