@@ -413,16 +413,41 @@ mod tests {
         (top, q)
     }
 
+    /// What keeps a write off the queue's thread in [`write_without_meta_thread`].
+    #[derive(Clone, Copy, PartialEq)]
+    enum Busy {
+        No,
+        /// The metadata lock is held (the metadata thread at work).
+        Meta,
+        /// The base's pages are not in the page cache.
+        BaseUncached,
+    }
+
     /// The queue's first cluster, written with `bytes` at 12288 (over a
     /// base with data in every byte), with no one at the metadata thread:
-    /// what reaches it stays in the receiver returned.
+    /// what reaches it stays in the receiver returned. Also returns the
+    /// top's length before the write.
     fn write_without_meta_thread(
         dir: &std::path::Path,
         bytes: &[u8],
-        hold_meta: bool,
-    ) -> (ChainQueue, Receiver<Job>, Option<Slow>) {
+        busy: Busy,
+    ) -> (ChainQueue, Receiver<Job>, Option<Slow>, u64) {
         let (meta, rx) = Meta::detached();
-        let (_top, mut q) = overlay_queue_with(dir, 1 << 20, false, meta);
+        let (top, mut q) = overlay_queue_with(dir, 1 << 20, false, meta);
+        if busy == Busy::BaseUncached {
+            let base = std::fs::File::open(dir.join("base.raw")).unwrap();
+            base.sync_all().unwrap();
+            // SAFETY: fadvise on a descriptor `base` owns; no memory passed.
+            let r =
+                unsafe { libc::posix_fadvise(base.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+            assert_eq!(r, 0);
+            assert_eq!(
+                resident_pages(&base, 0, 65536),
+                0,
+                "the base's first cluster dropped from the page cache"
+            );
+        }
+        let len_before = std::fs::metadata(&top).unwrap().len();
         let mem = Arc::new(
             crate::virtio::GuestMem::from_ranges(&[(vm_memory::GuestAddress(0), 0x1000)]).unwrap(),
         );
@@ -435,7 +460,7 @@ mod tests {
         q.finished();
         let served = q.served.clone();
         let image = served.image.as_qcow2().unwrap();
-        let held = hold_meta.then(|| image.hold_meta());
+        let held = (busy == Busy::Meta).then(|| image.hold_meta());
         q.start_slow(1, Op::Write, 12288, len, false, Some(data));
         drop(held);
         let mut got = None;
@@ -443,7 +468,7 @@ mod tests {
             assert_eq!(tag, 1);
             got = Some(slow);
         });
-        (q, rx, got)
+        (q, rx, got, len_before)
     }
 
     /// A write-back write that allocates takes one trip to the metadata
@@ -639,7 +664,7 @@ mod tests {
     fn an_allocating_write_is_done_on_the_queue_thread() {
         let dir = tempfile::tempdir().unwrap();
         let bytes = vec![0x5au8; 8192];
-        let (mut q, rx, got) = write_without_meta_thread(dir.path(), &bytes, false);
+        let (mut q, rx, got, _) = write_without_meta_thread(dir.path(), &bytes, Busy::No);
         let Some(Slow::Resolved(r)) = got else {
             panic!("answered at once: {got:?}");
         };
@@ -667,7 +692,7 @@ mod tests {
     fn while_the_metadata_is_busy_a_write_goes_to_its_thread() {
         let dir = tempfile::tempdir().unwrap();
         let bytes = vec![0x5au8; 4096];
-        let (q, rx, got) = write_without_meta_thread(dir.path(), &bytes, true);
+        let (q, rx, got, _) = write_without_meta_thread(dir.path(), &bytes, Busy::Meta);
         assert!(got.is_none(), "no answer without the metadata thread");
         assert_eq!(q.slow_in_flight(), 1);
         let job = rx.try_recv().expect("sent to the metadata thread");
@@ -690,34 +715,13 @@ mod tests {
     #[test]
     fn a_copy_not_in_the_page_cache_goes_to_the_metadata_thread() {
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();
-        let (meta, rx) = Meta::detached();
-        let (top, mut q) = overlay_queue_with(dir.path(), 1 << 20, false, meta);
-        let base = std::fs::File::open(dir.path().join("base.raw")).unwrap();
-        base.sync_all().unwrap();
-        // SAFETY: fadvise on a descriptor `base` owns; no memory passed.
-        let r = unsafe { libc::posix_fadvise(base.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-        assert_eq!(r, 0);
-        assert_eq!(
-            resident_pages(&base, 0, 65536),
-            0,
-            "the base's first cluster dropped from the page cache"
-        );
-        let len_before = std::fs::metadata(&top).unwrap().len();
-        let mem = Arc::new(
-            crate::virtio::GuestMem::from_ranges(&[(vm_memory::GuestAddress(0), 0x1000)]).unwrap(),
-        );
         let bytes = vec![0x5au8; 4096];
-        // SAFETY: `bytes` outlives the buffers (held by the job below),
-        // and nothing writes it meanwhile.
-        let data = unsafe { GuestBuffers::private(&mem, Vec::new(), bytes.as_ptr(), 4096) };
-        assert_eq!(q.map(Op::Write, 12288, 4096), Mapping::Slow);
-        q.finished();
-        q.start_slow(1, Op::Write, 12288, 4096, false, Some(data));
-        let mut got = None;
-        q.reap_slow(&mut |_, slow| got = Some(slow));
+        let (_q, rx, got, len_before) =
+            write_without_meta_thread(dir.path(), &bytes, Busy::BaseUncached);
         assert!(got.is_none(), "not answered on the queue's thread");
         let job = rx.try_recv().expect("sent to the metadata thread");
         assert!(matches!(job.work, Work::Resolve { data: Some(_), .. }));
+        let top = dir.path().join("top.qcow2");
         assert_eq!(
             std::fs::metadata(&top).unwrap().len(),
             len_before,
