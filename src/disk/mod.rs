@@ -300,8 +300,10 @@ pub trait Image: Mapper {
 
     /// [`Image::resolve_write`] on the caller's thread, if it can be done
     /// now without waiting: for a cached image whose metadata no one else
-    /// is working on (qcow2: its metadata lock is free), so that a queue
-    /// can allocate without a round trip through the metadata thread. None
+    /// is working on (qcow2: its metadata lock is free) and whose
+    /// copy-on-write reads find their bytes in the page cache, so that a
+    /// queue can allocate without a round trip through the metadata
+    /// thread. None
     /// where it cannot (the default): the caller hands the write to the
     /// metadata thread.
     ///
